@@ -1,0 +1,35 @@
+# The README's two commands: `make test` and `make demo`. Both create .venv on a fresh clone.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# torch is pinned: 2.13.0 is the CPU build on this machine; an unpinned torch pulls a multi-GB CUDA build.
+TORCH   ?= torch==2.13.0
+
+.PHONY: test test-slow demo lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+
+demo: $(STAMP)
+	$(BIN)/python examples/digits_demo.py --out runs/demo
+
+bench: $(STAMP)
+	$(BIN)/moelab bench layer
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

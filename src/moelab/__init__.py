@@ -1,0 +1,20 @@
+"""moelab: sparse mixture-of-experts routing, every method of the source papers, correct and fast."""
+
+from .experts import ExpertBank, ModuleExperts
+from .layer import MoE, aux_loss
+from .methods import methods
+from .routing import Routing, RoutingContext, attach
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExpertBank",
+    "MoE",
+    "ModuleExperts",
+    "Routing",
+    "RoutingContext",
+    "__version__",
+    "attach",
+    "aux_loss",
+    "methods",
+]

@@ -1,0 +1,295 @@
+"""Expert banks: stacked-weight MLP experts with fast dispatch, and a bank of arbitrary modules.
+
+Dispatch (both banks) follows torchtitan / transformers: the ``T·K`` token slots are sorted by
+expert once, the per-expert counts give contiguous slices, each expert runs once on its slice,
+and the outputs return to slot order through the inverse permutation, where they are weighted and
+summed over K.  There is no Python loop over tokens, and the stacked weights are never indexed per
+expert inside an autograd loop: the ``"loop"`` implementation unbinds them once per forward (one
+autograd node), the ``"grouped"`` implementation calls ``torch.nn.functional.grouped_mm`` with
+offsets and does no host synchronisation at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _validate
+from .functional import ACTIVATIONS, activation as get_activation
+
+__all__ = ["MLP", "ExpertBank", "ModuleExperts", "grouped_mm_available", "sort_slots"]
+
+IMPLS = ("auto", "loop", "grouped")
+
+
+def _grouped_mm_fn():
+    fn = getattr(F, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+_GROUPED_MM = _grouped_mm_fn()
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` runs for this device and dtype with this torch.
+
+    CPU kernels exist from torch 2.9 (float32; bfloat16 needs 16-byte aligned strides); CUDA
+    needs compute capability 8.0 or newer.  float64 is not supported anywhere.
+    """
+    if _GROUPED_MM is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":
+        version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+        return version >= (2, 9) and dtype == torch.float32
+    return False
+
+
+def sort_slots(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sort the ``T·K`` token slots by expert, once.
+
+    Args:
+        indices: ``(T, K)`` chosen experts.
+
+    Returns:
+        ``(order, counts, tokens, inverse)``: ``order (S,)`` slot ids sorted by expert (stable),
+        ``counts (N,)`` slots per expert, ``tokens (S,)`` the token of each sorted slot, and
+        ``inverse (S,)`` with ``sorted[inverse] == slots`` in their original order.
+    """
+    flat = indices.reshape(-1)  # (S,) S = T*K
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    tokens = order // indices.shape[-1]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, counts, tokens, inverse
+
+
+def combine(outputs: Tensor, weights: Tensor) -> Tensor:
+    """``Σ_k w_k · out_k``: ``(T, K, d)`` outputs and ``(T, K)`` weights to ``(T, d)``."""
+    return torch.bmm(weights.unsqueeze(1).to(outputs.dtype), outputs).squeeze(1)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm's backward on
+    CPU rejects the expanded gradients that ``.sum()`` produces)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+class MLP(nn.Module):
+    """A dense two-layer FFN ``W_out · act(W_in x + b_in) + b_out``.
+
+    The shared experts of ``sharede-v2`` / ``sharede-v3`` (S shared experts of width h are one
+    MLP of width S·h: their outputs add with weight 1) and the dense-limit baseline of the
+    benchmarks.  Initialisation as :class:`ExpertBank`.
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, activation: str = "relu", bias: bool = False) -> None:
+        super().__init__()
+        _validate.positive_int("d_model", d_model)
+        _validate.positive_int("d_hidden", d_hidden)
+        self.act = get_activation(activation)
+        width = 2 * d_hidden if activation == "swiglu" else d_hidden
+        self.fc_in = nn.Linear(d_model, width, bias=bias)
+        self.fc_out = nn.Linear(d_hidden, d_model, bias=bias)
+        for fc in (self.fc_in, self.fc_out):
+            bound = 1.0 / math.sqrt(fc.in_features)
+            nn.init.uniform_(fc.weight, -bound, bound)
+            if bias:
+                nn.init.zeros_(fc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(self.act(self.fc_in(x)))
+
+
+class ExpertBank(nn.Module):
+    """N MLP experts stored as stacked weights.
+
+    Expert ``e`` computes ``W_out[e] · act(W_in[e] x + b_in[e]) + b_out[e]``.  Weights use the
+    ``nn.Linear`` layout per expert, the layout of transformers' Mixtral experts:
+    ``w_in (N, h_in, d)`` with ``h_in = 2h`` laid out ``[gate | up]`` for ``swiglu`` (else ``h``),
+    ``w_out (N, d, h)``.  Init: ``U(-1/√fan_in, 1/√fan_in)`` per matrix (PyTorch's ``nn.Linear``
+    bound), biases zero.
+
+    Args:
+        num_experts: N.
+        d_model: input and output width d.
+        d_hidden: hidden width h of each expert.
+        activation: ``relu``, ``gelu``, ``silu`` or ``swiglu``.
+        bias: whether the experts have biases.
+        impl: dispatch implementation, ``"auto"`` (grouped_mm where supported, else loop),
+            ``"loop"`` or ``"grouped"``.
+        chunk_elements: bound on the hidden activations (elements) that :meth:`forward_all`
+            materialises at once.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        d_hidden: int,
+        activation: str = "relu",
+        bias: bool = False,
+        impl: str = "auto",
+        chunk_elements: int = 1 << 24,
+    ) -> None:
+        super().__init__()
+        self.num_experts = _validate.positive_int("num_experts", num_experts)
+        self.d_model = _validate.positive_int("d_model", d_model)
+        self.d_hidden = _validate.positive_int("d_hidden", d_hidden)
+        _validate.one_of("activation", activation, sorted(ACTIVATIONS))
+        self.impl = _validate.one_of("impl", impl, IMPLS)
+        self.chunk_elements = _validate.positive_int("chunk_elements", chunk_elements)
+        self.activation = activation
+        self.act = get_activation(activation)
+        h_in = 2 * d_hidden if activation == "swiglu" else d_hidden
+        self.w_in = nn.Parameter(torch.empty(num_experts, h_in, d_model))
+        self.w_out = nn.Parameter(torch.empty(num_experts, d_model, d_hidden))
+        self.b_in = nn.Parameter(torch.zeros(num_experts, h_in)) if bias else None
+        self.b_out = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
+        self.reset_parameters()
+
+    @property
+    def out_features(self) -> int:
+        return self.d_model
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.w_in, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+        nn.init.uniform_(self.w_out, -1 / math.sqrt(self.d_hidden), 1 / math.sqrt(self.d_hidden))
+        for b in (self.b_in, self.b_out):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, d_model={self.d_model}, d_hidden={self.d_hidden}, "
+            f"activation={self.activation!r}, bias={self.b_in is not None}, impl={self.impl!r}"
+        )
+
+    # ------------------------------------------------------------------ per-expert calls
+    def expert_forward(self, x: Tensor, e: int) -> Tensor:
+        """Expert ``e`` applied to tokens ``x (T, d)`` → ``(T, d)``."""
+        b_in = None if self.b_in is None else self.b_in[e]
+        b_out = None if self.b_out is None else self.b_out[e]
+        return F.linear(self.act(F.linear(x, self.w_in[e], b_in)), self.w_out[e], b_out)
+
+    def forward_all(self, x: Tensor) -> Tensor:
+        """Every expert on every token: ``x (T, d)`` → ``(T, N, d)``.
+
+        Computed in token chunks so that at most ``chunk_elements`` hidden activations exist at
+        once (plus the ``(T, N, d)`` result).
+        """
+        h_in = self.w_in.shape[1]
+        chunk = max(1, self.chunk_elements // (self.num_experts * h_in))
+        outs = []
+        for xc in x.split(chunk):
+            h = torch.einsum("td,nhd->tnh", xc, self.w_in)  # (t, N, h_in)
+            if self.b_in is not None:
+                h = h + self.b_in
+            y = torch.einsum("tnh,ndh->tnd", self.act(h), self.w_out)  # (t, N, d)
+            if self.b_out is not None:
+                y = y + self.b_out
+            outs.append(y)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    # ------------------------------------------------------------------ dispatch
+    def resolved_impl(self, x: Tensor) -> str:
+        """The implementation ``forward`` uses for ``x``."""
+        if self.impl != "auto":
+            return self.impl
+        return "grouped" if grouped_mm_available(x.device, x.dtype) else "loop"
+
+    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        """``Σ_k w_k · expert_{i_k}(x)`` for every token.
+
+        Args:
+            x: ``(T, d)`` tokens.
+            indices: ``(T, K)`` int64 chosen experts.
+            weights: ``(T, K)`` their weights.
+
+        Returns:
+            ``(T, d)``.
+        """
+        T, K = indices.shape
+        order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
+        xs = x.index_select(0, tokens)  # (S, d), grouped by expert
+        impl = self.resolved_impl(x)
+        if impl == "grouped":
+            if not grouped_mm_available(x.device, x.dtype):
+                raise ValueError(
+                    f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype} with "
+                    f"torch {torch.__version__}; use impl='loop' or 'auto'"
+                )
+            ys = self._grouped(xs, counts, order, indices)
+        else:
+            ys = self._loop(xs, counts.tolist())  # the one host sync
+        slots = ys.index_select(0, inverse).view(T, K, -1)  # back to (token, slot) order
+        return combine(slots, weights)
+
+    def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
+        w_in, w_out = self.w_in.unbind(0), self.w_out.unbind(0)  # one autograd node each
+        b_in = self.b_in.unbind(0) if self.b_in is not None else [None] * self.num_experts
+        b_out = self.b_out.unbind(0) if self.b_out is not None else [None] * self.num_experts
+        outs = []
+        for e, xe in enumerate(xs.split(list(counts))):
+            if counts[e] == 0:
+                continue  # experts with no tokens are skipped
+            outs.append(F.linear(self.act(F.linear(xe, w_in[e], b_in[e])), w_out[e], b_out[e]))
+        return torch.cat(outs) if outs else xs.new_zeros(0, self.d_model)
+
+    def _grouped(self, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
+        offs = counts.cumsum(0).to(torch.int32)
+        h = _GROUPED_MM(xs, self.w_in.transpose(-2, -1), offs=offs)  # (S, h_in)
+        if self.b_in is not None or self.b_out is not None:
+            experts = indices.reshape(-1).index_select(0, order)  # expert of each sorted slot
+        if self.b_in is not None:
+            h = h + self.b_in.index_select(0, experts)
+        y = _GROUPED_MM(self.act(h), self.w_out.transpose(-2, -1), offs=offs)  # (S, d)
+        if self.b_out is not None:
+            y = y + self.b_out.index_select(0, experts)
+        return _ContiguousGrad.apply(y)
+
+
+class ModuleExperts(nn.Module):
+    """The :class:`ExpertBank` interface over a list of arbitrary modules (e.g. CNN experts).
+
+    Each module maps ``(T, *in_shape)`` to ``(T, d_out)``.  Dispatch sorts the slots once and runs
+    each module on its contiguous slice; a module with no tokens is skipped.
+    """
+
+    def __init__(self, experts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        experts = list(experts)
+        if len(experts) < 1 or not all(isinstance(m, nn.Module) for m in experts):
+            raise ValueError(f"experts={experts!r} is not allowed; expected a non-empty list of nn.Module")
+        self.experts = nn.ModuleList(experts)
+        self.num_experts = len(experts)
+
+    def expert_forward(self, x: Tensor, e: int) -> Tensor:
+        return self.experts[e](x)
+
+    def forward_all(self, x: Tensor) -> Tensor:
+        """``(T, ...)`` → ``(T, N, d_out)``."""
+        return torch.stack([m(x) for m in self.experts], dim=1)
+
+    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        T, K = indices.shape
+        order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
+        xs = x.index_select(0, tokens)
+        counts_list = counts.tolist()
+        outs = [m(xe) for m, xe, c in zip(self.experts, xs.split(counts_list), counts_list) if c > 0]
+        ys = torch.cat(outs)
+        slots = ys.index_select(0, inverse).view(T, K, *ys.shape[1:])
+        return combine(slots.flatten(2), weights).view(T, *ys.shape[1:])

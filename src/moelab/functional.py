@@ -1,0 +1,153 @@
+"""Pure tensor math shared by the routers, the losses and the statistics toolkit.
+
+One source of truth for each formula: a router, a loss and ``moelab.stats`` call the
+functions here, never a private copy.  Notation follows shared/REFERENCES.md: ``T``
+tokens, ``N`` experts, ``K`` experts per token, logits ``h`` of shape ``(T, N)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "activation",
+    "ACTIVATIONS",
+    "competition_affinity",
+    "cosine_logits",
+    "normalized_weights",
+    "topk_softmax",
+]
+
+
+def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-K softmax gating: ``w = softmax(TopK_-inf(h))``.
+
+    The Switch / GShard / Mixtral router (000 eq. 1-2; 001 eq. 1).  Mixtral computes the
+    softmax over all N experts and renormalises the chosen K: mathematically the same weights.
+
+    Args:
+        logits: ``(T, N)`` router logits ``h``.
+        k: experts per token.
+
+    Returns:
+        ``(weights, indices)``, both ``(T, K)``; weights sum to 1 over K, indices are int64
+        and sorted by decreasing logit.
+    """
+    top, indices = logits.topk(k, dim=-1)  # (T, K)
+    return top.softmax(dim=-1), indices
+
+
+def normalized_weights(scores: Tensor, eps: float = 0.0) -> Tensor:
+    """Normalise non-negative scores over the last dimension: ``s / Σ s``.
+
+    Used by the normalised-sigmoid gate of DeepSeek-V3 (004, "normalized sigmoid gating";
+    001 SharedE-V3 baseline) and by the competition weights ``TopK_0(s) / Σ TopK_0(s)``
+    (001 eq. 5).
+    """
+    return scores / (scores.sum(dim=-1, keepdim=True) + eps)
+
+
+def cosine_logits(
+    x: Tensor,
+    embeddings: Tensor,
+    tau_x: float | Tensor = 0.0,
+    tau_e: float | Tensor = 0.0,
+    eps: float = 1e-6,
+) -> Tensor:
+    """(Perturbed) cosine similarity between tokens and expert embeddings.
+
+    ``ℓ_i(x) = xᵀ e_i / ((‖x‖ + τ₂)(‖e_i‖ + τ₁))`` — 003 eq. (7) (the perturbed cosine
+    router); with ``τ₁ = τ₂ = 0`` it is the vanilla cosine router of X-MoE (003 eq. (2)).
+    The same function serves the ``xmoe`` / ``pcosine`` routers and the regression models of
+    ``moelab.stats``.  ``eps`` only guards the unperturbed case against a zero norm; it is
+    added as ``max(‖·‖, eps)`` so that a non-zero vector's cosine is exact.
+
+    Args:
+        x: ``(..., T, d)`` tokens (already projected, for X-MoE).
+        embeddings: ``(..., N, d)`` expert embeddings ``e_i``.
+        tau_x: ``τ₂``, added to the token norms.
+        tau_e: ``τ₁``, added to the expert-embedding norms.
+
+    Returns:
+        ``(..., T, N)`` similarities.
+    """
+    x_norm = x.norm(dim=-1, keepdim=True).clamp_min(eps) + tau_x  # (..., T, 1)
+    e_norm = embeddings.norm(dim=-1).clamp_min(eps) + tau_e  # (..., N)
+    dots = x @ embeddings.transpose(-2, -1)  # (..., T, N)
+    return dots / (x_norm * e_norm.unsqueeze(-2))
+
+
+def _swiglu(h: Tensor) -> Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "swiglu": _swiglu,
+}
+
+
+def activation(name: str):
+    """The expert activation ``name`` (``relu``, ``gelu``, ``silu``, ``swiglu``).
+
+    ``swiglu`` takes a ``(..., 2h)`` input laid out ``[gate | up]`` and returns
+    ``silu(gate) * up`` — the layout of transformers' Mixtral experts.
+    """
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation={name!r} is not supported; allowed: {sorted(ACTIVATIONS)}") from None
+
+
+COMPETITION_ACTIVATIONS = ("softplus", "silu", "sigmoid", "relu", "softmax", "exp")
+
+
+def competition_affinity(outputs: Tensor, activation: str = "softplus", reduce: str = "mean") -> Tensor:
+    """Expert affinity scores of the competition mechanism.
+
+    * ``reduce="mean"``: ``s_i = mean_d κ(g_i(x))`` — 001 eq. (4) with κ = softplus by default and
+      the alternatives of 001 App. C.3 / eq. (10) (silu, sigmoid, relu, softmax, exp).  For
+      ``softmax`` the softmax runs across the N experts for each feature (a softmax over the
+      features would average to the constant 1/d).
+    * ``reduce="norm"``: ``s_i = ‖g_i(x)‖₂`` — 000 eq. (3) (CompeteSMoE v1).
+
+    ``κ = exp`` overflows in float32 once an output exceeds ~88 (001 App. C.3 reports NaNs).
+    Here it is computed in log space and shifted per token by the largest log-affinity, so the
+    returned scores are ``mean(exp(g_i)) / max_j mean(exp(g_j))``: finite, with the same ranking
+    and the same normalised weights ``s / Σ s`` as the exact values.
+
+    Args:
+        outputs: ``(..., N, d)`` expert outputs ``g_i(x)``.
+
+    Returns:
+        ``(..., N)`` affinities.
+    """
+    if reduce == "norm":
+        return outputs.norm(dim=-1)
+    if reduce != "mean":
+        raise ValueError(f"reduce={reduce!r} is not supported; allowed: ['mean', 'norm']")
+    if activation == "softplus":
+        return F.softplus(outputs).mean(dim=-1)
+    if activation == "silu":
+        return F.silu(outputs).mean(dim=-1)
+    if activation == "sigmoid":
+        return torch.sigmoid(outputs).mean(dim=-1)
+    if activation == "relu":
+        return F.relu(outputs).mean(dim=-1)
+    if activation == "softmax":
+        # The mean over features of a softmax over the same features is the constant 1/d, so the
+        # softmax is taken across experts, per feature (our reading of 001 App. C.3).
+        return outputs.softmax(dim=-2).mean(dim=-1)
+    if activation == "exp":
+        log_mean = outputs.logsumexp(dim=-1) - math.log(outputs.shape[-1])  # (..., N)
+        return (log_mean - log_mean.amax(dim=-1, keepdim=True).detach()).exp()
+    raise ValueError(
+        f"activation={activation!r} is not a competition activation; allowed: {list(COMPETITION_ACTIVATIONS)}"
+    )

@@ -1,0 +1,175 @@
+"""``MoE``: router + experts (+ shared experts) → output, aux loss, last routing."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from . import _validate
+from .experts import MLP, ExpertBank, ModuleExperts, combine
+from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
+from .methods import get_method
+from .routers import ROUTERS, build_router, router_options
+from .routing import Routing, RoutingContext, moe_layers
+
+__all__ = ["MoE", "aux_loss"]
+
+_LAYER_OPTIONS = ("num_shared",)
+
+
+class MoE(nn.Module):
+    """A sparse mixture-of-experts layer: ``x (..., d) → (..., d)``.
+
+    Flow: flatten to ``(T, d)`` → ``router(x, experts, ctx)`` → :class:`moelab.Routing` →
+    ``experts(x, indices, weights)`` (+ shared experts, weight 1) → reshape.
+
+    Args:
+        d_model: token width d.
+        num_experts: routed experts N.
+        top_k: experts per token K, in ``[1, N]``.
+        d_hidden: hidden width of each expert (default ``d_model``, the 000 setting).
+        method: a name from :func:`moelab.methods` (the presets of :mod:`moelab.methods`).
+        activation: expert activation ``relu``, ``gelu``, ``silu`` or ``swiglu``.
+        bias: expert biases.
+        impl: expert dispatch, ``"auto"``, ``"loop"`` or ``"grouped"`` (:class:`ExpertBank`).
+        experts: a custom expert bank (e.g. :class:`ModuleExperts` of CNN experts) used instead of
+            an :class:`ExpertBank`; it must have ``num_experts`` == N.
+        check_finite: raise ``RuntimeError`` when router logits are NaN/inf (one host sync per
+            forward; switch off for ``torch.compile`` or speed).
+        **options: the method's options (router options, ``<loss>_coef`` with loss in
+            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses, and
+            ``num_shared``), overriding the preset.
+
+    After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
+    ``last_routing`` (detached :class:`moelab.Routing`).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        d_hidden: int | None = None,
+        method: str = "smoe",
+        activation: str = "relu",
+        *,
+        bias: bool = False,
+        impl: str = "auto",
+        experts: nn.Module | None = None,
+        check_finite: bool = True,
+        **options,
+    ) -> None:
+        super().__init__()
+        self.d_model = _validate.positive_int("d_model", d_model)
+        self.num_experts = _validate.positive_int("num_experts", num_experts)
+        self.top_k = _validate.int_in_range("top_k", top_k, 1, num_experts)
+        d_hidden = d_model if d_hidden is None else _validate.positive_int("d_hidden", d_hidden)
+        preset = get_method(method)
+        self.method = method
+        self.check_finite = bool(check_finite)
+
+        router_cls = ROUTERS[preset.router]
+        allowed_router = router_options(router_cls)
+        loss_names = LOSS_NAMES + tuple(getattr(router_cls, "loss_names", ()))
+        allowed = sorted([*allowed_router, *(f"{n}_coef" for n in loss_names), *_LAYER_OPTIONS])
+        r_opts = dict(preset.options)
+        coefs = dict(preset.coefs)
+        num_shared = preset.num_shared
+        for key, value in options.items():
+            if key in allowed_router:
+                r_opts[key] = value
+            elif key.endswith("_coef") and key[: -len("_coef")] in loss_names:
+                coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
+            elif key == "num_shared":
+                num_shared = value
+            else:
+                raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
+        self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
+        self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
+
+        self.router = build_router(preset.router, d_model, num_experts, top_k, **r_opts)
+        if experts is None:
+            experts = ExpertBank(num_experts, d_model, d_hidden, activation=activation, bias=bias, impl=impl)
+        elif getattr(experts, "num_experts", None) != num_experts:
+            raise ValueError(
+                f"experts.num_experts={getattr(experts, 'num_experts', None)!r} does not match num_experts={num_experts}"
+            )
+        self.experts = experts
+        self.shared = (
+            MLP(d_model, self.num_shared * d_hidden, activation=activation, bias=bias) if self.num_shared else None
+        )
+        self.ctx: RoutingContext | None = None
+        self.aux_loss: Tensor = torch.zeros(())
+        self.last_routing: Routing | None = None
+
+    @property
+    def layer_index(self) -> int:
+        return self.router.layer_index
+
+    @layer_index.setter
+    def layer_index(self, value: int) -> None:
+        self.router.layer_index = value
+
+    def extra_repr(self) -> str:
+        return (
+            f"method={self.method!r}, d_model={self.d_model}, num_experts={self.num_experts}, "
+            f"top_k={self.top_k}, num_shared={self.num_shared}, coefs={self.coefs}"
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"input of shape {tuple(x.shape)} is not allowed; expected the last dimension to be "
+                f"d_model={self.d_model}"
+            )
+        shape = x.shape
+        flat = x.reshape(-1, self.d_model)  # (T, d)
+        routing = self.router(flat, self.experts, self.ctx)
+        if self.check_finite and routing.logits is not None and not torch.isfinite(routing.logits).all():
+            raise RuntimeError(
+                f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
+                "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
+            )
+        if routing.outputs is not None:  # the router already ran the chosen experts
+            y = combine(routing.outputs, routing.weights)
+        else:
+            y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        self.aux_loss = self._aux_loss(routing, flat)
+        self.last_routing = routing.detach()
+        return y.reshape(shape)
+
+    def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
+        total = x.new_zeros(())
+        for name, coef in self.coefs.items():
+            loss = routing.losses.get(name)
+            if loss is None:
+                loss = self._standard_loss(name, routing)
+            if loss is not None:
+                total = total + coef * loss
+        return total
+
+    def _standard_loss(self, name: str, routing: Routing) -> Tensor | None:
+        if name == "balance" and routing.probs is not None:
+            return switch_balance_loss(routing.probs, routing.indices, self.num_experts)
+        if name == "z" and routing.logits is not None:
+            return z_loss(routing.logits)
+        if name == "importance" and routing.probs is not None:
+            return importance_loss(routing.probs)
+        if name == "entropy" and routing.probs is not None:
+            return mean_entropy_loss(routing.probs)
+        return None
+
+
+def aux_loss(model: nn.Module) -> Tensor:
+    """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last forward)."""
+    layers = moe_layers(model)
+    if not layers:
+        return torch.zeros(())
+    total = layers[0].aux_loss
+    for layer in layers[1:]:
+        total = total + layer.aux_loss
+    return total
+
+

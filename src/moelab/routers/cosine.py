@@ -1,0 +1,67 @@
+"""Cosine routers: ``xmoe`` (X-MoE) and ``pcosine`` (the perturbed cosine router of 003)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import _validate
+from ..functional import cosine_logits, topk_softmax
+from ..routing import Routing, RoutingContext
+from . import register
+from .base import Router
+
+
+@register("cosine")
+class CosineRouter(Router):
+    """``logits_i = (P x)ᵀ e_i / ((‖P x‖ + τ)(‖e_i‖ + τ)) / t``, then top-K softmax.
+
+    X-MoE (Chi et al. 2022; the ``xmoe`` baseline of 000 and 001) with ``perturbation=0``; the
+    perturbed cosine router of 003 eq. (7) (``pcosine``, 001 baseline) with ``perturbation=τ > 0``
+    (τ₁ = τ₂ = τ, as 003 App. E.1 does).  With ``τ = 0`` the two are the same function
+    (:func:`moelab.functional.cosine_logits`).
+
+    Options:
+        proj_dim: ``d_e``, the dimension of the routing space; default ``max(2, N // 2)`` (003
+            App. E.2 and LibMoE: half the number of experts).
+        temperature: ``t``; 0.3 fixed (LibMoE).  X-MoE makes it learnable (``learn_temperature``).
+        learn_temperature: train ``t`` (kept ≥ 0.01).
+        perturbation: τ added to both norms; 0 for ``xmoe``, 0.1 for ``pcosine`` (LibMoE's value;
+            003 does not state the LM value, other code uses 1e-4 … 1e-3).
+        init_gain: gain of the orthogonal init of the expert embeddings ``e_i`` (0.32, LibMoE).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        proj_dim: int | None = None,
+        temperature: float = 0.3,
+        learn_temperature: bool = False,
+        perturbation: float = 0.0,
+        init_gain: float = 0.32,
+    ) -> None:
+        super().__init__(d_model, num_experts, top_k)
+        proj_dim = max(2, num_experts // 2) if proj_dim is None else _validate.positive_int("proj_dim", proj_dim)
+        _validate.positive("temperature", temperature)
+        self.perturbation = _validate.non_negative("perturbation", perturbation)
+        _validate.positive("init_gain", init_gain)
+        self.proj = nn.Linear(d_model, proj_dim, bias=False)
+        self.embeddings = nn.Parameter(torch.empty(num_experts, proj_dim))
+        nn.init.orthogonal_(self.embeddings, gain=init_gain)
+        t = torch.tensor(float(temperature))
+        if learn_temperature:
+            self.temperature = nn.Parameter(t)
+        else:
+            self.register_buffer("temperature", t)
+
+    def logits(self, x: Tensor) -> Tensor:
+        tau = self.perturbation
+        cos = cosine_logits(self.proj(x), self.embeddings, tau_x=tau, tau_e=tau)
+        return cos / self.temperature.clamp_min(0.01)
+
+    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+        logits = self.logits(x)
+        weights, indices = topk_softmax(logits, self.top_k)
+        return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)

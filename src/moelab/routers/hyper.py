@@ -1,0 +1,58 @@
+"""``hyperrouter``: a frozen random hypernetwork generates the router from a trained embedding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _validate
+from ..functional import topk_softmax
+from ..routing import Routing, RoutingContext
+from . import register
+from .base import Router
+
+
+@register("hyper")
+class HyperRouter(Router):
+    """HyperRouter (Do et al. 2023; cited by 000 §2): ``[W_r | b_r] = H(e)`` with
+    ``H = Linear(d_e, h) → ReLU → Linear(h, N(d+1))`` frozen at its random init; only the
+    embedding ``e ∈ R^{d_e}`` is trained.  Logits ``W_r x + b_r``, top-K softmax.
+
+    Options:
+        hyper_dim: ``h`` (64, the enwik8 setting).
+        embed_dim: ``d_e``; default ``d_model`` (shared/REFERENCES.md).
+        embed_std: std of the N(0, σ²) init of ``e`` (1.0).
+
+    ``H`` is kept as frozen parameters (``requires_grad=False``) so checkpoints carry it.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        hyper_dim: int = 64,
+        embed_dim: int | None = None,
+        embed_std: float = 1.0,
+    ) -> None:
+        super().__init__(d_model, num_experts, top_k)
+        _validate.positive_int("hyper_dim", hyper_dim)
+        embed_dim = d_model if embed_dim is None else _validate.positive_int("embed_dim", embed_dim)
+        _validate.positive("embed_std", embed_std)
+        self.embedding = nn.Parameter(torch.randn(embed_dim) * embed_std)
+        self.hypernet = nn.Sequential(
+            nn.Linear(embed_dim, hyper_dim), nn.ReLU(), nn.Linear(hyper_dim, num_experts * (d_model + 1))
+        )
+        self.hypernet.requires_grad_(False)
+
+    def router_weights(self) -> tuple[Tensor, Tensor]:
+        """The generated ``W_r (N, d)`` and ``b_r (N,)``."""
+        wb = self.hypernet(self.embedding).view(self.num_experts, self.d_model + 1)
+        return wb[:, :-1], wb[:, -1]
+
+    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+        w, b = self.router_weights()
+        logits = F.linear(x, w, b)
+        weights, indices = topk_softmax(logits, self.top_k)
+        return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)

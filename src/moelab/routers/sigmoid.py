@@ -1,0 +1,82 @@
+"""Sigmoid routers: ``sigma-moe`` (σ-MoE) and ``sharede-v3`` (DeepSeek-V3 normalised sigmoid)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _validate
+from ..functional import normalized_weights
+from ..routing import Routing, RoutingContext
+from . import register
+from .base import Router
+
+
+@register("sigmoid")
+class SigmoidRouter(Router):
+    """``s = sigmoid(W x)``; the K experts with the largest ``s + b`` are chosen.
+
+    * ``sigma-moe`` (Csordás et al. 2023; 001 baseline): weights are the chosen ``s``, NOT
+      renormalised; during training each (token, expert) score is dropped from the selection
+      with probability ``expert_dropout`` (0.05) before the top-K; regulariser: the entropy of the
+      batch-mean ``softmax(W x)`` (``entropy_coef``, :func:`moelab.losses.mean_entropy_loss`).
+    * ``sharede-v3`` (DeepSeek-V3; 001 SharedE-V3; 004 "normalized sigmoid gating"): weights
+      ``s / Σ s`` over the chosen (:func:`moelab.functional.normalized_weights`); a per-expert bias
+      ``b`` is added for the selection only, and updated without any loss after every training
+      forward: ``b_i -= γ`` if expert i received more than the mean load, ``b_i += γ`` if less
+      (γ = ``bias_update_rate`` = 1e-3).  The loads are summed over ranks under torch.distributed
+      so ``b`` stays identical everywhere.  (Both public re-implementations forget to use ``b``:
+      here it is used.)  The update happens once per training forward — once per step without
+      gradient accumulation.
+
+    ``Routing.probs`` is ``softmax(W x)`` (the router's distribution, for the regulariser and the
+    metrics); the weights are sigmoid scores.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        normalize: bool = False,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        expert_dropout: float = 0.0,
+        init_std: float | None = None,
+    ) -> None:
+        super().__init__(d_model, num_experts, top_k)
+        std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
+        self.normalize = bool(normalize)
+        self.bias_update_rate = _validate.non_negative("bias_update_rate", bias_update_rate)
+        self.expert_dropout = _validate.probability("expert_dropout", expert_dropout)
+        if self.expert_dropout >= 1:
+            raise ValueError(f"expert_dropout={expert_dropout!r} is not allowed; expected a number in [0, 1)")
+        self.weight = nn.Parameter(torch.randn(num_experts, d_model) * std)
+        self.register_buffer("selection_bias", torch.zeros(num_experts) if selection_bias else None)
+
+    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+        logits = F.linear(x, self.weight)  # (T, N)
+        scores = torch.sigmoid(logits)
+        select = scores.detach()
+        if self.selection_bias is not None:
+            select = select + self.selection_bias
+        if self.training and self.expert_dropout > 0:
+            select = select.masked_fill(torch.rand_like(select) < self.expert_dropout, float("-inf"))
+        indices = select.topk(self.top_k, dim=-1).indices  # (T, K)
+        weights = scores.gather(1, indices)
+        if self.normalize:
+            weights = normalized_weights(weights)
+        if self.training and self.selection_bias is not None and self.bias_update_rate > 0:
+            self._update_bias(indices)
+        return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
+
+    @torch.no_grad()
+    def _update_bias(self, indices: Tensor) -> None:
+        load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)
+        self.selection_bias += self.bias_update_rate * torch.sign(load.mean() - load)

@@ -1,0 +1,93 @@
+"""``stablemoe``: learn a balanced routing, distil it into a light router, then freeze it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _validate
+from ..functional import topk_softmax
+from ..routing import Routing, RoutingContext
+from . import register
+from .base import Router
+
+
+@register("stable")
+class StableRouter(Router):
+    """StableMoE (Dai et al. 2022; baseline of 000 §5).
+
+    * Stage 1 (steps ``< switch_step``): logits ``h_i = xᵀ c_i`` with expert centroids ``c``
+      (orthogonal init, gain 0.1), trained with the balance loss; at the same time a light router
+      is distilled from it: ``L_distill = CE(light(x), argmax_i h_i)``, computed on ``x.detach()``
+      so that it trains the light router only.
+    * Stage 2: routing by the light router, frozen (no gradient reaches it, the weights are
+      constants), so every token keeps its experts for the rest of training.
+
+    Differences from the paper, on purpose: the paper's light router reads the token's word
+    embedding (dim 50); a layer sees only hidden states, so here it is a 50-dim projection of the
+    layer input.  The paper's top-1 output ``σ(s)·E(h)`` becomes, for top-K, the standard
+    ``softmax(TopK(h))`` weighted sum (shared/REFERENCES.md).
+
+    Options:
+        distill_dim: width of the light router (50).
+        switch_fraction: stage 2 starts at this fraction of ``ctx.total_steps`` (0.1: 6k of 60k).
+        switch_step: an explicit switch step (overrides ``switch_fraction``).
+        init_gain: orthogonal-init gain of the centroids (0.1).
+
+    Without a context (or without ``total_steps`` and ``switch_step``) the router stays in stage 1.
+    """
+
+    loss_names = ("distill",)
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        distill_dim: int = 50,
+        switch_fraction: float = 0.1,
+        switch_step: int | None = None,
+        init_gain: float = 0.1,
+    ) -> None:
+        super().__init__(d_model, num_experts, top_k)
+        _validate.positive_int("distill_dim", distill_dim)
+        self.switch_fraction = _validate.probability("switch_fraction", switch_fraction)
+        if switch_step is not None and (isinstance(switch_step, bool) or not isinstance(switch_step, int) or switch_step < 0):
+            raise ValueError(f"switch_step={switch_step!r} is not allowed; expected an integer >= 0 or None")
+        self.switch_step = switch_step
+        self.centroids = nn.Parameter(torch.empty(num_experts, d_model))
+        nn.init.orthogonal_(self.centroids, gain=_validate.positive("init_gain", init_gain))
+        self.light_proj = nn.Linear(d_model, distill_dim, bias=False)
+        self.light_centroids = nn.Parameter(torch.randn(num_experts, distill_dim) / distill_dim**0.5)
+
+    def stage(self, ctx: RoutingContext | None) -> int:
+        """1 (learn and distil) or 2 (frozen light router) at the context's step."""
+        if ctx is None:
+            return 1
+        switch = self.switch_step
+        if switch is None:
+            if ctx.total_steps is None:
+                return 1
+            switch = round(self.switch_fraction * ctx.total_steps)
+        return 2 if ctx.step >= switch else 1
+
+    def light_logits(self, x: Tensor) -> Tensor:
+        return F.linear(self.light_proj(x), self.light_centroids)
+
+    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+        if self.stage(ctx) == 2:
+            with torch.no_grad():
+                logits = self.light_logits(x)
+            weights, indices = topk_softmax(logits, self.top_k)
+            return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
+        logits = F.linear(x, self.centroids)  # (T, N)
+        weights, indices = topk_softmax(logits, self.top_k)
+        distill = F.cross_entropy(self.light_logits(x.detach()), logits.detach().argmax(dim=-1))
+        return Routing(
+            indices=indices,
+            weights=weights,
+            probs=logits.softmax(dim=-1),
+            logits=logits,
+            losses={"distill": distill},
+        )

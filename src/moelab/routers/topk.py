@@ -1,0 +1,64 @@
+"""Linear top-K softmax routers: ``smoe``, ``smoe-fixed``, ``smoe-dropout``, ``sharede-v2``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _validate
+from ..functional import topk_softmax
+from ..routing import Routing, RoutingContext
+from . import register
+from .base import Router
+
+
+@register("topk")
+class TopKRouter(Router):
+    """``h = W x``, ``w = softmax(TopK_-inf(h))`` — the SMoE router (000 eq. 1-2; 001 eq. 1).
+
+    Options:
+        init_std: std of the N(0, σ²) init of ``W (N, d)``; default ``d^-1/2`` (the LM code of
+            000); the VLM setting of 001 uses 0.02.
+        frozen: keep ``W`` at its random init for the whole run (SMoE-Fixed, 000 §5 baselines,
+            after SMoE-Dropout, Chen et al. 2023).
+        k_max: if set, K grows linearly from ``top_k`` at step 0 to ``k_max`` at
+            ``ctx.total_steps`` ("self-slimmable" SMoE-Dropout; the reference grows 8 → 16 with
+            16 experts); ``"all"`` means ``num_experts``.  Without a context, or without
+            ``total_steps``, K stays ``top_k``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        init_std: float | None = None,
+        frozen: bool = False,
+        k_max: int | str | None = None,
+    ) -> None:
+        super().__init__(d_model, num_experts, top_k)
+        std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
+        if k_max == "all":
+            k_max = num_experts
+        if k_max is not None:
+            _validate.int_in_range("k_max", k_max, top_k, num_experts)
+        self.k_max = k_max
+        self.frozen = bool(frozen)
+        self.weight = nn.Parameter(torch.randn(num_experts, d_model) * std, requires_grad=not frozen)
+
+    def current_k(self, ctx: RoutingContext | None) -> int:
+        """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``."""
+        if self.k_max is None or ctx is None or ctx.progress is None:
+            return self.top_k
+        return self.top_k + round((self.k_max - self.top_k) * ctx.progress)
+
+    def logits(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+        logits = self.logits(x)  # (T, N)
+        weights, indices = topk_softmax(logits, self.current_k(ctx))
+        return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
