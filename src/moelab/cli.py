@@ -1,0 +1,64 @@
+"""The ``moelab`` command.
+
+Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
+``run(args) -> int``; this file only wires them.  Errors a user can act on (``UsageError``,
+``ValueError``, ``FileNotFoundError``) print one line to stderr and exit 2, without a traceback
+(``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+
+#: subcommand → (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    # "name": ("moelab.module", "one-line help"),  -- one line per subcommand
+}
+
+
+class UsageError(Exception):
+    """A problem with the user's input: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: one line, exit 2
+        self.exit(2, f"moelab: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moelab", description="Sparse mixture-of-experts routing lab.")
+    parser.add_argument("--version", action="version", version=f"moelab {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as exc:
+        if args.debug:
+            raise
+        print(f"moelab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"moelab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
