@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate
-from .functional import ACTIVATIONS, activation as get_activation
+from .functional import ACTIVATIONS
+from .functional import activation as get_activation
 
 __all__ = ["MLP", "ExpertBank", "ModuleExperts", "grouped_mm_available", "sort_slots"]
 
@@ -286,7 +287,7 @@ class ModuleExperts(nn.Module):
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         T, K = indices.shape
-        order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
+        _, counts, tokens, inverse = sort_slots(indices, self.num_experts)
         xs = x.index_select(0, tokens)
         counts_list = counts.tolist()
         outs = [m(xe) for m, xe, c in zip(self.experts, xs.split(counts_list), counts_list) if c > 0]

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "activation",
     "ACTIVATIONS",
+    "activation",
     "competition_affinity",
     "cosine_logits",
     "normalized_weights",

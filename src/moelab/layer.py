@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate
-from .experts import MLP, ExpertBank, ModuleExperts, combine
+from .experts import MLP, ExpertBank, combine
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
 from .methods import get_method
 from .routers import ROUTERS, build_router, router_options
@@ -96,7 +96,9 @@ class MoE(nn.Module):
             )
         self.experts = experts
         self.shared = (
-            MLP(d_model, self.num_shared * d_hidden, activation=activation, bias=bias) if self.num_shared else None
+            MLP(d_model, self.num_shared * d_hidden, activation=activation, bias=bias)
+            if self.num_shared
+            else None
         )
         self.ctx: RoutingContext | None = None
         self.aux_loss: Tensor = torch.zeros(())
@@ -171,5 +173,3 @@ def aux_loss(model: nn.Module) -> Tensor:
     for layer in layers[1:]:
         total = total + layer.aux_loss
     return total
-
-

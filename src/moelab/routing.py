@@ -131,4 +131,3 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
         layer.ctx = ctx
         layer.layer_index = i
     return layers
-

@@ -73,7 +73,9 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"--out {self.path} exists and is not a directory")
         if (self.path / "config.yaml").exists() and not (resume or force):
-            raise FileExistsError(f"--out {self.path} already holds a run; pass --resume to continue it or --force")
+            raise FileExistsError(
+                f"--out {self.path} already holds a run; pass --resume to continue it or --force"
+            )
         self.path.mkdir(parents=True, exist_ok=True)
 
     def file(self, name: str) -> Path:
@@ -86,7 +88,9 @@ class RunDir:
         return yaml.safe_load(self.file("config.yaml").read_text())
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> None:
-        atomic_write_text(self.file("metrics.json"), json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n")
+        atomic_write_text(
+            self.file("metrics.json"), json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n"
+        )
 
     def read_metrics(self) -> dict[str, Any]:
         return json.loads(self.file("metrics.json").read_text())

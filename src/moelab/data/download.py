@@ -86,13 +86,14 @@ def fetch(
 def _download(url: str, dest: Path, timeout: float, progress: bool) -> None:
     from tqdm.auto import tqdm
 
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (http(s) URLs we list)
+    with urllib.request.urlopen(url, timeout=timeout) as response:
         total = int(response.headers.get("Content-Length") or 0) or None
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
         try:
-            with os.fdopen(fd, "wb") as f, tqdm(
-                total=total, unit="B", unit_scale=True, desc=dest.name, disable=not progress
-            ) as bar:
+            with (
+                os.fdopen(fd, "wb") as f,
+                tqdm(total=total, unit="B", unit_scale=True, desc=dest.name, disable=not progress) as bar,
+            ):
                 while block := response.read(1 << 20):
                     f.write(block)
                     bar.update(len(block))

@@ -43,7 +43,9 @@ class CosineRouter(Router):
         init_gain: float = 0.32,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
-        proj_dim = max(2, num_experts // 2) if proj_dim is None else _validate.positive_int("proj_dim", proj_dim)
+        proj_dim = (
+            max(2, num_experts // 2) if proj_dim is None else _validate.positive_int("proj_dim", proj_dim)
+        )
         _validate.positive("temperature", temperature)
         self.perturbation = _validate.non_negative("perturbation", perturbation)
         _validate.positive("init_gain", init_gain)
@@ -61,7 +63,9 @@ class CosineRouter(Router):
         cos = cosine_logits(self.proj(x), self.embeddings, tau_x=tau, tau_e=tau)
         return cos / self.temperature.clamp_min(0.01)
 
-    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+    def forward(
+        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+    ) -> Routing:
         logits = self.logits(x)
         weights, indices = topk_softmax(logits, self.top_k)
         return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)

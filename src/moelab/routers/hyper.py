@@ -51,7 +51,9 @@ class HyperRouter(Router):
         wb = self.hypernet(self.embedding).view(self.num_experts, self.d_model + 1)
         return wb[:, :-1], wb[:, -1]
 
-    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+    def forward(
+        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+    ) -> Routing:
         w, b = self.router_weights()
         logits = F.linear(x, w, b)
         weights, indices = topk_softmax(logits, self.top_k)

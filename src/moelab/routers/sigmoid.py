@@ -58,7 +58,9 @@ class SigmoidRouter(Router):
         self.weight = nn.Parameter(torch.randn(num_experts, d_model) * std)
         self.register_buffer("selection_bias", torch.zeros(num_experts) if selection_bias else None)
 
-    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+    def forward(
+        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+    ) -> Routing:
         logits = F.linear(x, self.weight)  # (T, N)
         scores = torch.sigmoid(logits)
         select = scores.detach()

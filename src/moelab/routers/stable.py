@@ -53,7 +53,9 @@ class StableRouter(Router):
         super().__init__(d_model, num_experts, top_k)
         _validate.positive_int("distill_dim", distill_dim)
         self.switch_fraction = _validate.probability("switch_fraction", switch_fraction)
-        if switch_step is not None and (isinstance(switch_step, bool) or not isinstance(switch_step, int) or switch_step < 0):
+        if switch_step is not None and (
+            isinstance(switch_step, bool) or not isinstance(switch_step, int) or switch_step < 0
+        ):
             raise ValueError(f"switch_step={switch_step!r} is not allowed; expected an integer >= 0 or None")
         self.switch_step = switch_step
         self.centroids = nn.Parameter(torch.empty(num_experts, d_model))
@@ -75,7 +77,9 @@ class StableRouter(Router):
     def light_logits(self, x: Tensor) -> Tensor:
         return F.linear(self.light_proj(x), self.light_centroids)
 
-    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+    def forward(
+        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+    ) -> Routing:
         if self.stage(ctx) == 2:
             with torch.no_grad():
                 logits = self.light_logits(x)

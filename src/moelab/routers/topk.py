@@ -58,7 +58,9 @@ class TopKRouter(Router):
     def logits(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)
 
-    def forward(self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None) -> Routing:
+    def forward(
+        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+    ) -> Routing:
         logits = self.logits(x)  # (T, N)
         weights, indices = topk_softmax(logits, self.current_k(ctx))
         return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
