@@ -206,11 +206,23 @@ class ExpertBank(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # ------------------------------------------------------------------ dispatch
+    def grouped_supported(self, x: Tensor) -> bool:
+        """Whether ``grouped_mm`` can run this bank on ``x``: device, dtype, and 16-byte aligned
+        row strides (``d_model`` and ``d_hidden`` times the element size multiples of 16)."""
+        size = x.element_size()
+        return (
+            grouped_mm_available(x.device, x.dtype)
+            and (self.d_model * size) % 16 == 0
+            and (self.d_hidden * size) % 16 == 0
+            and self.w_in.data_ptr() % 16 == 0
+            and self.w_out.data_ptr() % 16 == 0
+        )
+
     def resolved_impl(self, x: Tensor) -> str:
         """The implementation ``forward`` uses for ``x``."""
         if self.impl != "auto":
             return self.impl
-        return "grouped" if grouped_mm_available(x.device, x.dtype) else "loop"
+        return "grouped" if self.grouped_supported(x) else "loop"
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)`` for every token.
@@ -228,10 +240,11 @@ class ExpertBank(nn.Module):
         xs = x.index_select(0, tokens)  # (S, d), grouped by expert
         impl = self.resolved_impl(x)
         if impl == "grouped":
-            if not grouped_mm_available(x.device, x.dtype):
+            if not self.grouped_supported(x):
                 raise ValueError(
-                    f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype} with "
-                    f"torch {torch.__version__}; use impl='loop' or 'auto'"
+                    f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype}, "
+                    f"d_model={self.d_model}, d_hidden={self.d_hidden} with torch {torch.__version__} "
+                    "(grouped_mm needs float32/bf16 and 16-byte aligned rows); use impl='loop' or 'auto'"
                 )
             ys = self._grouped(xs, counts, order, indices)
         else:
