@@ -206,11 +206,18 @@ class ExpertBank(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # ------------------------------------------------------------------ dispatch
+    def grouped_aligned(self, dtype: torch.dtype) -> bool:
+        """Whether ``d_model`` and ``d_hidden`` give ``grouped_mm`` the 16-byte aligned row strides
+        it requires (multiples of 4 in float32, of 8 in bfloat16 / float16)."""
+        per = 16 // torch.empty((), dtype=dtype).element_size()
+        return self.d_model % per == 0 and self.d_hidden % per == 0
+
     def resolved_impl(self, x: Tensor) -> str:
         """The implementation ``forward`` uses for ``x``."""
         if self.impl != "auto":
             return self.impl
-        return "grouped" if grouped_mm_available(x.device, x.dtype) else "loop"
+        ok = grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
+        return "grouped" if ok else "loop"
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)`` for every token.
@@ -232,6 +239,12 @@ class ExpertBank(nn.Module):
                 raise ValueError(
                     f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype} with "
                     f"torch {torch.__version__}; use impl='loop' or 'auto'"
+                )
+            if not self.grouped_aligned(x.dtype):
+                raise ValueError(
+                    f"impl='grouped' needs d_model and d_hidden to be multiples of "
+                    f"{16 // x.element_size()} for dtype={x.dtype} (16-byte aligned strides); got "
+                    f"d_model={self.d_model}, d_hidden={self.d_hidden}; use impl='loop' or 'auto'"
                 )
             ys = self._grouped(xs, counts, order, indices)
         else:
