@@ -267,3 +267,12 @@ def test_module_experts_rejects_an_empty_list():
         ValueError, match=r"experts=\[\] is not allowed; expected a non-empty list of nn.Module"
     ):
         ModuleExperts([])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dispatch_of_zero_tokens_is_empty(impl):
+    bank = ExpertBank(4, 8, 8, activation="swiglu", impl=impl)
+    out = bank(torch.randn(0, 8), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 8)
+    modules = _module_experts(3, 6, 2)
+    assert modules(torch.randn(0, 6), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1)).shape == (0, 2)

@@ -139,3 +139,13 @@ def test_get_method_rejects_unknown_name_listing_methods():
 def test_register_method_rejects_a_duplicate_name():
     with pytest.raises(ValueError, match=r"method 'smoe' is already registered"):
         register_method(Method("smoe", "topk", "dup", "none"))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_accepts_an_empty_batch(method):
+    layer = make(method).train()
+    x = torch.randn(2, 0, D, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (2, 0, D)
+    assert layer.aux_loss.item() == 0.0  # not NaN: no tokens, nothing to balance
+    (y.sum() + moelab.aux_loss(layer)).backward()

@@ -18,7 +18,9 @@ def test_rundir_creates_the_folder(tmp_path):
 
 def test_rundir_refuses_an_existing_run_without_resume_or_force(tmp_path):
     RunDir(tmp_path).write_config({"lr": 1e-3})
-    with pytest.raises(FileExistsError, match=r"already holds a run; pass --resume to continue it or --force"):
+    with pytest.raises(
+        FileExistsError, match=r"already holds a run; pass --resume to continue it or --force"
+    ):
         RunDir(tmp_path)
     assert RunDir(tmp_path, resume=True).read_config() == {"lr": 1e-3}
     RunDir(tmp_path, force=True)

@@ -249,7 +249,7 @@ class ExpertBank(nn.Module):
             ys = self._grouped(xs, counts, order, indices)
         else:
             ys = self._loop(xs, counts.tolist())  # the one host sync
-        slots = ys.index_select(0, inverse).view(T, K, -1)  # back to (token, slot) order
+        slots = ys.index_select(0, inverse).view(T, K, self.d_model)  # back to (token, slot) order
         return combine(slots, weights)
 
     def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
@@ -304,6 +304,7 @@ class ModuleExperts(nn.Module):
         xs = x.index_select(0, tokens)
         counts_list = counts.tolist()
         outs = [m(xe) for m, xe, c in zip(self.experts, xs.split(counts_list), counts_list) if c > 0]
+        outs = outs or [self.experts[0](xs)]  # no tokens at all: an empty output of the right shape
         ys = torch.cat(outs)
         slots = ys.index_select(0, inverse).view(T, K, *ys.shape[1:])
         return combine(slots.flatten(2), weights).view(T, *ys.shape[1:])

@@ -144,6 +144,8 @@ class MoE(nn.Module):
 
     def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
         total = x.new_zeros(())
+        if x.shape[0] == 0:  # no tokens: the means of the losses are undefined (NaN); nothing to balance
+            return total
         for name, coef in self.coefs.items():
             loss = routing.losses.get(name)
             if loss is None:
