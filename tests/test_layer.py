@@ -275,3 +275,19 @@ def test_smoe_swiglu_equals_transformers_mixtral_sparse_block():
     assert torch.equal(ours.last_routing.indices.sort(-1).values, hf_indices.sort(-1).values)
     # transformers computes the router softmax in float32, hence the float32-level tolerance
     torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "method", ["smoe", "xmoe", "pcosine", "sigma-moe", "sharede-v2", "sharede-v3", "hyperrouter"]
+)
+def test_layer_passes_gradcheck_in_float64(method):
+    layer = moelab.MoE(4, 3, 2, d_hidden=3, method=method, activation="silu", impl="loop").double().eval()
+    names = [n for n, p in layer.named_parameters() if p.requires_grad]
+    params = [p.detach().clone().requires_grad_() for n, p in layer.named_parameters() if p.requires_grad]
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x, *ps):
+        y = torch.func.functional_call(layer, dict(zip(names, ps)), (x,))
+        return y, layer.aux_loss
+
+    assert torch.autograd.gradcheck(f, (x, *params))
