@@ -431,3 +431,16 @@ def test_router_rejects_bad_sizes(router):
         build_router(router, 0, 4, 1)
     with pytest.raises(ValueError, match=r"num_experts=0 is not allowed; expected a positive integer"):
         build_router(router, 8, 0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sharede_v3_selection_bias_keeps_accumulating_in_a_low_precision_model(dtype):
+    layer = moelab.MoE(8, 4, 1, method="sharede-v3").to(dtype).train()
+    assert layer.router.weight.dtype == dtype
+    assert layer.router.selection_bias.dtype == torch.float32
+    with torch.no_grad():
+        layer.router.selection_bias.copy_(torch.tensor([3.0, 1.0, 1.0, 1.0]))  # expert 0 takes every token
+    x = torch.randn(16, 8, dtype=dtype)
+    for _ in range(5):
+        layer(x)
+    torch.testing.assert_close(layer.router.selection_bias, torch.tensor([2.995, 1.005, 1.005, 1.005]))
