@@ -84,3 +84,26 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatc
         atomic_write_bytes(path, b"new")
     assert path.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
+
+
+def test_force_starts_a_fresh_run_without_the_old_log_and_metrics(tmp_path):
+    old = RunDir(tmp_path)
+    old.write_config({"lr": 1.0})
+    old.write_metrics({"loss": 9.0})
+    old.append_log({"step": 1, "loss": 9.0})
+    old.append_log({"step": 1, "loss": 9.0}, name="eval.csv")
+    (tmp_path / "notes.txt").write_text("mine")
+    new = RunDir(tmp_path, force=True)
+    assert new.read_log() == [] and new.read_log("eval.csv") == []
+    assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "config.yaml").exists()
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # only the run's own files go
+    new.append_log({"step": 1, "loss": 2.0})
+    assert new.read_log() == [{"step": "1", "loss": "2.0"}]
+
+
+def test_resume_keeps_the_old_run_even_with_force(tmp_path):
+    old = RunDir(tmp_path)
+    old.write_config({"lr": 1.0})
+    old.append_log({"step": 1})
+    resumed = RunDir(tmp_path, resume=True, force=True)
+    assert resumed.read_config() == {"lr": 1.0} and len(resumed.read_log()) == 1

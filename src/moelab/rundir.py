@@ -76,6 +76,10 @@ class RunDir:
             raise FileExistsError(
                 f"--out {self.path} already holds a run; pass --resume to continue it or --force"
             )
+        if force and not resume and (self.path / "config.yaml").exists():
+            # start afresh: the old run's config, metrics and CSV logs would otherwise mix with the new
+            for old in [self.path / "config.yaml", self.path / "metrics.json", *self.path.glob("*.csv")]:
+                old.unlink(missing_ok=True)
         self.path.mkdir(parents=True, exist_ok=True)
 
     def file(self, name: str) -> Path:
