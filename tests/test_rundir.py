@@ -107,3 +107,10 @@ def test_resume_keeps_the_old_run_even_with_force(tmp_path):
     old.append_log({"step": 1})
     resumed = RunDir(tmp_path, resume=True, force=True)
     assert resumed.read_config() == {"lr": 1.0} and len(resumed.read_log()) == 1
+
+
+def test_append_log_keeps_the_first_rows_columns_in_their_order(tmp_path):
+    run = RunDir(tmp_path)
+    run.append_log({"step": 1, "loss": 2.5})
+    RunDir(tmp_path, resume=True).append_log({"loss": 2.0, "lr": 0.1, "step": 2})  # reordered, extra key
+    assert (tmp_path / "log.csv").read_text().splitlines() == ["step,loss", "1,2.5", "2,2.0"]

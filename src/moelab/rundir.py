@@ -103,8 +103,12 @@ class RunDir:
         """Append one row to a CSV log (header written on first use; the columns of the first row)."""
         path = self.file(name)
         new = not path.exists() or path.stat().st_size == 0
+        fields = list(row)
+        if not new:  # the header already written fixes the columns and their order
+            with path.open(newline="") as f:
+                fields = next(csv.reader(f), fields)
         with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(row), extrasaction="ignore")
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             if new:
                 writer.writeheader()
             writer.writerow(_plain(dict(row)))
