@@ -58,7 +58,13 @@ def _fake_command(monkeypatch, exc):
 
 @pytest.mark.parametrize(
     "exc",
-    [ValueError("top_k=9 is not allowed"), cli.UsageError("bad --out"), FileNotFoundError("no such file: x")],
+    [
+        ValueError("top_k=9 is not allowed"),
+        cli.UsageError("bad --out"),
+        FileNotFoundError("no such file: x"),
+        FileExistsError("--out runs/x already holds a run"),
+        NotADirectoryError("--out f exists and is not a directory"),
+    ],
 )
 def test_user_errors_print_one_line_and_exit_2(monkeypatch, capsys, exc):
     _fake_command(monkeypatch, exc)
@@ -80,3 +86,15 @@ def test_subcommand_bad_argument_exits_2(monkeypatch, capsys):
         cli.main(["fake", "--n", "x"])
     assert info.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_interrupt_exits_130(monkeypatch, capsys):
+    _fake_command(monkeypatch, KeyboardInterrupt())
+    assert cli.main(["fake"]) == 130
+    assert capsys.readouterr().err == "moelab fake: interrupted\n"
+
+
+def test_other_errors_keep_their_traceback(monkeypatch):
+    _fake_command(monkeypatch, RuntimeError("a bug"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["fake"])
