@@ -444,3 +444,9 @@ def test_sharede_v3_selection_bias_keeps_accumulating_in_a_low_precision_model(d
     for _ in range(5):
         layer(x)
     torch.testing.assert_close(layer.router.selection_bias, torch.tensor([2.995, 1.005, 1.005, 1.005]))
+
+
+def test_smoe_dropout_k_at_each_step_of_a_short_run():
+    router = moelab.MoE(6, 8, 2, method="smoe-dropout").router
+    ks = [router.current_k(RoutingContext(step=s, total_steps=6)) for s in range(8)]
+    assert ks == [2, 3, 4, 5, 6, 7, 8, 8]  # K = 2 + 6 · step / 6, then stays at N
