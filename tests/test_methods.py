@@ -149,3 +149,21 @@ def test_method_accepts_an_empty_batch(method):
     assert y.shape == (2, 0, D)
     assert layer.aux_loss.item() == 0.0  # not NaN: no tokens, nothing to balance
     (y.sum() + moelab.aux_loss(layer)).backward()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_layer_can_be_copied_saved_and_reloaded_after_a_forward(method, tmp_path):
+    import copy
+
+    layer = make(method).train()
+    x = torch.randn(5, D)
+    layer(x)  # leaves aux_loss with an autograd graph
+    layer.eval()
+    expected = layer(x)
+    twin = copy.deepcopy(layer)
+    torch.testing.assert_close(twin(x), expected, rtol=0, atol=0)
+    torch.save(layer.state_dict(), tmp_path / "w.pt")
+    torch.manual_seed(123)
+    fresh = make(method).eval()
+    fresh.load_state_dict(torch.load(tmp_path / "w.pt"))
+    torch.testing.assert_close(fresh(x), expected, rtol=0, atol=0)
