@@ -206,23 +206,18 @@ class ExpertBank(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # ------------------------------------------------------------------ dispatch
-    def grouped_supported(self, x: Tensor) -> bool:
-        """Whether ``grouped_mm`` can run this bank on ``x``: device, dtype, and 16-byte aligned
-        row strides (``d_model`` and ``d_hidden`` times the element size multiples of 16)."""
-        size = x.element_size()
-        return (
-            grouped_mm_available(x.device, x.dtype)
-            and (self.d_model * size) % 16 == 0
-            and (self.d_hidden * size) % 16 == 0
-            and self.w_in.data_ptr() % 16 == 0
-            and self.w_out.data_ptr() % 16 == 0
-        )
+    def grouped_aligned(self, dtype: torch.dtype) -> bool:
+        """Whether ``d_model`` and ``d_hidden`` give ``grouped_mm`` the 16-byte aligned row strides
+        it requires (multiples of 4 in float32, of 8 in bfloat16 / float16)."""
+        per = 16 // torch.empty((), dtype=dtype).element_size()
+        return self.d_model % per == 0 and self.d_hidden % per == 0
 
     def resolved_impl(self, x: Tensor) -> str:
         """The implementation ``forward`` uses for ``x``."""
         if self.impl != "auto":
             return self.impl
-        return "grouped" if self.grouped_supported(x) else "loop"
+        ok = grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
+        return "grouped" if ok else "loop"
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)`` for every token.
@@ -240,16 +235,21 @@ class ExpertBank(nn.Module):
         xs = x.index_select(0, tokens)  # (S, d), grouped by expert
         impl = self.resolved_impl(x)
         if impl == "grouped":
-            if not self.grouped_supported(x):
+            if not grouped_mm_available(x.device, x.dtype):
                 raise ValueError(
-                    f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype}, "
-                    f"d_model={self.d_model}, d_hidden={self.d_hidden} with torch {torch.__version__} "
-                    "(grouped_mm needs float32/bf16 and 16-byte aligned rows); use impl='loop' or 'auto'"
+                    f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype} with "
+                    f"torch {torch.__version__}; use impl='loop' or 'auto'"
+                )
+            if not self.grouped_aligned(x.dtype):
+                raise ValueError(
+                    f"impl='grouped' needs d_model and d_hidden to be multiples of "
+                    f"{16 // x.element_size()} for dtype={x.dtype} (16-byte aligned strides); got "
+                    f"d_model={self.d_model}, d_hidden={self.d_hidden}; use impl='loop' or 'auto'"
                 )
             ys = self._grouped(xs, counts, order, indices)
         else:
             ys = self._loop(xs, counts.tolist())  # the one host sync
-        slots = ys.index_select(0, inverse).view(T, K, -1)  # back to (token, slot) order
+        slots = ys.index_select(0, inverse).view(T, K, self.d_model)  # back to (token, slot) order
         return combine(slots, weights)
 
     def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
@@ -304,6 +304,7 @@ class ModuleExperts(nn.Module):
         xs = x.index_select(0, tokens)
         counts_list = counts.tolist()
         outs = [m(xe) for m, xe, c in zip(self.experts, xs.split(counts_list), counts_list) if c > 0]
+        outs = outs or [self.experts[0](xs)]  # no tokens at all: an empty output of the right shape
         ys = torch.cat(outs)
         slots = ys.index_select(0, inverse).view(T, K, *ys.shape[1:])
         return combine(slots.flatten(2), weights).view(T, *ys.shape[1:])

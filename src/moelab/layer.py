@@ -112,6 +112,13 @@ class MoE(nn.Module):
     def layer_index(self, value: int) -> None:
         self.router.layer_index = value
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles keep the last ``aux_loss`` as a value, without its autograd graph
+        (``copy.deepcopy`` refuses a non-leaf tensor, so a used layer could not be copied)."""
+        state = super().__getstate__()
+        state["aux_loss"] = self.aux_loss.detach()
+        return state
+
     def extra_repr(self) -> str:
         return (
             f"method={self.method!r}, d_model={self.d_model}, num_experts={self.num_experts}, "
@@ -144,6 +151,8 @@ class MoE(nn.Module):
 
     def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
         total = x.new_zeros(())
+        if x.shape[0] == 0:  # no tokens: the means of the losses are undefined (NaN); nothing to balance
+            return total
         for name, coef in self.coefs.items():
             loss = routing.losses.get(name)
             if loss is None:

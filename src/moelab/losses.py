@@ -40,7 +40,8 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
 def z_loss(logits: Tensor) -> Tensor:
     """Router z-loss ``mean_x (logsumexp_i h_i(x))²`` (ST-MoE, Zoph et al. 2022, eq. 5; 001 Table 20
     uses 0.001)."""
-    return logits.float().logsumexp(dim=-1).square().mean().to(logits.dtype)
+    compute = torch.promote_types(logits.dtype, torch.float32)  # fp16/bf16 → fp32; float64 stays
+    return logits.to(compute).logsumexp(dim=-1).square().mean().to(logits.dtype)
 
 
 def importance_loss(probs: Tensor) -> Tensor:

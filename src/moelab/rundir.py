@@ -76,6 +76,10 @@ class RunDir:
             raise FileExistsError(
                 f"--out {self.path} already holds a run; pass --resume to continue it or --force"
             )
+        if force and not resume and (self.path / "config.yaml").exists():
+            # start afresh: the old run's config, metrics and CSV logs would otherwise mix with the new
+            for old in [self.path / "config.yaml", self.path / "metrics.json", *self.path.glob("*.csv")]:
+                old.unlink(missing_ok=True)
         self.path.mkdir(parents=True, exist_ok=True)
 
     def file(self, name: str) -> Path:
@@ -99,8 +103,12 @@ class RunDir:
         """Append one row to a CSV log (header written on first use; the columns of the first row)."""
         path = self.file(name)
         new = not path.exists() or path.stat().st_size == 0
+        fields = list(row)
+        if not new:  # the header already written fixes the columns and their order
+            with path.open(newline="") as f:
+                fields = next(csv.reader(f), fields)
         with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(row), extrasaction="ignore")
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             if new:
                 writer.writeheader()
             writer.writerow(_plain(dict(row)))

@@ -76,6 +76,15 @@ class SigmoidRouter(Router):
             self._update_bias(indices)
         return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
 
+    def _apply(self, fn, *args, **kwargs):
+        """Keep ``selection_bias`` in at least float32 when the model is cast to bf16 / fp16: steps of
+        γ = 1e-3 vanish in bfloat16 once ``|b| ≥ 0.5`` (DeepSeek-V3 keeps this bias in float32)."""
+        super()._apply(fn, *args, **kwargs)
+        b = self.selection_bias
+        if b is not None and b.dtype in (torch.float16, torch.bfloat16):
+            self.selection_bias = b.float()
+        return self
+
     @torch.no_grad()
     def _update_bias(self, indices: Tensor) -> None:
         load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()

@@ -1,0 +1,100 @@
+"""The moelab command's core behaviour: help, version, unknown commands, one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+import moelab
+from moelab import cli
+
+
+def test_help_exits_zero_and_describes_the_tool(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: moelab" in out and "mixture-of-experts" in out
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"moelab {moelab.__version__}"
+
+
+def test_unknown_command_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["no-such-command"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moelab: error:") and "no-such-command" in err
+    assert "Traceback" not in err
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert cli.main([]) == 2
+    assert "usage: moelab" in capsys.readouterr().out
+
+
+def _fake_command(monkeypatch, exc):
+    import sys
+    import types
+
+    mod = types.ModuleType("moelab_fake_cmd")
+
+    def add_arguments(parser):
+        parser.add_argument("--n", type=int, default=1)
+
+    def run(args):
+        if exc is not None:
+            raise exc
+        return 0
+
+    mod.add_arguments, mod.run = add_arguments, run
+    monkeypatch.setitem(sys.modules, "moelab_fake_cmd", mod)
+    monkeypatch.setitem(cli.SUBCOMMANDS, "fake", ("moelab_fake_cmd", "a fake command"))
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("top_k=9 is not allowed"),
+        cli.UsageError("bad --out"),
+        FileNotFoundError("no such file: x"),
+        FileExistsError("--out runs/x already holds a run"),
+        NotADirectoryError("--out f exists and is not a directory"),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_2(monkeypatch, capsys, exc):
+    _fake_command(monkeypatch, exc)
+    assert cli.main(["fake"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moelab fake: error: {exc}\n"
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    _fake_command(monkeypatch, ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        cli.main(["--debug", "fake"])
+
+
+def test_subcommand_bad_argument_exits_2(monkeypatch, capsys):
+    _fake_command(monkeypatch, None)
+    assert cli.main(["fake", "--n", "3"]) == 0
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fake", "--n", "x"])
+    assert info.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_interrupt_exits_130(monkeypatch, capsys):
+    _fake_command(monkeypatch, KeyboardInterrupt())
+    assert cli.main(["fake"]) == 130
+    assert capsys.readouterr().err == "moelab fake: interrupted\n"
+
+
+def test_other_errors_keep_their_traceback(monkeypatch):
+    _fake_command(monkeypatch, RuntimeError("a bug"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["fake"])

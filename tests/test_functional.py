@@ -1,0 +1,115 @@
+"""moelab.functional against literal computations of the formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moelab.functional import (
+    activation,
+    competition_affinity,
+    cosine_logits,
+    normalized_weights,
+    topk_softmax,
+)
+
+
+def test_topk_softmax_is_softmax_over_the_k_largest_logits():
+    logits = torch.randn(6, 5, dtype=torch.float64)
+    weights, indices = topk_softmax(logits, 3)
+    assert indices.dtype == torch.int64
+    for t in range(6):
+        order = sorted(range(5), key=lambda i: -logits[t, i].item())[:3]
+        assert indices[t].tolist() == order
+        exp = [math.exp(logits[t, i].item()) for i in order]
+        expected = [e / sum(exp) for e in exp]
+        torch.testing.assert_close(weights[t], torch.tensor(expected, dtype=torch.float64))
+
+
+def test_topk_softmax_equals_mixtral_renormalised_full_softmax():
+    logits = torch.randn(10, 8, dtype=torch.float64)
+    weights, indices = topk_softmax(logits, 2)
+    probs = logits.softmax(-1).gather(1, indices)
+    torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True))
+
+
+def test_normalized_weights_divide_by_the_sum():
+    s = torch.rand(4, 3, dtype=torch.float64)
+    out = normalized_weights(s)
+    for t in range(4):
+        for k in range(3):
+            assert out[t, k].item() == pytest.approx(s[t, k].item() / sum(s[t].tolist()))
+
+
+def _literal_cosine(x, e, tau_x, tau_e):
+    out = torch.empty(x.shape[0], e.shape[0], dtype=x.dtype)
+    for t in range(x.shape[0]):
+        for i in range(e.shape[0]):
+            nx = math.sqrt(sum(v * v for v in x[t].tolist()))
+            ne = math.sqrt(sum(v * v for v in e[i].tolist()))
+            dot = sum(a * b for a, b in zip(x[t].tolist(), e[i].tolist()))
+            out[t, i] = dot / ((nx + tau_x) * (ne + tau_e))
+    return out
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.1, 1.0])
+def test_cosine_logits_match_the_perturbed_cosine_formula(tau):
+    x = torch.randn(5, 4, dtype=torch.float64)
+    e = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(cosine_logits(x, e, tau, tau), _literal_cosine(x, e, tau, tau))
+
+
+def test_cosine_logits_with_zero_perturbation_is_cosine_similarity():
+    x = torch.randn(5, 4, dtype=torch.float64)
+    e = torch.randn(3, 4, dtype=torch.float64)
+    expected = F.cosine_similarity(x[:, None, :], e[None, :, :], dim=-1)
+    torch.testing.assert_close(cosine_logits(x, e), expected)
+
+
+def test_activation_swiglu_is_silu_gate_times_up():
+    h = torch.randn(3, 8)
+    gate, up = h[:, :4], h[:, 4:]
+    torch.testing.assert_close(activation("swiglu")(h), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize(("name", "fn"), [("relu", F.relu), ("gelu", F.gelu), ("silu", F.silu)])
+def test_activation_returns_the_named_function(name, fn):
+    h = torch.randn(3, 8)
+    torch.testing.assert_close(activation(name)(h), fn(h))
+
+
+def test_activation_rejects_unknown_name_listing_allowed():
+    with pytest.raises(ValueError, match=r"activation='tanh'.*allowed.*'gelu'.*'relu'.*'silu'.*'swiglu'"):
+        activation("tanh")
+
+
+@pytest.mark.parametrize("act", ["softplus", "silu", "sigmoid", "relu"])
+def test_competition_affinity_is_mean_of_kappa(act):
+    out = torch.randn(4, 3, 6, dtype=torch.float64)
+    kappa = {"softplus": F.softplus, "silu": F.silu, "sigmoid": torch.sigmoid, "relu": F.relu}[act]
+    torch.testing.assert_close(competition_affinity(out, act), kappa(out).mean(-1))
+
+
+def test_competition_affinity_norm_is_l2_norm():
+    out = torch.randn(4, 3, 6, dtype=torch.float64)
+    torch.testing.assert_close(competition_affinity(out, reduce="norm"), out.norm(dim=-1))
+
+
+def test_competition_affinity_exp_is_stable_and_keeps_normalised_weights():
+    out = torch.randn(4, 3, 6, dtype=torch.float64)
+    exact = out.exp().mean(-1)
+    got = competition_affinity(out, "exp")
+    torch.testing.assert_close(normalized_weights(got), normalized_weights(exact))
+    big = torch.full((1, 2, 3), 1000.0)
+    assert torch.isfinite(competition_affinity(big, "exp")).all()
+
+
+def test_competition_affinity_rejects_unknown_activation_and_reduce():
+    out = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match=r"activation='tanh' is not a competition activation; allowed"):
+        competition_affinity(out, "tanh")
+    with pytest.raises(ValueError, match=r"reduce='max' is not supported; allowed: \['mean', 'norm'\]"):
+        competition_affinity(out, reduce="max")

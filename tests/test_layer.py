@@ -1,0 +1,293 @@
+"""The MoE layer: dispatch through the layer, aux losses, bad input, parity with Mixtral."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import moelab
+from moelab.experts import ModuleExperts, grouped_mm_available
+from moelab.losses import importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
+
+GROUPED = grouped_mm_available(torch.device("cpu"), torch.float32)
+IMPLS = ["loop", "auto"] + (["grouped"] if GROUPED else [])
+
+
+def literal_layer_output(layer, x):
+    """``Σ_k w_k · expert_forward(x, i_k) (+ shared(x))`` from the layer's last routing, per token."""
+    r = layer.last_routing
+    rows = []
+    for t in range(x.shape[0]):
+        y = sum(
+            r.weights[t, k] * layer.experts.expert_forward(x[t : t + 1], int(r.indices[t, k]))[0]
+            for k in range(r.indices.shape[1])
+        )
+        if layer.shared is not None:
+            y = y + layer.shared(x[t : t + 1])[0]
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("method", moelab.methods())
+def test_layer_output_is_weighted_sum_of_chosen_experts_plus_shared(impl, method):
+    layer = moelab.MoE(8, 5, 2, d_hidden=4, method=method, activation="swiglu", bias=True, impl=impl).eval()
+    with torch.no_grad():
+        layer.experts.b_in.normal_()
+        layer.experts.b_out.normal_()
+    x = torch.randn(11, 8)
+    y = layer(x)
+    torch.testing.assert_close(y, literal_layer_output(layer, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_layer_with_k_equal_n_and_single_token(t):
+    layer = moelab.MoE(6, 3, 3, method="sharede-v2", activation="gelu")
+    x = torch.randn(t, 6)
+    y = layer(x)
+    assert layer.last_routing.indices.shape == (t, 3)
+    torch.testing.assert_close(y, literal_layer_output(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_layer_keeps_the_input_shape_and_flattens_tokens():
+    layer = moelab.MoE(8, 4, 2)
+    x = torch.randn(2, 3, 5, 8)
+    y = layer(x)
+    assert y.shape == x.shape
+    assert layer.last_routing.indices.shape == (30, 2)
+    torch.testing.assert_close(
+        y.reshape(-1, 8), literal_layer_output(layer, x.reshape(-1, 8)), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_layer_d_hidden_defaults_to_d_model():
+    layer = moelab.MoE(12, 4, 2)
+    assert layer.experts.d_hidden == 12
+
+
+def test_layer_with_module_experts_equals_weighted_sum():
+    experts = ModuleExperts([nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 6)) for _ in range(4)])
+    layer = moelab.MoE(6, 4, 2, method="xmoe", experts=experts)
+    x = torch.randn(2, 5, 6)
+    y = layer(x)
+    assert y.shape == x.shape
+    torch.testing.assert_close(
+        y.reshape(-1, 6), literal_layer_output(layer, x.reshape(-1, 6)), rtol=1e-5, atol=1e-6
+    )
+    y.sum().backward()
+    used = set(layer.last_routing.indices.unique().tolist())
+    for e, module in enumerate(layer.experts.experts):
+        assert all((p.grad is not None) == (e in used) for p in module.parameters())
+
+
+def test_layer_shared_experts_width_is_num_shared_times_d_hidden():
+    layer = moelab.MoE(8, 4, 2, d_hidden=6, method="sharede-v2", num_shared=2)
+    assert layer.shared.fc_out.in_features == 12
+    assert moelab.MoE(8, 4, 2, method="sharede-v2", num_shared=0).shared is None
+
+
+# ------------------------------------------------------------------------------------------ aux loss
+def test_aux_loss_is_the_weighted_sum_of_the_losses():
+    layer = moelab.MoE(
+        8, 4, 2, method="smoe", balance_coef=0.5, z_coef=0.1, importance_coef=0.2, entropy_coef=0.3
+    )
+    layer(torch.randn(10, 8))
+    r = layer.last_routing
+    expected = (
+        0.5 * switch_balance_loss(r.probs, r.indices, 4)
+        + 0.1 * z_loss(r.logits)
+        + 0.2 * importance_loss(r.probs)
+        + 0.3 * mean_entropy_loss(r.probs)
+    )
+    torch.testing.assert_close(layer.aux_loss.detach(), expected)
+
+
+def test_aux_loss_preset_coefficients_and_zero_switches_a_loss_off():
+    layer = moelab.MoE(8, 4, 2, method="smoe")
+    assert layer.coefs == {"balance": 0.01, "z": 0.001}
+    off = moelab.MoE(8, 4, 2, method="smoe", balance_coef=0, z_coef=0.0)
+    off(torch.randn(5, 8))
+    assert off.coefs == {} and off.aux_loss.item() == 0.0
+
+
+def test_aux_loss_carries_gradient_to_the_router():
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0)
+    layer(torch.randn(10, 8))
+    layer.aux_loss.backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+
+
+def test_moelab_aux_loss_sums_every_layer():
+    model = nn.Sequential(moelab.MoE(8, 4, 2), nn.ReLU(), moelab.MoE(8, 4, 1, method="xmoe"))
+    model(torch.randn(6, 8))
+    total = moelab.aux_loss(model)
+    torch.testing.assert_close(total, model[0].aux_loss + model[2].aux_loss)
+    assert total.item() > 0
+    assert moelab.aux_loss(nn.Linear(2, 2)).item() == 0.0
+
+
+# ------------------------------------------------------------------------------------------ attach
+def test_attach_numbers_layers_in_module_order():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = moelab.MoE(4, 2, 1)
+            self.blocks = nn.ModuleList(
+                [nn.Sequential(nn.Linear(4, 4), moelab.MoE(4, 2, 1)) for _ in range(2)]
+            )
+            self.z = moelab.MoE(4, 2, 1)
+
+    net = Net()
+    ctx = moelab.RoutingContext(total_steps=10)
+    layers = moelab.attach(net, ctx)
+    assert layers == [net.a, net.blocks[0][1], net.blocks[1][1], net.z]
+    assert [layer.layer_index for layer in layers] == [0, 1, 2, 3]
+    assert [layer.router.layer_index for layer in layers] == [0, 1, 2, 3]
+    assert all(layer.ctx is ctx for layer in layers)
+
+
+def test_attach_rejects_a_schedule_for_another_depth():
+    class Schedule:
+        num_layers = 3
+
+        def active(self, layer, step):
+            return False
+
+    model = nn.Sequential(moelab.MoE(4, 2, 1), moelab.MoE(4, 2, 1))
+    with pytest.raises(
+        ValueError, match=r"schedule.num_layers=3 does not match the model, which has 2 MoE layers"
+    ):
+        moelab.attach(model, moelab.RoutingContext(schedule=Schedule()))
+    Schedule.num_layers = 2
+    assert len(moelab.attach(model, moelab.RoutingContext(schedule=Schedule()))) == 2
+
+
+def test_attach_rejects_something_that_is_not_a_context():
+    with pytest.raises(
+        ValueError, match=r"ctx=\{'step': 0\} is not allowed; expected a moelab.RoutingContext"
+    ):
+        moelab.attach(moelab.MoE(4, 2, 1), {"step": 0})
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"top_k": 0}, r"top_k=0 is not allowed; expected an integer in \[1, 4\]"),
+        ({"top_k": 5}, r"top_k=5 is not allowed; expected an integer in \[1, 4\]"),
+        ({"top_k": 1.5}, r"top_k=1.5 is not allowed; expected an integer in \[1, 4\]"),
+        ({"d_model": 0}, r"d_model=0 is not allowed; expected a positive integer"),
+        ({"num_experts": -1, "top_k": 1}, r"num_experts=-1 is not allowed; expected a positive integer"),
+        ({"d_hidden": 0}, r"d_hidden=0 is not allowed; expected a positive integer"),
+        ({"method": "moe"}, r"method='moe' is not a moelab method; allowed: \['smoe', .*'hyperrouter'"),
+        (
+            {"activation": "tanh"},
+            r"activation='tanh' is not allowed; expected one of \['gelu', 'relu', 'silu', 'swiglu'\]",
+        ),
+        ({"impl": "cuda"}, r"impl='cuda' is not allowed; expected one of \['auto', 'loop', 'grouped'\]"),
+        ({"balance_coef": -0.1}, r"balance_coef=-0.1 is not allowed; expected a number >= 0"),
+        ({"z_coef": float("nan")}, r"z_coef=nan is not allowed; expected a number >= 0"),
+        ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
+        (
+            {"temperature": 0.3},
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'entropy_coef', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'z_coef'\]",
+        ),
+        ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
+        (
+            {"method": "stablemoe", "distill_coef": -1.0},
+            r"distill_coef=-1.0 is not allowed; expected a number >= 0",
+        ),
+        ({"method": "xmoe", "temperature": -1.0}, r"temperature=-1.0 is not allowed; expected a number > 0"),
+        (
+            {"experts": ModuleExperts([nn.Linear(8, 8)] * 3)},
+            r"experts.num_experts=3 does not match num_experts=4",
+        ),
+    ],
+)
+def test_layer_constructor_rejects_bad_arguments(kwargs, match):
+    args = {"d_model": 8, "num_experts": 4, "top_k": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        moelab.MoE(**args)
+
+
+def test_stablemoe_accepts_its_distill_coefficient():
+    assert moelab.MoE(8, 4, 2, method="stablemoe", distill_coef=0.5).coefs["distill"] == 0.5
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 3, 9), ()])
+def test_layer_forward_rejects_a_wrong_last_dimension(shape):
+    layer = moelab.MoE(8, 4, 2)
+    with pytest.raises(
+        ValueError, match=r"input of shape .* is not allowed; expected the last dimension to be d_model=8"
+    ):
+        layer(torch.randn(shape))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("method", moelab.methods())
+def test_non_finite_router_logits_raise_a_clear_error(method, bad):
+    layer = moelab.MoE(8, 4, 2, method=method)
+    layer.layer_index = 3
+    x = torch.randn(5, 8)
+    x[2, 1] = bad
+    with pytest.raises(
+        RuntimeError,
+        match=rf"MoE layer 3 \(method='{method}'\): router logits are not finite.*check_finite=False",
+    ):
+        layer(x)
+
+
+def test_check_finite_false_switches_the_check_off():
+    layer = moelab.MoE(8, 4, 2, check_finite=False)
+    x = torch.randn(5, 8)
+    x[0, 0] = float("nan")
+    y = layer(x)
+    assert torch.isnan(y[0]).all()
+    assert torch.isfinite(y[1:]).all()
+
+
+# ------------------------------------------------------------------------------------------ Mixtral parity
+def test_smoe_swiglu_equals_transformers_mixtral_sparse_block():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = transformers.MixtralConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+    )
+    hf = MixtralSparseMoeBlock(config).double().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    ours = moelab.MoE(16, 6, 2, d_hidden=24, method="smoe", activation="swiglu").double().eval()
+    with torch.no_grad():
+        ours.router.weight.copy_(hf.gate.weight)
+        ours.experts.w_in.copy_(hf.experts.gate_up_proj)
+        ours.experts.w_out.copy_(hf.experts.down_proj)
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    expected = hf(x)
+    y = ours(x)
+    _, _, hf_indices = hf.gate(x.reshape(-1, 16))
+    assert torch.equal(ours.last_routing.indices.sort(-1).values, hf_indices.sort(-1).values)
+    # transformers computes the router softmax in float32, hence the float32-level tolerance
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "method", ["smoe", "xmoe", "pcosine", "sigma-moe", "sharede-v2", "sharede-v3", "hyperrouter"]
+)
+def test_layer_passes_gradcheck_in_float64(method):
+    layer = moelab.MoE(4, 3, 2, d_hidden=3, method=method, activation="silu", impl="loop").double().eval()
+    names = [n for n, p in layer.named_parameters() if p.requires_grad]
+    params = [p.detach().clone().requires_grad_() for n, p in layer.named_parameters() if p.requires_grad]
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x, *ps):
+        y = torch.func.functional_call(layer, dict(zip(names, ps)), (x,))
+        return y, layer.aux_loss
+
+    assert torch.autograd.gradcheck(f, (x, *params))

@@ -1,0 +1,169 @@
+"""Every method of ``moelab.methods()``: shapes, gradients, routing invariants, determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelab
+from moelab.methods import Method, get_method, register_method
+
+METHODS = moelab.methods()
+#: methods whose weights are not renormalised over the chosen K
+UNNORMALISED = {"sigma-moe"}
+D, N, K = 8, 4, 2
+
+
+def make(method, **kw):
+    return moelab.MoE(D, N, K, d_hidden=12, method=method, **kw)
+
+
+def test_methods_lists_the_ten_baselines_in_order():
+    assert METHODS[:10] == [
+        "smoe",
+        "smoe-fixed",
+        "smoe-dropout",
+        "xmoe",
+        "pcosine",
+        "sigma-moe",
+        "sharede-v2",
+        "sharede-v3",
+        "stablemoe",
+        "hyperrouter",
+    ]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", [(2, 6, D), (12, D)])
+def test_method_forward_backward_keeps_shape_and_gives_finite_gradients(method, shape):
+    layer = make(method).train()
+    x = torch.randn(*shape, requires_grad=True)
+    y = layer(x)
+    assert y.shape == x.shape
+    assert torch.isfinite(y).all()
+    (y.square().mean() + moelab.aux_loss(layer)).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    trainable = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+    assert trainable
+    for name, p in trainable:
+        assert p.grad is not None, f"{method}: {name} received no gradient"
+        assert torch.isfinite(p.grad).all(), f"{method}: {name} has a non-finite gradient"
+    expert_grads = layer.experts.w_in.grad.flatten(1).abs().sum(-1)
+    used = layer.last_routing.indices.unique()
+    assert (expert_grads[used] > 0).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_method_routing_invariants(method, mode):
+    layer = make(method)
+    layer.train(mode == "train")
+    x = torch.randn(3, 10, D)
+    layer(x)
+    r = layer.last_routing
+    assert r.indices.dtype == torch.int64
+    assert r.indices.shape == (30, K) and r.weights.shape == (30, K)
+    assert ((r.indices >= 0) & (r.indices < N)).all()
+    s = r.indices.sort(-1).values
+    assert (s[:, 1:] != s[:, :-1]).all(), "experts of a token must be distinct"
+    assert (r.weights >= 0).all()
+    if method not in UNNORMALISED:
+        torch.testing.assert_close(r.weights.sum(-1), torch.ones(30))
+    if r.probs is not None:
+        assert r.probs.shape == (30, N)
+        torch.testing.assert_close(r.probs.sum(-1), torch.ones(30))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_eval_forward_is_deterministic(method):
+    layer = make(method).eval()
+    x = torch.randn(2, 7, D)
+    y1 = layer(x)
+    r1 = layer.last_routing
+    y2 = layer(x)
+    assert torch.equal(y1, y2)
+    assert torch.equal(r1.indices, layer.last_routing.indices)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_last_routing_is_detached_and_aux_loss_is_0dim(method):
+    layer = make(method).train()
+    layer(torch.randn(5, D, requires_grad=True))
+    r = layer.last_routing
+    for t in (r.indices, r.weights, r.probs, r.logits, *r.losses.values()):
+        if t is not None:
+            assert not t.requires_grad and t.grad_fn is None
+    assert r.outputs is None
+    assert layer.aux_loss.dim() == 0 and torch.isfinite(layer.aux_loss)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_runs_in_float64(method):
+    layer = make(method).double()
+    x = torch.randn(6, D, dtype=torch.float64)
+    y = layer(x)
+    assert y.dtype == torch.float64
+    assert layer.last_routing.weights.dtype == torch.float64
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_is_deterministic_under_a_seed(method):
+    x = torch.randn(4, D)
+    torch.manual_seed(7)
+    a = make(method)(x)
+    torch.manual_seed(7)
+    b = make(method)(x)
+    assert torch.equal(a, b)
+
+
+def test_method_presets_cite_a_paper_and_a_formula():
+    for name in METHODS:
+        m = get_method(name)
+        assert m.name == name and m.summary and m.paper
+
+
+def test_sharede_v2_is_smoe_plus_shared_experts():
+    layer = make("sharede-v2")
+    assert layer.num_shared == 1 and layer.shared is not None
+    assert layer.router.k_max is None and not layer.router.frozen
+    assert make("smoe").shared is None
+
+
+def test_get_method_rejects_unknown_name_listing_methods():
+    with pytest.raises(
+        ValueError, match=r"method='nope' is not a moelab method; allowed: \['smoe', 'smoe-fixed'"
+    ):
+        get_method("nope")
+
+
+def test_register_method_rejects_a_duplicate_name():
+    with pytest.raises(ValueError, match=r"method 'smoe' is already registered"):
+        register_method(Method("smoe", "topk", "dup", "none"))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_accepts_an_empty_batch(method):
+    layer = make(method).train()
+    x = torch.randn(2, 0, D, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (2, 0, D)
+    assert layer.aux_loss.item() == 0.0  # not NaN: no tokens, nothing to balance
+    (y.sum() + moelab.aux_loss(layer)).backward()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_method_layer_can_be_copied_saved_and_reloaded_after_a_forward(method, tmp_path):
+    import copy
+
+    layer = make(method).train()
+    x = torch.randn(5, D)
+    layer(x)  # leaves aux_loss with an autograd graph
+    layer.eval()
+    expected = layer(x)
+    twin = copy.deepcopy(layer)
+    torch.testing.assert_close(twin(x), expected, rtol=0, atol=0)
+    torch.save(layer.state_dict(), tmp_path / "w.pt")
+    torch.manual_seed(123)
+    fresh = make(method).eval()
+    fresh.load_state_dict(torch.load(tmp_path / "w.pt"))
+    torch.testing.assert_close(fresh(x), expected, rtol=0, atol=0)

@@ -1,0 +1,452 @@
+"""Each router against an independent, literal computation of its formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import moelab
+from moelab.routers import ROUTERS, build_router, router_options
+from moelab.routing import RoutingContext
+
+
+def literal_topk_softmax(logits, k):
+    """Per token: the K largest logits in decreasing order and the softmax over them."""
+    idx, w = [], []
+    for row in logits.tolist():
+        order = sorted(range(len(row)), key=lambda i: -row[i])[:k]
+        z = sum(math.exp(row[i]) for i in order)
+        idx.append(order)
+        w.append([math.exp(row[i]) / z for i in order])
+    return torch.tensor(idx), torch.tensor(w, dtype=logits.dtype)
+
+
+def literal_cosine(u, e, tau):
+    out = torch.empty(u.shape[0], e.shape[0], dtype=u.dtype)
+    for t in range(u.shape[0]):
+        for i in range(e.shape[0]):
+            dot = sum(a * b for a, b in zip(u[t].tolist(), e[i].tolist()))
+            nu = math.sqrt(sum(a * a for a in u[t].tolist()))
+            ne = math.sqrt(sum(a * a for a in e[i].tolist()))
+            out[t, i] = dot / ((nu + tau) * (ne + tau))
+    return out
+
+
+def check_routing(routing, logits, k):
+    idx, w = literal_topk_softmax(logits, k)
+    assert routing.indices.tolist() == idx.tolist()
+    torch.testing.assert_close(routing.weights, w)
+    torch.testing.assert_close(routing.probs, logits.softmax(-1))
+
+
+# ------------------------------------------------------------------------------------------ smoe
+def test_smoe_router_is_topk_softmax_of_linear_logits():
+    router = build_router("topk", 6, 5, 2).double()
+    x = torch.randn(7, 6, dtype=torch.float64)
+    logits = torch.tensor(
+        [[sum(a * b for a, b in zip(xt, wi)) for wi in router.weight.tolist()] for xt in x.tolist()],
+        dtype=torch.float64,
+    )
+    r = router(x)
+    torch.testing.assert_close(r.logits, logits)
+    check_routing(r, logits, 2)
+
+
+def test_smoe_router_init_std_defaults_to_inverse_sqrt_d():
+    router = build_router("topk", 400, 64, 2)
+    assert router.weight.std().item() == pytest.approx(400**-0.5, rel=0.05)
+    router = build_router("topk", 400, 64, 2, init_std=0.02)
+    assert router.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_smoe_fixed_router_weight_is_frozen_through_an_optimizer_step():
+    layer = moelab.MoE(8, 4, 2, method="smoe-fixed")
+    before = layer.router.weight.detach().clone()
+    assert not layer.router.weight.requires_grad
+    opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=0.1)
+    (layer(torch.randn(10, 8)).square().sum() + moelab.aux_loss(layer)).backward()
+    assert layer.router.weight.grad is None
+    assert layer.experts.w_in.grad is not None
+    opt.step()
+    assert torch.equal(layer.router.weight, before)
+
+
+def test_smoe_router_weight_trains():
+    layer = moelab.MoE(8, 4, 2, method="smoe")
+    layer(torch.randn(10, 8)).square().sum().backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(("top_k", "n", "total"), [(2, 8, 10), (1, 4, 7), (3, 3, 5)])
+def test_smoe_dropout_k_grows_linearly_from_top_k_to_n(top_k, n, total):
+    layer = moelab.MoE(6, n, top_k, method="smoe-dropout")
+    ctx = RoutingContext(step=0, total_steps=total)
+    moelab.attach(layer, ctx)
+    x = torch.randn(5, 6)
+    seen = []
+    for step in range(total + 3):
+        ctx.step = step
+        layer(x)
+        k = layer.last_routing.indices.shape[1]
+        expected = top_k + round((n - top_k) * min(step / total, 1.0))
+        assert k == expected
+        seen.append(k)
+        logits = layer.last_routing.logits
+        check_routing(layer.last_routing, logits, k)
+    assert seen[0] == top_k and seen[-1] == n
+    assert seen == sorted(seen)
+    assert not layer.router.weight.requires_grad  # the SMoE-Dropout router is frozen
+
+
+def test_smoe_dropout_without_context_keeps_top_k():
+    layer = moelab.MoE(6, 8, 2, method="smoe-dropout")
+    layer(torch.randn(5, 6))
+    assert layer.last_routing.indices.shape[1] == 2
+
+
+def test_smoe_dropout_k_max_option_caps_growth():
+    router = build_router("topk", 6, 8, 2, k_max=4)
+    assert router.current_k(RoutingContext(step=10, total_steps=10)) == 4
+    assert router.current_k(RoutingContext(step=5, total_steps=10)) == 3
+
+
+# ------------------------------------------------------------------------------------ xmoe / pcosine
+def test_xmoe_logits_are_cosine_of_projection_over_temperature():
+    router = build_router("cosine", 6, 8, 2, temperature=0.3).double()
+    assert router.proj.out_features == 4  # d_e = N / 2
+    x = torch.randn(5, 6, dtype=torch.float64)
+    u = x @ router.proj.weight.T
+    logits = literal_cosine(u, router.embeddings.detach(), 0.0) / 0.3
+    r = router(x)
+    torch.testing.assert_close(r.logits, logits)
+    check_routing(r, logits, 2)
+
+
+def test_xmoe_learnable_temperature_receives_a_gradient():
+    layer = moelab.MoE(6, 4, 2, method="xmoe", learn_temperature=True, temperature=0.5)
+    assert isinstance(layer.router.temperature, torch.nn.Parameter)
+    layer(torch.randn(5, 6)).square().sum().backward()
+    assert layer.router.temperature.grad is not None and layer.router.temperature.grad != 0
+    fixed = moelab.MoE(6, 4, 2, method="xmoe")
+    assert not isinstance(fixed.router.temperature, torch.nn.Parameter)
+
+
+def test_xmoe_embeddings_are_orthogonal_with_gain():
+    router = build_router("cosine", 16, 4, 2, proj_dim=8, init_gain=0.32)
+    gram = router.embeddings @ router.embeddings.T
+    torch.testing.assert_close(gram, 0.32**2 * torch.eye(4), atol=1e-6, rtol=0)
+
+
+def test_pcosine_with_zero_perturbation_equals_xmoe():
+    x = torch.randn(3, 5, 8)
+    xmoe = moelab.MoE(8, 6, 2, method="xmoe")
+    pcos = moelab.MoE(8, 6, 2, method="pcosine", perturbation=0.0)
+    pcos.load_state_dict(xmoe.state_dict())
+    torch.testing.assert_close(pcos(x), xmoe(x), rtol=0, atol=0)
+    assert torch.equal(pcos.last_routing.indices, xmoe.last_routing.indices)
+
+
+@pytest.mark.parametrize("tau", [0.1, 0.5])
+def test_pcosine_logits_follow_the_perturbed_cosine_formula(tau):
+    layer = moelab.MoE(6, 8, 2, method="pcosine", perturbation=tau).double()
+    router = layer.router
+    x = torch.randn(5, 6, dtype=torch.float64)
+    u = x @ router.proj.weight.T
+    logits = literal_cosine(u, router.embeddings.detach(), tau) / 0.3
+    r = router(x)
+    torch.testing.assert_close(r.logits, logits)
+    check_routing(r, logits, 2)
+
+
+def test_pcosine_preset_uses_positive_perturbation():
+    assert moelab.MoE(6, 4, 2, method="pcosine").router.perturbation == pytest.approx(0.1)
+    assert moelab.MoE(6, 4, 2, method="xmoe").router.perturbation == 0.0
+
+
+# ------------------------------------------------------------------------------------------ sigma-moe
+def test_sigma_moe_weights_are_sigmoid_scores_not_renormalised():
+    layer = moelab.MoE(6, 8, 3, method="sigma-moe").double().eval()
+    x = torch.randn(9, 6, dtype=torch.float64)
+    r = layer.router(x)
+    logits = x @ layer.router.weight.T
+    for t in range(9):
+        scores = [1 / (1 + math.exp(-v)) for v in logits[t].tolist()]
+        order = sorted(range(8), key=lambda i: -scores[i])[:3]
+        assert sorted(r.indices[t].tolist()) == sorted(order)
+        for k in range(3):
+            assert r.weights[t, k].item() == pytest.approx(scores[r.indices[t, k].item()], rel=1e-12)
+    assert not torch.allclose(r.weights.sum(-1), torch.ones(9, dtype=torch.float64))
+    torch.testing.assert_close(r.probs, logits.softmax(-1))
+
+
+def test_sigma_moe_expert_dropout_only_in_training():
+    layer = moelab.MoE(6, 8, 2, method="sigma-moe", expert_dropout=0.5)
+    x = torch.randn(64, 6)
+    layer.eval()
+    top = torch.sigmoid(x @ layer.router.weight.T).topk(2, dim=-1).indices
+    for _ in range(3):
+        assert torch.equal(layer.router(x).indices.sort(-1).values, top.sort(-1).values)
+    layer.train()
+    r = layer.router(x)
+    differs = (r.indices.sort(-1).values != top.sort(-1).values).any(-1)
+    assert differs.any()  # with p = 0.5 some token's top-2 is dropped
+    scores = torch.sigmoid(x @ layer.router.weight.T)
+    torch.testing.assert_close(r.weights, scores.gather(1, r.indices))  # still the sigmoid scores
+    assert (r.indices.sort(-1).values[:, 1:] != r.indices.sort(-1).values[:, :-1]).all()
+
+
+def test_sigma_moe_preset_defaults():
+    layer = moelab.MoE(6, 8, 2, method="sigma-moe")
+    assert layer.router.expert_dropout == pytest.approx(0.05)
+    assert layer.coefs == {"entropy": pytest.approx(1e-3)}
+    assert not layer.router.normalize and layer.router.selection_bias is None
+
+
+# ------------------------------------------------------------------------------------------ sharede-v3
+def test_sharede_v3_weights_are_normalised_sigmoid_of_chosen():
+    layer = moelab.MoE(6, 8, 2, method="sharede-v3").double().eval()
+    x = torch.randn(7, 6, dtype=torch.float64)
+    r = layer.router(x)
+    scores = torch.sigmoid(x @ layer.router.weight.T)
+    for t in range(7):
+        s = [scores[t, i].item() for i in r.indices[t].tolist()]
+        assert r.weights[t].tolist() == pytest.approx([v / sum(s) for v in s], rel=1e-12)
+    torch.testing.assert_close(r.weights.sum(-1), torch.ones(7, dtype=torch.float64))
+
+
+def test_sharede_v3_selection_bias_changes_selection_not_weights():
+    layer = moelab.MoE(6, 8, 2, method="sharede-v3").eval()
+    x = torch.randn(20, 6)
+    scores = torch.sigmoid(x @ layer.router.weight.T)
+    with torch.no_grad():
+        layer.router.selection_bias[5] = 10.0  # expert 5 always selected
+    r = layer.router(x)
+    assert (r.indices == 5).any(-1).all()
+    for t in range(20):
+        chosen = r.indices[t].tolist()
+        other = next(i for i in chosen if i != 5)
+        best_other = max((i for i in range(8) if i != 5), key=lambda i: scores[t, i].item())
+        assert other == best_other
+        s = [scores[t, i].item() for i in chosen]
+        assert r.weights[t].tolist() == pytest.approx([v / sum(s) for v in s], rel=1e-5)
+
+
+def test_sharede_v3_bias_update_lowers_overloaded_and_raises_underloaded():
+    layer = moelab.MoE(6, 4, 1, method="sharede-v3", bias_update_rate=0.01).train()
+    with torch.no_grad():
+        layer.router.selection_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0]))  # expert 0 takes all
+    x = torch.randn(16, 6)
+    layer(x)
+    load = torch.bincount(layer.last_routing.indices.reshape(-1), minlength=4).float()
+    assert load.tolist() == [16.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(layer.router.selection_bias, torch.tensor([4.99, 0.01, 0.01, 0.01]))
+    layer.eval()
+    before = layer.router.selection_bias.clone()
+    layer(x)
+    assert torch.equal(layer.router.selection_bias, before)  # no update outside training
+
+
+def test_sharede_v3_bias_update_keeps_balanced_experts_unchanged():
+    router = build_router("sigmoid", 4, 4, 1, normalize=True, selection_bias=True)
+    router._update_bias(torch.tensor([[0], [1], [2], [3], [0], [1]]))  # loads 2,2,1,1; mean 1.5
+    torch.testing.assert_close(router.selection_bias, torch.tensor([-1e-3, -1e-3, 1e-3, 1e-3]))
+    router = build_router("sigmoid", 4, 4, 1, normalize=True, selection_bias=True)
+    router._update_bias(torch.tensor([[0], [1], [2], [3]]))
+    assert torch.equal(router.selection_bias, torch.zeros(4))
+
+
+def test_sharede_v3_has_shared_experts_and_no_aux_loss():
+    layer = moelab.MoE(6, 8, 2, method="sharede-v3")
+    assert layer.shared is not None and layer.num_shared == 1
+    assert layer.coefs == {}
+    layer(torch.randn(4, 6))
+    assert layer.aux_loss.item() == 0.0
+
+
+# ------------------------------------------------------------------------------------------ stablemoe
+def test_stablemoe_switches_stage_at_switch_fraction_of_total_steps():
+    router = build_router("stable", 6, 4, 2, switch_fraction=0.25)
+    assert router.stage(None) == 1
+    assert router.stage(RoutingContext(step=1000)) == 1  # total_steps unknown
+    assert router.stage(RoutingContext(step=24, total_steps=100)) == 1
+    assert router.stage(RoutingContext(step=25, total_steps=100)) == 2
+    assert router.stage(RoutingContext(step=99, total_steps=100)) == 2
+    explicit = build_router("stable", 6, 4, 2, switch_step=3)
+    assert explicit.stage(RoutingContext(step=2)) == 1
+    assert explicit.stage(RoutingContext(step=3, total_steps=100)) == 2
+
+
+def test_stablemoe_default_switch_is_ten_percent():
+    router = build_router("stable", 6, 4, 2)
+    assert router.stage(RoutingContext(step=5999, total_steps=60000)) == 1
+    assert router.stage(RoutingContext(step=6000, total_steps=60000)) == 2
+
+
+def test_stablemoe_stage1_routes_by_centroids_and_distills_to_argmax():
+    layer = moelab.MoE(6, 4, 2, method="stablemoe").double()
+    router = layer.router
+    x = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    r = router(x, layer.experts, RoutingContext(step=0, total_steps=100))
+    logits = x.detach() @ router.centroids.detach().T
+    torch.testing.assert_close(r.logits, logits)
+    check_routing(r, logits, 2)
+    light = (x.detach() @ router.light_proj.weight.T) @ router.light_centroids.T
+    target = [max(range(4), key=lambda i: logits[t, i].item()) for t in range(9)]
+    ce = -sum(light[t].log_softmax(-1)[target[t]].item() for t in range(9)) / 9
+    assert r.losses["distill"].item() == pytest.approx(ce, rel=1e-10)
+    r.losses["distill"].backward()
+    assert router.light_centroids.grad is not None and router.light_proj.weight.grad is not None
+    assert router.centroids.grad is None and x.grad is None  # distillation trains the light router only
+
+
+def test_stablemoe_stage2_routes_by_frozen_light_router():
+    layer = moelab.MoE(6, 4, 2, method="stablemoe", switch_step=5)
+    ctx = RoutingContext(step=5, total_steps=100)
+    moelab.attach(layer, ctx)
+    x = torch.randn(9, 6, requires_grad=True)
+    y = layer(x)
+    r = layer.last_routing
+    light = layer.router.light_logits(x.detach()).detach()
+    check_routing(r, light, 2)
+    assert "distill" not in r.losses
+    (y.square().sum() + moelab.aux_loss(layer)).backward()
+    router = layer.router
+    for p in (router.centroids, router.light_centroids, router.light_proj.weight):
+        assert p.grad is None  # no gradient reaches the routing in stage 2
+    assert layer.experts.w_in.grad is not None and x.grad is not None
+    assert not layer.router(x, layer.experts, ctx).weights.requires_grad
+
+
+def test_stablemoe_stage1_aux_loss_includes_balance_and_distill():
+    layer = moelab.MoE(6, 4, 2, method="stablemoe")
+    moelab.attach(layer, RoutingContext(step=0, total_steps=100))
+    layer(torch.randn(9, 6))
+    r = layer.last_routing
+    balance = moelab.losses.switch_balance_loss(r.probs, r.indices, 4)
+    expected = 0.01 * balance + 1.0 * r.losses["distill"]
+    torch.testing.assert_close(layer.aux_loss.detach(), expected)
+
+
+# ------------------------------------------------------------------------------------------ hyperrouter
+def test_hyperrouter_generated_router_matches_hypernetwork_of_embedding():
+    router = build_router("hyper", 5, 3, 2, hyper_dim=7).double()
+    lin1, lin2 = router.hypernet[0], router.hypernet[2]
+    e = router.embedding.detach()
+    hidden = [
+        max(0.0, sum(a * b for a, b in zip(row, e.tolist())) + b1)
+        for row, b1 in zip(lin1.weight.tolist(), lin1.bias.tolist())
+    ]
+    out = [
+        sum(a * b for a, b in zip(row, hidden)) + b2
+        for row, b2 in zip(lin2.weight.tolist(), lin2.bias.tolist())
+    ]
+    wb = torch.tensor(out, dtype=torch.float64).view(3, 6)
+    w, b = router.router_weights()
+    torch.testing.assert_close(w, wb[:, :5])
+    torch.testing.assert_close(b, wb[:, 5])
+    x = torch.randn(4, 5, dtype=torch.float64)
+    logits = x @ wb[:, :5].T + wb[:, 5]
+    r = router(x)
+    torch.testing.assert_close(r.logits, logits)
+    check_routing(r, logits, 2)
+
+
+def test_hyperrouter_trains_only_the_embedding():
+    layer = moelab.MoE(6, 4, 2, method="hyperrouter")
+    assert layer.router.embedding.shape == (6,)  # d_e defaults to d_model
+    assert [n for n, p in layer.router.named_parameters() if p.requires_grad] == ["embedding"]
+    (layer(torch.randn(8, 6)).square().sum() + moelab.aux_loss(layer)).backward()
+    assert layer.router.embedding.grad is not None and layer.router.embedding.grad.abs().sum() > 0
+    assert all(p.grad is None for p in layer.router.hypernet.parameters())
+
+
+# ------------------------------------------------------------------------------------------ registry / bad input
+def test_every_method_router_is_registered():
+    from moelab.methods import get_method
+
+    for name in moelab.methods():
+        assert get_method(name).router in ROUTERS
+
+
+def test_router_options_lists_keyword_options():
+    assert router_options(ROUTERS["topk"]) == ["init_std", "frozen", "k_max"]
+
+
+def test_build_router_rejects_unknown_router():
+    with pytest.raises(ValueError, match=r"router='nope' is not registered; allowed: \["):
+        build_router("nope", 4, 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("router", "options", "match"),
+    [
+        ("topk", {"init_std": 0.0}, r"init_std=0.0 is not allowed; expected a number > 0"),
+        ("topk", {"k_max": 1}, r"k_max=1 is not allowed; expected an integer in \[2, 6\]"),
+        ("topk", {"k_max": 7}, r"k_max=7 is not allowed; expected an integer in \[2, 6\]"),
+        ("cosine", {"proj_dim": 0}, r"proj_dim=0 is not allowed; expected a positive integer"),
+        ("cosine", {"temperature": 0}, r"temperature=0 is not allowed; expected a number > 0"),
+        ("cosine", {"perturbation": -0.1}, r"perturbation=-0.1 is not allowed; expected a number >= 0"),
+        ("cosine", {"init_gain": -1.0}, r"init_gain=-1.0 is not allowed; expected a number > 0"),
+        (
+            "sigmoid",
+            {"bias_update_rate": -1e-3},
+            r"bias_update_rate=-0.001 is not allowed; expected a number >= 0",
+        ),
+        (
+            "sigmoid",
+            {"expert_dropout": 1.0},
+            r"expert_dropout=1.0 is not allowed; expected a number in \[0, 1\)",
+        ),
+        (
+            "sigmoid",
+            {"expert_dropout": -0.1},
+            r"expert_dropout=-0.1 is not allowed; expected a number in \[0, 1\]",
+        ),
+        ("sigmoid", {"init_std": -1.0}, r"init_std=-1.0 is not allowed; expected a number > 0"),
+        ("stable", {"distill_dim": 0}, r"distill_dim=0 is not allowed; expected a positive integer"),
+        (
+            "stable",
+            {"switch_fraction": 1.5},
+            r"switch_fraction=1.5 is not allowed; expected a number in \[0, 1\]",
+        ),
+        ("stable", {"switch_step": -1}, r"switch_step=-1 is not allowed; expected an integer >= 0 or None"),
+        ("stable", {"init_gain": 0.0}, r"init_gain=0.0 is not allowed; expected a number > 0"),
+        ("hyper", {"hyper_dim": 0}, r"hyper_dim=0 is not allowed; expected a positive integer"),
+        ("hyper", {"embed_dim": -3}, r"embed_dim=-3 is not allowed; expected a positive integer"),
+        ("hyper", {"embed_std": 0.0}, r"embed_std=0.0 is not allowed; expected a number > 0"),
+    ],
+)
+def test_router_options_are_validated(router, options, match):
+    with pytest.raises(ValueError, match=match):
+        build_router(router, 8, 6, 2, **options)
+
+
+@pytest.mark.parametrize("router", sorted(["topk", "cosine", "sigmoid", "stable", "hyper"]))
+def test_router_rejects_bad_sizes(router):
+    with pytest.raises(ValueError, match=r"top_k=0 is not allowed; expected an integer in \[1, 4\]"):
+        build_router(router, 8, 4, 0)
+    with pytest.raises(ValueError, match=r"d_model=0 is not allowed; expected a positive integer"):
+        build_router(router, 0, 4, 1)
+    with pytest.raises(ValueError, match=r"num_experts=0 is not allowed; expected a positive integer"):
+        build_router(router, 8, 0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sharede_v3_selection_bias_keeps_accumulating_in_a_low_precision_model(dtype):
+    layer = moelab.MoE(8, 4, 1, method="sharede-v3").to(dtype).train()
+    assert layer.router.weight.dtype == dtype
+    assert layer.router.selection_bias.dtype == torch.float32
+    with torch.no_grad():
+        layer.router.selection_bias.copy_(torch.tensor([3.0, 1.0, 1.0, 1.0]))  # expert 0 takes every token
+    x = torch.randn(16, 8, dtype=dtype)
+    for _ in range(5):
+        layer(x)
+    torch.testing.assert_close(layer.router.selection_bias, torch.tensor([2.995, 1.005, 1.005, 1.005]))
+
+
+def test_smoe_dropout_k_at_each_step_of_a_short_run():
+    router = moelab.MoE(6, 8, 2, method="smoe-dropout").router
+    ks = [router.current_k(RoutingContext(step=s, total_steps=6)) for s in range(8)]
+    assert ks == [2, 3, 4, 5, 6, 7, 8, 8]  # K = 2 + 6 · step / 6, then stays at N

@@ -1,0 +1,116 @@
+"""RunDir: never overwrite a finished run; atomic writes; appended logs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from moelab.rundir import RunDir, atomic_write_bytes, atomic_write_text
+
+
+def test_rundir_creates_the_folder(tmp_path):
+    run = RunDir(tmp_path / "a" / "b")
+    assert run.path.is_dir()
+
+
+def test_rundir_refuses_an_existing_run_without_resume_or_force(tmp_path):
+    RunDir(tmp_path).write_config({"lr": 1e-3})
+    with pytest.raises(
+        FileExistsError, match=r"already holds a run; pass --resume to continue it or --force"
+    ):
+        RunDir(tmp_path)
+    assert RunDir(tmp_path, resume=True).read_config() == {"lr": 1e-3}
+    RunDir(tmp_path, force=True)
+
+
+def test_rundir_accepts_a_folder_without_a_run(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    RunDir(tmp_path)
+
+
+def test_rundir_refuses_a_file_as_out(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"exists and is not a directory"):
+        RunDir(f)
+
+
+def test_config_and_metrics_round_trip_as_plain_data(tmp_path):
+    run = RunDir(tmp_path)
+    run.write_config({"sizes": (1, 2), "path": tmp_path / "x", "nested": {"a": 1}})
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == {
+        "sizes": [1, 2],
+        "path": str(tmp_path / "x"),
+        "nested": {"a": 1},
+    }
+    run.write_metrics({"loss": 0.5, "bad": math.nan, "inf": math.inf})
+    assert json.loads((tmp_path / "metrics.json").read_text()) == {"loss": 0.5, "bad": None, "inf": None}
+    assert run.read_metrics()["loss"] == 0.5
+
+
+def test_append_log_appends_rows_under_one_header(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.read_log() == []
+    run.append_log({"step": 1, "loss": 2.5})
+    run.append_log({"step": 2, "loss": 2.0})
+    lines = (tmp_path / "log.csv").read_text().splitlines()
+    assert lines == ["step,loss", "1,2.5", "2,2.0"]
+    assert run.read_log() == [{"step": "1", "loss": "2.5"}, {"step": "2", "loss": "2.0"}]
+    resumed = RunDir(tmp_path, resume=True)
+    resumed.append_log({"step": 3, "loss": 1.5})
+    assert len(resumed.read_log()) == 3
+
+
+def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "sub" / "f.txt"
+    atomic_write_text(path, "first")
+    atomic_write_text(path, "second")
+    assert path.read_text() == "second"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["f.txt"]
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    atomic_write_bytes(path, b"old")
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("moelab.rundir.os.replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_bytes(path, b"new")
+    assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
+
+
+def test_force_starts_a_fresh_run_without_the_old_log_and_metrics(tmp_path):
+    old = RunDir(tmp_path)
+    old.write_config({"lr": 1.0})
+    old.write_metrics({"loss": 9.0})
+    old.append_log({"step": 1, "loss": 9.0})
+    old.append_log({"step": 1, "loss": 9.0}, name="eval.csv")
+    (tmp_path / "notes.txt").write_text("mine")
+    new = RunDir(tmp_path, force=True)
+    assert new.read_log() == [] and new.read_log("eval.csv") == []
+    assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "config.yaml").exists()
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # only the run's own files go
+    new.append_log({"step": 1, "loss": 2.0})
+    assert new.read_log() == [{"step": "1", "loss": "2.0"}]
+
+
+def test_resume_keeps_the_old_run_even_with_force(tmp_path):
+    old = RunDir(tmp_path)
+    old.write_config({"lr": 1.0})
+    old.append_log({"step": 1})
+    resumed = RunDir(tmp_path, resume=True, force=True)
+    assert resumed.read_config() == {"lr": 1.0} and len(resumed.read_log()) == 1
+
+
+def test_append_log_keeps_the_first_rows_columns_in_their_order(tmp_path):
+    run = RunDir(tmp_path)
+    run.append_log({"step": 1, "loss": 2.5})
+    RunDir(tmp_path, resume=True).append_log({"loss": 2.0, "lr": 0.1, "step": 2})  # reordered, extra key
+    assert (tmp_path / "log.csv").read_text().splitlines() == ["step,loss", "1,2.5", "2,2.0"]
