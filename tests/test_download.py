@@ -66,3 +66,8 @@ def test_fetch_offline_names_the_url_and_destination():
     message = str(info.value)
     assert OFFLINE in message and str(dest) in message and "MOELAB_DATA" in message
     assert isinstance(info.value, ValueError)
+
+
+def test_fetch_rejects_an_empty_url_list():
+    with pytest.raises(ValueError, match=r"urls=\[\] is not allowed; expected at least one URL"):
+        fetch("data.bin", [], SHA, progress=False)

@@ -17,11 +17,11 @@ def reference(bank, x, indices, weights):
     """``Σ_k w_k · expert_forward(x_t, i_k)``, one token at a time."""
     rows = []
     for t in range(x.shape[0]):
-        y = torch.zeros(bank.experts[0](x[:1]).shape[-1] if isinstance(bank, ModuleExperts) else x.shape[1])
-        y = y.to(x.dtype)
-        for k in range(indices.shape[1]):
-            y = y + weights[t, k] * bank.expert_forward(x[t : t + 1], int(indices[t, k]))[0]
-        rows.append(y)
+        terms = [
+            weights[t, k] * bank.expert_forward(x[t : t + 1], int(indices[t, k]))[0]
+            for k in range(indices.shape[1])
+        ]
+        rows.append(torch.stack(terms).sum(0))
     return torch.stack(rows)
 
 

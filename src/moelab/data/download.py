@@ -57,6 +57,8 @@ def fetch(
         DataError: no URL could be reached (offline), or the checksum does not match.
     """
     urls = [urls] if isinstance(urls, str) else list(urls)
+    if not urls:
+        raise ValueError(f"urls={urls!r} is not allowed; expected at least one URL")
     dest = cache_dir() / subdir / name
     if dest.exists():
         if sha256 is None or sha256sum(dest) == sha256:
