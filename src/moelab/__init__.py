@@ -1,6 +1,7 @@
 """moelab: sparse mixture-of-experts routing, every method of the source papers, correct and fast."""
 
 from .experts import ExpertBank, ModuleExperts
+from .interop import from_hf
 from .layer import MoE, aux_loss
 from .methods import methods
 from .routing import Routing, RoutingContext, attach
@@ -16,5 +17,6 @@ __all__ = [
     "__version__",
     "attach",
     "aux_loss",
+    "from_hf",
     "methods",
 ]
