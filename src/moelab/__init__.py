@@ -5,6 +5,7 @@ from .interop import from_hf
 from .layer import MoE, aux_loss
 from .methods import methods
 from .routing import Routing, RoutingContext, attach
+from .upcycle import upcycle
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,5 @@ __all__ = [
     "aux_loss",
     "from_hf",
     "methods",
+    "upcycle",
 ]

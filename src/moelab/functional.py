@@ -86,16 +86,22 @@ def _swiglu(h: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _gelu_tanh(h: Tensor) -> Tensor:
+    """The tanh approximation of GELU: GPT-2's ``gelu_new``, SigLIP's ``gelu_pytorch_tanh``."""
+    return F.gelu(h, approximate="tanh")
+
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
     "silu": F.silu,
     "swiglu": _swiglu,
 }
 
 
 def activation(name: str):
-    """The expert activation ``name`` (``relu``, ``gelu``, ``silu``, ``swiglu``).
+    """The expert activation ``name`` (``relu``, ``gelu``, ``gelu_tanh``, ``silu``, ``swiglu``).
 
     ``swiglu`` takes a ``(..., 2h)`` input laid out ``[gate | up]`` and returns
     ``silu(gate) * up`` — the layout of transformers' Mixtral experts.
