@@ -130,6 +130,14 @@ class ExpertParallelBank(nn.Module):
     def out_features(self) -> int:
         return self.d_model
 
+    @property
+    def chunk_elements(self) -> int:
+        """Callers that chunk ``forward_all`` by this budget (the competition routers) must not
+        chunk a collective: ranks with different token counts would make different numbers of
+        calls and deadlock.  So the budget is unbounded here; the local experts still bound their
+        hidden activations with ``local.chunk_elements``."""
+        return 1 << 62
+
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, local=[{self.first_expert}, {self.first_expert + self.num_local}), "
