@@ -180,3 +180,8 @@ def test_expert_parallel_needs_an_initialised_process_group():
         apply_expert_parallel(moelab.MoE(D, 4, 2))
     with pytest.raises(ValueError, match=r"needs torch\.distributed initialised"):
         ExpertParallelBank(moelab.ExpertBank(4, D, D))
+
+
+def test_only_expert_banks_can_be_made_parallel():
+    with pytest.raises(ValueError, match="bank of type ModuleExperts is not allowed"):
+        ExpertParallelBank(moelab.ModuleExperts([nn.Linear(D, D), nn.Linear(D, D)]))

@@ -200,7 +200,8 @@ def test_cli_accepts_a_config_json_and_reports_bad_input(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_hf_trainer_fine_tunes_an_upcycled_model_with_aux_loss_and_routing_context(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_hf_trainer_fine_tunes_an_upcycled_model_with_aux_loss_and_routing_context(tmp_path, accumulate):
     from moelab.interop import MoETrainer, MoETrainerCallback
 
     model = _gpt2().float().train()
@@ -211,6 +212,7 @@ def test_hf_trainer_fine_tunes_an_upcycled_model_with_aux_loss_and_routing_conte
         output_dir=str(tmp_path),
         max_steps=3,
         per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulate,
         learning_rate=1e-3,
         report_to=[],
         save_strategy="no",
@@ -243,7 +245,7 @@ def test_hf_trainer_fine_tunes_an_upcycled_model_with_aux_loss_and_routing_conte
     ctx = model.transformer.h[0].mlp.ctx
     assert ctx.step == 3 and ctx.total_steps == 3
     assert model.transformer.h[0].mlp.router.current_k(ctx) == 4
-    assert len(aux_seen) == 3
-    for added, aux in aux_seen:  # the balance loss was added to the task loss
-        assert aux > 0.5 and added == pytest.approx(aux, rel=1e-4)
+    assert len(aux_seen) == 3 * accumulate
+    for added, aux in aux_seen:  # the balance loss was added, scaled like the task loss under accumulation
+        assert aux > 0.5 and added == pytest.approx(aux / accumulate, rel=1e-4)
     assert not torch.equal(model.transformer.h[0].mlp.experts.w_in, before)
