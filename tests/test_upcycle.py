@@ -41,8 +41,13 @@ def _llama(mlp_bias: bool = False):
     return transformers.LlamaForCausalLM(cfg).double().eval()
 
 
-def _siglip():
-    cfg = transformers.SiglipVisionConfig(
+def _vision(kind: str):
+    config_cls, model_cls = {
+        "siglip": (transformers.SiglipVisionConfig, transformers.SiglipVisionModel),
+        "vit": (transformers.ViTConfig, transformers.ViTModel),
+        "clip": (transformers.CLIPVisionConfig, transformers.CLIPVisionModel),
+    }[kind]
+    cfg = config_cls(
         hidden_size=16,
         intermediate_size=24,
         num_hidden_layers=2,
@@ -51,7 +56,7 @@ def _siglip():
         patch_size=4,
     )
     torch.manual_seed(0)
-    return transformers.SiglipVisionModel(cfg).double().eval()
+    return model_cls(cfg).double().eval()
 
 
 @pytest.mark.parametrize(
@@ -80,13 +85,16 @@ def test_upcycled_language_model_equals_the_dense_model_at_init(arch, method):
         torch.testing.assert_close(layer.last_routing.weights.sum(-1), torch.ones(12, dtype=torch.float64))
 
 
-def test_upcycled_vision_model_equals_the_dense_model_at_init():
-    model = _siglip()
+@pytest.mark.parametrize(
+    ("kind", "num_mlps"), [("siglip", 3), ("vit", 2), ("clip", 2)]
+)  # siglip: + pooling head
+def test_upcycled_vision_model_equals_the_dense_model_at_init(kind, num_mlps):
+    model = _vision(kind)
     pixels = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     with torch.no_grad():
         dense = model(pixel_values=pixels).last_hidden_state
     upcycle(model, num_experts=3, top_k=1)
-    assert len(moelab.attach(model, moelab.RoutingContext())) == 3  # 2 encoder MLPs + the pooling head's
+    assert len(moelab.attach(model, moelab.RoutingContext())) == num_mlps
     with torch.no_grad():
         sparse = model(pixel_values=pixels).last_hidden_state
     torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-10)

@@ -20,7 +20,8 @@ Recognised MLPs (``SUPPORTED_MLPS``):
 * moelab's own :class:`moelab.experts.MLP` (``fc_in`` / ``fc_out``);
 * ``nn.Sequential(Linear, activation, Linear)``.
 
-Activations map to moelab's: ReLU, GELU (exact or tanh), SiLU; others are refused.  Dropout
+Activations map to moelab's: ReLU, GELU (exact or tanh), CLIP's quick GELU, SiLU; others are
+refused.  Dropout
 after the MLP (GPT-2's ``dropout``, timm's ``drop2``) is kept after the MoE layer; dropout
 between the two projections (timm's ``drop1``) is dropped (identical in eval mode).
 """
@@ -97,6 +98,7 @@ def _activation_name(act: Any) -> str | None:
         "PytorchGELUTanh": "gelu_tanh",
         "SiLU": "silu",
         "SiLUActivation": "silu",
+        "QuickGELUActivation": "quick_gelu",
     }.get(cls)
 
 
@@ -119,7 +121,7 @@ def _act_of(module: nn.Module, names: Iterable[str]) -> tuple[str | None, Any]:
 def _refuse_activation(module: nn.Module, act: Any) -> None:
     raise ValueError(
         f"{type(module).__name__} uses activation {act!r}, which moelab experts do not have; "
-        "supported: ReLU, GELU (exact or tanh), SiLU (SwiGLU for gate/up/down MLPs)"
+        "supported: ReLU, GELU (exact or tanh), quick GELU, SiLU (SwiGLU for gate/up/down MLPs)"
     )
 
 
