@@ -257,3 +257,11 @@ def test_hf_trainer_fine_tunes_an_upcycled_model_with_aux_loss_and_routing_conte
     for added, aux in aux_seen:  # the balance loss was added, scaled like the task loss under accumulation
         assert aux > 0.5 and added == pytest.approx(aux / accumulate, rel=1e-4)
     assert not torch.equal(model.transformer.h[0].mlp.experts.w_in, before)
+
+
+def test_load_upcycled_refuses_other_checkpoints(tmp_path):
+    from moelab.serialization import save_checkpoint
+
+    save_checkpoint(tmp_path, nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="not one written by `moelab upcycle`"):
+        load_upcycled(tmp_path)

@@ -361,7 +361,7 @@ def load_upcycled(directory: str | Path) -> nn.Module:
 
     from .serialization import load_checkpoint, load_state_dict
 
-    _, payload = load_state_dict(directory)
+    tensors, payload = load_state_dict(directory)
     info = payload.get("state", {}).get("upcycle")
     if info is None:
         raise ValueError(f"{str(directory)!r} is a moelab checkpoint but not one written by `moelab upcycle`")
@@ -369,6 +369,9 @@ def load_upcycled(directory: str | Path) -> nn.Module:
     config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
     cls = getattr(transformers, info["model_class"], None) or transformers.AutoModel
     model = cls(config) if cls is not transformers.AutoModel else cls.from_config(config)
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+    if dtype is not None:
+        model.to(dtype)  # a bfloat16 checkpoint stays bfloat16
     upcycle(model, info["num_experts"], info["top_k"], info["method"], info["layers"], **info["options"])
     load_checkpoint(directory, model)
     return model
