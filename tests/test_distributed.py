@@ -10,6 +10,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import moelab
+from moelab.experts import combine
+from moelab.functional import competition_affinity
 from moelab.train.distributed import (
     ExpertParallelBank,
     apply_expert_parallel,
@@ -108,6 +110,37 @@ def _check_forward_all(rank: int, world: int) -> dict[str, float]:
     }
 
 
+def _compete(bank: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
+    """The competition pattern of 001 eq. 4-5 as the ``compete`` routers run it: scores of every
+    expert without autograd, then the winners' outputs with autograd through the bank."""
+    with torch.no_grad():
+        scores = competition_affinity(bank.forward_all(x))  # (T, N)
+    winners = scores.topk(k, dim=-1).indices
+    outs = bank(x.repeat_interleave(k, dim=0), winners.reshape(-1, 1), x.new_ones(x.shape[0] * k, 1))
+    outs = outs.view(x.shape[0], k, D)
+    s = competition_affinity(outs)  # (T, K) the winners' affinities, with autograd
+    return combine(outs, s / s.sum(-1, keepdim=True))
+
+
+def _check_competition(rank: int, world: int) -> dict[str, float]:
+    torch.manual_seed(7)
+    ref = moelab.ExpertBank(8, D, 6, impl="loop").double()
+    holder = moelab.MoE(D, 8, 2, experts=copy.deepcopy(ref))
+    apply_expert_parallel(holder, average_grads=False)
+    bank = holder.experts
+    x, c, sizes = _data(8, world)
+    (_compete(ref, x, 2) * c).sum().backward()
+    y_ref = _compete(ref, x, 2).detach()
+    xs = _mine(x, sizes, rank)
+    y = _compete(bank, xs, 2)
+    (y * _mine(c, sizes, rank)).sum().backward()
+    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    return {
+        "competition/y": _err(y, _mine(y_ref, sizes, rank)),
+        "competition/grad_w_out": _err(bank.local.w_out.grad, ref.w_out.grad[block]),
+    }
+
+
 def _check_ddp(rank: int, world: int) -> dict[str, float]:
     """DDP over the replicated parameters + expert parallelism = the gradient of the mean loss."""
     from torch.nn.parallel import DistributedDataParallel
@@ -145,6 +178,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         for method in ("smoe", "sharede-v3"):
             results.update(_check_layer(rank, world, method))
         results.update(_check_forward_all(rank, world))
+        results.update(_check_competition(rank, world))
         results.update(_check_ddp(rank, world))
         try:
             apply_expert_parallel(moelab.MoE(D, 7, 2))
@@ -170,7 +204,7 @@ def test_expert_parallel_matches_the_single_process_layer(world, tmp_path):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         error = results.pop("error")
         assert error is not None and f"world size {world} does not divide num_experts=7" in error
-        assert len(results) == 21
+        assert len(results) == 23
         for name, err in results.items():
             assert err <= 1e-6, f"rank {rank}/{world}: {name} differs by {err}"
 
