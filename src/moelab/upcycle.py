@@ -1,8 +1,9 @@
 """Sparse upcycling: replace the dense MLPs of a model by MoE layers whose experts copy them.
 
-Komatsuzaki et al. 2023 ("Sparse Upcycling"), the initialisation of the 001 setting (001 §4:
-the SMoE is upcycled from a dense pre-trained checkpoint): every expert is a copy of the dense
-FFN and the router starts at ``N(0, 0.02²)`` (001 Table 20 / REFERENCES.md, VLM setting).  Since
+Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of 001 (§5.1 "Tasks" and App. H,
+"Visual Instruction Tuning"): "each expert is initialized from its corresponding pretrained MLP,
+while the Top-K router is learned from scratch", the router "initialized ... using Gaussian noise
+N(0, 0.02), following ... GPT-2" (std 0.02; 001 uses N_E = 4 experts, K = 2 there).  Since
 all experts are equal, ``Σ_k w_k · FFN(x) = FFN(x)`` whenever the routing weights sum to 1, so
 the upcycled model computes exactly what the dense one did until training moves the experts
 apart.  For methods with ``S`` shared experts (``sharede-v2``, ``sharede-v3``) the routed experts
@@ -21,9 +22,9 @@ Recognised MLPs (``SUPPORTED_MLPS``):
 * ``nn.Sequential(Linear, activation, Linear)``.
 
 Activations map to moelab's: ReLU, GELU (exact or tanh), CLIP's quick GELU, SiLU; others are
-refused.  Dropout
-after the MLP (GPT-2's ``dropout``, timm's ``drop2``) is kept after the MoE layer; dropout
-between the two projections (timm's ``drop1``) is dropped (identical in eval mode).
+refused.  Dropout after the MLP (GPT-2's ``dropout``, timm's ``drop2``) is kept after the MoE
+layer; dropout between the two projections (timm's ``drop1``) is dropped (identical in eval
+mode).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ SUPPORTED_MLPS = (
     "nn.Sequential(Linear, activation, Linear)",
 )
 
-#: router weight init of the upcycled router (001 VLM setting, Table 20)
+#: std of the upcycled router's N(0, 0.02²) init (001 App. H, VIT stage hyper-parameters)
 ROUTER_INIT_STD = 0.02
 
 
