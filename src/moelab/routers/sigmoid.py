@@ -33,10 +33,11 @@ class SigmoidRouter(Router):
       here it is used.)  The update happens once per training forward — once per step without
       gradient accumulation.
 
-    DeepSeek-V3 options (its technical report, §2.1.2; transformers' ``DeepseekV3TopkRouter``):
-    ``num_groups`` / ``topk_groups`` restrict each token to the ``topk_groups`` groups (of
-    ``N / num_groups`` contiguous experts) with the largest sum of their two best ``s + b``
-    (group-limited routing); ``scale`` multiplies the final weights (``routed_scaling_factor``).
+    DeepSeek-V3 options (its technical report, "node-limited routing"; as in transformers'
+    ``DeepseekV3TopkRouter``): ``num_groups`` / ``topk_groups`` restrict each token to the
+    ``topk_groups`` groups (of ``N / num_groups`` contiguous experts) with the largest sum of
+    their two best ``s + b`` (group-limited routing); ``scale`` multiplies the final weights
+    (``routed_scaling_factor``).
     The defaults (one group, scale 1) are the plain router above.
 
     ``Routing.probs`` is ``softmax(W x)`` (the router's distribution, for the regulariser and the
