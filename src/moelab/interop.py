@@ -190,10 +190,11 @@ def from_hf(module: nn.Module) -> nn.Module:
             f"module of type {_name(module)} is not a supported transformers MoE block and contains none; "
             f"supported: {list(SUPPORTED_BLOCKS)}"
         )
-    for path, block in targets:
+    converted = [(path, _convert_block(block)) for path, block in targets]  # all or nothing
+    for path, layer in converted:
         parent_path, _, attr = path.rpartition(".")
         parent = module.get_submodule(parent_path) if parent_path else module
-        setattr(parent, attr, _convert_block(block))
+        setattr(parent, attr, layer)
     return module
 
 
