@@ -2,6 +2,10 @@
 
 import copy
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,3 +223,20 @@ def test_expert_parallel_needs_an_initialised_process_group():
 def test_only_expert_banks_can_be_made_parallel():
     with pytest.raises(ValueError, match="bank of type ModuleExperts is not allowed"):
         ExpertParallelBank(moelab.ModuleExperts([nn.Linear(D, D), nn.Linear(D, D)]))
+
+
+@pytest.mark.slow
+def test_the_scaling_doc_script_runs_under_torchrun(tmp_path):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    script = re.search(r"```python\n(# train_ep.py.*?)```", doc, re.S).group(1)
+    (tmp_path / "train_ep.py").write_text(script)
+    src = str(Path(moelab.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path / "ckpt")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_ep.py"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world 2: final loss" in out.stdout
+    model = nn.Sequential(nn.Linear(32, 64), moelab.MoE(64, num_experts=8, top_k=2), nn.Linear(64, 10))
+    from moelab.serialization import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "ckpt", model) == {"step": 20, "world_size": 2}

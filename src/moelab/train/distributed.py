@@ -164,7 +164,8 @@ class ExpertParallelBank(nn.Module):
         send_splits = counts.view(W, L).sum(1).tolist()
         recv_splits = recv_matrix.sum(1).tolist()
         xr = _all_to_all(xs, recv_splits, send_splits, self.group)  # (R, d) by source, then local expert
-        local_ids = torch.arange(L, device=x.device).repeat(W).repeat_interleave(recv_matrix.reshape(-1))
+        local_ids = torch.arange(L, device=x.device).repeat(W)  # (W·L,) expert of each received block
+        local_ids = local_ids.repeat_interleave(recv_matrix.reshape(-1), output_size=xr.shape[0])  # (R,)
         yr = self._run_local(xr, local_ids)
         ys = _all_to_all(yr, send_splits, recv_splits, self.group)  # (S, d) in the order sent
         slots = ys.index_select(0, inverse).view(T, K, self.d_model)
