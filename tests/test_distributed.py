@@ -196,13 +196,15 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_the_single_process_layer(world, tmp_path):
-    # fork: the children inherit the imported torch/moelab (spawn re-imports them: ~5x slower here)
+    # fork: the children inherit the imported torch/moelab (spawn re-imports them: ~3x slower here);
+    # each child sets one intra-op thread before any work, so the parent's thread pool is not reused
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     mp.start_processes(
         _worker,
         args=(world, str(tmp_path / "init"), str(tmp_path)),
         nprocs=world,
         join=True,
-        start_method="fork",
+        start_method=method,
     )
     for rank in range(world):
         results = torch.load(tmp_path / f"rank{rank}.pt")
