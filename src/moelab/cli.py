@@ -17,6 +17,7 @@ from . import __version__
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # "name": ("moelab.module", "one-line help"),  -- one line per subcommand
+    "upcycle": ("moelab.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
 }
 
 

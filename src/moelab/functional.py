@@ -86,16 +86,28 @@ def _swiglu(h: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _gelu_tanh(h: Tensor) -> Tensor:
+    """The tanh approximation of GELU: GPT-2's ``gelu_new``, SigLIP's ``gelu_pytorch_tanh``."""
+    return F.gelu(h, approximate="tanh")
+
+
+def _quick_gelu(h: Tensor) -> Tensor:
+    """``x · sigmoid(1.702 x)``: CLIP's ``quick_gelu``."""
+    return h * torch.sigmoid(1.702 * h)
+
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
+    "quick_gelu": _quick_gelu,
     "silu": F.silu,
     "swiglu": _swiglu,
 }
 
 
 def activation(name: str):
-    """The expert activation ``name`` (``relu``, ``gelu``, ``silu``, ``swiglu``).
+    """The expert activation ``name`` (``relu``, ``gelu``, ``gelu_tanh``, ``quick_gelu``, ``silu``, ``swiglu``).
 
     ``swiglu`` takes a ``(..., 2h)`` input laid out ``[gate | up]`` and returns
     ``silu(gate) * up`` — the layout of transformers' Mixtral experts.

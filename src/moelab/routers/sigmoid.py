@@ -33,6 +33,13 @@ class SigmoidRouter(Router):
       here it is used.)  The update happens once per training forward — once per step without
       gradient accumulation.
 
+    DeepSeek-V3 options (its technical report, "node-limited routing"; as in transformers'
+    ``DeepseekV3TopkRouter``): ``num_groups`` / ``topk_groups`` restrict each token to the
+    ``topk_groups`` groups (of ``N / num_groups`` contiguous experts) with the largest sum of
+    their two best ``s + b`` (group-limited routing); ``scale`` multiplies the final weights
+    (``routed_scaling_factor``).
+    The defaults (one group, scale 1) are the plain router above.
+
     ``Routing.probs`` is ``softmax(W x)`` (the router's distribution, for the regulariser and the
     metrics); the weights are sigmoid scores.
     """
@@ -47,8 +54,24 @@ class SigmoidRouter(Router):
         bias_update_rate: float = 1e-3,
         expert_dropout: float = 0.0,
         init_std: float | None = None,
+        num_groups: int = 1,
+        topk_groups: int | None = None,
+        scale: float = 1.0,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        _validate.positive_int("num_groups", num_groups)
+        if num_experts % num_groups:
+            raise ValueError(
+                f"num_groups={num_groups!r} is not allowed; expected a divisor of num_experts={num_experts}"
+            )
+        topk_groups = num_groups if topk_groups is None else topk_groups
+        _validate.int_in_range("topk_groups", topk_groups, 1, num_groups)
+        if topk_groups * (num_experts // num_groups) < top_k:
+            raise ValueError(
+                f"topk_groups={topk_groups!r} is not allowed; its groups hold fewer than top_k={top_k} experts"
+            )
+        self.num_groups, self.topk_groups = num_groups, topk_groups
+        self.scale = _validate.positive("scale", scale)
         std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
         self.normalize = bool(normalize)
         self.bias_update_rate = _validate.non_negative("bias_update_rate", bias_update_rate)
@@ -68,10 +91,14 @@ class SigmoidRouter(Router):
             select = select + self.selection_bias
         if self.training and self.expert_dropout > 0:
             select = select.masked_fill(torch.rand_like(select) < self.expert_dropout, float("-inf"))
+        if self.topk_groups < self.num_groups:
+            select = self._limit_groups(select)
         indices = select.topk(self.top_k, dim=-1).indices  # (T, K)
         weights = scores.gather(1, indices)
         if self.normalize:
             weights = normalized_weights(weights)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         if self.training and self.selection_bias is not None and self.bias_update_rate > 0:
             self._update_bias(indices)
         return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
@@ -84,6 +111,15 @@ class SigmoidRouter(Router):
         if b is not None and b.dtype in (torch.float16, torch.bfloat16):
             self.selection_bias = b.float()
         return self
+
+    def _limit_groups(self, select: Tensor) -> Tensor:
+        """Keep the ``topk_groups`` groups with the largest sum of their top-2 scores (DeepSeek-V3)."""
+        T = select.shape[0]
+        grouped = select.view(T, self.num_groups, -1)  # (T, G, N/G)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # (T, G)
+        keep = group_scores.topk(self.topk_groups, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # (T, G)
+        return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, -1)
 
     @torch.no_grad()
     def _update_bias(self, indices: Tensor) -> None:

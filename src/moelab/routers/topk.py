@@ -28,6 +28,9 @@ class TopKRouter(Router):
             ``ctx.total_steps`` ("self-slimmable" SMoE-Dropout; the reference grows 8 → 16 with
             16 experts); ``"all"`` means ``num_experts``.  Without a context, or without
             ``total_steps``, K stays ``top_k``.
+        renormalize: ``True`` (default): the softmax over the K chosen logits.  ``False``: the
+            softmax over all N experts evaluated at the chosen K, weights summing to less than
+            1 (Qwen2-MoE / Qwen3-MoE / OLMoE with ``norm_topk_prob=False``).
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class TopKRouter(Router):
         init_std: float | None = None,
         frozen: bool = False,
         k_max: int | str | None = None,
+        renormalize: bool = True,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
         std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
@@ -47,6 +51,7 @@ class TopKRouter(Router):
             _validate.int_in_range("k_max", k_max, top_k, num_experts)
         self.k_max = k_max
         self.frozen = bool(frozen)
+        self.renormalize = bool(renormalize)
         self.weight = nn.Parameter(torch.randn(num_experts, d_model) * std, requires_grad=not frozen)
 
     def current_k(self, ctx: RoutingContext | None) -> int:
@@ -63,4 +68,7 @@ class TopKRouter(Router):
     ) -> Routing:
         logits = self.logits(x)  # (T, N)
         weights, indices = topk_softmax(logits, self.current_k(ctx))
-        return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
+        probs = logits.softmax(dim=-1)
+        if not self.renormalize:
+            weights = probs.gather(1, indices)
+        return Routing(indices=indices, weights=weights, probs=probs, logits=logits)

@@ -1,0 +1,244 @@
+"""Expert parallelism on 2 and 4 gloo processes (CPU) against the single-process layer, float64."""
+
+import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import moelab
+from moelab.experts import combine
+from moelab.functional import competition_affinity
+from moelab.train.distributed import (
+    ExpertParallelBank,
+    apply_expert_parallel,
+    ddp_ignore_experts,
+    expert_parameters,
+    full_state_dict,
+    non_expert_parameters,
+)
+
+D = 8
+
+
+def _shards(world: int) -> list[int]:
+    return [0, 7, 3, 9][:world]  # uneven, and rank 0 has no tokens at all
+
+
+def _data(seed: int, world: int) -> tuple[torch.Tensor, torch.Tensor, slice]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = _shards(world)
+    x = torch.randn(sum(sizes), D, generator=g, dtype=torch.float64)
+    c = torch.randn(sum(sizes), D, generator=g, dtype=torch.float64)
+    return x, c, sizes
+
+
+def _mine(t: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    start = sum(sizes[:rank])
+    return t[start : start + sizes[rank]]
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return 0.0 if a.numel() == 0 else (a - b).abs().max().item()
+
+
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _check_layer(rank: int, world: int, method: str) -> dict[str, float]:
+    """Forward, input/router/expert gradients and the sharede-v3 bias update of one layer."""
+    torch.manual_seed(0)
+    ref = moelab.MoE(D, 8, 2, d_hidden=6, method=method, impl="loop").double()
+    ep = copy.deepcopy(ref)
+    x, c, sizes = _data(1, world)
+    xr = x.clone().requires_grad_()
+    y_ref = ref(xr)
+    (y_ref * c).sum().backward()
+
+    apply_expert_parallel(ep, average_grads=False)
+    bank = ep.experts
+    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    xs = _mine(x, sizes, rank).clone().requires_grad_()
+    y = ep(xs)
+    (y * _mine(c, sizes, rank)).sum().backward()
+    out = {
+        "y": _err(y, _mine(y_ref, sizes, rank)),
+        "grad_x": _err(xs.grad, _mine(xr.grad, sizes, rank)),
+        "grad_router": _err(_sum_over_ranks(ep.router.weight.grad), ref.router.weight.grad),
+        "grad_w_in": _err(bank.local.w_in.grad, ref.experts.w_in.grad[block]),
+        "grad_w_out": _err(bank.local.w_out.grad, ref.experts.w_out.grad[block]),
+    }
+    if ep.shared is not None:
+        out["grad_shared"] = _err(_sum_over_ranks(ep.shared.fc_in.weight.grad), ref.shared.fc_in.weight.grad)
+    if method == "sharede-v3":  # the aux-loss-free bias update sees the global loads
+        assert ref.router.selection_bias.abs().sum() > 0
+        out["selection_bias"] = _err(ep.router.selection_bias, ref.router.selection_bias)
+    return {f"{method}/{k}": v for k, v in out.items()}
+
+
+def _check_forward_all(rank: int, world: int) -> dict[str, float]:
+    """Competition's every-expert forward across ranks, with gradients."""
+    torch.manual_seed(2)
+    ref = moelab.ExpertBank(8, D, 5, activation="swiglu", bias=True, impl="loop").double()
+    holder = moelab.MoE(D, 8, 2, experts=copy.deepcopy(ref))
+    apply_expert_parallel(holder, average_grads=False)
+    bank = holder.experts
+    x, _, sizes = _data(3, world)
+    c = torch.randn(x.shape[0], 8, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    y_ref = ref.forward_all(xr)
+    (y_ref * c).sum().backward()
+    xs = _mine(x, sizes, rank).clone().requires_grad_()
+    y = bank.forward_all(xs)
+    (y * _mine(c, sizes, rank)).sum().backward()
+    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    e = 5  # expert_forward is a collective too
+    y_e = bank.expert_forward(_mine(x, sizes, rank), e)
+    return {
+        "forward_all/y": _err(y, _mine(y_ref, sizes, rank)),
+        "forward_all/grad_x": _err(xs.grad, _mine(xr.grad, sizes, rank)),
+        "forward_all/grad_w_in": _err(bank.local.w_in.grad, ref.w_in.grad[block]),
+        "forward_all/grad_b_out": _err(bank.local.b_out.grad, ref.b_out.grad[block]),
+        "expert_forward/y": _err(y_e, ref.expert_forward(_mine(x, sizes, rank), e).detach()),
+    }
+
+
+def _compete(bank: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
+    """The competition pattern of 001 eq. 4-5 as the ``compete`` routers run it: scores of every
+    expert without autograd, then the winners' outputs with autograd through the bank."""
+    with torch.no_grad():
+        scores = competition_affinity(bank.forward_all(x))  # (T, N)
+    winners = scores.topk(k, dim=-1).indices
+    outs = bank(x.repeat_interleave(k, dim=0), winners.reshape(-1, 1), x.new_ones(x.shape[0] * k, 1))
+    outs = outs.view(x.shape[0], k, D)
+    s = competition_affinity(outs)  # (T, K) the winners' affinities, with autograd
+    return combine(outs, s / s.sum(-1, keepdim=True))
+
+
+def _check_competition(rank: int, world: int) -> dict[str, float]:
+    torch.manual_seed(7)
+    ref = moelab.ExpertBank(8, D, 6, impl="loop").double()
+    holder = moelab.MoE(D, 8, 2, experts=copy.deepcopy(ref))
+    apply_expert_parallel(holder, average_grads=False)
+    bank = holder.experts
+    x, c, sizes = _data(8, world)
+    (_compete(ref, x, 2) * c).sum().backward()
+    y_ref = _compete(ref, x, 2).detach()
+    xs = _mine(x, sizes, rank)
+    y = _compete(bank, xs, 2)
+    (y * _mine(c, sizes, rank)).sum().backward()
+    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    return {
+        "competition/y": _err(y, _mine(y_ref, sizes, rank)),
+        "competition/grad_w_out": _err(bank.local.w_out.grad, ref.w_out.grad[block]),
+    }
+
+
+def _check_ddp(rank: int, world: int) -> dict[str, float]:
+    """DDP over the replicated parameters + expert parallelism = the gradient of the mean loss."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(5)
+    ref = nn.Sequential(nn.Linear(D, D), moelab.MoE(D, 8, 2, method="smoe", impl="loop")).double()
+    model = copy.deepcopy(ref)
+    x, c, sizes = _data(6, world)
+    ((ref(x) * c).sum() / world).backward()
+
+    apply_expert_parallel(model)  # average_grads=True
+    full = full_state_dict(model)
+    state_err = max(_err(full[k], v) for k, v in ref.state_dict().items())
+    assert set(full) == set(ref.state_dict())
+    ignored = ddp_ignore_experts(model)
+    assert ignored == [n for n, _ in expert_parameters(model)] and len(ignored) == 2
+    assert len(non_expert_parameters(model)) == 3
+    ddp = DistributedDataParallel(model)
+    (ddp(_mine(x, sizes, rank)) * _mine(c, sizes, rank)).sum().backward()
+    bank = model[1].experts
+    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    return {
+        "ddp/full_state_dict": state_err,
+        "ddp/grad_linear": _err(model[0].weight.grad, ref[0].weight.grad),
+        "ddp/grad_router": _err(model[1].router.weight.grad, ref[1].router.weight.grad),
+        "ddp/grad_w_in": _err(bank.local.w_in.grad, ref[1].experts.w_in.grad[block]),
+    }
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results: dict = {}
+        for method in ("smoe", "sharede-v3"):
+            results.update(_check_layer(rank, world, method))
+        results.update(_check_forward_all(rank, world))
+        results.update(_check_competition(rank, world))
+        results.update(_check_ddp(rank, world))
+        try:
+            apply_expert_parallel(moelab.MoE(D, 7, 2))
+            results["error"] = None
+        except ValueError as exc:
+            results["error"] = str(exc)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_the_single_process_layer(world, tmp_path):
+    # fork: the children inherit the imported torch/moelab (spawn re-imports them: ~3x slower here);
+    # each child sets one intra-op thread before any work, so the parent's thread pool is not reused
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _worker,
+        args=(world, str(tmp_path / "init"), str(tmp_path)),
+        nprocs=world,
+        join=True,
+        start_method=method,
+    )
+    for rank in range(world):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        error = results.pop("error")
+        assert error is not None and f"world size {world} does not divide num_experts=7" in error
+        assert len(results) == 23
+        for name, err in results.items():
+            assert err <= 1e-6, f"rank {rank}/{world}: {name} differs by {err}"
+
+
+def test_expert_parallel_needs_an_initialised_process_group():
+    with pytest.raises(ValueError, match=r"needs torch\.distributed initialised"):
+        apply_expert_parallel(moelab.MoE(D, 4, 2))
+    with pytest.raises(ValueError, match=r"needs torch\.distributed initialised"):
+        ExpertParallelBank(moelab.ExpertBank(4, D, D))
+
+
+def test_only_expert_banks_can_be_made_parallel():
+    with pytest.raises(ValueError, match="bank of type ModuleExperts is not allowed"):
+        ExpertParallelBank(moelab.ModuleExperts([nn.Linear(D, D), nn.Linear(D, D)]))
+
+
+@pytest.mark.slow
+def test_the_scaling_doc_script_runs_under_torchrun(tmp_path):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    script = re.search(r"```python\n(# train_ep.py.*?)```", doc, re.S).group(1)
+    (tmp_path / "train_ep.py").write_text(script)
+    src = str(Path(moelab.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path / "ckpt")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_ep.py"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world 2: final loss" in out.stdout
+    model = nn.Sequential(nn.Linear(32, 64), moelab.MoE(64, num_experts=8, top_k=2), nn.Linear(64, 10))
+    from moelab.serialization import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "ckpt", model) == {"step": 20, "world_size": 2}

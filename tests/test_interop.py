@@ -1,0 +1,185 @@
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import moelab  # noqa: E402
+from moelab.interop import GatedSharedExpert, from_hf  # noqa: E402
+
+D, H, N, K = 16, 8, 8, 2
+
+
+def _randomize(module: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _block(kind: str, seed: int = 0, **overrides) -> nn.Module:
+    if kind == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralSparseMoeBlock
+
+        cfg = MixtralConfig(
+            hidden_size=D, intermediate_size=H, num_local_experts=N, num_experts_per_tok=K, **overrides
+        )
+        block = MixtralSparseMoeBlock(cfg)
+    elif kind in ("qwen2", "qwen3", "olmoe"):
+        from transformers.models.olmoe.modeling_olmoe import OlmoeConfig, OlmoeSparseMoeBlock
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeConfig, Qwen2MoeSparseMoeBlock
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeConfig, Qwen3MoeSparseMoeBlock
+
+        config_cls, block_cls = {
+            "qwen2": (Qwen2MoeConfig, Qwen2MoeSparseMoeBlock),
+            "qwen3": (Qwen3MoeConfig, Qwen3MoeSparseMoeBlock),
+            "olmoe": (OlmoeConfig, OlmoeSparseMoeBlock),
+        }[kind]
+        extra = {"shared_expert_intermediate_size": 12} if kind == "qwen2" else {}
+        cfg = config_cls(
+            hidden_size=D,
+            intermediate_size=H,
+            moe_intermediate_size=H,
+            num_experts=N,
+            num_experts_per_tok=K,
+            **extra,
+            **overrides,
+        )
+        block = block_cls(cfg)
+    else:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Config, DeepseekV3MoE
+
+        kw = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=2, norm_topk_prob=True)
+        kw.update(overrides)
+        cfg = DeepseekV3Config(
+            hidden_size=D, moe_intermediate_size=H, n_routed_experts=N, num_experts_per_tok=K, **kw
+        )
+        block = DeepseekV3MoE(cfg)
+    _randomize(block, seed)
+    if kind == "deepseek":
+        with torch.no_grad():  # a non-trivial selection bias, as after training
+            block.gate.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, N))
+    return block.eval()
+
+
+CASES = [
+    ("mixtral", {}, "smoe"),
+    ("qwen3", {"norm_topk_prob": False}, "smoe"),
+    ("qwen3", {"norm_topk_prob": True}, "smoe"),
+    ("olmoe", {"norm_topk_prob": False}, "smoe"),
+    ("qwen2", {"norm_topk_prob": False}, "sharede-v2"),
+    ("deepseek", {}, "sharede-v3"),
+    (
+        "deepseek",
+        {"n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0},
+        "sharede-v3",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "overrides", "method"), CASES)
+def test_converted_block_has_identical_outputs_and_routing(kind, overrides, method):
+    block = _block(kind, **overrides)
+    layer = from_hf(block)
+    assert isinstance(layer, moelab.MoE) and layer.method == method and not layer.training
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = block(x.clone())
+        got = layer(x)
+        _, hf_weights, hf_indices = block.gate(x.reshape(-1, D))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # same experts chosen, same weights (order within a token may differ)
+    order_hf, order_ml = hf_indices.argsort(-1), layer.last_routing.indices.argsort(-1)
+    assert torch.equal(hf_indices.gather(1, order_hf), layer.last_routing.indices.gather(1, order_ml))
+    torch.testing.assert_close(
+        layer.last_routing.weights.gather(1, order_ml), hf_weights.gather(1, order_hf).to(x.dtype)
+    )
+
+
+def test_deepseek_group_limited_routing_only_uses_the_chosen_groups():
+    block = _block("deepseek", n_group=4, topk_group=1)
+    layer = from_hf(block)
+    x = torch.randn(64, D)
+    with torch.no_grad():
+        layer(x)
+    groups = layer.last_routing.indices // (N // 4)  # (T, K) group of each chosen expert
+    assert (groups == groups[:, :1]).all()  # both experts of a token come from its one group
+    assert layer.router.scale == 2.5 and layer.router.topk_groups == 1
+
+
+def test_qwen2_shared_expert_keeps_its_sigmoid_gate():
+    layer = from_hf(_block("qwen2"))
+    assert isinstance(layer.shared, GatedSharedExpert)
+    assert layer.shared.mlp.fc_out.in_features == 12
+
+
+def test_whole_model_conversion_keeps_the_logits():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=50,
+        hidden_size=D,
+        intermediate_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).eval()
+    _randomize(model, 3)
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert from_hf(model) is model
+    layers = moelab.attach(model, moelab.RoutingContext())
+    assert len(layers) == 2
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert moelab.aux_loss(model).item() > 0  # router_aux_loss_coef became balance_coef
+
+
+def test_converted_layer_trains():
+    layer = from_hf(_block("deepseek")).train()
+    bias_before = layer.router.selection_bias.clone()
+    y = layer(torch.randn(20, D))
+    (y.square().mean() + layer.aux_loss).backward()
+    assert layer.router.weight.grad is not None and layer.experts.w_in.grad is not None
+    assert not torch.equal(layer.router.selection_bias, bias_before)  # aux-loss-free balancing ran
+
+
+def test_unsupported_modules_are_refused_naming_the_supported_blocks():
+    with pytest.raises(ValueError, match=r"Linear is not a supported .*MixtralSparseMoeBlock.*DeepseekV3MoE"):
+        from_hf(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match=r"module=.*expected a torch.nn.Module"):
+        from_hf("mixtral")
+
+
+def test_unsupported_block_features_are_refused():
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 is not supported"):
+        from_hf(_block("mixtral", router_jitter_noise=0.1))
+    with pytest.raises(ValueError, match=r"activation 'gelu'.*not supported"):
+        from_hf(_block("qwen3", hidden_act="gelu"))
+
+
+def test_router_options_added_for_interop_validate_their_input():
+    with pytest.raises(ValueError, match="num_groups=3 is not allowed"):
+        moelab.MoE(8, 8, 2, method="sharede-v3", num_groups=3)
+    with pytest.raises(ValueError, match="topk_groups=1 is not allowed"):
+        moelab.MoE(8, 8, 4, method="sharede-v3", num_groups=4, topk_groups=1)
+    with pytest.raises(ValueError, match="scale=0 is not allowed"):
+        moelab.MoE(8, 8, 2, method="sharede-v3", scale=0)
+
+
+def test_unrenormalized_topk_weights_are_the_full_softmax_at_the_chosen_experts():
+    layer = moelab.MoE(8, 6, 2, method="smoe", renormalize=False)
+    x = torch.randn(10, 8)
+    layer(x)
+    r = layer.last_routing
+    full = (x @ layer.router.weight.T).softmax(-1)
+    expected_idx = full.topk(2, dim=-1).indices
+    assert torch.equal(r.indices, expected_idx)
+    torch.testing.assert_close(r.weights, full.gather(1, expected_idx))
+    assert (r.weights.sum(-1) < 1).all()
