@@ -233,7 +233,7 @@ def test_mlp_is_dense_two_layer_ffn():
         ({"d_hidden": 0}, r"d_hidden=0 is not allowed; expected a positive integer"),
         (
             {"activation": "tanh"},
-            r"activation='tanh' is not allowed; expected one of \['gelu', 'relu', 'silu', 'swiglu'\]",
+            r"activation='tanh' is not allowed; expected one of \[.*'gelu', .*'swiglu'\]",
         ),
         ({"impl": "fast"}, r"impl='fast' is not allowed; expected one of \['auto', 'loop', 'grouped'\]"),
         ({"chunk_elements": 0}, r"chunk_elements=0 is not allowed"),

@@ -371,7 +371,7 @@ def test_every_method_router_is_registered():
 
 
 def test_router_options_lists_keyword_options():
-    assert router_options(ROUTERS["topk"]) == ["init_std", "frozen", "k_max"]
+    assert router_options(ROUTERS["topk"]) == ["init_std", "frozen", "k_max", "renormalize"]
 
 
 def test_build_router_rejects_unknown_router():
