@@ -65,6 +65,8 @@ def test_smoe_fixed_router_weight_is_frozen_through_an_optimizer_step():
     layer = moelab.MoE(8, 4, 2, method="smoe-fixed")
     before = layer.router.weight.detach().clone()
     assert not layer.router.weight.requires_grad
+    layer.requires_grad_(True)  # a buffer: cannot be unfrozen by accident
+    assert "router.weight" not in dict(layer.named_parameters())
     opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=0.1)
     (layer(torch.randn(10, 8)).square().sum() + moelab.aux_loss(layer)).backward()
     assert layer.router.weight.grad is None
@@ -332,15 +334,14 @@ def test_stablemoe_stage1_aux_loss_includes_balance_and_distill():
 # ------------------------------------------------------------------------------------------ hyperrouter
 def test_hyperrouter_generated_router_matches_hypernetwork_of_embedding():
     router = build_router("hyper", 5, 3, 2, hyper_dim=7).double()
-    lin1, lin2 = router.hypernet[0], router.hypernet[2]
     e = router.embedding.detach()
     hidden = [
         max(0.0, sum(a * b for a, b in zip(row, e.tolist())) + b1)
-        for row, b1 in zip(lin1.weight.tolist(), lin1.bias.tolist())
+        for row, b1 in zip(router.h1_weight.tolist(), router.h1_bias.tolist())
     ]
     out = [
         sum(a * b for a, b in zip(row, hidden)) + b2
-        for row, b2 in zip(lin2.weight.tolist(), lin2.bias.tolist())
+        for row, b2 in zip(router.h2_weight.tolist(), router.h2_bias.tolist())
     ]
     wb = torch.tensor(out, dtype=torch.float64).view(3, 6)
     w, b = router.router_weights()
@@ -359,7 +360,8 @@ def test_hyperrouter_trains_only_the_embedding():
     assert [n for n, p in layer.router.named_parameters() if p.requires_grad] == ["embedding"]
     (layer(torch.randn(8, 6)).square().sum() + moelab.aux_loss(layer)).backward()
     assert layer.router.embedding.grad is not None and layer.router.embedding.grad.abs().sum() > 0
-    assert all(p.grad is None for p in layer.router.hypernet.parameters())
+    layer.requires_grad_(True)  # the hypernetwork is buffers: nothing can unfreeze it
+    assert [n for n, p in layer.router.named_parameters()] == ["embedding"]
 
 
 # ------------------------------------------------------------------------------------------ registry / bad input

@@ -32,9 +32,9 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
         probs: ``(T, N)`` router distribution.
         indices: ``(T, K)`` chosen experts.
     """
-    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(probs.dtype)
-    f = counts / indices.numel()
-    return num_experts * (f * probs.mean(dim=0)).sum()
+    compute = torch.promote_types(probs.dtype, torch.float32)  # counts above 256 are not exact in bf16
+    f = torch.bincount(indices.reshape(-1), minlength=num_experts).to(compute) / indices.numel()
+    return (num_experts * (f * probs.to(compute).mean(dim=0)).sum()).to(probs.dtype)
 
 
 def z_loss(logits: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ class HyperRouter(Router):
         embed_dim: ``d_e``; default ``d_model`` (shared/REFERENCES.md).
         embed_std: std of the N(0, σ²) init of ``e`` (1.0).
 
-    ``H`` is kept as frozen parameters (``requires_grad=False``) so checkpoints carry it.
+    ``H`` is kept as buffers (``h1_*``, ``h2_*``): checkpoints carry it and nothing can train it.
     """
 
     def __init__(
@@ -41,14 +41,22 @@ class HyperRouter(Router):
         embed_dim = d_model if embed_dim is None else _validate.positive_int("embed_dim", embed_dim)
         _validate.positive("embed_std", embed_std)
         self.embedding = nn.Parameter(torch.randn(embed_dim) * embed_std)
-        self.hypernet = nn.Sequential(
+        hypernet = nn.Sequential(
             nn.Linear(embed_dim, hyper_dim), nn.ReLU(), nn.Linear(hyper_dim, num_experts * (d_model + 1))
         )
-        self.hypernet.requires_grad_(False)
+        # frozen at its random init: kept as buffers, so no optimizer or requires_grad_(True) trains it
+        for name, tensor in (
+            ("h1_weight", hypernet[0].weight),
+            ("h1_bias", hypernet[0].bias),
+            ("h2_weight", hypernet[2].weight),
+            ("h2_bias", hypernet[2].bias),
+        ):
+            self.register_buffer(name, tensor.detach().clone())
 
     def router_weights(self) -> tuple[Tensor, Tensor]:
         """The generated ``W_r (N, d)`` and ``b_r (N,)``."""
-        wb = self.hypernet(self.embedding).view(self.num_experts, self.d_model + 1)
+        hidden = F.relu(F.linear(self.embedding, self.h1_weight, self.h1_bias))
+        wb = F.linear(hidden, self.h2_weight, self.h2_bias).view(self.num_experts, self.d_model + 1)
         return wb[:, :-1], wb[:, -1]
 
     def forward(

@@ -52,7 +52,11 @@ class TopKRouter(Router):
         self.k_max = k_max
         self.frozen = bool(frozen)
         self.renormalize = bool(renormalize)
-        self.weight = nn.Parameter(torch.randn(num_experts, d_model) * std, requires_grad=not frozen)
+        weight = torch.randn(num_experts, d_model) * std
+        if self.frozen:  # a buffer: no optimizer or requires_grad_(True) can unfreeze it
+            self.register_buffer("weight", weight)
+        else:
+            self.weight = nn.Parameter(weight)
 
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``."""
