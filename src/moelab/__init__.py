@@ -4,10 +4,13 @@ from .experts import ExpertBank, ModuleExperts
 from .layer import MoE, aux_loss
 from .methods import methods
 from .routing import Routing, RoutingContext, attach
+from .schedules import CoinFlipSchedule, CompetitionSchedule
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CoinFlipSchedule",
+    "CompetitionSchedule",
     "ExpertBank",
     "MoE",
     "ModuleExperts",

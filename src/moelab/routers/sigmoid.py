@@ -76,6 +76,10 @@ class SigmoidRouter(Router):
             self._update_bias(indices)
         return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
 
+    @property
+    def weights_sum_to_one(self) -> bool:  # σ-MoE keeps the raw sigmoid scores
+        return self.normalize
+
     @torch.no_grad()
     def _update_bias(self, indices: Tensor) -> None:
         load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
