@@ -98,7 +98,7 @@ def diversity_loss(outputs: Tensor, normalize: str = "frobenius", eps: float = 1
 
     With K = 1 there is no pair: the loss is 0.
     """
-    T, K, _ = outputs.shape
+    K = outputs.shape[1]
     if K < 2:
         return outputs.new_zeros(())
     o = outputs.float()

@@ -236,7 +236,7 @@ class CoinFlipSchedule:
     def flips(self, total_steps: int) -> torch.Tensor:
         """``(L, total_steps)`` bool: the flips of the first ``total_steps`` steps."""
         _validate.positive_int("total_steps", total_steps)
-        return torch.tensor([[self.active(l, t) for t in range(total_steps)] for l in range(self.num_layers)])
+        return torch.tensor([[self.active(i, t) for t in range(total_steps)] for i in range(self.num_layers)])
 
     def state_dict(self) -> dict[str, Any]:
         if callable(self.rate):

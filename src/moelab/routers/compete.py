@@ -233,11 +233,7 @@ class CompeteSMoERouter(Router):
         super().__init__(d_model, num_experts, top_k)
         preset = get_method(base)
         base_cls = ROUTERS[preset.router]
-        if (
-            getattr(base_cls, "loss_names", ())
-            or isinstance(base_cls, type)
-            and issubclass(base_cls, (CompeteSMoERouter, CompetitionRouter))
-        ):
+        if getattr(base_cls, "loss_names", ()) or base_cls is CompetitionRouter:
             raise ValueError(
                 f"base={base!r} is not allowed: the base must be a plain router method without its own "
                 "losses or competition (e.g. 'smoe', 'xmoe', 'pcosine', 'sigma-moe', 'sharede-v3', 'hyperrouter')"
