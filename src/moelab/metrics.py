@@ -178,20 +178,20 @@ def competition_overlap(
     model: nn.Module,
     batches: Iterable[Any],
     forward: Callable | None = None,
-    activation: str = "softplus",
+    kappa: str = "softplus",
     reduce: str = "mean",
 ) -> list[float]:
     """Per layer, the mean number of experts shared by the layer's routing (its top-K) and the
     top-K of the competition on the same input (001 App. C.5 "level learning"; K means the router
     has learned the competition policy).  The competition runs on demand (``forward_all`` on the
-    layer's input, affinity :func:`moelab.functional.competition_affinity` with ``activation`` /
+    layer's input, affinity :func:`moelab.functional.competition_affinity` with ``kappa`` /
     ``reduce``), for any method."""
     sums: dict[int, float] = {}
     counts: dict[int, int] = {}
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
         chosen = layer.last_routing.indices
-        scores = competition_affinity(layer.experts.forward_all(x), activation, reduce)
+        scores = competition_affinity(layer.experts.forward_all(x), kappa, reduce)
         winners = scores.topk(chosen.shape[-1], dim=-1).indices
         sums[i] = sums.get(i, 0.0) + float(topk_overlap(chosen, winners)) * x.shape[0]
         counts[i] = counts.get(i, 0) + x.shape[0]

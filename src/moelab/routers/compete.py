@@ -43,7 +43,7 @@ MODES = ("compete", "v1", "dense")
 
 
 def _scores_no_grad(
-    x: Tensor, experts: nn.Module, k: int, activation: str, reduce: str
+    x: Tensor, experts: nn.Module, k: int, kappa: str, reduce: str
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Every expert on every token without autograd, reduced chunk by chunk to the affinities.
 
@@ -56,7 +56,7 @@ def _scores_no_grad(
     with torch.no_grad():
         for xc in x.split(chunk):
             all_out = experts.forward_all(xc)  # (t, N, d)
-            s = competition_affinity(all_out, activation, reduce)  # (t, N)
+            s = competition_affinity(all_out, kappa, reduce)  # (t, N)
             idx = s.topk(k, dim=-1).indices  # (t, K) sorted by decreasing affinity
             scores.append(s)
             winners.append(idx)
@@ -78,7 +78,7 @@ def compete(
     x: Tensor,
     experts: nn.Module,
     k: int,
-    activation: str = "softplus",
+    kappa: str = "softplus",
     reduce: str = "mean",
     weighting: str = "normalized",
     grad_path: str = "winners",
@@ -95,20 +95,20 @@ def compete(
         decreasing affinity; the weights and outputs carry gradients to the winners; ``scores``
         are detached.
     """
-    if grad_path == "all" or activation == "softmax":
+    if grad_path == "all" or kappa == "softmax":
         if torch.is_grad_enabled():
             all_out = experts.forward_all(x)  # (T, N, d), differentiable
-            s = competition_affinity(all_out, activation, reduce)
+            s = competition_affinity(all_out, kappa, reduce)
             winners = s.detach().topk(k, dim=-1).indices
             outputs = all_out.gather(1, winners.unsqueeze(-1).expand(-1, -1, all_out.shape[-1]))
             win_scores = s.gather(1, winners)
             return winners, _weights(win_scores, weighting), outputs, s.detach()
-    scores, winners, outputs = _scores_no_grad(x, experts, k, activation, reduce)
+    scores, winners, outputs = _scores_no_grad(x, experts, k, kappa, reduce)
     if torch.is_grad_enabled():
         outputs = _winner_outputs(x, experts, winners)
         # The affinity of a winner depends on its own output only (for exp the shift is the top-1
         # winner's, the same as over all N), so the winners' scores are recomputed with autograd.
-        win_scores = competition_affinity(outputs, activation, reduce)
+        win_scores = competition_affinity(outputs, kappa, reduce)
     else:
         win_scores = scores.gather(1, winners)
     return winners, _weights(win_scores, weighting), outputs, scores
@@ -120,10 +120,10 @@ def _weights(win_scores: Tensor, weighting: str) -> Tensor:
     return win_scores.softmax(dim=-1)
 
 
-def _check_competition_options(activation: str, reduce: str, weighting: str, grad_path: str) -> None:
+def _check_competition_options(kappa: str, reduce: str, weighting: str, grad_path: str) -> None:
     _validate.one_of("reduce", reduce, ["mean", "norm"])
     if reduce == "mean":
-        _validate.one_of("activation", activation, COMPETITION_ACTIVATIONS)
+        _validate.one_of("kappa", kappa, COMPETITION_ACTIVATIONS)
     _validate.one_of("weighting", weighting, WEIGHTINGS)
     _validate.one_of("grad_path", grad_path, GRAD_PATHS)
 
@@ -134,7 +134,7 @@ class CompetitionRouter(Router):
     and the K with the strongest response produce the output, in training and evaluation alike.
 
     Options:
-        activation: κ of ``s_i = mean(κ(g_i(x)))``: ``softplus`` (001 default), ``silu``,
+        kappa: κ of ``s_i = mean(κ(g_i(x)))``: ``softplus`` (001 default), ``silu``,
             ``sigmoid``, ``relu``, ``softmax``, ``exp`` (computed stably; 001 App. C.3).
         reduce: ``"mean"`` (001 eq. 4) or ``"norm"`` (``s_i = ‖g_i(x)‖₂``, 000 §3.1; 001 App. C.4).
         weighting: ``"normalized"`` (``TopK_0(s)/Σ TopK_0(s)``, 001) or ``"softmax"``
@@ -150,15 +150,15 @@ class CompetitionRouter(Router):
         d_model: int,
         num_experts: int,
         top_k: int,
-        activation: str = "softplus",
+        kappa: str = "softplus",
         reduce: str = "mean",
         weighting: str = "normalized",
         grad_path: str = "winners",
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
-        _check_competition_options(activation, reduce, weighting, grad_path)
-        self.activation, self.reduce, self.weighting, self.grad_path = (
-            activation,
+        _check_competition_options(kappa, reduce, weighting, grad_path)
+        self.kappa, self.reduce, self.weighting, self.grad_path = (
+            kappa,
             reduce,
             weighting,
             grad_path,
@@ -166,7 +166,7 @@ class CompetitionRouter(Router):
 
     def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
         winners, weights, outputs, _ = compete(
-            x, experts, self.top_k, self.activation, self.reduce, self.weighting, self.grad_path
+            x, experts, self.top_k, self.kappa, self.reduce, self.weighting, self.grad_path
         )
         return Routing(indices=winners, weights=weights, outputs=outputs)
 
@@ -205,7 +205,7 @@ class CompeteSMoERouter(Router):
             ``base_options``.  Shared experts (``num_shared``) are a layer option.
         base_options: extra options of the base router (e.g. ``{"init_std": 0.02}``).
         mode: ``"compete"``, ``"v1"`` or ``"dense"``.
-        activation, reduce, weighting, grad_path: the competition (:class:`CompetitionRouter`).
+        kappa, reduce, weighting, grad_path: the competition (:class:`CompetitionRouter`).
         alpha: α of the winner term of L_D (0.1, 001 Table 20).
         diversity: ``"frobenius"`` (001 eq. 2) or ``"cosine"`` (:func:`moelab.losses.diversity_loss`).
 
@@ -223,7 +223,7 @@ class CompeteSMoERouter(Router):
         base: str = "smoe",
         base_options: dict | None = None,
         mode: str = "compete",
-        activation: str = "softplus",
+        kappa: str = "softplus",
         reduce: str = "mean",
         weighting: str = "normalized",
         grad_path: str = "winners",
@@ -240,7 +240,7 @@ class CompeteSMoERouter(Router):
             )
         if base_options is not None and not isinstance(base_options, dict):
             raise ValueError(f"base_options={base_options!r} is not allowed; expected a dict or None")
-        _check_competition_options(activation, reduce, weighting, grad_path)
+        _check_competition_options(kappa, reduce, weighting, grad_path)
         self.mode = _validate.one_of("mode", mode, MODES)
         self.alpha = _validate.non_negative("alpha", alpha)
         self.diversity = _validate.one_of("diversity", diversity, ["frobenius", "cosine"])
@@ -248,8 +248,8 @@ class CompeteSMoERouter(Router):
         self.base = build_router(
             preset.router, d_model, num_experts, top_k, **{**preset.options, **(base_options or {})}
         )
-        self.activation, self.reduce, self.weighting, self.grad_path = (
-            activation,
+        self.kappa, self.reduce, self.weighting, self.grad_path = (
+            kappa,
             reduce,
             weighting,
             grad_path,
@@ -300,7 +300,7 @@ class CompeteSMoERouter(Router):
             return self._dense(routing)
         k = self.base.top_k
         winners, weights, outputs, scores = compete(
-            x, experts, k, self.activation, self.reduce, self.weighting, self.grad_path
+            x, experts, k, self.kappa, self.reduce, self.weighting, self.grad_path
         )
         losses = dict(routing.losses)
         if self.mode == "v1":
