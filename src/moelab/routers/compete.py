@@ -50,7 +50,8 @@ def _scores_no_grad(
     Returns ``(scores (T, N), winners (T, K), winner_outputs (T, K, d))``.
     """
     width = getattr(experts, "d_model", None) or max(1, x[0].numel())  # output width (≈ input for others)
-    budget = getattr(experts, "chunk_elements", 1 << 24)
+    # at most ~4M output elements (16 MiB in float32) at once: the transient of a competition step
+    budget = min(getattr(experts, "chunk_elements", 1 << 22), 1 << 22)
     chunk = max(1, budget // (experts.num_experts * width))
     scores, winners, outs = [], [], []
     with torch.no_grad():
