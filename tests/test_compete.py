@@ -384,3 +384,26 @@ def test_compete_function_matches_layer():
     assert torch.allclose(weights.sum(-1), torch.ones(T))
     assert outputs.shape == (T, K, D) and scores.shape == (T, N) and not scores.requires_grad
     assert torch.equal(winners, scores.topk(K, -1).indices)
+
+
+def test_competition_over_module_experts():
+    torch.manual_seed(0)
+    mods = [
+        torch.nn.Sequential(torch.nn.Linear(D, 8), torch.nn.ReLU(), torch.nn.Linear(8, D)) for _ in range(N)
+    ]
+    layer = moelab.MoE(D, N, K, method="competesmoe", experts=moelab.ModuleExperts(mods))
+    moelab.attach(layer, moelab.RoutingContext(schedule=Always()))
+    x = torch.randn(T, D)
+    y = layer(x)
+    with torch.no_grad():
+        out = torch.stack([m(x) for m in mods], dim=1)
+    top, idx = F.softplus(out).mean(-1).topk(K, -1)
+    w = top / top.sum(-1, keepdim=True)
+    assert torch.equal(layer.last_routing.indices, idx)
+    assert torch.allclose(
+        y, (w.unsqueeze(-1) * out.gather(1, idx.unsqueeze(-1).expand(-1, -1, D))).sum(1), atol=1e-5
+    )
+    y.sum().backward()
+    unused = set(range(N)) - set(idx.unique().tolist())
+    for e in unused:
+        assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in mods[e].parameters())
