@@ -407,3 +407,39 @@ def test_competition_over_module_experts():
     unused = set(range(N)) - set(idx.unique().tolist())
     for e in unused:
         assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in mods[e].parameters())
+
+
+def _bench_args(**changes):
+    import argparse
+
+    from moelab import bench_compete
+
+    parser = argparse.ArgumentParser()
+    bench_compete.add_arguments(parser)
+    argv = ["--layers", "2", "--d-model", "8", "--d-hidden", "8", "--experts", "4", "--tokens", "16"]
+    argv += ["--steps", "4", "--omega", "0.5", "--a-max", "1", "--no-memory"]
+    for key, value in changes.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return bench_compete, parser.parse_args(argv)
+
+
+def test_bench_compete_smoke(capsys):
+    bench, args = _bench_args()
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "ratio competesmoe / smoe" in out and "ω·(N−K)/K × share" in out
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"top_k": 4}, r"--top-k=4 is not allowed; expected an integer in \[1, 3\]"),
+        ({"omega": 2.0}, r"omega=2.0 is not allowed"),
+        ({"a_max": 0}, r"a_max=0 is not allowed"),
+        ({"tokens": 0}, r"--tokens=0 is not allowed"),
+    ],
+)
+def test_bench_compete_bad_input(changes, match):
+    bench, args = _bench_args(**changes)
+    with pytest.raises(ValueError, match=match):
+        bench.run(args)
