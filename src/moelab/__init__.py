@@ -5,11 +5,14 @@ from .interop import from_hf
 from .layer import MoE, aux_loss
 from .methods import methods
 from .routing import Routing, RoutingContext, attach
+from .schedules import CoinFlipSchedule, CompetitionSchedule
 from .upcycle import upcycle
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CoinFlipSchedule",
+    "CompetitionSchedule",
     "ExpertBank",
     "MoE",
     "ModuleExperts",

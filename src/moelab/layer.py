@@ -101,6 +101,9 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
+        #: top-(K+1) swap evaluation (001 Table 3; :func:`moelab.metrics.swap_top1`): route with
+        #: K+1 experts and drop the top-1
+        self.swap_top1 = False
         self.aux_loss: Tensor = torch.zeros(())
         self.last_routing: Routing | None = None
 
@@ -133,7 +136,7 @@ class MoE(nn.Module):
             )
         shape = x.shape
         flat = x.reshape(-1, self.d_model)  # (T, d)
-        routing = self.router(flat, self.experts, self.ctx)
+        routing = self._route_swapped(flat) if self.swap_top1 else self.router(flat, self.experts, self.ctx)
         if self.check_finite and routing.logits is not None and not torch.isfinite(routing.logits).all():
             raise RuntimeError(
                 f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
@@ -148,6 +151,33 @@ class MoE(nn.Module):
         self.aux_loss = self._aux_loss(routing, flat)
         self.last_routing = routing.detach()
         return y.reshape(shape)
+
+    def _route_swapped(self, x: Tensor) -> Routing:
+        """The router's choice with its top-1 expert replaced by its (K+1)-th (001 Table 3): route
+        with K+1 experts, drop column 0 (routers sort their choice by decreasing score) and, for
+        routers whose weights sum to one, renormalise the K left."""
+        router = self.router
+        k = router.top_k
+        if k >= self.num_experts:
+            raise ValueError(
+                f"swap_top1 needs top_k < num_experts; got top_k={k}, num_experts={self.num_experts}"
+            )
+        router.top_k = k + 1
+        try:
+            r = router(x, self.experts, self.ctx)
+        finally:
+            router.top_k = k
+        weights = r.weights[:, 1:]
+        if getattr(router, "weights_sum_to_one", True):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(
+            indices=r.indices[:, 1:],
+            weights=weights,
+            probs=r.probs,
+            logits=r.logits,
+            losses=r.losses,
+            outputs=None if r.outputs is None else r.outputs[:, 1:],
+        )
 
     def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
         total = x.new_zeros(())

@@ -11,9 +11,13 @@ from torch import Tensor
 
 __all__ = [
     "LOSS_NAMES",
+    "competition_router_loss",
+    "distillation_loss",
+    "diversity_loss",
     "importance_loss",
     "mean_entropy_loss",
     "switch_balance_loss",
+    "topk_softmax_dense",
     "z_loss",
 ]
 
@@ -57,3 +61,76 @@ def mean_entropy_loss(probs: Tensor, eps: float = 1e-9) -> Tensor:
     baseline, coefficient ≈ 1e-3).  Minimising it spreads the load."""
     mean = probs.mean(dim=0)
     return (mean * (mean + eps).log()).sum()
+
+
+# ---------------------------------------------------------------- CompeteSMoE (000, 001)
+def distillation_loss(
+    router_scores: Tensor, competition_scores: Tensor, winners: Tensor, alpha: float
+) -> Tensor:
+    """CompeteSMoE distillation loss (001 eq. 1):
+    ``L_D = MSE(s_R, s_C) + (α/K) · Σ_{j∈I_C} (s_C^j − s_R^j)²``.
+
+    The MSE is the mean over the ``T·N`` entries; the winner term is summed over the K winners of
+    each token and averaged over tokens.  ``s_C`` is a target: it is detached here, so the loss
+    trains the router only.
+
+    Args:
+        router_scores: ``(T, N)`` ``s_R``, the router's softmax over all experts.
+        competition_scores: ``(T, N)`` ``s_C = TopK_0(s) / Σ TopK_0(s)`` (zero off the winners).
+        winners: ``(T, K)`` ``I_C``, the competition winners.
+        alpha: α (0.1, 001 Table 20).
+    """
+    target = competition_scores.detach().to(router_scores.dtype)
+    mse = (router_scores - target).square().mean()
+    k = winners.shape[-1]
+    diff = target.gather(1, winners) - router_scores.gather(1, winners)  # (T, K)
+    return mse + (alpha / k) * diff.square().sum(dim=-1).mean()
+
+
+def diversity_loss(outputs: Tensor, normalize: str = "frobenius", eps: float = 1e-12) -> Tensor:
+    """CompeteSMoE diversity loss on the winners' outputs (001 eq. 2):
+    ``L_div(O) = 1/(K(K−1)) Σ_{i≠j} C_ij`` with ``C = O Oᵀ / ‖O‖²₂``, per token, averaged over tokens.
+
+    Args:
+        outputs: ``(T, K, d)``, the K winners' outputs ``O`` of each token.
+        normalize: ``"frobenius"`` (the paper's formula: one scalar ‖O‖²₂, the squared Frobenius
+            norm of O) or ``"cosine"`` (rows normalised: the cosine-similarity matrix, what the
+            public code computes).
+
+    With K = 1 there is no pair: the loss is 0.
+    """
+    K = outputs.shape[1]
+    if K < 2:
+        return outputs.new_zeros(())
+    o = outputs.float()
+    if normalize == "frobenius":
+        gram = o @ o.transpose(1, 2)  # (T, K, K)
+        c = gram / o.square().sum(dim=(1, 2)).clamp_min(eps)[:, None, None]
+    elif normalize == "cosine":
+        u = o / o.norm(dim=-1, keepdim=True).clamp_min(eps)
+        c = u @ u.transpose(1, 2)
+    else:
+        raise ValueError(f"normalize={normalize!r} is not supported; allowed: ['frobenius', 'cosine']")
+    off = c.sum(dim=(1, 2)) - c.diagonal(dim1=1, dim2=2).sum(dim=-1)  # (T,)
+    return (off / (K * (K - 1))).mean().to(outputs.dtype)
+
+
+def topk_softmax_dense(scores: Tensor, k: int) -> Tensor:
+    """``softmax(TopK_-inf(v))`` as an ``(T, N)`` distribution: the softmax over each row's K
+    largest entries, zero elsewhere (000 eq. 1-2)."""
+    top, idx = scores.topk(k, dim=-1)
+    return torch.zeros_like(scores).scatter(-1, idx, top.softmax(dim=-1))
+
+
+def competition_router_loss(router_logits: Tensor, competition_scores: Tensor, k: int) -> Tensor:
+    """CompeteSMoE v1 router loss (000 eq. 3):
+    ``L_R = MSE(softmax(TopK(s_R, K)), softmax(TopK(s_C, K)))``, both over N experts (zero off each
+    one's top K), mean over the ``T·N`` entries; ``s_C`` (the experts' output norms) is detached.
+
+    Args:
+        router_logits: ``(T, N)`` the router's scores ``s_R``.
+        competition_scores: ``(T, N)`` the competition affinities ``s_C = ‖g_i(x)‖₂``.
+        k: K.
+    """
+    target = topk_softmax_dense(competition_scores.detach().to(router_logits.dtype), k)
+    return (topk_softmax_dense(router_logits, k) - target).square().mean()

@@ -129,3 +129,37 @@ for _m in [
     ),
 ]:
     register_method(_m)
+
+# ---------------------------------------------------------------- competition (000, 001)
+for _m in [
+    Method(
+        "densemoe",
+        "competesmoe",
+        "smoe; on scheduled steps all N experts contribute, weighted by the router's softmax",
+        "001 App. C.1, Table 10 (DenseMoE ablation, after Pan et al. 2024)",
+        options={"mode": "dense"},
+        coefs=_BALANCED,
+    ),
+    Method(
+        "competition",
+        "competition",
+        "all experts run; s_i = mean(softplus(g_i(x))); winners TopK(s), weights TopK_0(s)/Σ",
+        "001 §2.2 (000 §3.1 with reduce='norm', weighting='softmax')",
+    ),
+    Method(
+        "competesmoe",
+        "competesmoe",
+        "smoe router + scheduled competition; L_D (γ=0.01, α=0.1) + L_div (β=0.005)",
+        "001 §2.2-2.4, App. B, Table 20",
+        coefs={**_BALANCED, "distill": 0.01, "diversity": 0.005},
+    ),
+    Method(
+        "competesmoe-v1",
+        "competesmoe",
+        "smoe router + per-layer coin flips of competition by output norm; L_R = MSE of top-K softmaxes",
+        "000 §3, eq. 3-5",
+        options={"mode": "v1", "reduce": "norm", "weighting": "softmax"},
+        coefs={"distill": 1.0},
+    ),
+]:
+    register_method(_m)

@@ -39,4 +39,4 @@ def build_router(name: str, d_model: int, num_experts: int, top_k: int, **option
     return ROUTERS[name](d_model, num_experts, top_k, **options)
 
 
-from . import cosine, hyper, sigmoid, stable, topk  # noqa: E402,F401  (registration)
+from . import compete, cosine, hyper, sigmoid, stable, topk  # noqa: E402,F401  (registration)

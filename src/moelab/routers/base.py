@@ -14,6 +14,10 @@ class Router(nn.Module):
     #: names of the method-specific losses this router may put in ``Routing.losses``
     loss_names: tuple[str, ...] = ()
 
+    #: whether the chosen experts' weights are renormalised to sum to 1 over the K chosen; the
+    #: top-(K+1) swap evaluation (``MoE.swap_top1``) renormalises after dropping the top-1 iff so
+    weights_sum_to_one: bool = True
+
     def __init__(self, d_model: int, num_experts: int, top_k: int) -> None:
         super().__init__()
         self.d_model = _validate.positive_int("d_model", d_model)

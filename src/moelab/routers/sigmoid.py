@@ -121,6 +121,10 @@ class SigmoidRouter(Router):
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # (T, G)
         return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, -1)
 
+    @property
+    def weights_sum_to_one(self) -> bool:  # σ-MoE keeps the raw sigmoid scores
+        return self.normalize
+
     @torch.no_grad()
     def _update_bias(self, indices: Tensor) -> None:
         load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()

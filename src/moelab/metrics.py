@@ -1,0 +1,263 @@
+"""Routing diagnostics.
+
+CompeteSMoE diagnostics (000 App. C.5; 001 §5.2.2, App. C.5, D.1), usable on any model that contains
+``moelab.MoE`` layers, whatever its method:
+
+* :func:`router_entropy` — mean entropy of the router softmax, per layer (000 Table 10);
+* :func:`competition_overlap` — mean ``|TopK(router) ∩ TopK(competition)|`` per token, per layer,
+  the competition computed on demand from the layer's input (001 App. C.5, "level learning");
+* :func:`expert_change_rate` — fraction of (token, layer, slot) assignments that differ between two
+  checkpoints on the same data (001 §5.2.2 b, Fig. 3);
+* :func:`expert_output_norms` — mean ‖g_i(x)‖₂ of every expert on the layer's tokens, per layer
+  (001 App. D.1, Fig. 6);
+* :func:`swap_top1` — context manager: every layer replaces its top-1 expert by its (K+1)-th
+  (001 §5.2.2 a, Table 3).
+
+The tensor-level functions (:func:`routing_entropy`, :func:`topk_overlap`,
+:func:`assignment_change_rate`) take routings directly; the model-level ones run the model in
+evaluation mode without gradients over ``batches`` (an iterable of inputs; a tuple or list is
+unpacked into the call, or pass ``forward(model, batch)``) and read each MoE layer's input and
+``last_routing`` through forward hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .functional import competition_affinity
+
+__all__ = [
+    "assignment_change_rate",
+    "competition_overlap",
+    "expert_change_rate",
+    "expert_output_norms",
+    "router_entropy",
+    "routing_entropy",
+    "swap_top1",
+    "topk_overlap",
+]
+
+
+# ---------------------------------------------------------------- on routings
+def routing_entropy(probs: Tensor, base: float = math.e) -> Tensor:
+    """Mean per-token entropy ``mean_x −Σ_i p_i log p_i`` of a ``(T, N)`` router distribution, in
+    nats by default (``base=2`` for bits).  000 Table 10 reports it per layer (a uniform router
+    over 16 experts has ln 16 ≈ 2.77)."""
+    if probs.dim() != 2:
+        raise ValueError(f"probs of shape {tuple(probs.shape)} is not allowed; expected (T, N)")
+    p = probs.double()
+    h = -(p * p.clamp_min(1e-30).log()).sum(dim=-1).mean()
+    return (h / math.log(base)).to(probs.dtype)
+
+
+def topk_overlap(indices_a: Tensor, indices_b: Tensor) -> Tensor:
+    """Mean ``|A ∩ B|`` per token of two ``(T, K)`` expert choices (the "level learning" of 001
+    App. C.5 when A is the router's top-K and B the competition's); 0-dim float."""
+    if indices_a.dim() != 2 or indices_a.shape[0] != indices_b.shape[0]:
+        raise ValueError(
+            f"indices of shapes {tuple(indices_a.shape)} and {tuple(indices_b.shape)} are not allowed; "
+            "expected (T, K_a) and (T, K_b) with the same T"
+        )
+    hits = (indices_a.unsqueeze(-1) == indices_b.unsqueeze(-2)).any(dim=-1)  # (T, K_a)
+    return hits.sum(dim=-1).float().mean()
+
+
+def _mismatches(indices_a: Tensor, indices_b: Tensor) -> tuple[int, int]:
+    if indices_a.shape != indices_b.shape:
+        raise ValueError(
+            f"indices of shapes {tuple(indices_a.shape)} and {tuple(indices_b.shape)} are not allowed; "
+            "expected the same (T, K) (the same data through both checkpoints)"
+        )
+    same = (indices_a.unsqueeze(-1) == indices_b.unsqueeze(-2)).any(dim=-1).sum()
+    return indices_a.numel() - int(same), indices_a.numel()
+
+
+def assignment_change_rate(indices_a: Tensor | list[Tensor], indices_b: Tensor | list[Tensor]) -> float:
+    """Expert change rate (001 §5.2.2 b): the fraction of (token, layer, slot) assignments that
+    differ between two routings of the same tokens.  Each token's K experts are compared as a set
+    (a swap of order is no change): per token ``K − |A ∩ B|`` mismatches out of K.
+
+    Args:
+        indices_a, indices_b: ``(T, K)`` choices, or lists of them (one per layer).
+    """
+    if isinstance(indices_a, Tensor):
+        indices_a, indices_b = [indices_a], [indices_b]
+    if len(indices_a) != len(indices_b):
+        raise ValueError(f"got {len(indices_a)} and {len(indices_b)} layers; expected the same number")
+    bad = total = 0
+    for a, b in zip(indices_a, indices_b):
+        m, n = _mismatches(a, b)
+        bad, total = bad + m, total + n
+    return bad / total if total else 0.0
+
+
+# ---------------------------------------------------------------- on models
+def _layers(model: nn.Module) -> list[nn.Module]:
+    from .layer import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError(f"model of type {type(model).__name__} has no moelab.MoE layer")
+    return layers
+
+
+def _call(model: nn.Module, batch: Any, forward: Callable | None) -> None:
+    if forward is not None:
+        forward(model, batch)
+    elif isinstance(batch, (tuple, list)):
+        model(*batch)
+    else:
+        model(batch)
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _run(
+    model: nn.Module,
+    batches: Iterable[Any],
+    forward: Callable | None,
+    on_layer: Callable[[int, nn.Module, Tensor], None],
+) -> int:
+    """Run ``model`` over ``batches``; after each MoE layer's forward call ``on_layer(i, layer, x)``
+    with its flattened input ``(T, d)`` (``layer.last_routing`` is that call's routing)."""
+    layers = _layers(model)
+
+    def make_hook(i: int):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            on_layer(i, module, args[0].reshape(-1, module.d_model))
+
+        return hook
+
+    handles = [layer.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
+    try:
+        with _evaluating(model):
+            for batch in batches:
+                _call(model, batch, forward)
+    finally:
+        for h in handles:
+            h.remove()
+    return len(layers)
+
+
+def router_entropy(
+    model: nn.Module, batches: Iterable[Any], forward: Callable | None = None, base: float = math.e
+) -> list[float | None]:
+    """Mean entropy of each MoE layer's router distribution (``Routing.probs``) over the tokens of
+    ``batches``, in layer order (000 App. C.5, Table 10); ``None`` for a layer without a router
+    distribution (pure competition)."""
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        probs = layer.last_routing.probs
+        if probs is None:
+            return
+        sums[i] = sums.get(i, 0.0) + float(routing_entropy(probs, base)) * probs.shape[0]
+        counts[i] = counts.get(i, 0) + probs.shape[0]
+
+    n = _run(model, batches, forward, on_layer)
+    return [sums[i] / counts[i] if counts.get(i) else None for i in range(n)]
+
+
+def competition_overlap(
+    model: nn.Module,
+    batches: Iterable[Any],
+    forward: Callable | None = None,
+    kappa: str = "softplus",
+    reduce: str = "mean",
+) -> list[float]:
+    """Per layer, the mean number of experts shared by the layer's routing (its top-K) and the
+    top-K of the competition on the same input (001 App. C.5 "level learning"; K means the router
+    has learned the competition policy).  The competition runs on demand (``forward_all`` on the
+    layer's input, affinity :func:`moelab.functional.competition_affinity` with ``kappa`` /
+    ``reduce``), for any method."""
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        chosen = layer.last_routing.indices
+        scores = competition_affinity(layer.experts.forward_all(x), kappa, reduce)
+        winners = scores.topk(chosen.shape[-1], dim=-1).indices
+        sums[i] = sums.get(i, 0.0) + float(topk_overlap(chosen, winners)) * x.shape[0]
+        counts[i] = counts.get(i, 0) + x.shape[0]
+
+    n = _run(model, batches, forward, on_layer)
+    return [sums[i] / counts[i] for i in range(n)]
+
+
+def expert_output_norms(model: nn.Module, batches: Iterable[Any], forward: Callable | None = None) -> Tensor:
+    """``(L, N)``: the mean ``‖g_i(x)‖₂`` of every expert i of every MoE layer over that layer's
+    tokens (all experts run on all tokens; 001 App. D.1, Fig. 6 plots their layer-wise evolution)."""
+    sums: dict[int, Tensor] = {}
+    counts: dict[int, int] = {}
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        norms = layer.experts.forward_all(x).flatten(2).norm(dim=-1).double().sum(dim=0)  # (N,)
+        sums[i] = sums[i] + norms if i in sums else norms
+        counts[i] = counts.get(i, 0) + x.shape[0]
+
+    n = _run(model, batches, forward, on_layer)
+    return torch.stack([(sums[i] / counts[i]).float() for i in range(n)])
+
+
+def _routings(model: nn.Module, batch: Any, forward: Callable | None) -> list[Tensor]:
+    out: dict[int, list[Tensor]] = {}
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        out.setdefault(i, []).append(layer.last_routing.indices)
+
+    n = _run(model, [batch], forward, on_layer)
+    return [torch.cat(out[i]) for i in range(n)]
+
+
+def expert_change_rate(
+    model_a: nn.Module, model_b: nn.Module, batches: Iterable[Any], forward: Callable | None = None
+) -> float:
+    """Expert change rate between two checkpoints of one model on the same data (001 §5.2.2 b,
+    Fig. 3): :func:`assignment_change_rate` over every token, MoE layer and slot of ``batches``.
+    ``batches`` is iterated once; each batch goes through both models."""
+    bad = total = 0
+    for batch in batches:
+        ra, rb = _routings(model_a, batch, forward), _routings(model_b, batch, forward)
+        if len(ra) != len(rb):
+            raise ValueError(f"the models have {len(ra)} and {len(rb)} MoE layers; expected the same number")
+        for a, b in zip(ra, rb):
+            m, t = _mismatches(a, b)
+            bad, total = bad + m, total + t
+    return bad / total if total else 0.0
+
+
+@contextlib.contextmanager
+def swap_top1(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block every MoE layer of ``model`` replaces its top-1 expert by its (K+1)-th
+    (001 §5.2.2 a, Table 3: "shifting the selected experts down by one rank"); the weights are the
+    router's rule on the new set (top-K softmax renormalised over it, σ-MoE's raw scores kept).
+    Meant for evaluation; needs ``top_k < num_experts``.
+
+    >>> with moelab.metrics.swap_top1(model):
+    ...     loss = evaluate(model)
+    """
+    layers = _layers(model)
+    previous = [layer.swap_top1 for layer in layers]
+    for layer in layers:
+        layer.swap_top1 = True
+    try:
+        yield model
+    finally:
+        for layer, p in zip(layers, previous):
+            layer.swap_top1 = p

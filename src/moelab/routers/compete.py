@@ -1,0 +1,329 @@
+"""Competition routing: ``competition`` (pure) and ``competesmoe`` (a router that learns it on a schedule).
+
+Competition (000 §3.1; 001 §2.2): every expert runs, each expert's affinity is its own response
+``s_i = mean(κ(g_i(x)))`` (or ``‖g_i(x)‖₂``), the K strongest win and produce the output.  The
+routers here hand the layer the winners' outputs (``Routing.outputs``), so the layer never runs an
+expert for them again.
+
+How the winners' outputs get their gradient (option ``grad_path``):
+
+* ``"winners"`` (default): the N experts run once without autograd (in token chunks: the scores
+  are reduced chunk by chunk, no ``(T, N, d)`` tensor is kept), then the K winners run again with
+  autograd through the bank's sorted dispatch.  Cost ``N + 3K`` expert passes per token (forward
+  N, then forward + backward K) and the activation memory of an smoe step.
+* ``"all"``: one differentiable ``forward_all`` and the winners' outputs gathered from it (no
+  expert runs twice), but the backward then runs over all N experts: ``3N`` passes and ``N/K``
+  times the activation memory.  Non-winners get exactly zero gradient either way.
+
+``"winners"`` is the cheaper of the two whenever ``N + 3K < 3N``, i.e. always for K < N; the
+benchmark ``moelab bench compete`` measures both.  κ = ``softmax`` couples the experts (its
+affinity needs all N outputs), so it always uses ``"all"``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from .. import _validate
+from ..functional import COMPETITION_ACTIVATIONS, competition_affinity
+from ..losses import competition_router_loss, distillation_loss, diversity_loss, switch_balance_loss
+from ..methods import get_method
+from ..routing import Routing, RoutingContext
+from . import ROUTERS, build_router, register
+from .base import Router
+
+__all__ = ["CompeteSMoERouter", "CompetitionRouter", "compete"]
+
+WEIGHTINGS = ("normalized", "softmax")
+GRAD_PATHS = ("winners", "all")
+MODES = ("compete", "v1", "dense")
+
+
+def _scores_no_grad(
+    x: Tensor, experts: nn.Module, k: int, kappa: str, reduce: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every expert on every token without autograd, reduced chunk by chunk to the affinities.
+
+    Returns ``(scores (T, N), winners (T, K), winner_outputs (T, K, d))``.
+    """
+    width = getattr(experts, "d_model", None) or max(1, x[0].numel())  # output width (≈ input for others)
+    # at most ~4M output elements (16 MiB in float32) at once: the transient of a competition step
+    budget = min(getattr(experts, "chunk_elements", 1 << 22), 1 << 22)
+    chunk = max(1, budget // (experts.num_experts * width))
+    scores, winners, outs = [], [], []
+    with torch.no_grad():
+        for xc in x.split(chunk):
+            all_out = experts.forward_all(xc)  # (t, N, d)
+            s = competition_affinity(all_out, kappa, reduce)  # (t, N)
+            idx = s.topk(k, dim=-1).indices  # (t, K) sorted by decreasing affinity
+            scores.append(s)
+            winners.append(idx)
+            outs.append(all_out.gather(1, idx.unsqueeze(-1).expand(-1, -1, all_out.shape[-1])))
+    cat = lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0]
+    return cat(scores), cat(winners), cat(outs)
+
+
+def _winner_outputs(x: Tensor, experts: nn.Module, winners: Tensor) -> Tensor:
+    """The winners' outputs ``(T, K, d)`` with autograd, through the bank's sorted dispatch (each
+    (token, winner) slot is one row with weight 1)."""
+    T, K = winners.shape
+    xs = x.repeat_interleave(K, dim=0)  # (T·K, ...)
+    ones = x.new_ones(T * K, 1)
+    return experts(xs, winners.reshape(-1, 1), ones).view(T, K, -1)
+
+
+def compete(
+    x: Tensor,
+    experts: nn.Module,
+    k: int,
+    kappa: str = "softplus",
+    reduce: str = "mean",
+    weighting: str = "normalized",
+    grad_path: str = "winners",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The competition mechanism (000 §3.1; 001 §2.2, eq. 4-5).
+
+    1. ``g_i(x)`` for all N experts; 2. ``s_i = mean(κ(g_i(x)))`` (``reduce="mean"``, 001) or
+    ``‖g_i(x)‖₂`` (``reduce="norm"``, 000) via :func:`moelab.functional.competition_affinity`;
+    3. winners ``I_C = TopK(s)``; weights ``TopK_0(s) / Σ TopK_0(s)`` (``weighting="normalized"``,
+    001) or ``softmax(TopK_-inf(s))`` (``"softmax"``, 000).
+
+    Returns:
+        ``(winners (T, K), weights (T, K), outputs (T, K, d), scores (T, N))``: winners sorted by
+        decreasing affinity; the weights and outputs carry gradients to the winners; ``scores``
+        are detached.
+    """
+    if grad_path == "all" or kappa == "softmax":
+        if torch.is_grad_enabled():
+            all_out = experts.forward_all(x)  # (T, N, d), differentiable
+            s = competition_affinity(all_out, kappa, reduce)
+            winners = s.detach().topk(k, dim=-1).indices
+            outputs = all_out.gather(1, winners.unsqueeze(-1).expand(-1, -1, all_out.shape[-1]))
+            win_scores = s.gather(1, winners)
+            return winners, _weights(win_scores, weighting), outputs, s.detach()
+    scores, winners, outputs = _scores_no_grad(x, experts, k, kappa, reduce)
+    if torch.is_grad_enabled():
+        outputs = _winner_outputs(x, experts, winners)
+        # The affinity of a winner depends on its own output only (for exp the shift is the top-1
+        # winner's, the same as over all N), so the winners' scores are recomputed with autograd.
+        win_scores = competition_affinity(outputs, kappa, reduce)
+    else:
+        win_scores = scores.gather(1, winners)
+    return winners, _weights(win_scores, weighting), outputs, scores
+
+
+def _weights(win_scores: Tensor, weighting: str) -> Tensor:
+    if weighting == "normalized":
+        return win_scores / win_scores.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(win_scores.dtype).tiny)
+    return win_scores.softmax(dim=-1)
+
+
+def _check_competition_options(kappa: str, reduce: str, weighting: str, grad_path: str) -> None:
+    _validate.one_of("reduce", reduce, ["mean", "norm"])
+    if reduce == "mean":
+        _validate.one_of("kappa", kappa, COMPETITION_ACTIVATIONS)
+    _validate.one_of("weighting", weighting, WEIGHTINGS)
+    _validate.one_of("grad_path", grad_path, GRAD_PATHS)
+
+
+@register("competition")
+class CompetitionRouter(Router):
+    """Pure competition (000 §3.1; 001 §2.2): no learned router; every expert runs on every token
+    and the K with the strongest response produce the output, in training and evaluation alike.
+
+    Options:
+        kappa: κ of ``s_i = mean(κ(g_i(x)))``: ``softplus`` (001 default), ``silu``,
+            ``sigmoid``, ``relu``, ``softmax``, ``exp`` (computed stably; 001 App. C.3).
+        reduce: ``"mean"`` (001 eq. 4) or ``"norm"`` (``s_i = ‖g_i(x)‖₂``, 000 §3.1; 001 App. C.4).
+        weighting: ``"normalized"`` (``TopK_0(s)/Σ TopK_0(s)``, 001) or ``"softmax"``
+            (``softmax(TopK(s))``, 000).
+        grad_path: ``"winners"`` or ``"all"`` (module docstring).
+
+    ``Routing.probs`` and ``logits`` are ``None`` (there is no router distribution); the balance
+    and z losses therefore do not apply.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        kappa: str = "softplus",
+        reduce: str = "mean",
+        weighting: str = "normalized",
+        grad_path: str = "winners",
+    ) -> None:
+        super().__init__(d_model, num_experts, top_k)
+        _check_competition_options(kappa, reduce, weighting, grad_path)
+        self.kappa, self.reduce, self.weighting, self.grad_path = (
+            kappa,
+            reduce,
+            weighting,
+            grad_path,
+        )
+
+    def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
+        winners, weights, outputs, _ = compete(
+            x, experts, self.top_k, self.kappa, self.reduce, self.weighting, self.grad_path
+        )
+        return Routing(indices=winners, weights=weights, outputs=outputs)
+
+
+@register("competesmoe")
+class CompeteSMoERouter(Router):
+    """A base router trained on a schedule from the competition (001 §2.3-2.4; 000 §3.2-3.3; 001
+    Table 10's DenseMoE ablation): one class, three ``mode`` presets.
+
+    Every forward runs the base router (``base``: any method name whose router has no losses of
+    its own; default ``smoe``).  In evaluation, without a context, or when the context's schedule
+    says this layer does not compete at this step, its routing is returned unchanged.  When
+    ``ctx.schedule.active(layer_index, ctx.step)`` in training:
+
+    * ``mode="compete"`` (``competesmoe``, 001): the output goes through the competition winners
+      ``I_C`` with weights ``s_C = TopK_0(s)/Σ TopK_0(s)``; losses ``distill`` =
+      :func:`moelab.losses.distillation_loss` ``(s_R, s_C)`` with ``s_R = softmax(h)`` the base
+      router's distribution (weight ``distill_coef`` = γ = 0.01, ``alpha`` = α = 0.1) and
+      ``diversity`` = :func:`moelab.losses.diversity_loss` of the winners' outputs (weight
+      ``diversity_coef`` = β = 0.005).  The balance loss counts the winners' load (the tokens the
+      experts actually received) against the router's mean probabilities.
+    * ``mode="v1"`` (``competesmoe-v1``, 000): affinity ``‖g_i(x)‖₂``, weights ``softmax(TopK(s))``,
+      loss ``distill`` = :func:`moelab.losses.competition_router_loss` (000 eq. 3), weight
+      ``distill_coef`` = α.  000 eq. (5) writes the router update as ``∂[L_R + α·NLL]`` but §6.4.2
+      calls α = 0 "SMoE", which holds only when α weights the router loss against the task loss;
+      we follow §6.4.2: total loss = task + α·L_R (α = 1 makes the two readings coincide).  The
+      schedule is normally a :class:`moelab.schedules.CoinFlipSchedule` (λ = 0.05).
+    * ``mode="dense"`` (``densemoe``, 001 Table 10 rows 3-4): all N experts contribute, weighted by
+      the router's softmax over all N; the balance loss keeps the router's own top-K selection.
+
+    On competition steps the router receives no task-loss gradient (it is not on the output path);
+    it learns from ``distill``.  The task loss trains it on every other step (001 §2.3, C.2).
+
+    Options:
+        base: the base method (``smoe``); its preset router options apply, updated by
+            ``base_options``.  Shared experts (``num_shared``) are a layer option.
+        base_options: extra options of the base router (e.g. ``{"init_std": 0.02}``).
+        mode: ``"compete"``, ``"v1"`` or ``"dense"``.
+        kappa, reduce, weighting, grad_path: the competition (:class:`CompetitionRouter`).
+        alpha: α of the winner term of L_D (0.1, 001 Table 20).
+        diversity: ``"frobenius"`` (001 eq. 2) or ``"cosine"`` (:func:`moelab.losses.diversity_loss`).
+
+    Without a context (or a schedule) in training the layer routes like its base router and warns
+    once.
+    """
+
+    loss_names = ("distill", "diversity")
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        base: str = "smoe",
+        base_options: dict | None = None,
+        mode: str = "compete",
+        kappa: str = "softplus",
+        reduce: str = "mean",
+        weighting: str = "normalized",
+        grad_path: str = "winners",
+        alpha: float = 0.1,
+        diversity: str = "frobenius",
+    ) -> None:
+        super().__init__(d_model, num_experts, top_k)
+        preset = get_method(base)
+        base_cls = ROUTERS[preset.router]
+        if getattr(base_cls, "loss_names", ()) or base_cls is CompetitionRouter:
+            raise ValueError(
+                f"base={base!r} is not allowed: the base must be a plain router method without its own "
+                "losses or competition (e.g. 'smoe', 'xmoe', 'pcosine', 'sigma-moe', 'sharede-v3', 'hyperrouter')"
+            )
+        if base_options is not None and not isinstance(base_options, dict):
+            raise ValueError(f"base_options={base_options!r} is not allowed; expected a dict or None")
+        _check_competition_options(kappa, reduce, weighting, grad_path)
+        self.mode = _validate.one_of("mode", mode, MODES)
+        self.alpha = _validate.non_negative("alpha", alpha)
+        self.diversity = _validate.one_of("diversity", diversity, ["frobenius", "cosine"])
+        self.base_method = base
+        self.base = build_router(
+            preset.router, d_model, num_experts, top_k, **{**preset.options, **(base_options or {})}
+        )
+        self.kappa, self.reduce, self.weighting, self.grad_path = (
+            kappa,
+            reduce,
+            weighting,
+            grad_path,
+        )
+        self._warned = False
+
+    # ``top_k`` and ``layer_index`` are the base router's (the top-(K+1) swap changes ``top_k``).
+    @property
+    def top_k(self) -> int:
+        return self.base.top_k if "base" in self._modules else self.__dict__["_top_k"]
+
+    @top_k.setter
+    def top_k(self, value: int) -> None:
+        self.__dict__["_top_k"] = value
+        if "base" in self._modules:
+            self.base.top_k = value
+
+    @property
+    def weights_sum_to_one(self) -> bool:
+        return getattr(self.base, "weights_sum_to_one", True)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, base={self.base_method!r}, mode={self.mode!r}"
+
+    def competes(self, ctx: RoutingContext | None) -> bool:
+        """Whether this layer competes at the context's step (training only)."""
+        if not self.training:
+            return False
+        if ctx is None or ctx.schedule is None:
+            if not self._warned:
+                warnings.warn(
+                    f"competesmoe layer {self.layer_index}: no RoutingContext with a schedule "
+                    "(moelab.attach(model, RoutingContext(schedule=CompetitionSchedule(...)))); it routes "
+                    f"like {self.base_method!r} and never competes",
+                    stacklevel=3,
+                )
+                self._warned = True
+            return False
+        return bool(ctx.schedule.active(self.layer_index, ctx.step))
+
+    def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
+        routing = self.base(x, experts, ctx)
+        if not self.competes(ctx):
+            return routing
+        if routing.probs is None:
+            raise ValueError(f"base={self.base_method!r} gives no router distribution (Routing.probs)")
+        if self.mode == "dense":
+            return self._dense(routing)
+        k = self.base.top_k
+        winners, weights, outputs, scores = compete(
+            x, experts, k, self.kappa, self.reduce, self.weighting, self.grad_path
+        )
+        losses = dict(routing.losses)
+        if self.mode == "v1":
+            losses["distill"] = competition_router_loss(routing.logits, scores, k)
+        else:
+            s_c = torch.zeros_like(routing.probs).scatter(
+                1, winners, weights.detach().to(routing.probs.dtype)
+            )
+            losses["distill"] = distillation_loss(routing.probs, s_c, winners, self.alpha)
+            losses["diversity"] = diversity_loss(outputs, self.diversity)
+        return Routing(
+            indices=winners,
+            weights=weights,
+            probs=routing.probs,
+            logits=routing.logits,
+            losses=losses,
+            outputs=outputs,
+        )
+
+    def _dense(self, routing: Routing) -> Routing:
+        probs = routing.probs
+        weights, indices = probs.sort(dim=-1, descending=True)  # all N, top-1 first
+        losses = dict(routing.losses)
+        losses["balance"] = switch_balance_loss(probs, routing.indices, self.num_experts)
+        return Routing(indices=indices, weights=weights, probs=probs, logits=routing.logits, losses=losses)

@@ -1,0 +1,252 @@
+"""Training schedules: when each MoE layer competes.
+
+* :class:`CompetitionSchedule` — CompeteSMoE (001 §2.3.2, §2.4, App. B): built once, offline,
+  before training; per layer a Bernoulli(ω) draw per step after a warm-up, and a global cap of
+  ``A_max`` competing layers per step.
+* :class:`CoinFlipSchedule` — CompeteSMoE v1 (000 §3.2-3.3): an independent coin flip per layer and
+  step with probability λ(t).
+
+Both expose ``num_layers`` and ``active(layer, step) -> bool``: the routers read them through
+``moelab.RoutingContext(schedule=...)`` (``ctx.schedule.active(layer_index, ctx.step)``), so a layer
+has one code path whatever the schedule.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import _validate
+
+__all__ = ["CoinFlipSchedule", "CompetitionSchedule", "default_a_max"]
+
+
+def default_a_max(num_layers: int) -> int:
+    """The default cap ``A_max`` for a model with ``num_layers`` MoE layers.
+
+    001 uses ``A_max = 6`` for its language models (24 layers, §2.3.2 and App. G) and
+    ``A_max = 9`` for the VLM (Phi-3.5-mini, 32 layers; Table 20).  The rule here: 6 up to 24
+    layers, 9 from 27 layers on, one more per layer in between (25 → 7, 26 → 8).  For models
+    with at most 6 layers the cap is never reached (every layer may compete at once).
+    """
+    _validate.positive_int("num_layers", num_layers)
+    if num_layers <= 24:
+        return 6
+    return min(9, num_layers - 18)
+
+
+def _broadcast_from_rank0(table: torch.Tensor) -> torch.Tensor:
+    """Broadcast a bool table from rank 0 when torch.distributed is initialised (001 App. B: the
+    reference code builds the schedule on rank 0 and broadcasts it)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return table
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = table.to(device=device, dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return buf.to("cpu").bool()
+
+
+class CompetitionSchedule:
+    """The competition schedule Λ(l, t) of CompeteSMoE (001 §2.3.2, §2.4, App. B, Table 20).
+
+    Built once before training:
+
+    1. no competition during the first ``floor(warmup · total_steps)`` steps (warm-up 0.05);
+    2. for each layer ``l = 0 .. L-1`` in order and each later step ``t``: ``Λ(l, t) ~ Bernoulli(ω)``;
+    3. global cap (App. B, eq. 8-9): if layer ``l`` would make ``Q_prev(t) + 1 > A_max`` active
+       layers at ``t`` (``Q_prev`` counts layers ``< l``), its activation moves to the nearest step
+       ``t'`` after the warm-up with ``Q_prev(t') + 1 ≤ A_max`` and ``Λ(l, t') = 0``, searching by
+       increasing distance and trying the left step before the right one at each distance.
+
+    Each layer therefore keeps its number of activations (the rate stays ω); only when no step at
+    all can take an activation (ω close to 1 with a small cap) is it dropped, with a warning.
+    The public code checks only the cap, not whether the layer is already active at ``t`` itself,
+    so a right-shifted activation can be overwritten and lost: here it cannot.
+
+    The table depends only on the arguments (numpy ``PCG64`` seeded with ``seed``), and under
+    ``torch.distributed`` it is broadcast from rank 0, so every rank holds the same schedule.
+
+    Args:
+        num_layers: L, the model's MoE layers (``moelab.attach`` checks it against the model).
+        total_steps: T, the planned optimisation steps.
+        omega: ω in [0, 1] (0.07).
+        a_max: A_max ≥ 1; default :func:`default_a_max` of ``num_layers``.
+        warmup: warm-up fraction in [0, 1] (0.05).
+        seed: seed of the draws.
+
+    Attributes:
+        table: ``(L, T)`` bool tensor, ``table[l, t] = Λ(l, t)``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        total_steps: int,
+        omega: float = 0.07,
+        a_max: int | None = None,
+        warmup: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        self.num_layers = _validate.positive_int("num_layers", num_layers)
+        self.total_steps = _validate.positive_int("total_steps", total_steps)
+        self.omega = _validate.probability("omega", omega)
+        self.a_max = default_a_max(num_layers) if a_max is None else _validate.positive_int("a_max", a_max)
+        self.warmup = _validate.probability("warmup", warmup)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} is not allowed; expected an integer >= 0")
+        self.seed = seed
+        self.warmup_steps = int(self.warmup * self.total_steps)
+        self.dropped = 0
+        self.table = _broadcast_from_rank0(self._build())
+
+    def _build(self) -> torch.Tensor:
+        L, T, start = self.num_layers, self.total_steps, self.warmup_steps
+        rng = np.random.Generator(np.random.PCG64(self.seed))
+        table = np.zeros((L, T), dtype=bool)
+        q = np.zeros(T, dtype=np.int64)  # Q_prev(t): active layers < l at t
+        for layer in range(L):
+            draws = np.flatnonzero(rng.random(T - start) < self.omega) + start
+            row = table[layer]
+            for t in draws:
+                if q[t] < self.a_max and not row[t]:
+                    row[t] = True
+                    continue
+                t_new = self._nearest_free(row, q, int(t), start)
+                if t_new is None:
+                    self.dropped += 1
+                else:
+                    row[t_new] = True
+            q += row
+        if self.dropped:
+            warnings.warn(
+                f"CompetitionSchedule: {self.dropped} activations had no free step under a_max={self.a_max} "
+                f"and were dropped (omega={self.omega}, num_layers={L})",
+                stacklevel=3,
+            )
+        return torch.from_numpy(table)
+
+    def _nearest_free(self, row: np.ndarray, q: np.ndarray, t: int, start: int) -> int | None:
+        free = (q < self.a_max) & ~row
+        free[:start] = False
+        left = np.flatnonzero(free[:t])
+        right = np.flatnonzero(free[t + 1 :])
+        best_left = t - int(left[-1]) if left.size else None
+        best_right = int(right[0]) + 1 if right.size else None
+        if best_left is None and best_right is None:
+            return None
+        if best_right is None or (best_left is not None and best_left <= best_right):
+            return t - best_left
+        return t + best_right
+
+    def active(self, layer: int, step: int) -> bool:
+        """Λ(layer, step); ``False`` for steps at or past ``total_steps`` (training ran longer than
+        planned: no competition is scheduled there)."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(
+                f"layer={layer!r} is not allowed; expected an integer in [0, {self.num_layers - 1}]"
+            )
+        if step >= self.total_steps or step < 0:
+            return False
+        return bool(self.table[layer, step])
+
+    def active_per_step(self) -> torch.Tensor:
+        """``(T,)`` the number of competing layers at each step (at most ``a_max``)."""
+        return self.table.sum(dim=0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "total_steps": self.total_steps,
+            "omega": self.omega,
+            "a_max": self.a_max,
+            "warmup": self.warmup,
+            "seed": self.seed,
+            "table": self.table.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        table = torch.as_tensor(state["table"]).bool()
+        if table.shape != (state["num_layers"], state["total_steps"]):
+            raise ValueError(
+                f"state['table'] has shape {tuple(table.shape)}; expected "
+                f"({state['num_layers']}, {state['total_steps']})"
+            )
+        self.num_layers = int(state["num_layers"])
+        self.total_steps = int(state["total_steps"])
+        self.omega = float(state["omega"])
+        self.a_max = int(state["a_max"])
+        self.warmup = float(state["warmup"])
+        self.seed = int(state["seed"])
+        self.warmup_steps = int(self.warmup * self.total_steps)
+        self.table = table
+
+    def __repr__(self) -> str:
+        return (
+            f"CompetitionSchedule(num_layers={self.num_layers}, total_steps={self.total_steps}, "
+            f"omega={self.omega}, a_max={self.a_max}, warmup={self.warmup}, seed={self.seed})"
+        )
+
+
+class CoinFlipSchedule:
+    """CompeteSMoE v1's schedule (000 §3.2-3.3): at step t each layer competes with probability
+    λ(t), independently of the other layers.
+
+    The flip of ``(layer, step)`` is drawn from a generator seeded with ``(seed, layer, step)``:
+    it does not depend on the call order, is the same on every rank and after a resume, and needs
+    no table (``total_steps`` may be unknown).
+
+    Args:
+        num_layers: L.
+        rate: λ, a number in [0, 1] (000 uses 0.05; 0.03-0.09 robust, Table 4) or a callable
+            ``step -> λ``.
+        seed: seed of the flips.
+    """
+
+    def __init__(self, num_layers: int, rate: float | Callable[[int], float] = 0.05, seed: int = 0) -> None:
+        self.num_layers = _validate.positive_int("num_layers", num_layers)
+        if not callable(rate):
+            _validate.probability("rate", rate)
+        self.rate = rate
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} is not allowed; expected an integer >= 0")
+        self.seed = seed
+
+    def rate_at(self, step: int) -> float:
+        """λ(step), checked to lie in [0, 1]."""
+        value = self.rate(step) if callable(self.rate) else self.rate
+        return _validate.probability(f"rate({step})", value)
+
+    def active(self, layer: int, step: int) -> bool:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(
+                f"layer={layer!r} is not allowed; expected an integer in [0, {self.num_layers - 1}]"
+            )
+        if step < 0:
+            return False
+        u = np.random.Generator(np.random.PCG64([self.seed, layer, int(step)])).random()
+        return bool(u < self.rate_at(step))
+
+    def flips(self, total_steps: int) -> torch.Tensor:
+        """``(L, total_steps)`` bool: the flips of the first ``total_steps`` steps."""
+        _validate.positive_int("total_steps", total_steps)
+        return torch.tensor([[self.active(i, t) for t in range(total_steps)] for i in range(self.num_layers)])
+
+    def state_dict(self) -> dict[str, Any]:
+        if callable(self.rate):
+            raise ValueError("a CoinFlipSchedule with a callable rate has no state_dict; rebuild it instead")
+        return {"num_layers": self.num_layers, "rate": self.rate, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_layers = int(state["num_layers"])
+        self.rate = float(state["rate"])
+        self.seed = int(state["seed"])
+
+    def __repr__(self) -> str:
+        return f"CoinFlipSchedule(num_layers={self.num_layers}, rate={self.rate!r}, seed={self.seed})"
