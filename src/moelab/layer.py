@@ -137,11 +137,14 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, self.d_model)  # (T, d)
         routing = self._route_swapped(flat) if self.swap_top1 else self.router(flat, self.experts, self.ctx)
-        if self.check_finite and routing.logits is not None and not torch.isfinite(routing.logits).all():
-            raise RuntimeError(
-                f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
-                "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
-            )
+        if self.check_finite:
+            # the router's logits, or the routing weights of a router without logits (competition)
+            scores = routing.logits if routing.logits is not None else routing.weights
+            if not torch.isfinite(scores).all():
+                raise RuntimeError(
+                    f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
+                    "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
+                )
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, routing.weights)
         else:

@@ -72,7 +72,8 @@ def _winner_outputs(x: Tensor, experts: nn.Module, winners: Tensor) -> Tensor:
     T, K = winners.shape
     xs = x.repeat_interleave(K, dim=0)  # (T·K, ...)
     ones = x.new_ones(T * K, 1)
-    return experts(xs, winners.reshape(-1, 1), ones).view(T, K, -1)
+    y = experts(xs, winners.reshape(-1, 1), ones)  # (T·K, d)
+    return y.view(T, K, *y.shape[1:])
 
 
 def compete(
