@@ -139,3 +139,25 @@ def test_coin_flip_rate_determinism_and_callable():
         CoinFlipSchedule(2, rate=lambda t: 2.0).active(0, 3)
     with pytest.raises(ValueError, match=r"rate=1.2 is not allowed"):
         CoinFlipSchedule(2, rate=1.2)
+
+
+def _rank_tables(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        # a different seed per rank: only the broadcast from rank 0 can make the tables equal
+        s = CompetitionSchedule(4, 200, omega=0.2, a_max=2, seed=100 + rank)
+        torch.save(s.table, f"{out_dir}/table{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_schedule_is_broadcast_from_rank0(tmp_path):
+    import torch.multiprocessing as tmp_mp
+
+    tmp_mp.spawn(_rank_tables, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    t0, t1 = torch.load(tmp_path / "table0.pt"), torch.load(tmp_path / "table1.pt")
+    assert torch.equal(t0, t1)
+    assert torch.equal(t0, CompetitionSchedule(4, 200, omega=0.2, a_max=2, seed=100).table)

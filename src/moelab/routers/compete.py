@@ -140,7 +140,9 @@ class CompetitionRouter(Router):
             ``sigmoid``, ``relu``, ``softmax``, ``exp`` (computed stably; 001 App. C.3).
         reduce: ``"mean"`` (001 eq. 4) or ``"norm"`` (``s_i = ‖g_i(x)‖₂``, 000 §3.1; 001 App. C.4).
         weighting: ``"normalized"`` (``TopK_0(s)/Σ TopK_0(s)``, 001) or ``"softmax"``
-            (``softmax(TopK(s))``, 000).
+            (``softmax(TopK(s))``, 000).  The normalised weights assume positive affinities
+            (softplus, sigmoid, exp, softmax, norm); with ``silu`` or ``relu`` a token whose winners
+            all score ≤ 0 gets meaningless weights (zero for relu): use ``"softmax"`` there.
         grad_path: ``"winners"`` or ``"all"`` (module docstring).
 
     ``Routing.probs`` and ``logits`` are ``None`` (there is no router distribution); the balance
@@ -305,6 +307,10 @@ class CompeteSMoERouter(Router):
             x, experts, k, self.kappa, self.reduce, self.weighting, self.grad_path
         )
         losses = dict(routing.losses)
+        if self.mode == "v1" and routing.logits is None:
+            raise ValueError(
+                f"base={self.base_method!r} gives no router logits (Routing.logits) for mode='v1'"
+            )
         if self.mode == "v1":
             losses["distill"] = competition_router_loss(routing.logits, scores, k)
         else:
