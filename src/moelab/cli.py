@@ -17,6 +17,12 @@ from . import __version__
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # "name": ("moelab.module", "one-line help"),  -- one line per subcommand
+    "train": ("moelab.experiments.lm", "train a model: a Switch/GLaM MoE language model (--task lm)"),
+    "compare": (
+        "moelab.experiments.compare",
+        "compare MoE methods x seeds on language modelling (000 Table 2)",
+    ),
+    "report": ("moelab.experiments.report", "tables and plots from finished runs"),
 }
 
 
