@@ -18,12 +18,10 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
-
 from .. import _validate
 from ..data.text import load_text
 from ..methods import methods
-from .lm import add_lm_arguments, build_config, train_lm
+from .lm import add_lm_arguments, build_config, set_threads, train_lm
 from .report import collect_runs, write_report
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "run"]
@@ -67,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if (out / "results.csv").exists() and not (args.resume or args.force):
         raise FileExistsError(f"--out {out} already holds a comparison; pass --resume to reuse it or --force")
-    if args.threads is not None:
-        torch.set_num_threads(_validate.positive_int("--threads", args.threads))
+    set_threads(args)
     if unknown_default:
         print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
     reference = args.reference if args.reference in chosen else chosen[0]

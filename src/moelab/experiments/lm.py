@@ -271,7 +271,9 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-tokens", type=int, dest="test_tokens", help="cap on test tokens (default: all)")
     p.add_argument("--ckpt-every", type=int, dest="ckpt_every", help="checkpoint every N steps")
     p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="method option, e.g. balance_coef=0")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: 1 for --size cpu, else torch's choice)"
+    )
     p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
 
 
@@ -315,6 +317,16 @@ def _defaults() -> dict[str, Any]:
     return {a.dest: a.default for a in p._actions if a.dest != "help"}
 
 
+def set_threads(args: argparse.Namespace) -> None:
+    """``--threads``; the ``cpu`` preset defaults to one thread: its small matrices are overhead-bound,
+    and on a busy machine extra OpenMP threads spin and slow it down many times
+    (docs/performance-lm.md)."""
+    if args.threads is not None:
+        torch.set_num_threads(_validate.positive_int("--threads", args.threads))
+    elif args.size == "cpu":
+        torch.set_num_threads(1)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
 
@@ -328,8 +340,7 @@ def run(args: argparse.Namespace) -> int:
         apply_config_file(args, _defaults())
     if not args.out:
         raise UsageError("--out is required (the run directory)")
-    if args.threads is not None:
-        torch.set_num_threads(_validate.positive_int("--threads", args.threads))
+    set_threads(args)
     if args.resume and not Path(args.out, "config.yaml").exists():
         raise UsageError(f"--resume: {args.out} holds no run to resume")
     config = build_config(args)

@@ -223,7 +223,7 @@ class TransformerLM(nn.Module):
 
     def features(self, idx: Tensor) -> Tensor:
         """Final hidden states ``(B, L, d)`` of token ids ``idx (B, L)``."""
-        B, L = idx.shape
+        L = idx.shape[1]
         if L > self.cfg.block_size:
             raise ValueError(
                 f"sequence length {L} is not allowed; expected at most block_size={self.cfg.block_size}"
