@@ -348,7 +348,7 @@ class Trainer:
                 if self.ckpt_dir is not None and (good := ckpt.latest_checkpoint(self.ckpt_dir)):
                     where = f"the last good checkpoint is {good}"
                 raise TrainingError(
-                    f"non-finite loss at step {step + 1} (task {task_loss.item():.4g}, aux {float(aux):.4g}); "
+                    f"non-finite loss at step {step + 1} (task {float(task_loss.detach()):.4g}, aux {float(aux.detach()):.4g}); "
                     f"stopped; {where}. Lower --lr or check the data"
                 )
             optimizer.zero_grad(set_to_none=True)
