@@ -22,6 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moelab.experiments.compare",
         "compare MoE methods x seeds on language modelling (000 Table 2)",
     ),
+    "finetune": (
+        "moelab.experiments.finetune",
+        "fine-tune a trained MoE LM on text classification (000 Table 3)",
+    ),
     "report": ("moelab.experiments.report", "tables and plots from finished runs"),
 }
 

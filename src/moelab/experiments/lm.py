@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 from dataclasses import asdict
 from pathlib import Path
@@ -30,7 +31,7 @@ from .. import _validate
 from ..data.text import TextData, load_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
-from ..rundir import RunDir
+from ..rundir import RunDir, atomic_write_text
 from ..train.trainer import SCHEDULES, TrainConfig, Trainer, TrainingError
 
 __all__ = ["METRIC_KEYS", "SIZE_DEFAULTS", "LMTask", "add_arguments", "build_config", "run", "train_lm"]
@@ -227,6 +228,8 @@ def train_lm(
     config["params"], config["active_params"] = total, active
     if run is not None and not (resume and run.file("config.yaml").exists()):
         run.write_config(config)
+        # the tokenizer, so that `moelab finetune` encodes text as the LM was trained
+        atomic_write_text(run.file("tokenizer.json"), json.dumps(data.tokenizer.state()))
     trainer = Trainer(
         model,
         task,
