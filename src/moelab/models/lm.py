@@ -14,14 +14,15 @@ are pre-LayerNorm (nanoGPT); attention is causal ``scaled_dot_product_attention`
 
 Presets (:data:`PRESETS`), with the parameter counts of the byte-level (vocab 256) model:
 
-=========  ======  =======  =====  =====  ======================================
-preset     layers  d_model  heads  block  parameters (switch, total / active)
-=========  ======  =======  =====  =====  ======================================
-tiny       3       256      8      512    7.3M / 1.1M   (000: "3 SMoE blocks, 7M")
-small      6       264      8      512    15.4M / 2.3M  (000: "6 SMoE layers, 15M")
-medium     8       352      8      512    36.3M / 5.0M  (000: "8 SMoE layers, 36M")
-cpu        2       64       4      128    0.32M / 0.08M (1000 steps in minutes on 2 cores)
-=========  ======  =======  =====  =====  ======================================
+============  ======  =======  =====  =====  ==========================================
+preset        layers  d_model  heads  block  parameters (switch, total / active)
+============  ======  =======  =====  =====  ==========================================
+tiny          3       256      8      512    7.29M / 1.79M  (000: "3 SMoE blocks, 7M")
+small         6       264      8      512    15.30M / 3.59M (000: "6 SMoE layers, 15M")
+medium        8       352      8      512    36.02M / 8.27M (000: "8 SMoE layers, 36M")
+wt103-small   3       128      8      256    000's WikiText-103 small (word level, dropout 0.7)
+cpu           2       64       4      128    0.32M / 0.09M (1000 steps in minutes on 2 cores)
+============  ======  =======  =====  =====  ==========================================
 
 ``moelab.models.lm.count_parameters`` computes them (tests pin them).
 """
@@ -127,6 +128,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=3, d_model=256, n_head=8, block_size=512, dropout=0.1),
     "small": dict(n_layer=6, d_model=264, n_head=8, block_size=512, dropout=0.1),
     "medium": dict(n_layer=8, d_model=352, n_head=8, block_size=512, dropout=0.1),
+    # 000's WikiText-103 small model (reference code): 3 layers, d 128, block 256, dropout 0.7
+    "wt103-small": dict(n_layer=3, d_model=128, n_head=8, block_size=256, dropout=0.7),
     # small enough that 1000 steps take minutes on 2 CPU cores; no dropout for short runs
     "cpu": dict(n_layer=2, d_model=64, n_head=4, block_size=128, dropout=0.0),
 }
