@@ -14,7 +14,7 @@ from moelab.experiments.lm import LMTask
 from moelab.models.lm import LMConfig, TransformerLM
 from moelab.rundir import RunDir
 from moelab.train import TrainConfig, Trainer, TrainingError, lr_factor
-from moelab.train.trainer import build_competition_schedule
+from moelab.train.trainer import build_competition_schedule, split_schedule_options
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.1)
 
@@ -158,10 +158,39 @@ def test_batches_shard_by_rank_into_the_global_batch(data):
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
-def test_competition_schedule_is_built_only_for_methods_that_need_one():
+def test_competition_schedule_is_built_only_for_methods_that_need_one(monkeypatch):
     model = TransformerLM(LMConfig(vocab_size=10, **{**TINY, "dropout": 0.0}))
     assert build_competition_schedule(model, "smoe", 100, 0) is None
-    if "competesmoe" in moelab.methods() and hasattr(moelab, "CompetitionSchedule"):
-        model = TransformerLM(LMConfig(vocab_size=10, method="competesmoe", **{**TINY, "dropout": 0.0}))
-        schedule = build_competition_schedule(model, "competesmoe", 100, 0)
-        assert schedule is not None and getattr(schedule, "num_layers", 2) == 2
+
+    built = {}
+
+    class FakeSchedule:  # stands in for moelab.CompetitionSchedule
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+            self.num_layers = kwargs["num_layers"]
+
+    from moelab.routers import ROUTERS
+
+    monkeypatch.setattr(moelab, "CompetitionSchedule", FakeSchedule, raising=False)
+    monkeypatch.setattr(ROUTERS["topk"], "needs_schedule", True, raising=False)
+    options = {"omega": 0.1, "a_max": 6, "competition_warmup": 0.2, "balance_coef": 0.0}
+    schedule = build_competition_schedule(model, "smoe", 100, 7, options)
+    assert isinstance(schedule, FakeSchedule)
+    # a_max is capped at the model's 2 MoE layers; layer options are not passed on
+    assert built == dict(num_layers=2, total_steps=100, seed=7, omega=0.1, a_max=2, warmup=0.2)
+
+
+def test_schedule_options_are_kept_out_of_the_layers():
+    layer, schedule = split_schedule_options({"omega": 0.05, "rate": 0.03, "balance_coef": 0})
+    assert layer == {"balance_coef": 0} and schedule == {"omega": 0.05, "rate": 0.03}
+
+
+@pytest.mark.skipif("competesmoe" not in moelab.methods(), reason="competesmoe is not in this moelab")
+def test_competesmoe_trains_with_its_schedule(data):
+    model = TransformerLM(LMConfig(vocab_size=256, method="competesmoe", **TINY))
+    trainer = Trainer(
+        model, LMTask(data, 16), TrainConfig(steps=4, batch_size=2, eval_every=4), None,
+        method="competesmoe", progress=False,
+    )  # fmt: skip
+    metrics = trainer.fit()
+    assert trainer.ctx.schedule is not None and math.isfinite(metrics["test_bpc"])

@@ -32,7 +32,7 @@ from ..data.text import TextData, load_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
 from ..rundir import RunDir, atomic_write_text
-from ..train.trainer import SCHEDULES, TrainConfig, Trainer, TrainingError
+from ..train.trainer import SCHEDULES, TrainConfig, Trainer, TrainingError, split_schedule_options
 
 __all__ = ["METRIC_KEYS", "SIZE_DEFAULTS", "LMTask", "add_arguments", "build_config", "run", "train_lm"]
 
@@ -206,7 +206,7 @@ def build_model(config: dict[str, Any], vocab_size: int) -> TransformerLM:
             **config["model"],
             "arch": config["arch"],
             "method": method,
-            "method_options": dict(config["opts"]),
+            "method_options": split_schedule_options(dict(config["opts"]))[0],
         },
     )
     return TransformerLM(cfg)

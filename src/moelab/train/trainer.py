@@ -43,12 +43,14 @@ from . import checkpoint as ckpt
 
 __all__ = [
     "SCHEDULES",
+    "SCHEDULE_OPTIONS",
     "Task",
     "TrainConfig",
     "Trainer",
     "TrainingError",
     "build_competition_schedule",
     "lr_factor",
+    "split_schedule_options",
 ]
 
 SCHEDULES = ("inverse_sqrt", "cosine", "constant")
@@ -149,19 +151,43 @@ def lr_factor(schedule: str, step: int, total: int, warmup: int, min_ratio: floa
     raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {list(SCHEDULES)}")
 
 
+#: ``--opt`` keys that configure the competition schedule (not the layer): ω, A_max and the
+#: warm-up fraction of 001's schedule, λ of 000's coin flips
+SCHEDULE_OPTIONS = ("omega", "a_max", "competition_warmup", "rate")
+
+
+def split_schedule_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(layer options, schedule options)`` of a method's ``--opt`` values."""
+    layer = {k: v for k, v in options.items() if k not in SCHEDULE_OPTIONS}
+    schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
+    return layer, schedule
+
+
 def build_competition_schedule(
     model: nn.Module, method: str, total_steps: int, seed: int, options: dict[str, Any] | None = None
 ) -> Any:
     """The competition schedule of methods that need one (CompeteSMoE, DenseMoE), else ``None``.
 
-    Built once before training from the seed (so identical on every rank: 001 "Schedule, built
-    once").  Generic: if ``moelab.methods`` exposes ``build_schedule(method, num_layers,
-    total_steps, seed, **options)`` it is used; otherwise, if ``moelab.CompetitionSchedule``
-    exists and the method's router declares ``needs_schedule``, the schedule is built from the
-    preset's / user's ``omega``, ``a_max``, ``warmup`` options.  Without either, ``None``.
+    Built once before training from the seed, so it is identical on every rank and after a
+    resume (001: the schedule is built once, offline).  Resolution, most specific first:
+
+    1. ``moelab.methods.build_schedule(method, num_layers, total_steps, seed, **options)`` if
+       moelab provides it;
+    2. a method whose router declares ``needs_schedule`` (or, when the router does not say, whose
+       router is the ``competesmoe`` family): 000's coin flips ``moelab.CoinFlipSchedule(L,
+       rate=λ)`` for ``mode="v1"``, else 001's ``moelab.CompetitionSchedule(L, total_steps,
+       omega, a_max, warmup, seed)`` with ``a_max`` capped at the model's MoE depth;
+    3. otherwise ``None`` (or when this moelab has no schedule classes).
+
+    ``options`` are the run's ``--opt`` values; the schedule reads :data:`SCHEDULE_OPTIONS`
+    (``competition_warmup`` is the schedule's ``warmup`` fraction) and ``mode``.
     """
+    import importlib
+
     import moelab
-    from moelab import methods as methods_mod
+    from moelab.routers import ROUTERS
+
+    methods_mod = importlib.import_module("moelab.methods")  # the module (moelab.methods is a function)
 
     num_layers = len(moe_layers(model))
     options = dict(options or {})
@@ -170,17 +196,22 @@ def build_competition_schedule(
     hook = getattr(methods_mod, "build_schedule", None)
     if hook is not None:
         return hook(method, num_layers=num_layers, total_steps=total_steps, seed=seed, **options)
-    if not hasattr(moelab, "CompetitionSchedule"):
-        return None
-    from moelab.routers import ROUTERS
-
     preset = methods_mod.get_method(method)
-    if not getattr(ROUTERS[preset.router], "needs_schedule", False):
+    needs = getattr(ROUTERS.get(preset.router), "needs_schedule", None)
+    if needs is None:
+        needs = preset.router == "competesmoe"
+    if not needs:
         return None
     params = {**preset.options, **options}
-    kwargs = {k: params[k] for k in ("omega", "a_max", "warmup") if k in params}
+    if params.get("mode") == "v1" and hasattr(moelab, "CoinFlipSchedule"):
+        return moelab.CoinFlipSchedule(num_layers, rate=params.get("rate", 0.05), seed=seed)
+    if not hasattr(moelab, "CompetitionSchedule"):
+        return None
+    kwargs = {k: params[k] for k in ("omega", "a_max") if k in params}
     if "a_max" in kwargs:  # scale the cap to the model's depth (shared/REFERENCES.md)
         kwargs["a_max"] = min(int(kwargs["a_max"]), num_layers)
+    if "competition_warmup" in params:
+        kwargs["warmup"] = params["competition_warmup"]
     return moelab.CompetitionSchedule(num_layers=num_layers, total_steps=total_steps, seed=seed, **kwargs)
 
 
