@@ -119,6 +119,15 @@ def test_resume_after_an_interruption_continues_the_same_curve(data, tmp_path):
         assert resumed[key] == full[key]
 
 
+def test_resume_before_the_first_checkpoint_starts_over_with_a_clean_log(data, tmp_path):
+    full = run_training(data, tmp_path / "full", steps=6)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(data, tmp_path / "cut", steps=6, stop_at=3)  # no checkpoint yet (first at 4)
+    resumed = run_training(data, tmp_path / "cut", steps=6, resume=True)
+    assert [r["loss"] for r in read_log(tmp_path / "cut")] == [r["loss"] for r in read_log(tmp_path / "full")]
+    assert resumed["test_bpc"] == full["test_bpc"]
+
+
 def test_resuming_a_finished_run_returns_its_metrics(data, tmp_path):
     first = run_training(data, tmp_path / "a", steps=4)
     again = run_training(data, tmp_path / "a", steps=4, resume=True)

@@ -355,8 +355,8 @@ class Trainer:
                 _set_rng_state(saved["rng"], generator)
                 state.update(saved["trainer"])
                 start = int(saved["step"])
-                if self.is_main and self.run is not None:
-                    self._truncate_log(start)
+            if self.is_main and self.run is not None:
+                self._truncate_log(start)  # rows written after the checkpoint (all, without one)
         if start >= cfg.steps and self.run is not None and self.run.file("metrics.json").exists():
             return self.run.read_metrics()
 
