@@ -239,3 +239,18 @@ def test_shipped_configs_are_valid(path):
     apply_config_file(args, _defaults())
     config = build_config(args)
     assert config["data"] in ("default", "enwik8", "text8", "wikitext103")
+
+
+def test_a_run_depends_on_its_seed_only(corpus, tmp_path):
+    import argparse
+
+    from moelab.experiments.lm import add_arguments, build_config, train_lm
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    results = []
+    for i, seed in enumerate([0, 0, 1]):
+        torch.rand(i + 1)  # whatever ran before in this process must not matter
+        args = parser.parse_args([*tiny_args(corpus, tmp_path / f"r{i}")[1:], "--seed", str(seed)])
+        results.append(train_lm(build_config(args), args.out, progress=False)["test_bpc"])
+    assert results[0] == results[1] != results[2]

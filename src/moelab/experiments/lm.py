@@ -32,7 +32,7 @@ from ..data.text import TextData, load_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
 from ..rundir import RunDir, atomic_write_text
-from ..train.trainer import SCHEDULES, TrainConfig, Trainer, TrainingError, split_schedule_options
+from ..train.trainer import SCHEDULES, TrainConfig, Trainer, TrainingError, _dist, split_schedule_options
 
 __all__ = ["METRIC_KEYS", "SIZE_DEFAULTS", "LMTask", "add_arguments", "build_config", "run", "train_lm"]
 
@@ -222,17 +222,20 @@ def train_lm(
     data: TextData | None = None,
 ) -> dict[str, Any]:
     """Train one LM run described by ``config`` (:func:`build_config`) into ``out``."""
-    run = RunDir(out, resume=resume, force=force) if out is not None else None
+    rank = _dist()[0]
+    # every rank reads the run directory; only rank 0 writes (and refuses an existing run)
+    run = RunDir(out, resume=resume or rank > 0, force=force) if out is not None else None
     if run is not None and resume and run.file("config.yaml").exists():
         config = run.read_config()  # the stored configuration wins: the same curve
     if data is None:
         data = load_text(config["data"], level=config.get("level", "byte"))
+    torch.manual_seed(int(config["train"]["seed"]))  # the initial weights depend on the seed only
     model = build_model(config, data.vocab_size)
     task = LMTask(data, model.cfg.block_size)
     total, active = count_parameters(model)
     config = {**config, "vocab_size": data.vocab_size, "metric": data.metric, "data_info": data.info}
     config["params"], config["active_params"] = total, active
-    if run is not None and not (resume and run.file("config.yaml").exists()):
+    if run is not None and rank == 0 and not (resume and run.file("config.yaml").exists()):
         run.write_config(config)
         # the tokenizer, so that `moelab finetune` encodes text as the LM was trained
         atomic_write_text(run.file("tokenizer.json"), json.dumps(data.tokenizer.state()))

@@ -453,6 +453,8 @@ class Trainer:
     def _finish(self, state: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
         metric = self.task.metric
+        if self.world_size > 1:  # rank 0 has written the last best weights
+            torch.distributed.barrier()
         if self.run is not None and self.run.file("best.safetensors").exists():
             ckpt.load_weights(self.run.file("best.safetensors"), self.model)
         test = self._evaluate("test", cfg.test_tokens)
