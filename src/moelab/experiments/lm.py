@@ -32,7 +32,15 @@ from ..data.text import TextData, load_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
 from ..rundir import RunDir, atomic_write_text
-from ..train.trainer import SCHEDULES, TrainConfig, Trainer, TrainingError, _dist, split_schedule_options
+from ..train.trainer import (
+    SCHEDULES,
+    TrainConfig,
+    Trainer,
+    TrainingError,
+    _dist,
+    build_competition_schedule,
+    split_schedule_options,
+)
 
 __all__ = ["METRIC_KEYS", "SIZE_DEFAULTS", "LMTask", "add_arguments", "build_config", "run", "train_lm"]
 
@@ -375,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ benchmark
 def benchmark_throughput(
-    size: str = "cpu", methods: tuple[str, ...] = ("smoe", "competesmoe"), rounds: int = 5, steps: int = 10
+    size: str = "cpu", methods: tuple[str, ...] = ("smoe", "competesmoe"), rounds: int = 5, steps: int = 20
 ) -> list[tuple[str, float]]:
     """Training tokens/s (forward + backward + Adam step) of ``size`` with each method and with the
     dense FFN of equal active width (``arch="dense"``); the median over ``rounds`` rounds of
@@ -396,8 +404,11 @@ def benchmark_throughput(
         torch.manual_seed(0)
         arch, method = ("dense", "smoe") if name == "dense" else ("switch", name)
         model = TransformerLM(lm_config(size, 256, arch=arch, method=method))
-        ctx = RoutingContext(total_steps=10**6)
+        total = (rounds + 1) * steps
+        ctx = RoutingContext(total_steps=total)
         attach(model, ctx)
+        if arch != "dense":  # CompeteSMoE's schedule, as in training (~ω of the steps compete)
+            ctx.schedule = build_competition_schedule(model, method, total, 0)
         runs[name] = (model, ctx, torch.optim.Adam(model.parameters(), lr=7e-4))
 
     def step(model, ctx, opt):
