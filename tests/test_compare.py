@@ -60,9 +60,22 @@ def test_compare_produces_the_table_with_every_method(corpus, tmp_path, capsys):
     assert "finished, reused" in capsys.readouterr().out
 
 
+def test_compare_sweep_gives_the_sensitivity_table(corpus, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = [*tiny(corpus, out, "--methods", "smoe", "--sweep", "balance_coef=0,0.1")]
+    args[args.index("--seeds") + 1] = "1"
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "test bpc by balance_coef" in text and "smoe balance_coef=0.1" in text
+    assert (out / "smoe-balance_coef0.1" / "seed0" / "config.yaml").read_text().count(
+        "balance_coef: 0.1"
+    ) == 1
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
+        (["--sweep", "omega="], "--sweep 'omega=' is not allowed"),
         (["--methods", "smoe,bogus"], "--methods: ['bogus'] are not moelab methods"),
         (["--methods", ","], "names no method"),
         (["--seeds", "0"], "--seeds=0 is not allowed"),

@@ -24,7 +24,7 @@ from ..methods import methods
 from .lm import add_lm_arguments, build_config, set_threads, train_lm
 from .report import collect_runs, write_report
 
-__all__ = ["DEFAULT_METHODS", "add_arguments", "run"]
+__all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
 
 #: the baselines of 000 Table 2 and the method itself
 DEFAULT_METHODS = ("smoe", "smoe-fixed", "xmoe", "stablemoe", "competesmoe")
@@ -39,12 +39,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds per method, 0..N-1 (default 3)")
     p.add_argument("--seed-offset", type=int, default=0, dest="seed_offset", help="first seed")
     p.add_argument("--reference", default="competesmoe", help="method the p-values compare against")
+    p.add_argument(
+        "--sweep",
+        metavar="KEY=V1,V2,...",
+        help="also vary one method option (000 Tables 4-5), e.g. omega=0.01,0.03,0.05; report prints the sensitivity table",
+    )
     p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     p.add_argument(
         "--resume", action="store_true", help="reuse finished runs in --out, continue unfinished ones"
     )
     p.add_argument("--force", action="store_true", help="re-run everything in --out")
     add_lm_arguments(p)
+
+
+def parse_sweep(text: str | None) -> tuple[str, list[str]] | None:
+    """``"omega=0.01,0.05"`` → ``("omega", ["0.01", "0.05"])``."""
+    if not text:
+        return None
+    key, _, values = text.partition("=")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not key.strip() or not items:
+        raise ValueError(f"--sweep {text!r} is not allowed; expected KEY=V1,V2,... (e.g. omega=0.03,0.05)")
+    return key.strip(), items
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,12 +91,17 @@ def run(args: argparse.Namespace) -> int:
         )
 
     seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
+    sweep = parse_sweep(args.sweep)
     configs = []
     for method in chosen:
-        for seed in seeds:
-            ns = argparse.Namespace(**vars(args))
-            ns.method, ns.seed = method, seed
-            configs.append((method, seed, build_config(ns)))  # validates every flag before training
+        for value in sweep[1] if sweep else [None]:
+            name = method if value is None else f"{method}-{sweep[0]}{value}"
+            for seed in seeds:
+                ns = argparse.Namespace(**vars(args))
+                ns.method, ns.seed = method, seed
+                if value is not None:
+                    ns.opt = [*(args.opt or []), f"{sweep[0]}={value}"]
+                configs.append((name, seed, build_config(ns)))  # validates every flag before training
     data = load_text(configs[0][2]["data"], level=configs[0][2]["level"])
     print(
         f"compare: {len(chosen)} methods × {len(seeds)} seeds on {data.name} "
@@ -88,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     for i, (method, seed, config) in enumerate(configs, 1):
-        run_dir = out / method / f"seed{seed}"
+        run_dir = out / method / f"seed{seed}"  # method: the method, with the swept value if any
         if args.resume and (run_dir / "metrics.json").exists():
             print(f"[{i}/{len(configs)}] {method} seed {seed}: finished, reused")
             continue
@@ -101,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             f"[{i}/{len(configs)}] {method} seed {seed}: {key} {m[key]:.4f} "
             f"({time.perf_counter() - start:.0f}s elapsed)"
         )
-    runs = collect_runs([out / method / f"seed{s}" for method in chosen for s in seeds])
+    runs = collect_runs(list(dict.fromkeys(out / name / f"seed{seed}" for name, seed, _ in configs)))
     print()
     print(write_report(runs, out, reference))
     print(
