@@ -255,9 +255,11 @@ class Trainer:
         run: the run directory, or ``None`` to write nothing (tests, notebooks).
         method: the MoE method name (builds the competition schedule if it needs one).
         method_options: options given to the method (schedule options are read from them).
-        params: optional trainable-parameter filter (fine-tuning freezes the routers).
         progress: show a tqdm bar.
         extra_metrics: added to ``metrics.json``.
+        on_eval: called with ``(step, validation results)`` after each evaluation.
+
+    Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
 
     def __init__(
