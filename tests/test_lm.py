@@ -192,7 +192,6 @@ def test_train_cli_reads_a_config_file(corpus, tmp_path):
         (["--opt", "nonsense"], "--opt 'nonsense' is not allowed; expected key=value"),
         (["--opt", "wrong_option=1"], "option 'wrong_option' is not accepted by method='smoe'"),
         (["--block-size", "4096"], "too short"),
-        (["--resume"], "holds no run to resume"),
         (["--config", "/nonexistent.yaml"], "does not exist"),
     ],
 )
@@ -254,3 +253,10 @@ def test_a_run_depends_on_its_seed_only(corpus, tmp_path):
         args = parser.parse_args([*tiny_args(corpus, tmp_path / f"r{i}")[1:], "--seed", str(seed)])
         results.append(train_lm(build_config(args), args.out, progress=False)["test_bpc"])
     assert results[0] == results[1] != results[2]
+
+
+def test_resume_without_a_run_starts_one(corpus, tmp_path, capsys):
+    out = tmp_path / "fresh"
+    assert main([*tiny_args(corpus, out), "--resume"]) == 0
+    assert "holds no run yet; starting one" in capsys.readouterr().out
+    assert (out / "metrics.json").exists()

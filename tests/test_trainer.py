@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +204,45 @@ def test_competesmoe_trains_with_its_schedule(data):
     )  # fmt: skip
     metrics = trainer.fit()
     assert trainer.ctx.schedule is not None and math.isfinite(metrics["test_bpc"])
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_then_resume_ends_like_an_uninterrupted_run(tmp_path):
+    """A real `moelab train` process killed with SIGKILL (during a step or a checkpoint write),
+    then resumed, ends with the same log.csv losses and metrics as a run never interrupted."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"row {i} of the corpus, value {i % 17}.\n" for i in range(800)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "moelab.cli", "train", "--data", str(corpus), "--block-size", "16",
+                "--batch-size", "4", "--num-experts", "4", "--steps", "60", "--eval-every", "10",
+                "--ckpt-every", "5", "--eval-tokens", "64", "--test-tokens", "64", "--no-progress",
+                "--out", str(out), *extra]  # fmt: skip
+
+    subprocess.run(cmd(tmp_path / "full"), env=env, check=True, capture_output=True)
+    for rows in (0, 7, 10, 23):  # before the run exists, mid-interval, at an eval + checkpoint, ...
+        out = tmp_path / f"killed{rows}"
+        proc = subprocess.Popen(cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = out / "log.csv"
+        while proc.poll() is None and (not log.exists() or len(log.read_text().splitlines()) <= rows):
+            if rows == 0:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        subprocess.run(cmd(out, "--resume"), env=env, check=True, capture_output=True)
+        a, b = read_log(tmp_path / "full"), read_log(out)
+        assert [r["loss"] for r in a] == [r["loss"] for r in b]
+        ma = json.loads((tmp_path / "full" / "metrics.json").read_text())
+        mb = json.loads((out / "metrics.json").read_text())
+        assert {k: ma[k] for k in ("test_bpc", "val_bpc", "train_loss")} == {
+            k: mb[k] for k in ("test_bpc", "val_bpc", "train_loss")
+        }

@@ -362,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--out is required (the run directory)")
     set_threads(args)
     if args.resume and not Path(args.out, "config.yaml").exists():
-        raise UsageError(f"--resume: {args.out} holds no run to resume")
+        print(f"--resume: {args.out} holds no run yet; starting one")
+        args.resume = False
     config = build_config(args)
     try:
         metrics = train_lm(
