@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples
 
 demo: $(STAMP)
-	$(BIN)/python examples/digits_demo.py --out runs/demo
+	$(BIN)/moelab compare --out runs/demo --resume
 
 bench: $(STAMP)
 	$(BIN)/moelab bench layer

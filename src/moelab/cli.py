@@ -17,6 +17,16 @@ from . import __version__
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # "name": ("moelab.module", "one-line help"),  -- one line per subcommand
+    "train": ("moelab.experiments.lm", "train a model: a Switch/GLaM MoE language model (--task lm)"),
+    "compare": (
+        "moelab.experiments.compare",
+        "compare MoE methods x seeds on language modelling (000 Table 2)",
+    ),
+    "finetune": (
+        "moelab.experiments.finetune",
+        "fine-tune a trained MoE LM on text classification (000 Table 3)",
+    ),
+    "report": ("moelab.experiments.report", "tables and plots from finished runs"),
     "upcycle": ("moelab.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
 }
 

@@ -1,0 +1,16 @@
+"""Training: the loop (:mod:`.trainer`) and atomic checkpoints (:mod:`.checkpoint`)."""
+
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .trainer import Task, TrainConfig, Trainer, TrainingError, lr_factor
+
+__all__ = [
+    "CheckpointError",
+    "Task",
+    "TrainConfig",
+    "Trainer",
+    "TrainingError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "lr_factor",
+    "save_checkpoint",
+]

@@ -1,0 +1,131 @@
+"""``moelab compare``: several MoE methods × seeds on one language-modelling task — the main job.
+
+The CPU-scale version of 000 Table 2 (with the seeds and Welch t-test of 000 Table 9): every
+method is trained with each seed by :func:`moelab.experiments.lm.train_lm` into
+``OUT/<method>/seed<k>/``, then :mod:`moelab.experiments.report` prints the table (mean ± std over
+seeds, best marked, p-value of each method against CompeteSMoE) and writes ``results.csv``,
+``runs.csv`` and ``val_curves.png`` into ``OUT``.
+
+Defaults: the embedded corpus, the ``cpu`` preset (300 steps), methods smoe, smoe-fixed, xmoe,
+stablemoe, competesmoe (those registered in this moelab; the others are named in the output),
+3 seeds.  A finished run is reused with ``--resume`` (an interrupted one continues from its
+checkpoint), so a killed comparison loses at most one run's last steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .. import _validate
+from ..data.text import load_text
+from ..methods import methods
+from .lm import add_lm_arguments, build_config, set_threads, train_lm
+from .report import collect_runs, write_report
+
+__all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
+
+#: the baselines of 000 Table 2 and the method itself
+DEFAULT_METHODS = ("smoe", "smoe-fixed", "xmoe", "stablemoe", "competesmoe")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated methods (default: %(default)s; unavailable ones are skipped and named)",
+    )
+    p.add_argument("--seeds", type=int, default=3, help="seeds per method, 0..N-1 (default 3)")
+    p.add_argument("--seed-offset", type=int, default=0, dest="seed_offset", help="first seed")
+    p.add_argument("--reference", default="competesmoe", help="method the p-values compare against")
+    p.add_argument(
+        "--sweep",
+        metavar="KEY=V1,V2,...",
+        help="also vary one method option (000 Tables 4-5), e.g. omega=0.01,0.03,0.05; report prints the sensitivity table",
+    )
+    p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    p.add_argument(
+        "--resume", action="store_true", help="reuse finished runs in --out, continue unfinished ones"
+    )
+    p.add_argument("--force", action="store_true", help="re-run everything in --out")
+    add_lm_arguments(p)
+
+
+def parse_sweep(text: str | None) -> tuple[str, list[str]] | None:
+    """``"omega=0.01,0.05"`` → ``("omega", ["0.01", "0.05"])``."""
+    if not text:
+        return None
+    key, _, values = text.partition("=")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not key.strip() or not items:
+        raise ValueError(f"--sweep {text!r} is not allowed; expected KEY=V1,V2,... (e.g. omega=0.03,0.05)")
+    return key.strip(), items
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+
+    requested = [m.strip() for m in str(args.methods).split(",") if m.strip()]
+    if not requested:
+        raise UsageError(f"--methods {args.methods!r} names no method")
+    known = set(methods())
+    unknown_default = [m for m in requested if m not in known and m in DEFAULT_METHODS]
+    unknown = [m for m in requested if m not in known and m not in DEFAULT_METHODS]
+    if unknown:
+        raise ValueError(f"--methods: {unknown} are not moelab methods; allowed: {methods()}")
+    chosen = [m for m in requested if m in known]
+    if not chosen:
+        raise UsageError(f"none of --methods {requested} is available in this moelab")
+    _validate.positive_int("--seeds", args.seeds)
+    out = Path(args.out)
+    if (out / "results.csv").exists() and not (args.resume or args.force):
+        raise FileExistsError(f"--out {out} already holds a comparison; pass --resume to reuse it or --force")
+    set_threads(args)
+    if unknown_default:
+        print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
+    reference = args.reference if args.reference in chosen else chosen[0]
+    if reference != args.reference:
+        print(
+            f"reference {args.reference!r} is not among the methods run; p-values are against {reference!r}"
+        )
+
+    seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
+    sweep = parse_sweep(args.sweep)
+    configs = []
+    for method in chosen:
+        for value in sweep[1] if sweep else [None]:
+            name = method if value is None else f"{method}-{sweep[0]}{value}"
+            for seed in seeds:
+                ns = argparse.Namespace(**vars(args))
+                ns.method, ns.seed = method, seed
+                if value is not None:
+                    ns.opt = [*(args.opt or []), f"{sweep[0]}={value}"]
+                configs.append((name, seed, build_config(ns)))  # validates every flag before training
+    data = load_text(configs[0][2]["data"], level=configs[0][2]["level"])
+    print(
+        f"compare: {len(chosen)} methods × {len(seeds)} seeds on {data.name} "
+        f"({data.train.numel():,} training tokens), size {args.size}, {configs[0][2]['train']['steps']} steps"
+    )
+    start = time.perf_counter()
+    for i, (method, seed, config) in enumerate(configs, 1):
+        run_dir = out / method / f"seed{seed}"  # method: the method, with the swept value if any
+        if args.resume and (run_dir / "metrics.json").exists():
+            print(f"[{i}/{len(configs)}] {method} seed {seed}: finished, reused")
+            continue
+        resume = args.resume and (run_dir / "config.yaml").exists()
+        m = train_lm(
+            config, run_dir, resume=resume, force=args.force, progress=not args.no_progress, data=data
+        )
+        key = f"test_{data.metric}"
+        print(
+            f"[{i}/{len(configs)}] {method} seed {seed}: {key} {m[key]:.4f} "
+            f"({time.perf_counter() - start:.0f}s elapsed)"
+        )
+    runs = collect_runs(list(dict.fromkeys(out / name / f"seed{seed}" for name, seed, _ in configs)))
+    print()
+    print(write_report(runs, out, reference))
+    print(
+        f"\nwrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'val_curves.png'} ({time.perf_counter() - start:.0f}s)"
+    )
+    return 0

@@ -1,0 +1,205 @@
+"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (000 §6.3, Table 3).
+
+The LM of ``--from RUN_DIR`` (its best-validation weights, else its newest checkpoint) loses its
+head; two new fully connected layers classify the mean-pooled final states; the routers are
+frozen (:mod:`moelab.models.classifier`).  000 App. C.3: Adam, lr 1e-4, batch 16 (IMDB 4),
+5 epochs (BANKING77 50); inputs truncated to the LM's block size.  The best-validation weights
+give the test accuracy; ``metrics.json`` holds ``val_acc``, ``test_acc`` and the trainer's keys.
+
+Example::
+
+    moelab train --task lm --size cpu --steps 300 --out runs/lm
+    moelab finetune --task my_reviews.csv --from runs/lm --out runs/ft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import Tensor, nn
+
+from .. import _validate
+from ..data.classification import TASKS, ClassificationData, load_classification
+from ..data.text import tokenizer_from_state
+from ..models.classifier import LMClassifier, freeze_routers
+from ..rundir import RunDir
+from ..train import checkpoint as ckpt
+from ..train.trainer import TrainConfig, Trainer, TrainingError
+from .lm import build_model
+
+__all__ = ["ClassificationTask", "add_arguments", "encode_texts", "load_pretrained", "run"]
+
+#: 000 App. C.3 (Table 8)
+EPOCHS = {"banking77": 50}
+BATCH = {"imdb": 4}
+
+
+def encode_texts(tokenizer: Any, texts: list[str], block_size: int) -> tuple[Tensor, Tensor]:
+    """Token ids ``(n, block_size)`` right-padded with 0 and the mask of real tokens."""
+    ids = torch.zeros(len(texts), block_size, dtype=torch.int64)
+    mask = torch.zeros(len(texts), block_size, dtype=torch.bool)
+    for i, text in enumerate(texts):
+        if tokenizer.level == "char":  # text8's alphabet: lower case, other characters → space
+            text = "".join(c if c in tokenizer.alphabet else " " for c in text.lower())
+        tokens = tokenizer.encode(text)
+        if tokenizer.level == "word" and tokens.numel() and tokens[-1] == tokenizer.index[tokenizer.EOS]:
+            tokens = tokens[:-1]
+        tokens = tokens[:block_size]
+        if tokens.numel() == 0:
+            tokens = torch.zeros(1, dtype=torch.int64)
+        ids[i, : tokens.numel()] = tokens
+        mask[i, : tokens.numel()] = True
+    return ids, mask
+
+
+class ClassificationTask:
+    """The :class:`moelab.train.Task` of fine-tuning: cross-entropy, accuracy (higher is better)."""
+
+    metric = "acc"
+    lower_is_better = False
+
+    def __init__(
+        self, data: ClassificationData, tokenizer: Any, block_size: int, eval_batch: int = 32
+    ) -> None:
+        self.data = data
+        self.eval_batch = eval_batch
+        self.encoded = {
+            s: (*encode_texts(tokenizer, data.texts[s], block_size), torch.tensor(data.labels[s]))
+            for s in ("train", "valid", "test")
+        }
+
+    def sample(self, generator: torch.Generator, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
+        ids, mask, labels = self.encoded["train"]
+        ix = torch.randint(ids.shape[0], (batch_size,), generator=generator)
+        return ids[ix], mask[ix], labels[ix]
+
+    @staticmethod
+    def shard(batch: tuple[Tensor, ...], rank: int, world: int) -> tuple[Tensor, ...]:
+        return tuple(t[rank::world] for t in batch)
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, int]:
+        ids, mask, labels = batch
+        return F.cross_entropy(model(ids, mask), labels), int(mask.sum())
+
+    def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]:
+        ids, mask, labels = self.encoded["valid" if split == "valid" else split]
+        total, correct = 0.0, 0
+        for i in range(0, ids.shape[0], self.eval_batch):
+            logits = model(ids[i : i + self.eval_batch], mask[i : i + self.eval_batch])
+            y = labels[i : i + self.eval_batch]
+            total += F.cross_entropy(logits, y, reduction="sum").item()
+            correct += int((logits.argmax(-1) == y).sum())
+        n = ids.shape[0]
+        return {"loss": total / n, "acc": 100.0 * correct / n}
+
+
+def load_pretrained(run_dir: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """The LM of a finished (or checkpointed) ``moelab train`` run, its tokenizer and config."""
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.yaml"
+    if not config_path.exists():
+        raise FileNotFoundError(f"--from {str(run_dir)!r} holds no moelab run (no config.yaml)")
+    config = yaml.safe_load(config_path.read_text())
+    if config.get("task") != "lm":
+        raise ValueError(
+            f"--from {str(run_dir)!r} is a {config.get('task')!r} run; expected a language-model run"
+        )
+    tok_path = run_dir / "tokenizer.json"
+    if not tok_path.exists():
+        raise FileNotFoundError(f"--from {str(run_dir)!r} has no tokenizer.json")
+    tokenizer = tokenizer_from_state(json.loads(tok_path.read_text()))
+    model = build_model(config, tokenizer.vocab_size)
+    if (run_dir / "best.safetensors").exists():
+        ckpt.load_weights(run_dir / "best.safetensors", model)
+    else:
+        latest = ckpt.latest_checkpoint(run_dir / "ckpt")
+        if latest is None:
+            raise FileNotFoundError(f"--from {str(run_dir)!r} has no weights (best.safetensors or ckpt/)")
+        ckpt.load_checkpoint(latest, model)
+    return model, tokenizer, config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--task", required=True, help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)"
+    )
+    p.add_argument("--from", dest="source", required=True, metavar="RUN_DIR", help="a `moelab train` run")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--epochs", type=float, help="epochs (000: 5; BANKING77 50)")
+    p.add_argument("--steps", type=int, help="optimisation steps (overrides --epochs)")
+    p.add_argument("--batch-size", type=int, dest="batch_size", help="batch (000: 16; IMDB 4)")
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (1e-4, 000)")
+    p.add_argument(
+        "--eval-every", type=int, dest="eval_every", help="validate every N steps (default: each epoch)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--no-progress", action="store_true", dest="no_progress")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+
+    lm, tokenizer, lm_config = load_pretrained(args.source)
+    data = load_classification(args.task)
+    name = args.task if args.task in TASKS else "local"
+    batch = args.batch_size if args.batch_size is not None else BATCH.get(name, 16)
+    _validate.positive_int("--batch-size", batch)
+    epochs = args.epochs if args.epochs is not None else EPOCHS.get(name, 5)
+    if not (isinstance(epochs, (int, float)) and epochs > 0):
+        raise UsageError(f"--epochs={epochs!r} is not allowed; expected a number > 0")
+    per_epoch = math.ceil(len(data.labels["train"]) / batch)
+    steps = args.steps if args.steps is not None else max(1, round(epochs * per_epoch))
+    _validate.positive_int("--steps", steps)
+    model = LMClassifier(lm, data.num_classes)
+    frozen = freeze_routers(model)
+    config = TrainConfig(
+        steps=steps,
+        batch_size=batch,
+        lr=args.lr,
+        schedule="constant",
+        warmup=0,
+        eval_every=args.eval_every or min(per_epoch, steps),
+        seed=args.seed,
+    )
+    run_dir = RunDir(args.out, resume=args.resume, force=args.force)
+    run_dir.write_config(
+        {
+            "task": "finetune",
+            "data": args.task,
+            "from": str(args.source),
+            "num_classes": data.num_classes,
+            "labels": data.label_names,
+            "frozen_router_params": frozen,
+            "method": lm_config.get("method"),
+            "train": vars(config),
+        }
+    )
+    task = ClassificationTask(data, tokenizer, lm.cfg.block_size)
+    trainer = Trainer(
+        model,
+        task,
+        config,
+        run_dir,
+        method=None,  # fine-tuning never competes: the routers are frozen
+        progress=not args.no_progress,
+        extra_metrics={"method": lm_config.get("method"), "task": name, "num_classes": data.num_classes},
+    )
+    try:
+        metrics = trainer.fit(resume=args.resume)
+    except TrainingError as exc:
+        print(f"moelab finetune: {exc}")
+        return 1
+    print(
+        f"{metrics['method']} fine-tuned on {data.name}: test accuracy {metrics['test_acc']:.1f}% "
+        f"(val {metrics['val_acc']:.1f}%, {data.num_classes} classes) -> {args.out}"
+    )
+    return 0

@@ -1,0 +1,446 @@
+"""``moelab train --task lm``: a Switch / GLaM decoder LM with any MoE method (000 §6.1-6.2,
+Table 2; 003 §5.2, Table 2).
+
+One run writes into ``--out``: ``config.yaml`` (everything needed to re-run, ``--resume`` reads it
+back), ``log.csv`` (one row per step; validation columns on evaluation steps), ``metrics.json``
+(:data:`METRIC_KEYS`), ``best.safetensors`` (the best-validation weights, used for the test as
+000 does) and ``ckpt/`` (atomic checkpoints).
+
+Example::
+
+    moelab train --task lm --data default --size cpu --method smoe --steps 300 --out runs/smoe
+    moelab train --task lm --data enwik8 --size small --arch glam --method xmoe --out runs/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import Tensor, nn
+
+from .. import _validate
+from ..data.text import TextData, load_text
+from ..methods import get_method
+from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
+from ..rundir import RunDir, atomic_write_text
+from ..train.trainer import (
+    SCHEDULES,
+    TrainConfig,
+    Trainer,
+    TrainingError,
+    _dist,
+    build_competition_schedule,
+    split_schedule_options,
+)
+
+__all__ = ["METRIC_KEYS", "SIZE_DEFAULTS", "LMTask", "add_arguments", "build_config", "run", "train_lm"]
+
+#: keys of metrics.json (``<m>`` is ``bpc`` for character/byte corpora, ``ppl`` for word level)
+METRIC_KEYS = (
+    "train_loss",
+    "val_<m>",
+    "test_<m>",
+    "test_loss",
+    "best_step",
+    "steps",
+    "tokens_per_s",
+    "train_time_s",
+    "params",
+    "active_params",
+    "world_size",
+    "seed",
+    "method",
+    "arch",
+    "size",
+    "data",
+)
+
+#: training defaults per preset: 000 App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k steps)
+#: for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
+_PAPER = dict(lr=7e-4, warmup=None, batch_size=48, eval_every=1000, eval_tokens=500_000, ckpt_every=1000)
+SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "tiny": {**_PAPER, "steps": 60000},
+    "small": {**_PAPER, "steps": 60000},
+    "medium": {**_PAPER, "steps": 80000},
+    "wt103-small": {**_PAPER, "steps": 60000},
+    # cpu: the paper's schedule, but a larger step and warm-up for a run this short (our choice:
+    # 300 steps with lr 2e-3 / warm-up 30 reach a clearly lower BPC than 7e-4 / 15)
+    "cpu": dict(
+        lr=2e-3, warmup=30, steps=300, batch_size=16, eval_every=50, eval_tokens=16384, ckpt_every=100
+    ),
+}
+
+
+class LMTask:
+    """Next-token prediction on a :class:`moelab.data.text.TextData`.
+
+    Training batches are ``batch_size`` windows of ``block_size + 1`` tokens at uniformly random
+    offsets of the training split (the data-order generator is part of the checkpoint).
+    Evaluation runs over consecutive non-overlapping blocks from the start of the split (at most
+    ``max_tokens`` predicted tokens), each block with no context from the previous one, and
+    reports the mean token loss, ``bpc = loss / ln 2`` or ``ppl = exp(loss)``
+    (shared/REFERENCES.md).
+    """
+
+    def __init__(self, data: TextData, block_size: int, eval_batch: int = 16) -> None:
+        data.check_block(block_size)
+        self.data = data
+        self.block_size = block_size
+        self.eval_batch = eval_batch
+        self.metric = data.metric
+        self.lower_is_better = True
+
+    def sample(self, generator: torch.Generator, batch_size: int) -> tuple[Tensor, Tensor]:
+        train, L = self.data.train, self.block_size
+        ix = torch.randint(train.numel() - L, (batch_size,), generator=generator)
+        windows = torch.stack([train[i : i + L + 1] for i in ix.tolist()])  # (B, L+1)
+        return windows[:, :-1], windows[:, 1:]
+
+    @staticmethod
+    def shard(batch: tuple[Tensor, Tensor], rank: int, world: int) -> tuple[Tensor, Tensor]:
+        x, y = batch
+        return x[rank::world], y[rank::world]
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int]:
+        x, y = batch
+        device = next(model.parameters()).device
+        x, y = x.to(device), y.to(device)
+        logits = model(x)  # (B, L, V)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)), y.numel()
+
+    def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]:
+        tokens = self.data.split(split)
+        n = tokens.numel() - 1  # predicted tokens
+        if max_tokens is not None:
+            n = min(n, max_tokens)
+        L = self.block_size
+        device = next(model.parameters()).device
+        total, count = 0.0, 0
+        full = n // L
+        inputs, targets = tokens[: full * L].view(full, L), tokens[1 : full * L + 1].view(full, L)
+        for i in range(0, full, self.eval_batch):
+            x, y = inputs[i : i + self.eval_batch].to(device), targets[i : i + self.eval_batch].to(device)
+            logits = model(x)
+            total += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            ).item()
+            count += y.numel()
+        if n % L:  # the remainder as one shorter sequence
+            x, y = (
+                tokens[full * L : n].view(1, -1).to(device),
+                tokens[full * L + 1 : n + 1].view(1, -1).to(device),
+            )
+            logits = model(x)
+            total += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            ).item()
+            count += y.numel()
+        loss = total / count
+        value = loss / math.log(2) if self.metric == "bpc" else math.exp(min(loss, 700.0))
+        return {"loss": loss, self.metric: value}
+
+
+# ------------------------------------------------------------------------------ config
+def parse_opts(items: list[str] | None) -> dict[str, Any]:
+    """``["key=value", ...]`` → dict, values read as YAML scalars (``0.1`` → float, ``true`` → bool)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ValueError(f"--opt {item!r} is not allowed; expected key=value")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return out
+
+
+def build_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's full configuration (what ``config.yaml`` holds) from parsed CLI arguments."""
+    _validate.one_of("--size", args.size, list(PRESETS))
+    _validate.one_of("--arch", args.arch, list(ARCHS))
+    if args.arch != "dense":
+        get_method(args.method)  # a clear error for an unknown method
+    defaults = SIZE_DEFAULTS[args.size]
+    pick = lambda name: defaults[name] if getattr(args, name, None) is None else getattr(args, name)
+    for name in ("steps", "batch_size", "eval_every"):
+        value = pick(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"--{name.replace('_', '-')}={value!r} is not allowed; expected a positive integer"
+            )
+    model = {**PRESETS[args.size]}
+    for name in ("block_size", "dropout", "num_experts", "top_k"):
+        if getattr(args, name, None) is not None:
+            model[name] = getattr(args, name)
+    train = TrainConfig(
+        steps=pick("steps"),
+        batch_size=pick("batch_size"),
+        lr=pick("lr"),
+        schedule=args.schedule,
+        warmup=pick("warmup"),
+        grad_clip=args.grad_clip,
+        eval_every=pick("eval_every"),
+        eval_tokens=pick("eval_tokens"),
+        test_tokens=getattr(args, "test_tokens", None),
+        ckpt_every=pick("ckpt_every"),
+        seed=args.seed,
+    )
+    return {
+        "task": "lm",
+        "data": args.data,
+        "level": args.level,
+        "size": args.size,
+        "arch": args.arch,
+        "method": "dense" if args.arch == "dense" else args.method,
+        "opts": parse_opts(args.opt),
+        "model": model,
+        "train": asdict(train),
+    }
+
+
+def build_model(config: dict[str, Any], vocab_size: int) -> TransformerLM:
+    method = config["method"] if config["arch"] != "dense" else "smoe"
+    cfg = lm_config(
+        config["size"],
+        vocab_size,
+        **{
+            **config["model"],
+            "arch": config["arch"],
+            "method": method,
+            "method_options": split_schedule_options(dict(config["opts"]))[0],
+        },
+    )
+    return TransformerLM(cfg)
+
+
+def train_lm(
+    config: dict[str, Any],
+    out: str | Path | None,
+    *,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    data: TextData | None = None,
+) -> dict[str, Any]:
+    """Train one LM run described by ``config`` (:func:`build_config`) into ``out``."""
+    rank = _dist()[0]
+    # every rank reads the run directory; only rank 0 writes (and refuses an existing run)
+    run = RunDir(out, resume=resume or rank > 0, force=force) if out is not None else None
+    if run is not None and resume and run.file("config.yaml").exists():
+        config = run.read_config()  # the stored configuration wins: the same curve
+    if data is None:
+        data = load_text(config["data"], level=config.get("level", "byte"))
+    torch.manual_seed(int(config["train"]["seed"]))  # the initial weights depend on the seed only
+    model = build_model(config, data.vocab_size)
+    task = LMTask(data, model.cfg.block_size)
+    total, active = count_parameters(model)
+    config = {**config, "vocab_size": data.vocab_size, "metric": data.metric, "data_info": data.info}
+    config["params"], config["active_params"] = total, active
+    if run is not None and rank == 0 and not (resume and run.file("config.yaml").exists()):
+        run.write_config(config)
+        # the tokenizer, so that `moelab finetune` encodes text as the LM was trained
+        atomic_write_text(run.file("tokenizer.json"), json.dumps(data.tokenizer.state()))
+    trainer = Trainer(
+        model,
+        task,
+        TrainConfig(**config["train"]),
+        run,
+        method=None if config["arch"] == "dense" else config["method"],
+        method_options=config["opts"],
+        progress=progress,
+        extra_metrics={
+            "method": config["method"],
+            "arch": config["arch"],
+            "size": config["size"],
+            "data": config["data"],
+        },
+    )
+    return trainer.fit(resume=resume)
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_lm_arguments(p: argparse.ArgumentParser) -> None:
+    """The LM flags (shared by ``train`` and ``compare``)."""
+    p.add_argument(
+        "--data", default="default", help="enwik8, text8, wikitext103, default (offline) or a text file"
+    )
+    p.add_argument("--level", default="byte", choices=["byte", "word"], help="tokens of a local --data file")
+    p.add_argument("--arch", default="switch", help=f"one of {', '.join(ARCHS)}")
+    p.add_argument("--size", default="cpu", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--steps", type=int, help="optimisation steps (preset default)")
+    p.add_argument("--batch-size", type=int, dest="batch_size", help="sequences per step (preset default)")
+    p.add_argument("--block-size", type=int, dest="block_size", help="context length (preset default)")
+    p.add_argument("--num-experts", type=int, dest="num_experts", help="experts per MoE layer (16)")
+    p.add_argument("--top-k", type=int, dest="top_k", help="experts per token (2)")
+    p.add_argument("--dropout", type=float, help="dropout (preset default)")
+    p.add_argument("--lr", type=float, help="Adam learning rate (7e-4 as 000; the cpu preset 2e-3)")
+    p.add_argument("--schedule", default="inverse_sqrt", choices=list(SCHEDULES), help="LR schedule")
+    p.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps; the cpu preset 30)")
+    p.add_argument(
+        "--grad-clip", type=float, default=1.0, dest="grad_clip", help="max gradient norm (0: off)"
+    )
+    p.add_argument("--eval-every", type=int, dest="eval_every", help="validate every N steps")
+    p.add_argument("--eval-tokens", type=int, dest="eval_tokens", help="validation tokens per evaluation")
+    p.add_argument("--test-tokens", type=int, dest="test_tokens", help="cap on test tokens (default: all)")
+    p.add_argument("--ckpt-every", type=int, dest="ckpt_every", help="checkpoint every N steps")
+    p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="method option, e.g. balance_coef=0")
+    p.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: 1 for --size cpu, else torch's choice)"
+    )
+    p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--task", default="lm", choices=["lm", "image"], help="lm (this lab) or image (specialization)"
+    )
+    p.add_argument("--config", help="YAML file of flag defaults (configs/lm/*.yaml)")
+    p.add_argument("--method", default="smoe", help="MoE method (moelab.methods())")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="run directory")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--force", action="store_true", help="overwrite the run in --out")
+    add_lm_arguments(p)
+
+
+def apply_config_file(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> None:
+    """Fill flags left at their defaults from ``--config`` (keys are flag names, ``-`` or ``_``)."""
+    path = Path(args.config)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {args.config!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {args.config!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {args.config!r} must hold a mapping of flag names to values")
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in parser_defaults:
+            raise ValueError(
+                f"--config {args.config!r}: unknown key {key!r}; allowed: {sorted(parser_defaults)}"
+            )
+        if getattr(args, name) == parser_defaults[name]:
+            setattr(args, name, value)
+
+
+def _defaults() -> dict[str, Any]:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return {a.dest: a.default for a in p._actions if a.dest != "help"}
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """``--threads``; the ``cpu`` preset defaults to one thread: its small matrices are overhead-bound,
+    and on a busy machine extra OpenMP threads spin and slow it down many times
+    (docs/performance-lm.md)."""
+    if args.threads is not None:
+        torch.set_num_threads(_validate.positive_int("--threads", args.threads))
+    elif args.size == "cpu":
+        torch.set_num_threads(1)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import UsageError
+
+    if args.task == "image":
+        if importlib.util.find_spec("moelab.experiments.specialization") is None:
+            raise UsageError("--task image needs moelab.experiments.specialization, which is not installed")
+        from . import specialization  # type: ignore[attr-defined]
+
+        return int(specialization.run_image(args) or 0)
+    if args.config:
+        apply_config_file(args, _defaults())
+    if not args.out:
+        raise UsageError("--out is required (the run directory)")
+    set_threads(args)
+    if args.resume and not Path(args.out, "config.yaml").exists():
+        print(f"--resume: {args.out} holds no run yet; starting one")
+        args.resume = False
+    config = build_config(args)
+    try:
+        metrics = train_lm(
+            config, args.out, resume=args.resume, force=args.force, progress=not args.no_progress
+        )
+    except TrainingError as exc:
+        print(f"moelab train: {exc}")
+        return 1
+    m = metrics.get("test_bpc", metrics.get("test_ppl"))
+    key = "test_bpc" if "test_bpc" in metrics else "test_ppl"
+    print(
+        f"{metrics['method']}: {key} {m:.4f} (best val at step {metrics['best_step']}), "
+        f"{metrics['tokens_per_s']:.0f} tokens/s, {metrics['params']:,} params "
+        f"({metrics['active_params']:,} active) -> {args.out}"
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------ benchmark
+def benchmark_throughput(
+    size: str = "cpu", methods: tuple[str, ...] = ("smoe", "competesmoe"), rounds: int = 5, steps: int = 20
+) -> list[tuple[str, float]]:
+    """Training tokens/s (forward + backward + Adam step) of ``size`` with each method and with the
+    dense FFN of equal active width (``arch="dense"``); the median over ``rounds`` rounds of
+    ``steps`` steps, the models interleaved round by round so that load drift hits them alike."""
+    import statistics
+    import time
+
+    from ..layer import aux_loss
+    from ..methods import methods as registered
+    from ..routing import RoutingContext, attach
+
+    names = [m for m in methods if m in registered()] + ["dense"]
+    cfg = lm_config(size, 256)
+    B = SIZE_DEFAULTS.get(size, {}).get("batch_size", 16)
+    x = torch.randint(256, (B, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)
+        arch, method = ("dense", "smoe") if name == "dense" else ("switch", name)
+        model = TransformerLM(lm_config(size, 256, arch=arch, method=method))
+        total = (rounds + 1) * steps
+        ctx = RoutingContext(total_steps=total)
+        attach(model, ctx)
+        if arch != "dense":  # CompeteSMoE's schedule, as in training (~ω of the steps compete)
+            ctx.schedule = build_competition_schedule(model, method, total, 0)
+        runs[name] = (model, ctx, torch.optim.Adam(model.parameters(), lr=7e-4))
+
+    def step(model, ctx, opt):
+        logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1)) + aux_loss(model)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        ctx.advance()
+
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for name in names:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(*runs[name])
+            if r > 0:  # round 0 warms up
+                times[name].append(B * cfg.block_size * steps / (time.perf_counter() - t0))
+    return [(n, statistics.median(times[n])) for n in names]
+
+
+if __name__ == "__main__":  # python -m moelab.experiments.lm [size] [threads]
+    import sys
+
+    size = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    results = benchmark_throughput(size)
+    dense = dict(results)["dense"]
+    print(
+        f"{size} preset, batch {SIZE_DEFAULTS[size]['batch_size']} x block {PRESETS[size]['block_size']}, "
+        f"{torch.get_num_threads()} thread(s), torch {torch.__version__}"
+    )
+    for name, tps in results:
+        print(f"{name:<14} {tps:>10.0f} tokens/s   ratio to dense {tps / dense:.2f}")

@@ -1,0 +1,327 @@
+"""``moelab report RUN_DIR...``: the comparison table and plots from finished runs.
+
+Runs are grouped by method and by every ``--opt`` whose value differs between runs (a sweep):
+each group is one row with the mean ± sample standard deviation over its seeds of the test
+metric (000 Table 2 / Table 9 layout), the best row marked ``*``, and the two-sided Welch
+t-test p-value of each group against the reference group (000 Table 9 uses CompeteSMoE vs
+SMoE; ``scipy.stats.ttest_ind(equal_var=False)``).  When exactly one option varies (a λ/ω or α
+sweep) the sensitivity table of 000 Tables 4-5 is printed too: one column per value, one row
+per architecture.
+
+Writes into ``--out`` (default: the first RUN_DIR when it is a folder of runs): ``results.csv``
+(one row per group), ``runs.csv`` (one row per run) and ``val_curves.png`` (validation metric
+against step, mean over seeds: 000 Fig. 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..rundir import atomic_write_text
+
+__all__ = ["Group", "Run", "add_arguments", "collect_runs", "group_runs", "render", "run", "write_report"]
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any]
+    metrics: dict[str, Any]
+
+    @property
+    def metric(self) -> str:
+        m = self.config.get("metric")
+        if m:
+            return m
+        for key in ("bpc", "ppl", "acc"):
+            if f"test_{key}" in self.metrics:
+                return key
+        raise ValueError(f"run {self.path} has no test metric in metrics.json")
+
+    @property
+    def test(self) -> float:
+        return float(self.metrics[f"test_{self.metric}"])
+
+    def curve(self) -> tuple[list[int], list[float]]:
+        """Validation metric against step from ``log.csv``."""
+        path = self.path / "log.csv"
+        steps, values = [], []
+        if path.exists():
+            with path.open(newline="") as f:
+                for row in csv.DictReader(f):
+                    v = row.get(f"val_{self.metric}")
+                    if v:
+                        steps.append(int(row["step"]))
+                        values.append(float(v))
+        return steps, values
+
+
+@dataclass
+class Group:
+    label: str
+    method: str
+    settings: dict[str, Any]
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def values(self) -> list[float]:
+        return [r.test for r in self.runs]
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values)
+
+    @property
+    def std(self) -> float:
+        v = self.values
+        if len(v) < 2:
+            return float("nan")
+        m = self.mean
+        return math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+
+
+def collect_runs(paths: list[str | Path]) -> list[Run]:
+    """Every finished run (a folder with ``config.yaml`` and ``metrics.json``) in or under ``paths``."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"run directory {str(p)!r} does not exist")
+        if (p / "metrics.json").exists():
+            found.append(p)
+        else:
+            found.extend(
+                sorted(m.parent for m in p.glob("**/metrics.json") if (m.parent / "config.yaml").exists())
+            )
+    runs = []
+    for p in dict.fromkeys(found):
+        try:
+            config = yaml.safe_load((p / "config.yaml").read_text()) or {}
+            metrics = json.loads((p / "metrics.json").read_text())
+        except (OSError, yaml.YAMLError, json.JSONDecodeError) as exc:
+            raise ValueError(f"run {p} cannot be read: {exc}") from None
+        runs.append(Run(p, config, metrics))
+    if not runs:
+        raise ValueError(f"no finished runs (metrics.json) found in {[str(p) for p in paths]}")
+    return runs
+
+
+def _settings(run: Run) -> dict[str, Any]:
+    s = dict(run.config.get("opts") or {})
+    s["arch"] = run.config.get("arch")
+    return s
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Group by method and by the options (and architecture) that vary between runs."""
+    keys = sorted({k for r in runs for k in _settings(r)})
+    varying = [k for k in keys if len({json.dumps(_settings(r).get(k), sort_keys=True) for r in runs}) > 1]
+    groups: dict[str, Group] = {}
+    for r in runs:
+        method = str(r.metrics.get("method") or r.config.get("method"))
+        settings = {k: _settings(r).get(k) for k in varying}
+        label = method + "".join(f" {k}={v}" for k, v in settings.items() if v is not None)
+        groups.setdefault(label, Group(label, method, settings)).runs.append(r)
+    return list(groups.values())
+
+
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Two-sided Welch t-test p-value (NaN when a group has fewer than 2 runs or no variance)."""
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    from scipy import stats
+
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("ignore")
+        p = stats.ttest_ind(a, b, equal_var=False).pvalue
+    return float(p)
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def render(groups: list[Group], reference: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The table (text) and its rows (for results.csv)."""
+    metric = groups[0].runs[0].metric
+    lower = metric != "acc"
+    ref = next((g for g in groups if g.label == reference or g.method == reference), None)
+    best = (min if lower else max)(groups, key=lambda g: g.mean)
+    rows = []
+    for g in groups:
+        p = welch_p(g.values, ref.values) if ref is not None and g is not ref else float("nan")
+        m = g.runs[0].metrics
+        tps = [r.metrics.get("tokens_per_s") for r in g.runs if r.metrics.get("tokens_per_s")]
+        rows.append(
+            {
+                "group": g.label,
+                "method": g.method,
+                **{k: v for k, v in g.settings.items()},
+                "n": len(g.runs),
+                f"test_{metric}_mean": g.mean,
+                f"test_{metric}_std": g.std,
+                f"val_{metric}_mean": _mean([r.metrics.get(f"val_{metric}") for r in g.runs]),
+                "p_value": p,
+                "params": m.get("params"),
+                "active_params": m.get("active_params"),
+                "tokens_per_s": sum(tps) / len(tps) if tps else None,
+                "best": g is best,
+            }
+        )
+    direction = "lower" if lower else "higher"
+    ref_name = ref.label if ref is not None else "none"
+    header = f"{'method':<28} {'n':>2}  {'test ' + metric + ' (mean ± std)':<24} {'p vs ' + ref_name:>16}  {'params/active':>17}  {'tokens/s':>8}"
+    lines = [header, "-" * len(header)]
+    for row, g in zip(rows, groups):
+        cell = f"{_fmt(row[f'test_{metric}_mean'])} ± {_fmt(row[f'test_{metric}_std'])}"
+        if row["best"]:
+            cell += " *"
+        pa = f"{_short(row['params'])}/{_short(row['active_params'])}"
+        tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "—"
+        lines.append(
+            f"{g.label:<28} {row['n']:>2}  {cell:<24} {_fmt(row['p_value'], 3):>16}  {pa:>17}  {tps:>8}"
+        )
+    lines.append(f"* best ({direction} is better); p: two-sided Welch t-test against {ref_name} over seeds")
+    text = "\n".join(lines)
+    sweep = _sensitivity(groups, metric)
+    if sweep:
+        text += "\n\n" + sweep
+    return text, rows
+
+
+def _short(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "—"
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def _mean(values: list[Any]) -> float:
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _sensitivity(groups: list[Group], metric: str) -> str:
+    """000 Tables 4-5: one varying option → a row per architecture, a column per value."""
+    keys = [k for k in groups[0].settings if k != "arch"]
+    if len(keys) != 1 or len({g.method for g in groups}) != 1:
+        return ""
+    key = keys[0]
+    values = sorted({json.dumps(g.settings[key]) for g in groups}, key=lambda s: (s == "null", s))
+    archs = sorted({str(g.runs[0].config.get("arch")) for g in groups})
+    head = f"{'sensitivity to ' + key:<24}" + "".join(f"{json.loads(v)!s:>10}" for v in values)
+    lines = [head]
+    for arch in archs:
+        cells = []
+        for v in values:
+            match = [
+                g
+                for g in groups
+                if json.dumps(g.settings[key]) == v and str(g.runs[0].config.get("arch")) == arch
+            ]
+            cells.append(f"{match[0].mean:>10.4f}" if match else f"{'—':>10}")
+        lines.append(f"{arch:<24}" + "".join(cells))
+    return f"test {metric} by {key} (mean over seeds)\n" + "\n".join(lines)
+
+
+def plot_curves(groups: list[Group], path: Path) -> Path:
+    """Validation metric against step, mean over each group's seeds (000 Fig. 2)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = groups[0].runs[0].metric
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for g in groups:
+        curves = [r.curve() for r in g.runs]
+        curves = [c for c in curves if c[0]]
+        if not curves:
+            continue
+        steps = curves[0][0]
+        n = min(len(c[1]) for c in curves)
+        mean = [sum(c[1][i] for c in curves) / len(curves) for i in range(n)]
+        ax.plot(steps[:n], mean, marker="o", markersize=3, label=f"{g.label} (n={len(curves)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"validation {metric.upper()}")
+    ax.set_title(f"Validation {metric.upper()} during training (mean over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def _csv_text(rows: list[dict[str, Any]]) -> str:
+    import io
+
+    fields: list[str] = []
+    for r in rows:
+        fields.extend(k for k in r if k not in fields)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def write_report(runs: list[Run], out: Path, reference: str | None = "competesmoe") -> str:
+    """Group ``runs``, write results.csv, runs.csv and val_curves.png into ``out``; return the table."""
+    groups = group_runs(runs)
+    text, rows = render(groups, reference)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "results.csv", _csv_text(rows))
+    run_rows = []
+    for g in groups:
+        for r in g.runs:
+            metric = r.metric
+            run_rows.append(
+                {
+                    "group": g.label,
+                    "method": g.method,
+                    "seed": r.metrics.get("seed"),
+                    f"test_{metric}": r.test,
+                    f"val_{metric}": r.metrics.get(f"val_{metric}"),
+                    "train_loss": r.metrics.get("train_loss"),
+                    "tokens_per_s": r.metrics.get("tokens_per_s"),
+                    "path": str(r.path),
+                }
+            )
+    atomic_write_text(out / "runs.csv", _csv_text(run_rows))
+    plot_curves(groups, out / "val_curves.png")
+    atomic_write_text(out / "table.txt", text + "\n")
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories or folders of runs")
+    p.add_argument("--reference", default="competesmoe", help="group the p-values compare against")
+    p.add_argument(
+        "--out", help="where to write results.csv, runs.csv, val_curves.png (default: first RUN_DIR)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = collect_runs(args.runs)
+    out = Path(args.out) if args.out else Path(args.runs[0])
+    if not args.out and (out / "metrics.json").exists():
+        out = out / "report"
+    reference = args.reference
+    if not any(str(r.metrics.get("method")) == reference for r in runs):
+        first = str(runs[0].metrics.get("method"))
+        print(f"reference {reference!r} has no runs here; p-values are against {first!r}")
+        reference = first
+    print(write_report(runs, out, reference))
+    print(f"wrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'val_curves.png'}")
+    return 0

@@ -1,0 +1,50 @@
+"""A pre-trained MoE language model turned into a text classifier (000 §6.3, App. C.3).
+
+000: "remove the last layer and employ two randomly initialized fully connected layers as the
+classifier", with the routers frozen ("Following Chen et al. (2023), we freeze the router").  The
+LM head is dropped; the final hidden states are mean-pooled over the real (non-padding) tokens
+and fed to ``Linear(d, d) → ReLU → Dropout → Linear(d, C)``.  Causal attention means right
+padding never changes the real tokens' states.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..routing import moe_layers
+from .lm import TransformerLM
+
+__all__ = ["LMClassifier", "freeze_routers"]
+
+
+def freeze_routers(model: nn.Module) -> int:
+    """Stop gradients to every router of ``model``; returns how many parameters were frozen."""
+    frozen = 0
+    for layer in moe_layers(model):
+        for p in layer.router.parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)
+                frozen += p.numel()
+    return frozen
+
+
+class LMClassifier(nn.Module):
+    """``(idx (B, L), mask (B, L)) → logits (B, C)`` on top of a :class:`TransformerLM` trunk."""
+
+    def __init__(self, lm: TransformerLM, num_classes: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"num_classes={num_classes} is not allowed; expected at least 2")
+        d = lm.cfg.d_model
+        lm.head = nn.Identity()  # the LM head is removed (its weight was tied to the embedding)
+        self.lm = lm
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, num_classes)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: Tensor, mask: Tensor) -> Tensor:
+        h = self.lm.features(idx)  # (B, L, d)
+        m = mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
+        pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, d)
+        return self.fc2(self.drop(torch.relu(self.fc1(pooled))))

@@ -1,0 +1,262 @@
+"""Decoder-only Transformer language models whose FFNs are MoE layers of any method.
+
+The setting of paper 000 §6.1 ("Architecture") and App. C.2, from its reference code (Sandwich
+Transformer based; shared/REFERENCES.md, "Model configs"):
+
+* ``switch``: every FFN is an MoE layer (Switch Transformer, Fedus et al. 2022).
+* ``glam``: MoE and dense FFN alternate, MoE in the odd blocks (GLaM, Du et al. 2022), so a
+  ``glam`` model of ``n_layer`` blocks has ``n_layer // 2`` MoE layers.
+* ``dense``: every FFN is a dense MLP of width ``top_k · d_hidden`` — the dense model of equal
+  *active* width, the throughput baseline of docs/performance-lm.md.
+
+16 experts, top-2, expert hidden width = ``d_model``, ReLU experts, dropout 0.1 (000).  Blocks
+are pre-LayerNorm (nanoGPT); attention is causal ``scaled_dot_product_attention``.
+
+Presets (:data:`PRESETS`), with the parameter counts of the byte-level (vocab 256) model:
+
+============  ======  =======  =====  =====  ==========================================
+preset        layers  d_model  heads  block  parameters (switch, total / active)
+============  ======  =======  =====  =====  ==========================================
+tiny          3       256      8      512    7.29M / 1.79M  (000: "3 SMoE blocks, 7M")
+small         6       264      8      512    15.30M / 3.59M (000: "6 SMoE layers, 15M")
+medium        8       352      8      512    36.02M / 8.27M (000: "8 SMoE layers, 36M")
+wt103-small   3       128      8      256    000's WikiText-103 small (word level, dropout 0.7)
+cpu           2       64       4      128    0.32M / 0.09M (1000 steps in minutes on 2 cores)
+============  ======  =======  =====  =====  ==========================================
+
+``moelab.models.lm.count_parameters`` computes them (tests pin them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _validate
+from ..experts import MLP, ExpertBank
+from ..layer import MoE
+from ..routing import moe_layers
+
+__all__ = ["ARCHS", "PRESETS", "LMConfig", "TransformerLM", "count_parameters", "lm_config"]
+
+ARCHS = ("switch", "glam", "dense")
+
+
+@dataclass
+class LMConfig:
+    """Everything that defines a :class:`TransformerLM`.
+
+    Attributes:
+        vocab_size: tokens in the vocabulary.
+        block_size: maximum context length.
+        n_layer: Transformer blocks.
+        d_model: width.
+        n_head: attention heads (must divide ``d_model``).
+        arch: ``switch``, ``glam`` or ``dense`` (see the module docstring).
+        method: MoE method name (:func:`moelab.methods`).
+        num_experts: experts per MoE layer (16 in 000).
+        top_k: experts per token (2 in 000).
+        d_hidden: expert hidden width (default ``d_model``, 000).
+        activation: expert activation (``relu`` in 000).
+        dropout: dropout on attention, residual branches and embeddings (0.1 in 000).
+        method_options: options passed to every :class:`moelab.MoE` (``--opt key=value``).
+    """
+
+    vocab_size: int
+    block_size: int = 512
+    n_layer: int = 3
+    d_model: int = 256
+    n_head: int = 8
+    arch: str = "switch"
+    method: str = "smoe"
+    num_experts: int = 16
+    top_k: int = 2
+    d_hidden: int | None = None
+    activation: str = "relu"
+    dropout: float = 0.1
+    method_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate.positive_int("vocab_size", self.vocab_size)
+        _validate.positive_int("block_size", self.block_size)
+        _validate.positive_int("n_layer", self.n_layer)
+        _validate.positive_int("d_model", self.d_model)
+        _validate.positive_int("n_head", self.n_head)
+        _validate.one_of("arch", self.arch, ARCHS)
+        _validate.positive_int("num_experts", self.num_experts)
+        _validate.int_in_range("top_k", self.top_k, 1, self.num_experts)
+        if self.d_hidden is not None:
+            _validate.positive_int("d_hidden", self.d_hidden)
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"n_head={self.n_head} is not allowed for d_model={self.d_model}; n_head must divide d_model"
+            )
+        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ValueError(f"dropout={self.dropout!r} is not allowed; expected a number in [0, 1)")
+        if self.arch == "glam" and self.n_layer < 2:
+            raise ValueError(f"n_layer={self.n_layer} is not allowed for arch='glam'; expected >= 2")
+
+    @property
+    def hidden(self) -> int:
+        return self.d_model if self.d_hidden is None else self.d_hidden
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` has an MoE FFN."""
+        if self.arch == "switch":
+            return True
+        if self.arch == "glam":
+            return layer % 2 == 1
+        return False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LMConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+#: the paper's model sizes (000 §6.1, shared/REFERENCES.md) and a CPU size; training defaults
+#: per preset live in ``moelab.experiments.lm.SIZE_DEFAULTS``
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(n_layer=3, d_model=256, n_head=8, block_size=512, dropout=0.1),
+    "small": dict(n_layer=6, d_model=264, n_head=8, block_size=512, dropout=0.1),
+    "medium": dict(n_layer=8, d_model=352, n_head=8, block_size=512, dropout=0.1),
+    # 000's WikiText-103 small model (reference code): 3 layers, d 128, block 256, dropout 0.7
+    "wt103-small": dict(n_layer=3, d_model=128, n_head=8, block_size=256, dropout=0.7),
+    # small enough that 1000 steps take minutes on 2 CPU cores; no dropout for short runs
+    "cpu": dict(n_layer=2, d_model=64, n_head=4, block_size=128, dropout=0.0),
+}
+
+
+def lm_config(size: str, vocab_size: int, **overrides: Any) -> LMConfig:
+    """The :class:`LMConfig` of preset ``size`` (``tiny``, ``small``, ``medium``, ``cpu``)."""
+    _validate.one_of("size", size, list(PRESETS))
+    return LMConfig(vocab_size=vocab_size, **{**PRESETS[size], **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, L, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)  # 3 × (B, L, d)
+        q, k, v = (t.view(B, L, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, H, L, d/H)
+        y = y.transpose(1, 2).reshape(B, L, d)
+        return self.resid_drop(self.proj(y))
+
+
+class Block(nn.Module):
+    """Pre-LN block: ``x + attn(ln(x))``, then ``x + ffn(ln(x))`` with an MoE or dense FFN."""
+
+    def __init__(self, cfg: LMConfig, moe: bool) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        if moe:
+            self.ffn: nn.Module = MoE(
+                cfg.d_model,
+                cfg.num_experts,
+                cfg.top_k,
+                d_hidden=cfg.hidden,
+                method=cfg.method,
+                activation=cfg.activation,
+                **cfg.method_options,
+            )
+        else:
+            width = cfg.top_k * cfg.hidden if cfg.arch == "dense" else cfg.hidden
+            self.ffn = MLP(cfg.d_model, width, activation=cfg.activation)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.drop(self.ffn(self.ln2(x)))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM: token + position embeddings → blocks → LayerNorm → tied LM head.
+
+    ``forward(idx (B, L)) → logits (B, L, vocab)``; :meth:`features` gives the final hidden
+    states ``(B, L, d)`` (the fine-tuning trunk, 000 §6.3).
+    """
+
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying (nanoGPT)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 init for embeddings and attention; FFNs (MoE routers/experts, dense MLPs) keep
+        # their own init (ExpertBank / MLP: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the routers' own)
+        nn.init.normal_(self.tok_emb.weight, std=0.02)
+        nn.init.normal_(self.pos_emb.weight, std=0.02)
+        for block in self.blocks:
+            for fc in (block.attn.qkv, block.attn.proj):
+                nn.init.normal_(fc.weight, std=0.02)
+                nn.init.zeros_(fc.bias)
+            # scaled residual projection (GPT-2)
+            nn.init.normal_(block.attn.proj.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+
+    @property
+    def moe_layers(self) -> list[nn.Module]:
+        return moe_layers(self)
+
+    def features(self, idx: Tensor) -> Tensor:
+        """Final hidden states ``(B, L, d)`` of token ids ``idx (B, L)``."""
+        L = idx.shape[1]
+        if L > self.cfg.block_size:
+            raise ValueError(
+                f"sequence length {L} is not allowed; expected at most block_size={self.cfg.block_size}"
+            )
+        pos = torch.arange(L, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, L, d)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.head(self.features(idx))  # (B, L, vocab)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """``(total, active)`` parameter counts (tied weights counted once).
+
+    *Active* parameters are those one token uses: everything except, in each expert bank, the
+    ``N − K`` experts it does not select, i.e. ``total − Σ_layers (N − K)/N · expert_params``.
+    """
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    inactive = 0
+    for layer in moe_layers(model):
+        if isinstance(layer.experts, ExpertBank) or hasattr(layer.experts, "num_experts"):
+            n = layer.num_experts
+            expert_params = sum(p.numel() for p in layer.experts.parameters())
+            inactive += expert_params * (n - layer.top_k) // n
+    return total, total - inactive

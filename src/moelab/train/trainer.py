@@ -1,0 +1,505 @@
+"""The training loop shared by the language-modelling and fine-tuning experiments.
+
+Flow (shared/DESIGN.md, "Training"): set ``ctx.step`` → forward → loss = task loss +
+``moelab.aux_loss(model)`` → backward → gradient clipping → Adam → LR schedule → log → evaluate
+every ``eval_every`` steps (keeping the best-validation weights, which the final test uses, as
+000 §6.1 does) → atomic checkpoint every ``ckpt_every`` steps.
+
+What a task provides (:class:`Task`): ``sample(generator, batch_size)`` a global batch,
+``shard(batch, rank, world)`` a rank's part, ``loss(model, batch) -> (loss, tokens)``,
+``evaluate(model, split, max_tokens) -> {"loss": ..., metric: ...}``, and ``metric`` /
+``lower_is_better``.
+
+Distributed-ready: the rank and world size come from ``torch.distributed`` when it is
+initialised; every rank draws the same global batch from the same generator and keeps rows
+``rank::world`` (so 2 ranks × half a batch see what 1 rank × the full batch sees); only rank 0
+writes logs, metrics and checkpoints; ``metrics.json`` records ``world_size``.  (Wrapping the model
+in DDP is issue 9.)
+
+Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, every RNG
+state and the trainer's counters; ``resume=True`` loads the newest good one, drops the
+``log.csv`` rows written after it, and continues the same curve (bit-exactly on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .. import _validate
+from ..layer import aux_loss
+from ..routing import RoutingContext, attach, moe_layers
+from ..rundir import RunDir
+from . import checkpoint as ckpt
+
+__all__ = [
+    "SCHEDULES",
+    "SCHEDULE_OPTIONS",
+    "Task",
+    "TrainConfig",
+    "Trainer",
+    "TrainingError",
+    "build_competition_schedule",
+    "lr_factor",
+    "split_schedule_options",
+]
+
+SCHEDULES = ("inverse_sqrt", "cosine", "constant")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss); the message says where and what was kept."""
+
+
+class Task(Protocol):
+    metric: str
+    lower_is_better: bool
+
+    def sample(self, generator: torch.Generator, batch_size: int) -> Any: ...
+    def shard(self, batch: Any, rank: int, world: int) -> Any: ...
+    def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, int]: ...
+    def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]: ...
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping settings (defaults: 000 App. C.2 where it states them).
+
+    Attributes:
+        steps: optimisation steps.
+        batch_size: global batch (sequences); 48 in 000.
+        lr: Adam learning rate (7e-4 in 000).
+        schedule: ``inverse_sqrt`` (000: "a learning rate schedule of 1/√t"), ``cosine`` or
+            ``constant``; all with linear warm-up.
+        warmup: warm-up steps; ``None`` = 5% of ``steps`` (000 does not state it: our choice).
+        min_lr_ratio: floor of the cosine schedule, as a fraction of ``lr``.
+        grad_clip: max global gradient norm (0 = off); 000 does not state it: 1.0 is our choice.
+        eval_every: evaluate on the validation split every this many steps (and at the end).
+        eval_tokens: cap on the validation tokens per evaluation (``None`` = the whole split).
+        test_tokens: cap on the test tokens of the final test (``None`` = the whole split).
+        ckpt_every: write a checkpoint every this many steps (and at the end); 0 = only at the end.
+        keep_ckpts: how many checkpoints to keep.
+        seed: seeds python, numpy, torch and the data order.
+        weight_decay: Adam (L2) weight decay (0 in 000).
+    """
+
+    steps: int
+    batch_size: int
+    lr: float = 7e-4
+    schedule: str = "inverse_sqrt"
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_tokens: int | None = None
+    test_tokens: int | None = None
+    ckpt_every: int = 0
+    keep_ckpts: int = 2
+    seed: int = 0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _validate.positive_int("steps", self.steps)
+        _validate.positive_int("batch_size", self.batch_size)
+        _validate.positive("lr", self.lr)
+        _validate.one_of("schedule", self.schedule, SCHEDULES)
+        if self.warmup is not None:
+            _validate.int_in_range("warmup", self.warmup, 0, 1 << 40)
+        _validate.probability("min_lr_ratio", self.min_lr_ratio)
+        _validate.non_negative("grad_clip", self.grad_clip)
+        _validate.positive_int("eval_every", self.eval_every)
+        for name in ("eval_tokens", "test_tokens"):
+            if getattr(self, name) is not None:
+                _validate.positive_int(name, getattr(self, name))
+        _validate.int_in_range("ckpt_every", self.ckpt_every, 0, 1 << 40)
+        _validate.positive_int("keep_ckpts", self.keep_ckpts)
+        _validate.int_in_range("seed", self.seed, 0, 2**63 - 1)
+        _validate.non_negative("weight_decay", self.weight_decay)
+
+    @property
+    def warmup_steps(self) -> int:
+        return round(0.05 * self.steps) if self.warmup is None else self.warmup
+
+
+def lr_factor(schedule: str, step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """The learning-rate multiplier after ``step`` completed steps (``LambdaLR`` convention).
+
+    * warm-up (``step < warmup``): ``(step + 1) / warmup``;
+    * ``inverse_sqrt``: ``sqrt(max(warmup, 1) / (step + 1))`` — 000's ``1/√t``, equal to 1 at the
+      end of warm-up (fairseq's ``inverse_sqrt``);
+    * ``cosine``: ``min_ratio + (1 − min_ratio)·½(1 + cos(π·p))``, ``p`` the post-warm-up progress;
+    * ``constant``: 1.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "inverse_sqrt":
+        return math.sqrt(max(warmup, 1) / (step + 1))
+    if schedule == "cosine":
+        p = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    if schedule == "constant":
+        return 1.0
+    raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {list(SCHEDULES)}")
+
+
+#: ``--opt`` keys that configure the competition schedule (not the layer): ω, A_max and the
+#: warm-up fraction of 001's schedule, λ of 000's coin flips
+SCHEDULE_OPTIONS = ("omega", "a_max", "competition_warmup", "rate")
+
+
+def split_schedule_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(layer options, schedule options)`` of a method's ``--opt`` values."""
+    layer = {k: v for k, v in options.items() if k not in SCHEDULE_OPTIONS}
+    schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
+    return layer, schedule
+
+
+def build_competition_schedule(
+    model: nn.Module, method: str, total_steps: int, seed: int, options: dict[str, Any] | None = None
+) -> Any:
+    """The competition schedule of methods that need one (CompeteSMoE, DenseMoE), else ``None``.
+
+    Built once before training from the seed, so it is identical on every rank and after a
+    resume (001: the schedule is built once, offline).  Resolution, most specific first:
+
+    1. ``moelab.methods.build_schedule(method, num_layers, total_steps, seed, **options)`` if
+       moelab provides it;
+    2. a method whose router declares ``needs_schedule`` (or, when the router does not say, whose
+       router is the ``competesmoe`` family): 000's coin flips ``moelab.CoinFlipSchedule(L,
+       rate=λ)`` for ``mode="v1"``, else 001's ``moelab.CompetitionSchedule(L, total_steps,
+       omega, a_max, warmup, seed)`` with ``a_max`` capped at the model's MoE depth;
+    3. otherwise ``None`` (or when this moelab has no schedule classes).
+
+    ``options`` are the run's ``--opt`` values; the schedule reads :data:`SCHEDULE_OPTIONS`
+    (``competition_warmup`` is the schedule's ``warmup`` fraction) and ``mode``.
+    """
+    import importlib
+
+    import moelab
+    from moelab.routers import ROUTERS
+
+    methods_mod = importlib.import_module("moelab.methods")  # the module (moelab.methods is a function)
+
+    num_layers = len(moe_layers(model))
+    options = dict(options or {})
+    if num_layers == 0:
+        return None
+    hook = getattr(methods_mod, "build_schedule", None)
+    if hook is not None:
+        return hook(method, num_layers=num_layers, total_steps=total_steps, seed=seed, **options)
+    preset = methods_mod.get_method(method)
+    needs = getattr(ROUTERS.get(preset.router), "needs_schedule", None)
+    if needs is None:
+        needs = preset.router == "competesmoe"
+    if not needs:
+        return None
+    params = {**preset.options, **options}
+    if params.get("mode") == "v1" and hasattr(moelab, "CoinFlipSchedule"):
+        return moelab.CoinFlipSchedule(num_layers, rate=params.get("rate", 0.05), seed=seed)
+    if not hasattr(moelab, "CompetitionSchedule"):
+        return None
+    kwargs = {k: params[k] for k in ("omega", "a_max") if k in params}
+    if "a_max" in kwargs:  # scale the cap to the model's depth (shared/REFERENCES.md)
+        kwargs["a_max"] = min(int(kwargs["a_max"]), num_layers)
+    if "competition_warmup" in params:
+        kwargs["warmup"] = params["competition_warmup"]
+    return moelab.CompetitionSchedule(num_layers=num_layers, total_steps=total_steps, seed=seed, **kwargs)
+
+
+def _dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _rng_state(generator: torch.Generator) -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": list(_flatten_py_state(random.getstate())),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "data": generator.get_state(),
+    }
+
+
+def _flatten_py_state(state: tuple) -> tuple:
+    version, internal, gauss = state
+    return version, torch.tensor(internal, dtype=torch.int64), gauss
+
+
+def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(int(v) for v in internal.tolist()), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["data"])
+
+
+class Trainer:
+    """Train ``model`` on ``task`` and write the run into ``run`` (a :class:`moelab.rundir.RunDir`).
+
+    Args:
+        model: the model (its MoE layers get a shared :class:`moelab.RoutingContext`).
+        task: the :class:`Task`.
+        config: :class:`TrainConfig`.
+        run: the run directory, or ``None`` to write nothing (tests, notebooks).
+        method: the MoE method name (builds the competition schedule if it needs one).
+        method_options: options given to the method (schedule options are read from them).
+        progress: show a tqdm bar.
+        extra_metrics: added to ``metrics.json``.
+        on_eval: called with ``(step, validation results)`` after each evaluation.
+
+    Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: Task,
+        config: TrainConfig,
+        run: RunDir | None = None,
+        *,
+        method: str | None = None,
+        method_options: dict[str, Any] | None = None,
+        progress: bool = True,
+        extra_metrics: dict[str, Any] | None = None,
+        on_eval: Callable[[int, dict[str, float]], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.task = task
+        self.config = config
+        self.run = run
+        self.method = method
+        self.method_options = dict(method_options or {})
+        self.progress = progress
+        self.extra_metrics = dict(extra_metrics or {})
+        self.on_eval = on_eval
+        self.rank, self.world_size = _dist()
+        if config.batch_size % self.world_size:
+            raise ValueError(
+                f"batch_size={config.batch_size} is not allowed with {self.world_size} processes; "
+                "expected a multiple of the world size"
+            )
+        self.ctx = RoutingContext(step=0, total_steps=config.steps)
+        attach(model, self.ctx)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ckpt_dir(self) -> Path | None:
+        return None if self.run is None else self.run.file("ckpt")
+
+    def _evaluate(self, split: str, max_tokens: int | None) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return self.task.evaluate(self.model, split, max_tokens)
+        finally:
+            self.model.train(was_training)
+
+    def _better(self, value: float, best: float | None) -> bool:
+        if best is None:
+            return True
+        return value < best if self.task.lower_is_better else value > best
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, resume: bool = False) -> dict[str, Any]:
+        """Train, test the best-validation weights and return (and write) the metrics."""
+        cfg = self.config
+        metric = self.task.metric
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
+        torch.manual_seed(cfg.seed)
+        generator = torch.Generator().manual_seed(cfg.seed + 1)
+
+        self.ctx.schedule = (
+            build_competition_schedule(self.model, self.method, cfg.steps, cfg.seed, self.method_options)
+            if self.method
+            else None
+        )
+        attach(self.model, self.ctx)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        warmup = cfg.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(cfg.schedule, s, cfg.steps, warmup, cfg.min_lr_ratio)
+        )
+        state: dict[str, Any] = {
+            "best_val": None,
+            "best_step": 0,
+            "train_tokens": 0,
+            "train_time": 0.0,
+            "recent_losses": [],
+            "last_val": None,
+        }
+        start = 0
+        if resume and self.ckpt_dir is not None:
+            path = ckpt.latest_checkpoint(self.ckpt_dir)
+            if path is not None:
+                saved = ckpt.load_checkpoint(path, self.model)
+                optimizer.load_state_dict(saved["optimizer"])
+                scheduler.load_state_dict(saved["scheduler"])
+                self.ctx.load_state_dict(saved["ctx"])
+                _set_rng_state(saved["rng"], generator)
+                state.update(saved["trainer"])
+                start = int(saved["step"])
+            if self.is_main and self.run is not None:
+                self._truncate_log(start)  # rows written after the checkpoint (all, without one)
+        if start >= cfg.steps and self.run is not None and self.run.file("metrics.json").exists():
+            return self.run.read_metrics()
+
+        self.model.train()
+        bar = None
+        if self.progress and self.is_main:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=start, desc=self.extra_metrics.get("method", "train"))
+        window = max(1, min(100, cfg.eval_every))
+        for step in range(start, cfg.steps):
+            self.ctx.step = step
+            t0 = time.perf_counter()
+            batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
+            task_loss, tokens = self.task.loss(self.model, batch)
+            aux = aux_loss(self.model)
+            loss = task_loss + aux
+            if not torch.isfinite(loss):
+                where = "no checkpoint was written yet"
+                if self.ckpt_dir is not None and (good := ckpt.latest_checkpoint(self.ckpt_dir)):
+                    where = f"the last good checkpoint is {good}"
+                raise TrainingError(
+                    f"non-finite loss at step {step + 1} (task {float(task_loss.detach()):.4g}, aux {float(aux.detach()):.4g}); "
+                    f"stopped; {where}. Lower --lr or check the data"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = (
+                float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+                if cfg.grad_clip > 0
+                else float("nan")
+            )
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            state["train_time"] += time.perf_counter() - t0
+            state["train_tokens"] += tokens * self.world_size
+            loss_value = float(task_loss.detach())
+            state["recent_losses"] = [*state["recent_losses"], loss_value][-window:]
+            done = step + 1
+            row: dict[str, Any] = {
+                "step": done,
+                "lr": lr,
+                "loss": loss_value,
+                "aux_loss": float(aux.detach()),
+                "grad_norm": grad_norm,
+                "tokens": state["train_tokens"],
+                "time_s": round(state["train_time"], 4),
+                "val_loss": "",
+                f"val_{metric}": "",
+            }
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                val = self._evaluate("valid", cfg.eval_tokens)
+                row["val_loss"], row[f"val_{metric}"] = val["loss"], val[metric]
+                state["last_val"] = val[metric]
+                if self._better(val[metric], state["best_val"]):
+                    state["best_val"], state["best_step"] = val[metric], done
+                    if self.is_main and self.run is not None:
+                        ckpt.save_weights(
+                            self.run.file("best.safetensors"),
+                            self.model,
+                            {"step": done, f"val_{metric}": val[metric]},
+                        )
+                if self.on_eval is not None:
+                    self.on_eval(done, val)
+            self.ctx.step = done
+            if self.is_main and self.run is not None:
+                self.run.append_log(row)
+                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+                    ckpt.save_checkpoint(
+                        self.ckpt_dir,
+                        done,
+                        self.model,
+                        {
+                            "step": done,
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "ctx": self.ctx.state_dict(),
+                            "rng": _rng_state(generator),
+                            "trainer": state,
+                        },
+                        keep=cfg.keep_ckpts,
+                    )
+            if bar is not None:
+                postfix = {"loss": f"{loss_value:.3f}"}
+                if state["last_val"] is not None:
+                    postfix[f"val_{metric}"] = f"{state['last_val']:.3f}"
+                bar.set_postfix(postfix, refresh=False)
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return self._finish(state)
+
+    def _finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.config
+        metric = self.task.metric
+        if self.world_size > 1:  # rank 0 has written the last best weights
+            torch.distributed.barrier()
+        if self.run is not None and self.run.file("best.safetensors").exists():
+            ckpt.load_weights(self.run.file("best.safetensors"), self.model)
+        test = self._evaluate("test", cfg.test_tokens)
+        from ..models.lm import count_parameters
+
+        total, active = count_parameters(self.model)
+        recent = state["recent_losses"]
+        metrics = {
+            "train_loss": sum(recent) / len(recent) if recent else None,
+            f"val_{metric}": state["best_val"],
+            f"test_{metric}": test[metric],
+            "test_loss": test["loss"],
+            "best_step": state["best_step"],
+            "steps": cfg.steps,
+            "tokens_per_s": state["train_tokens"] / state["train_time"] if state["train_time"] > 0 else None,
+            "train_time_s": state["train_time"],
+            "params": total,
+            "active_params": active,
+            "world_size": self.world_size,
+            "seed": cfg.seed,
+            "method": self.method,
+            **self.extra_metrics,
+        }
+        if self.is_main and self.run is not None:
+            self.run.write_metrics(metrics)
+        return metrics
+
+    def _truncate_log(self, step: int) -> None:
+        """Drop ``log.csv`` rows after ``step`` (written after the checkpoint we resume from)."""
+        from ..rundir import atomic_write_text
+
+        path = self.run.file("log.csv")
+        if not path.exists():
+            return
+        lines = path.read_text().splitlines(keepends=True)
+        if not lines:
+            return
+        width = lines[0].count(",")
+        kept = [lines[0]]
+        for ln in lines[1:]:  # complete rows up to ``step`` (a row cut by a kill is dropped)
+            if ln.endswith("\n") and ln.count(",") == width and int(ln.split(",", 1)[0]) <= step:
+                kept.append(ln)
+        atomic_write_text(path, "".join(kept))
+
+    def config_dict(self) -> dict[str, Any]:
+        return asdict(self.config)

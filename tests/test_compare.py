@@ -1,0 +1,102 @@
+"""`moelab compare`: methods × seeds → table with every method, results.csv, curves, p-values."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+import moelab
+from moelab.cli import main
+from moelab.experiments.report import welch_p
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "c.txt"
+    path.write_text("".join(f"a line of text number {i} with {i % 9} words.\n" for i in range(400)))
+    return path
+
+
+def tiny(corpus, out, *extra):
+    return ["compare", "--data", str(corpus), "--block-size", "16", "--batch-size", "4", "--num-experts", "4",
+            "--steps", "3", "--eval-every", "3", "--eval-tokens", "64", "--test-tokens", "64", "--seeds", "2",
+            "--no-progress", "--out", str(out), *extra]  # fmt: skip
+
+
+def test_compare_produces_the_table_with_every_method(corpus, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe,competesmoe")) == 0
+    text = capsys.readouterr().out
+    ran = ["smoe", "xmoe"] + (["competesmoe"] if "competesmoe" in moelab.methods() else [])
+    if "competesmoe" not in moelab.methods():
+        assert "not available in this moelab (skipped): competesmoe" in text
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ran
+    assert all(r["n"] == "2" for r in rows) and sum(r["best"] == "True" for r in rows) == 1
+    for method in ran:
+        assert any(line.startswith(method + " ") for line in text.splitlines())
+        for seed in (0, 1):
+            assert (out / method / f"seed{seed}" / "metrics.json").exists()
+    assert (out / "val_curves.png").stat().st_size > 1000
+    with open(out / "runs.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 2 * len(ran)
+
+    # a second call refuses to overwrite; --resume reuses the finished runs
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe")) == 2
+    assert "already holds a comparison" in capsys.readouterr().err
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--resume")) == 0
+    assert "finished, reused" in capsys.readouterr().out
+
+
+def test_compare_sweep_gives_the_sensitivity_table(corpus, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = [*tiny(corpus, out, "--methods", "smoe", "--sweep", "balance_coef=0,0.1")]
+    args[args.index("--seeds") + 1] = "1"
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "test bpc by balance_coef" in text and "smoe balance_coef=0.1" in text
+    assert (out / "smoe-balance_coef0.1" / "seed0" / "config.yaml").read_text().count(
+        "balance_coef: 0.1"
+    ) == 1
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--sweep", "omega="], "--sweep 'omega=' is not allowed"),
+        (["--methods", "smoe,bogus"], "--methods: ['bogus'] are not moelab methods"),
+        (["--methods", ","], "names no method"),
+        (["--seeds", "0"], "--seeds=0 is not allowed"),
+        (["--size", "giant"], "--size='giant' is not allowed"),
+    ],
+)
+def test_compare_errors_exit_2_with_one_line(corpus, tmp_path, capsys, extra, message):
+    assert main([*tiny(corpus, tmp_path / "x"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_welch_p_matches_the_formula():
+    a, b = [1.303, 1.303, 1.307, 1.315, 1.304], [1.333, 1.322, 1.315, 1.320, 1.310]  # 000 Table 9
+    ma, mb = sum(a) / 5, sum(b) / 5
+    va = sum((x - ma) ** 2 for x in a) / 4
+    vb = sum((x - mb) ** 2 for x in b) / 4
+    t = (ma - mb) / math.sqrt(va / 5 + vb / 5)
+    df = (va / 5 + vb / 5) ** 2 / ((va / 5) ** 2 / 4 + (vb / 5) ** 2 / 4)
+    from scipy.stats import t as student
+
+    assert welch_p(a, b) == pytest.approx(2 * student.sf(abs(t), df))
+    assert welch_p(a, b) < 0.05  # 000 App. C.4 reports p = 0.016 for these runs
+    assert math.isnan(welch_p([1.0], b))

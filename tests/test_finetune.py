@@ -1,0 +1,160 @@
+"""Fine-tuning (000 §6.3): LM head replaced by two FC layers, routers frozen, accuracy reported."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+
+import pytest
+import torch
+
+from moelab.cli import main
+from moelab.data.classification import load_classification, read_table
+from moelab.data.download import DataError
+from moelab.data.text import ByteTokenizer, CharTokenizer
+from moelab.experiments.finetune import encode_texts, load_pretrained
+from moelab.models.classifier import LMClassifier, freeze_routers
+from moelab.models.lm import LMConfig, TransformerLM
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"good movie {i}. bad film {i}.\n" for i in range(400)))
+    out = root / "lm"
+    args = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "4", "--steps", "4", "--eval-every", "4", "--eval-tokens", "64",
+            "--test-tokens", "64", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    return out
+
+
+@pytest.fixture
+def reviews(tmp_path):
+    path = tmp_path / "reviews.csv"
+    rows = ["text,label"] + [
+        f"{'great fun' if i % 2 else 'dull and slow'} {i},{'pos' if i % 2 else 'neg'}" for i in range(80)
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_local_csv_is_split_80_10_10_with_sorted_label_ids(reviews):
+    data = read_table(reviews)
+    assert [len(data.labels[s]) for s in ("train", "valid", "test")] == [64, 8, 8]
+    assert data.label_names == ["neg", "pos"]
+    text, label = data.texts["train"][0], data.labels["train"][0]
+    assert (label == 1) == text.startswith("great")
+    assert read_table(reviews).texts == data.texts  # deterministic
+
+
+def test_tsv_without_header_and_with_a_split_column(tmp_path):
+    tsv = tmp_path / "d.tsv"
+    tsv.write_text("".join(f"text {i}\t{i % 3}\n" for i in range(30)))
+    data = read_table(tsv)
+    assert data.label_names == ["0", "1", "2"] and sum(len(v) for v in data.labels.values()) == 30
+    csv = tmp_path / "s.csv"
+    csv.write_text(
+        "sentence,label,split\n"
+        + "".join(f"s{i},{i % 2},{['train', 'dev', 'test'][i % 3]}\n" for i in range(30))
+    )
+    data = read_table(csv)
+    assert [len(data.labels[s]) for s in ("train", "valid", "test")] == [10, 10, 10]
+
+
+def test_bad_tables_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a task"):
+        load_classification(str(tmp_path / "missing.csv"))
+    one = tmp_path / "one.csv"
+    one.write_text("text,label\n" + "".join(f"t{i},same\n" for i in range(20)))
+    with pytest.raises(ValueError, match="1 distinct label"):
+        read_table(one)
+    short = tmp_path / "short.csv"
+    short.write_text("just-one-column\n")
+    with pytest.raises(ValueError, match="row 1 has 1 column"):
+        read_table(short)
+
+
+def test_named_tasks_offline_say_what_to_fetch(monkeypatch, tmp_path):
+    def refuse(*a, **k):
+        raise urllib.error.URLError("offline")
+
+    monkeypatch.setattr("urllib.request.urlopen", refuse)
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path))
+    for task, name in [("sst2", "SST-2.zip"), ("sst5", "train.jsonl"), ("imdb", "aclImdb_v1.tar.gz"),
+                       ("banking77", "train.csv")]:  # fmt: skip
+        with pytest.raises(DataError, match=f"cannot download {name}.*place it at"):
+            load_classification(task)
+
+
+def test_encoding_pads_right_truncates_and_masks():
+    ids, mask = encode_texts(ByteTokenizer(), ["ab", "abcdefgh"], 4)
+    assert ids.tolist() == [[97, 98, 0, 0], [97, 98, 99, 100]]
+    assert mask.tolist() == [[True, True, False, False], [True] * 4]
+    ids, _ = encode_texts(CharTokenizer(" abc"), ["A-b"], 3)
+    assert ids.tolist() == [[1, 0, 2]]  # lower-cased, '-' becomes a space
+
+
+def test_classifier_replaces_the_head_and_freezes_only_routers():
+    lm = TransformerLM(LMConfig(vocab_size=30, block_size=8, n_layer=2, d_model=16, n_head=2, num_experts=4))
+    model = LMClassifier(lm, num_classes=3)
+    frozen = freeze_routers(model)
+    assert frozen == 2 * 4 * 16  # two routers of (N, d)
+    assert isinstance(model.lm.head, torch.nn.Identity)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any(".router." in n for n in trainable)
+    assert any(".experts." in n for n in trainable) and {"fc1.weight", "fc2.weight"} <= trainable
+    ids = torch.randint(30, (5, 8))
+    mask = torch.ones(5, 8, dtype=torch.bool)
+    mask[:, 6:] = False
+    out = model.eval()(ids, mask)
+    assert out.shape == (5, 3)
+    ids2 = ids.clone()
+    ids2[:, 6:] = 0  # padding content does not matter (causal attention, masked pooling)
+    assert torch.allclose(out, model(ids2, mask))
+
+
+def test_finetune_cli_reports_accuracy(pretrained, reviews, tmp_path, capsys):
+    out = tmp_path / "ft"
+    assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(out),
+                 "--steps", "6", "--batch-size", "8", "--lr", "1e-3", "--no-progress"]) == 0  # fmt: skip
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0 <= metrics["test_acc"] <= 100 and "val_acc" in metrics and metrics["num_classes"] == 2
+    assert "test accuracy" in capsys.readouterr().out
+    _, tok, config = load_pretrained(pretrained)
+    assert config["task"] == "lm" and tok.vocab_size == 256
+
+
+def test_finetune_cli_errors_exit_2(pretrained, reviews, tmp_path, capsys):
+    assert (
+        main(
+            [
+                "finetune",
+                "--task",
+                str(reviews),
+                "--from",
+                str(tmp_path / "none"),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
+    assert "holds no moelab run" in capsys.readouterr().err
+    assert (
+        main(["finetune", "--task", "nope.csv", "--from", str(pretrained), "--out", str(tmp_path / "o")]) == 2
+    )
+    assert "neither a task" in capsys.readouterr().err
+    assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(tmp_path / "o"),
+                 "--epochs", "0"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--epochs=0.0 is not allowed" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,262 @@
+"""The decoder LM: shapes, parameter counts per preset, learning, and the `moelab train` CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import moelab
+from moelab.cli import main
+from moelab.data.text import TextData, load_text
+from moelab.experiments.lm import LMTask
+from moelab.models.lm import PRESETS, LMConfig, TransformerLM, count_parameters, lm_config
+from moelab.train import TrainConfig, Trainer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: these tiny models only lose from threading on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "tiny.txt"
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
+    g = torch.Generator().manual_seed(0)
+    lines = [" ".join(words[i] for i in torch.randint(10, (8,), generator=g).tolist()) for i in range(600)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def expected_counts(size: str, arch: str, vocab: int = 256) -> tuple[int, int]:
+    """Parameter counts written out by hand (independent of count_parameters)."""
+    p = PRESETS[size]
+    d, L, blk, N, K = p["d_model"], p["n_layer"], p["block_size"], 16, 2
+    h = d
+    emb = vocab * d + blk * d  # tied head
+    attn = 3 * d * d + 3 * d + d * d + d
+    norms = 2 * 2 * d
+    experts = N * (d * h + h * d)
+    router = N * d
+    moe_block = attn + norms + router + experts
+    dense_block = attn + norms + (d * h + h * d)
+    if arch == "switch":
+        total = emb + L * moe_block + 2 * d
+        return total, total - L * (N - K) * 2 * d * h
+    n_moe = L // 2
+    total = emb + n_moe * moe_block + (L - n_moe) * dense_block + 2 * d
+    return total, total - n_moe * (N - K) * 2 * d * h
+
+
+@pytest.mark.parametrize("size", [s for s in PRESETS if s != "wt103-small"] + ["wt103-small"])
+@pytest.mark.parametrize("arch", ["switch", "glam"])
+def test_parameter_counts_per_preset(size, arch):
+    with torch.device("meta"):
+        model = TransformerLM(lm_config(size, 256, arch=arch))
+    assert count_parameters(model) == expected_counts(size, arch)
+
+
+def test_paper_sizes_match_000():
+    # 000 §6.1: tiny ~7M (3 SMoE blocks), small ~15M (6), medium ~36M (8)
+    for size, millions, blocks in [("tiny", 7, 3), ("small", 15, 6), ("medium", 36, 8)]:
+        total, _ = expected_counts(size, "switch")
+        assert abs(total / 1e6 - millions) < 0.5 and PRESETS[size]["n_layer"] == blocks
+
+
+def test_dense_arch_has_the_active_width_of_the_moe_model():
+    with torch.device("meta"):
+        moe = TransformerLM(lm_config("cpu", 256, arch="switch"))
+        dense = TransformerLM(lm_config("cpu", 256, arch="dense"))
+    _, active = count_parameters(moe)
+    total_dense, _ = count_parameters(dense)
+    assert total_dense == active - 2 * 16 * 64  # the same except the routers
+    assert not moelab.routing.moe_layers(dense)
+
+
+@pytest.mark.parametrize("arch,n_moe", [("switch", 4), ("glam", 2), ("dense", 0)])
+def test_forward_shapes_and_moe_layout(arch, n_moe):
+    model = TransformerLM(LMConfig(vocab_size=50, arch=arch, **{**TINY, "n_layer": 4}))
+    x = torch.randint(50, (3, 16))
+    assert model(x).shape == (3, 16, 50)
+    assert model.features(x).shape == (3, 16, 32)
+    assert len(model.moe_layers) == n_moe
+    if arch == "glam":
+        assert [b.ffn.__class__.__name__ for b in model.blocks] == ["MLP", "MoE", "MLP", "MoE"]
+
+
+def test_bad_model_configs_are_refused():
+    with pytest.raises(ValueError, match="n_head=3 is not allowed for d_model=32"):
+        LMConfig(vocab_size=10, **{**TINY, "n_head": 3})
+    with pytest.raises(ValueError, match="arch='moe' is not allowed"):
+        LMConfig(vocab_size=10, arch="moe")
+    with pytest.raises(ValueError, match="size='huge' is not allowed"):
+        lm_config("huge", 10)
+    with pytest.raises(ValueError, match="method='nope' is not a moelab method"):
+        TransformerLM(LMConfig(vocab_size=10, method="nope", **TINY))
+    model = TransformerLM(LMConfig(vocab_size=10, **TINY))
+    with pytest.raises(ValueError, match="sequence length 17 is not allowed"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("method", ["smoe", "xmoe"])
+def test_twenty_steps_on_a_tiny_text_lower_the_loss(corpus, method):
+    data = load_text(str(corpus))
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=256, method=method, **TINY))
+    task = LMTask(data, 16)
+    before = task.evaluate(model.eval(), "valid", None)["loss"]
+    cfg = TrainConfig(steps=20, batch_size=8, lr=3e-3, schedule="constant", warmup=0, eval_every=20)
+    metrics = Trainer(model, task, cfg, None, method=method, progress=False).fit()
+    assert metrics["val_bpc"] * 0.6931 < before - 0.5  # well below the initial loss
+    assert metrics["test_bpc"] > 0 and metrics["world_size"] == 1 and metrics["method"] == method
+
+
+def test_evaluation_covers_every_predicted_token_and_reports_bpc_and_ppl():
+    data = TextData(
+        "t",
+        torch.zeros(40, dtype=torch.long),
+        torch.arange(23) % 5,
+        torch.arange(23) % 5,
+        load_text.__globals__["ByteTokenizer"](),
+        "bpc",
+    )
+
+    class Uniform(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, x):
+            return torch.zeros(*x.shape, 256) + self.w
+
+    task = LMTask(data, block_size=5)
+    out = task.evaluate(Uniform(), "valid", None)  # 22 predicted tokens: 4 blocks + a remainder of 2
+    assert out["loss"] == pytest.approx(torch.log(torch.tensor(256.0)).item())
+    assert out["bpc"] == pytest.approx(8.0)
+    task.metric = "ppl"
+    assert task.evaluate(Uniform(), "valid", 7)["ppl"] == pytest.approx(256.0, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------ the CLI
+def tiny_args(corpus, out, *extra):
+    return [
+        "train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+        "--num-experts", "4", "--steps", "4", "--eval-every", "2", "--eval-tokens", "64",
+        "--test-tokens", "64", "--no-progress", "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_train_cli_writes_the_run(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out, "--method", "xmoe", "--opt", "balance_coef=0")) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("train_loss", "val_bpc", "test_bpc", "tokens_per_s", "params", "active_params",
+                "world_size", "seed", "method"):  # fmt: skip
+        assert key in metrics
+    assert metrics["method"] == "xmoe" and metrics["world_size"] == 1
+    config = (out / "config.yaml").read_text()
+    assert "balance_coef: 0" in config and "method: xmoe" in config
+    rows = (out / "log.csv").read_text().splitlines()
+    assert len(rows) == 5 and rows[0].startswith("step,lr,loss")
+    assert (out / "best.safetensors").exists() and (out / "ckpt").is_dir()
+    assert "test_bpc" in capsys.readouterr().out
+
+
+def test_train_cli_reads_a_config_file(corpus, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("method: xmoe\nseed: 3\nsteps: 2\n")
+    out = tmp_path / "run"
+    assert main([*tiny_args(corpus, out), "--config", str(cfg)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["method"], metrics["seed"]) == ("xmoe", 3)
+    assert metrics["steps"] == 4  # a flag given on the command line wins over the file
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--method", "nope"], "method='nope' is not a moelab method"),
+        (["--size", "huge"], "--size='huge' is not allowed"),
+        (["--arch", "moe"], "--arch='moe' is not allowed"),
+        (["--steps", "0"], "--steps=0 is not allowed"),
+        (["--opt", "nonsense"], "--opt 'nonsense' is not allowed; expected key=value"),
+        (["--opt", "wrong_option=1"], "option 'wrong_option' is not accepted by method='smoe'"),
+        (["--block-size", "4096"], "too short"),
+        (["--config", "/nonexistent.yaml"], "does not exist"),
+    ],
+)
+def test_train_cli_errors_are_one_line_exit_2(corpus, tmp_path, capsys, extra, message):
+    assert main([*tiny_args(corpus, tmp_path / "run"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("moelab train: error:")
+
+
+def test_train_cli_missing_data_and_existing_run(corpus, tmp_path, capsys):
+    assert main(tiny_args(tmp_path / "missing.txt", tmp_path / "a")) == 2
+    assert "neither a corpus" in capsys.readouterr().err
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out)) == 0
+    capsys.readouterr()
+    assert main(tiny_args(corpus, out)) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run; pass --resume" in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_cli_task_image_without_the_module_exits_2(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "moelab.experiments.specialization" else real(name, *a),
+    )  # fmt: skip
+    assert main(["train", "--task", "image", "--out", str(tmp_path / "x")]) == 2
+    assert "--task image needs moelab.experiments.specialization" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "path", sorted(Path(__file__).parents[1].glob("configs/lm/*.yaml")), ids=lambda p: p.name
+)
+def test_shipped_configs_are_valid(path):
+    import argparse
+
+    from moelab.experiments.lm import _defaults, add_arguments, apply_config_file, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--config", str(path), "--out", "x"])
+    apply_config_file(args, _defaults())
+    config = build_config(args)
+    assert config["data"] in ("default", "enwik8", "text8", "wikitext103")
+
+
+def test_a_run_depends_on_its_seed_only(corpus, tmp_path):
+    import argparse
+
+    from moelab.experiments.lm import add_arguments, build_config, train_lm
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    results = []
+    for i, seed in enumerate([0, 0, 1]):
+        torch.rand(i + 1)  # whatever ran before in this process must not matter
+        args = parser.parse_args([*tiny_args(corpus, tmp_path / f"r{i}")[1:], "--seed", str(seed)])
+        results.append(train_lm(build_config(args), args.out, progress=False)["test_bpc"])
+    assert results[0] == results[1] != results[2]
+
+
+def test_resume_without_a_run_starts_one(corpus, tmp_path, capsys):
+    out = tmp_path / "fresh"
+    assert main([*tiny_args(corpus, out), "--resume"]) == 0
+    assert "holds no run yet; starting one" in capsys.readouterr().out
+    assert (out / "metrics.json").exists()

@@ -1,0 +1,83 @@
+"""`moelab report`: grouping, mean ± std, best mark, sweep tables, files, errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import yaml
+
+from moelab.cli import main
+from moelab.experiments.report import collect_runs, group_runs, render
+
+
+def fake_run(path, method, seed, test, opts=None, arch="switch", curve=((10, 2.0), (20, 1.5))):
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(
+        yaml.safe_dump({"task": "lm", "method": method, "arch": arch, "opts": opts or {}, "metric": "bpc"})
+    )
+    (path / "metrics.json").write_text(
+        json.dumps(
+            {
+                "method": method,
+                "seed": seed,
+                "test_bpc": test,
+                "val_bpc": test + 0.01,
+                "params": 1000,
+                "active_params": 400,
+                "tokens_per_s": 50.0,
+            }
+        )
+    )
+    with open(path / "log.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss", "val_loss", "val_bpc"])
+        for step, v in curve:
+            w.writerow([step, 1.0, "", v])
+        w.writerow([step + 1, 1.0, "", ""])
+
+
+def test_groups_by_method_with_mean_std_and_best(tmp_path):
+    for i, v in enumerate([1.30, 1.32, 1.31]):
+        fake_run(tmp_path / "smoe" / f"s{i}", "smoe", i, v)
+    for i, v in enumerate([1.20, 1.22, 1.24]):
+        fake_run(tmp_path / "competesmoe" / f"s{i}", "competesmoe", i, v)
+    groups = group_runs(collect_runs([tmp_path]))
+    assert [g.label for g in groups] == ["competesmoe", "smoe"]
+    g = groups[1]
+    assert g.mean == pytest.approx(1.31) and g.std == pytest.approx(0.01)
+    text, rows = render(groups, "competesmoe")
+    assert rows[0]["best"] and not rows[1]["best"]
+    assert math.isnan(rows[0]["p_value"]) and 0 < rows[1]["p_value"] < 0.05
+    assert "1.2200 ± 0.0200 *" in text and "p vs competesmoe" in text
+
+
+def test_sweep_gives_the_sensitivity_table(tmp_path):
+    for arch in ("switch", "glam"):
+        for omega, v in [(0.01, 1.7), (0.05, 1.3), (0.09, 1.31)]:
+            bump = 0.1 if arch == "switch" else 0.0
+            fake_run(tmp_path / f"{arch}-{omega}", "competesmoe", 0, v + bump, {"omega": omega}, arch)
+    groups = group_runs(collect_runs([tmp_path]))
+    assert len(groups) == 6 and {g.settings["omega"] for g in groups} == {0.01, 0.05, 0.09}
+    text, _ = render(groups, None)
+    table = text.split("test bpc by omega")[1].splitlines()
+    assert table[1].split()[-3:] == ["0.01", "0.05", "0.09"]
+    assert table[2].split() == ["glam", "1.7000", "1.3000", "1.3100"]
+    assert table[3].split() == ["switch", "1.8000", "1.4000", "1.4100"]
+
+
+def test_report_cli_writes_files_and_rejects_bad_paths(tmp_path, capsys):
+    for i, v in enumerate([1.30, 1.32]):
+        fake_run(tmp_path / "runs" / f"s{i}", "smoe", i, v)
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "reference 'competesmoe' has no runs here" in out and "1.3100 ± 0.0141 *" in out
+    for name in ("results.csv", "runs.csv", "val_curves.png", "table.txt"):
+        assert (tmp_path / "rep" / name).exists()
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "no finished runs" in capsys.readouterr().err

@@ -1,0 +1,248 @@
+"""The trainer: LR schedules, validation, best-val test, logs, resume on the same curve."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import moelab
+from moelab.data.text import load_text
+from moelab.experiments.lm import LMTask
+from moelab.models.lm import LMConfig, TransformerLM
+from moelab.rundir import RunDir
+from moelab.train import TrainConfig, Trainer, TrainingError, lr_factor
+from moelab.train.trainer import build_competition_schedule, split_schedule_options
+
+TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "t.txt"
+    path.write_text("".join(f"sentence number {i} is about {i % 13} cats.\n" for i in range(500)))
+    return load_text(str(path))
+
+
+def test_lr_factor_matches_the_formulas():
+    # warm-up: linear up to 1
+    assert [lr_factor("inverse_sqrt", s, 100, 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # inverse square root after warm-up (000: 1/sqrt(t)), 1 at the end of warm-up
+    assert lr_factor("inverse_sqrt", 15, 100, 4) == pytest.approx(math.sqrt(4 / 16))
+    assert lr_factor("inverse_sqrt", 99, 100, 0) == pytest.approx(0.1)
+    # cosine: 1 after warm-up, min_ratio at the end, midway the mean
+    assert lr_factor("cosine", 10, 110, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor("cosine", 60, 110, 10, 0.1) == pytest.approx(0.55)
+    assert lr_factor("cosine", 110, 110, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor("constant", 50, 100, 10) == 1.0
+    with pytest.raises(ValueError, match="schedule='linear' is not allowed"):
+        lr_factor("linear", 1, 10, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(steps=0), "steps=0 is not allowed"),
+        (dict(batch_size=-1), "batch_size=-1 is not allowed"),
+        (dict(lr=0.0), "lr=0.0 is not allowed"),
+        (dict(schedule="step"), "schedule='step' is not allowed"),
+        (dict(grad_clip=-1.0), "grad_clip=-1.0 is not allowed"),
+    ],
+)
+def test_train_config_validates(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{"steps": 10, "batch_size": 4, **kwargs})
+
+
+def run_training(data, out, steps=12, resume=False, stop_at=None, method="smoe"):
+    """Train the tiny model; ``stop_at`` raises KeyboardInterrupt when sampling that step."""
+    torch.manual_seed(123)  # model init (the trainer re-seeds for training)
+    model = TransformerLM(LMConfig(vocab_size=256, method=method, **TINY))
+    task = LMTask(data, 16)
+    if stop_at is not None:
+        sample, calls = task.sample, {"n": 0}
+
+        def interrupted(generator, batch_size):
+            calls["n"] += 1
+            if calls["n"] == stop_at:
+                raise KeyboardInterrupt
+            return sample(generator, batch_size)
+
+        task.sample = interrupted
+    cfg = TrainConfig(steps=steps, batch_size=4, eval_every=3, ckpt_every=4, eval_tokens=128, seed=5)
+    run = RunDir(out, resume=resume)
+    if not resume:
+        run.write_config({"test": True})
+    return Trainer(model, task, cfg, run, method=method, progress=False).fit(resume=resume)
+
+
+def read_log(path):
+    with open(path / "log.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_run_writes_log_metrics_and_uses_the_best_validation_weights(data, tmp_path):
+    metrics = run_training(data, tmp_path / "a")
+    rows = read_log(tmp_path / "a")
+    assert [int(r["step"]) for r in rows] == list(range(1, 13))
+    vals = {int(r["step"]): float(r["val_bpc"]) for r in rows if r["val_bpc"]}
+    assert sorted(vals) == [3, 6, 9, 12]
+    best_step = min(vals, key=vals.get)
+    assert metrics["best_step"] == best_step and metrics["val_bpc"] == pytest.approx(vals[best_step])
+    assert metrics["train_loss"] == pytest.approx(sum(float(r["loss"]) for r in rows[-3:]) / 3)
+    assert metrics["world_size"] == 1 and metrics["seed"] == 5 and metrics["tokens_per_s"] > 0
+    assert [p.name for p in (tmp_path / "a" / "ckpt").iterdir()] and (
+        tmp_path / "a" / "best.safetensors"
+    ).exists()
+
+
+def test_resume_after_an_interruption_continues_the_same_curve(data, tmp_path):
+    full = run_training(data, tmp_path / "full")
+    with pytest.raises(KeyboardInterrupt):
+        run_training(data, tmp_path / "cut", stop_at=11)  # killed while sampling step 11 (ckpt at 8)
+    assert len(read_log(tmp_path / "cut")) == 10  # rows 9-10 were written after the checkpoint
+    resumed = run_training(data, tmp_path / "cut", resume=True)
+    a, b = read_log(tmp_path / "full"), read_log(tmp_path / "cut")
+    keys = ["step", "lr", "loss", "aux_loss", "grad_norm", "tokens", "val_loss", "val_bpc"]
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]  # bit-exact on CPU
+    for key in ("train_loss", "val_bpc", "test_bpc", "test_loss", "best_step"):
+        assert resumed[key] == full[key]
+
+
+def test_resume_before_the_first_checkpoint_starts_over_with_a_clean_log(data, tmp_path):
+    full = run_training(data, tmp_path / "full", steps=6)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(data, tmp_path / "cut", steps=6, stop_at=3)  # no checkpoint yet (first at 4)
+    resumed = run_training(data, tmp_path / "cut", steps=6, resume=True)
+    assert [r["loss"] for r in read_log(tmp_path / "cut")] == [r["loss"] for r in read_log(tmp_path / "full")]
+    assert resumed["test_bpc"] == full["test_bpc"]
+
+
+def test_resuming_a_finished_run_returns_its_metrics(data, tmp_path):
+    first = run_training(data, tmp_path / "a", steps=4)
+    again = run_training(data, tmp_path / "a", steps=4, resume=True)
+    assert again["test_bpc"] == first["test_bpc"] and len(read_log(tmp_path / "a")) == 4
+
+
+def test_a_non_finite_loss_stops_with_a_clear_message(data):
+    model = TransformerLM(LMConfig(vocab_size=256, **TINY))
+    task = LMTask(data, 16)
+    real = task.loss
+    task.loss = lambda m, b: (real(m, b)[0] * float("nan"), 1)
+    with pytest.raises(TrainingError, match="non-finite loss at step 1"):
+        Trainer(model, task, TrainConfig(steps=3, batch_size=2), None, progress=False).fit()
+
+
+def test_the_routing_context_advances_every_step(data):
+    model = TransformerLM(LMConfig(vocab_size=256, method="stablemoe", **TINY))
+    seen = []
+    task = LMTask(data, 16)
+    real = task.loss
+
+    def spy(m, batch):
+        seen.append(m.blocks[0].ffn.ctx.step)
+        return real(m, batch)
+
+    task.loss = spy
+    trainer = Trainer(model, task, TrainConfig(steps=5, batch_size=2, eval_every=5), None, progress=False)
+    trainer.fit()
+    assert seen == [0, 1, 2, 3, 4] and trainer.ctx.total_steps == 5 and trainer.ctx.step == 5
+
+
+def test_batches_shard_by_rank_into_the_global_batch(data):
+    task = LMTask(data, 16)
+    x, y = task.sample(torch.Generator().manual_seed(0), 6)
+    parts = [task.shard((x, y), r, 2) for r in range(2)]
+    assert torch.equal(torch.cat([parts[0][0], parts[1][0]]), torch.cat([x[0::2], x[1::2]]))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_competition_schedule_is_built_only_for_methods_that_need_one(monkeypatch):
+    model = TransformerLM(LMConfig(vocab_size=10, **{**TINY, "dropout": 0.0}))
+    assert build_competition_schedule(model, "smoe", 100, 0) is None
+
+    built = {}
+
+    class FakeSchedule:  # stands in for moelab.CompetitionSchedule
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+            self.num_layers = kwargs["num_layers"]
+
+    from moelab.routers import ROUTERS
+
+    monkeypatch.setattr(moelab, "CompetitionSchedule", FakeSchedule, raising=False)
+    monkeypatch.setattr(ROUTERS["topk"], "needs_schedule", True, raising=False)
+    options = {"omega": 0.1, "a_max": 6, "competition_warmup": 0.2, "balance_coef": 0.0}
+    schedule = build_competition_schedule(model, "smoe", 100, 7, options)
+    assert isinstance(schedule, FakeSchedule)
+    # a_max is capped at the model's 2 MoE layers; layer options are not passed on
+    assert built == dict(num_layers=2, total_steps=100, seed=7, omega=0.1, a_max=2, warmup=0.2)
+
+
+def test_schedule_options_are_kept_out_of_the_layers():
+    layer, schedule = split_schedule_options({"omega": 0.05, "rate": 0.03, "balance_coef": 0})
+    assert layer == {"balance_coef": 0} and schedule == {"omega": 0.05, "rate": 0.03}
+
+
+@pytest.mark.skipif("competesmoe" not in moelab.methods(), reason="competesmoe is not in this moelab")
+def test_competesmoe_trains_with_its_schedule(data):
+    model = TransformerLM(LMConfig(vocab_size=256, method="competesmoe", **TINY))
+    trainer = Trainer(
+        model, LMTask(data, 16), TrainConfig(steps=4, batch_size=2, eval_every=4), None,
+        method="competesmoe", progress=False,
+    )  # fmt: skip
+    metrics = trainer.fit()
+    assert trainer.ctx.schedule is not None and math.isfinite(metrics["test_bpc"])
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_then_resume_ends_like_an_uninterrupted_run(tmp_path):
+    """A real `moelab train` process killed with SIGKILL (during a step or a checkpoint write),
+    then resumed, ends with the same log.csv losses and metrics as a run never interrupted."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"row {i} of the corpus, value {i % 17}.\n" for i in range(800)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "moelab.cli", "train", "--data", str(corpus), "--block-size", "16",
+                "--batch-size", "4", "--num-experts", "4", "--steps", "60", "--eval-every", "10",
+                "--ckpt-every", "5", "--eval-tokens", "64", "--test-tokens", "64", "--no-progress",
+                "--out", str(out), *extra]  # fmt: skip
+
+    subprocess.run(cmd(tmp_path / "full"), env=env, check=True, capture_output=True)
+    for rows in (0, 7, 10, 23):  # before the run exists, mid-interval, at an eval + checkpoint, ...
+        out = tmp_path / f"killed{rows}"
+        proc = subprocess.Popen(cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = out / "log.csv"
+        while proc.poll() is None and (not log.exists() or len(log.read_text().splitlines()) <= rows):
+            if rows == 0:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        subprocess.run(cmd(out, "--resume"), env=env, check=True, capture_output=True)
+        a, b = read_log(tmp_path / "full"), read_log(out)
+        assert [r["loss"] for r in a] == [r["loss"] for r in b]
+        ma = json.loads((tmp_path / "full" / "metrics.json").read_text())
+        mb = json.loads((out / "metrics.json").read_text())
+        assert {k: ma[k] for k in ("test_bpc", "val_bpc", "train_loss")} == {
+            k: mb[k] for k in ("test_bpc", "val_bpc", "train_loss")
+        }
