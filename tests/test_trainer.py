@@ -168,26 +168,17 @@ def test_batches_shard_by_rank_into_the_global_batch(data):
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
-def test_competition_schedule_is_built_only_for_methods_that_need_one(monkeypatch):
+def test_competition_schedule_is_built_only_for_methods_that_need_one():
     model = TransformerLM(LMConfig(vocab_size=10, **{**TINY, "dropout": 0.0}))
     assert build_competition_schedule(model, "smoe", 100, 0) is None
-
-    built = {}
-
-    class FakeSchedule:  # stands in for moelab.CompetitionSchedule
-        def __init__(self, **kwargs):
-            built.update(kwargs)
-            self.num_layers = kwargs["num_layers"]
-
-    from moelab.routers import ROUTERS
-
-    monkeypatch.setattr(moelab, "CompetitionSchedule", FakeSchedule, raising=False)
-    monkeypatch.setattr(ROUTERS["topk"], "needs_schedule", True, raising=False)
     options = {"omega": 0.1, "a_max": 6, "competition_warmup": 0.2, "balance_coef": 0.0}
-    schedule = build_competition_schedule(model, "smoe", 100, 7, options)
-    assert isinstance(schedule, FakeSchedule)
+    schedule = build_competition_schedule(model, "competesmoe", 100, 7, options)
+    assert isinstance(schedule, moelab.CompetitionSchedule)
     # a_max is capped at the model's 2 MoE layers; layer options are not passed on
-    assert built == dict(num_layers=2, total_steps=100, seed=7, omega=0.1, a_max=2, warmup=0.2)
+    assert (schedule.num_layers, schedule.total_steps, schedule.seed) == (2, 100, 7)
+    assert (schedule.omega, schedule.a_max, schedule.warmup) == (0.1, 2, 0.2)
+    coin = build_competition_schedule(model, "competesmoe-v1", 100, 7, {"rate": 0.03})
+    assert isinstance(coin, moelab.CoinFlipSchedule) and coin.num_layers == 2
 
 
 def test_schedule_options_are_kept_out_of_the_layers():

@@ -218,6 +218,8 @@ class CompeteSMoERouter(Router):
     """
 
     loss_names = ("distill", "diversity")
+    #: the trainer builds a competition schedule for it (:func:`moelab.schedules.build_schedule`)
+    needs_schedule = True
 
     def __init__(
         self,

@@ -166,53 +166,13 @@ def split_schedule_options(options: dict[str, Any]) -> tuple[dict[str, Any], dic
 def build_competition_schedule(
     model: nn.Module, method: str, total_steps: int, seed: int, options: dict[str, Any] | None = None
 ) -> Any:
-    """The competition schedule of methods that need one (CompeteSMoE, DenseMoE), else ``None``.
+    """The competition schedule of ``model`` for ``method`` (``None`` if it needs none): built once
+    before training from the seed, identical on every rank and after a resume
+    (:func:`moelab.schedules.build_schedule`).  ``options`` are the run's ``--opt`` values; the
+    schedule reads :data:`SCHEDULE_OPTIONS`."""
+    from moelab.schedules import build_schedule
 
-    Built once before training from the seed, so it is identical on every rank and after a
-    resume (001: the schedule is built once, offline).  Resolution, most specific first:
-
-    1. ``moelab.methods.build_schedule(method, num_layers, total_steps, seed, **options)`` if
-       moelab provides it;
-    2. a method whose router declares ``needs_schedule`` (or, when the router does not say, whose
-       router is the ``competesmoe`` family): 000's coin flips ``moelab.CoinFlipSchedule(L,
-       rate=λ)`` for ``mode="v1"``, else 001's ``moelab.CompetitionSchedule(L, total_steps,
-       omega, a_max, warmup, seed)`` with ``a_max`` capped at the model's MoE depth;
-    3. otherwise ``None`` (or when this moelab has no schedule classes).
-
-    ``options`` are the run's ``--opt`` values; the schedule reads :data:`SCHEDULE_OPTIONS`
-    (``competition_warmup`` is the schedule's ``warmup`` fraction) and ``mode``.
-    """
-    import importlib
-
-    import moelab
-    from moelab.routers import ROUTERS
-
-    methods_mod = importlib.import_module("moelab.methods")  # the module (moelab.methods is a function)
-
-    num_layers = len(moe_layers(model))
-    options = dict(options or {})
-    if num_layers == 0:
-        return None
-    hook = getattr(methods_mod, "build_schedule", None)
-    if hook is not None:
-        return hook(method, num_layers=num_layers, total_steps=total_steps, seed=seed, **options)
-    preset = methods_mod.get_method(method)
-    needs = getattr(ROUTERS.get(preset.router), "needs_schedule", None)
-    if needs is None:
-        needs = preset.router == "competesmoe"
-    if not needs:
-        return None
-    params = {**preset.options, **options}
-    if params.get("mode") == "v1" and hasattr(moelab, "CoinFlipSchedule"):
-        return moelab.CoinFlipSchedule(num_layers, rate=params.get("rate", 0.05), seed=seed)
-    if not hasattr(moelab, "CompetitionSchedule"):
-        return None
-    kwargs = {k: params[k] for k in ("omega", "a_max") if k in params}
-    if "a_max" in kwargs:  # scale the cap to the model's depth (shared/REFERENCES.md)
-        kwargs["a_max"] = min(int(kwargs["a_max"]), num_layers)
-    if "competition_warmup" in params:
-        kwargs["warmup"] = params["competition_warmup"]
-    return moelab.CompetitionSchedule(num_layers=num_layers, total_steps=total_steps, seed=seed, **kwargs)
+    return build_schedule(method, len(moe_layers(model)), total_steps, seed, **dict(options or {}))
 
 
 def _dist() -> tuple[int, int]:
