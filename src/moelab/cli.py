@@ -17,6 +17,10 @@ from . import __version__
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # "name": ("moelab.module", "one-line help"),  -- one line per subcommand
+    "bench": (
+        "moelab.bench",
+        "benchmarks: layer vs the dense limit and transformers' Mixtral (medians, ratios)",
+    ),
 }
 
 

@@ -7,6 +7,13 @@ summed over K.  There is no Python loop over tokens, and the stacked weights are
 expert inside an autograd loop: the ``"loop"`` implementation unbinds them once per forward (one
 autograd node), the ``"grouped"`` implementation calls ``torch.nn.functional.grouped_mm`` with
 offsets and does no host synchronisation at all.
+
+On the CPU the dispatch is a handful of custom autograd functions (measured in docs/performance.md):
+``_GroupedLinear`` runs the per-expert matmuls of one projection on contiguous row slices and,
+in its backward, writes every expert's weight gradient straight into one ``(N, out, in)`` buffer
+(no ``unbind``/``stack`` copies, no per-expert autograd nodes; experts with no tokens get zero
+gradients); the activation runs once on all ``T·K`` rows; the token gather and the way back to
+slot order are gathers in both directions (no ``index_add``), so the result is deterministic.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import _validate
 from .functional import ACTIVATIONS
@@ -73,7 +81,101 @@ def sort_slots(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
 
 def combine(outputs: Tensor, weights: Tensor) -> Tensor:
     """``Σ_k w_k · out_k``: ``(T, K, d)`` outputs and ``(T, K)`` weights to ``(T, d)``."""
-    return torch.bmm(weights.unsqueeze(1).to(outputs.dtype), outputs).squeeze(1)
+    # an elementwise product and a sum over K: ``bmm`` with T batches of (1, K) x (K, d) is
+    # several times slower on the CPU, in its backward above all (one copy per token).
+    return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``x.index_select(0, tokens)`` for the sorted slots; backward sums each token's K slot
+    gradients by a gather (``inverse``) instead of a scatter-add: deterministic everywhere."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tokens: Tensor, inverse: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, tokens)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        slots = grad.index_select(0, inverse)  # (T*K, d) in (token, k) order
+        return slots.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``y.index_select(0, perm)`` for a permutation ``perm``; backward gathers with its
+    inverse (no zero-fill and scatter)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, perm: Tensor, inverse_perm: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_perm)
+        return y.index_select(0, perm)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (inverse_perm,) = ctx.saved_tensors
+        return grad.index_select(0, inverse_perm), None, None
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ w[e]ᵀ + b[e]`` for contiguous row groups of ``counts``.
+
+    One autograd node for all N experts.  The forward writes each expert's rows into one output;
+    the backward writes ``x``'s gradient the same way and each expert's weight (and bias)
+    gradient straight into row ``e`` of one ``(N, out, in)`` buffer, so the stacked weights are
+    never unbound, stacked or indexed by autograd.  Experts with no rows are skipped and get
+    zero gradients.  First-order only (``once_differentiable``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, counts: list[int]) -> Tensor:
+        y = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            stop = start + c
+            if bias is None:
+                torch.mm(x[start:stop], weight[e].t(), out=y[start:stop])
+            else:
+                torch.addmm(bias[e], x[start:stop], weight[e].t(), out=y[start:stop])
+            start = stop
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        counts = ctx.counts
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad = grad.contiguous()
+        gx = torch.empty_like(x) if need_x else None
+        gw = torch.empty_like(weight) if need_w else None
+        gb = grad.new_empty(weight.shape[:2]) if need_b and ctx.has_bias else None
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                if gw is not None:
+                    gw[e].zero_()
+                if gb is not None:
+                    gb[e].zero_()
+                continue
+            stop = start + c
+            g = grad[start:stop]
+            if gx is not None:
+                torch.mm(g, weight[e], out=gx[start:stop])
+            if gw is not None:
+                torch.mm(g.t(), x[start:stop], out=gw[e])
+            if gb is not None:
+                torch.sum(g, 0, out=gb[e])
+            start = stop
+        return gx, gw, gb, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -225,7 +327,7 @@ class ExpertBank(nn.Module):
         """
         T, K = indices.shape
         order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
-        xs = x.index_select(0, tokens)  # (S, d), grouped by expert
+        xs = _GatherTokens.apply(x, tokens, inverse, K)  # (S, d), grouped by expert
         impl = self.resolved_impl(x)
         if impl == "grouped":
             if not grouped_mm_available(x.device, x.dtype):
@@ -236,19 +338,13 @@ class ExpertBank(nn.Module):
             ys = self._grouped(xs, counts, order, indices)
         else:
             ys = self._loop(xs, counts.tolist())  # the one host sync
-        slots = ys.index_select(0, inverse).view(T, K, -1)  # back to (token, slot) order
+        slots = _Permute.apply(ys, inverse, order).view(T, K, -1)  # back to (token, slot) order
         return combine(slots, weights)
 
     def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
-        w_in, w_out = self.w_in.unbind(0), self.w_out.unbind(0)  # one autograd node each
-        b_in = self.b_in.unbind(0) if self.b_in is not None else [None] * self.num_experts
-        b_out = self.b_out.unbind(0) if self.b_out is not None else [None] * self.num_experts
-        outs = []
-        for e, xe in enumerate(xs.split(list(counts))):
-            if counts[e] == 0:
-                continue  # experts with no tokens are skipped
-            outs.append(F.linear(self.act(F.linear(xe, w_in[e], b_in[e])), w_out[e], b_out[e]))
-        return torch.cat(outs) if outs else xs.new_zeros(0, self.d_model)
+        counts = list(counts)
+        h = _GroupedLinear.apply(xs, self.w_in, self.b_in, counts)  # (S, h_in)
+        return _GroupedLinear.apply(self.act(h), self.w_out, self.b_out, counts)  # (S, d)
 
     def _grouped(self, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
