@@ -17,10 +17,7 @@ from . import __version__
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # "name": ("moelab.module", "one-line help"),  -- one line per subcommand
-    "bench": (
-        "moelab.bench",
-        "benchmarks: layer vs the dense limit and transformers' Mixtral (medians, ratios)",
-    ),
+    "bench": ("moelab.bench", "benchmarks: medians and ratios to the dense limit and to peers"),
 }
 
 
