@@ -82,8 +82,17 @@ class Candidate:
     times: list[float] = field(default_factory=list)
 
 
-def interleaved(candidates: list[Candidate], repeats: int, warmup: int) -> None:
-    """Time every candidate ``repeats`` times, round-robin, rotating the order each round."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def interleaved(candidates: list[Candidate], repeats: int, warmup: int, clock: str = "wall") -> None:
+    """Time every candidate ``repeats`` times, round-robin, rotating the order each round.
+
+    ``clock="cpu"`` measures the process's CPU time (all threads) instead of wall time: on a
+    shared, oversubscribed machine with one torch thread it counts the work done rather than the
+    time spent waiting for a core (with several threads it also counts OpenMP spin-waiting).
+    """
+    now = CLOCKS[clock]
     for _ in range(warmup):
         for c in candidates:
             c.fn()
@@ -91,9 +100,9 @@ def interleaved(candidates: list[Candidate], repeats: int, warmup: int) -> None:
     for r in range(repeats):
         for i in range(n):
             c = candidates[(r + i) % n]
-            t0 = time.perf_counter()
+            t0 = now()
             c.fn()
-            c.times.append(time.perf_counter() - t0)
+            c.times.append(now() - t0)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -292,6 +301,12 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated moelab dispatch implementations from {list(IMPLS)} (default all)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time (default) or process CPU time (robust to a busy machine with --threads 1)",
+    )
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
@@ -322,7 +337,7 @@ def run_layer(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     candidates, notes = build_layer_candidates(args)
     before = machine_info()
-    interleaved(candidates, args.repeats, args.warmup)
+    interleaved(candidates, args.repeats, args.warmup, args.clock)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows = summarize(candidates)
     config = {
@@ -350,7 +365,7 @@ def run_layer(args: argparse.Namespace) -> int:
         f"load {machine['loadavg_1min']:.1f} -> {load_after:.1f}"
     )
     print(
-        f"{args.repeats} interleaved rounds after {args.warmup} warm-up; train = forward + backward, "
+        f"{args.repeats} interleaved rounds after {args.warmup} warm-up, {args.clock} clock; train = forward + backward, "
         "infer = inference-mode forward; x dense = median over rounds of t / t_dense"
     )
     print(f"expert FLOPs/token: {candidates[0].flops} (every row; a mismatch is flagged)")

@@ -104,78 +104,147 @@ class _GatherTokens(torch.autograd.Function):
         return slots.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
 
 
-class _Permute(torch.autograd.Function):
-    """``y.index_select(0, perm)`` for a permutation ``perm``; backward gathers with its
-    inverse (no zero-fill and scatter)."""
+class _CombineSlots(torch.autograd.Function):
+    """``combine(ys.index_select(0, inverse).view(T, K, d), weights)`` in one autograd node.
+
+    ``ys (S, d)`` are the expert outputs in sorted-slot order.  Forward: a gather back to
+    ``(token, k)`` order and ``K`` fused multiply-adds.  Backward: the gradient of ``ys`` is a
+    gather of the output gradient by token, scaled by each slot's weight (no zero-fill, no
+    scatter-add: deterministic), and ``∂/∂w_{t,k} = <g_t, y_{t,k}>``.
+    """
 
     @staticmethod
-    def forward(ctx, y: Tensor, perm: Tensor, inverse_perm: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse_perm)
-        return y.index_select(0, perm)
+    def forward(ctx, ys: Tensor, weights: Tensor, inverse: Tensor, order: Tensor, tokens: Tensor) -> Tensor:
+        T, K = weights.shape
+        slots = ys.index_select(0, inverse).view(T, K, ys.shape[-1])
+        w = weights.to(ys.dtype)
+        out = slots[:, 0] * w[:, :1]
+        for k in range(1, K):
+            out.addcmul_(slots[:, k], w[:, k : k + 1])
+        ctx.save_for_backward(slots, w, order, tokens)
+        ctx.weights_dtype = weights.dtype
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        (inverse_perm,) = ctx.saved_tensors
-        return grad.index_select(0, inverse_perm), None, None
+        slots, w, order, tokens = ctx.saved_tensors
+        g_ys = g_w = None
+        if ctx.needs_input_grad[0]:
+            w_sorted = w.reshape(-1).index_select(0, order)  # weight of each sorted slot
+            g_ys = grad.index_select(0, tokens).mul_(w_sorted.unsqueeze(-1))
+        if ctx.needs_input_grad[1]:
+            g_w = torch.linalg.vecdot(slots, grad.unsqueeze(1)).to(ctx.weights_dtype)  # (T, K)
+        return g_ys, g_w, None, None, None
 
 
-class _GroupedLinear(torch.autograd.Function):
-    """``y[rows of e] = x[rows of e] @ w[e]ᵀ + b[e]`` for contiguous row groups of ``counts``.
+def _activation_backward(name: str, act, h: Tensor, grad: Tensor) -> Tensor:
+    """``∂act(h)/∂h`` applied to ``grad`` for ``relu`` / ``gelu`` / ``silu`` (ATen's own backward
+    kernels) and any other activation (autograd on a recomputation)."""
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(grad, h, 0)
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(grad, h)
+    if name == "silu":
+        return torch.ops.aten.silu_backward(grad, h)
+    with torch.enable_grad():
+        h = h.detach().requires_grad_()
+        (g_h,) = torch.autograd.grad(act(h), h, grad)
+    return g_h
 
-    One autograd node for all N experts.  The forward writes each expert's rows into one output;
-    the backward writes ``x``'s gradient the same way and each expert's weight (and bias)
-    gradient straight into row ``e`` of one ``(N, out, in)`` buffer, so the stacked weights are
-    never unbound, stacked or indexed by autograd.  Experts with no rows are skipped and get
-    zero gradients.  First-order only (``once_differentiable``).
+
+class _ExpertMLP(torch.autograd.Function):
+    """All N experts on their contiguous row slices, one autograd node (the ``"loop"`` impl).
+
+    Per expert ``e`` with ``c_e > 0`` rows: ``y = act(x W_in[e]ᵀ + b_in[e]) W_out[e]ᵀ + b_out[e]``,
+    the activation applied right after the first matmul while its rows are in cache.  Saved for
+    backward: the pre-activation and, per expert, ``silu(gate)`` (``swiglu``) or the activation
+    output (others), so no transcendental is recomputed.  The backward writes every expert's
+    weight (and bias) gradient straight into row ``e`` of one ``(N, ·, ·)`` buffer: the stacked
+    weights are never unbound, stacked or indexed by autograd, and experts with no rows get zero
+    gradients.  First-order only (``once_differentiable``).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, counts: list[int]) -> Tensor:
-        y = x.new_empty(x.shape[0], weight.shape[1])
+    def forward(ctx, xs, w_in, w_out, b_in, b_out, counts: list[int], act_name: str, act):
+        swiglu = act_name == "swiglu"
+        h = xs.new_empty(xs.shape[0], w_in.shape[1])  # pre-activations, saved for backward
+        y = xs.new_empty(xs.shape[0], w_out.shape[1])
+        aux = []  # per expert: silu(gate) for swiglu, act(h) otherwise
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             stop = start + c
-            if bias is None:
-                torch.mm(x[start:stop], weight[e].t(), out=y[start:stop])
+            h_e = h[start:stop]
+            if b_in is None:
+                torch.mm(xs[start:stop], w_in[e].t(), out=h_e)
             else:
-                torch.addmm(bias[e], x[start:stop], weight[e].t(), out=y[start:stop])
+                torch.addmm(b_in[e], xs[start:stop], w_in[e].t(), out=h_e)
+            if swiglu:
+                gate, up = h_e.chunk(2, dim=-1)
+                aux.append(F.silu(gate))
+                a_e = aux[-1] * up
+            else:
+                a_e = act(h_e)
+                aux.append(a_e)
+            if b_out is None:
+                torch.mm(a_e, w_out[e].t(), out=y[start:stop])
+            else:
+                torch.addmm(b_out[e], a_e, w_out[e].t(), out=y[start:stop])
             start = stop
-        ctx.save_for_backward(x, weight)
-        ctx.counts = counts
-        ctx.has_bias = bias is not None
+        ctx.save_for_backward(xs, w_in, w_out, h, *aux)
+        ctx.counts, ctx.act_name, ctx.act = counts, act_name, act
+        ctx.has_bias = (b_in is not None, b_out is not None)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
-        counts = ctx.counts
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        xs, w_in, w_out, h, *aux = ctx.saved_tensors
+        need_x, need_w_in, need_w_out, need_b_in, need_b_out = ctx.needs_input_grad[:5]
+        swiglu = ctx.act_name == "swiglu"
         grad = grad.contiguous()
-        gx = torch.empty_like(x) if need_x else None
-        gw = torch.empty_like(weight) if need_w else None
-        gb = grad.new_empty(weight.shape[:2]) if need_b and ctx.has_bias else None
-        start = 0
-        for e, c in enumerate(counts):
+        g_x = torch.empty_like(xs) if need_x else None
+        g_w_in = torch.empty_like(w_in) if need_w_in else None
+        g_w_out = torch.empty_like(w_out) if need_w_out else None
+        g_b_in = grad.new_empty(w_in.shape[:2]) if need_b_in and ctx.has_bias[0] else None
+        g_b_out = grad.new_empty(w_out.shape[:2]) if need_b_out and ctx.has_bias[1] else None
+        start, i = 0, 0
+        for e, c in enumerate(ctx.counts):
             if c == 0:
-                if gw is not None:
-                    gw[e].zero_()
-                if gb is not None:
-                    gb[e].zero_()
+                for g in (g_w_in, g_w_out, g_b_in, g_b_out):
+                    if g is not None:
+                        g[e].zero_()
                 continue
             stop = start + c
-            g = grad[start:stop]
-            if gx is not None:
-                torch.mm(g, weight[e], out=gx[start:stop])
-            if gw is not None:
-                torch.mm(g.t(), x[start:stop], out=gw[e])
-            if gb is not None:
-                torch.sum(g, 0, out=gb[e])
+            g_y, h_e, aux_e = grad[start:stop], h[start:stop], aux[i]
+            i += 1
+            if swiglu:
+                gate, up = h_e.chunk(2, dim=-1)
+                a_e = aux_e * up
+            else:
+                a_e = aux_e
+            if g_w_out is not None:
+                torch.mm(g_y.t(), a_e, out=g_w_out[e])
+            if g_b_out is not None:
+                torch.sum(g_y, 0, out=g_b_out[e])
+            g_a = g_y @ w_out[e]
+            if swiglu:  # a = silu(gate) * up
+                g_h = torch.empty_like(h_e)
+                g_gate, g_up = g_h.chunk(2, dim=-1)
+                torch.mul(g_a, aux_e, out=g_up)
+                torch.ops.aten.silu_backward.grad_input(g_a.mul_(up), gate, grad_input=g_gate)
+            else:
+                g_h = _activation_backward(ctx.act_name, ctx.act, h_e, g_a)
+            if g_w_in is not None:
+                torch.mm(g_h.t(), xs[start:stop], out=g_w_in[e])
+            if g_b_in is not None:
+                torch.sum(g_h, 0, out=g_b_in[e])
+            if g_x is not None:
+                torch.mm(g_h, w_in[e], out=g_x[start:stop])
             start = stop
-        return gx, gw, gb, None
+        return g_x, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -325,7 +394,7 @@ class ExpertBank(nn.Module):
         Returns:
             ``(T, d)``.
         """
-        T, K = indices.shape
+        K = indices.shape[1]
         order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
         xs = _GatherTokens.apply(x, tokens, inverse, K)  # (S, d), grouped by expert
         impl = self.resolved_impl(x)
@@ -338,13 +407,12 @@ class ExpertBank(nn.Module):
             ys = self._grouped(xs, counts, order, indices)
         else:
             ys = self._loop(xs, counts.tolist())  # the one host sync
-        slots = _Permute.apply(ys, inverse, order).view(T, K, -1)  # back to (token, slot) order
-        return combine(slots, weights)
+        # back to (token, slot) order, weighted and summed over K: combine() in one node
+        return _CombineSlots.apply(ys, weights, inverse, order, tokens)
 
     def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
-        counts = list(counts)
-        h = _GroupedLinear.apply(xs, self.w_in, self.b_in, counts)  # (S, h_in)
-        return _GroupedLinear.apply(self.act(h), self.w_out, self.b_out, counts)  # (S, d)
+        args = (self.b_in, self.b_out, list(counts), self.activation, self.act)
+        return _ExpertMLP.apply(xs, self.w_in, self.w_out, *args)  # (S, d)
 
     def _grouped(self, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
