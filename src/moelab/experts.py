@@ -4,16 +4,19 @@ Dispatch (both banks) follows torchtitan / transformers: the ``T·K`` token slot
 expert once, the per-expert counts give contiguous slices, each expert runs once on its slice,
 and the outputs return to slot order through the inverse permutation, where they are weighted and
 summed over K.  There is no Python loop over tokens, and the stacked weights are never indexed per
-expert inside an autograd loop: the ``"loop"`` implementation unbinds them once per forward (one
-autograd node), the ``"grouped"`` implementation calls ``torch.nn.functional.grouped_mm`` with
-offsets and does no host synchronisation at all.
+expert by autograd.
 
-On the CPU the dispatch is a handful of custom autograd functions (measured in docs/performance.md):
-``_GroupedLinear`` runs the per-expert matmuls of one projection on contiguous row slices and,
-in its backward, writes every expert's weight gradient straight into one ``(N, out, in)`` buffer
-(no ``unbind``/``stack`` copies, no per-expert autograd nodes; experts with no tokens get zero
-gradients); the activation runs once on all ``T·K`` rows; the token gather and the way back to
-slot order are gathers in both directions (no ``index_add``), so the result is deterministic.
+:class:`ExpertBank` has two implementations (measured in docs/performance.md, ``moelab bench
+layer``):
+
+- ``"loop"``: one custom autograd node (``_ExpertMLP``) runs every expert on its slice — matmul,
+  activation while the rows are in cache, matmul — with one host sync for the counts; its
+  backward writes each expert's weight gradient straight into one ``(N, ·, ·)`` buffer (no
+  ``unbind``/``stack`` copies, no per-expert autograd nodes; experts with no tokens get zeros).
+- ``"grouped"``: ``torch.nn.functional.grouped_mm`` with offsets, no host sync at all.
+
+Both share the token gather (``_GatherTokens``) and the weighted way back (``_CombineSlots``),
+which are gathers in both directions (no ``index_add``), so results are deterministic.
 """
 
 from __future__ import annotations
@@ -377,11 +380,27 @@ class ExpertBank(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     # ------------------------------------------------------------------ dispatch
+    def grouped_aligned(self, dtype: torch.dtype) -> bool:
+        """Whether ``d_model`` and ``d_hidden`` give ``grouped_mm`` the 16-byte aligned row strides
+        it requires (multiples of 4 in float32, of 8 in bfloat16 / float16)."""
+        per = 16 // torch.empty((), dtype=dtype).element_size()
+        return self.d_model % per == 0 and self.d_hidden % per == 0
+
+    def grouped_ok(self, x: Tensor) -> bool:
+        """Whether the ``"grouped"`` implementation runs for ``x`` (device, dtype, alignment)."""
+        return grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
+
     def resolved_impl(self, x: Tensor) -> str:
-        """The implementation ``forward`` uses for ``x``."""
+        """The implementation ``forward`` uses for ``x``.
+
+        ``"auto"``: ``"grouped"`` wherever :meth:`grouped_ok` (no host sync; on this repository's
+        CPU it is level with ``"loop"`` for a training step and slightly ahead in inference,
+        ``moelab bench layer``, docs/performance.md), else ``"loop"`` (float64, unaligned sizes,
+        older torch).
+        """
         if self.impl != "auto":
             return self.impl
-        return "grouped" if grouped_mm_available(x.device, x.dtype) else "loop"
+        return "grouped" if self.grouped_ok(x) else "loop"
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)`` for every token.
@@ -403,6 +422,12 @@ class ExpertBank(nn.Module):
                 raise ValueError(
                     f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype} with "
                     f"torch {torch.__version__}; use impl='loop' or 'auto'"
+                )
+            if not self.grouped_aligned(x.dtype):
+                raise ValueError(
+                    f"impl='grouped' needs d_model and d_hidden to be multiples of "
+                    f"{16 // x.element_size()} for dtype={x.dtype} (16-byte aligned strides); got "
+                    f"d_model={self.d_model}, d_hidden={self.d_hidden}; use impl='loop' or 'auto'"
                 )
             ys = self._grouped(xs, counts, order, indices)
         else:
@@ -455,6 +480,7 @@ class ModuleExperts(nn.Module):
         xs = x.index_select(0, tokens)
         counts_list = counts.tolist()
         outs = [m(xe) for m, xe, c in zip(self.experts, xs.split(counts_list), counts_list) if c > 0]
+        outs = outs or [self.experts[0](xs)]  # no tokens at all: an empty output of the right shape
         ys = torch.cat(outs)
         slots = ys.index_select(0, inverse).view(T, K, *ys.shape[1:])
         return combine(slots.flatten(2), weights).view(T, *ys.shape[1:])
