@@ -53,6 +53,7 @@ def test_bench_layer_json_has_every_candidate_in_both_phases(capsys):
         for name in expected:
             assert (name, phase) in names
     assert out["config"]["dense_width"] == 8
+    assert out["config"]["clock"] == "wall" and out["config"]["impl"] == ["loop", "grouped", "auto"]
     assert out["machine"]["torch"] == torch.__version__
     assert out["machine"]["cores"] >= 1
     for r in out["results"]:

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,12 +98,17 @@ def interleaved(candidates: list[Candidate], repeats: int, warmup: int, clock: s
         for c in candidates:
             c.fn()
     n = len(candidates)
+    progress = sys.stderr.isatty()
     for r in range(repeats):
+        if progress:
+            print(f"\rround {r + 1}/{repeats}", end="", file=sys.stderr, flush=True)
         for i in range(n):
             c = candidates[(r + i) % n]
             t0 = now()
             c.fn()
             c.times.append(now() - t0)
+    if progress:
+        print("\r", end="", file=sys.stderr, flush=True)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -345,7 +351,12 @@ def run_layer(args: argparse.Namespace) -> int:
         for k in ("tokens", "d_model", "d_hidden", "num_experts", "top_k", "activation", "method", "impl")
     }
     config.update(
-        repeats=args.repeats, warmup=args.warmup, seed=args.seed, dense_width=args.top_k * args.d_hidden
+        clock=args.clock,
+        threads=torch.get_num_threads(),
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+        dense_width=args.top_k * args.d_hidden,
     )
     machine = dict(before, loadavg_1min_after=load_after)
     if args.json:
