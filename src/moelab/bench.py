@@ -49,6 +49,9 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        # OpenMP's spin-waiting decides multi-threaded timings on a busy machine (docs/performance.md)
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
     }
     try:
         import transformers
@@ -373,7 +376,8 @@ def run_layer(args: argparse.Namespace) -> int:
     print(
         f"machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
         f"torch {machine['torch']}, transformers {machine['transformers']}, "
-        f"load {machine['loadavg_1min']:.1f} -> {load_after:.1f}"
+        f"load {machine['loadavg_1min']:.1f} -> {load_after:.1f}, "
+        f"OMP_WAIT_POLICY={machine['OMP_WAIT_POLICY'] or 'unset'}"
     )
     print(
         f"{args.repeats} interleaved rounds after {args.warmup} warm-up, {args.clock} clock; train = forward + backward, "
