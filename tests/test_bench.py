@@ -98,6 +98,12 @@ def test_bench_layer_rejects_bad_arguments_in_one_line(capsys, flag, value, matc
     assert re.search(match, err)
 
 
+def test_bench_layer_skips_grouped_with_a_note_where_it_cannot_run(capsys):
+    out = _bench_json(capsys, "--no-hf", "--impl", "loop,grouped", "--d-model", "6")
+    assert {r["name"] for r in out["results"]} == {"dense", "moelab loop"}
+    assert any("moelab grouped skipped" in n and "d_model=6" in n for n in out["notes"])
+
+
 def test_bench_requires_a_kind(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench"])

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from . import __version__, _validate
-from .experts import IMPLS, MLP, ExpertBank, grouped_mm_available
+from .experts import IMPLS, MLP, ExpertBank
 from .layer import MoE
 
 __all__ = ["BENCHES", "Candidate", "add_arguments", "expert_flops_per_token", "run", "run_layer"]
@@ -235,9 +235,10 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
             ref = layer
         else:
             layer.load_state_dict(ref.state_dict())
-        if impl == "grouped" and not grouped_mm_available(torch.device("cpu"), torch.float32):
+        if impl == "grouped" and not layer.experts.grouped_ok(torch.empty(1, d)):
             notes.append(
-                f"moelab grouped skipped: grouped_mm is not available with torch {torch.__version__}"
+                f"moelab grouped skipped: grouped_mm cannot run here (torch {torch.__version__}, "
+                f"d_model={d}, d_hidden={h}: float32 rows must be 16-byte aligned)"
             )
             continue
         label = f"moelab {impl}" + (
