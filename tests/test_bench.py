@@ -104,6 +104,18 @@ def test_bench_layer_skips_grouped_with_a_note_where_it_cannot_run(capsys):
     assert any("moelab grouped skipped" in n and "d_model=6" in n for n in out["notes"])
 
 
+def test_bench_kinds_come_from_the_registry_and_missing_modules_are_left_out(monkeypatch, capsys):
+    import moelab.bench as bench
+
+    monkeypatch.setitem(bench.BENCHES, "nosuch", ("moelab.no_such_bench_module", "not installed"))
+    assert main(["bench", "layer", *TINY, "--no-hf", "--impl", "loop", "--json"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "nosuch"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'nosuch'" in capsys.readouterr().err
+
+
 def test_bench_requires_a_kind(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench"])

@@ -12,12 +12,15 @@ interleaved round-robin (the order rotates each round), so slow phases of a shar
 every candidate alike; the table gives medians, the interquartile range, and each candidate's
 ratio to dense as the median over rounds of ``t_candidate / t_dense`` within the same round.
 
-Bench kinds are registered in :data:`BENCHES`; a new kind (e.g. ``compete``) adds one entry.
+Bench kinds are registered in :data:`BENCHES` (``layer`` here, ``compete`` in
+``moelab.bench_compete``); a new kind adds one entry.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -392,21 +395,28 @@ def run_layer(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------- registry
-#: bench kind -> (help, add_arguments, run).  Another kind (e.g. ``compete``) adds one line here.
-BENCHES: dict[
-    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-] = {
-    "layer": (
-        "MoE layer vs dense FFN of equal active width and transformers' Mixtral",
-        add_layer_arguments,
-        run_layer,
-    ),
+#: bench kind -> module providing ``add_arguments(parser)`` and ``run(args) -> int``, and a one-line
+#: help.  A new kind adds one line here; a module that is not installed (a kind whose branch is
+#: not merged yet) is left out of the CLI instead of breaking it.
+BENCHES: dict[str, tuple[str, str]] = {
+    "layer": ("moelab.bench", "MoE layer vs dense FFN of equal active width and transformers' Mixtral"),
+    "compete": ("moelab.bench_compete", "CompeteSMoE's competition cost over plain smoe"),
 }
+
+
+def _kind_functions(module: str):
+    if module == __name__:
+        return add_layer_arguments, run_layer
+    mod = importlib.import_module(module)
+    return mod.add_arguments, mod.run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="KIND", required=True)
-    for name, (help_text, add, run_fn) in BENCHES.items():
+    for name, (module, help_text) in BENCHES.items():
+        if module != __name__ and importlib.util.find_spec(module) is None:
+            continue
+        add, run_fn = _kind_functions(module)
         p = sub.add_parser(name, help=help_text, description=help_text)
         add(p)
         p.set_defaults(_bench_run=run_fn)

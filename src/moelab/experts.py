@@ -208,9 +208,9 @@ class _ExpertMLP(torch.autograd.Function):
         need_x, need_w_in, need_w_out, need_b_in, need_b_out = ctx.needs_input_grad[:5]
         swiglu = ctx.act_name == "swiglu"
         grad = grad.contiguous()
-        g_x = torch.empty_like(xs) if need_x else None
-        g_w_in = torch.empty_like(w_in) if need_w_in else None
-        g_w_out = torch.empty_like(w_out) if need_w_out else None
+        g_x = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_x else None
+        g_w_in = torch.empty_like(w_in, memory_format=torch.contiguous_format) if need_w_in else None
+        g_w_out = torch.empty_like(w_out, memory_format=torch.contiguous_format) if need_w_out else None
         g_b_in = grad.new_empty(w_in.shape[:2]) if need_b_in and ctx.has_bias[0] else None
         g_b_out = grad.new_empty(w_out.shape[:2]) if need_b_out and ctx.has_bias[1] else None
         start, i = 0, 0
