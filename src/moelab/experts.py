@@ -4,9 +4,19 @@ Dispatch (both banks) follows torchtitan / transformers: the ``T·K`` token slot
 expert once, the per-expert counts give contiguous slices, each expert runs once on its slice,
 and the outputs return to slot order through the inverse permutation, where they are weighted and
 summed over K.  There is no Python loop over tokens, and the stacked weights are never indexed per
-expert inside an autograd loop: the ``"loop"`` implementation unbinds them once per forward (one
-autograd node), the ``"grouped"`` implementation calls ``torch.nn.functional.grouped_mm`` with
-offsets and does no host synchronisation at all.
+expert by autograd.
+
+:class:`ExpertBank` has two implementations (measured in docs/performance.md, ``moelab bench
+layer``):
+
+- ``"loop"``: one custom autograd node (``_ExpertMLP``) runs every expert on its slice — matmul,
+  activation while the rows are in cache, matmul — with one host sync for the counts; its
+  backward writes each expert's weight gradient straight into one ``(N, ·, ·)`` buffer (no
+  ``unbind``/``stack`` copies, no per-expert autograd nodes; experts with no tokens get zeros).
+- ``"grouped"``: ``torch.nn.functional.grouped_mm`` with offsets, no host sync at all.
+
+Both share the token gather (``_GatherTokens``) and the weighted way back (``_CombineSlots``),
+which are gathers in both directions (no ``index_add``), so results are deterministic.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import _validate
 from .functional import ACTIVATIONS
@@ -73,7 +84,170 @@ def sort_slots(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
 
 def combine(outputs: Tensor, weights: Tensor) -> Tensor:
     """``Σ_k w_k · out_k``: ``(T, K, d)`` outputs and ``(T, K)`` weights to ``(T, d)``."""
-    return torch.bmm(weights.unsqueeze(1).to(outputs.dtype), outputs).squeeze(1)
+    # an elementwise product and a sum over K: ``bmm`` with T batches of (1, K) x (K, d) is
+    # several times slower on the CPU, in its backward above all (one copy per token).
+    return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``x.index_select(0, tokens)`` for the sorted slots; backward sums each token's K slot
+    gradients by a gather (``inverse``) instead of a scatter-add: deterministic everywhere."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tokens: Tensor, inverse: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return x.index_select(0, tokens)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        slots = grad.index_select(0, inverse)  # (T*K, d) in (token, k) order
+        return slots.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _CombineSlots(torch.autograd.Function):
+    """``combine(ys.index_select(0, inverse).view(T, K, d), weights)`` in one autograd node.
+
+    ``ys (S, d)`` are the expert outputs in sorted-slot order.  Forward: a gather back to
+    ``(token, k)`` order and ``K`` fused multiply-adds.  Backward: the gradient of ``ys`` is a
+    gather of the output gradient by token, scaled by each slot's weight (no zero-fill, no
+    scatter-add: deterministic), and ``∂/∂w_{t,k} = <g_t, y_{t,k}>``.
+    """
+
+    @staticmethod
+    def forward(ctx, ys: Tensor, weights: Tensor, inverse: Tensor, order: Tensor, tokens: Tensor) -> Tensor:
+        T, K = weights.shape
+        slots = ys.index_select(0, inverse).view(T, K, ys.shape[-1])
+        w = weights.to(ys.dtype)
+        out = slots[:, 0] * w[:, :1]
+        for k in range(1, K):
+            out.addcmul_(slots[:, k], w[:, k : k + 1])
+        ctx.save_for_backward(slots, w, order, tokens)
+        ctx.weights_dtype = weights.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        slots, w, order, tokens = ctx.saved_tensors
+        g_ys = g_w = None
+        if ctx.needs_input_grad[0]:
+            w_sorted = w.reshape(-1).index_select(0, order)  # weight of each sorted slot
+            g_ys = grad.index_select(0, tokens).mul_(w_sorted.unsqueeze(-1))
+        if ctx.needs_input_grad[1]:
+            g_w = torch.linalg.vecdot(slots, grad.unsqueeze(1)).to(ctx.weights_dtype)  # (T, K)
+        return g_ys, g_w, None, None, None
+
+
+def _activation_backward(name: str, act, h: Tensor, grad: Tensor) -> Tensor:
+    """``∂act(h)/∂h`` applied to ``grad`` for ``relu`` / ``gelu`` / ``silu`` (ATen's own backward
+    kernels) and any other activation (autograd on a recomputation)."""
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(grad, h, 0)
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(grad, h)
+    if name == "silu":
+        return torch.ops.aten.silu_backward(grad, h)
+    with torch.enable_grad():
+        h = h.detach().requires_grad_()
+        (g_h,) = torch.autograd.grad(act(h), h, grad)
+    return g_h
+
+
+class _ExpertMLP(torch.autograd.Function):
+    """All N experts on their contiguous row slices, one autograd node (the ``"loop"`` impl).
+
+    Per expert ``e`` with ``c_e > 0`` rows: ``y = act(x W_in[e]ᵀ + b_in[e]) W_out[e]ᵀ + b_out[e]``,
+    the activation applied right after the first matmul while its rows are in cache.  Saved for
+    backward: the pre-activation and, per expert, ``silu(gate)`` (``swiglu``) or the activation
+    output (others), so no transcendental is recomputed.  The backward writes every expert's
+    weight (and bias) gradient straight into row ``e`` of one ``(N, ·, ·)`` buffer: the stacked
+    weights are never unbound, stacked or indexed by autograd, and experts with no rows get zero
+    gradients.  First-order only (``once_differentiable``).
+    """
+
+    @staticmethod
+    def forward(ctx, xs, w_in, w_out, b_in, b_out, counts: list[int], act_name: str, act):
+        swiglu = act_name == "swiglu"
+        h = xs.new_empty(xs.shape[0], w_in.shape[1])  # pre-activations, saved for backward
+        y = xs.new_empty(xs.shape[0], w_out.shape[1])
+        aux = []  # per expert: silu(gate) for swiglu, act(h) otherwise
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            stop = start + c
+            h_e = h[start:stop]
+            if b_in is None:
+                torch.mm(xs[start:stop], w_in[e].t(), out=h_e)
+            else:
+                torch.addmm(b_in[e], xs[start:stop], w_in[e].t(), out=h_e)
+            if swiglu:
+                gate, up = h_e.chunk(2, dim=-1)
+                aux.append(F.silu(gate))
+                a_e = aux[-1] * up
+            else:
+                a_e = act(h_e)
+                aux.append(a_e)
+            if b_out is None:
+                torch.mm(a_e, w_out[e].t(), out=y[start:stop])
+            else:
+                torch.addmm(b_out[e], a_e, w_out[e].t(), out=y[start:stop])
+            start = stop
+        ctx.save_for_backward(xs, w_in, w_out, h, *aux)
+        ctx.counts, ctx.act_name, ctx.act = counts, act_name, act
+        ctx.has_bias = (b_in is not None, b_out is not None)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        xs, w_in, w_out, h, *aux = ctx.saved_tensors
+        need_x, need_w_in, need_w_out, need_b_in, need_b_out = ctx.needs_input_grad[:5]
+        swiglu = ctx.act_name == "swiglu"
+        grad = grad.contiguous()
+        g_x = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_x else None
+        g_w_in = torch.empty_like(w_in, memory_format=torch.contiguous_format) if need_w_in else None
+        g_w_out = torch.empty_like(w_out, memory_format=torch.contiguous_format) if need_w_out else None
+        g_b_in = grad.new_empty(w_in.shape[:2]) if need_b_in and ctx.has_bias[0] else None
+        g_b_out = grad.new_empty(w_out.shape[:2]) if need_b_out and ctx.has_bias[1] else None
+        start, i = 0, 0
+        for e, c in enumerate(ctx.counts):
+            if c == 0:
+                for g in (g_w_in, g_w_out, g_b_in, g_b_out):
+                    if g is not None:
+                        g[e].zero_()
+                continue
+            stop = start + c
+            g_y, h_e, aux_e = grad[start:stop], h[start:stop], aux[i]
+            i += 1
+            if swiglu:
+                gate, up = h_e.chunk(2, dim=-1)
+                a_e = aux_e * up
+            else:
+                a_e = aux_e
+            if g_w_out is not None:
+                torch.mm(g_y.t(), a_e, out=g_w_out[e])
+            if g_b_out is not None:
+                torch.sum(g_y, 0, out=g_b_out[e])
+            g_a = g_y @ w_out[e]
+            if swiglu:  # a = silu(gate) * up
+                g_h = torch.empty_like(h_e)
+                g_gate, g_up = g_h.chunk(2, dim=-1)
+                torch.mul(g_a, aux_e, out=g_up)
+                torch.ops.aten.silu_backward.grad_input(g_a.mul_(up), gate, grad_input=g_gate)
+            else:
+                g_h = _activation_backward(ctx.act_name, ctx.act, h_e, g_a)
+            if g_w_in is not None:
+                torch.mm(g_h.t(), xs[start:stop], out=g_w_in[e])
+            if g_b_in is not None:
+                torch.sum(g_h, 0, out=g_b_in[e])
+            if g_x is not None:
+                torch.mm(g_h, w_in[e], out=g_x[start:stop])
+            start = stop
+        return g_x, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -212,12 +386,21 @@ class ExpertBank(nn.Module):
         per = 16 // torch.empty((), dtype=dtype).element_size()
         return self.d_model % per == 0 and self.d_hidden % per == 0
 
+    def grouped_ok(self, x: Tensor) -> bool:
+        """Whether the ``"grouped"`` implementation runs for ``x`` (device, dtype, alignment)."""
+        return grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
+
     def resolved_impl(self, x: Tensor) -> str:
-        """The implementation ``forward`` uses for ``x``."""
+        """The implementation ``forward`` uses for ``x``.
+
+        ``"auto"``: ``"grouped"`` wherever :meth:`grouped_ok` (no host sync; on this repository's
+        CPU it is level with ``"loop"`` for a training step and slightly ahead in inference,
+        ``moelab bench layer``, docs/performance.md), else ``"loop"`` (float64, unaligned sizes,
+        older torch).
+        """
         if self.impl != "auto":
             return self.impl
-        ok = grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
-        return "grouped" if ok else "loop"
+        return "grouped" if self.grouped_ok(x) else "loop"
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)`` for every token.
@@ -230,9 +413,9 @@ class ExpertBank(nn.Module):
         Returns:
             ``(T, d)``.
         """
-        T, K = indices.shape
+        K = indices.shape[1]
         order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
-        xs = x.index_select(0, tokens)  # (S, d), grouped by expert
+        xs = _GatherTokens.apply(x, tokens, inverse, K)  # (S, d), grouped by expert
         impl = self.resolved_impl(x)
         if impl == "grouped":
             if not grouped_mm_available(x.device, x.dtype):
@@ -249,19 +432,12 @@ class ExpertBank(nn.Module):
             ys = self._grouped(xs, counts, order, indices)
         else:
             ys = self._loop(xs, counts.tolist())  # the one host sync
-        slots = ys.index_select(0, inverse).view(T, K, self.d_model)  # back to (token, slot) order
-        return combine(slots, weights)
+        # back to (token, slot) order, weighted and summed over K: combine() in one node
+        return _CombineSlots.apply(ys, weights, inverse, order, tokens)
 
     def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
-        w_in, w_out = self.w_in.unbind(0), self.w_out.unbind(0)  # one autograd node each
-        b_in = self.b_in.unbind(0) if self.b_in is not None else [None] * self.num_experts
-        b_out = self.b_out.unbind(0) if self.b_out is not None else [None] * self.num_experts
-        outs = []
-        for e, xe in enumerate(xs.split(list(counts))):
-            if counts[e] == 0:
-                continue  # experts with no tokens are skipped
-            outs.append(F.linear(self.act(F.linear(xe, w_in[e], b_in[e])), w_out[e], b_out[e]))
-        return torch.cat(outs) if outs else xs.new_zeros(0, self.d_model)
+        args = (self.b_in, self.b_out, list(counts), self.activation, self.act)
+        return _ExpertMLP.apply(xs, self.w_in, self.w_out, *args)  # (S, d)
 
     def _grouped(self, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
