@@ -212,6 +212,8 @@ def _train_step(module: nn.Module, x: Tensor, grad: Tensor) -> Callable[[], None
         for p in params:
             p.grad = None
         module(x).backward(grad)
+        if x.is_cuda:
+            torch.cuda.synchronize()
 
     return step
 
@@ -221,6 +223,8 @@ def _infer_step(module: nn.Module, x: Tensor) -> Callable[[], None]:
         module.eval()
         with torch.inference_mode():
             module(x)
+        if x.is_cuda:
+            torch.cuda.synchronize()
 
     return step
 
@@ -230,6 +234,7 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
     torch.manual_seed(args.seed)
     T, d, h, N, K = args.tokens, args.d_model, args.d_hidden, args.num_experts, args.top_k
     notes: list[str] = []
+    probe = torch.empty(1, d, device=args.device, dtype=getattr(torch, args.dtype))
     modules: dict[str, nn.Module] = {"dense": MLP(d, K * h, activation=args.activation)}
     ref = None
     for impl in args.impl:
@@ -238,15 +243,13 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
             ref = layer
         else:
             layer.load_state_dict(ref.state_dict())
-        if impl == "grouped" and not layer.experts.grouped_ok(torch.empty(1, d)):
+        if impl == "grouped" and not layer.experts.grouped_ok(probe):
             notes.append(
                 f"moelab grouped skipped: grouped_mm cannot run here (torch {torch.__version__}, "
                 f"d_model={d}, d_hidden={h}: float32 rows must be 16-byte aligned)"
             )
             continue
-        label = f"moelab {impl}" + (
-            f" (={layer.experts.resolved_impl(torch.empty(1, d))})" if impl == "auto" else ""
-        )
+        label = f"moelab {impl}" + (f" (={layer.experts.resolved_impl(probe)})" if impl == "auto" else "")
         modules[label] = layer
     if args.hf and ref is not None:
         if args.activation != "swiglu" or args.method not in ("smoe",):
@@ -258,16 +261,20 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
             for impl, block in blocks.items():
                 modules[f"mixtral {impl}"] = block
 
-    x2 = torch.randn(T, d)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    for m in modules.values():
+        m.to(device, dtype)
+    x2 = torch.randn(T, d).to(device, dtype)
     x3 = x2.view(1, T, d)  # Mixtral's block wants (batch, seq, d)
-    grad = torch.randn(T, d)
+    grad = torch.randn(T, d).to(device, dtype)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
     if ref is not None:  # same weights, same routing: outputs must agree (a parity check, not timing)
         with torch.no_grad():
             y_ref = ref(x2)
             for name, m in modules.items():
                 if name.startswith("mixtral"):
                     y = m(x3).view(T, d)
-                    if not torch.allclose(y, y_ref, atol=1e-4, rtol=1e-4):
+                    if not torch.allclose(y, y_ref, atol=tol, rtol=tol):
                         notes.append(f"{name}: output differs from moelab by {(y - y_ref).abs().max():.2e}")
     candidates = []
     for phase in ("train", "infer"):
@@ -323,6 +330,13 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda; CUDA steps end with a synchronize")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="parameter and input dtype (float32)",
+    )
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers' Mixtral block")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -334,6 +348,10 @@ def _check_layer_args(args: argparse.Namespace) -> None:
     _validate.int_in_range("warmup", args.warmup, 0, 1 << 20)
     if args.threads is not None:
         _validate.positive_int("threads", args.threads)
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(
+            f"device={args.device!r} is not allowed; expected 'cpu' or 'cuda' (with a CUDA device)"
+        )
     impls = [s.strip() for s in str(args.impl).split(",") if s.strip()]
     if not impls:
         raise ValueError(
@@ -355,7 +373,18 @@ def run_layer(args: argparse.Namespace) -> int:
     rows = summarize(candidates)
     config = {
         k: getattr(args, k)
-        for k in ("tokens", "d_model", "d_hidden", "num_experts", "top_k", "activation", "method", "impl")
+        for k in (
+            "tokens",
+            "d_model",
+            "d_hidden",
+            "num_experts",
+            "top_k",
+            "activation",
+            "method",
+            "impl",
+            "device",
+            "dtype",
+        )
     }
     config.update(
         clock=args.clock,
