@@ -230,13 +230,21 @@ def train_lm(
     data: TextData | None = None,
 ) -> dict[str, Any]:
     """Train one LM run described by ``config`` (:func:`build_config`) into ``out``."""
-    rank = _dist()[0]
-    # every rank reads the run directory; only rank 0 writes (and refuses an existing run)
-    run = RunDir(out, resume=resume or rank > 0, force=force) if out is not None else None
-    if run is not None and resume and run.file("config.yaml").exists():
-        config = run.read_config()  # the stored configuration wins: the same curve
-    if data is None:
-        data = load_text(config["data"], level=config.get("level", "byte"))
+    rank, world = _dist()
+    run = None
+    # rank 0 first: it refuses (or clears, with force) an existing run and downloads the data once;
+    # the other ranks then read the same folder and the cached data.  Only rank 0 writes.
+    for turn in (0, 1) if world > 1 else (0,):
+        if (rank == 0) == (turn == 0):
+            run = (
+                RunDir(out, resume=resume or rank > 0, force=force and rank == 0) if out is not None else None
+            )
+            if run is not None and resume and run.file("config.yaml").exists():
+                config = run.read_config()  # the stored configuration wins: the same curve
+            if data is None:
+                data = load_text(config["data"], level=config.get("level", "byte"))
+        if world > 1 and turn == 0:
+            torch.distributed.barrier()
     torch.manual_seed(int(config["train"]["seed"]))  # the initial weights depend on the seed only
     model = build_model(config, data.vocab_size)
     task = LMTask(data, model.cfg.block_size)
@@ -361,10 +369,30 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise UsageError("--out is required (the run directory)")
     set_threads(args)
-    if args.resume and not Path(args.out, "config.yaml").exists():
-        print(f"--resume: {args.out} holds no run yet; starting one")
-        args.resume = False
     config = build_config(args)
+    from ..train.distributed import init_from_env
+
+    started = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    rank, world = init_from_env()  # under torchrun: one process of a data-parallel group
+    started = started and torch.distributed.is_initialized()
+    try:
+        return _train_and_report(args, config, rank, world)
+    finally:
+        if started:
+            torch.distributed.destroy_process_group()
+
+
+def _train_and_report(args: argparse.Namespace, config: dict[str, Any], rank: int, world: int) -> int:
+    batch = config["train"]["batch_size"]
+    if batch % world:
+        raise ValueError(
+            f"--batch-size={batch} is not allowed with {world} processes (torchrun --nproc_per_node x "
+            f"--nnodes); the global batch is split evenly over the ranks: use a multiple of {world}"
+        )
+    if args.resume and not Path(args.out, "config.yaml").exists():
+        if rank == 0:
+            print(f"--resume: {args.out} holds no run yet; starting one")
+        args.resume = False
     try:
         metrics = train_lm(
             config, args.out, resume=args.resume, force=args.force, progress=not args.no_progress
@@ -372,6 +400,8 @@ def run(args: argparse.Namespace) -> int:
     except TrainingError as exc:
         print(f"moelab train: {exc}")
         return 1
+    if rank > 0:
+        return 0
     m = metrics.get("test_bpc", metrics.get("test_ppl"))
     key = "test_bpc" if "test_bpc" in metrics else "test_ppl"
     print(

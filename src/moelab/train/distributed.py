@@ -29,6 +29,8 @@ checkpoint loaded first); :func:`full_state_dict` gathers the experts back for s
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -42,8 +44,36 @@ __all__ = [
     "ddp_ignore_experts",
     "expert_parameters",
     "full_state_dict",
+    "init_from_env",
     "non_expert_parameters",
 ]
+
+
+def init_from_env(backend: str | None = None) -> tuple[int, int]:
+    """Initialise the default process group from the variables ``torchrun`` sets (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and return
+    ``(rank, world_size)``; ``(0, 1)`` without initialising anything when ``WORLD_SIZE`` is unset
+    (a plain ``python``/``moelab`` process) or the group is already initialised.
+
+    ``backend`` defaults to ``nccl`` when CUDA is available (then ``cuda:LOCAL_RANK`` becomes the
+    current device) and ``gloo`` otherwise.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise ValueError(
+                f"WORLD_SIZE is set but {name} is not; launch with torchrun (which sets RANK, WORLD_SIZE, "
+                "LOCAL_RANK, MASTER_ADDR and MASTER_PORT) or unset WORLD_SIZE"
+            )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://")
+    return dist.get_rank(), dist.get_world_size()
 
 
 class _AllToAll(torch.autograd.Function):

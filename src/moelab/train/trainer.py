@@ -10,11 +10,17 @@ What a task provides (:class:`Task`): ``sample(generator, batch_size)`` a global
 ``evaluate(model, split, max_tokens) -> {"loss": ..., metric: ...}``, and ``metric`` /
 ``lower_is_better``.
 
-Distributed-ready: the rank and world size come from ``torch.distributed`` when it is
-initialised; every rank draws the same global batch from the same generator and keeps rows
-``rank::world`` (so 2 ranks × half a batch see what 1 rank × the full batch sees); only rank 0
-writes logs, metrics and checkpoints; ``metrics.json`` records ``world_size``.  (Wrapping the model
-in DDP is issue 9.)
+Data parallel (docs/scaling.md): the rank and world size come from ``torch.distributed`` when it
+is initialised (``moelab train`` under ``torchrun``); the model is then wrapped in
+``DistributedDataParallel``, which averages the gradients over the ranks.  Every rank draws the
+same global batch from the same generator and keeps rows ``rank::world``, so 2 ranks × half a
+batch train as 1 rank × the full batch (the task loss is a mean over equal shards); each rank adds
+the aux losses of its own tokens before ``backward`` (per-device balancing, as Switch/GShard) and
+advances the routing context; the competition schedule is identical everywhere (built from the
+seed, broadcast from rank 0).  The logged loss and aux loss are the means over the ranks; only
+rank 0 writes logs, metrics and checkpoints; a resume loads the same checkpoint on every rank;
+``metrics.json`` records ``world_size``.  Evaluation runs on every rank over the whole split
+(identical weights, identical results).
 
 Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, every RNG
 state and the trainer's counters; ``resume=True`` loads the newest good one, drops the
@@ -262,6 +268,31 @@ class Trainer:
     def ckpt_dir(self) -> Path | None:
         return None if self.run is None else self.run.file("ckpt")
 
+    def _data_parallel(self) -> nn.Module:
+        """The module the training forward runs through: ``DistributedDataParallel(model)`` when
+        several processes train, else the model itself.  ``find_unused_parameters``: which
+        parameters a step uses depends on the routing (a competition step, an expert no token
+        chose in a ``ModuleExperts`` bank), so DDP must look for the unused ones."""
+        if self.world_size == 1 or not any(p.requires_grad for p in self.model.parameters()):
+            return self.model
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(self.model.parameters()).device
+        return DistributedDataParallel(
+            self.model,
+            device_ids=[device] if device.type == "cuda" else None,
+            find_unused_parameters=True,
+        )
+
+    def _mean_over_ranks(self, task_loss: Tensor, aux: Tensor) -> tuple[float, float]:
+        """``(task loss, aux loss)`` as floats, averaged over the ranks (what rank 0 logs)."""
+        values = torch.stack([task_loss.detach(), aux.detach().to(task_loss)])
+        if self.world_size > 1:
+            torch.distributed.all_reduce(values)
+            values = values / self.world_size
+        task_value, aux_value = values.tolist()
+        return task_value, aux_value
+
     def _evaluate(self, split: str, max_tokens: int | None) -> dict[str, float]:
         was_training = self.model.training
         self.model.eval()
@@ -321,6 +352,7 @@ class Trainer:
                 self._truncate_log(start)  # rows written after the checkpoint (all, without one)
         if start >= cfg.steps and self.run is not None and self.run.file("metrics.json").exists():
             return self.run.read_metrics()
+        net = self._data_parallel()
 
         self.model.train()
         bar = None
@@ -333,15 +365,16 @@ class Trainer:
             self.ctx.step = step
             t0 = time.perf_counter()
             batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
-            task_loss, tokens = self.task.loss(self.model, batch)
-            aux = aux_loss(self.model)
+            task_loss, tokens = self.task.loss(net, batch)
+            aux = aux_loss(self.model)  # this rank's tokens (the layers of the last forward)
             loss = task_loss + aux
-            if not torch.isfinite(loss):
+            task_value, aux_value = self._mean_over_ranks(task_loss, aux)
+            if not math.isfinite(task_value + aux_value):  # the same decision on every rank
                 where = "no checkpoint was written yet"
                 if self.ckpt_dir is not None and (good := ckpt.latest_checkpoint(self.ckpt_dir)):
                     where = f"the last good checkpoint is {good}"
                 raise TrainingError(
-                    f"non-finite loss at step {step + 1} (task {float(task_loss.detach()):.4g}, aux {float(aux.detach()):.4g}); "
+                    f"non-finite loss at step {step + 1} (task {task_value:.4g}, aux {aux_value:.4g}); "
                     f"stopped; {where}. Lower --lr or check the data"
                 )
             optimizer.zero_grad(set_to_none=True)
@@ -356,14 +389,14 @@ class Trainer:
             scheduler.step()
             state["train_time"] += time.perf_counter() - t0
             state["train_tokens"] += tokens * self.world_size
-            loss_value = float(task_loss.detach())
+            loss_value = task_value
             state["recent_losses"] = [*state["recent_losses"], loss_value][-window:]
             done = step + 1
             row: dict[str, Any] = {
                 "step": done,
                 "lr": lr,
                 "loss": loss_value,
-                "aux_loss": float(aux.detach()),
+                "aux_loss": aux_value,
                 "grad_norm": grad_norm,
                 "tokens": state["train_tokens"],
                 "time_s": round(state["train_time"], 4),
