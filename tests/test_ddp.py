@@ -96,9 +96,19 @@ def read_log(out: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_two_ranks_with_half_batches_reproduce_one_rank_with_the_full_batch(corpus, tmp_path):
-    # aux losses off: with them each rank balances its own tokens, a (deliberately) different loss
-    extra = ("--opt", "balance_coef=0", "--opt", "z_coef=0")
+@pytest.mark.parametrize(
+    "method",
+    [
+        ("--method", "smoe"),
+        # competition on about half of the steps: a rank with another schedule would change the curve
+        ("--method", "competesmoe", "--opt", "omega=0.5", "--opt", "competition_warmup=0"),
+    ],
+    ids=["smoe", "competesmoe"],
+)
+def test_two_ranks_with_half_batches_reproduce_one_rank_with_the_full_batch(corpus, tmp_path, method):
+    # balance and z losses off: with them each rank balances its own tokens, a (deliberately)
+    # different loss; the other losses are token means, the same over equal shards
+    extra = (*method, "--opt", "balance_coef=0", "--opt", "z_coef=0")
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(tiny_args(corpus, one, *extra)) == 0
     assert [r["code"] for r in launch(tiny_args(corpus, two, *extra), tmp_path)] == [0, 0]

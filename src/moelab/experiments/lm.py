@@ -247,6 +247,8 @@ def train_lm(
             torch.distributed.barrier()
     torch.manual_seed(int(config["train"]["seed"]))  # the initial weights depend on the seed only
     model = build_model(config, data.vocab_size)
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))  # torchrun on GPUs
     task = LMTask(data, model.cfg.block_size)
     total, active = count_parameters(model)
     config = {**config, "vocab_size": data.vocab_size, "metric": data.metric, "data_info": data.info}

@@ -211,6 +211,20 @@ def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
     generator.set_state(state["data"])
 
 
+class _TrainForward(nn.Module):
+    """The training forward of one rank as a module: ``batch -> (task loss, aux loss, tokens)``,
+    the aux loss being that of this rank's tokens (:func:`moelab.aux_loss` after the forward)."""
+
+    def __init__(self, model: nn.Module, task: Task) -> None:
+        super().__init__()
+        self.model = model
+        self.task = task
+
+    def forward(self, batch: Any) -> tuple[Tensor, Tensor, int]:
+        task_loss, tokens = self.task.loss(self.model, batch)
+        return task_loss, aux_loss(self.model), tokens
+
+
 class Trainer:
     """Train ``model`` on ``task`` and write the run into ``run`` (a :class:`moelab.rundir.RunDir`).
 
@@ -268,18 +282,23 @@ class Trainer:
     def ckpt_dir(self) -> Path | None:
         return None if self.run is None else self.run.file("ckpt")
 
-    def _data_parallel(self) -> nn.Module:
-        """The module the training forward runs through: ``DistributedDataParallel(model)`` when
-        several processes train, else the model itself.  ``find_unused_parameters``: which
-        parameters a step uses depends on the routing (a competition step, an expert no token
-        chose in a ``ModuleExperts`` bank), so DDP must look for the unused ones."""
+    def _data_parallel(self) -> nn.Module | None:
+        """``DistributedDataParallel`` over the training forward (:class:`_TrainForward`) when
+        several processes train, else ``None``.
+
+        DDP looks for the parameters a step leaves unused by walking the graph back from the
+        forward's outputs; the outputs therefore hold the task loss *and* the aux loss, or a
+        parameter reached only through an aux loss (CompeteSMoE's router on a competition step:
+        only the distillation loss trains it) would be taken for unused and reduced twice.
+        ``find_unused_parameters``: which parameters a step uses depends on the routing (an
+        expert of a ``ModuleExperts`` bank that no token chose)."""
         if self.world_size == 1 or not any(p.requires_grad for p in self.model.parameters()):
-            return self.model
+            return None
         from torch.nn.parallel import DistributedDataParallel
 
         device = next(self.model.parameters()).device
         return DistributedDataParallel(
-            self.model,
+            _TrainForward(self.model, self.task),
             device_ids=[device] if device.type == "cuda" else None,
             find_unused_parameters=True,
         )
@@ -365,8 +384,11 @@ class Trainer:
             self.ctx.step = step
             t0 = time.perf_counter()
             batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
-            task_loss, tokens = self.task.loss(net, batch)
-            aux = aux_loss(self.model)  # this rank's tokens (the layers of the last forward)
+            if net is None:
+                task_loss, tokens = self.task.loss(self.model, batch)
+                aux = aux_loss(self.model)
+            else:  # this rank's shard; DDP averages the gradients over the ranks in backward
+                task_loss, aux, tokens = net(batch)
             loss = task_loss + aux
             task_value, aux_value = self._mean_over_ranks(task_loss, aux)
             if not math.isfinite(task_value + aux_value):  # the same decision on every rank
