@@ -190,3 +190,57 @@ def test_world_size_without_the_other_torchrun_variables_is_refused(monkeypatch)
         init_from_env()
     monkeypatch.delenv("WORLD_SIZE")
     assert init_from_env() == (0, 1)  # a plain process: nothing to initialise
+
+
+def test_expert_parallel_training_follows_the_data_parallel_curve(corpus, tmp_path):
+    dp, ep = tmp_path / "dp", tmp_path / "ep"
+    assert [r["code"] for r in launch(tiny_args(corpus, dp), tmp_path)] == [0, 0]
+    assert [r["code"] for r in launch(tiny_args(corpus, ep, "--expert-parallel"), tmp_path)] == [0, 0]
+    log_dp, log_ep = read_log(dp), read_log(ep)
+    assert len(log_ep) == 6
+    for step, (a, b) in enumerate(zip(log_dp, log_ep), 1):  # same losses, same (global) gradient norm
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4), (step, key)
+    m_dp = json.loads((dp / "metrics.json").read_text())
+    m_ep = json.loads((ep / "metrics.json").read_text())
+    assert m_ep["params"] == m_dp["params"]  # the whole model, not one rank's block
+    assert m_ep["test_bpc"] == pytest.approx(m_dp["test_bpc"], rel=1e-4)
+    # the checkpoints hold the full model and optimizer: they load into a plain model
+    config = RunDir(ep, resume=True).read_config()
+    model = build_model(config, load_text(str(corpus)).vocab_size)
+    from moelab.train.checkpoint import load_checkpoint
+
+    saved = load_checkpoint(ep / "ckpt" / "step-00000006", model)
+    ref = build_model(config, load_text(str(corpus)).vocab_size)
+    load_checkpoint(dp / "ckpt" / "step-00000006", ref)
+    w_ep, w_dp = model.state_dict(), ref.state_dict()
+    assert max((w_ep[k] - w_dp[k]).abs().max().item() for k in w_dp) < 1e-4
+    expert_w = [k for k in w_ep if k.endswith("experts.w_in")]
+    assert expert_w and all(w_ep[k].shape[0] == 4 for k in expert_w)
+    moments = [v["exp_avg"] for v in saved["optimizer"]["state"].values()]
+    assert sorted(m.shape for m in moments) == sorted(p.shape for p in model.parameters() if p.requires_grad)
+
+
+def test_a_resumed_expert_parallel_run_continues_the_same_curve(corpus, tmp_path):
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--expert-parallel")
+    assert [r["code"] for r in launch(argv, tmp_path)] == [0, 0]
+    full = read_log(out)
+    shutil.rmtree(out / "ckpt" / "step-00000006")
+    (out / "metrics.json").unlink()
+    assert [r["code"] for r in launch([*argv, "--resume"], tmp_path)] == [0, 0]
+    for a, b in zip(full, read_log(out)):
+        assert {k: v for k, v in a.items() if k != "time_s"} == {k: v for k, v in b.items() if k != "time_s"}
+
+
+def test_expert_parallel_with_a_world_size_that_does_not_divide_the_experts_exits_2(corpus, tmp_path):
+    argv = tiny_args(corpus, tmp_path / "run", "--expert-parallel", "--num-experts", "3")
+    for r in launch(argv, tmp_path):
+        assert r["code"] == 2
+        assert "world size 2 does not divide num_experts=3; allowed world sizes: [1, 3]" in r["stderr"]
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_expert_parallel_needs_torchrun(corpus, tmp_path, capsys):
+    assert main(tiny_args(corpus, tmp_path / "run", "--expert-parallel")) == 2
+    assert "expert parallelism needs torch.distributed initialised" in capsys.readouterr().err

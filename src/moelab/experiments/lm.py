@@ -228,8 +228,10 @@ def train_lm(
     force: bool = False,
     progress: bool = True,
     data: TextData | None = None,
+    expert_parallel: bool = False,
 ) -> dict[str, Any]:
-    """Train one LM run described by ``config`` (:func:`build_config`) into ``out``."""
+    """Train one LM run described by ``config`` (:func:`build_config`) into ``out``
+    (``expert_parallel``: under torchrun, spread each MoE layer's experts over the ranks)."""
     rank, world = _dist()
     run = None
     # rank 0 first: it refuses (or clears, with force) an existing run and downloads the data once;
@@ -271,6 +273,7 @@ def train_lm(
             "size": config["size"],
             "data": config["data"],
         },
+        expert_parallel=expert_parallel,
     )
     return trainer.fit(resume=resume)
 
@@ -317,6 +320,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="run directory")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--force", action="store_true", help="overwrite the run in --out")
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        dest="expert_parallel",
+        help="under torchrun: each rank holds num_experts / world_size experts (docs/scaling.md)",
+    )
     add_lm_arguments(p)
 
 
@@ -391,13 +400,25 @@ def _train_and_report(args: argparse.Namespace, config: dict[str, Any], rank: in
             f"--batch-size={batch} is not allowed with {world} processes (torchrun --nproc_per_node x "
             f"--nnodes); the global batch is split evenly over the ranks: use a multiple of {world}"
         )
+    if getattr(args, "expert_parallel", False) and config["arch"] != "dense":
+        experts = lm_config(config["size"], 2, **config["model"]).num_experts
+        if experts % world:  # before anything is written (the plan itself checks it again)
+            raise ValueError(
+                f"--expert-parallel: world size {world} does not divide num_experts={experts}; "
+                f"allowed world sizes: {[w for w in range(1, experts + 1) if experts % w == 0]}"
+            )
     if args.resume and not Path(args.out, "config.yaml").exists():
         if rank == 0:
             print(f"--resume: {args.out} holds no run yet; starting one")
         args.resume = False
     try:
         metrics = train_lm(
-            config, args.out, resume=args.resume, force=args.force, progress=not args.no_progress
+            config,
+            args.out,
+            resume=args.resume,
+            force=args.force,
+            progress=not args.no_progress,
+            expert_parallel=bool(getattr(args, "expert_parallel", False)),
         )
     except TrainingError as exc:
         print(f"moelab train: {exc}")

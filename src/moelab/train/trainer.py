@@ -238,6 +238,11 @@ class Trainer:
         progress: show a tqdm bar.
         extra_metrics: added to ``metrics.json``.
         on_eval: called with ``(step, validation results)`` after each evaluation.
+        expert_parallel: spread the experts of every MoE layer over the ranks
+            (:func:`moelab.train.distributed.apply_expert_parallel`, after a resume has loaded
+            the full model); their gradients stay out of DDP's all-reduce, gradient clipping
+            uses the norm of the whole model, and checkpoints hold the gathered full model
+            and optimizer state (so they resume with or without it, on any world size).
 
     Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
@@ -254,6 +259,7 @@ class Trainer:
         progress: bool = True,
         extra_metrics: dict[str, Any] | None = None,
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         self.model = model
         self.task = task
@@ -264,6 +270,8 @@ class Trainer:
         self.progress = progress
         self.extra_metrics = dict(extra_metrics or {})
         self.on_eval = on_eval
+        self.expert_parallel = expert_parallel
+        self._full: nn.Module | None = None  # under expert parallelism: the full model, for checkpoints
         self.rank, self.world_size = _dist()
         if config.batch_size % self.world_size:
             raise ValueError(
@@ -297,11 +305,57 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel
 
         device = next(self.model.parameters()).device
+        forward = _TrainForward(self.model, self.task)
+        if self._full is not None:
+            from .distributed import ddp_ignore_experts
+
+            ddp_ignore_experts(forward)  # each rank's experts are its own: no all-reduce
         return DistributedDataParallel(
-            _TrainForward(self.model, self.task),
+            forward,
             device_ids=[device] if device.type == "cuda" else None,
             find_unused_parameters=True,
         )
+
+    def _apply_expert_parallel(self) -> None:
+        import copy
+
+        from .distributed import apply_expert_parallel
+
+        self._full = copy.deepcopy(self.model)  # same weights on every rank: same seed / checkpoint
+        apply_expert_parallel(self.model)  # average_grads: the gradient of the mean over ranks
+
+    def _weights(self) -> nn.Module:
+        """The module a checkpoint stores: the model, or under expert parallelism the full model
+        with every rank's experts gathered into it (a collective)."""
+        if self._full is None:
+            return self.model
+        from .distributed import full_state_dict
+
+        self._full.load_state_dict(full_state_dict(self.model))
+        return self._full
+
+    def _full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._full is None:
+            return optimizer.state_dict()
+        from .distributed import full_optimizer_state
+
+        return full_optimizer_state(optimizer, self.model)
+
+    def _local_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, full: dict[str, Any]
+    ) -> dict[str, Any]:
+        if self._full is None:
+            return full
+        from .distributed import local_optimizer_state
+
+        return local_optimizer_state(optimizer, self.model, full)
+
+    def _clip(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
+        if self._full is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        from .distributed import clip_grad_norm_
+
+        return clip_grad_norm_(params, max_norm, self.model)
 
     def _mean_over_ranks(self, task_loss: Tensor, aux: Tensor) -> tuple[float, float]:
         """``(task loss, aux loss)`` as floats, averaged over the ranks (what rank 0 logs)."""
@@ -342,6 +396,13 @@ class Trainer:
             else None
         )
         attach(self.model, self.ctx)
+        saved = None
+        if resume and self.ckpt_dir is not None:
+            path = ckpt.latest_checkpoint(self.ckpt_dir)
+            if path is not None:  # into the full model: a checkpoint never depends on the layout
+                saved = ckpt.load_checkpoint(path, self.model)
+        if self.expert_parallel:
+            self._apply_expert_parallel()
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps
@@ -358,10 +419,8 @@ class Trainer:
         }
         start = 0
         if resume and self.ckpt_dir is not None:
-            path = ckpt.latest_checkpoint(self.ckpt_dir)
-            if path is not None:
-                saved = ckpt.load_checkpoint(path, self.model)
-                optimizer.load_state_dict(saved["optimizer"])
+            if saved is not None:
+                optimizer.load_state_dict(self._local_optimizer_state(optimizer, saved["optimizer"]))
                 scheduler.load_state_dict(saved["scheduler"])
                 self.ctx.load_state_dict(saved["ctx"])
                 _set_rng_state(saved["rng"], generator)
@@ -401,11 +460,7 @@ class Trainer:
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = (
-                float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-                if cfg.grad_clip > 0
-                else float("nan")
-            )
+            grad_norm = float(self._clip(params, cfg.grad_clip)) if cfg.grad_clip > 0 else float("nan")
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
@@ -429,27 +484,33 @@ class Trainer:
                 val = self._evaluate("valid", cfg.eval_tokens)
                 row["val_loss"], row[f"val_{metric}"] = val["loss"], val[metric]
                 state["last_val"] = val[metric]
-                if self._better(val[metric], state["best_val"]):
+                if self._better(val[metric], state["best_val"]):  # the same decision on every rank
                     state["best_val"], state["best_step"] = val[metric], done
-                    if self.is_main and self.run is not None:
-                        ckpt.save_weights(
-                            self.run.file("best.safetensors"),
-                            self.model,
-                            {"step": done, f"val_{metric}": val[metric]},
-                        )
+                    if self.run is not None:
+                        weights = self._weights()  # a collective under expert parallelism
+                        if self.is_main:
+                            ckpt.save_weights(
+                                self.run.file("best.safetensors"),
+                                weights,
+                                {"step": done, f"val_{metric}": val[metric]},
+                            )
                 if self.on_eval is not None:
                     self.on_eval(done, val)
             self.ctx.step = done
             if self.is_main and self.run is not None:
                 self.run.append_log(row)
-                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+            if self.run is not None and (
+                (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+            ):
+                weights, optimizer_state = self._weights(), self._full_optimizer_state(optimizer)
+                if self.is_main:
                     ckpt.save_checkpoint(
                         self.ckpt_dir,
                         done,
-                        self.model,
+                        weights,
                         {
                             "step": done,
-                            "optimizer": optimizer.state_dict(),
+                            "optimizer": optimizer_state,
                             "scheduler": scheduler.state_dict(),
                             "ctx": self.ctx.state_dict(),
                             "rng": _rng_state(generator),
@@ -473,11 +534,17 @@ class Trainer:
         if self.world_size > 1:  # rank 0 has written the last best weights
             torch.distributed.barrier()
         if self.run is not None and self.run.file("best.safetensors").exists():
-            ckpt.load_weights(self.run.file("best.safetensors"), self.model)
+            if self._full is None:
+                ckpt.load_weights(self.run.file("best.safetensors"), self.model)
+            else:  # the full weights, then this rank's experts
+                from .distributed import local_state_dict
+
+                ckpt.load_weights(self.run.file("best.safetensors"), self._full)
+                self.model.load_state_dict(local_state_dict(self.model, self._full.state_dict()))
         test = self._evaluate("test", cfg.test_tokens)
         from ..models.lm import count_parameters
 
-        total, active = count_parameters(self.model)
+        total, active = count_parameters(self.model if self._full is None else self._full)
         recent = state["recent_losses"]
         metrics = {
             "train_loss": sum(recent) / len(recent) if recent else None,
