@@ -20,7 +20,8 @@ advances the routing context; the competition schedule is identical everywhere (
 seed, broadcast from rank 0).  The logged loss and aux loss are the means over the ranks; only
 rank 0 writes logs, metrics and checkpoints; a resume loads the same checkpoint on every rank;
 ``metrics.json`` records ``world_size``.  Evaluation runs on every rank over the whole split
-(identical weights, identical results).
+(identical weights, identical results).  ``expert_parallel=True`` spreads the experts over the
+ranks (:mod:`moelab.train.distributed`); checkpoints then still hold the full model.
 
 Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, every RNG
 state and the trainer's counters; ``resume=True`` loads the newest good one, drops the
