@@ -233,6 +233,57 @@ def test_a_resumed_expert_parallel_run_continues_the_same_curve(corpus, tmp_path
         assert {k: v for k, v in a.items() if k != "time_s"} == {k: v for k, v in b.items() if k != "time_s"}
 
 
+def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) -> None:
+    """A Trainer with expert_parallel=True on one rank; reports what the plan made of the model."""
+    import torch.distributed as dist
+
+    from moelab.models.lm import LMConfig, TransformerLM
+    from moelab.routing import moe_layers
+    from moelab.train import TrainConfig, Trainer
+    from moelab.train.distributed import ExpertParallelBank
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        data = load_text(corpus)
+        torch.manual_seed(0)
+        cfg = LMConfig(
+            vocab_size=data.vocab_size, block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4
+        )
+        model = TransformerLM(cfg)
+        trainer = Trainer(
+            model, LMTask(data, 16), TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=32),
+            progress=False, method="smoe", expert_parallel=True,
+        )  # fmt: skip
+        metrics = trainer.fit()
+        banks = [layer.experts for layer in moe_layers(model)]
+        result = {
+            "banks": [type(b).__name__ for b in banks],
+            "blocks": [[b.first_expert, b.num_local] for b in banks if isinstance(b, ExpertParallelBank)],
+            "params": metrics["params"],
+            "full_params": sum(p.numel() for p in TransformerLM(cfg).parameters()),
+        }
+        Path(report, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_trainer_spreads_the_experts_over_the_ranks(corpus, tmp_path):
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _rank_trainer,
+        args=(2, _free_port(), str(corpus), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method=method,
+    )
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["banks"] == ["ExpertParallelBank"] * 2
+        assert r["blocks"] == [[2 * rank, 2]] * 2  # experts [2r, 2r + 2) of 4
+        assert r["params"] == r["full_params"]  # metrics count the whole model
+
+
 def test_expert_parallel_with_a_world_size_that_does_not_divide_the_experts_exits_2(corpus, tmp_path):
     argv = tiny_args(corpus, tmp_path / "run", "--expert-parallel", "--num-experts", "3")
     for r in launch(argv, tmp_path):
