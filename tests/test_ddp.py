@@ -192,10 +192,22 @@ def test_world_size_without_the_other_torchrun_variables_is_refused(monkeypatch)
     assert init_from_env() == (0, 1)  # a plain process: nothing to initialise
 
 
-def test_expert_parallel_training_follows_the_data_parallel_curve(corpus, tmp_path):
+@pytest.mark.parametrize(
+    "method",
+    [
+        ("--method", "smoe"),
+        # competition runs every expert on every token: forward_all across the ranks
+        ("--method", "competesmoe", "--opt", "omega=0.5", "--opt", "competition_warmup=0"),
+    ],
+    ids=["smoe", "competesmoe"],
+)
+def test_expert_parallel_training_follows_the_data_parallel_curve(corpus, tmp_path, method):
     dp, ep = tmp_path / "dp", tmp_path / "ep"
-    assert [r["code"] for r in launch(tiny_args(corpus, dp), tmp_path)] == [0, 0]
-    assert [r["code"] for r in launch(tiny_args(corpus, ep, "--expert-parallel"), tmp_path)] == [0, 0]
+    assert [r["code"] for r in launch(tiny_args(corpus, dp, *method), tmp_path)] == [0, 0]
+    assert [r["code"] for r in launch(tiny_args(corpus, ep, *method, "--expert-parallel"), tmp_path)] == [
+        0,
+        0,
+    ]
     log_dp, log_ep = read_log(dp), read_log(ep)
     assert len(log_ep) == 6
     for step, (a, b) in enumerate(zip(log_dp, log_ep), 1):  # same losses, same (global) gradient norm
