@@ -228,17 +228,29 @@ def train_lm(
     force: bool = False,
     progress: bool = True,
     data: TextData | None = None,
+    expert_parallel: bool = False,
 ) -> dict[str, Any]:
-    """Train one LM run described by ``config`` (:func:`build_config`) into ``out``."""
-    rank = _dist()[0]
-    # every rank reads the run directory; only rank 0 writes (and refuses an existing run)
-    run = RunDir(out, resume=resume or rank > 0, force=force) if out is not None else None
-    if run is not None and resume and run.file("config.yaml").exists():
-        config = run.read_config()  # the stored configuration wins: the same curve
-    if data is None:
-        data = load_text(config["data"], level=config.get("level", "byte"))
+    """Train one LM run described by ``config`` (:func:`build_config`) into ``out``
+    (``expert_parallel``: under torchrun, spread each MoE layer's experts over the ranks)."""
+    rank, world = _dist()
+    run = None
+    # rank 0 first: it refuses (or clears, with force) an existing run and downloads the data once;
+    # the other ranks then read the same folder and the cached data.  Only rank 0 writes.
+    for turn in (0, 1) if world > 1 else (0,):
+        if (rank == 0) == (turn == 0):
+            run = (
+                RunDir(out, resume=resume or rank > 0, force=force and rank == 0) if out is not None else None
+            )
+            if run is not None and resume and run.file("config.yaml").exists():
+                config = run.read_config()  # the stored configuration wins: the same curve
+            if data is None:
+                data = load_text(config["data"], level=config.get("level", "byte"))
+        if world > 1 and turn == 0:
+            torch.distributed.barrier()
     torch.manual_seed(int(config["train"]["seed"]))  # the initial weights depend on the seed only
     model = build_model(config, data.vocab_size)
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))  # torchrun on GPUs
     task = LMTask(data, model.cfg.block_size)
     total, active = count_parameters(model)
     config = {**config, "vocab_size": data.vocab_size, "metric": data.metric, "data_info": data.info}
@@ -261,6 +273,7 @@ def train_lm(
             "size": config["size"],
             "data": config["data"],
         },
+        expert_parallel=expert_parallel,
     )
     return trainer.fit(resume=resume)
 
@@ -307,6 +320,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="run directory")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--force", action="store_true", help="overwrite the run in --out")
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        dest="expert_parallel",
+        help="under torchrun: each rank holds num_experts / world_size experts (docs/scaling.md)",
+    )
     add_lm_arguments(p)
 
 
@@ -361,17 +380,51 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise UsageError("--out is required (the run directory)")
     set_threads(args)
-    if args.resume and not Path(args.out, "config.yaml").exists():
-        print(f"--resume: {args.out} holds no run yet; starting one")
-        args.resume = False
     config = build_config(args)
+    from ..train.distributed import init_from_env
+
+    started = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    rank, world = init_from_env()  # under torchrun: one process of a data-parallel group
+    started = started and torch.distributed.is_initialized()
+    try:
+        return _train_and_report(args, config, rank, world)
+    finally:
+        if started:
+            torch.distributed.destroy_process_group()
+
+
+def _train_and_report(args: argparse.Namespace, config: dict[str, Any], rank: int, world: int) -> int:
+    batch = config["train"]["batch_size"]
+    if batch % world:
+        raise ValueError(
+            f"--batch-size={batch} is not allowed with {world} processes (torchrun --nproc_per_node x "
+            f"--nnodes); the global batch is split evenly over the ranks: use a multiple of {world}"
+        )
+    if getattr(args, "expert_parallel", False) and config["arch"] != "dense":
+        experts = lm_config(config["size"], 2, **config["model"]).num_experts
+        if experts % world:  # before anything is written (the plan itself checks it again)
+            raise ValueError(
+                f"--expert-parallel: world size {world} does not divide num_experts={experts}; "
+                f"allowed world sizes: {[w for w in range(1, experts + 1) if experts % w == 0]}"
+            )
+    if args.resume and not Path(args.out, "config.yaml").exists():
+        if rank == 0:
+            print(f"--resume: {args.out} holds no run yet; starting one")
+        args.resume = False
     try:
         metrics = train_lm(
-            config, args.out, resume=args.resume, force=args.force, progress=not args.no_progress
+            config,
+            args.out,
+            resume=args.resume,
+            force=args.force,
+            progress=not args.no_progress,
+            expert_parallel=bool(getattr(args, "expert_parallel", False)),
         )
     except TrainingError as exc:
         print(f"moelab train: {exc}")
         return 1
+    if rank > 0:
+        return 0
     m = metrics.get("test_bpc", metrics.get("test_ppl"))
     key = "test_bpc" if "test_bpc" in metrics else "test_ppl"
     print(

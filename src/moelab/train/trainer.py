@@ -10,11 +10,18 @@ What a task provides (:class:`Task`): ``sample(generator, batch_size)`` a global
 ``evaluate(model, split, max_tokens) -> {"loss": ..., metric: ...}``, and ``metric`` /
 ``lower_is_better``.
 
-Distributed-ready: the rank and world size come from ``torch.distributed`` when it is
-initialised; every rank draws the same global batch from the same generator and keeps rows
-``rank::world`` (so 2 ranks × half a batch see what 1 rank × the full batch sees); only rank 0
-writes logs, metrics and checkpoints; ``metrics.json`` records ``world_size``.  (Wrapping the model
-in DDP is issue 9.)
+Data parallel (docs/scaling.md): the rank and world size come from ``torch.distributed`` when it
+is initialised (``moelab train`` under ``torchrun``); the model is then wrapped in
+``DistributedDataParallel``, which averages the gradients over the ranks.  Every rank draws the
+same global batch from the same generator and keeps rows ``rank::world``, so 2 ranks × half a
+batch train as 1 rank × the full batch (the task loss is a mean over equal shards); each rank adds
+the aux losses of its own tokens before ``backward`` (per-device balancing, as Switch/GShard) and
+advances the routing context; the competition schedule is identical everywhere (built from the
+seed, broadcast from rank 0).  The logged loss and aux loss are the means over the ranks; only
+rank 0 writes logs, metrics and checkpoints; a resume loads the same checkpoint on every rank;
+``metrics.json`` records ``world_size``.  Evaluation runs on every rank over the whole split
+(identical weights, identical results).  ``expert_parallel=True`` spreads the experts over the
+ranks (:mod:`moelab.train.distributed`); checkpoints then still hold the full model.
 
 Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, every RNG
 state and the trainer's counters; ``resume=True`` loads the newest good one, drops the
@@ -205,6 +212,20 @@ def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
     generator.set_state(state["data"])
 
 
+class _TrainForward(nn.Module):
+    """The training forward of one rank as a module: ``batch -> (task loss, aux loss, tokens)``,
+    the aux loss being that of this rank's tokens (:func:`moelab.aux_loss` after the forward)."""
+
+    def __init__(self, model: nn.Module, task: Task) -> None:
+        super().__init__()
+        self.model = model
+        self.task = task
+
+    def forward(self, batch: Any) -> tuple[Tensor, Tensor, int]:
+        task_loss, tokens = self.task.loss(self.model, batch)
+        return task_loss, aux_loss(self.model), tokens
+
+
 class Trainer:
     """Train ``model`` on ``task`` and write the run into ``run`` (a :class:`moelab.rundir.RunDir`).
 
@@ -218,6 +239,11 @@ class Trainer:
         progress: show a tqdm bar.
         extra_metrics: added to ``metrics.json``.
         on_eval: called with ``(step, validation results)`` after each evaluation.
+        expert_parallel: spread the experts of every MoE layer over the ranks
+            (:func:`moelab.train.distributed.apply_expert_parallel`, after a resume has loaded
+            the full model); their gradients stay out of DDP's all-reduce, gradient clipping
+            uses the norm of the whole model, and checkpoints hold the gathered full model
+            and optimizer state (so they resume with or without it, on any world size).
 
     Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
@@ -234,6 +260,7 @@ class Trainer:
         progress: bool = True,
         extra_metrics: dict[str, Any] | None = None,
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         self.model = model
         self.task = task
@@ -244,6 +271,8 @@ class Trainer:
         self.progress = progress
         self.extra_metrics = dict(extra_metrics or {})
         self.on_eval = on_eval
+        self.expert_parallel = expert_parallel
+        self._full: nn.Module | None = None  # under expert parallelism: the full model, for checkpoints
         self.rank, self.world_size = _dist()
         if config.batch_size % self.world_size:
             raise ValueError(
@@ -261,6 +290,82 @@ class Trainer:
     @property
     def ckpt_dir(self) -> Path | None:
         return None if self.run is None else self.run.file("ckpt")
+
+    def _data_parallel(self) -> nn.Module | None:
+        """``DistributedDataParallel`` over the training forward (:class:`_TrainForward`) when
+        several processes train, else ``None``.
+
+        DDP looks for the parameters a step leaves unused by walking the graph back from the
+        forward's outputs; the outputs therefore hold the task loss *and* the aux loss, or a
+        parameter reached only through an aux loss (CompeteSMoE's router on a competition step:
+        only the distillation loss trains it) would be taken for unused and reduced twice.
+        ``find_unused_parameters``: which parameters a step uses depends on the routing (an
+        expert of a ``ModuleExperts`` bank that no token chose)."""
+        if self.world_size == 1 or not any(p.requires_grad for p in self.model.parameters()):
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(self.model.parameters()).device
+        forward = _TrainForward(self.model, self.task)
+        if self._full is not None:
+            from .distributed import ddp_ignore_experts
+
+            ddp_ignore_experts(forward)  # each rank's experts are its own: no all-reduce
+        return DistributedDataParallel(
+            forward,
+            device_ids=[device] if device.type == "cuda" else None,
+            find_unused_parameters=True,
+        )
+
+    def _apply_expert_parallel(self) -> None:
+        import copy
+
+        from .distributed import apply_expert_parallel
+
+        self._full = copy.deepcopy(self.model)  # same weights on every rank: same seed / checkpoint
+        apply_expert_parallel(self.model)  # average_grads: the gradient of the mean over ranks
+
+    def _weights(self) -> nn.Module:
+        """The module a checkpoint stores: the model, or under expert parallelism the full model
+        with every rank's experts gathered into it (a collective)."""
+        if self._full is None:
+            return self.model
+        from .distributed import full_state_dict
+
+        self._full.load_state_dict(full_state_dict(self.model))
+        return self._full
+
+    def _full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._full is None:
+            return optimizer.state_dict()
+        from .distributed import full_optimizer_state
+
+        return full_optimizer_state(optimizer, self.model)
+
+    def _local_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, full: dict[str, Any]
+    ) -> dict[str, Any]:
+        if self._full is None:
+            return full
+        from .distributed import local_optimizer_state
+
+        return local_optimizer_state(optimizer, self.model, full)
+
+    def _clip(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
+        if self._full is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        from .distributed import clip_grad_norm_
+
+        return clip_grad_norm_(params, max_norm, self.model)
+
+    def _mean_over_ranks(self, task_loss: Tensor, aux: Tensor) -> tuple[float, float]:
+        """``(task loss, aux loss)`` as floats, averaged over the ranks (what rank 0 logs)."""
+        values = torch.stack([task_loss.detach(), aux.detach().to(task_loss)])
+        if self.world_size > 1:
+            torch.distributed.all_reduce(values)
+            values = values / self.world_size
+        task_value, aux_value = values.tolist()
+        return task_value, aux_value
 
     def _evaluate(self, split: str, max_tokens: int | None) -> dict[str, float]:
         was_training = self.model.training
@@ -292,6 +397,13 @@ class Trainer:
             else None
         )
         attach(self.model, self.ctx)
+        saved = None
+        if resume and self.ckpt_dir is not None:
+            path = ckpt.latest_checkpoint(self.ckpt_dir)
+            if path is not None:  # into the full model: a checkpoint never depends on the layout
+                saved = ckpt.load_checkpoint(path, self.model)
+        if self.expert_parallel:
+            self._apply_expert_parallel()
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps
@@ -308,10 +420,8 @@ class Trainer:
         }
         start = 0
         if resume and self.ckpt_dir is not None:
-            path = ckpt.latest_checkpoint(self.ckpt_dir)
-            if path is not None:
-                saved = ckpt.load_checkpoint(path, self.model)
-                optimizer.load_state_dict(saved["optimizer"])
+            if saved is not None:
+                optimizer.load_state_dict(self._local_optimizer_state(optimizer, saved["optimizer"]))
                 scheduler.load_state_dict(saved["scheduler"])
                 self.ctx.load_state_dict(saved["ctx"])
                 _set_rng_state(saved["rng"], generator)
@@ -321,6 +431,7 @@ class Trainer:
                 self._truncate_log(start)  # rows written after the checkpoint (all, without one)
         if start >= cfg.steps and self.run is not None and self.run.file("metrics.json").exists():
             return self.run.read_metrics()
+        net = self._data_parallel()
 
         self.model.train()
         bar = None
@@ -333,37 +444,37 @@ class Trainer:
             self.ctx.step = step
             t0 = time.perf_counter()
             batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
-            task_loss, tokens = self.task.loss(self.model, batch)
-            aux = aux_loss(self.model)
+            if net is None:
+                task_loss, tokens = self.task.loss(self.model, batch)
+                aux = aux_loss(self.model)
+            else:  # this rank's shard; DDP averages the gradients over the ranks in backward
+                task_loss, aux, tokens = net(batch)
             loss = task_loss + aux
-            if not torch.isfinite(loss):
+            task_value, aux_value = self._mean_over_ranks(task_loss, aux)
+            if not math.isfinite(task_value + aux_value):  # the same decision on every rank
                 where = "no checkpoint was written yet"
                 if self.ckpt_dir is not None and (good := ckpt.latest_checkpoint(self.ckpt_dir)):
                     where = f"the last good checkpoint is {good}"
                 raise TrainingError(
-                    f"non-finite loss at step {step + 1} (task {float(task_loss.detach()):.4g}, aux {float(aux.detach()):.4g}); "
+                    f"non-finite loss at step {step + 1} (task {task_value:.4g}, aux {aux_value:.4g}); "
                     f"stopped; {where}. Lower --lr or check the data"
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = (
-                float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-                if cfg.grad_clip > 0
-                else float("nan")
-            )
+            grad_norm = float(self._clip(params, cfg.grad_clip)) if cfg.grad_clip > 0 else float("nan")
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             state["train_time"] += time.perf_counter() - t0
             state["train_tokens"] += tokens * self.world_size
-            loss_value = float(task_loss.detach())
+            loss_value = task_value
             state["recent_losses"] = [*state["recent_losses"], loss_value][-window:]
             done = step + 1
             row: dict[str, Any] = {
                 "step": done,
                 "lr": lr,
                 "loss": loss_value,
-                "aux_loss": float(aux.detach()),
+                "aux_loss": aux_value,
                 "grad_norm": grad_norm,
                 "tokens": state["train_tokens"],
                 "time_s": round(state["train_time"], 4),
@@ -374,27 +485,33 @@ class Trainer:
                 val = self._evaluate("valid", cfg.eval_tokens)
                 row["val_loss"], row[f"val_{metric}"] = val["loss"], val[metric]
                 state["last_val"] = val[metric]
-                if self._better(val[metric], state["best_val"]):
+                if self._better(val[metric], state["best_val"]):  # the same decision on every rank
                     state["best_val"], state["best_step"] = val[metric], done
-                    if self.is_main and self.run is not None:
-                        ckpt.save_weights(
-                            self.run.file("best.safetensors"),
-                            self.model,
-                            {"step": done, f"val_{metric}": val[metric]},
-                        )
+                    if self.run is not None:
+                        weights = self._weights()  # a collective under expert parallelism
+                        if self.is_main:
+                            ckpt.save_weights(
+                                self.run.file("best.safetensors"),
+                                weights,
+                                {"step": done, f"val_{metric}": val[metric]},
+                            )
                 if self.on_eval is not None:
                     self.on_eval(done, val)
             self.ctx.step = done
             if self.is_main and self.run is not None:
                 self.run.append_log(row)
-                if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
+            if self.run is not None and (
+                (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+            ):
+                weights, optimizer_state = self._weights(), self._full_optimizer_state(optimizer)
+                if self.is_main:
                     ckpt.save_checkpoint(
                         self.ckpt_dir,
                         done,
-                        self.model,
+                        weights,
                         {
                             "step": done,
-                            "optimizer": optimizer.state_dict(),
+                            "optimizer": optimizer_state,
                             "scheduler": scheduler.state_dict(),
                             "ctx": self.ctx.state_dict(),
                             "rng": _rng_state(generator),
@@ -418,11 +535,17 @@ class Trainer:
         if self.world_size > 1:  # rank 0 has written the last best weights
             torch.distributed.barrier()
         if self.run is not None and self.run.file("best.safetensors").exists():
-            ckpt.load_weights(self.run.file("best.safetensors"), self.model)
+            if self._full is None:
+                ckpt.load_weights(self.run.file("best.safetensors"), self.model)
+            else:  # the full weights, then this rank's experts
+                from .distributed import local_state_dict
+
+                ckpt.load_weights(self.run.file("best.safetensors"), self._full)
+                self.model.load_state_dict(local_state_dict(self.model, self._full.state_dict()))
         test = self._evaluate("test", cfg.test_tokens)
         from ..models.lm import count_parameters
 
-        total, active = count_parameters(self.model)
+        total, active = count_parameters(self.model if self._full is None else self._full)
         recent = state["recent_losses"]
         metrics = {
             "train_loss": sum(recent) / len(recent) if recent else None,

@@ -1,0 +1,309 @@
+"""`moelab train` as a data-parallel group (what torchrun launches): 2 gloo processes on CPU.
+
+Each process gets the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1,
+MASTER_PORT) and runs ``moelab.cli.main`` exactly as the console script does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import moelab
+from moelab.cli import main
+from moelab.data.text import load_text
+from moelab.experiments.lm import LMTask, build_model
+from moelab.rundir import RunDir
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "tiny.txt"
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
+    g = torch.Generator().manual_seed(0)
+    lines = [" ".join(words[i] for i in torch.randint(10, (8,), generator=g).tolist()) for i in range(600)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_args(corpus, out, *extra):
+    return [
+        "train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "8",
+        "--num-experts", "4", "--steps", "6", "--eval-every", "3", "--ckpt-every", "3",
+        "--eval-tokens", "64", "--test-tokens", "64", "--no-progress", "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, argv: list[str], report: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    torch.cuda.is_available = lambda: False  # gloo even on a machine with a GPU
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    Path(report, f"rank{rank}.json").write_text(json.dumps({"code": code, "stderr": err.getvalue()}))
+
+
+def launch(argv: list[str], tmp_path: Path, world: int = 2) -> list[dict]:
+    """``torchrun --nproc_per_node=world moelab <argv>``, one process per rank (fork: the children
+    inherit the imported torch/moelab, as in tests/test_distributed.py)."""
+    report = tmp_path / f"report-{_free_port()}"
+    report.mkdir()
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _rank_main,
+        args=(world, _free_port(), argv, str(report)),
+        nprocs=world,
+        join=True,
+        start_method=method,
+    )
+    return [json.loads((report / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def read_log(out: Path) -> list[dict[str, str]]:
+    with (out / "log.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ("--method", "smoe"),
+        # competition on about half of the steps: a rank with another schedule would change the curve
+        ("--method", "competesmoe", "--opt", "omega=0.5", "--opt", "competition_warmup=0"),
+    ],
+    ids=["smoe", "competesmoe"],
+)
+def test_two_ranks_with_half_batches_reproduce_one_rank_with_the_full_batch(corpus, tmp_path, method):
+    # balance and z losses off: with them each rank balances its own tokens, a (deliberately)
+    # different loss; the other losses are token means, the same over equal shards
+    extra = (*method, "--opt", "balance_coef=0", "--opt", "z_coef=0")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(tiny_args(corpus, one, *extra)) == 0
+    assert [r["code"] for r in launch(tiny_args(corpus, two, *extra), tmp_path)] == [0, 0]
+
+    log1, log2 = read_log(one), read_log(two)
+    assert [r["step"] for r in log2] == [str(s) for s in range(1, 7)]  # one writer: no duplicate rows
+    losses1 = [float(r["loss"]) for r in log1]
+    losses2 = [float(r["loss"]) for r in log2]
+    for step, (a, b) in enumerate(zip(losses1, losses2), 1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: 1 rank {a}, 2 ranks {b}"
+    for step, (a, b) in enumerate(zip(log1, log2), 1):  # the gradients agree too (clipping sees them)
+        assert float(a["grad_norm"]) == pytest.approx(float(b["grad_norm"]), rel=1e-4), step
+        assert a["tokens"] == b["tokens"]
+    assert losses1[-1] < losses1[0]  # it trains
+
+    m1 = json.loads((one / "metrics.json").read_text())
+    m2 = json.loads((two / "metrics.json").read_text())
+    assert (m1["world_size"], m2["world_size"]) == (1, 2)
+    assert m2["test_bpc"] == pytest.approx(m1["test_bpc"], rel=1e-4)
+    assert [p.name for p in sorted((two / "ckpt").iterdir())] == ["step-00000003", "step-00000006"]
+
+
+def test_each_rank_adds_the_aux_loss_of_its_own_tokens(corpus, tmp_path):
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "1", "--ckpt-every", "0")
+    assert [r["code"] for r in launch(argv, tmp_path)] == [0, 0]
+    row = read_log(out)[0]
+
+    # the first step by hand: same seed → same initial weights and the same global batch
+    config = RunDir(out, resume=True).read_config()
+    data = load_text(str(corpus))
+    torch.manual_seed(0)
+    model = build_model(config, data.vocab_size)
+    task = LMTask(data, 16)
+    batch = task.sample(torch.Generator().manual_seed(1), 8)
+    task_losses, aux_losses = [], []
+    for rank in range(2):
+        loss, _ = task.loss(model, task.shard(batch, rank, 2))
+        task_losses.append(loss.item())
+        aux_losses.append(moelab.aux_loss(model).item())
+    full_task, _ = task.loss(model, batch)
+    full_aux = moelab.aux_loss(model).item()
+    assert float(row["loss"]) == pytest.approx(sum(task_losses) / 2, rel=1e-6)
+    assert float(row["loss"]) == pytest.approx(full_task.item(), rel=1e-6)  # the mean of equal shards
+    assert float(row["aux_loss"]) == pytest.approx(sum(aux_losses) / 2, rel=1e-6)
+    assert abs(full_aux - sum(aux_losses) / 2) > 1e-6  # per-rank balancing is not the global one
+
+
+def test_a_resumed_two_rank_run_continues_the_same_curve(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert [r["code"] for r in launch(tiny_args(corpus, out), tmp_path)] == [0, 0]
+    full = read_log(out)
+    # as if killed after the step-3 checkpoint: the last checkpoint and the end are gone
+    shutil.rmtree(out / "ckpt" / "step-00000006")
+    (out / "metrics.json").unlink()
+    assert [r["code"] for r in launch([*tiny_args(corpus, out), "--resume"], tmp_path)] == [0, 0]
+    resumed = read_log(out)
+    assert [r["step"] for r in resumed] == [str(s) for s in range(1, 7)]
+    for a, b in zip(full, resumed):
+        assert {k: v for k, v in a.items() if k != "time_s"} == {k: v for k, v in b.items() if k != "time_s"}
+    assert json.loads((out / "metrics.json").read_text())["world_size"] == 2
+
+
+def test_a_world_size_that_does_not_divide_the_batch_exits_2(corpus, tmp_path):
+    reports = launch(tiny_args(corpus, tmp_path / "run", "--batch-size", "5"), tmp_path)
+    for r in reports:
+        assert r["code"] == 2
+        assert "--batch-size=5 is not allowed with 2 processes" in r["stderr"]
+        assert "use a multiple of 2" in r["stderr"]
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_world_size_without_the_other_torchrun_variables_is_refused(monkeypatch):
+    from moelab.train.distributed import init_from_env
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="WORLD_SIZE is set but RANK is not; launch with torchrun"):
+        init_from_env()
+    monkeypatch.delenv("WORLD_SIZE")
+    assert init_from_env() == (0, 1)  # a plain process: nothing to initialise
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ("--method", "smoe"),
+        # competition runs every expert on every token: forward_all across the ranks
+        ("--method", "competesmoe", "--opt", "omega=0.5", "--opt", "competition_warmup=0"),
+    ],
+    ids=["smoe", "competesmoe"],
+)
+def test_expert_parallel_training_follows_the_data_parallel_curve(corpus, tmp_path, method):
+    dp, ep = tmp_path / "dp", tmp_path / "ep"
+    assert [r["code"] for r in launch(tiny_args(corpus, dp, *method), tmp_path)] == [0, 0]
+    assert [r["code"] for r in launch(tiny_args(corpus, ep, *method, "--expert-parallel"), tmp_path)] == [
+        0,
+        0,
+    ]
+    log_dp, log_ep = read_log(dp), read_log(ep)
+    assert len(log_ep) == 6
+    for step, (a, b) in enumerate(zip(log_dp, log_ep), 1):  # same losses, same (global) gradient norm
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4), (step, key)
+    m_dp = json.loads((dp / "metrics.json").read_text())
+    m_ep = json.loads((ep / "metrics.json").read_text())
+    assert m_ep["params"] == m_dp["params"]  # the whole model, not one rank's block
+    assert m_ep["test_bpc"] == pytest.approx(m_dp["test_bpc"], rel=1e-4)
+    # the checkpoints hold the full model and optimizer: they load into a plain model
+    config = RunDir(ep, resume=True).read_config()
+    model = build_model(config, load_text(str(corpus)).vocab_size)
+    from moelab.train.checkpoint import load_checkpoint
+
+    saved = load_checkpoint(ep / "ckpt" / "step-00000006", model)
+    ref = build_model(config, load_text(str(corpus)).vocab_size)
+    load_checkpoint(dp / "ckpt" / "step-00000006", ref)
+    w_ep, w_dp = model.state_dict(), ref.state_dict()
+    assert max((w_ep[k] - w_dp[k]).abs().max().item() for k in w_dp) < 1e-4
+    expert_w = [k for k in w_ep if k.endswith("experts.w_in")]
+    assert expert_w and all(w_ep[k].shape[0] == 4 for k in expert_w)
+    moments = [v["exp_avg"] for v in saved["optimizer"]["state"].values()]
+    assert sorted(m.shape for m in moments) == sorted(p.shape for p in model.parameters() if p.requires_grad)
+
+
+def test_a_resumed_expert_parallel_run_continues_the_same_curve(corpus, tmp_path):
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--expert-parallel")
+    assert [r["code"] for r in launch(argv, tmp_path)] == [0, 0]
+    full = read_log(out)
+    shutil.rmtree(out / "ckpt" / "step-00000006")
+    (out / "metrics.json").unlink()
+    assert [r["code"] for r in launch([*argv, "--resume"], tmp_path)] == [0, 0]
+    for a, b in zip(full, read_log(out)):
+        assert {k: v for k, v in a.items() if k != "time_s"} == {k: v for k, v in b.items() if k != "time_s"}
+
+
+def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) -> None:
+    """A Trainer with expert_parallel=True on one rank; reports what the plan made of the model."""
+    import torch.distributed as dist
+
+    from moelab.models.lm import LMConfig, TransformerLM
+    from moelab.routing import moe_layers
+    from moelab.train import TrainConfig, Trainer
+    from moelab.train.distributed import ExpertParallelBank
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        data = load_text(corpus)
+        torch.manual_seed(0)
+        cfg = LMConfig(
+            vocab_size=data.vocab_size, block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4
+        )
+        model = TransformerLM(cfg)
+        trainer = Trainer(
+            model, LMTask(data, 16), TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=32),
+            progress=False, method="smoe", expert_parallel=True,
+        )  # fmt: skip
+        metrics = trainer.fit()
+        banks = [layer.experts for layer in moe_layers(model)]
+        result = {
+            "banks": [type(b).__name__ for b in banks],
+            "blocks": [[b.first_expert, b.num_local] for b in banks if isinstance(b, ExpertParallelBank)],
+            "params": metrics["params"],
+            "full_params": sum(p.numel() for p in TransformerLM(cfg).parameters()),
+        }
+        Path(report, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_trainer_spreads_the_experts_over_the_ranks(corpus, tmp_path):
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _rank_trainer,
+        args=(2, _free_port(), str(corpus), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method=method,
+    )
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["banks"] == ["ExpertParallelBank"] * 2
+        assert r["blocks"] == [[2 * rank, 2]] * 2  # experts [2r, 2r + 2) of 4
+        assert r["params"] == r["full_params"]  # metrics count the whole model
+
+
+def test_expert_parallel_with_a_world_size_that_does_not_divide_the_experts_exits_2(corpus, tmp_path):
+    argv = tiny_args(corpus, tmp_path / "run", "--expert-parallel", "--num-experts", "3")
+    for r in launch(argv, tmp_path):
+        assert r["code"] == 2
+        assert "world size 2 does not divide num_experts=3; allowed world sizes: [1, 3]" in r["stderr"]
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_expert_parallel_needs_torchrun(corpus, tmp_path, capsys):
+    assert main(tiny_args(corpus, tmp_path / "run", "--expert-parallel")) == 2
+    assert "expert parallelism needs torch.distributed initialised" in capsys.readouterr().err
