@@ -209,8 +209,9 @@ class MoE(nn.Module):
 def aux_loss(model: nn.Module) -> Tensor:
     """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last forward)."""
     layers = moe_layers(model)
-    if not layers:
-        return torch.zeros(())
+    if not layers:  # a dense model: a zero on the model's device, so ``task_loss + aux`` works anywhere
+        p = next(model.parameters(), None)
+        return torch.zeros(()) if p is None else p.new_zeros(())
     total = layers[0].aux_loss
     for layer in layers[1:]:
         total = total + layer.aux_loss
