@@ -19,6 +19,14 @@ Initialisation: ``init="truth"`` starts near the true parameters (003 App. E.1: 
 atom j share its weight, β₀ = β*₀ⱼ − log(copies), so the initial function is the truth up to the
 noise.  ``init="random"`` draws β₁, η ~ N(0, init_scale²), β₀ = 0, runs ``restarts`` fits per
 replicate (batched too) and keeps the one with the lowest training loss.
+
+Translation: a softmax gate over linear logits is invariant to adding the same (t₁, t₂) to every
+atom's (β₀, β₁) — the MoE is identifiable only up to this translation (004, "Identifiability up
+to translation"; 003 pins the last true atom to 0).  Gradient steps are orthogonal to that flat
+direction, so SGD, full-batch GD and L-BFGS conserve Σᵢ β₁ᵢ and Σᵢ β₀ᵢ.  For the linear gate
+(and softmax-gated Gaussian MoE) the near-truth initial noise of the gate is therefore centred
+over the atoms: the fit keeps the truth's translation and parameters can be compared with it
+directly.  Adam rescales coordinates and does not conserve it.
 """
 
 from __future__ import annotations
@@ -170,8 +178,12 @@ class _BatchedEstimator:
                 "an exact- or over-specified fit needs n_experts >= k*"
             )
 
-    def _noise(self, t: Tensor, gen: torch.Generator) -> Tensor:
-        return t + self.init_noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    def _noise(self, t: Tensor, gen: torch.Generator, centered: bool = False) -> Tensor:
+        """``t`` plus N(0, init_noise²); ``centered`` removes the noise's mean over the atoms (dim 1)."""
+        noise = self.init_noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        if centered:
+            noise = noise - noise.mean(dim=1, keepdim=True)
+        return t + noise
 
     def _minimize(self, loss_fn, leaves, n: int, replicates: int, gen: torch.Generator) -> int:
         return minimize(
@@ -202,7 +214,8 @@ class LeastSquaresMoE(_BatchedEstimator):
         seed: seeds the initialisation and the SGD shuffles.
 
     Attributes (after ``fit``): ``params_`` (:class:`MoEParams`), ``beta0_``, ``beta1_``, ``eta_``,
-    ``loss_`` (``(R,)`` final mean squared error), ``n_iter_``, ``model_``.
+    ``loss_`` (``(R,)`` final mean squared error), ``restart_losses_`` (``(restarts, R)``),
+    ``n_iter_``, ``model_``.
     """
 
     def __init__(
@@ -257,7 +270,8 @@ class LeastSquaresMoE(_BatchedEstimator):
             k_true = truth.num_experts
             beta0 = _split_truth(truth.beta0, k) - _copies(k_true, k).to(dtype).log()
             beta1, eta = _split_truth(truth.beta1, k), _split_truth(truth.eta, k)
-            return MoEParams(self._noise(beta0, gen), self._noise(beta1, gen), self._noise(eta, gen))
+            c = self.model_.gate == "linear"
+            return MoEParams(self._noise(beta0, gen, c), self._noise(beta1, gen, c), self._noise(eta, gen))
         s = self.init_scale
         return MoEParams(
             torch.zeros(R, k, dtype=dtype),
@@ -295,6 +309,7 @@ class LeastSquaresMoE(_BatchedEstimator):
         self.n_iter_ = self._minimize(loss_fn, leaves, n, R * restarts, gen)
         with torch.no_grad():
             final = loss_fn(None).view(restarts, R)
+            self.restart_losses_ = final
             best = final.argmin(dim=0)  # (R,)
             pick = best * R + torch.arange(R)
             self.params_ = params.detach().select(pick)
@@ -358,7 +373,8 @@ class GaussianMoEMLE(_BatchedEstimator):
             k_true = truth.num_experts
             beta0 = _split_truth(truth.beta0, k) - _copies(k_true, k).to(dtype).log()
             parts = [beta0, *(_split_truth(t, k) for t in (truth.beta1, truth.a, truth.b))]
-            parts = [self._noise(t, gen) for t in parts]
+            c = self.model_.gating == "softmax"
+            parts = [self._noise(t, gen, centered=c and i < 2) for i, t in enumerate(parts)]
             log_nu = self._noise(_split_truth(truth.nu, k).log(), gen)
             return [*parts, log_nu]
         s = self.init_scale

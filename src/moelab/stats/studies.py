@@ -79,15 +79,15 @@ class StudyConfig:
     router_std: float = 1.0
     expert_std: float = 1.0
     nu_range: tuple[float, float] = (0.05, 0.2)
-    sample_sizes: list[int] = field(default_factory=lambda: [1000, 2000, 4000, 8000, 16000, 32000, 64000])
+    sample_sizes: list[int] = field(default_factory=lambda: [500, 1000, 2000, 4000, 8000, 16000])
     replicates: int = 20
     optimizer: str = "lbfgs"
     lr: float = 1.0
-    steps: int = 150
+    steps: int = 60
     batch_size: int | None = None
     init_noise: float = 0.05
-    reference_n: int = 256000
-    reference_steps: int = 400
+    reference_n: int = 128000
+    reference_steps: int = 200
     n_boot: int = 2000
     quick: bool = False
 
@@ -130,11 +130,11 @@ STUDY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 QUICK: dict[str, Any] = {
-    "sample_sizes": [1000, 2000, 4000, 8000],
-    "replicates": 6,
-    "steps": 40,
-    "reference_n": 32000,
-    "reference_steps": 80,
+    "sample_sizes": [500, 1000, 2000, 4000],
+    "replicates": 4,
+    "steps": 30,
+    "reference_n": 16000,
+    "reference_steps": 60,
     "n_boot": 500,
     "quick": True,
 }
@@ -476,6 +476,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="optimiser iterations (epochs for mini-batch sgd)")
     parser.add_argument("--tau", type=float, help="perturbation τ₁ = τ₂ of the perturbed cosine router")
     parser.add_argument(
+        "--extra-experts", type=int, help="over-specified fits use k* + this many experts (>= 1)"
+    )
+    parser.add_argument(
         "--sample-sizes", type=lambda s: [int(v) for v in s.split(",")], help="comma-separated grid of n"
     )
     parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
@@ -502,6 +505,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         steps=args.steps,
         tau=args.tau,
+        extra_experts=args.extra_experts,
         sample_sizes=args.sample_sizes,
     )
     rundir = RunDir(args.out, force=args.force)
