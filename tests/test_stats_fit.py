@@ -72,7 +72,7 @@ def test_batched_fit_equals_fits_one_replicate_at_a_time(optimizer, lr, batch_si
 
 
 def test_random_restarts_keep_the_best_training_loss():
-    _, truth, X, Y = _data(n=2000, R=2)
+    _, _, X, Y = _data(n=2000, R=2)
     est = LeastSquaresMoE(
         2, gate="linear", expert="linear", init="random", restarts=3, optimizer="lbfgs", steps=30
     )
@@ -85,7 +85,7 @@ def test_random_restarts_keep_the_best_training_loss():
 
 
 def test_predict_unbatched_and_batched():
-    model, truth, X, Y = _data(n=300, R=1)
+    _, truth, X, Y = _data(n=300, R=1)
     est = LeastSquaresMoE(2, gate="linear", expert="linear", steps=2, init_noise=0.0).fit(X[0], Y[0], truth)
     assert est.predict(X[0]).shape == (300,)
     torch.testing.assert_close(est.predict(X)[0], est.predict(X[0]))
