@@ -163,3 +163,17 @@ def test_unbatched_x_is_rejected_with_shape():
     p = _params(model)
     with pytest.raises(ValueError, match=r"\(R, n, d\)"):
         model.mean(torch.randn(N, D), p)
+
+
+def test_competition_gate_bias_adds_to_the_softplus_affinity():
+    p = GaussianParams(
+        torch.randn(R, K, dtype=torch.float64),
+        torch.zeros(R, K, D, dtype=torch.float64),
+        torch.randn(R, K, D, dtype=torch.float64),
+        torch.randn(R, K, dtype=torch.float64),
+        torch.ones(R, K, dtype=torch.float64),
+    )
+    x = torch.randn(R, N, D, dtype=torch.float64)
+    plain = GaussianMoE(gating="competition").gate_logits(x, p)
+    biased = GaussianMoE(gating="competition", gate_bias=True).gate_logits(x, p)
+    torch.testing.assert_close(biased - plain, p.beta0.unsqueeze(1).expand(R, N, K))

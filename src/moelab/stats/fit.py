@@ -331,6 +331,7 @@ class GaussianMoEMLE(_BatchedEstimator):
         n_experts: k fitted experts.
         gating: ``softmax`` or ``competition`` (:class:`GaussianMoE`).
         top_k: optional sparse gate.
+        gate_bias: per-expert gate bias for competition gating (:class:`GaussianMoE`).
         Other arguments as :class:`LeastSquaresMoE`.  Variances are optimised as log ν.
 
     Attributes: ``params_`` (:class:`GaussianParams`), ``a_``, ``b_``, ``nu_``, ``beta0_``,
@@ -343,6 +344,7 @@ class GaussianMoEMLE(_BatchedEstimator):
         *,
         gating: str = "softmax",
         top_k: int | None = None,
+        gate_bias: bool = False,
         optimizer: str = "adam",
         lr: float = 1e-2,
         steps: int = 500,
@@ -365,7 +367,7 @@ class GaussianMoEMLE(_BatchedEstimator):
             restarts=restarts,
             seed=seed,
         )
-        self.model_ = GaussianMoE(gating=gating, top_k=top_k)
+        self.model_ = GaussianMoE(gating=gating, top_k=top_k, gate_bias=gate_bias)
 
     def _init(self, R: int, d: int, truth: GaussianParams | None, gen, dtype) -> list[Tensor]:
         k = self.n_experts
@@ -373,7 +375,7 @@ class GaussianMoEMLE(_BatchedEstimator):
             k_true = truth.num_experts
             beta0 = _split_truth(truth.beta0, k) - _copies(k_true, k).to(dtype).log()
             parts = [beta0, *(_split_truth(t, k) for t in (truth.beta1, truth.a, truth.b))]
-            c = self.model_.gating == "softmax"
+            c = self.model_.gating == "softmax" or self.model_.gate_bias  # translation-invariant gates
             parts = [self._noise(t, gen, centered=c and i < 2) for i, t in enumerate(parts)]
             log_nu = self._noise(_split_truth(truth.nu, k).log(), gen)
             return [*parts, log_nu]
@@ -392,7 +394,7 @@ class GaussianMoEMLE(_BatchedEstimator):
         k = self.n_experts
         if self.init == "truth" and truth is None:
             raise ValueError("init='truth' needs the true parameters: fit(X, Y, truth=...)")
-        gate_params = k * (1 + d) if self.model_.gating == "softmax" else 0
+        gate_params = k * (1 + d) if self.model_.gating == "softmax" else k * self.model_.gate_bias
         self._check_sizes(n, d, gate_params + k * (d + 2), truth.num_experts if truth is not None else None)
         if truth is not None and truth.replicates not in (1, R):
             raise ValueError(f"truth has R={truth.replicates} parameter sets; expected 1 or {R}")
@@ -404,8 +406,8 @@ class GaussianMoEMLE(_BatchedEstimator):
         else:
             init = self._init(R * restarts, d, None, gen, X.dtype)
         leaves = [t.detach().clone().requires_grad_(True) for t in init]
-        if self.model_.gating == "competition":  # no gate parameters (001 eq. (13))
-            leaves[0].requires_grad_(False)
+        if self.model_.gating == "competition":  # no gate parameters (001 eq. (13)) but the optional bias
+            leaves[0].requires_grad_(self.model_.gate_bias)
             leaves[1].requires_grad_(False)
         model = self.model_
 

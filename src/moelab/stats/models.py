@@ -293,12 +293,18 @@ class GaussianMoE:
         gating: ``softmax`` (π = softmax(β₁ᵀx + β₀); 004, Nguyen et al. 2023) or ``competition``
             (π = softmax(softplus(aᵢᵀx + bᵢ)); 001 eq. (13)).
         top_k: optional top-K sparse softmax over the gate logits (000 eq. (6) uses a top-K gate).
+        gate_bias: competition gating only: add a per-expert bias, π ∝ exp(softplus(μᵢ) + β₀ᵢ).
+            001 eq. (3)/(13) has no such parameter, but its Voronoi losses (eq. (6), (14)) weigh
+            atoms by exp(cᵢ) and need it: without it every atom's gate numerator is
+            1 + e^{μᵢ} ≥ 1, so an over-specified fit cannot put two atoms where one was (their
+            weights add up) and the k* + 1 model cannot represent the k* truth.
 
     Public methods take ``x (R, n, d)``; ``*_t`` methods take ``xt (R, d, n)`` (see RegressionMoE).
     """
 
     gating: str = "softmax"
     top_k: int | None = None
+    gate_bias: bool = False
 
     def __post_init__(self) -> None:
         one_of("gating", self.gating, GAUSSIAN_GATINGS)
@@ -314,7 +320,8 @@ class GaussianMoE:
         if means is None:
             means = self.means_t(xt, params)
         # one-dimensional expert outputs: the mean over features of softplus is softplus itself
-        return functional.competition_affinity(means.unsqueeze(-1), "softplus", "mean")
+        affinity = functional.competition_affinity(means.unsqueeze(-1), "softplus", "mean")
+        return affinity + params.beta0.unsqueeze(-1) if self.gate_bias else affinity
 
     def log_density_t(self, xt: Tensor, y: Tensor, params: GaussianParams) -> Tensor:
         means = self.means_t(xt, params)  # (R, k, n)

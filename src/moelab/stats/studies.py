@@ -26,7 +26,12 @@ Studies:
   (004) and competition gating (001 eq. (13)), each fitted over-specified (k* + 1) by maximum
   likelihood.  Losses: the expert-parameter error Σ_j Σ_{i∈A_j} ‖(Δa, Δb, Δν)‖ (exponent 1 in
   every cell, so its rate is the slowest expert rate; 001 §3 predicts n^-1/4 with competition
-  and slower without) and the Voronoi loss of 001 eq. (14) with unit weights.
+  and slower without) and the Voronoi loss of 001 eq. (14) — weighted by e^{β₀} with its mass
+  term for softmax gating; unweighted and without the mass term for competition gating, which
+  has no gate parameters (its mass term would be the constant Σ_j ||A_j| − 1|).  A third series,
+  ``competition-bias``, adds the per-expert gate bias cᵢ that 001's losses presuppose
+  (:class:`~moelab.stats.models.GaussianMoE` ``gate_bias``): without it the over-specified
+  competition model cannot represent the truth (every atom's gate numerator 1 + e^{μ} ≥ 1).
 
 The paper's constants (d, k*, ν, τ, grid, SGD settings) were lost in extraction (REFERENCES.md);
 ours are in :data:`STUDIES` and in every run's config.  The default optimiser is full-batch
@@ -241,7 +246,10 @@ def _series_plan(cfg: StudyConfig) -> list[dict[str, Any]]:
         return [{"router": r, "setting": "misspecified", "k": k_exact} for r in ("cosine", "perturbed")]
     if cfg.study == "linear-vs-perturbed":
         return [{"router": r, "setting": "exact-specified", "k": k_exact} for r in ("linear", "perturbed")]
-    return [{"router": r, "setting": "over-specified", "k": k_over} for r in ("softmax", "competition")]
+    return [
+        {"router": r, "setting": "over-specified", "k": k_over}
+        for r in ("softmax", "competition", "competition-bias")
+    ]
 
 
 def _run_regression(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str, Any]]:
@@ -297,7 +305,8 @@ def _run_gaussian(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str,
     results = []
     R = cfg.replicates
     for spec in _series_plan(cfg):
-        model = GaussianMoE(gating=spec["router"])
+        gating, bias = spec["router"].split("-")[0], spec["router"].endswith("-bias")
+        model = GaussianMoE(gating=gating, gate_bias=bias)
         truth = gaussian_truth(
             cfg.k_true, cfg.d, router_std=cfg.router_std, expert_std=cfg.expert_std, nu_range=tuple(cfg.nu_range),
             generator=torch.Generator().manual_seed(cfg.seed),
@@ -310,12 +319,16 @@ def _run_gaussian(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str,
             )
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
             est = GaussianMoEMLE(
-                spec["k"], gating=spec["router"], optimizer=cfg.optimizer, lr=cfg.lr, steps=cfg.steps,
+                spec["k"], gating=gating, gate_bias=bias, optimizer=cfg.optimizer, lr=cfg.lr, steps=cfg.steps,
                 batch_size=cfg.batch_size, init="truth", init_noise=cfg.init_noise, seed=seed,
             ).fit(X, Y, truth)  # fmt: skip
             args = (est.a_, est.b_, est.nu_, tgt.a, tgt.b, tgt.nu)
             expert_losses.append(gaussian_voronoi_loss(*args, r_multi=1.0, mass_term=False).tolist())
-            vor_losses.append(gaussian_voronoi_loss(*args).tolist())
+            if gating == "softmax" or bias:  # 001 eq. (14) with the gate weights e^{β₀}
+                vor = gaussian_voronoi_loss(*args, est.beta0_, tgt.beta0)
+            else:  # no gate weights (001 eq. (13)): the mass term would be the constant Σ_j ||A_j| − 1|
+                vor = gaussian_voronoi_loss(*args, mass_term=False)
+            vor_losses.append(vor.tolist())
             nll.append(est.loss_.tolist())
             bar.update(1)
         train = np.array(nll)
