@@ -86,7 +86,7 @@ def minimize(
             return loss
 
         opt.step(closure)
-        return int(opt.state[opt._params[0]].get("n_iter", steps))
+        return int(opt.state[params[0]].get("n_iter", steps))
     opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.Adam(params, lr=lr)
     iters = 0
     minibatch = optimizer == "sgd" and batch_size is not None and n is not None and batch_size < n
@@ -281,7 +281,7 @@ class LeastSquaresMoE(_BatchedEstimator):
 
     def fit(self, X: Tensor, Y: Tensor, truth: MoEParams | None = None) -> LeastSquaresMoE:
         """Fit to ``X (R, n, d)``, ``Y (R, n)`` (or unbatched ``(n, d)``, ``(n,)``)."""
-        X, Y, self._unbatched = _batched(X, Y)
+        X, Y, _ = _batched(X, Y)
         R, n, d = X.shape
         k, q = self.n_experts, self.model_.expert_dim(d)
         if self.init == "truth" and truth is None:
