@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("moelab.experiments.report", "tables and plots from finished runs"),
     "upcycle": ("moelab.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
     "bench": ("moelab.bench", "benchmarks: medians and ratios to the dense limit and to peers"),
+    "simulate": ("moelab.stats.studies", "convergence-rate studies of regression / Gaussian MoE estimators"),
 }
 
 

@@ -1,0 +1,532 @@
+"""Convergence-rate studies and the ``moelab simulate`` command.
+
+``moelab simulate --study NAME [--quick] --seed S --out DIR`` runs one study and writes into DIR:
+
+* ``config.yaml`` — every constant (d, k*, noise, τ, sample-size grid, optimiser settings, seed);
+* ``losses.csv`` — one row per (router, setting, loss, n, replicate): the loss and the training MSE/NLL;
+* ``metrics.json`` — ``rates``: a list of ``{router, setting, loss, slope, ci_low, ci_high,
+  intercept}`` (``log mean loss = intercept + slope · log n``, 95 % bootstrap CI), ``means``
+  (mean loss per n), ``config`` (the constants again), ``wall_seconds``;
+* ``rates.png`` — log-log mean loss against n with two-standard-deviation bars and the fitted
+  lines, one panel per setting (as 003 Fig. 1 / Fig. 2).
+
+Studies:
+
+* ``cosine-vs-perturbed`` — 003 §5.1, Fig. 1: data from a cosine (τ = 0) or perturbed cosine
+  (τ > 0) router MoE with one-unit tanh experts, fitted by least squares with k* experts
+  (exact-specified) and k* + 1 (over-specified); Voronoi loss D of 003 eq. (11).
+* ``misspecified`` — 003 App. F.1, Fig. 2(a): data from a LINEAR-router MoE, fitted by the cosine
+  and perturbed cosine MoE.  The fit converges to the best approximating mixing measure Ḡ, not
+  to the data-generating one (003 §4, "Misspecified settings"), so the loss is measured against
+  Ḡ, estimated by the same estimator on one sample of size ``reference_n`` (≫ the grid).
+* ``linear-vs-perturbed`` — 003 App. F.2, Fig. 2(b): data from a linear-router MoE with
+  polynomial experts (aᵀx + b)^p, fitted by the linear router (well-specified, against the truth)
+  and the perturbed cosine router (misspecified, against its Ḡ as above).
+* ``softmax-vs-competition`` — new: Gaussian mixtures of linear experts with softmax gating
+  (004) and competition gating (001 eq. (13)), each fitted over-specified (k* + 1) by maximum
+  likelihood.  Losses: the expert-parameter error Σ_j Σ_{i∈A_j} ‖(Δa, Δb, Δν)‖ (exponent 1 in
+  every cell, so its rate is the slowest expert rate; 001 §3 predicts n^-1/4 with competition
+  and slower without) and the Voronoi loss of 001 eq. (14) — weighted by e^{β₀} with its mass
+  term for softmax gating; unweighted and without the mass term for competition gating, which
+  has no gate parameters (its mass term would be the constant Σ_j ||A_j| − 1|).  A third series,
+  ``competition-bias``, adds the per-expert gate bias cᵢ that 001's losses presuppose
+  (:class:`~moelab.stats.models.GaussianMoE` ``gate_bias``): without it the over-specified
+  competition model cannot represent the truth (every atom's gate numerator 1 + e^{μ} ≥ 1).
+
+The paper's constants (d, k*, ν, τ, grid, SGD settings) were lost in extraction (REFERENCES.md);
+ours are in :data:`STUDIES` and in every run's config.  The default optimiser is full-batch
+L-BFGS in float64 rather than the paper's SGD: a rate study measures the estimator, and SGD
+with a fixed budget stops short of the least-squares solution at large n, flattening the
+curve (``--optimizer sgd`` runs the paper's choice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .._validate import non_negative, one_of, positive, positive_int
+from ..rundir import RunDir
+from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE
+from .models import GaussianMoE, MoEParams, RegressionMoE
+from .rates import fit_rate
+from .simulate import gaussian_truth, regression_truth, simulate_gaussian, simulate_regression
+from .voronoi import gaussian_voronoi_loss, voronoi_loss
+
+__all__ = ["STUDIES", "StudyConfig", "add_arguments", "run", "run_study", "study_config"]
+
+STUDIES = ("cosine-vs-perturbed", "misspecified", "linear-vs-perturbed", "softmax-vs-competition")
+
+
+@dataclass
+class StudyConfig:
+    """Every constant of a study (written to config.yaml and metrics.json)."""
+
+    study: str
+    seed: int = 0
+    d: int = 4
+    k_true: int = 2
+    extra_experts: int = 1
+    noise_var: float = 0.01
+    tau: float = 1.0
+    expert: str = "ffn"
+    activation: str = "tanh"
+    degree: int = 2
+    input_distribution: str = "uniform"
+    input_bound: float = 1.0
+    router_std: float = 1.0
+    expert_std: float = 1.0
+    nu_range: tuple[float, float] = (0.05, 0.2)
+    sample_sizes: list[int] = field(default_factory=lambda: [500, 1000, 2000, 4000, 8000, 16000])
+    replicates: int = 20
+    optimizer: str = "lbfgs"
+    lr: float = 1.0
+    steps: int = 60
+    batch_size: int | None = None
+    init_noise: float = 0.05
+    reference_n: int = 128000
+    reference_steps: int = 200
+    n_boot: int = 2000
+    quick: bool = False
+
+    def validate(self) -> StudyConfig:
+        one_of("study", self.study, STUDIES)
+        positive_int("d", self.d)
+        positive_int("k_true", self.k_true)
+        positive_int("extra_experts", self.extra_experts)
+        non_negative("noise_var", self.noise_var)
+        if not (isinstance(self.tau, (int, float)) and self.tau >= 0):
+            raise ValueError(f"tau={self.tau!r} is not allowed; expected a number >= 0")
+        positive_int("replicates", self.replicates)
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        positive("lr", self.lr)
+        positive_int("steps", self.steps)
+        non_negative("init_noise", self.init_noise)
+        if len(self.sample_sizes) < 2 or len(set(self.sample_sizes)) < 2:
+            raise ValueError(
+                f"sample_sizes={self.sample_sizes!r} is not allowed; expected >= 2 distinct sizes"
+            )
+        for n in self.sample_sizes:
+            positive_int("sample_sizes[i]", n)
+        k = self.k_true + self.extra_experts
+        q = self.d + 2
+        n_params = k * (1 + self.d + q)
+        if min(self.sample_sizes) < n_params:
+            raise ValueError(
+                f"sample_sizes={self.sample_sizes!r}: the smallest n={min(self.sample_sizes)} is below the "
+                f"number of parameters of the largest fit ({n_params}); use n >= {n_params}"
+            )
+        return self
+
+
+#: the defaults of each study (over the dataclass defaults)
+STUDY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cosine-vs-perturbed": {},
+    "misspecified": {},
+    "linear-vs-perturbed": {"expert": "polynomial", "degree": 2},
+    "softmax-vs-competition": {"d": 2, "init_noise": 0.05},
+}
+
+QUICK: dict[str, Any] = {
+    "sample_sizes": [500, 1000, 2000, 4000],
+    "replicates": 4,
+    "steps": 30,
+    "reference_n": 16000,
+    "reference_steps": 60,
+    "n_boot": 500,
+    "quick": True,
+}
+
+
+def study_config(study: str, quick: bool = False, seed: int = 0, **overrides: Any) -> StudyConfig:
+    """The configuration of ``study`` (its defaults, the ``--quick`` reductions, then ``overrides``)."""
+    one_of("study", study, STUDIES)
+    values: dict[str, Any] = dict(STUDY_DEFAULTS[study])
+    if quick:
+        values.update(QUICK)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    names = {f.name for f in dataclasses.fields(StudyConfig)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown study settings {unknown}; allowed: {sorted(names)}")
+    return StudyConfig(study=study, seed=seed, **values).validate()
+
+
+# --------------------------------------------------------------------------------------------- runs
+
+
+def _expand(p: MoEParams, R: int) -> MoEParams:
+    return p.expand(R) if p.replicates == 1 else p
+
+
+def _regression_series(cfg: StudyConfig, *, data_model, truth, fit_gate, k, target, gen, bar) -> dict:
+    """Fit every sample size; return per-n Voronoi losses ``(S, R)`` and training MSEs."""
+    fit_kwargs = dict(
+        gate=fit_gate,
+        expert=cfg.expert,
+        tau=cfg.tau if fit_gate == "perturbed" else 0.0,
+        degree=cfg.degree,
+        activation=cfg.activation,
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        init="truth",
+        init_noise=cfg.init_noise,
+    )
+    losses, mses = [], []
+    R = cfg.replicates
+    tgt = _expand(target, R)
+    for n in cfg.sample_sizes:
+        X, Y = simulate_regression(
+            data_model,
+            truth,
+            n,
+            R,
+            noise_var=cfg.noise_var,
+            distribution=cfg.input_distribution,
+            bound=cfg.input_bound,
+            generator=gen,
+        )
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        est = LeastSquaresMoE(k, seed=seed, **fit_kwargs).fit(X, Y, target)
+        loss = voronoi_loss(est.beta0_, est.beta1_, est.eta_, tgt.beta0, tgt.beta1, tgt.eta)
+        losses.append(loss.tolist())
+        mses.append(est.loss_.tolist())
+        bar.update(1)
+    return {"loss": np.array(losses), "train": np.array(mses)}
+
+
+def _reference_fit(cfg: StudyConfig, *, data_model, truth, fit_gate, k, init_from, gen) -> MoEParams:
+    """Ḡ: the least-squares fit on one large sample (the limit of the misspecified estimator)."""
+    X, Y = simulate_regression(
+        data_model,
+        truth,
+        cfg.reference_n,
+        1,
+        noise_var=cfg.noise_var,
+        distribution=cfg.input_distribution,
+        bound=cfg.input_bound,
+        generator=gen,
+    )
+    est = LeastSquaresMoE(
+        k,
+        gate=fit_gate,
+        expert=cfg.expert,
+        tau=cfg.tau if fit_gate == "perturbed" else 0.0,
+        degree=cfg.degree,
+        activation=cfg.activation,
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        steps=cfg.reference_steps,
+        batch_size=cfg.batch_size,
+        init="truth",
+        init_noise=0.0,
+    ).fit(X, Y, init_from)
+    return est.params_
+
+
+def _series_plan(cfg: StudyConfig) -> list[dict[str, Any]]:
+    """The (router, setting) series of a study."""
+    k_exact, k_over = cfg.k_true, cfg.k_true + cfg.extra_experts
+    if cfg.study == "cosine-vs-perturbed":
+        return [
+            {"router": r, "setting": s, "k": k}
+            for s, k in (("exact-specified", k_exact), ("over-specified", k_over))
+            for r in ("cosine", "perturbed")
+        ]
+    if cfg.study == "misspecified":
+        return [{"router": r, "setting": "misspecified", "k": k_exact} for r in ("cosine", "perturbed")]
+    if cfg.study == "linear-vs-perturbed":
+        return [{"router": r, "setting": "exact-specified", "k": k_exact} for r in ("linear", "perturbed")]
+    return [
+        {"router": r, "setting": "over-specified", "k": k_over}
+        for r in ("softmax", "competition", "competition-bias")
+    ]
+
+
+def _run_regression(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str, Any]]:
+    results = []
+    if cfg.study == "cosine-vs-perturbed":
+        for spec in _series_plan(cfg):
+            gate = spec["router"]
+            model = RegressionMoE(
+                gate=gate, expert=cfg.expert, tau1=cfg.tau if gate == "perturbed" else 0.0,
+                tau2=cfg.tau if gate == "perturbed" else 0.0, activation=cfg.activation, degree=cfg.degree,
+            )  # fmt: skip
+            truth_gen = torch.Generator().manual_seed(cfg.seed)  # same truth for both routers
+            truth = regression_truth(
+                model, cfg.k_true, cfg.d, router_std=cfg.router_std, expert_std=cfg.expert_std,
+                generator=truth_gen,
+            )  # fmt: skip
+            out = _regression_series(
+                cfg, data_model=model, truth=truth, fit_gate=gate, k=spec["k"], target=truth, gen=gen, bar=bar
+            )
+            results.append({**spec, "loss_name": "voronoi", **out})
+        return results
+    # App. F: data from a linear-router MoE
+    data_model = RegressionMoE(gate="linear", expert=cfg.expert, activation=cfg.activation, degree=cfg.degree)
+    truth = regression_truth(
+        data_model, cfg.k_true, cfg.d, router_std=cfg.router_std, expert_std=cfg.expert_std,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )  # fmt: skip
+    for spec in _series_plan(cfg):
+        gate = spec["router"]
+        if gate == "linear":
+            target = truth
+        else:
+            target = _reference_fit(
+                cfg, data_model=data_model, truth=truth, fit_gate=gate, k=spec["k"], init_from=truth, gen=gen
+            )
+        out = _regression_series(
+            cfg,
+            data_model=data_model,
+            truth=truth,
+            fit_gate=gate,
+            k=spec["k"],
+            target=target,
+            gen=gen,
+            bar=bar,
+        )
+        results.append(
+            {**spec, "loss_name": "voronoi", "target": "truth" if gate == "linear" else "reference", **out}
+        )
+    return results
+
+
+def _run_gaussian(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str, Any]]:
+    results = []
+    R = cfg.replicates
+    for spec in _series_plan(cfg):
+        gating, bias = spec["router"].split("-")[0], spec["router"].endswith("-bias")
+        model = GaussianMoE(gating=gating, gate_bias=bias)
+        truth = gaussian_truth(
+            cfg.k_true, cfg.d, router_std=cfg.router_std, expert_std=cfg.expert_std, nu_range=tuple(cfg.nu_range),
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )  # fmt: skip
+        tgt = truth.expand(R)
+        expert_losses, vor_losses, nll = [], [], []
+        for n in cfg.sample_sizes:
+            X, Y = simulate_gaussian(
+                model, truth, n, R, distribution=cfg.input_distribution, bound=cfg.input_bound, generator=gen
+            )
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+            est = GaussianMoEMLE(
+                spec["k"], gating=gating, gate_bias=bias, optimizer=cfg.optimizer, lr=cfg.lr, steps=cfg.steps,
+                batch_size=cfg.batch_size, init="truth", init_noise=cfg.init_noise, seed=seed,
+            ).fit(X, Y, truth)  # fmt: skip
+            args = (est.a_, est.b_, est.nu_, tgt.a, tgt.b, tgt.nu)
+            expert_losses.append(gaussian_voronoi_loss(*args, r_multi=1.0, mass_term=False).tolist())
+            if gating == "softmax" or bias:  # 001 eq. (14) with the gate weights e^{β₀}
+                vor = gaussian_voronoi_loss(*args, est.beta0_, tgt.beta0)
+            else:  # no gate weights (001 eq. (13)): the mass term would be the constant Σ_j ||A_j| − 1|
+                vor = gaussian_voronoi_loss(*args, mass_term=False)
+            vor_losses.append(vor.tolist())
+            nll.append(est.loss_.tolist())
+            bar.update(1)
+        train = np.array(nll)
+        results.append({**spec, "loss_name": "expert", "loss": np.array(expert_losses), "train": train})
+        results.append({**spec, "loss_name": "voronoi", "loss": np.array(vor_losses), "train": train})
+    return results
+
+
+def run_study(cfg: StudyConfig, rundir: RunDir | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run ``cfg``; write the run directory when given; return the metrics dict."""
+    cfg.validate()
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    total = len(_series_plan(cfg)) * len(cfg.sample_sizes)
+    with tqdm(total=total, desc=cfg.study, disable=not progress, leave=False) as bar:
+        if cfg.study == "softmax-vs-competition":
+            results = _run_gaussian(cfg, gen, bar)
+        else:
+            results = _run_regression(cfg, gen, bar)
+    rates, means, rows = [], [], []
+    for res in results:
+        loss = res["loss"]
+        fit = fit_rate(cfg.sample_sizes, np.maximum(loss, 1e-300), n_boot=cfg.n_boot, seed=cfg.seed)
+        key = {"router": res["router"], "setting": res["setting"], "loss": res["loss_name"]}
+        rates.append({**key, "k": res["k"], "slope": fit.slope, "ci_low": fit.ci_low, "ci_high": fit.ci_high,
+                      "intercept": fit.intercept, "target": res.get("target", "truth")})  # fmt: skip
+        means.append(
+            {**key, "n": list(cfg.sample_sizes), "mean": loss.mean(1).tolist(), "std": loss.std(1).tolist()}
+        )
+        for s, n in enumerate(cfg.sample_sizes):
+            for r in range(loss.shape[1]):
+                rows.append(
+                    {
+                        **key,
+                        "k": res["k"],
+                        "n": n,
+                        "replicate": r,
+                        "loss": loss[s, r],
+                        "train": res["train"][s, r],
+                    }
+                )
+    wall = time.perf_counter() - start
+    config = dataclasses.asdict(cfg)
+    metrics = {"study": cfg.study, "rates": rates, "means": means, "config": config, "wall_seconds": wall,
+               "torch_threads": torch.get_num_threads()}  # fmt: skip
+    if rundir is not None:
+        rundir.write_config(config)
+        _write_csv(rundir, rows)
+        _plot(rundir.file("rates.png"), cfg, means, rates)
+        rundir.write_metrics(metrics)
+    return metrics
+
+
+def _write_csv(rundir: RunDir, rows: list[dict[str, Any]]) -> None:
+    import csv
+    import io
+
+    from ..rundir import atomic_write_text
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(rundir.file("losses.csv"), buf.getvalue())
+
+
+def _plot(path, cfg: StudyConfig, means: list[dict], rates: list[dict]) -> None:
+    """Log-log mean loss ± 2 sd with fitted lines, one panel per (setting, loss) — 003 Fig. 1 style."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((m["setting"], m["loss"]) for m in means))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, (setting, loss_name) in zip(axes[0], panels):
+        for m, r in zip(means, rates):
+            if (m["setting"], m["loss"]) != (setting, loss_name):
+                continue
+            n = np.array(m["n"], dtype=float)
+            mean, std = np.array(m["mean"]), np.array(m["std"])
+            lower = np.minimum(2 * std, mean * (1 - 1e-3))  # keep the bar on the log axis
+            line = ax.errorbar(n, mean, yerr=[lower, 2 * std], fmt="o", capsize=3, label=None)
+            color = line[0].get_color()
+            ax.plot(n, np.exp(r["intercept"]) * n ** r["slope"], "--", color=color,
+                    label=f"{r['router']}: n^{r['slope']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("sample size n")
+        ax.set_ylabel(f"{loss_name} loss")
+        ax.set_title(f"{cfg.study}: {setting}")
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ benchmark
+
+
+def bench(
+    replicates: int = 20, n: int = 2000, steps: int = 100, repeats: int = 3, seed: int = 0
+) -> dict[str, float]:
+    """Fits per second: R replicates in one batched fit vs a Python loop over R single fits.
+
+    Least squares, perturbed cosine gate, one-unit tanh experts, d = 4, k = 3, Adam with a fixed
+    number of steps (so both do the same arithmetic); median over ``repeats``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    model = RegressionMoE(gate="perturbed", expert="ffn", tau1=1.0, tau2=1.0)
+    truth = regression_truth(model, 2, 4, generator=gen)
+    X, Y = simulate_regression(model, truth, n, replicates, generator=gen)
+    kw = dict(
+        gate="perturbed", tau=1.0, optimizer="adam", lr=1e-2, steps=steps, init="truth", init_noise=0.05
+    )
+
+    def batched() -> None:
+        LeastSquaresMoE(3, **kw).fit(X, Y, truth)
+
+    def loop() -> None:
+        for r in range(replicates):
+            LeastSquaresMoE(3, **kw).fit(X[r : r + 1], Y[r : r + 1], truth)
+
+    times = {}
+    for name, fn in (("batched", batched), ("loop", loop)):
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        times[name] = float(np.median(samples))
+    return {
+        "replicates": replicates,
+        "n": n,
+        "steps": steps,
+        "batched_seconds": times["batched"],
+        "loop_seconds": times["loop"],
+        "batched_fits_per_s": replicates / times["batched"],
+        "loop_fits_per_s": replicates / times["loop"],
+        "speedup": times["loop"] / times["batched"],
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--study", help=f"one of {list(STUDIES)}")
+    parser.add_argument("--quick", action="store_true", help="small grid and few replicates (< 1 minute)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the truth, the data and the fits")
+    parser.add_argument("--out", help="run directory")
+    parser.add_argument("--force", action="store_true", help="overwrite a finished run in --out")
+    parser.add_argument("--replicates", type=int, help="replicates per sample size (default 20)")
+    parser.add_argument("--optimizer", help=f"one of {list(OPTIMIZERS)} (default lbfgs)")
+    parser.add_argument("--lr", type=float, help="learning rate (default 1.0 for lbfgs)")
+    parser.add_argument("--steps", type=int, help="optimiser iterations (epochs for mini-batch sgd)")
+    parser.add_argument("--tau", type=float, help="perturbation τ₁ = τ₂ of the perturbed cosine router")
+    parser.add_argument(
+        "--extra-experts", type=int, help="over-specified fits use k* + this many experts (>= 1)"
+    )
+    parser.add_argument(
+        "--sample-sizes", type=lambda s: [int(v) for v in s.split(",")], help="comma-separated grid of n"
+    )
+    parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench:
+        result = bench()
+        for key, value in result.items():
+            print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+        return 0
+    if args.study is None:
+        raise ValueError(f"--study is required; choose one of {list(STUDIES)}")
+    if args.study not in STUDIES:
+        raise ValueError(f"--study {args.study!r} is not a study; choose one of {list(STUDIES)}")
+    if args.out is None:
+        raise ValueError("--out is required: the run directory to write")
+    cfg = study_config(
+        args.study,
+        quick=args.quick,
+        seed=args.seed,
+        replicates=args.replicates,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        steps=args.steps,
+        tau=args.tau,
+        extra_experts=args.extra_experts,
+        sample_sizes=args.sample_sizes,
+    )
+    rundir = RunDir(args.out, force=args.force)
+    metrics = run_study(cfg, rundir)
+    for r in metrics["rates"]:
+        print(
+            f"{r['router']:>12} {r['setting']:<16} {r['loss']:<8} slope {r['slope']:+.3f} "
+            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
+        )
+    print(f"wrote {rundir.path} in {metrics['wall_seconds']:.1f} s")
+    return 0
