@@ -17,6 +17,7 @@ from . import __version__
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # "name": ("moelab.module", "one-line help"),  -- one line per subcommand
+    "specialize": ("moelab.experiments.specialization", "expert-specialization lab of paper 002 (image MoE)"),
 }
 
 
