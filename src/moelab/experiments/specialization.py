@@ -300,6 +300,39 @@ def _setting(cfg: SpecConfig) -> dict[str, Any]:
     return {}
 
 
+#: columns of runs.csv (one row per trained model)
+RUN_COLUMNS = (
+    "row",
+    "gate",
+    "reg",
+    "experts",
+    "w_importance",
+    "beta_s",
+    "beta_d",
+    "seed",
+    "test_error",
+    "train_error",
+    "train_loss",
+    "test_error_top1",
+    "H_s",
+    "H_u",
+    "I_EY",
+    "experts_used",
+)
+
+
+def _run_row(tag: str, cfg: SpecConfig, metrics: dict[str, Any]) -> dict[str, Any]:
+    values = {
+        "row": tag,
+        "gate": cfg.gate,
+        "reg": cfg.reg,
+        "experts": cfg.experts,
+        **_setting(cfg),
+        **metrics,
+    }
+    return {k: values.get(k) for k in RUN_COLUMNS}
+
+
 def sweep(
     cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir | None, use_grid: bool = True, tag: str = ""
 ):
@@ -311,10 +344,9 @@ def sweep(
         for r in range(runs):
             c = replace(s, seed=cfg.seed + r)
             model, m, table = train_once(c, data)
-            row = {"row": tag, **_setting(c), **{k: v for k, v in m.items() if not isinstance(v, dict)}}
             results.append((s, m))
             if rundir is not None:
-                rundir.append_log(row, name="runs.csv")
+                rundir.append_log(_run_row(tag, c, m), name="runs.csv")
             if best is None or m["train_error"] < best[1]["train_error"]:
                 best = (c, m, table, model)
     c, m, table, model = best
@@ -425,7 +457,7 @@ def run_partition(cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir) -
             m, _ = _metrics(model, data, c)
             m["gate_I_EY"] = gate_metrics["I_EY"]
             results[arm].append(m)
-            rundir.append_log({"arm": arm, **m}, name="runs.csv")
+            rundir.append_log(_run_row(f"partition ({arm})", c, m), name="runs.csv")
             if r == 0:
                 plot_selection_table(
                     gate_table,
@@ -455,7 +487,7 @@ def run_scaling(cfg: SpecConfig, data: ImageData, counts: list[int], rundir: Run
             c = replace(cfg, reg=reg, experts=n, distill=False)
             model, m, table = train_once(c, data)
             out[f"{reg}_{n}"] = m
-            rundir.append_log({"reg": reg, "experts": n, **m}, name="runs.csv")
+            rundir.append_log(_run_row(f"scaling {reg} {n}", c, m), name="runs.csv")
             _save(rundir, f"{reg}_{n}", model, table, data, f"{reg}, {n} experts")
     return {"scaling": out, "data": cfg.data}
 
