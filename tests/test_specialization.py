@@ -179,3 +179,25 @@ def test_sweep_covers_the_appendix_c_grid_and_selects_the_minimum_training_error
     assert summary["selected"]["beta_d"] == pytest.approx(1e-3) and summary["selected"]["seed"] == 0
     assert summary["test_error_std"] == pytest.approx(float(np.std([0.10, 0.11, 0.12], ddof=1)))
     assert summary["num_runs"] == 36
+
+
+TINY = ["--epochs", "1", "--train-samples", "128", "--test-samples", "64"]
+
+
+@pytest.mark.slow
+def test_table_mode_writes_all_nine_rows_of_table_2(tmp_path, capsys):
+    code, _ = main(["--mode", "table", *TINY, "--out", str(tmp_path / "t")], capsys)
+    m = json.loads((tmp_path / "t" / "metrics.json").read_text())
+    assert code == 0 and sorted(m["rows"]) == sorted(name for name, _ in spec.TABLE_ROWS)
+    assert len((tmp_path / "t" / "table.md").read_text().splitlines()) == 2 + 9
+
+
+@pytest.mark.slow
+def test_partition_and_scaling_modes_run(tmp_path, capsys):
+    code, _ = main(["--mode", "partition", *TINY, "--out", str(tmp_path / "p")], capsys)
+    m = json.loads((tmp_path / "p" / "metrics.json").read_text())
+    assert code == 0 and set(m["partition"]) == {"a", "b"} and m["pairs"][0] == [0, 7]
+    assert (tmp_path / "p" / "partition_b_gate.png").exists()
+    code, _ = main(["--mode", "scaling", "--counts", "5,6", *TINY, "--out", str(tmp_path / "s")], capsys)
+    m = json.loads((tmp_path / "s" / "metrics.json").read_text())
+    assert code == 0 and set(m["scaling"]) == {"importance_5", "importance_6", "ls_5", "ls_6"}

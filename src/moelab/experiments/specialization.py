@@ -37,7 +37,7 @@ from ..data.images import DATASETS, ImageData, load_images
 from ..losses import importance_loss, sample_similarity_loss
 from ..metrics import plot_selection_table, selection_table, specialization
 from ..models.vision import ImageMoE, MoEOutput, SingleModel, distill_gate, vision_config
-from ..rundir import RunDir
+from ..rundir import RunDir, atomic_write_text
 
 __all__ = [
     "GRIDS",
@@ -337,6 +337,7 @@ def sweep(
     cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir | None, use_grid: bool = True, tag: str = ""
 ):
     """Every setting × ``runs`` seeds; the run with the minimum training error is selected (002 §7)."""
+    cfg = cfg.resolved()
     settings = grid(cfg) if use_grid else [cfg]
     results = []
     best = None
@@ -385,6 +386,23 @@ TABLE_ROWS = (
 )
 
 
+def format_table(rows: dict[str, dict[str, Any]]) -> str:
+    """The rows of a ``table`` run as a markdown table in the layout of 002 Table 2."""
+    f = lambda m, k: "NA" if m.get(k) is None else f"{m[k]:.3f}"
+    lines = [
+        "| experiment | error | ± std | I(E;Y) | H_s | H_u | top-1 error | experts used | selected |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, m in rows.items():
+        sel = ", ".join(f"{k}={v:g}" for k, v in (m.get("selected") or {}).items())
+        used = "NA" if m.get("experts_used") is None else str(m["experts_used"])
+        lines.append(
+            f"| {name} | {f(m, 'test_error')} | {f(m, 'test_error_std')} | {f(m, 'I_EY')} | {f(m, 'H_s')} | "
+            f"{f(m, 'H_u')} | {f(m, 'test_error_top1')} | {used} | {sel} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def run_table(cfg: SpecConfig, data: ImageData, runs: int, use_grid: bool, rundir: RunDir) -> dict[str, Any]:
     """All nine rows of 002 Table 2 / 3 / 7."""
     rows = {}
@@ -394,6 +412,7 @@ def run_table(cfg: SpecConfig, data: ImageData, runs: int, use_grid: bool, rundi
         rows[name] = m
         _save(rundir, f"row{i}", model, table, data, name)
         rundir.write_metrics({"rows": rows, "data": cfg.data})
+        atomic_write_text(rundir.file("table.md"), format_table(rows))
     return {"rows": rows, "data": cfg.data}
 
 
