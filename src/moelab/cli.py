@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "upcycle": ("moelab.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
     "bench": ("moelab.bench", "benchmarks: medians and ratios to the dense limit and to peers"),
     "simulate": ("moelab.stats.studies", "convergence-rate studies of regression / Gaussian MoE estimators"),
+    "specialize": ("moelab.experiments.specialization", "expert-specialization lab of paper 002 (image MoE)"),
 }
 
 

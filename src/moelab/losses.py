@@ -16,6 +16,7 @@ __all__ = [
     "diversity_loss",
     "importance_loss",
     "mean_entropy_loss",
+    "sample_similarity_loss",
     "switch_balance_loss",
     "topk_softmax_dense",
     "z_loss",
@@ -134,3 +135,34 @@ def competition_router_loss(router_logits: Tensor, competition_scores: Tensor, k
     """
     target = topk_softmax_dense(competition_scores.detach().to(router_logits.dtype), k)
     return (topk_softmax_dense(router_logits, k) - target).square().mean()
+
+
+def sample_similarity_loss(probs: Tensor, x: Tensor, beta_s: float, beta_d: float) -> Tensor:
+    """Sample-similarity regulariser ``L_s`` of 002 eq. 8–10, as the paper writes it.
+
+    ``L_s = 1/(N²−N) Σ_{x,x'} [S(x,x') − D(x,x')]`` over the ``N`` samples of the batch, with
+    ``S = β_s/M Σ_e p(e|x) p(e|x') ‖x−x'‖²`` (similar samples to the same expert) and
+    ``D = β_d/(M²−M) Σ_{e≠e'} p(e|x) p(e'|x') ‖x−x'‖²`` (dissimilar samples to different ones).
+    Pairs ``x = x'`` contribute 0 (zero distance).  The authors' code divides the distances by
+    their maximum and, by an operator-precedence slip, divides only the D term by B² (a defect,
+    shared/REFERENCES.md): not copied here; distances are raw squared Euclidean distances.
+
+    Args:
+        probs: ``(N, M)`` gate distribution.
+        x: ``(N, ...)`` the samples (flattened to vectors).
+        beta_s, beta_d: the paper's weights (002 Appendix C, Table 6).
+    """
+    n, m = probs.shape
+    if n < 2 or m < 2:
+        raise ValueError(
+            f"probs of shape {tuple(probs.shape)} is not allowed; expected N >= 2 samples and M >= 2 experts"
+        )
+    flat = x.reshape(n, -1).to(probs.dtype)
+    sq = flat.square().sum(1)
+    dist = (sq[:, None] + sq[None, :] - 2 * flat @ flat.T).clamp_min(0)  # (N, N) ‖x − x'‖²
+    same = probs @ probs.T  # Σ_e p(e|x) p(e|x')
+    mass = probs.sum(1)
+    different = mass[:, None] * mass[None, :] - same  # Σ_{e≠e'} p(e|x) p(e'|x')
+    s = beta_s / m * same * dist
+    d = beta_d / (m * m - m) * different * dist
+    return (s - d).sum() / (n * n - n)

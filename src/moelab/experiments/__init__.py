@@ -1,0 +1,1 @@
+"""Experiment runners behind the ``moelab`` subcommands (specialization.py: paper 002)."""

@@ -1,0 +1,203 @@
+"""The 002 lab: L_s (eq. 8–10), the specialize command's error paths, a tiny digits run, sweep selection."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moelab import cli
+from moelab.experiments import specialization as spec
+from moelab.losses import importance_loss, sample_similarity_loss
+
+
+def literal_ls(p, x, beta_s, beta_d):
+    n, m = p.shape
+    total = 0.0
+    for i in range(n):
+        for j in range(n):
+            d = float(((x[i] - x[j]) ** 2).sum())
+            s = sum(beta_s * p[i, e] * p[j, e] * d for e in range(m)) / m
+            dd = sum(beta_d * p[i, e] * p[j, f] * d for e in range(m) for f in range(m) if e != f) / (
+                m * m - m
+            )
+            total += float(s - dd)
+    return total / (n * n - n)
+
+
+def test_ls_matches_the_papers_double_sum():
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(5, 3, generator=g, dtype=torch.float64).softmax(-1)
+    x = torch.randn(5, 2, 2, generator=g, dtype=torch.float64)
+    got = sample_similarity_loss(p, x, 1e-2, 3e-2)
+    assert float(got) == pytest.approx(literal_ls(p, x.reshape(5, -1), 1e-2, 3e-2), rel=1e-10)
+
+
+def test_ls_is_lower_when_similar_samples_share_an_expert():
+    # two tight clusters far apart; (a) each cluster on its own expert, (b) clusters mixed over experts
+    x = torch.cat(
+        [
+            torch.zeros(4, 3) + 0.01 * torch.arange(4)[:, None],
+            10 + 0.01 * torch.arange(4)[:, None].repeat(1, 3),
+        ]
+    )
+    by_cluster = torch.tensor([[0.9, 0.1]] * 4 + [[0.1, 0.9]] * 4)
+    mixed = torch.tensor([[0.9, 0.1], [0.1, 0.9]] * 4)
+    assert sample_similarity_loss(by_cluster, x, 1e-3, 1e-3) < sample_similarity_loss(mixed, x, 1e-3, 1e-3)
+    # each term separately: S favours shared experts for near pairs, D rewards far pairs split
+    assert sample_similarity_loss(by_cluster, x, 1.0, 0.0) < sample_similarity_loss(mixed, x, 1.0, 0.0)
+    assert sample_similarity_loss(by_cluster, x, 0.0, 1.0) < sample_similarity_loss(mixed, x, 0.0, 1.0)
+
+
+def test_ls_needs_two_samples_and_two_experts():
+    with pytest.raises(ValueError, match="expected N >= 2 samples and M >= 2 experts"):
+        sample_similarity_loss(torch.ones(1, 3) / 3, torch.zeros(1, 4), 1.0, 1.0)
+
+
+def test_importance_loss_is_the_squared_coefficient_of_variation():
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.3, 0.2]], dtype=torch.float64)
+    imp = np.array([1.2, 0.5, 0.3])
+    assert float(importance_loss(p)) == pytest.approx((imp.std() / imp.mean()) ** 2)
+
+
+def main(argv, capsys):
+    code = cli.main(["specialize", *argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--experts", "1"], "--experts=1 is not allowed"),
+        (["--distill"], "--distill is not allowed with --gate original"),
+        (["--top-k", "7"], "--top-k=7 is not allowed"),
+        (["--mode", "scaling", "--counts", "5,x"], "--counts='5,x' is not allowed"),
+        (["--data", "mnist", "--data-dir", "NOPE"], "--data-dir NOPE is not a folder"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
+    argv = [a if a != "NOPE" else str(tmp_path / "nope") for a in argv]
+    message = message.replace("NOPE", str(tmp_path / "nope"))
+    code, err = main([*argv, "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag", [["--data", "svhn"], ["--gate", "moe"], ["--reg", "l2"]])
+def test_unknown_choices_exit_2(flag, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["specialize", *flag, "--out", str(tmp_path)])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_truncated_idx_folder_exits_2_naming_the_file(tmp_path, capsys):
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    for stem in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
+        (folder / stem).write_bytes(bytes([0, 0, 8, 1]) + (100).to_bytes(4, "big") + b"\0" * 10)
+    code, err = main(["--data", "mnist", "--data-dir", str(folder), "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "train-images-idx3-ubyte is truncated" in err and err.count("\n") == 1
+
+
+def test_tiny_digits_run_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [
+        "--data",
+        "digits",
+        "--gate",
+        "attentive",
+        "--reg",
+        "ls",
+        "--distill",
+        "--epochs",
+        "2",
+        "--train-samples",
+        "256",
+        "--test-samples",
+        "100",
+        "--out",
+        str(out),
+    ]
+    code, _ = main(argv, capsys)
+    assert code == 0
+    m = json.loads((out / "metrics.json").read_text())
+    for key in (
+        "test_error",
+        "train_error",
+        "H_s",
+        "H_u",
+        "I_EY",
+        "seed",
+        "test_error_top1",
+        "teacher_test_error",
+    ):
+        assert key in m
+    assert 0 <= m["test_error"] <= 1 and 0 <= m["H_s"] <= np.log2(5) + 1e-9 and m["seed"] == 0
+    assert (out / "model_selection.png").stat().st_size > 0 and (out / "config.yaml").exists()
+    assert (
+        len((out / "log.csv").read_text().splitlines()) == 1 + 2 + 2
+    )  # header, 2 teacher + 2 distill epochs
+    code, err = main(argv, capsys)  # a finished run is not overwritten
+    assert code == 2 and "already holds a run" in err
+
+
+def test_single_model_baseline_reports_no_gate_metrics(tmp_path, capsys):
+    code, _ = main(
+        [
+            "--mode",
+            "single",
+            "--epochs",
+            "1",
+            "--train-samples",
+            "128",
+            "--test-samples",
+            "64",
+            "--out",
+            str(tmp_path / "s"),
+        ],
+        capsys,
+    )
+    m = json.loads((tmp_path / "s" / "metrics.json").read_text())
+    assert code == 0 and m["I_EY"] is None and m["H_s"] is None and 0 <= m["test_error"] <= 1
+
+
+def test_sweep_covers_the_appendix_c_grid_and_selects_the_minimum_training_error(monkeypatch):
+    seen = []
+
+    def fake_train_once(cfg, data, log=None):
+        seen.append((cfg.beta_s, cfg.beta_d, cfg.seed))
+        train_error = abs(cfg.beta_d - 1e-3) + cfg.seed * 1e-6  # minimum at beta_d = 1e-3, seed 0
+        return None, {"train_error": train_error, "test_error": 0.1 + cfg.seed / 100, "seed": cfg.seed}, None
+
+    monkeypatch.setattr(spec, "train_once", fake_train_once)
+    _, summary, _ = spec.sweep(spec.SpecConfig(data="mnist", reg="ls"), None, runs=3, rundir=None)
+    assert len(seen) == 2 * 6 * 3  # β_s ∈ {1e-6, 1e-5} × β_d ∈ {1e-1..1e-6} × 3 seeds (002 Table 6)
+    assert summary["selected"]["beta_d"] == pytest.approx(1e-3) and summary["selected"]["seed"] == 0
+    assert summary["test_error_std"] == pytest.approx(float(np.std([0.10, 0.11, 0.12], ddof=1)))
+    assert summary["num_runs"] == 36
+
+
+TINY = ["--epochs", "1", "--train-samples", "128", "--test-samples", "64"]
+
+
+@pytest.mark.slow
+def test_table_mode_writes_all_nine_rows_of_table_2(tmp_path, capsys):
+    code, _ = main(["--mode", "table", *TINY, "--out", str(tmp_path / "t")], capsys)
+    m = json.loads((tmp_path / "t" / "metrics.json").read_text())
+    assert code == 0 and sorted(m["rows"]) == sorted(name for name, _ in spec.TABLE_ROWS)
+    assert len((tmp_path / "t" / "table.md").read_text().splitlines()) == 2 + 9
+
+
+@pytest.mark.slow
+def test_partition_and_scaling_modes_run(tmp_path, capsys):
+    code, _ = main(["--mode", "partition", *TINY, "--out", str(tmp_path / "p")], capsys)
+    m = json.loads((tmp_path / "p" / "metrics.json").read_text())
+    assert code == 0 and set(m["partition"]) == {"a", "b"} and m["pairs"][0] == [0, 7]
+    assert (tmp_path / "p" / "partition_b_gate.png").exists()
+    code, _ = main(["--mode", "scaling", "--counts", "5,6", *TINY, "--out", str(tmp_path / "s")], capsys)
+    m = json.loads((tmp_path / "s" / "metrics.json").read_text())
+    assert code == 0 and set(m["scaling"]) == {"importance_5", "importance_6", "ls_5", "ls_6"}
