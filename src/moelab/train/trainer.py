@@ -16,8 +16,8 @@ initialised; every rank draws the same global batch from the same generator and 
 writes logs, metrics and checkpoints; ``metrics.json`` records ``world_size``.  (Wrapping the model
 in DDP is issue 9.)
 
-Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, every RNG
-state and the trainer's counters; ``resume=True`` loads the newest good one, drops the
+Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, the
+competition schedule, every RNG state and the trainer's counters; ``resume=True`` loads the newest good one, drops the
 ``log.csv`` rows written after it, and continues the same curve (bit-exactly on CPU).
 """
 
@@ -314,6 +314,8 @@ class Trainer:
                 optimizer.load_state_dict(saved["optimizer"])
                 scheduler.load_state_dict(saved["scheduler"])
                 self.ctx.load_state_dict(saved["ctx"])
+                if saved.get("schedule") is not None and self.ctx.schedule is not None:
+                    self.ctx.schedule.load_state_dict(saved["schedule"])  # the same competitions
                 _set_rng_state(saved["rng"], generator)
                 state.update(saved["trainer"])
                 start = int(saved["step"])
@@ -337,12 +339,9 @@ class Trainer:
             aux = aux_loss(self.model)
             loss = task_loss + aux
             if not torch.isfinite(loss):
-                where = "no checkpoint was written yet"
-                if self.ckpt_dir is not None and (good := ckpt.latest_checkpoint(self.ckpt_dir)):
-                    where = f"the last good checkpoint is {good}"
                 raise TrainingError(
                     f"non-finite loss at step {step + 1} (task {float(task_loss.detach()):.4g}, aux {float(aux.detach()):.4g}); "
-                    f"stopped; {where}. Lower --lr or check the data"
+                    f"stopped; {self._last_good()}. Lower --lr or check the data"
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -351,6 +350,11 @@ class Trainer:
                 if cfg.grad_clip > 0
                 else float("nan")
             )
+            if not math.isfinite(grad_norm) and cfg.grad_clip > 0:  # the step would poison the weights
+                raise TrainingError(
+                    f"non-finite gradient norm at step {step + 1}; stopped before the update; "
+                    f"{self._last_good()}. Lower --lr or check the data"
+                )
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
@@ -397,6 +401,7 @@ class Trainer:
                             "optimizer": optimizer.state_dict(),
                             "scheduler": scheduler.state_dict(),
                             "ctx": self.ctx.state_dict(),
+                            "schedule": None if self.ctx.schedule is None else self.ctx.schedule.state_dict(),
                             "rng": _rng_state(generator),
                             "trainer": state,
                         },
@@ -443,6 +448,12 @@ class Trainer:
         if self.is_main and self.run is not None:
             self.run.write_metrics(metrics)
         return metrics
+
+    def _last_good(self) -> str:
+        """Where a stopped run can be resumed from (for the non-finite messages)."""
+        if self.ckpt_dir is not None and (good := ckpt.latest_checkpoint(self.ckpt_dir)):
+            return f"the last good checkpoint is {good}"
+        return "no checkpoint was written yet"
 
     def _truncate_log(self, step: int) -> None:
         """Drop ``log.csv`` rows after ``step`` (written after the checkpoint we resume from)."""
