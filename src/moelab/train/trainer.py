@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from ..layer import aux_loss
+from ..layer import NonFiniteError, aux_loss
 from ..routing import RoutingContext, attach, moe_layers
 from ..rundir import RunDir
 from . import checkpoint as ckpt
@@ -335,7 +335,13 @@ class Trainer:
             self.ctx.step = step
             t0 = time.perf_counter()
             batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
-            task_loss, tokens = self.task.loss(self.model, batch)
+            try:
+                task_loss, tokens = self.task.loss(self.model, batch)
+            except NonFiniteError as exc:  # the routers saw NaN/inf before the loss did
+                raise TrainingError(
+                    f"non-finite values at step {step + 1} ({exc}); stopped; {self._last_good()}. "
+                    "Lower --lr or check the data"
+                ) from exc
             aux = aux_loss(self.model)
             loss = task_loss + aux
             if not torch.isfinite(loss):

@@ -1,0 +1,230 @@
+"""User-facing errors of the moelab command (docs/errors.md): each bad flag, config file or data
+file exits 2 with one line naming the input and what is allowed, before any data is read or any
+training starts.  Messages that other test files already pin are not repeated here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moelab import cli
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("".join(f"row {i} of a corpus.\n" for i in range(200)))
+    return path
+
+
+def error_of(capsys, argv: list[str]) -> str:
+    """Run ``moelab argv``; it must exit 2 with exactly one line on stderr, which is returned."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2, f"moelab {' '.join(argv)} exited {code}"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def config_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------ moelab train
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("steps: [1", "is not valid YAML"),
+        ("- steps\n- 3\n", "must hold a mapping of flag names to values"),
+        ("stepz: 3\n", "unknown key 'stepz'; allowed: "),
+        ("steps: ten\n", "steps='ten' is not allowed; expected an integer"),
+        ("steps: true\n", "steps=True is not allowed; expected an integer"),
+        ("lr: fast\n", "lr='fast' is not allowed; expected a number"),
+        ("no-progress: 1\n", "no-progress=1 is not allowed; expected true or false"),
+        ("opt: [1, 2]\n", r"opt=\[1, 2\] is not allowed; expected a list of strings"),
+        ("schedule: step\n", r"schedule='step' is not allowed; expected one of \['inverse_sqrt'"),
+        ("method: null\n", "method=None is not allowed; expected a value"),
+        ("arch: {a: 1}\n", r"arch=\{'a': 1\} is not allowed; expected a string"),
+    ],
+)
+def test_a_bad_config_file_names_the_file_the_key_and_what_is_allowed(capsys, tmp_path, text, message):
+    path = config_file(tmp_path, text)
+    err = error_of(capsys, ["train", "--config", path, "--out", str(tmp_path / "o"), "--data", "missing.txt"])
+    assert err.startswith(f"moelab train: error: --config {path!r}")
+    assert pytest.importorskip("re").search(message, err), err
+    assert not (tmp_path / "o").exists()  # nothing was written
+
+
+def test_config_values_fill_the_flags_like_the_command_line(tmp_path):
+    import argparse
+
+    from moelab.experiments.lm import _defaults, add_arguments, apply_config_file
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    path = config_file(tmp_path, "steps: 7\nlr: 1\nout: 2024\nopt: balance_coef=0\nno_progress: true\n")
+    args = parser.parse_args(["--config", path, "--steps", "9"])
+    apply_config_file(args, _defaults())
+    assert (args.steps, args.lr, args.out, args.opt, args.no_progress) == (
+        9,
+        1.0,
+        "2024",
+        ["balance_coef=0"],
+        True,
+    )
+
+
+def test_missing_config_file(capsys, tmp_path):
+    err = error_of(capsys, ["train", "--config", "nope.yaml", "--out", str(tmp_path / "o")])
+    assert err == "moelab train: error: --config 'nope.yaml' does not exist"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ([], "--out is required (the run directory)"),
+        (["--opt", "a=[1"], "--opt 'a=[1' is not allowed; its value is not a YAML scalar"),
+        (["--opt", "=3"], "--opt '=3' is not allowed; expected key=value"),
+        (["--steps", "0"], "--steps=0 is not allowed; expected a positive integer"),
+        (["--batch-size", "-2"], "--batch-size=-2 is not allowed; expected a positive integer"),
+        (["--size", "huge"], "--size='huge' is not allowed; expected one of ['tiny'"),
+        (["--arch", "moe"], "--arch='moe' is not allowed; expected one of ['switch', 'glam', 'dense']"),
+        (["--method", "nope"], "'nope'"),
+        (["--num-experts", "0"], "num_experts=0 is not allowed; expected a positive integer"),
+        (["--num-experts", "4", "--top-k", "5"], "top_k=5 is not allowed; expected an integer in [1, 4]"),
+        (["--dropout", "1.5"], "dropout=1.5 is not allowed; expected a number in [0, 1)"),
+        (["--lr", "0"], "lr=0.0 is not allowed; expected a number > 0"),
+        (["--lr", "nan"], "lr=nan is not allowed; expected a number > 0"),
+        (["--grad-clip", "-1"], "grad_clip=-1.0 is not allowed; expected a number >= 0"),
+        (["--ckpt-every", "-1"], "ckpt_every=-1 is not allowed; expected an integer in [0,"),
+        (["--warmup", "-3"], "warmup=-3 is not allowed; expected an integer in [0,"),
+        (["--seed", "-1"], "seed=-1 is not allowed; expected an integer in [0,"),
+    ],
+)
+def test_bad_train_flags_fail_before_the_data_is_read(capsys, tmp_path, argv, message):
+    out = [] if not argv else ["--out", str(tmp_path / "o")]
+    err = error_of(capsys, ["train", "--data", "missing.txt", *out, *argv])
+    assert err.startswith("moelab train: error: ") and message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_threads_flag_is_validated(capsys, tmp_path, corpus):
+    err = error_of(capsys, ["train", "--data", str(corpus), "--out", str(tmp_path / "o"), "--threads", "0"])
+    assert err == "moelab train: error: --threads=0 is not allowed; expected a positive integer"
+
+
+@pytest.mark.parametrize("kind", ["dir", "binary-word", "empty", "short"])
+def test_bad_data_files_name_the_file(capsys, tmp_path, kind):
+    path = tmp_path / "data"
+    extra: list[str] = []
+    if kind == "dir":
+        path.mkdir()
+        message = f"--data {str(path)!r} is not a regular file"
+    elif kind == "binary-word":
+        path.write_bytes(b"\xff\xfe\x00bad" * 50)
+        extra, message = (
+            ["--level", "word"],
+            f"--data {str(path)!r} is not UTF-8 text (needed for level='word')",
+        )
+    elif kind == "empty":
+        path.write_text("  \n")
+        message = f"--data {str(path)!r} is empty"
+    else:
+        path.write_text("tiny text\n")
+        message = "is too short: its train split has"
+    err = error_of(
+        capsys, ["train", "--data", str(path), "--out", str(tmp_path / "o"), "--steps", "1", *extra]
+    )
+    assert message in err, err
+
+
+def test_a_non_finite_loss_exits_1_and_says_what_was_kept(capsys, tmp_path, corpus):
+    argv = ["train", "--data", str(corpus), "--out", str(tmp_path / "o"), "--steps", "3", "--block-size", "8",
+            "--batch-size", "2", "--lr", "1e30", "--grad-clip", "0", "--no-progress", "--num-experts", "4"]  # fmt: skip
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "moelab train: non-finite" in out and "Lower --lr or check the data" in out
+    assert "no checkpoint was written yet" in out
+
+
+# ------------------------------------------------------------------------------ other commands
+def test_compare_sweep_is_validated(capsys, tmp_path):
+    err = error_of(
+        capsys, ["compare", "--out", str(tmp_path / "c"), "--methods", "smoe", "--sweep", "omega="]
+    )
+    assert "--sweep 'omega=' is not allowed; expected KEY=V1,V2,..." in err
+
+
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        ({"config.yaml": "task: finetune\n"}, "is a 'finetune' run; expected a language-model run"),
+        ({"config.yaml": "task: lm\n"}, "has no tokenizer.json"),
+    ],
+)
+def test_finetune_refuses_a_run_that_is_not_a_finished_lm(capsys, tmp_path, setup, message):
+    run = tmp_path / "lm"
+    run.mkdir()
+    for name, text in setup.items():
+        (run / name).write_text(text)
+    err = error_of(capsys, ["finetune", "--from", str(run), "--out", str(tmp_path / "o"), "--task", "x.csv"])
+    assert err.startswith("moelab finetune: error: --from ") and message in err, err
+
+
+def test_finetune_refuses_an_lm_run_without_weights(capsys, tmp_path):
+    from moelab.data.text import ByteTokenizer
+
+    run = tmp_path / "lm"
+    run.mkdir()
+    (run / "config.yaml").write_text(
+        "task: lm\nsize: cpu\narch: switch\nmethod: smoe\nopts: {}\nmodel: {block_size: 8, num_experts: 4}\n"
+    )
+    (run / "tokenizer.json").write_text(json.dumps(ByteTokenizer().state()))
+    err = error_of(capsys, ["finetune", "--from", str(run), "--out", str(tmp_path / "o"), "--task", "x.csv"])
+    assert "has no weights (best.safetensors or ckpt/)" in err
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("", "holds no rows"),
+        ("text,label\nonly one column\n", "row 2 has 1 column(s), expected at least 2"),
+        ("text,label,split\na,1,bogus\n", "row 2 has split 'bogus'; expected train, valid or test"),
+        ("text,label\na,1\nb,1\n", "found 1 distinct label(s); classification needs at least 2"),
+        ("text,label,split\na,1,train\nb,0,train\n", "the test split is empty"),
+    ],
+)
+def test_a_bad_classification_file_names_the_row(tmp_path, content, message):
+    from moelab.data.classification import read_table
+
+    path = tmp_path / "task.csv"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_table(path)
+
+
+def test_a_classification_file_that_is_not_utf8(tmp_path):
+    from moelab.data.classification import read_table
+
+    path = tmp_path / "task.csv"
+    path.write_bytes(b"text,label\n\xff\xfe,1\n")
+    with pytest.raises(ValueError, match="cannot be read as UTF-8 text"):
+        read_table(path)
+
+
+def test_upcycle_option_is_validated(capsys, tmp_path):
+    argv = ["upcycle", "--model", "m", "--num-experts", "4", "--top-k", "2", "--out", str(tmp_path / "o")]
+    err = error_of(capsys, [*argv, "--option", "noequals"])
+    assert "--option 'noequals' is not allowed; expected KEY=VALUE" in err
+
+
+def test_argparse_errors_are_one_line(capsys):
+    err = error_of(capsys, ["train", "--steps", "ten"])
+    assert err == "moelab: error: argument --steps: invalid int value: 'ten'"
