@@ -228,3 +228,135 @@ def test_upcycle_option_is_validated(capsys, tmp_path):
 def test_argparse_errors_are_one_line(capsys):
     err = error_of(capsys, ["train", "--steps", "ten"])
     assert err == "moelab: error: argument --steps: invalid int value: 'ten'"
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("missing", "--model '{p}' does not exist (expected a local directory or a config JSON)"),
+        ("empty-dir", "'{p}/config.json' is missing; --model needs a transformers config.json"),
+        ("bad-json", "--model '{p}' is not valid JSON ("),
+        ("no-type", "--model '{p}' has no 'model_type'; expected a transformers config.json"),
+    ],
+)
+def test_upcycle_model_source_is_validated(capsys, tmp_path, kind, message):
+    p = tmp_path / "model"
+    if kind == "empty-dir":
+        p.mkdir()
+    elif kind == "bad-json":
+        p.write_text("{nope")
+    elif kind == "no-type":
+        p.write_text('{"hidden_size": 8}')
+    argv = ["upcycle", "--model", str(p), "--num-experts", "4", "--top-k", "2", "--out", str(tmp_path / "o")]
+    err = error_of(capsys, argv)
+    assert message.format(p=p) in err, err
+
+
+def test_upcycle_layers_are_validated(capsys, tmp_path):
+    argv = ["upcycle", "--model", "m", "--num-experts", "4", "--top-k", "2", "--out", str(tmp_path / "o")]
+    err = error_of(capsys, [*argv, "--layers", "1,x"])
+    assert "--layers '1,x' is not allowed; expected comma-separated integers" in err
+
+
+# ------------------------------------------------------------------------------ library checks
+def test_damaged_checkpoint_metadata_is_named(tmp_path):
+    from moelab.train import checkpoint as C
+
+    model = torch_tiny_model()
+    path = C.save_checkpoint(tmp_path, 1, model, {"step": 1})
+    (path / "meta.json").write_text("{not json")
+    with pytest.raises(
+        C.CheckpointError, match=r"checkpoint file .*step-00000001/meta\.json is corrupted \(not JSON\)"
+    ):
+        C.verify_checkpoint(path)
+    path = C.save_checkpoint(tmp_path, 2, model, {"step": 2})
+    (path / "state.pt").unlink()
+    with pytest.raises(C.CheckpointError, match=r"checkpoint file .*step-00000002/state\.pt is missing"):
+        C.verify_checkpoint(path)
+
+
+def torch_tiny_model():
+    import torch
+
+    from moelab.models.lm import LMConfig, TransformerLM
+
+    torch.manual_seed(0)
+    return TransformerLM(
+        LMConfig(vocab_size=11, block_size=4, n_layer=1, d_model=8, n_head=2, num_experts=2, top_k=1)
+    )
+
+
+def test_text_readers_validate_their_arguments(tmp_path):
+    from moelab.data.text import CharTokenizer, load_text, tokenizer_from_state
+
+    with pytest.raises(ValueError, match=r"alphabet='aa' is not allowed; expected distinct characters"):
+        CharTokenizer("aa")
+    with pytest.raises(
+        ValueError, match=r"tokenizer level='bpe' is not allowed; expected byte, char or word"
+    ):
+        tokenizer_from_state({"level": "bpe"})
+    with pytest.raises(ValueError, match=r"level='char' is not allowed; expected byte or word"):
+        load_text("default", level="char")
+    path = tmp_path / "t.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(100)))
+    with pytest.raises(ValueError, match=r"split='dev' is not allowed; expected train, valid or test"):
+        load_text(str(path)).split("dev")
+
+
+def test_glam_needs_two_layers():
+    from moelab.models.lm import LMConfig
+
+    with pytest.raises(ValueError, match=r"n_layer=1 is not allowed for arch='glam'; expected >= 2"):
+        LMConfig(vocab_size=10, n_layer=1, arch="glam")
+
+
+def test_schedule_state_is_checked():
+    import torch
+
+    from moelab.schedules import CoinFlipSchedule, CompetitionSchedule
+
+    s = CompetitionSchedule(2, 10, seed=0)
+    state = {**s.state_dict(), "table": torch.zeros(3, 10, dtype=torch.bool)}
+    with pytest.raises(ValueError, match=r"state\['table'\] has shape \(3, 10\); expected \(2, 10\)"):
+        s.load_state_dict(state)
+    with pytest.raises(ValueError, match="a CoinFlipSchedule with a callable rate has no state_dict"):
+        CoinFlipSchedule(2, rate=lambda step: 0.1).state_dict()
+
+
+def test_competition_base_must_be_a_plain_router():
+    import moelab
+
+    with pytest.raises(ValueError, match=r"base='stablemoe' is not allowed: the base must be a plain router"):
+        moelab.MoE(8, 4, 2, method="competesmoe", base="stablemoe")
+
+
+def test_report_refuses_unreadable_runs(tmp_path):
+    from moelab.experiments.report import collect_runs
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text("a: [1\n")
+    (run / "metrics.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"run .*r cannot be read: "):
+        collect_runs([run])
+    (run / "config.yaml").write_text("task: lm\n")
+    with pytest.raises(ValueError, match=r"run .*r has no test metric in metrics.json"):
+        _ = collect_runs([run])[0].metric
+
+
+def test_upcycle_and_from_hf_refuse_non_modules():
+    import torch
+
+    import moelab
+
+    with pytest.raises(ValueError, match=r"model='x' is not allowed; expected a torch.nn.Module"):
+        moelab.upcycle("x", 4, 2)
+    with pytest.raises(ValueError, match=r"module of type Linear is not a supported transformers MoE block"):
+        moelab.from_hf(torch.nn.Linear(2, 2))
+
+
+def test_serialization_refuses_non_tensor_state(tmp_path):
+    from moelab import serialization
+
+    with pytest.raises(ValueError, match=r"state entry 'w' is a str, not a tensor"):
+        serialization.save_checkpoint(tmp_path / "c", {"w": "x"})
