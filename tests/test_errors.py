@@ -360,3 +360,20 @@ def test_serialization_refuses_non_tensor_state(tmp_path):
 
     with pytest.raises(ValueError, match=r"state entry 'w' is a str, not a tensor"):
         serialization.save_checkpoint(tmp_path / "c", {"w": "x"})
+
+
+def test_a_router_name_cannot_be_registered_twice():
+    from moelab.routers import register
+
+    with pytest.raises(ValueError, match=r"router 'topk' is already registered"):
+        register("topk")(type("Again", (), {}))
+
+
+def test_the_batch_must_split_over_the_processes(monkeypatch):
+    from moelab.train import TrainConfig, Trainer
+    from moelab.train import trainer as T
+
+    monkeypatch.setattr(T, "_dist", lambda: (0, 4))
+    model = torch_tiny_model()
+    with pytest.raises(ValueError, match=r"batch_size=6 is not allowed with 4 processes; expected a multiple of"):
+        Trainer(model, object(), TrainConfig(steps=1, batch_size=6), None, progress=False)
