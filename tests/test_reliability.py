@@ -269,3 +269,65 @@ def test_a_competition_layer_stays_finite_with_large_expert_outputs(kappa, sign)
     assert torch.isfinite(y).all() and torch.isfinite(r.weights).all() and (r.weights >= 0).all()
     if sign == "mixed":
         assert y.abs().amax() > 1e3
+
+
+_KILLER = """
+import os, signal, sys
+from pathlib import Path
+from moelab.train import checkpoint as C
+
+tmp, name = f".tmp-step-{int(os.environ['KILL_AT']):08d}", os.environ["KILL_FILE"]
+real = C._fsync_file
+
+def fsync_file(path):
+    if path.parent.name == tmp and path.name == name:
+        if name == C.STATE:
+            Path(path).write_bytes(Path(path).read_bytes()[:1000])  # half-way through the write
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path)
+
+C._fsync_file = fsync_file
+from moelab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file", [C.STATE, C.META])
+def test_sigkill_inside_a_checkpoint_write_then_resume_ends_like_an_uninterrupted_run(tmp_path, file):
+    """A real `moelab train` process SIGKILLed inside the atomic write of checkpoint 10 (state.pt
+    half written, or everything written but not yet renamed), then resumed with --resume."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"row {i} of the corpus, value {i % 17}.\n" for i in range(600)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+        "KILL_AT": "10",
+        "KILL_FILE": file,
+    }
+    args = ["train", "--data", str(corpus), "--block-size", "16", "--batch-size", "4", "--num-experts", "4",
+            "--steps", "20", "--eval-every", "5", "--ckpt-every", "5", "--eval-tokens", "64", "--test-tokens", "64",
+            "--no-progress"]  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "moelab.cli", *args, "--out", str(tmp_path / "full")], env=env, check=True
+    )
+    killed = subprocess.run([sys.executable, "-c", _KILLER, *args, "--out", str(tmp_path / "cut")], env=env)
+    assert killed.returncode == -9
+    assert (tmp_path / "cut" / "ckpt" / ".tmp-step-00000010").is_dir()
+    subprocess.run(
+        [sys.executable, "-m", "moelab.cli", *args, "--out", str(tmp_path / "cut"), "--resume"],
+        env=env,
+        check=True,
+    )
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "time_s"} for r in rows]
+    assert drop(RunDir(tmp_path / "cut", resume=True).read_log()) == drop(
+        RunDir(tmp_path / "full", resume=True).read_log()
+    )
+    a, b = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("full", "cut"))
+    timing = ("tokens_per_s", "train_time_s")
+    assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
