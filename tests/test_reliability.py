@@ -331,3 +331,25 @@ def test_sigkill_inside_a_checkpoint_write_then_resume_ends_like_an_uninterrupte
     a, b = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("full", "cut"))
     timing = ("tokens_per_s", "train_time_s")
     assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+
+
+def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_ones(data, tmp_path, full, monkeypatch):
+    import errno
+
+    real = C._write_weights
+
+    def write(path, model):
+        if path.parent.name == ".tmp-step-00000008":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, model)
+
+    with monkeypatch.context() as m:
+        m.setattr(C, "_write_weights", write)
+        with pytest.raises(C.CheckpointError, match=r"cannot write checkpoint .*step-00000008: No space left on device; "
+                           r"the previous checkpoints are kept \(step-00000004\); free disk space"):  # fmt: skip
+            train(data, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000004"]  # no temporary left
+    _, resumed = train(data, tmp_path, resume=True)
+    rows, metrics = full
+    assert log_rows(tmp_path) == rows
+    assert {k: resumed[k] for k in STABLE_METRICS} == {k: metrics[k] for k in STABLE_METRICS}
