@@ -353,3 +353,15 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_ones(data, tmp
     rows, metrics = full
     assert log_rows(tmp_path) == rows
     assert {k: resumed[k] for k in STABLE_METRICS} == {k: metrics[k] for k in STABLE_METRICS}
+
+
+def test_a_schedule_without_a_state_is_rebuilt_rather_than_saved():
+    from moelab.schedules import CoinFlipSchedule
+
+    assert T._schedule_state(None) is None
+    assert T._schedule_state(CoinFlipSchedule(2, rate=lambda step: 0.1)) is None
+    assert T._schedule_state(CoinFlipSchedule(2, rate=0.1, seed=3)) == {
+        "num_layers": 2,
+        "rate": 0.1,
+        "seed": 3,
+    }

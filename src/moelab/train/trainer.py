@@ -17,8 +17,9 @@ writes logs, metrics and checkpoints; ``metrics.json`` records ``world_size``.  
 in DDP is issue 9.)
 
 Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, the
-competition schedule, every RNG state and the trainer's counters; ``resume=True`` loads the newest good one, drops the
-``log.csv`` rows written after it, and continues the same curve (bit-exactly on CPU).
+competition schedule, every RNG state and the trainer's counters; ``resume=True`` loads the
+newest good one, drops the ``log.csv`` rows written after it, and continues the same curve
+(bit-exactly on CPU).
 """
 
 from __future__ import annotations
@@ -194,6 +195,15 @@ def _rng_state(generator: torch.Generator) -> dict[str, Any]:
 def _flatten_py_state(state: tuple) -> tuple:
     version, internal, gauss = state
     return version, torch.tensor(internal, dtype=torch.int64), gauss
+
+
+def _schedule_state(schedule: Any) -> dict[str, Any] | None:
+    """The competition schedule's state for a checkpoint (``None``: none, or one that cannot be
+    saved, e.g. coin flips with a callable rate, which resume rebuilds from the seed)."""
+    try:
+        return None if schedule is None else schedule.state_dict()
+    except (AttributeError, ValueError):
+        return None
 
 
 def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
@@ -407,7 +417,7 @@ class Trainer:
                             "optimizer": optimizer.state_dict(),
                             "scheduler": scheduler.state_dict(),
                             "ctx": self.ctx.state_dict(),
-                            "schedule": None if self.ctx.schedule is None else self.ctx.schedule.state_dict(),
+                            "schedule": _schedule_state(self.ctx.schedule),
                             "rng": _rng_state(generator),
                             "trainer": state,
                         },
