@@ -375,5 +375,55 @@ def test_the_batch_must_split_over_the_processes(monkeypatch):
 
     monkeypatch.setattr(T, "_dist", lambda: (0, 4))
     model = torch_tiny_model()
-    with pytest.raises(ValueError, match=r"batch_size=6 is not allowed with 4 processes; expected a multiple of"):
+    with pytest.raises(
+        ValueError, match=r"batch_size=6 is not allowed with 4 processes; expected a multiple of"
+    ):
         Trainer(model, object(), TrainConfig(steps=1, batch_size=6), None, progress=False)
+
+
+def _command_raising(monkeypatch, exc):
+    import sys
+    import types
+
+    mod = types.ModuleType("moelab_rely_fake")
+    mod.add_arguments = lambda parser: None
+
+    def run(args):
+        raise exc
+
+    mod.run = run
+    monkeypatch.setitem(sys.modules, "moelab_rely_fake", mod)
+    monkeypatch.setitem(cli.SUBCOMMANDS, "fake", ("moelab_rely_fake", "a fake command"))
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError(28, "No space left on device", "runs/x/log.csv"),  # ENOSPC
+        PermissionError(13, "Permission denied", "/runs"),
+        OSError(30, "Read-only file system", "/ro/x"),
+    ],
+)
+def test_a_full_disk_or_a_permission_error_is_one_line(monkeypatch, capsys, exc):
+    _command_raising(monkeypatch, exc)
+    assert cli.main(["fake"]) == 2
+    assert capsys.readouterr().err == f"moelab fake: error: {exc}\n"
+    with pytest.raises(OSError):
+        cli.main(["--debug", "fake"])
+
+
+def test_other_os_errors_keep_their_traceback(monkeypatch):
+    _command_raising(monkeypatch, OSError(5, "Input/output error"))
+    with pytest.raises(OSError, match="Input/output error"):
+        cli.main(["fake"])
+
+
+def test_an_unwritable_out_is_one_line(capsys, tmp_path, corpus):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root ignores folder permissions")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    err = error_of(capsys, ["train", "--data", str(corpus), "--out", str(locked / "run"), "--steps", "1"])
+    assert "Permission denied" in err
