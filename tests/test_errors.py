@@ -427,3 +427,41 @@ def test_an_unwritable_out_is_one_line(capsys, tmp_path, corpus):
     locked.mkdir(mode=0o500)
     err = error_of(capsys, ["train", "--data", str(corpus), "--out", str(locked / "run"), "--steps", "1"])
     assert "Permission denied" in err
+
+
+@pytest.mark.parametrize(
+    "name,sha,message",
+    [
+        (
+            "../escape.bin",
+            None,
+            r"name='../escape.bin' is not allowed; expected a plain file name \(no folders\)",
+        ),
+        ("", None, r"name='' is not allowed; expected a plain file name"),
+        ("d.bin", "abc", r"sha256='abc' is not allowed; expected 64 hexadecimal digits or None"),
+        ("d.bin", "z" * 64, r"sha256='z{64}' is not allowed"),
+    ],
+)
+def test_fetch_validates_the_name_and_the_digest(tmp_path, monkeypatch, name, sha, message):
+    from moelab.data.download import fetch
+
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=message):
+        fetch(name, "http://127.0.0.1:9/x", sha, progress=False)
+
+
+def test_fetch_accepts_an_upper_case_digest_without_refetching(tmp_path, monkeypatch):
+    import hashlib
+
+    from moelab.data.download import fetch
+
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path / "cache"))
+    src = tmp_path / "d.bin"
+    src.write_bytes(b"payload" * 10)
+    digest = hashlib.sha256(src.read_bytes()).hexdigest().upper()
+    fetch("d.bin", src.as_uri(), digest, progress=False)
+    # cached and verified: the offline URL is never tried
+    assert (
+        fetch("d.bin", "http://127.0.0.1:9/x", digest, timeout=0.5, progress=False).read_bytes()
+        == src.read_bytes()
+    )
