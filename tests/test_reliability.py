@@ -154,7 +154,7 @@ def test_a_checkpoint_holds_every_rng_state_the_context_step_and_the_schedule(da
     model = TransformerLM(LMConfig(vocab_size=256, method="competesmoe", **TINY))
     saved = C.load_checkpoint(tmp_path / "ckpt" / "step-00000004", model)
     assert saved["step"] == 4 and saved["ctx"] == {"step": 4, "total_steps": 8}
-    assert set(saved["rng"]) == {"python", "numpy", "torch", "data"}
+    assert set(saved["rng"]) == {"python", "numpy", "torch", "cuda", "data"}
     assert torch.equal(saved["schedule"]["table"], trainer.ctx.schedule.table)
     assert set(saved) >= {"optimizer", "scheduler", "trainer"}
 
@@ -365,3 +365,22 @@ def test_a_schedule_without_a_state_is_rebuilt_rather_than_saved():
         "rate": 0.1,
         "seed": 3,
     }
+
+
+def test_cuda_rng_states_are_saved_and_restored_when_there_is_a_gpu(monkeypatch):
+    """The CUDA generators (dropout on the GPU) round-trip through the checkpoint state; faked here
+    so that the plumbing is tested on CPU."""
+    states = [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    gen = torch.Generator()
+    saved = T._rng_state(gen)
+    assert saved["cuda"] is states
+    T._set_rng_state(saved, gen)
+    assert restored == [states]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # resumed on fewer GPUs: left alone
+    T._set_rng_state(saved, gen)
+    assert restored == [states]

@@ -188,6 +188,7 @@ def _rng_state(generator: torch.Generator) -> dict[str, Any]:
         "python": list(_flatten_py_state(random.getstate())),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
         "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "data": generator.get_state(),
     }
 
@@ -212,6 +213,9 @@ def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)  # dropout on the GPU continues the same stream
     generator.set_state(state["data"])
 
 
