@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import moelab
@@ -192,6 +192,7 @@ def test_cli_never_crashes_on_random_arguments(no_training, command, data):
     base = data.draw(st.sampled_from([[], ["--out", "o"], ["--out", "o", "--steps", "2"]]))
     argv = [command, *(base if command in ("train", "compare") else []), *tokens]
     code = _exit_code(argv)
+    event(f"exit {code}")  # --hypothesis-show-statistics: how often the checks past argparse run
     assert code in (0, 2, "reached"), f"moelab {' '.join(argv)} -> {code!r}"
 
 
@@ -234,6 +235,7 @@ def test_train_config_file_never_crashes(no_training, tmp_path_factory, text):
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"
     path.write_text(text)
     code = _exit_code(["train", "--config", str(path), "--out", "o", "--steps", "2"])
+    event(f"exit {code}")
     assert code in (2, "reached"), f"--config holding {text!r} -> {code!r}"
 
 
