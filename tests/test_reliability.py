@@ -384,3 +384,25 @@ def test_cuda_rng_states_are_saved_and_restored_when_there_is_a_gpu(monkeypatch)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # resumed on fewer GPUs: left alone
     T._set_rng_state(saved, gen)
     assert restored == [states]
+
+
+def test_resume_drops_cut_and_garbage_log_rows(data, tmp_path, full, monkeypatch):
+    real_sample = LMTask.sample
+    calls = {"n": 0}
+
+    def sample(self, generator, batch_size):
+        calls["n"] += 1
+        if calls["n"] == 11:
+            raise KeyboardInterrupt
+        return real_sample(self, generator, batch_size)
+
+    with monkeypatch.context() as m:
+        m.setattr(LMTask, "sample", sample)
+        with pytest.raises(KeyboardInterrupt):
+            train(data, tmp_path)
+    log = tmp_path / "log.csv"
+    width = log.read_text().splitlines()[0].count(",")
+    with log.open("a") as f:  # a zero-filled row (power loss) and a row cut mid-write
+        f.write("\x00" * 3 + "," * width + "\n" + "11,0.001,2.5")
+    train(data, tmp_path, resume=True)
+    assert log_rows(tmp_path) == full[0]

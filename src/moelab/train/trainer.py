@@ -488,8 +488,9 @@ class Trainer:
         width = lines[0].count(",")
         kept = [lines[0]]
         for ln in lines[1:]:  # complete rows up to ``step`` (a row cut by a kill is dropped)
-            if ln.endswith("\n") and ln.count(",") == width and int(ln.split(",", 1)[0]) <= step:
-                kept.append(ln)
+            first = ln.split(",", 1)[0]
+            if ln.endswith("\n") and ln.count(",") == width and first.isdigit() and int(first) <= step:
+                kept.append(ln)  # (a row of garbage, e.g. zeros after a power loss, is dropped too)
         atomic_write_text(path, "".join(kept))
 
     def config_dict(self) -> dict[str, Any]:
