@@ -465,3 +465,30 @@ def test_fetch_accepts_an_upper_case_digest_without_refetching(tmp_path, monkeyp
         fetch("d.bin", "http://127.0.0.1:9/x", digest, timeout=0.5, progress=False).read_bytes()
         == src.read_bytes()
     )
+
+
+def test_tasks_models_and_the_trainer_validate_their_constructor_arguments(tmp_path):
+    from moelab.data.classification import ClassificationData
+    from moelab.data.text import ByteTokenizer, load_text
+    from moelab.experiments.finetune import ClassificationTask
+    from moelab.experiments.lm import LMTask
+    from moelab.models.classifier import LMClassifier
+    from moelab.train import Trainer
+
+    path = tmp_path / "t.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(100)))
+    text = load_text(str(path))
+    with pytest.raises(ValueError, match=r"block_size=0 is not allowed; expected a positive integer"):
+        LMTask(text, 0)
+    with pytest.raises(ValueError, match=r"eval_batch=0 is not allowed; expected a positive integer"):
+        LMTask(text, 8, eval_batch=0)
+    data = ClassificationData("t", {s: ["a b", "c"] for s in ("train", "valid", "test")},
+                              {s: [0, 1] for s in ("train", "valid", "test")}, ["0", "1"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval_batch=-1 is not allowed; expected a positive integer"):
+        ClassificationTask(data, ByteTokenizer(), 8, eval_batch=-1)
+    with pytest.raises(ValueError, match=r"num_classes=1 is not allowed; expected an integer >= 2"):
+        LMClassifier(torch_tiny_model(), 1)
+    with pytest.raises(ValueError, match=r"dropout=1.0 is not allowed; expected a number in \[0, 1\)"):
+        LMClassifier(torch_tiny_model(), 2, dropout=1.0)
+    with pytest.raises(ValueError, match=r"config of type dict is not allowed; expected a TrainConfig"):
+        Trainer(torch_tiny_model(), LMTask(text, 4), {"steps": 1}, None)

@@ -92,6 +92,8 @@ class LMTask:
     """
 
     def __init__(self, data: TextData, block_size: int, eval_batch: int = 16) -> None:
+        _validate.positive_int("block_size", block_size)
+        _validate.positive_int("eval_batch", eval_batch)
         data.check_block(block_size)
         self.data = data
         self.block_size = block_size

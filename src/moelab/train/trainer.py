@@ -249,6 +249,8 @@ class Trainer:
         extra_metrics: dict[str, Any] | None = None,
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
+        if not isinstance(config, TrainConfig):
+            raise ValueError(f"config of type {type(config).__name__} is not allowed; expected a TrainConfig")
         self.model = model
         self.task = task
         self.config = config
