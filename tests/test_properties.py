@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import moelab
@@ -94,3 +94,156 @@ def test_loop_and_grouped_dispatch_agree_in_value_and_gradient(num_experts, toke
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------ CLI and config fuzzing
+class _Reached(Exception):
+    """Raised in place of training: every check before it passed (a fuzz case never trains)."""
+
+
+def _stop(*args, **kwargs):
+    raise _Reached
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tmp_path_factory):
+    from moelab.data.text import load_text
+
+    path = tmp_path_factory.mktemp("fuzzdata") / "t.txt"
+    path.write_text("".join(f"fuzz line {i}: {i % 7} owls.\n" for i in range(300)))
+    return load_text(str(path))
+
+
+@pytest.fixture
+def no_training(monkeypatch, tiny_text):
+    """Every subcommand runs its real argument checks but stops where work would start: the text
+    corpus is a tiny local one, ``Trainer.fit``, classification data and HF models raise _Reached."""
+    import importlib
+
+    import moelab.experiments.compare as compare
+    import moelab.experiments.finetune as finetune
+    import moelab.experiments.lm as lm
+    from moelab.train.trainer import Trainer
+
+    upcycle = importlib.import_module("moelab.upcycle")  # (moelab.upcycle is also a function)
+
+    monkeypatch.setattr(lm, "load_text", lambda *a, **k: tiny_text)
+    monkeypatch.setattr(compare, "load_text", lambda *a, **k: tiny_text)
+    monkeypatch.setattr(Trainer, "fit", _stop)
+    monkeypatch.setattr(finetune, "load_classification", _stop)
+    monkeypatch.setattr(upcycle, "_load_hf_model", _stop)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # --threads must not touch the pool
+
+
+def _exit_code(argv: list[str]) -> int | str:
+    """``moelab argv`` in a fresh empty folder: its exit code, or "reached" when it got to training."""
+    import contextlib
+    import io
+    import os
+    import tempfile
+
+    from moelab import cli
+
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                return cli.main(argv)
+        except SystemExit as exc:
+            return exc.code
+        except _Reached:
+            return "reached"
+        finally:
+            os.chdir(cwd)
+
+
+def _flags(command: str) -> list[str]:
+    from moelab import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return sorted(s for a in sub._actions for s in a.option_strings)
+
+
+# no "/" or ".": a random positional must never name a big folder (report globs its RUN_DIRs)
+_WORDS = st.text(alphabet="abcxyz019=,-_: ", max_size=8)
+_VALUES = st.one_of(
+    st.integers(-3, 40).map(str),
+    st.sampled_from(["nan", "inf", "-inf", "1e300", "0.5", "-0.0", "", " ", "--", "-1"]),
+    st.sampled_from(["smoe", "competesmoe", "xmoe", "cpu", "glam", "dense", "byte", "word", "o"]),
+    st.sampled_from(["balance_coef=0", "a=[", "x=!!python/name:os.system", "=1", "omega=2", "k=v"]),
+    _WORDS,
+)
+FUZZ = settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],  # patches only
+)
+
+
+@FUZZ
+@given(data=st.data())
+@pytest.mark.parametrize("command", ["train", "compare", "finetune", "report", "upcycle"])
+def test_cli_never_crashes_on_random_arguments(no_training, command, data):
+    """Random argv for each subcommand: exit 0 (help) or 2 (a one-line error), or reach training;
+    never a Python traceback."""
+    tokens = data.draw(st.lists(st.one_of(st.sampled_from(_flags(command)), _VALUES), max_size=8))
+    base = data.draw(st.sampled_from([[], ["--out", "o"], ["--out", "o", "--steps", "2"]]))
+    argv = [command, *(base if command in ("train", "compare") else []), *tokens]
+    code = _exit_code(argv)
+    event(f"exit {code}")  # --hypothesis-show-statistics: how often the checks past argparse run
+    assert code in (0, 2, "reached"), f"moelab {' '.join(argv)} -> {code!r}"
+
+
+_YAML_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=10)
+)
+_YAML_VALUES = st.recursive(
+    _YAML_SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+@st.composite
+def train_config_text(draw):
+    """A YAML document: mostly a mapping of real ``moelab train`` flag names (``-`` or ``_``) to
+    random values, sometimes arbitrary YAML or text."""
+    import yaml
+
+    from moelab.experiments.lm import _defaults
+
+    names = sorted(_defaults())
+    kind = draw(st.sampled_from(["flags", "flags", "flags", "any", "text"]))
+    if kind == "text":
+        return draw(st.text(max_size=60))
+    if kind == "any":
+        return yaml.safe_dump(draw(_YAML_VALUES))
+    keys = st.one_of(st.sampled_from(names), st.sampled_from(names).map(lambda n: n.replace("_", "-")))
+    mapping = draw(st.dictionaries(keys, _YAML_VALUES, max_size=4))
+    return yaml.safe_dump(mapping)
+
+
+@FUZZ
+@given(text=train_config_text())
+def test_train_config_file_never_crashes(no_training, tmp_path_factory, text):
+    """A random ``--config`` file gives a clean one-line error (exit 2) or a valid run; never a
+    traceback."""
+    path = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    path.write_text(text)
+    code = _exit_code(["train", "--config", str(path), "--out", "o", "--steps", "2"])
+    event(f"exit {code}")
+    assert code in (2, "reached"), f"--config holding {text!r} -> {code!r}"
+
+
+def test_the_fuzz_harness_reaches_training_with_valid_arguments(no_training):
+    assert _exit_code(["train", "--out", "o", "--steps", "2"]) == "reached"
+    assert _exit_code(["compare", "--out", "o", "--steps", "2", "--methods", "smoe"]) == "reached"
+    assert (
+        _exit_code(["upcycle", "--model", "m", "--num-experts", "4", "--top-k", "2", "--out", "o"])
+        == "reached"
+    )
+    assert _exit_code(["train", "--out", "o", "--help"]) == 0

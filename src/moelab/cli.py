@@ -2,13 +2,14 @@
 
 Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them.  Errors a user can act on (``UsageError``,
-``ValueError``, ``FileNotFoundError``) print one line to stderr and exit 2, without a traceback
-(``--debug`` shows it).
+``ValueError``, ``FileNotFoundError``; a full disk or a permission error) print one line to stderr
+and exit 2, without a traceback (``--debug`` shows it).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -32,6 +33,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("moelab.stats.studies", "convergence-rate studies of regression / Gaussian MoE estimators"),
     "specialize": ("moelab.experiments.specialization", "expert-specialization lab of paper 002 (image MoE)"),
 }
+
+
+#: OSError numbers reported as one-line user errors (exit 2): no space, quota, read-only, permission
+_USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class UsageError(Exception):
@@ -66,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as exc:
         if args.debug:
+            raise
+        print(f"moelab {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk, a quota, no permission: the user's to fix, not a bug
+        if args.debug or exc.errno not in _USER_OS_ERRORS:
             raise
         print(f"moelab {args.command}: error: {exc}", file=sys.stderr)
         return 2

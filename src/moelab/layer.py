@@ -12,9 +12,13 @@ from .methods import get_method
 from .routers import ROUTERS, build_router, router_options
 from .routing import Routing, RoutingContext, moe_layers
 
-__all__ = ["MoE", "aux_loss"]
+__all__ = ["MoE", "NonFiniteError", "aux_loss"]
 
 _LAYER_OPTIONS = ("num_shared",)
+
+
+class NonFiniteError(RuntimeError):
+    """Router logits are NaN/inf (``check_finite``); the trainer turns it into a clean stop."""
 
 
 class MoE(nn.Module):
@@ -141,7 +145,7 @@ class MoE(nn.Module):
             # the router's logits, or the routing weights of a router without logits (competition)
             scores = routing.logits if routing.logits is not None else routing.weights
             if not torch.isfinite(scores).all():
-                raise RuntimeError(
+                raise NonFiniteError(
                     f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
                     "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
                 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 import urllib.error
@@ -59,6 +60,12 @@ def fetch(
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls:
         raise ValueError(f"urls={urls!r} is not allowed; expected at least one URL")
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise ValueError(f"name={name!r} is not allowed; expected a plain file name (no folders)")
+    if sha256 is not None:  # a malformed digest would refuse (and delete) every good download
+        if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256):
+            raise ValueError(f"sha256={sha256!r} is not allowed; expected 64 hexadecimal digits or None")
+        sha256 = sha256.lower()
     dest = cache_dir() / subdir / name
     if dest.exists():
         if sha256 is None or sha256sum(dest) == sha256:

@@ -68,8 +68,9 @@ class ClassificationTask:
     def __init__(
         self, data: ClassificationData, tokenizer: Any, block_size: int, eval_batch: int = 32
     ) -> None:
+        _validate.positive_int("block_size", block_size)
         self.data = data
-        self.eval_batch = eval_batch
+        self.eval_batch = _validate.positive_int("eval_batch", eval_batch)
         self.encoded = {
             s: (*encode_texts(tokenizer, data.texts[s], block_size), torch.tensor(data.labels[s]))
             for s in ("train", "valid", "test")

@@ -92,6 +92,8 @@ class LMTask:
     """
 
     def __init__(self, data: TextData, block_size: int, eval_batch: int = 16) -> None:
+        _validate.positive_int("block_size", block_size)
+        _validate.positive_int("eval_batch", eval_batch)
         data.check_block(block_size)
         self.data = data
         self.block_size = block_size
@@ -154,10 +156,13 @@ def parse_opts(items: list[str] | None) -> dict[str, Any]:
     """``["key=value", ...]`` → dict, values read as YAML scalars (``0.1`` → float, ``true`` → bool)."""
     out: dict[str, Any] = {}
     for item in items or []:
-        if "=" not in item or not item.split("=", 1)[0].strip():
+        if not isinstance(item, str) or "=" not in item or not item.split("=", 1)[0].strip():
             raise ValueError(f"--opt {item!r} is not allowed; expected key=value")
         key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            raise ValueError(f"--opt {item!r} is not allowed; its value is not a YAML scalar") from None
     return out
 
 
@@ -179,6 +184,7 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("block_size", "dropout", "num_experts", "top_k"):
         if getattr(args, name, None) is not None:
             model[name] = getattr(args, name)
+    lm_config(args.size, 1, **model, arch=args.arch)  # the model flags fail here, before any data is read
     train = TrainConfig(
         steps=pick("steps"),
         batch_size=pick("batch_size"),
@@ -347,7 +353,42 @@ def apply_config_file(args: argparse.Namespace, parser_defaults: dict[str, Any])
                 f"--config {args.config!r}: unknown key {key!r}; allowed: {sorted(parser_defaults)}"
             )
         if getattr(args, name) == parser_defaults[name]:
-            setattr(args, name, value)
+            setattr(args, name, _config_value(args.config, key, value))
+
+
+def _config_value(path: str, key: object, value: Any) -> Any:
+    """``value`` of ``--config`` key ``key`` checked (and converted) as its flag would be."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    action = next(a for a in p._actions if a.dest == str(key).replace("-", "_"))
+    problem = f"--config {path!r}: {key}={value!r} is not allowed; expected "
+    if value is None:
+        if action.default is None:
+            return None
+        raise ValueError(problem + f"a value (the default is {action.default!r})")
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ValueError(problem + "true or false")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise ValueError(problem + "a list of strings")
+        return items
+    if action.type is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(problem + "an integer")
+    elif action.type is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(problem + "a number")
+        value = float(value)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # e.g. out: 2024
+    elif not isinstance(value, str):
+        raise ValueError(problem + "a string")
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(problem + f"one of {list(action.choices)}")
+    return value
 
 
 def _defaults() -> dict[str, Any]:

@@ -34,8 +34,10 @@ class LMClassifier(nn.Module):
 
     def __init__(self, lm: TransformerLM, num_classes: int, dropout: float = 0.1) -> None:
         super().__init__()
-        if num_classes < 2:
-            raise ValueError(f"num_classes={num_classes} is not allowed; expected at least 2")
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(f"num_classes={num_classes!r} is not allowed; expected an integer >= 2")
+        if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+            raise ValueError(f"dropout={dropout!r} is not allowed; expected a number in [0, 1)")
         d = lm.cfg.d_model
         lm.head = nn.Identity()  # the LM head is removed (its weight was tied to the embedding)
         self.lm = lm

@@ -11,7 +11,9 @@ A checkpoint is a folder ``ckpt/step-00000100/`` holding
 
 The folder is written under a temporary name, every file fsynced, then renamed into place in one
 ``os.replace``: a process killed at any moment leaves either the complete checkpoint or only a
-``.tmp-*`` folder that is ignored (and removed by the next save).  The newest ``keep`` checkpoints
+``.tmp-*`` folder that is ignored (and removed by the next save); a write that fails (a full
+disk) removes its temporary folder and raises :class:`CheckpointError`, the older checkpoints
+untouched.  The newest ``keep`` checkpoints
 are kept.  :func:`latest_checkpoint` verifies the digests and falls back to the newest good one,
 saying which file was refused.
 """
@@ -126,14 +128,22 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
-    tmp.mkdir()
-    _write_weights(tmp / WEIGHTS, model)
-    torch.save(state, tmp / STATE)
-    _fsync_file(tmp / STATE)
-    meta = {"step": step, "files": {WEIGHTS: _sha256(tmp / WEIGHTS), STATE: _sha256(tmp / STATE)}}
-    (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-    _fsync_file(tmp / META)
-    _fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+        _write_weights(tmp / WEIGHTS, model)
+        torch.save(state, tmp / STATE)
+        _fsync_file(tmp / STATE)
+        meta = {"step": step, "files": {WEIGHTS: _sha256(tmp / WEIGHTS), STATE: _sha256(tmp / STATE)}}
+        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        _fsync_file(tmp / META)
+        _fsync_dir(tmp)
+    except OSError as exc:  # a full disk, a quota, a read-only folder: keep what is there
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = [p.name for p in list_checkpoints(root)]
+        raise CheckpointError(
+            f"cannot write checkpoint {final}: {exc.strerror or exc}; the previous checkpoints are kept "
+            f"({', '.join(kept) or 'none'}); free disk space and run again with --resume"
+        ) from exc
     if final.exists():  # re-saving the same step (resume): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)

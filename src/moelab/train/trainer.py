@@ -23,9 +23,10 @@ rank 0 writes logs, metrics and checkpoints; a resume loads the same checkpoint 
 (identical weights, identical results).  ``expert_parallel=True`` spreads the experts over the
 ranks (:mod:`moelab.train.distributed`); checkpoints then still hold the full model.
 
-Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, every RNG
-state and the trainer's counters; ``resume=True`` loads the newest good one, drops the
-``log.csv`` rows written after it, and continues the same curve (bit-exactly on CPU).
+Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, the
+competition schedule, every RNG state and the trainer's counters; ``resume=True`` loads the
+newest good one, drops the ``log.csv`` rows written after it, and continues the same curve
+(bit-exactly on CPU).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from ..layer import aux_loss
+from ..layer import NonFiniteError, aux_loss
 from ..routing import RoutingContext, attach, moe_layers
 from ..rundir import RunDir
 from . import checkpoint as ckpt
@@ -194,6 +195,7 @@ def _rng_state(generator: torch.Generator) -> dict[str, Any]:
         "python": list(_flatten_py_state(random.getstate())),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
         "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "data": generator.get_state(),
     }
 
@@ -203,12 +205,24 @@ def _flatten_py_state(state: tuple) -> tuple:
     return version, torch.tensor(internal, dtype=torch.int64), gauss
 
 
+def _schedule_state(schedule: Any) -> dict[str, Any] | None:
+    """The competition schedule's state for a checkpoint (``None``: none, or one that cannot be
+    saved, e.g. coin flips with a callable rate, which resume rebuilds from the seed)."""
+    try:
+        return None if schedule is None else schedule.state_dict()
+    except (AttributeError, ValueError):
+        return None
+
+
 def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(int(v) for v in internal.tolist()), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)  # dropout on the GPU continues the same stream
     generator.set_state(state["data"])
 
 
@@ -262,6 +276,8 @@ class Trainer:
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
         expert_parallel: bool = False,
     ) -> None:
+        if not isinstance(config, TrainConfig):
+            raise ValueError(f"config of type {type(config).__name__} is not allowed; expected a TrainConfig")
         self.model = model
         self.task = task
         self.config = config
@@ -424,6 +440,8 @@ class Trainer:
                 optimizer.load_state_dict(self._local_optimizer_state(optimizer, saved["optimizer"]))
                 scheduler.load_state_dict(saved["scheduler"])
                 self.ctx.load_state_dict(saved["ctx"])
+                if saved.get("schedule") is not None and self.ctx.schedule is not None:
+                    self.ctx.schedule.load_state_dict(saved["schedule"])  # the same competitions
                 _set_rng_state(saved["rng"], generator)
                 state.update(saved["trainer"])
                 start = int(saved["step"])
@@ -444,24 +462,32 @@ class Trainer:
             self.ctx.step = step
             t0 = time.perf_counter()
             batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
-            if net is None:
-                task_loss, tokens = self.task.loss(self.model, batch)
-                aux = aux_loss(self.model)
-            else:  # this rank's shard; DDP averages the gradients over the ranks in backward
-                task_loss, aux, tokens = net(batch)
+            try:
+                if net is None:
+                    task_loss, tokens = self.task.loss(self.model, batch)
+                    aux = aux_loss(self.model)
+                else:  # this rank's shard; DDP averages the gradients over the ranks in backward
+                    task_loss, aux, tokens = net(batch)
+            except NonFiniteError as exc:  # the routers saw NaN/inf before the loss did
+                raise TrainingError(
+                    f"non-finite values at step {step + 1} ({exc}); stopped; {self._last_good()}. "
+                    "Lower --lr or check the data"
+                ) from exc
             loss = task_loss + aux
             task_value, aux_value = self._mean_over_ranks(task_loss, aux)
             if not math.isfinite(task_value + aux_value):  # the same decision on every rank
-                where = "no checkpoint was written yet"
-                if self.ckpt_dir is not None and (good := ckpt.latest_checkpoint(self.ckpt_dir)):
-                    where = f"the last good checkpoint is {good}"
                 raise TrainingError(
                     f"non-finite loss at step {step + 1} (task {task_value:.4g}, aux {aux_value:.4g}); "
-                    f"stopped; {where}. Lower --lr or check the data"
+                    f"stopped; {self._last_good()}. Lower --lr or check the data"
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = float(self._clip(params, cfg.grad_clip)) if cfg.grad_clip > 0 else float("nan")
+            if not math.isfinite(grad_norm) and cfg.grad_clip > 0:  # the step would poison the weights
+                raise TrainingError(
+                    f"non-finite gradient norm at step {step + 1}; stopped before the update; "
+                    f"{self._last_good()}. Lower --lr or check the data"
+                )
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
@@ -514,6 +540,7 @@ class Trainer:
                             "optimizer": optimizer_state,
                             "scheduler": scheduler.state_dict(),
                             "ctx": self.ctx.state_dict(),
+                            "schedule": _schedule_state(self.ctx.schedule),
                             "rng": _rng_state(generator),
                             "trainer": state,
                         },
@@ -567,6 +594,12 @@ class Trainer:
             self.run.write_metrics(metrics)
         return metrics
 
+    def _last_good(self) -> str:
+        """Where a stopped run can be resumed from (for the non-finite messages)."""
+        if self.ckpt_dir is not None and (good := ckpt.latest_checkpoint(self.ckpt_dir)):
+            return f"the last good checkpoint is {good}"
+        return "no checkpoint was written yet"
+
     def _truncate_log(self, step: int) -> None:
         """Drop ``log.csv`` rows after ``step`` (written after the checkpoint we resume from)."""
         from ..rundir import atomic_write_text
@@ -580,8 +613,9 @@ class Trainer:
         width = lines[0].count(",")
         kept = [lines[0]]
         for ln in lines[1:]:  # complete rows up to ``step`` (a row cut by a kill is dropped)
-            if ln.endswith("\n") and ln.count(",") == width and int(ln.split(",", 1)[0]) <= step:
-                kept.append(ln)
+            first = ln.split(",", 1)[0]
+            if ln.endswith("\n") and ln.count(",") == width and first.isdigit() and int(first) <= step:
+                kept.append(ln)  # (a row of garbage, e.g. zeros after a power loss, is dropped too)
         atomic_write_text(path, "".join(kept))
 
     def config_dict(self) -> dict[str, Any]:
