@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import _validate
-from .functional import ACTIVATIONS
+from .functional import ACTIVATIONS, expert_counts
 from .functional import activation as get_activation
 
 __all__ = ["MLP", "ExpertBank", "ModuleExperts", "grouped_mm_available", "sort_slots"]
@@ -75,7 +75,7 @@ def sort_slots(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
     """
     flat = indices.reshape(-1)  # (S,) S = T*K
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)  # bincount, traceable by torch.compile
     tokens = order // indices.shape[-1]
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -248,6 +248,59 @@ class _ExpertMLP(torch.autograd.Function):
                 torch.mm(g_h, w_in[e], out=g_x[start:stop])
             start = stop
         return g_x, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None
+
+
+# ------------------------------------------------------------------ grouped_mm for torch.compile
+# torch's fake-tensor (meta) kernel of ``_grouped_mm`` accepts bfloat16 only, although the CPU kernel
+# runs float32: tracing ``impl="grouped"`` in float32 fails inside torch.compile.  Under compile the
+# two grouped GEMMs therefore go through these opaque custom ops (shape functions below); eager code
+# calls ``_GROUPED_MM`` directly.  Backward: ``∂a = grouped_mm(g, bᵀ)`` and, per group,
+# ``∂b_e = a_eᵀ g_e`` (``grouped_mm`` of two 2-D operands, one ``(N, ·, ·)`` result).
+
+
+@torch.library.custom_op("moelab::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``a (S, k)`` rows grouped by ``offs`` (cumulative ends, int32) times ``b (N, k, n)`` → ``(S, n)``."""
+    return _GROUPED_MM(a, b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("moelab::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(a: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
+    """``∂b (N, k, n)``: ``a_eᵀ g_e`` for each group's rows (zeros for an empty group)."""
+    return _GROUPED_MM(a.t(), grad.contiguous(), offs=offs)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(a: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
+    return a.new_empty(offs.shape[0], a.shape[1], grad.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _grouped_mm_backward(ctx, grad: Tensor):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    g_a = _grouped_mm_op(grad, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    g_b = _grouped_mm_weight_grad(a, grad, offs) if ctx.needs_input_grad[1] else None
+    return g_a, g_b, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``grouped_mm`` eagerly; the traceable custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(a, b, offs)
+    return _GROUPED_MM(a, b, offs=offs)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -441,12 +494,12 @@ class ExpertBank(nn.Module):
 
     def _grouped(self, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
-        h = _GROUPED_MM(xs, self.w_in.transpose(-2, -1), offs=offs)  # (S, h_in)
+        h = _grouped_mm(xs, self.w_in.transpose(-2, -1), offs)  # (S, h_in)
         if self.b_in is not None or self.b_out is not None:
             experts = indices.reshape(-1).index_select(0, order)  # expert of each sorted slot
         if self.b_in is not None:
             h = h + self.b_in.index_select(0, experts)
-        y = _GROUPED_MM(self.act(h), self.w_out.transpose(-2, -1), offs=offs)  # (S, d)
+        y = _grouped_mm(self.act(h), self.w_out.transpose(-2, -1), offs)  # (S, d)
         if self.b_out is not None:
             y = y + self.b_out.index_select(0, experts)
         return _ContiguousGrad.apply(y)
