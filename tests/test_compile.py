@@ -7,6 +7,8 @@ checks are marked ``slow``.
 from __future__ import annotations
 
 import copy
+import json
+import re
 import warnings
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 import torch._dynamo.testing
 
 from moelab import MoE
+from moelab.cli import main
 from moelab.routing import RoutingContext, attach
 from moelab.schedules import CompetitionSchedule
 
@@ -64,7 +67,10 @@ def _compare_with_eager(method: str, backend: str, steps: int = 2, **kw) -> None
         warnings.simplefilter("ignore")  # competesmoe without a schedule warns (eagerly) once
         for _ in range(steps):
             x, g = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)
-            _assert_steps_equal(_step(compiled, compiled_owner, x, g), _step(eager, eager, x, g))
+            torch.manual_seed(3)  # the same dropout draws (sigma-moe's expert dropout) in both
+            got = _step(compiled, compiled_owner, x, g)
+            torch.manual_seed(3)
+            _assert_steps_equal(got, _step(eager, eager, x, g))
 
 
 @pytest.mark.parametrize("method", FULLGRAPH_METHODS)
@@ -138,3 +144,37 @@ def test_explicit_loop_impl_breaks_the_graph_at_its_host_sync():
     layer = _layer("smoe", impl="loop")
     explanation = torch._dynamo.explain(layer)(torch.randn(16, 32))
     assert explanation.graph_break_count >= 1
+
+
+# ------------------------------------------------------------------ moelab bench layer --compile
+BENCH_TINY = ["bench", "layer", "-T", "16", "--d-model", "8", "--d-hidden", "8", "-N", "4", "-K", "2"]
+
+
+def test_bench_compile_needs_a_warmup_round(capsys):
+    assert main([*BENCH_TINY, "--repeats", "1", "--warmup", "0", "--no-hf", "--compile"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"warmup=0 is not allowed with --compile; expected >= 1", err)
+
+
+@pytest.mark.slow
+def test_bench_compile_adds_compiled_candidates_in_both_phases(capsys):
+    args = [
+        *BENCH_TINY,
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--no-hf",
+        "--impl",
+        "auto",
+        "--json",
+        "--compile",
+    ]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = {(r["name"], r["phase"]) for r in out["results"]}
+    for phase in ("train", "infer"):
+        assert ("compiled dense", phase) in names
+        assert ("compiled moelab auto (=grouped)", phase) in names
+    assert out["config"]["compile"] == "default"
+    assert all(r["note"] == "" for r in out["results"])  # same FLOPs as dense
