@@ -157,6 +157,7 @@ def expert_flops_per_token(module: nn.Module, top_k: int) -> int:
     moelab ``ExpertBank`` and transformers' ``MixtralExperts``: ``K · 2·(d·h_in + h·d)``;
     :class:`MLP`: ``2·(d·h_in + h·d)`` of its own width.  Router FLOPs are not counted.
     """
+    module = getattr(module, "_orig_mod", module)  # a torch.compile'd module: its original
     if isinstance(module, MoE):
         module = module.experts
     if isinstance(module, ExpertBank):
@@ -264,6 +265,11 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     for m in modules.values():
         m.to(device, dtype)
+    if getattr(args, "compile", None):
+        # compiled twins of dense and of each moelab implementation, sharing their weights; the
+        # warm-up rounds pay the compilation (train and infer are compiled separately)
+        for name in [n for n in modules if n == "dense" or n.startswith("moelab")]:
+            modules[f"compiled {name}"] = torch.compile(modules[name], mode=args.compile, dynamic=False)
     x2 = torch.randn(T, d).to(device, dtype)
     x3 = x2.view(1, T, d)  # Mixtral's block wants (batch, seq, d)
     grad = torch.randn(T, d).to(device, dtype)
@@ -338,6 +344,15 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
         help="parameter and input dtype (float32)",
     )
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers' Mixtral block")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        help="add torch.compile'd dense and moelab candidates (inductor; optional mode, default 'default'); "
+        "compilation happens in the warm-up rounds",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -348,6 +363,10 @@ def _check_layer_args(args: argparse.Namespace) -> None:
     _validate.int_in_range("warmup", args.warmup, 0, 1 << 20)
     if args.threads is not None:
         _validate.positive_int("threads", args.threads)
+    if getattr(args, "compile", None) and args.warmup < 1:
+        raise ValueError(
+            f"warmup={args.warmup!r} is not allowed with --compile; expected >= 1 (the first round compiles)"
+        )
     if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
         raise ValueError(
             f"device={args.device!r} is not allowed; expected 'cpu' or 'cuda' (with a CUDA device)"
@@ -384,6 +403,7 @@ def run_layer(args: argparse.Namespace) -> int:
             "impl",
             "device",
             "dtype",
+            "compile",
         )
     }
     config.update(

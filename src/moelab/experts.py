@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import _validate
-from .functional import ACTIVATIONS
+from .functional import ACTIVATIONS, expert_counts
 from .functional import activation as get_activation
 
 __all__ = ["MLP", "ExpertBank", "ModuleExperts", "grouped_mm_available", "sort_slots"]
@@ -75,7 +75,7 @@ def sort_slots(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
     """
     flat = indices.reshape(-1)  # (S,) S = T*K
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)  # bincount, traceable by torch.compile
     tokens = order // indices.shape[-1]
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -248,6 +248,70 @@ class _ExpertMLP(torch.autograd.Function):
                 torch.mm(g_h, w_in[e], out=g_x[start:stop])
             start = stop
         return g_x, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None
+
+
+# ------------------------------------------------------------------ grouped_mm for torch.compile
+# torch's fake-tensor (meta) kernel of ``_grouped_mm`` accepts bfloat16 only, although the CPU kernel
+# runs float32: tracing ``impl="grouped"`` in float32 fails inside torch.compile.  Under compile the
+# two grouped GEMMs therefore go through these opaque custom ops (shape functions below); eager code
+# calls ``_GROUPED_MM`` directly.  The stacked weight enters in its stored layout and is transposed
+# inside the op (a transposed view as an op input is materialised by inductor: a 16 MB copy per
+# GEMM at the bench's sizes).  Backward: ``∂a = g bᵀ`` (a grouped GEMM) and, per group,
+# ``∂b_e = a_eᵀ g_e`` (``grouped_mm`` of two 2-D operands, one ``(N, ·, ·)`` result).
+
+
+@torch.library.custom_op("moelab::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: Tensor, b: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+    """Rows of ``a (S, k)`` grouped by ``offs`` (cumulative ends, int32) times ``b[e]`` (``(N, k, n)``)
+    or, with ``trans_b``, ``b[e]ᵀ`` (``b (N, n, k)``, the ``nn.Linear`` layout) → ``(S, n)``."""
+    return _GROUPED_MM(a, b.transpose(-2, -1) if trans_b else b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(a: Tensor, b: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+    return a.new_empty(a.shape[0], b.shape[-2] if trans_b else b.shape[-1])
+
+
+@torch.library.custom_op("moelab::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(p: Tensor, q: Tensor, offs: Tensor) -> Tensor:
+    """``(N, m, n)``: ``p_eᵀ q_e`` for each group's rows of ``p (S, m)`` and ``q (S, n)`` (zeros for
+    an empty group)."""
+    return _GROUPED_MM(p.t(), q, offs=offs)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(p: Tensor, q: Tensor, offs: Tensor) -> Tensor:
+    return p.new_empty(offs.shape[0], p.shape[1], q.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    a, b, offs, trans_b = inputs
+    ctx.save_for_backward(a, b, offs)
+    ctx.trans_b = trans_b
+
+
+def _grouped_mm_backward(ctx, grad: Tensor):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    g_a = g_b = None
+    if ctx.needs_input_grad[0]:
+        g_a = _grouped_mm_op(grad, b, offs, not ctx.trans_b)
+    if ctx.needs_input_grad[1]:
+        g_b = (
+            _grouped_mm_weight_grad(grad, a, offs) if ctx.trans_b else _grouped_mm_weight_grad(a, grad, offs)
+        )
+    return g_a, g_b, None, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _grouped_mm_nt(a: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """``a_e w[e]ᵀ`` per group (``w`` in the ``nn.Linear`` layout): ``grouped_mm`` eagerly, the
+    traceable custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(a, w, offs, True)
+    return _GROUPED_MM(a, w.transpose(-2, -1), offs=offs)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -441,12 +505,12 @@ class ExpertBank(nn.Module):
 
     def _grouped(self, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
-        h = _GROUPED_MM(xs, self.w_in.transpose(-2, -1), offs=offs)  # (S, h_in)
+        h = _grouped_mm_nt(xs, self.w_in, offs)  # (S, h_in)
         if self.b_in is not None or self.b_out is not None:
             experts = indices.reshape(-1).index_select(0, order)  # expert of each sorted slot
         if self.b_in is not None:
             h = h + self.b_in.index_select(0, experts)
-        y = _GROUPED_MM(self.act(h), self.w_out.transpose(-2, -1), offs=offs)  # (S, d)
+        y = _grouped_mm_nt(self.act(h), self.w_out, offs)  # (S, d)
         if self.b_out is not None:
             y = y + self.b_out.index_select(0, experts)
         return _ContiguousGrad.apply(y)

@@ -18,6 +18,7 @@ __all__ = [
     "activation",
     "competition_affinity",
     "cosine_logits",
+    "expert_counts",
     "normalized_weights",
     "topk_softmax",
 ]
@@ -162,4 +163,17 @@ def competition_affinity(outputs: Tensor, activation: str = "softplus", reduce: 
         return (log_mean - log_mean.amax(dim=-1, keepdim=True).detach()).exp()
     raise ValueError(
         f"activation={activation!r} is not a competition activation; allowed: {list(COMPETITION_ACTIVATIONS)}"
+    )
+
+
+def expert_counts(indices: Tensor, num_experts: int) -> Tensor:
+    """``(N,)`` int64: how many of the slots in ``indices`` (any shape) chose each expert.
+
+    ``torch.bincount(indices.flatten(), minlength=N)`` for indices in ``[0, N)``, written as a
+    scatter-add of ones so that the output shape does not depend on the data: torch.compile traces
+    it without a graph break (``bincount``'s length is ``max(N, max(indices) + 1)``).
+    """
+    flat = indices.reshape(-1)
+    return flat.new_zeros(num_experts, dtype=torch.int64).scatter_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64)
     )

@@ -39,7 +39,8 @@ class MoE(nn.Module):
         experts: a custom expert bank (e.g. :class:`ModuleExperts` of CNN experts) used instead of
             an :class:`ExpertBank`; it must have ``num_experts`` == N.
         check_finite: raise ``RuntimeError`` when router logits are NaN/inf (one host sync per
-            forward; switch off for ``torch.compile`` or speed).
+            forward; switch off for speed).  Under ``torch.compile`` the check is traced as
+            ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses, and
             ``num_shared``), overriding the preset.
@@ -144,11 +145,16 @@ class MoE(nn.Module):
         if self.check_finite:
             # the router's logits, or the routing weights of a router without logits (competition)
             scores = routing.logits if routing.logits is not None else routing.weights
-            if not torch.isfinite(scores).all():
-                raise NonFiniteError(
-                    f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
-                    "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
-                )
+            message = (
+                f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
+                "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
+            )
+            if torch.compiler.is_compiling():
+                # a Python ``if`` on a tensor is a graph break; the asserting op is traced instead
+                # (it raises RuntimeError when the graph runs; on CUDA it fires asynchronously)
+                torch._assert_async(torch.isfinite(scores).all(), message)
+            elif not torch.isfinite(scores).all():
+                raise NonFiniteError(message)
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, routing.weights)
         else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .functional import expert_counts
+
 __all__ = [
     "LOSS_NAMES",
     "competition_router_loss",
@@ -38,7 +40,7 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
         indices: ``(T, K)`` chosen experts.
     """
     compute = torch.promote_types(probs.dtype, torch.float32)  # counts above 256 are not exact in bf16
-    f = torch.bincount(indices.reshape(-1), minlength=num_experts).to(compute) / indices.numel()
+    f = expert_counts(indices, num_experts).to(compute) / indices.numel()
     return (num_experts * (f * probs.to(compute).mean(dim=0)).sum()).to(probs.dtype)
 
 

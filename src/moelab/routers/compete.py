@@ -130,6 +130,14 @@ def _check_competition_options(kappa: str, reduce: str, weighting: str, grad_pat
     _validate.one_of("grad_path", grad_path, GRAD_PATHS)
 
 
+@torch.compiler.disable
+def _schedule_active(ctx: RoutingContext, layer: int) -> bool:
+    """``ctx.schedule.active(layer, ctx.step)``, run outside torch.compile: the lookup is Python on a
+    step that changes every call, so tracing it would recompile every step.  Under compile this is
+    one graph break, and the code after it is compiled once per branch (competes or not)."""
+    return bool(ctx.schedule.active(layer, ctx.step))
+
+
 @register("competition")
 class CompetitionRouter(Router):
     """Pure competition (000 §3.1; 001 §2.2): no learned router; every expert runs on every token
@@ -285,7 +293,7 @@ class CompeteSMoERouter(Router):
         if not self.training:
             return False
         if ctx is None or ctx.schedule is None:
-            if not self._warned:
+            if not self._warned and not torch.compiler.is_compiling():  # a warning breaks the graph
                 warnings.warn(
                     f"competesmoe layer {self.layer_index}: no RoutingContext with a schedule "
                     "(moelab.attach(model, RoutingContext(schedule=CompetitionSchedule(...)))); it routes "
@@ -294,7 +302,7 @@ class CompeteSMoERouter(Router):
                 )
                 self._warned = True
             return False
-        return bool(ctx.schedule.active(self.layer_index, ctx.step))
+        return _schedule_active(ctx, self.layer_index)
 
     def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
         routing = self.base(x, experts, ctx)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..functional import normalized_weights
+from ..functional import expert_counts, normalized_weights
 from ..routing import Routing, RoutingContext
 from . import register
 from .base import Router
@@ -127,7 +127,7 @@ class SigmoidRouter(Router):
 
     @torch.no_grad()
     def _update_bias(self, indices: Tensor) -> None:
-        load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+        load = expert_counts(indices, self.num_experts).float()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(load)
         self.selection_bias += self.bias_update_rate * torch.sign(load.mean() - load)

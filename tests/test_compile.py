@@ -1,0 +1,180 @@
+"""torch.compile: the MoE layer traces without graph breaks and compiled steps equal eager ones.
+
+Fast checks use dynamo's ``eager`` / ``aot_eager`` backends (no C++ compilation); the inductor
+checks are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import warnings
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+from moelab import MoE
+from moelab.cli import main
+from moelab.routing import RoutingContext, attach
+from moelab.schedules import CompetitionSchedule
+
+# routers whose steady-state forward (training, no competition) compiles as one graph
+FULLGRAPH_METHODS = ["smoe", "competesmoe", "xmoe", "pcosine", "sigma-moe", "sharede-v3"]
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _layer(method: str, **kw) -> MoE:
+    torch.manual_seed(0)
+    return MoE(32, 8, 2, 64, method=method, activation="swiglu", **kw)
+
+
+def _step(module, owner: MoE, x: torch.Tensor, g: torch.Tensor):
+    """One training step (task loss ``<y, g>`` + aux loss, as a trainer does); returns output,
+    input grad, parameter grads and aux loss."""
+    x = x.clone().requires_grad_()
+    owner.zero_grad(set_to_none=True)
+    y = module(x)
+    ((y * g).sum() + owner.aux_loss).backward()
+    grads = {n: p.grad for n, p in owner.named_parameters()}
+    return y.detach(), x.grad, grads, owner.aux_loss.detach()
+
+
+def _assert_steps_equal(got, want) -> None:
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[3], want[3])
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], msg=name)
+
+
+def _compare_with_eager(method: str, backend: str, steps: int = 2, **kw) -> None:
+    """Two training steps of a compiled copy (fullgraph) against two eager steps of another copy
+    (copies, because sharede-v3 updates its selection bias every training step)."""
+    eager = _layer(method, **kw)
+    compiled_owner = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_owner, backend=backend, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # competesmoe without a schedule warns (eagerly) once
+        for _ in range(steps):
+            x, g = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)
+            torch.manual_seed(3)  # the same dropout draws (sigma-moe's expert dropout) in both
+            got = _step(compiled, compiled_owner, x, g)
+            torch.manual_seed(3)
+            _assert_steps_equal(got, _step(eager, eager, x, g))
+
+
+@pytest.mark.parametrize("method", FULLGRAPH_METHODS)
+@pytest.mark.parametrize("training", [True, False])
+def test_layer_traces_as_one_graph(method, training):
+    layer = _layer(method).train(training)
+    x = torch.randn(64, 32, requires_grad=True)
+    explanation = torch._dynamo.explain(layer)(x)
+    assert explanation.graph_break_count == 0, [str(b.reason)[:300] for b in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+def test_finite_check_is_traced_not_a_graph_break():
+    layer = _layer("smoe", check_finite=True)
+    assert torch._dynamo.explain(layer)(torch.randn(16, 32)).graph_break_count == 0
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    compiled(torch.randn(16, 32))  # finite: runs
+    bad = torch.randn(16, 32)
+    bad[3, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="not finite"):
+        compiled(bad)
+
+
+@pytest.mark.parametrize("method", ["smoe", "competesmoe"])
+def test_compiled_training_step_equals_eager_aot(method):
+    _compare_with_eager(method, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["xmoe", "pcosine", "sigma-moe", "sharede-v3"])
+def test_compiled_training_step_equals_eager_aot_other_routers(method):
+    _compare_with_eager(method, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["smoe", "competesmoe"])
+def test_compiled_training_step_equals_eager_inductor(method):
+    _compare_with_eager(method, "inductor")
+
+
+def test_competesmoe_schedule_compiles_once_per_branch():
+    """With a schedule the lookup runs outside the graph (one break); after one compilation per
+    branch (competes / does not) later steps reuse the compiled code, and every step equals eager."""
+    eager = _layer("competesmoe")
+    owner = copy.deepcopy(eager)
+    schedule = CompetitionSchedule(1, 20, omega=0.5, warmup=0.0, seed=0)
+    flags = [schedule.active(0, t) for t in range(6)]
+    assert True in flags and False in flags  # both branches are exercised
+    ctx_e, ctx_c = (
+        RoutingContext(total_steps=20, schedule=schedule),
+        RoutingContext(total_steps=20, schedule=schedule),
+    )
+    attach(eager, ctx_e)
+    attach(owner, ctx_c)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(owner, backend=counter)
+    gen = torch.Generator().manual_seed(2)
+    frames = []
+    for t in range(6):
+        ctx_e.step = ctx_c.step = t
+        x, g = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)
+        _assert_steps_equal(_step(compiled, owner, x, g), _step(eager, eager, x, g))
+        frames.append(counter.frame_count)
+    first_of_both = max(flags.index(True), flags.index(False))
+    assert frames[first_of_both:] == [frames[first_of_both]] * (6 - first_of_both)  # no recompiles
+
+
+def test_explicit_loop_impl_breaks_the_graph_at_its_host_sync():
+    """``impl="loop"`` reads the expert counts on the host (``counts.tolist()``): a documented
+    graph break; ``auto`` picks ``grouped`` here and has none (test above)."""
+    layer = _layer("smoe", impl="loop")
+    explanation = torch._dynamo.explain(layer)(torch.randn(16, 32))
+    assert explanation.graph_break_count >= 1
+
+
+# ------------------------------------------------------------------ moelab bench layer --compile
+BENCH_TINY = ["bench", "layer", "-T", "16", "--d-model", "8", "--d-hidden", "8", "-N", "4", "-K", "2"]
+
+
+def test_bench_compile_needs_a_warmup_round(capsys):
+    assert main([*BENCH_TINY, "--repeats", "1", "--warmup", "0", "--no-hf", "--compile"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"warmup=0 is not allowed with --compile; expected >= 1", err)
+
+
+@pytest.mark.slow
+def test_bench_compile_adds_compiled_candidates_in_both_phases(capsys):
+    args = [
+        *BENCH_TINY,
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--no-hf",
+        "--impl",
+        "auto",
+        "--json",
+        "--compile",
+    ]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = {(r["name"], r["phase"]) for r in out["results"]}
+    for phase in ("train", "infer"):
+        assert ("compiled dense", phase) in names
+        assert ("compiled moelab auto (=grouped)", phase) in names
+    assert out["config"]["compile"] == "default"
+    assert all(r["note"] == "" for r in out["results"])  # same FLOPs as dense
