@@ -9,6 +9,14 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread in every test, restored after tests (the CLI's --threads) that change it."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from the same seed, so it is deterministic on CPU."""
     torch.manual_seed(0)

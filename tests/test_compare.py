@@ -6,19 +6,10 @@ import csv
 import math
 
 import pytest
-import torch
 
 import moelab
 from moelab.cli import main
 from moelab.experiments.report import welch_p
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

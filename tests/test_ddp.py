@@ -26,14 +26,6 @@ from moelab.experiments.lm import LMTask, build_model
 from moelab.rundir import RunDir
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "tiny.txt"

@@ -17,14 +17,6 @@ from moelab.models.classifier import LMClassifier, freeze_routers
 from moelab.models.lm import LMConfig, TransformerLM
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     root = tmp_path_factory.mktemp("ft")

@@ -15,16 +15,6 @@ from moelab.experiments.lm import LMTask
 from moelab.models.lm import PRESETS, LMConfig, TransformerLM, count_parameters, lm_config
 from moelab.train import TrainConfig, Trainer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: these tiny models only lose from threading on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.0)
 
 

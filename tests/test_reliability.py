@@ -27,14 +27,6 @@ KEYS = ["step", "lr", "loss", "aux_loss", "grad_norm", "tokens", "val_loss", "va
 STABLE_METRICS = ("train_loss", "val_bpc", "test_bpc", "test_loss", "best_step", "steps", "params")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "t.txt"
