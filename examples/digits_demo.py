@@ -20,6 +20,7 @@ from torch import nn
 
 import moelab
 from moelab.rundir import RunDir
+from moelab.schedules import build_schedule
 
 
 class DigitsMoE(nn.Module):
@@ -29,7 +30,10 @@ class DigitsMoE(nn.Module):
         super().__init__()
         self.embed = nn.Linear(64, d_model)
         self.blocks = nn.ModuleList(
-            [moelab.MoE(d_model, num_experts, top_k, d_hidden=64, method=method, activation="gelu") for _ in range(2)]
+            [
+                moelab.MoE(d_model, num_experts, top_k, d_hidden=64, method=method, activation="gelu")
+                for _ in range(2)
+            ]
         )
         self.norms = nn.ModuleList([nn.LayerNorm(d_model) for _ in range(2)])
         self.head = nn.Linear(d_model, 10)
@@ -56,7 +60,10 @@ def train_one(method: str, seed: int, epochs: int, data: tuple[torch.Tensor, ...
     torch.manual_seed(seed)
     model = DigitsMoE(method)
     steps_per_epoch = (len(x_tr) + 63) // 64
-    ctx = moelab.RoutingContext(total_steps=epochs * steps_per_epoch)
+    total = epochs * steps_per_epoch
+    # the competition schedule of competesmoe / densemoe (None for the other methods)
+    schedule = build_schedule(method, num_layers=len(model.blocks), total_steps=total, seed=seed)
+    ctx = moelab.RoutingContext(total_steps=total, schedule=schedule)
     moelab.attach(model, ctx)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed)
@@ -78,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=["smoe", "xmoe", "pcosine"], choices=moelab.methods())
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=None, help="write config.yaml, results.csv, metrics.json here")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="write config.yaml, results.csv, metrics.json here"
+    )
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out run")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.epochs < 1:
