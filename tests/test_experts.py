@@ -276,3 +276,30 @@ def test_dispatch_of_zero_tokens_is_empty(impl):
     assert out.shape == (0, 8)
     modules = _module_experts(3, 6, 2)
     assert modules(torch.randn(0, 6), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1)).shape == (0, 2)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", "swiglu"])
+def test_forward_winners_matches_autograd_through_forward_all_without_rerunning_experts(activation):
+    torch.manual_seed(0)
+    bank = ExpertBank(5, 6, 8, activation=activation, bias=True).double()
+    for b in (bank.b_in, bank.b_out):
+        torch.nn.init.normal_(b)
+    x = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+
+    def choose(y):
+        s = y.norm(dim=-1)
+        return s.topk(2, dim=-1).indices, s
+
+    winners, out, scores = bank.forward_winners(x, choose)
+    params = [x, bank.w_in, bank.w_out, bank.b_in, bank.b_out]
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, params, g)
+    all_out = bank.forward_all(x)  # the literal: gather the winners from a differentiable pass
+    ref_winners = all_out.detach().norm(dim=-1).topk(2, dim=-1).indices
+    ref = all_out.gather(1, ref_winners.unsqueeze(-1).expand(-1, -1, 6))
+    want = torch.autograd.grad(ref, params, g)
+    assert torch.equal(winners, ref_winners)
+    torch.testing.assert_close(out.detach(), ref.detach())
+    torch.testing.assert_close(scores, all_out.detach().norm(dim=-1))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

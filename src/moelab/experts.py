@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -205,49 +206,117 @@ class _ExpertMLP(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         xs, w_in, w_out, h, *aux = ctx.saved_tensors
-        need_x, need_w_in, need_w_out, need_b_in, need_b_out = ctx.needs_input_grad[:5]
-        swiglu = ctx.act_name == "swiglu"
-        grad = grad.contiguous()
-        g_x = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_x else None
-        g_w_in = torch.empty_like(w_in, memory_format=torch.contiguous_format) if need_w_in else None
-        g_w_out = torch.empty_like(w_out, memory_format=torch.contiguous_format) if need_w_out else None
-        g_b_in = grad.new_empty(w_in.shape[:2]) if need_b_in and ctx.has_bias[0] else None
-        g_b_out = grad.new_empty(w_out.shape[:2]) if need_b_out and ctx.has_bias[1] else None
-        start, i = 0, 0
-        for e, c in enumerate(ctx.counts):
-            if c == 0:
-                for g in (g_w_in, g_w_out, g_b_in, g_b_out):
-                    if g is not None:
-                        g[e].zero_()
-                continue
-            stop = start + c
-            g_y, h_e, aux_e = grad[start:stop], h[start:stop], aux[i]
-            i += 1
-            if swiglu:
-                gate, up = h_e.chunk(2, dim=-1)
-                a_e = aux_e * up
-            else:
-                a_e = aux_e
-            if g_w_out is not None:
-                torch.mm(g_y.t(), a_e, out=g_w_out[e])
-            if g_b_out is not None:
-                torch.sum(g_y, 0, out=g_b_out[e])
-            g_a = g_y @ w_out[e]
-            if swiglu:  # a = silu(gate) * up
-                g_h = torch.empty_like(h_e)
-                g_gate, g_up = g_h.chunk(2, dim=-1)
-                torch.mul(g_a, aux_e, out=g_up)
-                torch.ops.aten.silu_backward.grad_input(g_a.mul_(up), gate, grad_input=g_gate)
-            else:
-                g_h = _activation_backward(ctx.act_name, ctx.act, h_e, g_a)
-            if g_w_in is not None:
-                torch.mm(g_h.t(), xs[start:stop], out=g_w_in[e])
-            if g_b_in is not None:
-                torch.sum(g_h, 0, out=g_b_in[e])
-            if g_x is not None:
-                torch.mm(g_h, w_in[e], out=g_x[start:stop])
-            start = stop
-        return g_x, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None
+        grads = _mlp_backward(
+            grad,
+            xs,
+            h,
+            aux,
+            w_in,
+            w_out,
+            ctx.counts,
+            ctx.act_name,
+            ctx.act,
+            ctx.needs_input_grad[:5],
+            ctx.has_bias,
+        )
+        return (*grads, None, None, None)
+
+
+def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, has_bias):
+    """The backward of the experts' MLPs on expert-sorted rows: ``(∂xs, ∂w_in, ∂w_out, ∂b_in, ∂b_out)``.
+
+    ``h`` holds the pre-activations; ``aux`` per non-empty expert ``silu(gate)`` (``swiglu``) or
+    ``act(h)`` (others), or ``None`` to recompute them from ``h`` (one elementwise op per expert).
+    Every expert's weight gradient is written into row ``e`` of one ``(N, ·, ·)`` buffer; experts
+    with no rows get zeros.
+    """
+    need_x, need_w_in, need_w_out, need_b_in, need_b_out = needs
+    swiglu = act_name == "swiglu"
+    grad = grad.contiguous()
+    g_x = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_x else None
+    g_w_in = torch.empty_like(w_in, memory_format=torch.contiguous_format) if need_w_in else None
+    g_w_out = torch.empty_like(w_out, memory_format=torch.contiguous_format) if need_w_out else None
+    g_b_in = grad.new_empty(w_in.shape[:2]) if need_b_in and has_bias[0] else None
+    g_b_out = grad.new_empty(w_out.shape[:2]) if need_b_out and has_bias[1] else None
+    start, i = 0, 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            for g in (g_w_in, g_w_out, g_b_in, g_b_out):
+                if g is not None:
+                    g[e].zero_()
+            continue
+        stop = start + c
+        g_y, h_e = grad[start:stop], h[start:stop]
+        if swiglu:
+            gate, up = h_e.chunk(2, dim=-1)
+            aux_e = aux[i] if aux is not None else F.silu(gate)
+            a_e = aux_e * up
+        else:
+            aux_e = aux[i] if aux is not None else act(h_e)
+            a_e = aux_e
+        i += 1
+        if g_w_out is not None:
+            torch.mm(g_y.t(), a_e, out=g_w_out[e])
+        if g_b_out is not None:
+            torch.sum(g_y, 0, out=g_b_out[e])
+        g_a = g_y @ w_out[e]
+        if swiglu:  # a = silu(gate) * up
+            g_h = torch.empty_like(h_e)
+            g_gate, g_up = g_h.chunk(2, dim=-1)
+            torch.mul(g_a, aux_e, out=g_up)
+            torch.ops.aten.silu_backward.grad_input(g_a.mul_(up), gate, grad_input=g_gate)
+        else:
+            g_h = _activation_backward(act_name, act, h_e, g_a)
+        if g_w_in is not None:
+            torch.mm(g_h.t(), xs[start:stop], out=g_w_in[e])
+        if g_b_in is not None:
+            torch.sum(g_h, 0, out=g_b_in[e])
+        if g_x is not None:
+            torch.mm(g_h, w_in[e], out=g_x[start:stop])
+        start = stop
+    return g_x, g_w_in, g_w_out, g_b_in, g_b_out
+
+
+class _WinnerMLP(torch.autograd.Function):
+    """The winners' outputs of a competition with autograd, without running any expert again.
+
+    Forward receives the outputs ``y_w (T, K, d)`` and pre-activations ``h_w (T, K, h_in)`` that
+    :meth:`ExpertBank.forward_winners` kept from its single pass over all N experts and returns
+    ``y_w``; backward sorts the ``(token, winner)`` slots by expert once and back-propagates
+    through the winners' MLPs only (:func:`_mlp_backward`): N + 2K expert passes per token in all.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_in, w_out, b_in, b_out, winners, h_w, y_w, act_name: str, act):
+        ctx.save_for_backward(x, w_in, w_out, winners, h_w)
+        ctx.act_name, ctx.act = act_name, act
+        ctx.has_bias = (b_in is not None, b_out is not None)
+        return y_w.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, w_in, w_out, winners, h_w = ctx.saved_tensors
+        T, K = winners.shape
+        order, counts, tokens, _ = sort_slots(winners, w_in.shape[0])
+        g = grad.reshape(T * K, -1).index_select(0, order)  # expert-sorted slots
+        h = h_w.reshape(T * K, -1).index_select(0, order)
+        xs = x.index_select(0, tokens)
+        g_xs, g_w_in, g_w_out, g_b_in, g_b_out = _mlp_backward(
+            g,
+            xs,
+            h,
+            None,
+            w_in,
+            w_out,
+            counts.tolist(),
+            ctx.act_name,
+            ctx.act,
+            ctx.needs_input_grad[:5],
+            ctx.has_bias,
+        )
+        g_x = None if g_xs is None else torch.zeros_like(x).index_add_(0, tokens, g_xs)
+        return g_x, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None, None, None
 
 
 # ------------------------------------------------------------------ grouped_mm for torch.compile
@@ -442,6 +511,44 @@ class ExpertBank(nn.Module):
                 y = y + self.b_out
             outs.append(y)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def forward_winners(self, x: Tensor, choose) -> tuple[Tensor, Tensor, Any]:
+        """Every expert on every token once, and the chosen experts' outputs with autograd.
+
+        The competition's pass (000 §3.1; 001 §2.2): all N experts run without autograd in token
+        chunks; ``choose(outputs (t, N, d)) -> (indices (t, K), extra)`` picks each token's winners
+        from their outputs; the winners' outputs and pre-activations are kept and the rest
+        dropped.  The returned outputs back-propagate to the winners only, through the kept
+        activations (:class:`_WinnerMLP`): no expert runs twice, and the activation memory is that
+        of a K-expert step.
+
+        Returns:
+            ``(indices (T, K), outputs (T, K, d), extra)``, ``extra`` concatenated over chunks.
+        """
+        h_in = self.w_in.shape[1]
+        chunk = max(1, min(self.chunk_elements, 1 << 22) // (self.num_experts * h_in))
+        idx_l, h_l, y_l, extra_l = [], [], [], []
+        with torch.no_grad():
+            for xc in x.split(chunk):
+                h = torch.einsum("td,nhd->tnh", xc, self.w_in)  # (t, N, h_in)
+                if self.b_in is not None:
+                    h = h + self.b_in
+                y = torch.einsum("tnh,ndh->tnd", self.act(h), self.w_out)  # (t, N, d)
+                if self.b_out is not None:
+                    y = y + self.b_out
+                idx, extra = choose(y)
+                pick = idx.unsqueeze(-1)
+                idx_l.append(idx)
+                h_l.append(h.gather(1, pick.expand(-1, -1, h_in)))
+                y_l.append(y.gather(1, pick.expand(-1, -1, y.shape[-1])))
+                extra_l.append(extra)
+        cat = lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0]
+        winners, h_w, y_w, extra = cat(idx_l), cat(h_l), cat(y_l), cat(extra_l)
+        if torch.is_grad_enabled():
+            y_w = _WinnerMLP.apply(
+                x, self.w_in, self.w_out, self.b_in, self.b_out, winners, h_w, y_w, self.activation, self.act
+            )
+        return winners, y_w, extra
 
     # ------------------------------------------------------------------ dispatch
     def grouped_aligned(self, dtype: torch.dtype) -> bool:

@@ -7,17 +7,19 @@ expert for them again.
 
 How the winners' outputs get their gradient (option ``grad_path``):
 
-* ``"winners"`` (default): the N experts run once without autograd (in token chunks: the scores
-  are reduced chunk by chunk, no ``(T, N, d)`` tensor is kept), then the K winners run again with
-  autograd through the bank's sorted dispatch.  Cost ``N + 3K`` expert passes per token (forward
-  N, then forward + backward K) and the activation memory of an smoe step.
-* ``"all"``: one differentiable ``forward_all`` and the winners' outputs gathered from it (no
-  expert runs twice), but the backward then runs over all N experts: ``3N`` passes and ``N/K``
-  times the activation memory.  Non-winners get exactly zero gradient either way.
+* ``"winners"`` (default): for an :class:`moelab.ExpertBank`, the N experts run once without
+  autograd, in token chunks (:meth:`ExpertBank.forward_winners`); the winners' outputs and
+  pre-activations are kept, everything else dropped, and the backward runs through the K winners
+  only from those kept activations.  No expert runs twice: ``N + 2K`` expert passes per token
+  (forward N, backward 2K) and the activation memory of an smoe step.  Other banks
+  (``ModuleExperts``, the expert-parallel bank) run the K winners again with autograd
+  (``N + 3K`` passes).
+* ``"all"``: one differentiable ``forward_all`` and the winners' outputs gathered from it, but the
+  backward then runs over all N experts: ``3N`` passes and ``N/K`` times the activation memory.
+  Non-winners get exactly zero gradient either way.
 
-``"winners"`` is the cheaper of the two whenever ``N + 3K < 3N``, i.e. always for K < N; the
-benchmark ``moelab bench compete`` measures both.  κ = ``softmax`` couples the experts (its
-affinity needs all N outputs), so it always uses ``"all"``.
+κ = ``softmax`` couples the experts (its affinity needs all N outputs), so it always uses
+``"all"``.  The benchmark ``moelab bench compete`` measures the paths.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def _scores_no_grad(
     return cat(scores), cat(winners), cat(outs)
 
 
+def _choose(outputs: Tensor, k: int, kappa: str, reduce: str) -> tuple[Tensor, Tensor]:
+    """Winners ``TopK(s)`` of all experts' outputs ``(t, N, d)`` and the affinities ``s (t, N)``."""
+    s = competition_affinity(outputs, kappa, reduce)
+    return s.topk(k, dim=-1).indices, s
+
+
 def _winner_outputs(x: Tensor, experts: nn.Module, winners: Tensor) -> Tensor:
     """The winners' outputs ``(T, K, d)`` with autograd, through the bank's sorted dispatch (each
     (token, winner) slot is one row with weight 1)."""
@@ -105,6 +113,14 @@ def compete(
             outputs = all_out.gather(1, winners.unsqueeze(-1).expand(-1, -1, all_out.shape[-1]))
             win_scores = s.gather(1, winners)
             return winners, _weights(win_scores, weighting), outputs, s.detach()
+    if hasattr(experts, "forward_winners"):  # an ExpertBank: one pass, winners' activations kept
+        winners, outputs, scores = experts.forward_winners(x, lambda y: _choose(y, k, kappa, reduce))
+        # the affinity of a winner depends on its own output only (for exp the shift is the top-1
+        # winner's, the same as over all N): recomputed from the outputs, with autograd
+        win_scores = competition_affinity(outputs, kappa, reduce) if torch.is_grad_enabled() else None
+        if win_scores is None:
+            win_scores = scores.gather(1, winners)
+        return winners, _weights(win_scores, weighting), outputs, scores
     scores, winners, outputs = _scores_no_grad(x, experts, k, kappa, reduce)
     if torch.is_grad_enabled():
         outputs = _winner_outputs(x, experts, winners)
