@@ -6,8 +6,9 @@ A stack of ``--layers`` pre-norm residual MoE blocks (``x + MoE(LayerNorm(x))``)
 
 * the mean training-step time of each (mean, not median: competition steps are the rare slow
   ones) and their ratio, beside the theoretical extra cost ``ω·(N−K)/K × share`` (backward
-  through all N experts, ``grad_path="all"``) and ``ω·N/(3K) × share`` (the default
-  ``grad_path="winners"``: N forwards without autograd, then the K winners forward and backward),
+  through all N experts, ``grad_path="all"``) and ``ω·(N−K)/(3K) × share`` (the default
+  ``grad_path="winners"``: N forwards without autograd keeping the winners' activations, then the
+  K winners' backward: N + 2K passes against smoe's 3K),
   where ``share`` is the measured fraction of an smoe step spent in the experts and ω the
   realised competition rate;
 * the peak memory of one step in which ``A_max`` layers compete against one smoe step: on CUDA
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     share = _expert_share(cfg, statistics.median(res["times"]["smoe"]))
     rate = res["rate"]
     theory_all = rate * (N - K) / K * share
-    theory_winners = rate * N / (3 * K) * share
+    theory_winners = rate * (N - K) / (3 * K) * share
     print(
         f"  smoe        step: mean {t_s * 1e3:8.2f} ms  (median {statistics.median(res['times']['smoe']) * 1e3:.2f})"
     )
@@ -298,8 +299,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"  theoretical extra: ω·(N−K)/K × share = {theory_all:.3f} (grad through all N);  "
-        f"ω·N/(3K) × share = {theory_winners:.3f} (grad_path=winners)"
+        f"ω·(N−K)/(3K) × share = {theory_winners:.3f} (grad_path=winners)"
     )
+    theory = 1 + (theory_all if args.grad_path == "all" else theory_winners)
+    print(f"  measured / theoretical step ratio: {t_c / t_s:.3f} / {theory:.3f} = {t_c / t_s / theory:.3f}")
     if not args.no_memory:
         active = set(range(min(cfg.a_max, cfg.layers)))
         saved_s = _saved_bytes(cfg, "smoe", set())
