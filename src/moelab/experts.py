@@ -299,8 +299,8 @@ class _WinnerMLP(torch.autograd.Function):
         x, w_in, w_out, winners, h_w = ctx.saved_tensors
         T, K = winners.shape
         order, counts, tokens, _ = sort_slots(winners, w_in.shape[0])
-        g = grad.reshape(T * K, -1).index_select(0, order)  # expert-sorted slots
-        h = h_w.reshape(T * K, -1).index_select(0, order)
+        g = grad.reshape(T * K, grad.shape[-1]).index_select(0, order)  # expert-sorted slots
+        h = h_w.reshape(T * K, h_w.shape[-1]).index_select(0, order)
         xs = x.index_select(0, tokens)
         g_xs, g_w_in, g_w_out, g_b_in, g_b_out = _mlp_backward(
             g,
