@@ -493,6 +493,16 @@ class ExpertBank(nn.Module):
         b_out = None if self.b_out is None else self.b_out[e]
         return F.linear(self.act(F.linear(x, self.w_in[e], b_in)), self.w_out[e], b_out)
 
+    def _all_experts(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Every expert on the tokens ``x (t, d)``: pre-activations ``(t, N, h_in)`` and outputs ``(t, N, d)``."""
+        h = torch.einsum("td,nhd->tnh", x, self.w_in)
+        if self.b_in is not None:
+            h = h + self.b_in
+        y = torch.einsum("tnh,ndh->tnd", self.act(h), self.w_out)
+        if self.b_out is not None:
+            y = y + self.b_out
+        return h, y
+
     def forward_all(self, x: Tensor) -> Tensor:
         """Every expert on every token: ``x (T, d)`` → ``(T, N, d)``.
 
@@ -503,13 +513,7 @@ class ExpertBank(nn.Module):
         chunk = max(1, self.chunk_elements // (self.num_experts * h_in))
         outs = []
         for xc in x.split(chunk):
-            h = torch.einsum("td,nhd->tnh", xc, self.w_in)  # (t, N, h_in)
-            if self.b_in is not None:
-                h = h + self.b_in
-            y = torch.einsum("tnh,ndh->tnd", self.act(h), self.w_out)  # (t, N, d)
-            if self.b_out is not None:
-                y = y + self.b_out
-            outs.append(y)
+            outs.append(self._all_experts(xc)[1])
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def forward_winners(self, x: Tensor, choose) -> tuple[Tensor, Tensor, Any]:
@@ -530,12 +534,7 @@ class ExpertBank(nn.Module):
         idx_l, h_l, y_l, extra_l = [], [], [], []
         with torch.no_grad():
             for xc in x.split(chunk):
-                h = torch.einsum("td,nhd->tnh", xc, self.w_in)  # (t, N, h_in)
-                if self.b_in is not None:
-                    h = h + self.b_in
-                y = torch.einsum("tnh,ndh->tnd", self.act(h), self.w_out)  # (t, N, d)
-                if self.b_out is not None:
-                    y = y + self.b_out
+                h, y = self._all_experts(xc)
                 idx, extra = choose(y)
                 pick = idx.unsqueeze(-1)
                 idx_l.append(idx)
