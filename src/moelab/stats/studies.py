@@ -166,9 +166,9 @@ def _expand(p: MoEParams, R: int) -> MoEParams:
     return p.expand(R) if p.replicates == 1 else p
 
 
-def _regression_series(cfg: StudyConfig, *, data_model, truth, fit_gate, k, target, gen, bar) -> dict:
-    """Fit every sample size; return per-n Voronoi losses ``(S, R)`` and training MSEs."""
-    fit_kwargs = dict(
+def _fit_options(cfg: StudyConfig, fit_gate: str, *, steps: int, init_noise: float) -> dict:
+    """The :class:`LeastSquaresMoE` options of a study's fits (initialised near the truth)."""
+    return dict(
         gate=fit_gate,
         expert=cfg.expert,
         tau=cfg.tau if fit_gate == "perturbed" else 0.0,
@@ -176,11 +176,16 @@ def _regression_series(cfg: StudyConfig, *, data_model, truth, fit_gate, k, targ
         activation=cfg.activation,
         optimizer=cfg.optimizer,
         lr=cfg.lr,
-        steps=cfg.steps,
+        steps=steps,
         batch_size=cfg.batch_size,
         init="truth",
-        init_noise=cfg.init_noise,
+        init_noise=init_noise,
     )
+
+
+def _regression_series(cfg: StudyConfig, *, data_model, truth, fit_gate, k, target, gen, bar) -> dict:
+    """Fit every sample size; return per-n Voronoi losses ``(S, R)`` and training MSEs."""
+    fit_kwargs = _fit_options(cfg, fit_gate, steps=cfg.steps, init_noise=cfg.init_noise)
     losses, mses = [], []
     R = cfg.replicates
     tgt = _expand(target, R)
@@ -216,20 +221,9 @@ def _reference_fit(cfg: StudyConfig, *, data_model, truth, fit_gate, k, init_fro
         bound=cfg.input_bound,
         generator=gen,
     )
-    est = LeastSquaresMoE(
-        k,
-        gate=fit_gate,
-        expert=cfg.expert,
-        tau=cfg.tau if fit_gate == "perturbed" else 0.0,
-        degree=cfg.degree,
-        activation=cfg.activation,
-        optimizer=cfg.optimizer,
-        lr=cfg.lr,
-        steps=cfg.reference_steps,
-        batch_size=cfg.batch_size,
-        init="truth",
-        init_noise=0.0,
-    ).fit(X, Y, init_from)
+    est = LeastSquaresMoE(k, **_fit_options(cfg, fit_gate, steps=cfg.reference_steps, init_noise=0.0)).fit(
+        X, Y, init_from
+    )
     return est.params_
 
 
