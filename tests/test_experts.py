@@ -303,3 +303,59 @@ def test_forward_winners_matches_autograd_through_forward_all_without_rerunning_
     torch.testing.assert_close(scores, all_out.detach().norm(dim=-1))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------ few-token inference path
+FEW = [(1, 4, 2, 8, 4), (1, 3, 3, 4, 8), (3, 8, 2, 8, 8), (8, 8, 1, 4, 12)]  # T·K ≤ N
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("case", FEW)
+def test_few_token_inference_equals_weighted_sum_without_sorting(monkeypatch, act, bias, case):
+    t, n, k, d, h = case
+    g = torch.Generator().manual_seed(t + n + k)
+    bank = ExpertBank(n, d, h, activation=act, bias=bias)
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.normal_(generator=g)
+    x = torch.randn(t, d, generator=g)
+    idx, w = random_routing(t, n, k, g)
+    with torch.no_grad():
+        expected = reference(bank, x, idx, w)
+
+    def no_sort(*args):
+        raise AssertionError("the few-token path must not sort the slots")
+
+    monkeypatch.setattr("moelab.experts.sort_slots", no_sort)
+    with torch.inference_mode():
+        y = bank(x, idx, w)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_few_token_path_is_skipped_under_autograd_and_for_many_slots(monkeypatch):
+    bank = ExpertBank(8, 8, 8, activation="swiglu", impl="loop")
+    monkeypatch.setattr(ExpertBank, "_few_tokens", lambda *a: pytest.fail("few-token path taken"))
+    g = torch.Generator().manual_seed(0)
+    idx, w = random_routing(2, 8, 2, g)
+    bank(torch.randn(2, 8), idx, w)  # parameters require grad: the autograd path
+    idx, w = random_routing(5, 8, 2, g)  # T·K = 10 > N = 8
+    with torch.no_grad():
+        bank(torch.randn(5, 8), idx, w)
+
+
+def test_few_token_path_repeats_bitwise():
+    bank = ExpertBank(16, 8, 8, activation="swiglu")
+    idx, w = random_routing(4, 16, 3, torch.Generator().manual_seed(3))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(bank(x, idx, w), bank(x, idx, w))
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert():
+    bank = ExpertBank(4, 8, 16)
+    rows = ExpertBank.LOOP_ROWS_PER_EXPERT
+    assert bank.resolved_impl(torch.randn(rows * 4 // 2 - 1, 8), top_k=2) == "grouped"
+    assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
+    assert ExpertBank(4, 8, 16, impl="grouped").resolved_impl(torch.randn(rows * 4, 8)) == "grouped"

@@ -36,6 +36,14 @@ def test_topk_softmax_equals_mixtral_renormalised_full_softmax():
     torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True))
 
 
+def test_topk_softmax_with_one_expert_is_the_argmax_with_weight_one():
+    logits = torch.randn(7, 5, requires_grad=True)
+    weights, indices = topk_softmax(logits, 1)
+    top, expected = logits.topk(1, dim=-1)
+    assert torch.equal(indices, expected) and indices.dtype == torch.int64
+    assert torch.equal(weights, top.softmax(-1)) and weights.dtype == logits.dtype
+
+
 def test_normalized_weights_divide_by_the_sum():
     s = torch.rand(4, 3, dtype=torch.float64)
     out = normalized_weights(s)

@@ -291,3 +291,17 @@ def test_layer_passes_gradcheck_in_float64(method):
         return y, layer.aux_loss
 
     assert torch.autograd.gradcheck(f, (x, *params))
+
+
+def test_aux_loss_is_computed_only_when_read(monkeypatch):
+    layer = moelab.MoE(8, 4, 2, method="smoe")
+    calls = []
+    original = layer._aux_loss
+    monkeypatch.setattr(layer, "_aux_loss", lambda *a: calls.append(1) or original(*a))
+    with torch.inference_mode():
+        layer(torch.randn(3, 8))
+    assert calls == []  # an inference pass that never reads it does not pay for it
+    first = layer.aux_loss
+    assert calls == [1] and layer.aux_loss is first  # computed once, then kept
+    layer(torch.randn(3, 8))
+    assert layer.aux_loss is not first and calls == [1, 1]

@@ -250,7 +250,8 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
                 f"d_model={d}, d_hidden={h}: float32 rows must be 16-byte aligned)"
             )
             continue
-        label = f"moelab {impl}" + (f" (={layer.experts.resolved_impl(probe)})" if impl == "auto" else "")
+        resolved = layer.experts.resolved_impl(probe.expand(T, d), K)
+        label = f"moelab {impl}" + (f" (={resolved})" if impl == "auto" else "")
         modules[label] = layer
     if args.hf and ref is not None:
         if args.activation != "swiglu" or args.method not in ("smoe",):

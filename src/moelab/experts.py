@@ -157,6 +157,43 @@ def _activation_backward(name: str, act, h: Tensor, grad: Tensor) -> Tensor:
     return g_h
 
 
+def _loop_forward(xs, w_in, w_out, b_in, b_out, counts, act_name, act, keep: bool):
+    """Every expert on its contiguous rows of ``xs``, the activation right after the first matmul
+    while the rows are in cache: ``(y, h, aux)``.
+
+    ``keep``: write the pre-activations into one ``(S, h_in)`` tensor ``h`` and collect ``aux``
+    (:func:`_activation_forward`) for a backward; without it (inference) every expert's hidden
+    activations are temporaries that the allocator reuses, so nothing of size ``S·h_in`` is
+    allocated (``h`` and ``aux`` are then ``None``).
+    """
+    h = xs.new_empty(xs.shape[0], w_in.shape[1]) if keep else None
+    y = xs.new_empty(xs.shape[0], w_out.shape[1])
+    aux = [] if keep else None  # per expert: silu(gate) for swiglu, act(h) otherwise
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        stop = start + c
+        x_e, w_e = xs[start:stop], w_in[e].t()
+        if keep:
+            h_e = (
+                torch.mm(x_e, w_e, out=h[start:stop])
+                if b_in is None
+                else torch.addmm(b_in[e], x_e, w_e, out=h[start:stop])
+            )
+        else:
+            h_e = torch.mm(x_e, w_e) if b_in is None else torch.addmm(b_in[e], x_e, w_e)
+        a_e, aux_e = _activation_forward(h_e, act_name, act)
+        if keep:
+            aux.append(aux_e)
+        if b_out is None:
+            torch.mm(a_e, w_out[e].t(), out=y[start:stop])
+        else:
+            torch.addmm(b_out[e], a_e, w_out[e].t(), out=y[start:stop])
+        start = stop
+    return y, h, aux
+
+
 class _ExpertMLP(torch.autograd.Function):
     """All N experts on their contiguous row slices, one autograd node (the ``"loop"`` impl).
 
@@ -171,32 +208,7 @@ class _ExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, w_in, w_out, b_in, b_out, counts: list[int], act_name: str, act):
-        swiglu = act_name == "swiglu"
-        h = xs.new_empty(xs.shape[0], w_in.shape[1])  # pre-activations, saved for backward
-        y = xs.new_empty(xs.shape[0], w_out.shape[1])
-        aux = []  # per expert: silu(gate) for swiglu, act(h) otherwise
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            stop = start + c
-            h_e = h[start:stop]
-            if b_in is None:
-                torch.mm(xs[start:stop], w_in[e].t(), out=h_e)
-            else:
-                torch.addmm(b_in[e], xs[start:stop], w_in[e].t(), out=h_e)
-            if swiglu:
-                gate, up = h_e.chunk(2, dim=-1)
-                aux.append(F.silu(gate))
-                a_e = aux[-1] * up
-            else:
-                a_e = act(h_e)
-                aux.append(a_e)
-            if b_out is None:
-                torch.mm(a_e, w_out[e].t(), out=y[start:stop])
-            else:
-                torch.addmm(b_out[e], a_e, w_out[e].t(), out=y[start:stop])
-            start = stop
+        y, h, aux = _loop_forward(xs, w_in, w_out, b_in, b_out, counts, act_name, act, keep=True)
         ctx.save_for_backward(xs, w_in, w_out, h, *aux)
         ctx.counts, ctx.act_name, ctx.act = counts, act_name, act
         ctx.has_bias = (b_in is not None, b_out is not None)
@@ -220,6 +232,31 @@ class _ExpertMLP(torch.autograd.Function):
             ctx.has_bias,
         )
         return (*grads, None, None, None)
+
+
+def _activation_forward(h: Tensor, act_name: str, act) -> tuple[Tensor, Tensor]:
+    """``(a, aux)``: the activation ``a`` of the pre-activations ``h`` and what its backward needs
+    besides ``h``: ``silu(gate)`` for ``swiglu`` (so no transcendental is recomputed), else ``a``
+    (the weight gradient of the second matmul reads it)."""
+    if act_name == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        s = F.silu(gate)
+        return s * up, s
+    a = act(h)
+    return a, a
+
+
+def _activation_grad(g_a: Tensor, h: Tensor, aux: Tensor, act_name: str, act) -> Tensor:
+    """``∂L/∂h`` from ``∂L/∂a`` (``g_a`` is overwritten).  ``swiglu`` writes the gate and up
+    halves straight into one ``(·, 2h)`` buffer: no ``cat`` as autograd's ``chunk`` backward does."""
+    if act_name == "swiglu":  # a = silu(gate) * up
+        gate, up = h.chunk(2, dim=-1)
+        g_h = torch.empty_like(h, memory_format=torch.contiguous_format)
+        g_gate, g_up = g_h.chunk(2, dim=-1)
+        torch.mul(g_a, aux, out=g_up)
+        torch.ops.aten.silu_backward.grad_input(g_a.mul_(up), gate, grad_input=g_gate)
+        return g_h
+    return _activation_backward(act_name, act, h, g_a)
 
 
 def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, has_bias):
@@ -247,26 +284,17 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
             continue
         stop = start + c
         g_y, h_e = grad[start:stop], h[start:stop]
-        if swiglu:
-            gate, up = h_e.chunk(2, dim=-1)
-            aux_e = aux[i] if aux is not None else F.silu(gate)
-            a_e = aux_e * up
+        if aux is not None:
+            aux_e = aux[i]
+            a_e = aux_e * h_e.chunk(2, dim=-1)[1] if swiglu else aux_e
         else:
-            aux_e = aux[i] if aux is not None else act(h_e)
-            a_e = aux_e
+            a_e, aux_e = _activation_forward(h_e, act_name, act)
         i += 1
         if g_w_out is not None:
             torch.mm(g_y.t(), a_e, out=g_w_out[e])
         if g_b_out is not None:
             torch.sum(g_y, 0, out=g_b_out[e])
-        g_a = g_y @ w_out[e]
-        if swiglu:  # a = silu(gate) * up
-            g_h = torch.empty_like(h_e)
-            g_gate, g_up = g_h.chunk(2, dim=-1)
-            torch.mul(g_a, aux_e, out=g_up)
-            torch.ops.aten.silu_backward.grad_input(g_a.mul_(up), gate, grad_input=g_gate)
-        else:
-            g_h = _activation_backward(act_name, act, h_e, g_a)
+        g_h = _activation_grad(g_y @ w_out[e], h_e, aux_e, act_name, act)
         if g_w_in is not None:
             torch.mm(g_h.t(), xs[start:stop], out=g_w_in[e])
         if g_b_in is not None:
@@ -275,6 +303,55 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
             torch.mm(g_h, w_in[e], out=g_x[start:stop])
         start = stop
     return g_x, g_w_in, g_w_out, g_b_in, g_b_out
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """All N experts on their expert-sorted rows with ``grouped_mm``, one autograd node (the
+    ``"grouped"`` impl in eager mode).
+
+    Forward: two grouped GEMMs (offsets ``offs``: cumulative row ends, int32; no host sync) and
+    the activation on all rows at once.  Saved: the rows, the pre-activations and ``aux``
+    (:func:`_activation_forward`).  Backward: four grouped GEMMs — ``∂w`` as ``grouped_mm`` of
+    two 2-D operands, one ``(N, ·, ·)`` result with zeros for empty experts — and the fused
+    activation gradient (:func:`_activation_grad`); the bias gradients are per-expert row sums,
+    a grouped GEMV against a column of ones (deterministic, no scatter).  Compared with autograd
+    through the same ops it saves the activation's copies (``chunk``'s ``cat``) and the
+    ``.contiguous()`` of the output gradient.  First-order only.
+    """
+
+    @staticmethod
+    def forward(ctx, xs, w_in, w_out, b_in, b_out, offs, experts, act_name: str, act):
+        h = _GROUPED_MM(xs, w_in.transpose(-2, -1), offs=offs)  # (S, h_in)
+        if b_in is not None:
+            h += b_in.index_select(0, experts)
+        a, aux = _activation_forward(h, act_name, act)
+        y = _GROUPED_MM(a, w_out.transpose(-2, -1), offs=offs)  # (S, d)
+        if b_out is not None:
+            y += b_out.index_select(0, experts)
+        ctx.save_for_backward(xs, w_in, w_out, h, aux, offs)
+        ctx.act_name, ctx.act = act_name, act
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        xs, w_in, w_out, h, aux, offs = ctx.saved_tensors
+        need_x, need_w_in, need_w_out, need_b_in, need_b_out = ctx.needs_input_grad[:5]
+        grad = grad.contiguous()
+        a = aux * h.chunk(2, dim=-1)[1] if ctx.act_name == "swiglu" else aux
+        g_w_out = _GROUPED_MM(grad.t(), a, offs=offs) if need_w_out else None  # (N, d, h)
+        g_b_out = _row_sums(grad, offs) if need_b_out else None
+        g_h = _activation_grad(_GROUPED_MM(grad, w_out, offs=offs), h, aux, ctx.act_name, ctx.act)
+        g_w_in = _GROUPED_MM(g_h.t(), xs, offs=offs) if need_w_in else None  # (N, h_in, d)
+        g_b_in = _row_sums(g_h, offs) if need_b_in else None
+        g_xs = _GROUPED_MM(g_h, w_in, offs=offs) if need_x else None
+        return g_xs, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None, None
+
+
+def _row_sums(rows: Tensor, offs: Tensor) -> Tensor:
+    """``(N, n)``: the sum of each group's rows of ``rows (S, n)`` (zeros for an empty group)."""
+    ones = rows.new_ones(rows.shape[0], 16 // rows.element_size())  # grouped_mm: 16-byte rows
+    return _GROUPED_MM(rows.t(), ones, offs=offs)[..., 0]
 
 
 class _WinnerMLP(torch.autograd.Function):
@@ -560,17 +637,28 @@ class ExpertBank(nn.Module):
         """Whether the ``"grouped"`` implementation runs for ``x`` (device, dtype, alignment)."""
         return grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
 
-    def resolved_impl(self, x: Tensor) -> str:
-        """The implementation ``forward`` uses for ``x``.
+    #: on the CPU, ``"auto"`` takes ``"loop"`` from this many token slots per expert on (``T·K/N``):
+    #: there the loop's activation on each expert's rows while they are in cache beats
+    #: ``grouped_mm``'s one activation pass over all ``T·K`` rows; below it ``grouped_mm``'s
+    #: C++ loop over the experts beats the Python one (``moelab bench suite``, docs/performance.md)
+    LOOP_ROWS_PER_EXPERT = 512
 
-        ``"auto"``: ``"grouped"`` wherever :meth:`grouped_ok` (no host sync; on this repository's
-        CPU it is level with ``"loop"`` for a training step and slightly ahead in inference,
-        ``moelab bench layer``, docs/performance.md), else ``"loop"`` (float64, unaligned sizes,
-        older torch).
+    def resolved_impl(self, x: Tensor, top_k: int = 1) -> str:
+        """The implementation ``forward`` uses for ``x (T, d)`` routed to ``top_k`` experts per token.
+
+        ``"auto"``: ``"grouped"`` wherever :meth:`grouped_ok` (no host sync), except on the CPU
+        from :attr:`LOOP_ROWS_PER_EXPERT` slots per expert on, where ``"loop"`` is faster; else
+        ``"loop"`` (float64, unaligned sizes, older torch).  Independently of the implementation,
+        CPU inference with ``T·K ≤ N`` takes the few-token path (:meth:`_few_tokens`).
         """
         if self.impl != "auto":
             return self.impl
-        return "grouped" if self.grouped_ok(x) else "loop"
+        if not self.grouped_ok(x):
+            return "loop"
+        slots = x.shape[0] * top_k
+        if x.device.type == "cpu" and slots >= self.LOOP_ROWS_PER_EXPERT * self.num_experts:
+            return "loop"
+        return "grouped"
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)`` for every token.
@@ -584,9 +672,11 @@ class ExpertBank(nn.Module):
             ``(T, d)``.
         """
         K = indices.shape[1]
+        if self.impl != "grouped" and self._few_slots(x, indices):
+            return self._few_tokens(x, indices, weights)
+        impl = self.resolved_impl(x, K)
         order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
         xs = _GatherTokens.apply(x, tokens, inverse, K)  # (S, d), grouped by expert
-        impl = self.resolved_impl(x)
         if impl == "grouped":
             if not grouped_mm_available(x.device, x.dtype):
                 raise ValueError(
@@ -605,15 +695,54 @@ class ExpertBank(nn.Module):
         # back to (token, slot) order, weighted and summed over K: combine() in one node
         return _CombineSlots.apply(ys, weights, inverse, order, tokens)
 
+    def _few_slots(self, x: Tensor, indices: Tensor) -> bool:
+        """Whether :meth:`_few_tokens` serves this call: inference (no autograd) on the CPU, eager,
+        with at most one slot per expert on average (``T·K ≤ N``), where sorting the slots costs
+        more than it saves."""
+        return (
+            indices.numel() <= self.num_experts
+            and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.w_in, self.w_out)))
+            and not torch.compiler.is_compiling()
+        )
+
+    def _few_tokens(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        """Inference at a few tokens (decoding): each touched expert once on its tokens, no sort.
+
+        One host sync reads the ``T·K ≤ N`` chosen experts; each touched expert reads its weights
+        once (the bound at this size: ``moelab bench suite``) and adds its weighted output to its
+        tokens' rows.  Experts are visited in increasing order, so the sums are deterministic.
+        """
+        T, K = indices.shape
+        slots_of: dict[int, list[int]] = {}
+        for slot, e in enumerate(indices.reshape(-1).tolist()):  # ≤ N slots: the one host sync
+            slots_of.setdefault(e, []).append(slot)
+        w = weights.reshape(-1, 1).to(x.dtype)
+        out = x.new_zeros(T, self.d_model)
+        for e in sorted(slots_of):
+            slots = torch.tensor(slots_of[e])
+            rows = slots // K
+            out.index_add_(0, rows, self.expert_forward(x.index_select(0, rows), e) * w[slots])
+        return out
+
     def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
         args = (self.b_in, self.b_out, list(counts), self.activation, self.act)
-        return _ExpertMLP.apply(xs, self.w_in, self.w_out, *args)  # (S, d)
+        if torch.is_grad_enabled() and (
+            xs.requires_grad or self.w_in.requires_grad or self.w_out.requires_grad
+        ):
+            return _ExpertMLP.apply(xs, self.w_in, self.w_out, *args)  # (S, d)
+        return _loop_forward(xs, self.w_in, self.w_out, *args, keep=False)[0]
 
     def _grouped(self, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
-        h = _grouped_mm_nt(xs, self.w_in, offs)  # (S, h_in)
+        experts = None
         if self.b_in is not None or self.b_out is not None:
             experts = indices.reshape(-1).index_select(0, order)  # expert of each sorted slot
+        if not torch.compiler.is_compiling():
+            args = (self.b_in, self.b_out, offs, experts, self.activation, self.act)
+            return _GroupedMLP.apply(xs, self.w_in, self.w_out, *args)
+        # traced: composed of the custom ops, which inductor fuses with the activation
+        h = _grouped_mm_nt(xs, self.w_in, offs)  # (S, h_in)
         if self.b_in is not None:
             h = h + self.b_in.index_select(0, experts)
         y = _grouped_mm_nt(self.act(h), self.w_out, offs)  # (S, d)

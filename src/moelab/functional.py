@@ -38,6 +38,9 @@ def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         ``(weights, indices)``, both ``(T, K)``; weights sum to 1 over K, indices are int64
         and sorted by decreasing logit.
     """
+    if k == 1:  # the weight of a single expert is 1: one reduction instead of topk + softmax
+        top, indices = logits.max(dim=-1, keepdim=True)
+        return torch.ones_like(top), indices
     top, indices = logits.topk(k, dim=-1)  # (T, K)
     return top.softmax(dim=-1), indices
 

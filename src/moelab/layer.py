@@ -109,8 +109,26 @@ class MoE(nn.Module):
         #: top-(K+1) swap evaluation (001 Table 3; :func:`moelab.metrics.swap_top1`): route with
         #: K+1 experts and drop the top-1
         self.swap_top1 = False
-        self.aux_loss: Tensor = torch.zeros(())
+        self._aux: Tensor | None = torch.zeros(())
+        self._aux_pending: tuple[Routing, Tensor] | None = None
         self.last_routing: Routing | None = None
+
+    @property
+    def aux_loss(self) -> Tensor:
+        """The weighted sum of the aux losses of the last forward (0-dim, with autograd).
+
+        Computed when first read after a forward, from that forward's routing: an inference or
+        evaluation pass that never reads it does not pay for it (at a few tokens the losses
+        cost as much as the experts).
+        """
+        if self._aux_pending is not None:
+            routing, x = self._aux_pending
+            self._aux, self._aux_pending = self._aux_loss(routing, x), None
+        return self._aux
+
+    @aux_loss.setter
+    def aux_loss(self, value: Tensor) -> None:
+        self._aux, self._aux_pending = value, None
 
     @property
     def layer_index(self) -> int:
@@ -124,7 +142,7 @@ class MoE(nn.Module):
         """Copies and pickles keep the last ``aux_loss`` as a value, without its autograd graph
         (``copy.deepcopy`` refuses a non-leaf tensor, so a used layer could not be copied)."""
         state = super().__getstate__()
-        state["aux_loss"] = self.aux_loss.detach()
+        state["_aux"], state["_aux_pending"] = self.aux_loss.detach(), None
         return state
 
     def extra_repr(self) -> str:
@@ -153,7 +171,9 @@ class MoE(nn.Module):
                 # a Python ``if`` on a tensor is a graph break; the asserting op is traced instead
                 # (it raises RuntimeError when the graph runs; on CUDA it fires asynchronously)
                 torch._assert_async(torch.isfinite(scores).all(), message)
-            elif not torch.isfinite(scores).all():
+            # one reduction: the sum of finite scores is finite unless it overflows, which the
+            # exact check below (run only then) tells apart
+            elif not torch.isfinite(scores.sum()) and not torch.isfinite(scores).all():
                 raise NonFiniteError(message)
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, routing.weights)
@@ -161,7 +181,7 @@ class MoE(nn.Module):
             y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
         if self.shared is not None:
             y = y + self.shared(flat)
-        self.aux_loss = self._aux_loss(routing, flat)
+        self._aux_pending = (routing, flat)  # the aux loss, computed when read (``aux_loss``)
         self.last_routing = routing.detach()
         return y.reshape(shape)
 
