@@ -29,6 +29,7 @@ over a ``(T, N, C)`` tensor.  Every expert runs on its ``C`` buffer rows whether
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -104,8 +105,10 @@ def stmoe_peer(router_weight: Tensor, top_k: int, d_hidden: int) -> tuple[Peer |
     if top_k < 2:
         return None, "st-moe skipped: its gate needs top_n >= 2 (K=1)"
     try:
-        from st_moe_pytorch import MoE as StMoE
-        from st_moe_pytorch.st_moe_pytorch import Expert
+        with warnings.catch_warnings():  # beartype's PEP 585 deprecation notes on st-moe's hints
+            warnings.simplefilter("ignore")
+            from st_moe_pytorch import MoE as StMoE
+            from st_moe_pytorch.st_moe_pytorch import Expert
     except ImportError:
         return None, "st-moe skipped: st-moe-pytorch is not installed (pip install 'moelab[bench]')"
     N, d = router_weight.shape

@@ -404,6 +404,7 @@ def _max_rel_diff(y: Tensor, ref: Tensor) -> float:
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1.0))
 
 
+@torch.no_grad()
 def _literal(peer: Peer, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
     """``Σ_k w_k · expert_{i_k}(x)`` over the st-moe peer's own expert modules."""
     experts = peer.module.peer.experts.experts
