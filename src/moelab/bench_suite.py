@@ -52,7 +52,8 @@ weights once and computes exactly the routed FLOPs, with no router, sort, gather
 combine.  ``ratio_to_bound`` = median over rounds of ``t / t_bound``.
 
 **Peak memory** (``peak_mib``): the peak growth of allocated memory during one call, over what was
-allocated before it (weights and inputs are not counted).  CUDA: ``torch.cuda.max_memory_allocated``
+allocated before it, from a state without gradients (weights and inputs are not counted; a
+training step's activations, temporaries and gradients are).  CUDA: ``torch.cuda.max_memory_allocated``
 after ``reset_peak_memory_stats``.  CPU: ``torch.profiler`` with ``profile_memory=True``; the
 allocation and free records are summed in time order and the running maximum is the peak.
 
@@ -387,6 +388,15 @@ class SuiteCandidate(Candidate):
     drops_tokens: bool = False
     dropped_fraction: float | None = None
     peak_mib: float | None = None
+    reset: Callable[[], None] | None = None  # frees the gradients of the previous step
+
+
+def _free_grads(module: nn.Module, x: Tensor) -> Callable[[], None]:
+    def reset() -> None:
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return reset
 
 
 def _capacity_estimate_gib(peer_name: str, case: Case) -> float:
@@ -523,7 +533,15 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
             for name, m, flops, p in members:
                 xin = x.detach().clone().requires_grad_(phase == "train")
                 fn = _train_step(m, xin, grad) if phase == "train" else _infer_step(m, xin)
-                c = SuiteCandidate(name, phase, fn, flops, note=p.note if p is not None else "", group=gname)
+                c = SuiteCandidate(
+                    name,
+                    phase,
+                    fn,
+                    flops,
+                    note=p.note if p is not None else "",
+                    group=gname,
+                    reset=_free_grads(m, xin),
+                )
                 if p is not None and p.capacity:
                     c.drops_tokens = True
                     c.dropped_fraction = dropped[p.name][phase]
@@ -588,6 +606,8 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
     )
     if args.memory:
         for c in candidates:
+            if c.reset is not None:
+                c.reset()
             peak = peak_memory_bytes(c.fn, args.device)
             c.peak_mib = None if peak is None else peak / 2**20
     return {
