@@ -384,7 +384,7 @@ def weights_read_bound(bank: ExpertBank, x: Tensor, indices: Tensor) -> tuple[Ca
 @dataclass
 class SuiteCandidate(Candidate):
     group: str = "swiglu"
-    computed_flops: dict | None = None  # phase -> FLOPs/token actually computed (capacity peers)
+    computed_flops: int | None = None  # FLOPs/token a capacity peer actually computes in this phase
     drops_tokens: bool = False
     dropped_fraction: float | None = None
     peak_mib: float | None = None
