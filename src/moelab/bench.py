@@ -37,7 +37,17 @@ from . import __version__, _validate
 from .experts import IMPLS, MLP, ExpertBank
 from .layer import MoE
 
-__all__ = ["BENCHES", "Candidate", "add_arguments", "expert_flops_per_token", "run", "run_layer"]
+__all__ = [
+    "BENCHES",
+    "Candidate",
+    "add_arguments",
+    "expert_flops_per_token",
+    "flag_flops",
+    "interleaved",
+    "run",
+    "run_layer",
+    "summarize",
+]
 
 
 # ---------------------------------------------------------------------------------- machine
@@ -92,19 +102,34 @@ class Candidate:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def interleaved(candidates: list[Candidate], repeats: int, warmup: int, clock: str = "wall") -> None:
+def interleaved(
+    candidates: list[Candidate],
+    repeats: int,
+    warmup: int,
+    clock: str = "wall",
+    *,
+    budget: float | None = None,
+    min_repeats: int = 3,
+    progress: bool | None = None,
+) -> int:
     """Time every candidate ``repeats`` times, round-robin, rotating the order each round.
 
     ``clock="cpu"`` measures the process's CPU time (all threads) instead of wall time: on a
     shared, oversubscribed machine with one torch thread it counts the work done rather than the
     time spent waiting for a core (with several threads it also counts OpenMP spin-waiting).
+
+    ``budget`` (seconds): stop after the first complete round at which the timed rounds have
+    taken longer, but never before ``min(min_repeats, repeats)`` rounds.  ``progress``: print the
+    round on stderr (default: when stderr is a terminal).  Returns the rounds timed.
     """
     now = CLOCKS[clock]
     for _ in range(warmup):
         for c in candidates:
             c.fn()
     n = len(candidates)
-    progress = sys.stderr.isatty()
+    progress = sys.stderr.isatty() if progress is None else progress
+    start = time.perf_counter()
+    rounds = 0
     for r in range(repeats):
         if progress:
             print(f"\rround {r + 1}/{repeats}", end="", file=sys.stderr, flush=True)
@@ -113,8 +138,16 @@ def interleaved(candidates: list[Candidate], repeats: int, warmup: int, clock: s
             t0 = now()
             c.fn()
             c.times.append(now() - t0)
+        rounds += 1
+        if (
+            budget is not None
+            and rounds >= min(min_repeats, repeats)
+            and time.perf_counter() - start > budget
+        ):
+            break
     if progress:
         print("\r", end="", file=sys.stderr, flush=True)
+    return rounds
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -173,6 +206,14 @@ def expert_flops_per_token(module: nn.Module, top_k: int) -> int:
         (_, h_in, d), h = experts.gate_up_proj.shape, experts.down_proj.shape[-1]
         return top_k * 2 * (d * h_in + h * d)
     raise ValueError(f"module of type {type(module).__name__} is not a known expert layer")
+
+
+def flag_flops(candidates: list[Candidate], reference: int | None, label: str = "dense") -> None:
+    """Append a note to every candidate whose FLOPs/token differ from ``reference`` (dense's)."""
+    for c in candidates:
+        if c.flops != reference:
+            note = f"FLOPs/token {c.flops} != {label} {reference}"
+            c.note = f"{c.note}; {note}" if c.note else note
 
 
 # ---------------------------------------------------------------------------------- candidates
@@ -291,10 +332,7 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
             fn = _train_step(m, xin, g) if phase == "train" else _infer_step(m, xin)
             flops = expert_flops_per_token(m, K)
             candidates.append(Candidate(name, phase, fn, flops))
-    dense_flops = candidates[0].flops
-    for c in candidates:
-        if c.flops != dense_flops:
-            c.note = f"FLOPs/token {c.flops} != dense {dense_flops}"
+    flag_flops(candidates, candidates[0].flops)
     return candidates, notes
 
 
@@ -451,6 +489,10 @@ def run_layer(args: argparse.Namespace) -> int:
 BENCHES: dict[str, tuple[str, str]] = {
     "layer": ("moelab.bench", "MoE layer vs dense FFN of equal active width and transformers' Mixtral"),
     "compete": ("moelab.bench_compete", "CompeteSMoE's competition cost over plain smoe"),
+    "suite": (
+        "moelab.bench_suite",
+        "the grid of issue 8: moelab, dense and peers over T, shapes, routing, threads",
+    ),
 }
 
 

@@ -1,0 +1,209 @@
+"""Peers of ``moelab bench suite``: other MoE layers built with moelab's router weights.
+
+Each adapter returns a :class:`Peer`: a module mapping tokens ``(T, d)`` to ``(T, d)`` (the peer
+itself wants ``(batch, seq, d)`` and may return a tuple), its expert FLOPs per token computed from
+its weights, and what it does differently from moelab.
+
+* ``mixtral``: transformers' ``MixtralSparseMoeBlock`` in its ``eager`` and ``grouped_mm``
+  experts implementations, holding the very weights of a moelab SwiGLU layer
+  (:func:`moelab.bench._mixtral_blocks`).  Same routing, same arithmetic, no token dropped.
+* ``stmoe``: ``st_moe_pytorch.MoE`` (``st-moe-pytorch==0.1.8``, after ST-MoE, Zoph et al. 2022).
+  Experts are GEGLU FFNs with biases and a learned multiplicative bias:
+  ``W2 (gelu(gate) · up · m) + b2`` with ``[up | gate] = W1 x + b1``.  Its gate is top-``n``
+  softmax (``n ≥ 2``) renormalised over the ``n`` chosen — moelab's ``smoe`` gate — but the 2nd
+  to ``n``-th experts are routed stochastically, each with probability ``min(1, w / 0.2)``
+  (the "threshold" policy); here the thresholds are set to ``1e-9`` so that every token goes to
+  its ``n`` experts, as in moelab (the note reports what the default would skip).
+* ``lucidrains``: ``mixture_of_experts.MoE`` (``mixture-of-experts==0.2.3``): top-2 only,
+  experts ``W2 act(W1 x)`` with no bias and no gating (``activation`` a module class, ReLU by
+  default); its second expert follows the "random" policy with threshold 0.2 by default, set to
+  ``"all"`` here.
+
+Both of the last two follow tensor2tensor: a token-group (one sequence) sends at most
+``C = max(4, min(T, ⌊T·cf/N⌋))`` token-slots to each expert (``cf`` = 1.25 in training, 2 in
+eval; note: ``T``, not ``K·T``, so with ``K ≥ 2`` slots are dropped even under perfect
+balance), slots over capacity are dropped, and dispatch and combine are dense one-hot einsums
+over a ``(T, N, C)`` tensor.  Every expert runs on its ``C`` buffer rows whether filled or not:
+:func:`capacity_stats` measures ``C`` and the kept slots from the gate's combine tensor.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .bench import _mixtral_blocks, expert_flops_per_token
+from .layer import MoE
+
+__all__ = [
+    "PEERS",
+    "Peer",
+    "capacity_stats",
+    "default_policy_skip",
+    "lucidrains_peer",
+    "mixtral_peers",
+    "stmoe_peer",
+]
+
+PEERS = ("mixtral", "stmoe", "lucidrains")
+
+#: the thresholds set on the stochastic second-expert policies: every token keeps its K experts
+ALWAYS_ROUTE = 1e-9
+#: the default threshold of both packages' stochastic policy
+DEFAULT_THRESHOLD = 0.2
+
+
+class Batched(nn.Module):
+    """Tokens ``(T, d)`` → ``peer(x.view(1, T, d))`` (its first output if a tuple) → ``(T, d)``."""
+
+    def __init__(self, peer: nn.Module) -> None:
+        super().__init__()
+        self.peer = peer
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.peer(x.unsqueeze(0))
+        if isinstance(out, tuple):
+            out = out[0]
+        return out.view(x.shape)
+
+
+@dataclass
+class Peer:
+    """A peer layer ready to time.  ``flops``: expert FLOPs per token of the K routed experts,
+    from its weights (2 per multiply-add); ``capacity``: it drops token-slots by capacity."""
+
+    name: str
+    module: nn.Module
+    flops: int
+    top_k: int
+    d_model: int
+    capacity: bool = False
+    note: str = ""
+
+
+def mixtral_peers(layer: MoE) -> tuple[list[Peer], str]:
+    """transformers' Mixtral block, ``eager`` and ``grouped_mm``, holding ``layer``'s weights."""
+    blocks, note = _mixtral_blocks(layer, ["eager", "grouped_mm"])
+    peers = [
+        Peer(
+            f"mixtral {impl}",
+            Batched(block),
+            expert_flops_per_token(block, layer.top_k),
+            layer.top_k,
+            layer.d_model,
+        )
+        for impl, block in blocks.items()
+    ]
+    return peers, note
+
+
+def stmoe_peer(router_weight: Tensor, top_k: int, d_hidden: int) -> tuple[Peer | None, str]:
+    """``st_moe_pytorch.MoE`` with ``router_weight (N, d)`` as its gate and experts of width ``d_hidden``."""
+    if top_k < 2:
+        return None, "st-moe skipped: its gate needs top_n >= 2 (K=1)"
+    try:
+        with warnings.catch_warnings():  # beartype's PEP 585 deprecation notes on st-moe's hints
+            warnings.simplefilter("ignore")
+            from st_moe_pytorch import MoE as StMoE
+            from st_moe_pytorch.st_moe_pytorch import Expert
+    except ImportError:
+        return None, "st-moe skipped: st-moe-pytorch is not installed (pip install 'moelab[bench]')"
+    N, d = router_weight.shape
+    # st-moe's width is int(d · mult · 2/3); pick the multiplier that lands on d_hidden exactly
+    mult = 1.5 * d_hidden / d
+    if int(d * mult * 2 / 3) != d_hidden:
+        mult = 1.5 * (d_hidden + 0.5) / d
+    experts = [Expert(dim=d, hidden_mult=mult) for _ in range(N)]
+    width = experts[0].net[0].out_features // 2
+    if width != d_hidden:  # pragma: no cover - the arithmetic above is exact for integer widths
+        raise RuntimeError(f"st-moe expert width {width} != d_hidden {d_hidden}")
+    moe = StMoE(
+        dim=d,
+        num_experts=N,
+        gating_top_n=top_k,
+        threshold_train=ALWAYS_ROUTE,
+        threshold_eval=ALWAYS_ROUTE,
+        experts=nn.ModuleList(experts),  # a Module for its beartype check; Experts wraps it
+    )
+    with torch.no_grad():
+        moe.gate.to_gates.weight.copy_(router_weight)
+    lin1, lin2 = moe.experts.experts[0].net[0], moe.experts.experts[0].net[-1]
+    flops = top_k * 2 * (lin1.in_features * lin1.out_features + lin2.in_features * lin2.out_features)
+    note = (
+        "GEGLU + biases + multiplicative bias (its group's moelab and dense: swiglu + biases, "
+        "the same matmuls); 2nd..K-th expert thresholds set to 1e-9 (always routed)"
+    )
+    return Peer("st-moe", Batched(moe), flops, top_k, d, capacity=True, note=note), ""
+
+
+def lucidrains_peer(layer: MoE) -> tuple[Peer | None, str]:
+    """``mixture_of_experts.MoE`` holding the weights of ``layer`` (a moelab ``relu`` or ``gelu``
+    top-2 layer without biases): ``w1 = w_inᵀ``, ``w2 = w_outᵀ``, ``w_gating = Wᵀ``."""
+    if layer.top_k != 2:
+        return None, f"lucidrains skipped: its gate is top-2 only (K={layer.top_k})"
+    try:
+        from mixture_of_experts import MoE as LucidMoE
+    except ImportError:
+        return None, "lucidrains skipped: mixture-of-experts is not installed (pip install 'moelab[bench]')"
+    bank = layer.experts
+    act = {"relu": nn.ReLU, "gelu": nn.GELU}[bank.activation]
+    moe = LucidMoE(
+        dim=bank.d_model,
+        num_experts=bank.num_experts,
+        hidden_dim=bank.d_hidden,
+        activation=act,
+        second_policy_train="all",
+        second_policy_eval="all",
+    )
+    with torch.no_grad():
+        moe.gate.w_gating.copy_(layer.router.weight.t())
+        moe.experts.w1.copy_(bank.w_in.transpose(1, 2))
+        moe.experts.w2.copy_(bank.w_out.transpose(1, 2))
+    _, d, h = moe.experts.w1.shape
+    flops = 2 * 2 * (d * h + h * d)
+    note = (
+        f"top-2, {bank.activation}, no gating; second-expert policy 'all' (default 'random', threshold 0.2)"
+    )
+    return Peer("lucidrains", Batched(moe), flops, 2, d, capacity=True, note=note), ""
+
+
+def capacity_stats(peer: Peer, x: Tensor) -> dict:
+    """One untimed forward of a capacity peer in its current mode (train / eval).
+
+    Returns ``capacity`` (C, slots per expert, the gate's combine tensor's last dimension),
+    ``kept`` ``(T, N)`` bool (token ``t`` kept a slot on expert ``e``) and ``output`` ``(T, d)``.
+    """
+    gate = peer.module.peer.gate
+    seen: dict[str, Tensor] = {}
+
+    def hook(module: nn.Module, inputs: tuple, outputs: tuple) -> None:
+        seen["combine"] = outputs[1].detach()  # (batch, T, N, C)
+
+    handle = gate.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            y = peer.module(x)
+    finally:
+        handle.remove()
+    combine = seen["combine"][0]
+    return {"capacity": combine.shape[-1], "kept": combine.ne(0).any(-1), "output": y}
+
+
+def computed_flops_per_token(peer: Peer, capacity: int, tokens: int) -> int:
+    """FLOPs a capacity peer computes per token: its experts on all ``N·C`` buffer rows plus the
+    dispatch and combine einsums (``T·N·C·d`` multiply-adds each)."""
+    N, d = peer.module.peer.num_experts, peer.d_model
+    per_row = peer.flops // peer.top_k  # one expert on one row
+    return (N * capacity * per_row + 2 * 2 * tokens * N * capacity * d) // tokens
+
+
+def default_policy_skip(weights: Tensor) -> float:
+    """Expected fraction of the 2nd..K-th slots that the packages' default stochastic policy
+    (route with probability ``min(1, w / 0.2)``) would not route, for routing weights ``(T, K)``."""
+    rest = weights[:, 1:].float()
+    if rest.numel() == 0:
+        return 0.0
+    return float((1 - rest / DEFAULT_THRESHOLD).clamp_min(0).mean())

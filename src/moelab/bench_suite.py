@@ -1,0 +1,838 @@
+"""``moelab bench suite``: the benchmark grid of issue 8 (a script, never timed tests).
+
+For every case of the grid — tokens ``T`` × shapes ``(N, K, h)`` × width ``d`` × routing ×
+threads — one process builds every candidate, checks that they compute the same function, times
+them in interleaved rounds (:func:`moelab.bench.interleaved`: round-robin, the order rotating each
+round; medians; each ratio is the median over rounds of ``t / t_dense`` within the same round) and
+measures each one's peak memory in a separate, untimed call.  Phases: ``train`` = forward +
+backward of a fixed random output gradient, ``infer`` = forward under ``torch.inference_mode``.
+
+**Groups.**  Every peer is compared with moelab and a dense FFN of the same activation and width;
+ratios are to the dense FFN of the row's group (:class:`moelab.experts.MLP` of width ``K·h``: the
+same expert arithmetic without routing, the limit):
+
+* ``swiglu``: ``moelab.MoE(method="smoe", activation="swiglu", impl="auto")``, transformers'
+  Mixtral block (``mixtral eager``, ``mixtral grouped_mm``, holding moelab's weights) and, for
+  ``T ≤ 16``, the ``bound`` (below);
+* ``swiglu+bias``: st-moe-pytorch, whose experts are GEGLU with biases and a multiplicative bias;
+  moelab has no GEGLU (``moelab.functional.ACTIVATIONS``), so its moelab and dense are SwiGLU with
+  biases — the same matmuls, a SiLU instead of a GELU gate;
+* ``relu``: lucidrains' mixture-of-experts (top-2 only; its default ReLU, no gating), holding the
+  weights of the group's moelab layer.
+
+All candidates share the router weights ``W (N, d)`` and the inputs, hence the routing.  Their
+expert FLOPs per token are computed from their weights (``moelab.bench.expert_flops_per_token``,
+2 per multiply-add, router excluded) and a row whose FLOPs differ from its group's dense is
+flagged in its note.  The peers that drop token-slots by capacity (st-moe, lucidrains:
+:mod:`moelab.bench_peers`) are flagged ``drops_tokens`` with the measured fraction of the ``T·K``
+slots they dropped in each phase and the FLOPs they actually compute per token (their experts on
+all ``N·C`` capacity rows plus the two one-hot einsums).  Before timing, outputs are compared:
+Mixtral with moelab on every token; lucidrains with its group's moelab and st-moe with
+``Σ_k w_k · expert_{i_k}(x)`` over its own experts and moelab's routing, on the tokens that kept
+all K slots (a note reports any difference above ``1e-4`` relative).
+
+**Routing** (``--routing``).  Both kinds go through the inputs, so that every candidate sees the
+same routing.  Each token ``t`` gets a favourite expert ``f_t``: ``balanced``: the experts in
+turn (``(π_t + o) mod N`` for a random permutation ``π`` of the tokens and a random offset ``o``,
+so every expert is the favourite of ``⌊T/N⌋`` or ``⌈T/N⌉`` tokens); ``zipf``: ``P(f = e) ∝
+(e + 1)^{-s}`` with ``s = 1`` (:data:`ZIPF_EXPONENT`), expert 0 the most popular.  The token is
+``x_t = z_t + c_t W_{f_t}`` with ``z_t ~ N(0, I_d)`` and the smallest ``c_t ≥ 0`` that puts the
+favourite's logit ``margin = 0.5`` above every other logit (``c_t = max_e (margin − (ℓ_f − ℓ_e))
+/ (‖W_f‖² − W_e·W_f)`` over the experts with a positive denominator), so the top-1 choice is the
+favourite and the other K−1 choices follow ``z_t``.  The realised load is measured from moelab's
+routing: ``top_share`` (share of the ``T·K`` slots on the most loaded expert), ``max_over_mean``
+(its count over the mean ``T·K/N``), ``favourite_hit`` (tokens whose top-1 is ``f_t``) and
+``experts_touched``.
+
+**Bound** (``T ≤ 16``, infer, group ``swiglu``).  The weights-read bound: for each expert that
+moelab's routing of this input touches, that expert's MLP on exactly the tokens routed to it —
+``F.linear(act(F.linear(x_e, W_in[e])), W_out[e])`` with ``x_e`` and the expert's weights
+pre-sliced into contiguous tensors outside the timed function.  It reads each touched expert's
+weights once and computes exactly the routed FLOPs, with no router, sort, gather, scatter or
+combine.  ``ratio_to_bound`` = median over rounds of ``t / t_bound``.
+
+**Peak memory** (``peak_mib``): the peak growth of allocated memory during one call, over what was
+allocated before it, from a state without gradients (weights and inputs are not counted; a
+training step's activations, temporaries and gradients are).  CUDA: ``torch.cuda.max_memory_allocated``
+after ``reset_peak_memory_stats``.  CPU: ``torch.profiler`` with ``profile_memory=True``; the
+allocation and free records are summed in time order and the running maximum is the peak.
+
+**Budget.**  ``--repeats`` rounds per case, cut short once the timed rounds of the case have taken
+``--budget`` seconds (never fewer than 3 rounds); ``rounds`` records how many ran.
+
+**JSON** (``--json`` prints it; ``--out FILE`` writes it atomically after every case, so an
+interrupted run keeps its finished cases, and ``--resume`` skips them)::
+
+    {"bench": "suite", "schema": 1,
+     "config": {"tokens", "shapes", "d_model", "routing", "threads", "peers" (the grid lists),
+                "repeats", "warmup", "budget", "clock", "seed", "device", "dtype",
+                "zipf_exponent", "zipf_margin", "bound_max_tokens", "peer_max_gib", "memory"},
+     "machine": moelab.bench.machine_info(),
+     "cases": [{"key", "tokens", "num_experts", "top_k", "d_hidden", "d_model", "routing",
+                "threads", "load": {"top_share", "max_over_mean", "favourite_hit",
+                "experts_touched", "touched_weights_mib"}, "rounds", "seconds", "loadavg_1min",
+                "notes": [str],
+                "rows": [{"name", "group", "phase", "median_ms", "p25_ms", "p75_ms", "min_ms",
+                          "ratio_to_dense", "ratio_p25", "ratio_p75", "ratio_to_bound",
+                          "flops_per_token", "computed_flops_per_token", "drops_tokens",
+                          "dropped_fraction", "peak_mib", "note"}]}],
+     "summary": [{"key", "top_share", "moelab_dense_train", "moelab_dense_infer",
+                  "best_peer_train", "best_peer_dense_train", "best_peer_infer",
+                  "best_peer_dense_infer", "best_peer_drops_train", "best_peer_drops_infer",
+                  "moelab_bound"}]}
+
+``ratio_to_bound`` is set on the ``swiglu`` infer rows of cases with a bound, else ``null``;
+``dropped_fraction`` on capacity peers only; ``peak_mib`` is ``null`` with ``--no-memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _validate
+from .bench import (
+    CLOCKS,
+    Candidate,
+    _infer_step,
+    _train_step,
+    expert_flops_per_token,
+    flag_flops,
+    interleaved,
+    machine_info,
+    summarize,
+)
+from .bench_peers import (
+    PEERS,
+    Peer,
+    capacity_stats,
+    computed_flops_per_token,
+    default_policy_skip,
+    lucidrains_peer,
+    mixtral_peers,
+    stmoe_peer,
+)
+from .experts import MLP, ExpertBank
+from .functional import expert_counts
+from .layer import MoE
+from .rundir import atomic_write_text
+
+__all__ = [
+    "ROUTINGS",
+    "Case",
+    "add_arguments",
+    "favourite_experts",
+    "load_stats",
+    "peak_memory_bytes",
+    "routed_inputs",
+    "run",
+    "weights_read_bound",
+]
+
+ROUTINGS = ("balanced", "zipf")
+ZIPF_EXPONENT = 1.0
+ZIPF_MARGIN = 0.5
+BOUND_MAX_TOKENS = 16
+DEFAULTS = {
+    "tokens": "1,16,128,2048,8192",
+    "shapes": "16x2x512,64x8x128,8x1x1024",
+    "d_model": "256,512",
+    "routing": "balanced,zipf",
+    "threads": "1,2",
+    "peers": ",".join(PEERS),
+}
+#: the groups: activation and expert biases of their moelab layer and dense FFN
+GROUPS = {"swiglu": ("swiglu", False), "swiglu+bias": ("swiglu", True), "relu": ("relu", False)}
+PEER_GROUP = {"mixtral": "swiglu", "stmoe": "swiglu+bias", "lucidrains": "relu"}
+
+
+# ---------------------------------------------------------------------------------- the grid
+def _ints(flag: str, text: str) -> list[int]:
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    try:
+        values = [int(s) for s in items]
+    except ValueError:
+        values = []
+    if not values:
+        raise ValueError(
+            f"{flag}={text!r} is not allowed; expected a comma-separated list of positive integers"
+        )
+    for v in values:
+        _validate.positive_int(flag, v)
+    return list(dict.fromkeys(values))
+
+
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for item in [s.strip() for s in str(text).split(",") if s.strip()] or [""]:
+        parts = item.lower().split("x")
+        try:
+            n, k, h = (int(p) for p in parts)
+        except ValueError:
+            n = k = h = 0
+        if min(n, k, h) < 1 or k > n:
+            raise ValueError(
+                f"--shapes={item!r} is not allowed; expected NxKxH (experts x top-k x expert width) "
+                "with positive integers and K <= N, e.g. 16x2x512"
+            )
+        shapes.append((n, k, h))
+    return list(dict.fromkeys(shapes))
+
+
+def _names(flag: str, text: str, allowed: tuple[str, ...], empty_ok: bool = False) -> list[str]:
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if items == ["none"] and empty_ok:
+        return []
+    if not items:
+        raise ValueError(
+            f"{flag}={text!r} is not allowed; expected a comma-separated list from {list(allowed)}"
+        )
+    for item in items:
+        _validate.one_of(flag, item, allowed)
+    return list(dict.fromkeys(items))
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: int
+    num_experts: int
+    top_k: int
+    d_hidden: int
+    d_model: int
+    routing: str
+    threads: int
+
+    @property
+    def key(self) -> str:
+        return (
+            f"T={self.tokens} N={self.num_experts} K={self.top_k} h={self.d_hidden} d={self.d_model} "
+            f"{self.routing} threads={self.threads}"
+        )
+
+
+def parse_grid(args: argparse.Namespace) -> list[Case]:
+    """Validate every option and return the cases, in run order (threads, d, shape, T, routing)."""
+    tokens = _ints("--tokens", args.tokens)
+    shapes = _shapes(args.shapes)
+    widths = _ints("--d-model", args.d_model)
+    routings = _names("--routing", args.routing, ROUTINGS)
+    threads = _ints("--threads", args.threads)
+    args.peer_list = _names("--peers", args.peers, PEERS, empty_ok=True)
+    _validate.positive_int("--repeats", args.repeats)
+    _validate.int_in_range("--warmup", args.warmup, 0, 1 << 20)
+    _validate.positive("--budget", args.budget)
+    _validate.positive("--peer-max-gib", args.peer_max_gib)
+    args.grid = {
+        "tokens": tokens,
+        "shapes": [f"{n}x{k}x{h}" for n, k, h in shapes],
+        "d_model": widths,
+        "routing": routings,
+        "threads": threads,
+        "peers": args.peer_list,
+    }
+    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(
+            f"--device={args.device!r} is not allowed; expected 'cpu' or 'cuda' (with a CUDA device)"
+        )
+    return [
+        Case(t, n, k, h, d, r, th)
+        for th in threads
+        for d in widths
+        for n, k, h in shapes
+        for t in tokens
+        for r in routings
+    ]
+
+
+# ---------------------------------------------------------------------------------- routing
+def favourite_experts(tokens: int, num_experts: int, routing: str, gen: torch.Generator) -> Tensor:
+    """Each token's favourite expert ``(T,)``: in turn (``balanced``) or Zipf(s=1) (``zipf``)."""
+    if routing == "balanced":
+        offset = int(torch.randint(num_experts, (1,), generator=gen))
+        return (torch.randperm(tokens, generator=gen) + offset) % num_experts
+    if routing == "zipf":
+        p = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-ZIPF_EXPONENT)
+        return torch.multinomial(p / p.sum(), tokens, replacement=True, generator=gen)
+    raise ValueError(f"--routing={routing!r} is not allowed; expected one of {list(ROUTINGS)}")
+
+
+def routed_inputs(
+    router_weight: Tensor, favourites: Tensor, gen: torch.Generator, margin: float = ZIPF_MARGIN
+) -> Tensor:
+    """Tokens ``z_t + c_t W_{f_t}`` whose top-1 logit under ``router_weight (N, d)`` is ``f_t``
+    by ``margin`` (the smallest such ``c_t ≥ 0``; see the module docstring)."""
+    W = router_weight.detach().float().cpu()
+    z = torch.randn(favourites.numel(), W.shape[1], generator=gen)
+    logits = z @ W.t()  # (T, N)
+    gram = W @ W.t()  # (N, N)
+    f = favourites.long()
+    gap = margin - (logits.gather(1, f[:, None]) - logits)  # the rise each rival needs
+    denom = gram[f, f][:, None] - gram[f]  # ‖W_f‖² − W_e·W_f
+    need = torch.where(denom > 0, gap / denom.clamp_min(1e-12), torch.zeros_like(gap))
+    c = need.clamp_min(0).amax(dim=1)
+    return z + c[:, None] * W[f]
+
+
+def load_stats(indices: Tensor, num_experts: int, favourites: Tensor | None = None) -> dict:
+    """Realised load of a routing ``indices (T, K)``."""
+    counts = expert_counts(indices, num_experts).double()
+    slots = indices.numel()
+    out = {
+        "top_share": float(counts.max() / slots),
+        "max_over_mean": float(counts.max() * num_experts / slots),
+        "favourite_hit": None,
+        "experts_touched": int((counts > 0).sum()),
+    }
+    if favourites is not None:
+        out["favourite_hit"] = float((indices[:, 0].cpu() == favourites).double().mean())
+    return out
+
+
+# ---------------------------------------------------------------------------------- memory
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """Silence file descriptor 2 (the profiler's C++ start/stop lines), Python's stderr untouched."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int | None:
+    """Peak growth of allocated memory while ``fn()`` runs, in bytes (see the module docstring).
+
+    ``None`` where the CPU profiler's allocation records cannot be read.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:
+        return None
+    cpu = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
+    records = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() in cpu
+    )
+    running = peak = 0
+    for _, nbytes in records:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+# ---------------------------------------------------------------------------------- bound
+def weights_read_bound(bank: ExpertBank, x: Tensor, indices: Tensor) -> tuple[Callable[[], None], int, int]:
+    """The weights-read bound of ``bank`` for tokens ``x (T, d)`` routed to ``indices (T, K)``.
+
+    Returns ``(step, experts touched, bytes of their weights)``; ``step`` runs each touched
+    expert on exactly its tokens, with everything sliced beforehand (module docstring).
+    """
+    work = []
+    nbytes = 0
+    with torch.no_grad():
+        for e in indices.unique().tolist():
+            rows = (indices == e).any(dim=-1).nonzero().squeeze(-1)
+            w_in, w_out = bank.w_in[e].contiguous(), bank.w_out[e].contiguous()
+            b_in = None if bank.b_in is None else bank.b_in[e].contiguous()
+            b_out = None if bank.b_out is None else bank.b_out[e].contiguous()
+            work.append((x.index_select(0, rows).contiguous(), w_in, b_in, w_out, b_out))
+            nbytes += sum(t.numel() * t.element_size() for t in (w_in, w_out, b_in, b_out) if t is not None)
+    act, cuda = bank.act, x.is_cuda
+
+    def step() -> None:
+        with torch.inference_mode():
+            for xs, w_in, b_in, w_out, b_out in work:
+                F.linear(act(F.linear(xs, w_in, b_in)), w_out, b_out)
+        if cuda:
+            torch.cuda.synchronize()
+
+    return step, len(work), nbytes
+
+
+# ---------------------------------------------------------------------------------- one case
+@dataclass
+class SuiteCandidate(Candidate):
+    group: str = "swiglu"
+    computed_flops: int | None = None  # FLOPs/token a capacity peer actually computes in this phase
+    drops_tokens: bool = False
+    dropped_fraction: float | None = None
+    peak_mib: float | None = None
+    reset: Callable[[], None] | None = None  # frees the gradients of the previous step
+
+
+def _free_grads(module: nn.Module, x: Tensor) -> Callable[[], None]:
+    def reset() -> None:
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return reset
+
+
+def _capacity_estimate_gib(peer_name: str, case: Case) -> float:
+    """Rough size of a capacity peer's one-hot dispatch temporaries: ``3·K·T·N·C·4`` bytes with
+    the eval capacity ``C = max(4, min(T, ⌊2T/N⌋))`` (``K`` = 2 for lucidrains)."""
+    T, N = case.tokens, case.num_experts
+    k = case.top_k if peer_name == "stmoe" else 2
+    capacity = max(4, min(T, int(T * 2.0 / N)))
+    return 3 * k * T * N * capacity * 4 / 2**30
+
+
+def _max_rel_diff(y: Tensor, ref: Tensor) -> float:
+    if y.numel() == 0:
+        return 0.0
+    return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1.0))
+
+
+@torch.no_grad()
+def _literal(peer: Peer, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    """``Σ_k w_k · expert_{i_k}(x)`` over the st-moe peer's own expert modules."""
+    experts = peer.module.peer.experts.experts
+    out = torch.zeros_like(x)
+    for e in indices.unique().tolist():
+        hit = indices == e  # (T, K)
+        rows = hit.any(-1).nonzero().squeeze(-1)
+        w = (weights * hit).sum(-1).index_select(0, rows)
+        out.index_add_(0, rows, w[:, None].to(x.dtype) * experts[e](x.index_select(0, rows)))
+    return out
+
+
+def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidate], dict, list[str]]:
+    """Every candidate of ``case`` (both phases), the realised load, and notes."""
+    T, N, K, h, d = case.tokens, case.num_experts, case.top_k, case.d_hidden, case.d_model
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    notes: list[str] = []
+    moelab: dict[str, MoE] = {}
+    dense: dict[str, MLP] = {}
+    peers: dict[str, list[Peer]] = {g: [] for g in GROUPS}
+
+    def group(name: str) -> MoE:
+        if name not in moelab:
+            act, bias = GROUPS[name]
+            layer = MoE(d, N, K, d_hidden=h, method="smoe", activation=act, bias=bias)
+            if moelab:
+                with torch.no_grad():
+                    layer.router.weight.copy_(moelab["swiglu"].router.weight)
+            moelab[name] = layer
+            dense[name] = MLP(d, K * h, activation=act, bias=bias)
+        return moelab[name]
+
+    main = group("swiglu")
+    W = main.router.weight.detach().clone()
+    for peer in args.peer_list:
+        if peer in ("stmoe", "lucidrains") and _capacity_estimate_gib(peer, case) > args.peer_max_gib:
+            notes.append(
+                f"{peer} skipped: its one-hot dispatch would need about "
+                f"{_capacity_estimate_gib(peer, case):.1f} GiB (> --peer-max-gib {args.peer_max_gib:g})"
+            )
+            continue
+        if peer == "mixtral":
+            built, note = mixtral_peers(main)
+        else:
+            one, note = (
+                stmoe_peer(W, K, h) if peer == "stmoe" else lucidrains_peer(group("relu") if K == 2 else main)
+            )
+            built = [one] if one is not None else []
+        if note:
+            notes.append(note)
+        if built:
+            peers[PEER_GROUP[peer]].extend(built)
+            group(PEER_GROUP[peer])
+    for name in [g for g in moelab if g != "swiglu" and not peers[g]]:  # a group whose peer was skipped
+        del moelab[name], dense[name]
+
+    modules: list[nn.Module] = [*moelab.values(), *dense.values()]
+    modules += [p.module for ps in peers.values() for p in ps]
+    for m in modules:
+        m.to(device, dtype)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    favourites = favourite_experts(T, N, case.routing, gen)
+    x = routed_inputs(W, favourites, gen).to(device, dtype)
+    grad = torch.randn(T, d, generator=gen).to(device, dtype)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+
+    # routing, load, parity checks (eval mode, no autograd)
+    for m in modules:
+        m.eval()
+    with torch.no_grad():
+        y_ref = {name: layer(x) for name, layer in moelab.items()}
+    routing = main.last_routing
+    indices, weights = routing.indices, routing.weights
+    load = load_stats(indices, N, favourites)
+    dropped: dict[str, dict[str, float]] = {}
+    computed: dict[str, dict[str, int]] = {}
+    for gname, plist in peers.items():
+        for p in plist:
+            if not p.capacity:
+                with torch.no_grad():
+                    diff = _max_rel_diff(p.module(x), y_ref[gname])
+                if diff > tol:
+                    notes.append(f"{p.name}: output differs from moelab by {diff:.1e} (relative)")
+                continue
+            dropped[p.name], computed[p.name] = {}, {}
+            for phase in ("train", "infer"):
+                p.module.train(phase == "train")
+                stats = capacity_stats(p, x)
+                dropped[p.name][phase] = 1.0 - float(stats["kept"].sum()) / (T * K)
+                computed[p.name][phase] = computed_flops_per_token(p, stats["capacity"], T)
+            p.module.eval()
+            # stats: the eval forward (the last phase); compare the tokens that kept all K slots
+            full = stats["kept"].gather(1, indices).all(-1)
+            ref = y_ref[gname] if p.name == "lucidrains" else _literal(p, x, indices, weights)
+            diff = _max_rel_diff(stats["output"][full], ref[full])
+            if diff > tol:
+                notes.append(
+                    f"{p.name}: output on fully kept tokens differs from moelab by {diff:.1e} (relative)"
+                )
+            notes.append(
+                f"{p.name}: its default stochastic 2nd-expert policy (threshold 0.2) would skip "
+                f"{default_policy_skip(weights):.0%} of the 2nd..K-th slots here; set to always route"
+            )
+
+    # candidates
+    candidates: list[SuiteCandidate] = []
+    for gname in moelab:
+        members: list[tuple[str, nn.Module, int, Peer | None]] = [
+            ("dense", dense[gname], expert_flops_per_token(dense[gname], K), None),
+            ("moelab", moelab[gname], expert_flops_per_token(moelab[gname], K), None),
+        ]
+        members += [(p.name, p.module, p.flops, p) for p in peers[gname]]
+        group_cands = []
+        for phase in ("train", "infer"):
+            for name, m, flops, p in members:
+                xin = x.detach().clone().requires_grad_(phase == "train")
+                fn = _train_step(m, xin, grad) if phase == "train" else _infer_step(m, xin)
+                c = SuiteCandidate(
+                    name,
+                    phase,
+                    fn,
+                    flops,
+                    note=p.note if p is not None else "",
+                    group=gname,
+                    reset=_free_grads(m, xin),
+                )
+                if p is not None and p.capacity:
+                    c.drops_tokens = True
+                    c.dropped_fraction = dropped[p.name][phase]
+                    c.computed_flops = computed[p.name][phase]
+                    c.note = f"drops tokens (capacity); {c.note}"
+                group_cands.append(c)
+        flag_flops(group_cands, group_cands[0].flops)
+        candidates += group_cands
+    if T <= BOUND_MAX_TOKENS:
+        fn, _, nbytes = weights_read_bound(main.experts, x, indices)
+        load["touched_weights_mib"] = nbytes / 2**20
+        bound = SuiteCandidate("bound", "infer", fn, expert_flops_per_token(main, K), group="swiglu")
+        flag_flops([bound], candidates[0].flops)
+        candidates.append(bound)
+    else:
+        load["touched_weights_mib"] = None
+    return candidates, load, notes
+
+
+def _rows(candidates: list[SuiteCandidate]) -> list[dict]:
+    """One row per candidate: :func:`moelab.bench.summarize` per group, plus the suite's columns."""
+    rows = []
+    for gname in dict.fromkeys(c.group for c in candidates):
+        members = [c for c in candidates if c.group == gname]
+        by_bound = {}
+        if any(c.name == "bound" for c in members):
+            infer = [c for c in members if c.phase == "infer"]
+            by_bound = {r["name"]: r for r in summarize(infer, baseline="bound")}
+        for c, r in zip(members, summarize(members)):
+            b = by_bound.get(c.name) if c.phase == "infer" else None
+            rows.append(
+                {
+                    "name": r["name"],
+                    "group": gname,
+                    "phase": r["phase"],
+                    "median_ms": r["median_ms"],
+                    "p25_ms": r["p25_ms"],
+                    "p75_ms": r["p75_ms"],
+                    "min_ms": r["min_ms"],
+                    "ratio_to_dense": r["ratio_to_dense"],
+                    "ratio_p25": r["ratio_p25"],
+                    "ratio_p75": r["ratio_p75"],
+                    "ratio_to_bound": b["ratio_to_dense"] if b is not None else None,
+                    "flops_per_token": c.flops,
+                    "computed_flops_per_token": c.computed_flops if c.computed_flops is not None else c.flops,
+                    "drops_tokens": c.drops_tokens,
+                    "dropped_fraction": c.dropped_fraction,
+                    "peak_mib": c.peak_mib,
+                    "note": c.note,
+                }
+            )
+    return rows
+
+
+def run_case(case: Case, args: argparse.Namespace) -> dict:
+    """Build, check, time and measure one case; its JSON record."""
+    torch.set_num_threads(case.threads)
+    start = time.perf_counter()
+    candidates, load, notes = build_case(case, args)
+    rounds = interleaved(
+        candidates, args.repeats, args.warmup, args.clock, budget=args.budget, progress=False
+    )
+    if args.memory:
+        for c in candidates:
+            if c.reset is not None:
+                c.reset()
+            peak = peak_memory_bytes(c.fn, args.device)
+            c.peak_mib = None if peak is None else peak / 2**20
+    return {
+        "key": case.key,
+        "tokens": case.tokens,
+        "num_experts": case.num_experts,
+        "top_k": case.top_k,
+        "d_hidden": case.d_hidden,
+        "d_model": case.d_model,
+        "routing": case.routing,
+        "threads": torch.get_num_threads(),
+        "load": load,
+        "rounds": rounds,
+        "seconds": time.perf_counter() - start,
+        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "notes": notes,
+        "rows": _rows(candidates),
+    }
+
+
+# ---------------------------------------------------------------------------------- output
+def summary_row(case: dict) -> dict:
+    """The compact line of a case: moelab/dense, the best peer/dense per phase, moelab/bound."""
+    rows = case["rows"]
+
+    def pick(name: str, phase: str, key: str = "ratio_to_dense"):
+        for r in rows:
+            if r["name"] == name and r["group"] == "swiglu" and r["phase"] == phase:
+                return r[key]
+        return None
+
+    out = {"key": case["key"], "top_share": case["load"]["top_share"]}
+    for phase in ("train", "infer"):
+        out[f"moelab_dense_{phase}"] = pick("moelab", phase)
+        peers = [r for r in rows if r["phase"] == phase and r["name"] not in ("dense", "moelab", "bound")]
+        best = min(peers, key=lambda r: r["ratio_to_dense"]) if peers else None
+        out[f"best_peer_{phase}"] = best["name"] if best else None
+        out[f"best_peer_dense_{phase}"] = best["ratio_to_dense"] if best else None
+        out[f"best_peer_drops_{phase}"] = best["drops_tokens"] if best else None
+    out["moelab_bound"] = pick("moelab", "infer", "ratio_to_bound")
+    return out
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_case(case: dict) -> str:
+    load = case["load"]
+    lines = [
+        f"{case['key']}: top expert {load['top_share']:.1%} of slots (max/mean {load['max_over_mean']:.2f}), "
+        f"{case['rounds']} rounds, {case['seconds']:.0f} s",
+        f"{'candidate':<20} {'group':<11} {'phase':<5} {'median ms':>10} {'IQR ms':>17} {'x dense':>7} "
+        f"{'ratio IQR':>11} {'x bound':>7} {'MFLOP/tok':>9} {'computed':>9} {'dropped':>7} {'peak MiB':>8}",
+    ]
+    lines.append("-" * len(lines[-1]))
+    for r in case["rows"]:
+        riqr = f"{_fmt(r['ratio_p25'])}-{_fmt(r['ratio_p75'])}" if r["ratio_p25"] is not None else "-"
+        lines.append(
+            f"{r['name']:<20} {r['group']:<11} {r['phase']:<5} {r['median_ms']:>10.3f} "
+            f"{r['p25_ms']:>8.3f}-{r['p75_ms']:<8.3f} {_fmt(r['ratio_to_dense']):>7} {riqr:>11} "
+            f"{_fmt(r['ratio_to_bound']):>7} {r['flops_per_token'] / 1e6:>9.3f} "
+            f"{r['computed_flops_per_token'] / 1e6:>9.3f} {_fmt(r['dropped_fraction'], '.1%'):>7} "
+            f"{_fmt(r['peak_mib'], '.1f'):>8}" + (f"  {r['note']}" if r["note"] else "")
+        )
+    lines += [f"note: {n}" for n in case["notes"]]
+    return "\n".join(lines)
+
+
+def format_summary(summary: list[dict]) -> str:
+    head = (
+        f"{'case':<52} {'top':>5} {'moelab/dense':>13} {'best peer/dense train':>30} "
+        f"{'best peer/dense infer':>30} {'moelab/bound':>12}"
+    )
+    lines = [head, f"{'':<52} {'share':>5} {'train':>6} {'infer':>6}", "-" * len(head)]
+    for s in summary:
+        lines.append(
+            f"{s['key']:<52} {s['top_share']:>5.2f} {_fmt(s['moelab_dense_train']):>6} "
+            f"{_fmt(s['moelab_dense_infer']):>6} {_best_peer(s, 'train'):>30} {_best_peer(s, 'infer'):>30} "
+            f"{_fmt(s['moelab_bound']):>12}"
+        )
+    return "\n".join(lines)
+
+
+def _best_peer(s: dict, phase: str) -> str:
+    name = s[f"best_peer_{phase}"]
+    if name is None:
+        return "-"
+    drops = ", drops" if s[f"best_peer_drops_{phase}"] else ""
+    return f"{s[f'best_peer_dense_{phase}']:.2f} ({name}{drops})"
+
+
+# ---------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", "-T", default=DEFAULTS["tokens"], help="token counts T (default %(default)s)")
+    p.add_argument(
+        "--shapes",
+        default=DEFAULTS["shapes"],
+        help="NxKxH: experts x top-k x expert width (default %(default)s)",
+    )
+    p.add_argument("--d-model", default=DEFAULTS["d_model"], help="token widths d (default %(default)s)")
+    p.add_argument(
+        "--routing", default=DEFAULTS["routing"], help=f"from {list(ROUTINGS)} (default %(default)s)"
+    )
+    p.add_argument("--threads", default=DEFAULTS["threads"], help="torch thread counts (default %(default)s)")
+    p.add_argument(
+        "--peers", default=DEFAULTS["peers"], help=f"from {list(PEERS)}, or 'none' (default %(default)s)"
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per case at most (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=60.0,
+        help="seconds of timed rounds per case after which no new round starts (at least 3 rounds; default 60)",
+    )
+    p.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="wall", help="wall (default) or process CPU time"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default float32)")
+    p.add_argument(
+        "--peer-max-gib",
+        type=float,
+        default=4.0,
+        help="skip a capacity peer whose one-hot dispatch would need more GiB (default 4)",
+    )
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory calls")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here, after every case")
+    p.add_argument("--resume", action="store_true", help="keep the cases already in --out and run the rest")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
+
+
+_RESUME_KEYS = ("clock", "seed", "device", "dtype")
+
+
+def _start_document(args: argparse.Namespace) -> dict:
+    config = {
+        **args.grid,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "budget": args.budget,
+        "clock": args.clock,
+        "seed": args.seed,
+        "device": args.device,
+        "dtype": args.dtype,
+        "zipf_exponent": ZIPF_EXPONENT,
+        "zipf_margin": ZIPF_MARGIN,
+        "bound_max_tokens": BOUND_MAX_TOKENS,
+        "peer_max_gib": args.peer_max_gib,
+        "memory": args.memory,
+    }
+    doc = {
+        "bench": "suite",
+        "schema": 1,
+        "config": config,
+        "machine": machine_info(),
+        "cases": [],
+        "summary": [],
+    }
+    out = args.out
+    if out is None or not out.exists() or args.force:
+        if args.resume and out is None:
+            raise ValueError("--resume needs --out FILE (the file whose cases to keep)")
+        return doc
+    if not args.resume:
+        raise ValueError(
+            f"--out={str(out)!r} exists; pass --resume to keep its cases and run the rest, or --force to overwrite it"
+        )
+    try:
+        old = json.loads(out.read_text())
+        old_cases = old["cases"]
+        old_config = old["config"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"--out={str(out)!r} is not a suite JSON document ({exc}); use --force to overwrite it"
+        ) from None
+    for key in _RESUME_KEYS:
+        if old_config.get(key) != config[key]:
+            raise ValueError(
+                f"--resume: --{key}={config[key]!r} differs from {old_config.get(key)!r} in {str(out)!r}; "
+                "use the same settings or --force"
+            )
+    doc["cases"] = list(old_cases)
+    return doc
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    cases = parse_grid(args)
+    doc = _start_document(args)
+    done = {c["key"] for c in doc["cases"]}
+    threads = torch.get_num_threads()
+    show = (lambda text: None) if args.json else (lambda text: tqdm.write(text, file=sys.stdout))
+    machine = doc["machine"]
+    show(
+        f"moelab bench suite: {len(cases)} cases ({len(done & {c.key for c in cases})} already in --out), "
+        f"{args.repeats} rounds at most ({args.budget:g} s budget) after {args.warmup} warm-up, {args.clock} clock, "
+        f"{args.device} {args.dtype}\nmachine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
+        f"transformers {machine['transformers']}, load {machine['loadavg_1min']:.1f}, "
+        f"OMP_WAIT_POLICY={machine['OMP_WAIT_POLICY'] or 'unset'}"
+    )
+    try:
+        bar = tqdm(cases, desc="bench suite", unit="case", file=sys.stderr, dynamic_ncols=True)
+        for case in bar:
+            if case.key in done:
+                continue
+            bar.set_postfix_str(case.key)
+            record = run_case(case, args)
+            doc["cases"].append(record)
+            doc["summary"] = [summary_row(c) for c in doc["cases"]]
+            if args.out is not None:
+                atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
+            show(format_case(record) + "\n")
+    finally:
+        torch.set_num_threads(threads)
+    doc["summary"] = [summary_row(c) for c in doc["cases"]]
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        show(
+            "summary (ratios: median over rounds; train = forward + backward, infer = inference-mode forward)\n"
+            + format_summary(doc["summary"])
+        )
+    return 0
