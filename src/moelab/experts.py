@@ -124,7 +124,10 @@ class _CombineSlots(torch.autograd.Function):
         w = weights.to(ys.dtype)
         out = slots[:, 0] * w[:, :1]
         for k in range(1, K):
-            out.addcmul_(slots[:, k], w[:, k : k + 1])
+            if torch.compiler.is_compiling():  # no in-place op on the output: pytorch#180642
+                out = out.addcmul(slots[:, k], w[:, k : k + 1])
+            else:
+                out.addcmul_(slots[:, k], w[:, k : k + 1])
         ctx.save_for_backward(slots, w, order, tokens)
         ctx.weights_dtype = weights.dtype
         return out
