@@ -17,6 +17,7 @@ import torch._dynamo.testing
 
 from moelab import MoE
 from moelab.cli import main
+from moelab.experts import ExpertBank
 from moelab.routing import RoutingContext, attach
 from moelab.schedules import CompetitionSchedule
 
@@ -109,6 +110,29 @@ def test_compiled_training_step_equals_eager_aot_other_routers(method):
 @pytest.mark.parametrize("method", ["smoe", "competesmoe"])
 def test_compiled_training_step_equals_eager_inductor(method):
     _compare_with_eager(method, "inductor")
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped"])
+def test_compiled_expert_bank_gradients_equal_eager(impl):
+    """The bank alone (biases, K=3) compiled with ``aot_eager`` gives eager's output and every
+    gradient: pins the out-of-place combine under compile (torch 2.11 silently misrouted the
+    gradient of an in-place-modified ``autograd.Function`` output, pytorch/pytorch#180642)."""
+    torch.manual_seed(0)
+    bank = ExpertBank(8, 32, 64, "swiglu", bias=True, impl=impl)
+    gen = torch.Generator().manual_seed(4)
+    x, g = torch.randn(48, 32, generator=gen), torch.randn(48, 32, generator=gen)
+    indices = torch.rand(48, 8, generator=gen).argsort(-1)[:, :3]  # 3 distinct experts per token
+    weights = torch.rand(48, 3, generator=gen)
+    compiled = torch.compile(bank, backend="aot_eager")
+    results = []
+    for module in (bank, compiled):
+        bank.zero_grad(set_to_none=True)
+        xx, ww = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y = module(xx, indices, ww)
+        (y * g).sum().backward()
+        results.append([y.detach(), xx.grad, ww.grad, *(p.grad for p in bank.parameters())])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_competesmoe_schedule_compiles_once_per_branch():

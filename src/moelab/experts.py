@@ -115,6 +115,10 @@ class _CombineSlots(torch.autograd.Function):
     ``(token, k)`` order and ``K`` fused multiply-adds.  Backward: the gradient of ``ys`` is a
     gather of the output gradient by token, scaled by each slot's weight (no zero-fill, no
     scatter-add: deterministic), and ``∂/∂w_{t,k} = <g_t, y_{t,k}>``.
+
+    While torch.compile traces, the multiply-adds are out of place: torch 2.11's dynamo sends the
+    gradient of an ``autograd.Function`` output that forward modified in place to the wrong slot
+    (silently wrong gradients, pytorch/pytorch#180642); compiled graphs are functional anyway.
     """
 
     @staticmethod
@@ -124,7 +128,10 @@ class _CombineSlots(torch.autograd.Function):
         w = weights.to(ys.dtype)
         out = slots[:, 0] * w[:, :1]
         for k in range(1, K):
-            out.addcmul_(slots[:, k], w[:, k : k + 1])
+            if torch.compiler.is_compiling():  # see the docstring
+                out = out.addcmul(slots[:, k], w[:, k : k + 1])
+            else:
+                out.addcmul_(slots[:, k], w[:, k : k + 1])
         ctx.save_for_backward(slots, w, order, tokens)
         ctx.weights_dtype = weights.dtype
         return out
