@@ -47,6 +47,7 @@ ROW_KEYS = {
     "ratio_p25",
     "ratio_p75",
     "ratio_to_bound",
+    "ratio_to_experts",
     "flops_per_token",
     "computed_flops_per_token",
     "drops_tokens",
@@ -67,6 +68,10 @@ SUMMARY_KEYS = {
     "best_peer_dense_infer",
     "best_peer_drops_infer",
     "moelab_bound",
+    "moelab_experts_train",
+    "moelab_experts_infer",
+    "experts_dense_train",
+    "experts_dense_infer",
 }
 HAVE_PEERS = all(
     importlib.util.find_spec(m) is not None for m in ("transformers", "st_moe_pytorch", "mixture_of_experts")
@@ -143,6 +148,34 @@ def test_suite_bound_is_timed_at_small_T_and_is_its_own_unit(tiny_json):
     )
     assert bound["flops_per_token"] == moelab["flops_per_token"]
     assert case["load"]["touched_weights_mib"] > 0
+
+
+def test_suite_experts_row_splits_the_gap_into_dispatch_and_expert_gemms(tiny_json):
+    (case,) = tiny_json["cases"]
+    summary = tiny_json["summary"][0]
+    for phase in ("train", "infer"):
+        (experts,) = _rows(case, name="experts", phase=phase)
+        (moelab,) = _rows(case, group="swiglu", phase=phase, name="moelab")
+        assert experts["group"] == "swiglu" and experts["ratio_to_experts"] == 1.0
+        assert experts["flops_per_token"] == moelab["flops_per_token"]
+        assert summary[f"moelab_experts_{phase}"] == moelab["ratio_to_experts"] > 0
+        assert summary[f"experts_dense_{phase}"] == experts["ratio_to_dense"] > 0
+        assert summary[f"best_peer_{phase}"] != "experts"
+
+
+def test_experts_only_runs_the_banks_experts_on_sorted_slots():
+    from moelab.bench_suite import experts_only
+    from moelab.experts import ExpertBank
+
+    bank = ExpertBank(4, 8, 8, activation="swiglu")
+    x, grad = torch.randn(6, 8), torch.randn(6, 8)
+    indices = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    steps = dict((phase, (fn, reset)) for phase, fn, reset in experts_only(bank, x, indices, grad))
+    steps["train"][0]()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in bank.parameters())
+    steps["train"][1]()
+    assert all(p.grad is None for p in bank.parameters())
+    steps["infer"][0]()
 
 
 @pytest.mark.skipif(not HAVE_PEERS, reason="needs transformers, st-moe-pytorch and mixture-of-experts")

@@ -51,6 +51,13 @@ pre-sliced into contiguous tensors outside the timed function.  It reads each to
 weights once and computes exactly the routed FLOPs, with no router, sort, gather, scatter or
 combine.  ``ratio_to_bound`` = median over rounds of ``t / t_bound``.
 
+**Experts** (every case, both phases, group ``swiglu``).  moelab's experts alone — the layer's
+own implementation, GEMMs and activation — on the token slots gathered and sorted by expert
+beforehand (:func:`experts_only`).  ``ratio_to_experts`` of the ``moelab`` row is the cost of
+routing and dispatch (router, top-K, sort, gather, combine and their backward); the ``experts``
+row's ``ratio_to_dense`` is what remains between the dense limit and a perfect dispatch: N GEMMs
+of ``T·K/N`` rows instead of one of ``T``, over ``N/K`` times the weights.
+
 **Peak memory** (``peak_mib``): the peak growth of allocated memory during one call, over what was
 allocated before it, from a state without gradients (weights and inputs are not counted; a
 training step's activations, temporaries and gradients are).  CUDA: ``torch.cuda.max_memory_allocated``
@@ -73,15 +80,17 @@ interrupted run keeps its finished cases, and ``--resume`` skips them)::
                 "experts_touched", "touched_weights_mib"}, "rounds", "seconds", "loadavg_1min",
                 "notes": [str],
                 "rows": [{"name", "group", "phase", "median_ms", "p25_ms", "p75_ms", "min_ms",
-                          "ratio_to_dense", "ratio_p25", "ratio_p75", "ratio_to_bound",
+                          "ratio_to_dense", "ratio_p25", "ratio_p75", "ratio_to_bound", "ratio_to_experts",
                           "flops_per_token", "computed_flops_per_token", "drops_tokens",
                           "dropped_fraction", "peak_mib", "note"}]}],
      "summary": [{"key", "top_share", "moelab_dense_train", "moelab_dense_infer",
                   "best_peer_train", "best_peer_dense_train", "best_peer_infer",
                   "best_peer_dense_infer", "best_peer_drops_train", "best_peer_drops_infer",
-                  "moelab_bound"}]}
+                  "moelab_bound", "moelab_experts_train", "moelab_experts_infer",
+                  "experts_dense_train", "experts_dense_infer"}]}
 
 ``ratio_to_bound`` is set on the ``swiglu`` infer rows of cases with a bound, else ``null``;
+``ratio_to_experts`` on the ``swiglu`` rows;
 ``dropped_fraction`` on capacity peers only; ``peak_mib`` is ``null`` with ``--no-memory``.
 """
 
@@ -123,7 +132,7 @@ from .bench_peers import (
     mixtral_peers,
     stmoe_peer,
 )
-from .experts import MLP, ExpertBank
+from .experts import MLP, ExpertBank, sort_slots
 from .functional import expert_counts
 from .layer import MoE
 from .rundir import atomic_write_text
@@ -391,6 +400,51 @@ class SuiteCandidate(Candidate):
     reset: Callable[[], None] | None = None  # frees the gradients of the previous step
 
 
+def experts_only(
+    bank: ExpertBank, x: Tensor, indices: Tensor, grad: Tensor
+) -> list[tuple[str, Callable[[], None], Callable[[], None]]]:
+    """``[(phase, step, reset)]`` for the bank's experts alone on the expert-sorted token slots.
+
+    The same implementation (``bank.resolved_impl``), GEMMs and activation as the layer, on rows
+    gathered and sorted beforehand: no router, sort, gather or combine.  ``moelab / experts`` is
+    the cost of routing and dispatch; ``experts / dense`` that of running N smaller expert GEMMs
+    over N/K times the weights instead of one FFN.  Train: backward of the slot-order gradient.
+    """
+    K = indices.shape[1]
+    with torch.no_grad():
+        order, counts, tokens, _ = sort_slots(indices, bank.num_experts)
+        xs = x.detach().index_select(0, tokens).contiguous()
+        g = grad.index_select(0, tokens).contiguous()
+    impl, counts_list = bank.resolved_impl(x, K), counts.tolist()
+
+    def run(rows: Tensor) -> Tensor:
+        return (
+            bank._grouped(rows, counts, order, indices)
+            if impl == "grouped"
+            else bank._loop(rows, counts_list)
+        )
+
+    xs_train = xs.clone().requires_grad_()
+    cuda = x.is_cuda
+
+    def train() -> None:
+        bank.train()
+        xs_train.grad = None
+        for p in bank.parameters():
+            p.grad = None
+        run(xs_train).backward(g)
+        if cuda:
+            torch.cuda.synchronize()
+
+    def infer() -> None:
+        with torch.inference_mode():
+            run(xs)
+        if cuda:
+            torch.cuda.synchronize()
+
+    return [("train", train, _free_grads(bank, xs_train)), ("infer", infer, None)]
+
+
 def _free_grads(module: nn.Module, x: Tensor) -> Callable[[], None]:
     def reset() -> None:
         module.zero_grad(set_to_none=True)
@@ -550,6 +604,10 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
                 group_cands.append(c)
         flag_flops(group_cands, group_cands[0].flops)
         candidates += group_cands
+    for phase, fn, reset in experts_only(main.experts, x, indices, grad):
+        c = SuiteCandidate("experts", phase, fn, expert_flops_per_token(main, K), group="swiglu", reset=reset)
+        flag_flops([c], candidates[0].flops)
+        candidates.append(c)
     if T <= BOUND_MAX_TOKENS:
         fn, _, nbytes = weights_read_bound(main.experts, x, indices)
         load["touched_weights_mib"] = nbytes / 2**20
@@ -570,8 +628,12 @@ def _rows(candidates: list[SuiteCandidate]) -> list[dict]:
         if any(c.name == "bound" for c in members):
             infer = [c for c in members if c.phase == "infer"]
             by_bound = {r["name"]: r for r in summarize(infer, baseline="bound")}
+        by_experts = {}
+        if any(c.name == "experts" for c in members):
+            by_experts = {(r["name"], r["phase"]): r for r in summarize(members, baseline="experts")}
         for c, r in zip(members, summarize(members)):
             b = by_bound.get(c.name) if c.phase == "infer" else None
+            ex = by_experts.get((c.name, c.phase))
             rows.append(
                 {
                     "name": r["name"],
@@ -585,6 +647,7 @@ def _rows(candidates: list[SuiteCandidate]) -> list[dict]:
                     "ratio_p25": r["ratio_p25"],
                     "ratio_p75": r["ratio_p75"],
                     "ratio_to_bound": b["ratio_to_dense"] if b is not None else None,
+                    "ratio_to_experts": ex["ratio_to_dense"] if ex is not None else None,
                     "flops_per_token": c.flops,
                     "computed_flops_per_token": c.computed_flops if c.computed_flops is not None else c.flops,
                     "drops_tokens": c.drops_tokens,
@@ -642,12 +705,19 @@ def summary_row(case: dict) -> dict:
     out = {"key": case["key"], "top_share": case["load"]["top_share"]}
     for phase in ("train", "infer"):
         out[f"moelab_dense_{phase}"] = pick("moelab", phase)
-        peers = [r for r in rows if r["phase"] == phase and r["name"] not in ("dense", "moelab", "bound")]
+        peers = [
+            r
+            for r in rows
+            if r["phase"] == phase and r["name"] not in ("dense", "moelab", "bound", "experts")
+        ]
         best = min(peers, key=lambda r: r["ratio_to_dense"]) if peers else None
         out[f"best_peer_{phase}"] = best["name"] if best else None
         out[f"best_peer_dense_{phase}"] = best["ratio_to_dense"] if best else None
         out[f"best_peer_drops_{phase}"] = best["drops_tokens"] if best else None
     out["moelab_bound"] = pick("moelab", "infer", "ratio_to_bound")
+    for phase in ("train", "infer"):
+        out[f"moelab_experts_{phase}"] = pick("moelab", phase, "ratio_to_experts")
+        out[f"experts_dense_{phase}"] = pick("experts", phase)
     return out
 
 
@@ -661,7 +731,7 @@ def format_case(case: dict) -> str:
         f"{case['key']}: top expert {load['top_share']:.1%} of slots (max/mean {load['max_over_mean']:.2f}), "
         f"{case['rounds']} rounds, {case['seconds']:.0f} s",
         f"{'candidate':<20} {'group':<11} {'phase':<5} {'median ms':>10} {'IQR ms':>17} {'x dense':>7} "
-        f"{'ratio IQR':>11} {'x bound':>7} {'MFLOP/tok':>9} {'computed':>9} {'dropped':>7} {'peak MiB':>8}",
+        f"{'ratio IQR':>11} {'x bound':>7} {'x experts':>9} {'MFLOP/tok':>9} {'computed':>9} {'dropped':>7} {'peak MiB':>8}",
     ]
     lines.append("-" * len(lines[-1]))
     for r in case["rows"]:
@@ -669,7 +739,7 @@ def format_case(case: dict) -> str:
         lines.append(
             f"{r['name']:<20} {r['group']:<11} {r['phase']:<5} {r['median_ms']:>10.3f} "
             f"{r['p25_ms']:>8.3f}-{r['p75_ms']:<8.3f} {_fmt(r['ratio_to_dense']):>7} {riqr:>11} "
-            f"{_fmt(r['ratio_to_bound']):>7} {r['flops_per_token'] / 1e6:>9.3f} "
+            f"{_fmt(r['ratio_to_bound']):>7} {_fmt(r.get('ratio_to_experts')):>9} {r['flops_per_token'] / 1e6:>9.3f} "
             f"{r['computed_flops_per_token'] / 1e6:>9.3f} {_fmt(r['dropped_fraction'], '.1%'):>7} "
             f"{_fmt(r['peak_mib'], '.1f'):>8}" + (f"  {r['note']}" if r["note"] else "")
         )
@@ -680,14 +750,21 @@ def format_case(case: dict) -> str:
 def format_summary(summary: list[dict]) -> str:
     head = (
         f"{'case':<52} {'top':>5} {'moelab/dense':>13} {'best peer/dense train':>30} "
-        f"{'best peer/dense infer':>30} {'moelab/bound':>12}"
+        f"{'best peer/dense infer':>30} {'moelab/bound':>12} {'moelab/experts':>14} {'experts/dense':>14}"
     )
-    lines = [head, f"{'':<52} {'share':>5} {'train':>6} {'infer':>6}", "-" * len(head)]
+    lines = [
+        head,
+        f"{'':<52} {'share':>5} {'train':>6} {'infer':>6} {'':>30} {'':>30} {'':>12} {'train':>6} {'infer':>7}"
+        f" {'train':>6} {'infer':>7}",
+        "-" * len(head),
+    ]
     for s in summary:
         lines.append(
             f"{s['key']:<52} {s['top_share']:>5.2f} {_fmt(s['moelab_dense_train']):>6} "
             f"{_fmt(s['moelab_dense_infer']):>6} {_best_peer(s, 'train'):>30} {_best_peer(s, 'infer'):>30} "
-            f"{_fmt(s['moelab_bound']):>12}"
+            f"{_fmt(s['moelab_bound']):>12} {_fmt(s.get('moelab_experts_train')):>6} "
+            f"{_fmt(s.get('moelab_experts_infer')):>7} {_fmt(s.get('experts_dense_train')):>6} "
+            f"{_fmt(s.get('experts_dense_infer')):>7}"
         )
     return "\n".join(lines)
 
