@@ -793,13 +793,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peers", default=DEFAULTS["peers"], help=f"from {list(PEERS)}, or 'none' (default %(default)s)"
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per case at most (default 5)")
+    p.add_argument("--repeats", type=int, default=30, help="timed rounds per case at most (default 30)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument(
         "--budget",
         type=float,
-        default=60.0,
-        help="seconds of timed rounds per case after which no new round starts (at least 3 rounds; default 60)",
+        default=30.0,
+        help="seconds of timed rounds per case after which no new round starts (at least 3 rounds; default 30)",
     )
     p.add_argument(
         "--clock", choices=sorted(CLOCKS), default="wall", help="wall (default) or process CPU time"
