@@ -913,3 +913,33 @@ def run(args: argparse.Namespace) -> int:
             + format_summary(doc["summary"])
         )
     return 0
+
+
+# ---------------------------------------------------------------------------------- markdown
+def markdown_summary(doc: dict) -> str:
+    """The summary of a suite document as a markdown table (docs/performance.md), with its machine."""
+    m = doc["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
+        f"moelab {m['moelab']}, OMP_WAIT_POLICY={m['OMP_WAIT_POLICY'] or 'unset'}; "
+        f"clock {doc['config']['clock']}, {doc['config']['repeats']} rounds at most, budget {doc['config']['budget']:g} s.",
+        "",
+        "| T | N×K×h | d | routing | thr | top share | moelab/dense train | infer | moelab/experts train | infer "
+        "| experts/dense train | infer | moelab/bound | best peer/dense train | best peer/dense infer |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for case, s in zip(doc["cases"], doc["summary"]):
+        lines.append(
+            f"| {case['tokens']} | {case['num_experts']}×{case['top_k']}×{case['d_hidden']} | {case['d_model']} "
+            f"| {case['routing']} | {case['threads']} | {s['top_share']:.2f} | {_fmt(s['moelab_dense_train'])} "
+            f"| {_fmt(s['moelab_dense_infer'])} | {_fmt(s.get('moelab_experts_train'))} "
+            f"| {_fmt(s.get('moelab_experts_infer'))} | {_fmt(s.get('experts_dense_train'))} "
+            f"| {_fmt(s.get('experts_dense_infer'))} | {_fmt(s['moelab_bound'])} | {_best_peer(s, 'train')} "
+            f"| {_best_peer(s, 'infer')} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m moelab.bench_suite runs/bench/suite.json: the markdown summary
+    for path in sys.argv[1:]:
+        print(markdown_summary(json.loads(Path(path).read_text())))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -173,7 +175,7 @@ class MoE(nn.Module):
                 torch._assert_async(torch.isfinite(scores).all(), message)
             # one reduction: the sum of finite scores is finite unless it overflows, which the
             # exact check below (run only then) tells apart
-            elif not torch.isfinite(scores.sum()) and not torch.isfinite(scores).all():
+            elif not math.isfinite(scores.sum().item()) and not torch.isfinite(scores).all():
                 raise NonFiniteError(message)
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, routing.weights)
