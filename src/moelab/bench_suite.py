@@ -574,6 +574,13 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
                 f"{default_policy_skip(weights):.0%} of the 2nd..K-th slots here; set to always route"
             )
 
+    bank = main.experts
+    few = bank.impl != "grouped" and indices.numel() <= N and x.device.type == "cpu"
+    notes.append(
+        f"moelab dispatch: train {bank.resolved_impl(x, K)}, infer "
+        + ("few-token (T·K <= N)" if few else bank.resolved_impl(x, K))
+    )
+
     # candidates
     candidates: list[SuiteCandidate] = []
     for gname in moelab:
