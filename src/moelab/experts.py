@@ -108,6 +108,22 @@ class _GatherTokens(torch.autograd.Function):
         return slots.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
 
 
+def _combine_slots(ys: Tensor, weights: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out (T, d), slots (T, K, d), w)``: the expert outputs ``ys`` back in ``(token, k)`` order,
+    weighted and summed over K (the forward of :class:`_CombineSlots`, and the whole of it
+    without autograd)."""
+    T, K = weights.shape
+    slots = ys.index_select(0, inverse).view(T, K, ys.shape[-1])
+    w = weights.to(ys.dtype)
+    out = slots[:, 0] * w[:, :1]
+    for k in range(1, K):
+        if torch.compiler.is_compiling():  # see _CombineSlots' docstring
+            out = out.addcmul(slots[:, k], w[:, k : k + 1])
+        else:
+            out.addcmul_(slots[:, k], w[:, k : k + 1])
+    return out, slots, w
+
+
 class _CombineSlots(torch.autograd.Function):
     """``combine(ys.index_select(0, inverse).view(T, K, d), weights)`` in one autograd node.
 
@@ -123,15 +139,7 @@ class _CombineSlots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ys: Tensor, weights: Tensor, inverse: Tensor, order: Tensor, tokens: Tensor) -> Tensor:
-        T, K = weights.shape
-        slots = ys.index_select(0, inverse).view(T, K, ys.shape[-1])
-        w = weights.to(ys.dtype)
-        out = slots[:, 0] * w[:, :1]
-        for k in range(1, K):
-            if torch.compiler.is_compiling():  # see the docstring
-                out = out.addcmul(slots[:, k], w[:, k : k + 1])
-            else:
-                out.addcmul_(slots[:, k], w[:, k : k + 1])
+        out, slots, w = _combine_slots(ys, weights, inverse)
         ctx.save_for_backward(slots, w, order, tokens)
         ctx.weights_dtype = weights.dtype
         return out
@@ -312,6 +320,19 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
     return g_x, g_w_in, g_w_out, g_b_in, g_b_out
 
 
+def _grouped_forward(xs, w_in, w_out, b_in, b_out, offs, experts, act_name, act):
+    """``(y, h, aux)``: the experts on their expert-sorted rows by two ``grouped_mm`` (the forward
+    of :class:`_GroupedMLP`, and the whole of it without autograd)."""
+    h = _GROUPED_MM(xs, w_in.transpose(-2, -1), offs=offs)  # (S, h_in)
+    if b_in is not None:
+        h += b_in.index_select(0, experts)
+    a, aux = _activation_forward(h, act_name, act)
+    y = _GROUPED_MM(a, w_out.transpose(-2, -1), offs=offs)  # (S, d)
+    if b_out is not None:
+        y += b_out.index_select(0, experts)
+    return y, h, aux
+
+
 class _GroupedMLP(torch.autograd.Function):
     """All N experts on their expert-sorted rows with ``grouped_mm``, one autograd node (the
     ``"grouped"`` impl in eager mode).
@@ -328,13 +349,7 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, w_in, w_out, b_in, b_out, offs, experts, act_name: str, act):
-        h = _GROUPED_MM(xs, w_in.transpose(-2, -1), offs=offs)  # (S, h_in)
-        if b_in is not None:
-            h += b_in.index_select(0, experts)
-        a, aux = _activation_forward(h, act_name, act)
-        y = _GROUPED_MM(a, w_out.transpose(-2, -1), offs=offs)  # (S, d)
-        if b_out is not None:
-            y += b_out.index_select(0, experts)
+        y, h, aux = _grouped_forward(xs, w_in, w_out, b_in, b_out, offs, experts, act_name, act)
         ctx.save_for_backward(xs, w_in, w_out, h, aux, offs)
         ctx.act_name, ctx.act = act_name, act
         return y
@@ -683,7 +698,8 @@ class ExpertBank(nn.Module):
             return self._few_tokens(x, indices, weights)
         impl = self.resolved_impl(x, K)
         order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
-        xs = _GatherTokens.apply(x, tokens, inverse, K)  # (S, d), grouped by expert
+        track = self._tracks_grad(x, weights)  # without autograd: the same ops, no autograd nodes
+        xs = _GatherTokens.apply(x, tokens, inverse, K) if track else x.index_select(0, tokens)
         if impl == "grouped":
             if not grouped_mm_available(x.device, x.dtype):
                 raise ValueError(
@@ -700,7 +716,13 @@ class ExpertBank(nn.Module):
         else:
             ys = self._loop(xs, counts.tolist())  # the one host sync
         # back to (token, slot) order, weighted and summed over K: combine() in one node
+        if not track:
+            return _combine_slots(ys, weights, inverse)[0]
         return _CombineSlots.apply(ys, weights, inverse, order, tokens)
+
+    def _tracks_grad(self, x: Tensor, *others: Tensor) -> bool:
+        """Whether this call records autograd: grad mode on and an input or weight requiring it."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others, *self.parameters()))
 
     def _few_slots(self, x: Tensor, indices: Tensor) -> bool:
         """Whether :meth:`_few_tokens` serves this call: inference (no autograd) on the CPU, eager,
@@ -709,7 +731,7 @@ class ExpertBank(nn.Module):
         return (
             indices.numel() <= self.num_experts
             and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.w_in, self.w_out)))
+            and not self._tracks_grad(x)
             and not torch.compiler.is_compiling()
         )
 
@@ -737,9 +759,7 @@ class ExpertBank(nn.Module):
 
     def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
         args = (self.b_in, self.b_out, list(counts), self.activation, self.act)
-        if torch.is_grad_enabled() and (
-            xs.requires_grad or self.w_in.requires_grad or self.w_out.requires_grad
-        ):
+        if self._tracks_grad(xs):
             return _ExpertMLP.apply(xs, self.w_in, self.w_out, *args)  # (S, d)
         return _loop_forward(xs, self.w_in, self.w_out, *args, keep=False)[0]
 
@@ -750,6 +770,8 @@ class ExpertBank(nn.Module):
             experts = indices.reshape(-1).index_select(0, order)  # expert of each sorted slot
         if not torch.compiler.is_compiling():
             args = (self.b_in, self.b_out, offs, experts, self.activation, self.act)
+            if not self._tracks_grad(xs):
+                return _grouped_forward(xs, self.w_in, self.w_out, *args)[0]
             return _GroupedMLP.apply(xs, self.w_in, self.w_out, *args)
         # traced: composed of the custom ops, which inductor fuses with the activation
         h = _grouped_mm_nt(xs, self.w_in, offs)  # (S, h_in)
