@@ -359,3 +359,21 @@ def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert():
     assert bank.resolved_impl(torch.randn(rows * 4 // 2 - 1, 8), top_k=2) == "grouped"
     assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
     assert ExpertBank(4, 8, 16, impl="grouped").resolved_impl(torch.randn(rows * 4, 8)) == "grouped"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_inference_dispatch_without_autograd_equals_the_autograd_path(impl, bias):
+    g = torch.Generator().manual_seed(5)
+    bank = ExpertBank(4, 8, 8, activation="swiglu", bias=bias, impl=impl)
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.normal_(generator=g)
+    x = torch.randn(9, 8, generator=g)  # T·K = 18 > N: the sorted dispatch, not the few-token path
+    idx, w = random_routing(9, 4, 2, g)
+    tracked = bank(x, idx, w)
+    assert tracked.grad_fn is not None
+    with torch.inference_mode():
+        plain = bank(x, idx, w)
+    assert plain.grad_fn is None
+    torch.testing.assert_close(plain, tracked.detach(), rtol=0, atol=0)
