@@ -90,29 +90,68 @@ def combine(outputs: Tensor, weights: Tensor) -> Tensor:
     return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
 
 
+def _scatter_adds(device: torch.device) -> bool:
+    """Whether dispatch sums slots into tokens by scatter-add on ``device`` (the CPU, where
+    ``index_add`` is sequential and deterministic) rather than by gathers (elsewhere)."""
+    return device.type == "cpu"
+
+
+def _scatter_rows(rows: Tensor, index: Tensor, num: int) -> Tensor:
+    """``out[index[i]] += rows[i]`` into ``num`` zero rows: an ``index_add`` that reads ``rows``
+    in order and writes a small table.  Used on the CPU only, where ``index_add`` adds in index
+    order (deterministic); on the GPU it would use atomics, so CUDA gathers instead.  Out of place
+    while torch.compile traces (see :class:`_CombineSlots`)."""
+    out = rows.new_zeros(num, rows.shape[-1])
+    if torch.compiler.is_compiling():
+        return out.index_add(0, index, rows)
+    return out.index_add_(0, index, rows)
+
+
+def _row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """``(S,)``: ``<a_i, b_i>`` per row, as a batched matrix product (no ``a * b`` temporary)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 class _GatherTokens(torch.autograd.Function):
-    """``x.index_select(0, tokens)`` for the sorted slots; backward sums each token's K slot
-    gradients by a gather (``inverse``) instead of a scatter-add: deterministic everywhere."""
+    """``x.index_select(0, tokens)`` for the sorted slots.  Backward sums each token's K slot
+    gradients: on the CPU by a scatter-add in slot order (sequential reads of the large slot
+    gradient, :func:`_scatter_rows`), elsewhere by a gather with ``inverse`` and a sum over K
+    (no atomics).  Deterministic on every device."""
 
     @staticmethod
     def forward(ctx, x: Tensor, tokens: Tensor, inverse: Tensor, top_k: int) -> Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.top_k = top_k
+        ctx.save_for_backward(tokens, inverse)
+        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
         return x.index_select(0, tokens)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        (inverse,) = ctx.saved_tensors
+        tokens, inverse = ctx.saved_tensors
+        if _scatter_adds(grad.device):
+            return _scatter_rows(grad, tokens, ctx.num_tokens), None, None, None
         slots = grad.index_select(0, inverse)  # (T*K, d) in (token, k) order
         return slots.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
 
 
-def _combine_slots(ys: Tensor, weights: Tensor, inverse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(out (T, d), slots (T, K, d), w)``: the expert outputs ``ys`` back in ``(token, k)`` order,
-    weighted and summed over K (the forward of :class:`_CombineSlots`, and the whole of it
-    without autograd)."""
+def _combine_slots(
+    ys: Tensor, weights: Tensor, inverse: Tensor, order: Tensor, tokens: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out (T, d), kept, w_sorted)``: the expert outputs ``ys`` (sorted-slot order) weighted
+    and summed into their tokens (the forward of :class:`_CombineSlots`, and the whole of it
+    without autograd).
+
+    CPU: ``ys`` scaled by each sorted slot's weight and scatter-added into the ``(T, d)`` output
+    in slot order (:func:`_scatter_rows`: sequential reads of the large ``(T·K, d)`` rows; a gather
+    by ``inverse`` reads them at random, which costs a TLB miss per row once they outgrow the
+    cache); ``kept`` is ``ys``.  Elsewhere: a gather back to ``(token, k)`` order and K fused
+    multiply-adds (no atomics); ``kept`` is the gathered ``(T, K, d)``.  ``w_sorted (T·K,)``: the
+    weight of each sorted slot.
+    """
     T, K = weights.shape
+    w_sorted = weights.reshape(-1).index_select(0, order).to(ys.dtype)
+    if _scatter_adds(ys.device):
+        return _scatter_rows(ys * w_sorted.unsqueeze(-1), tokens, T), ys, w_sorted
     slots = ys.index_select(0, inverse).view(T, K, ys.shape[-1])
     w = weights.to(ys.dtype)
     out = slots[:, 0] * w[:, :1]
@@ -121,39 +160,45 @@ def _combine_slots(ys: Tensor, weights: Tensor, inverse: Tensor) -> tuple[Tensor
             out = out.addcmul(slots[:, k], w[:, k : k + 1])
         else:
             out.addcmul_(slots[:, k], w[:, k : k + 1])
-    return out, slots, w
+    return out, slots, w_sorted
 
 
 class _CombineSlots(torch.autograd.Function):
-    """``combine(ys.index_select(0, inverse).view(T, K, d), weights)`` in one autograd node.
+    """``Σ_k w_{t,k} · y_{t,k}`` from the expert outputs ``ys (S, d)`` in sorted-slot order, in one
+    autograd node (:func:`_combine_slots`).
 
-    ``ys (S, d)`` are the expert outputs in sorted-slot order.  Forward: a gather back to
-    ``(token, k)`` order and ``K`` fused multiply-adds.  Backward: the gradient of ``ys`` is a
-    gather of the output gradient by token, scaled by each slot's weight (no zero-fill, no
-    scatter-add: deterministic), and ``∂/∂w_{t,k} = <g_t, y_{t,k}>``.
+    Backward: the gradient of ``ys`` is the output gradient gathered by token (reading the small
+    ``(T, d)`` gradient) and scaled by each slot's weight; ``∂/∂w_{t,k} = <g_t, y_{t,k}>`` as row
+    dot products (:func:`_row_dots`, a batched matrix product: no broadcast ``(T, K, d)``
+    temporary), on the CPU in sorted order and put back to ``(t, k)`` order by ``order``.  No
+    scatter-add on the GPU: deterministic everywhere.
 
-    While torch.compile traces, the multiply-adds are out of place: torch 2.11's dynamo sends the
+    While torch.compile traces, the accumulations are out of place: torch 2.11's dynamo sends the
     gradient of an ``autograd.Function`` output that forward modified in place to the wrong slot
     (silently wrong gradients, pytorch/pytorch#180642); compiled graphs are functional anyway.
     """
 
     @staticmethod
     def forward(ctx, ys: Tensor, weights: Tensor, inverse: Tensor, order: Tensor, tokens: Tensor) -> Tensor:
-        out, slots, w = _combine_slots(ys, weights, inverse)
-        ctx.save_for_backward(slots, w, order, tokens)
-        ctx.weights_dtype = weights.dtype
+        out, kept, w_sorted = _combine_slots(ys, weights, inverse, order, tokens)
+        ctx.save_for_backward(kept, w_sorted, order, tokens)
+        ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        slots, w, order, tokens = ctx.saved_tensors
+        kept, w_sorted, order, tokens = ctx.saved_tensors
+        gathered = grad.index_select(0, tokens)  # (S, d): each sorted slot's output gradient
         g_ys = g_w = None
-        if ctx.needs_input_grad[0]:
-            w_sorted = w.reshape(-1).index_select(0, order)  # weight of each sorted slot
-            g_ys = grad.index_select(0, tokens).mul_(w_sorted.unsqueeze(-1))
         if ctx.needs_input_grad[1]:
-            g_w = torch.linalg.vecdot(slots, grad.unsqueeze(1)).to(ctx.weights_dtype)  # (T, K)
+            if kept.dim() == 2:  # CPU: kept = ys in sorted order
+                g_w = torch.empty_like(w_sorted).index_copy_(0, order, _row_dots(gathered, kept))
+            else:  # kept = the (T, K, d) outputs in token order
+                g_w = torch.bmm(kept, grad.unsqueeze(-1))
+            g_w = g_w.view(ctx.weights_shape).to(ctx.weights_dtype)
+        if ctx.needs_input_grad[0]:
+            g_ys = gathered.mul_(w_sorted.unsqueeze(-1))
         return g_ys, g_w, None, None, None
 
 
@@ -717,7 +762,7 @@ class ExpertBank(nn.Module):
             ys = self._loop(xs, counts.tolist())  # the one host sync
         # back to (token, slot) order, weighted and summed over K: combine() in one node
         if not track:
-            return _combine_slots(ys, weights, inverse)[0]
+            return _combine_slots(ys, weights, inverse, order, tokens)[0]
         return _CombineSlots.apply(ys, weights, inverse, order, tokens)
 
     def _tracks_grad(self, x: Tensor, *others: Tensor) -> bool:
