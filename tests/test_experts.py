@@ -305,7 +305,7 @@ def test_forward_winners_matches_autograd_through_forward_all_without_rerunning_
         torch.testing.assert_close(a, b)
 
 
-# ------------------------------------------------------------------ few-token inference path
+# ------------------------------------------------------------------ CPU inference: the stream path
 FEW = [(1, 4, 2, 8, 4), (1, 3, 3, 4, 8), (3, 8, 2, 8, 8), (8, 8, 1, 4, 12)]  # T·K ≤ N
 
 
@@ -333,15 +333,20 @@ def test_few_token_inference_equals_weighted_sum_without_sorting(monkeypatch, ac
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_few_token_path_is_skipped_under_autograd_and_for_many_slots(monkeypatch):
+def test_stream_path_serves_cpu_inference_only(monkeypatch):
     bank = ExpertBank(8, 8, 8, activation="swiglu", impl="loop")
-    monkeypatch.setattr(ExpertBank, "_few_tokens", lambda *a: pytest.fail("few-token path taken"))
     g = torch.Generator().manual_seed(0)
-    idx, w = random_routing(2, 8, 2, g)
-    bank(torch.randn(2, 8), idx, w)  # parameters require grad: the autograd path
-    idx, w = random_routing(5, 8, 2, g)  # T·K = 10 > N = 8
+    idx, w = random_routing(5, 8, 2, g)  # T·K = 10 > N = 8: sorted by sort_slots
+    x = torch.randn(5, 8)
+    assert bank.resolved_impl(x, 2, grad=True) == "loop"
+    assert bank.resolved_impl(x, 2, grad=False) == "stream"
+    assert ExpertBank(8, 8, 8, impl="grouped").resolved_impl(x, 2, grad=False) == "grouped"
     with torch.no_grad():
-        bank(torch.randn(5, 8), idx, w)
+        expected = reference(bank, x, idx, w)
+        torch.testing.assert_close(bank(x, idx, w), expected, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(ExpertBank, "_stream", lambda *a: pytest.fail("stream path taken with autograd"))
+    y = bank(x, idx, w)  # parameters require grad: the autograd path
+    assert y.grad_fn is not None
 
 
 def test_few_token_path_repeats_bitwise():
@@ -399,3 +404,14 @@ def test_gather_combine_of_the_gpu_equals_the_cpu_scatter_add_in_values_and_grad
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(runs[0][0], reference(bank, x, idx, w.detach()).detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_auto_inference_streams_when_decoding_and_from_enough_slots_per_expert():
+    bank = ExpertBank(4, 8, 16)
+    rows = ExpertBank.STREAM_ROWS_PER_EXPERT
+    assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"  # T·K ≤ N
+    assert bank.resolved_impl(torch.randn(3, 8), top_k=2, grad=False) == "grouped"
+    assert bank.resolved_impl(torch.randn(rows * 2 - 1, 8), top_k=2, grad=False) == "grouped"
+    assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) == "stream"
+    assert bank.resolved_impl(torch.randn(3, 8).double(), top_k=2, grad=False) == "stream"

@@ -575,11 +575,10 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
             )
 
     bank = main.experts
-    few = bank.impl != "grouped" and indices.numel() <= N and x.device.type == "cpu"
-    notes.append(
-        f"moelab dispatch: train {bank.resolved_impl(x, K)}, infer "
-        + ("few-token (T·K <= N)" if few else bank.resolved_impl(x, K))
-    )
+    infer_impl = bank.resolved_impl(x, K, grad=False)
+    if infer_impl == "stream" and indices.numel() <= N:
+        infer_impl += " (slots sorted on the host: T·K <= N)"
+    notes.append(f"moelab dispatch: train {bank.resolved_impl(x, K)}, infer {infer_impl}")
 
     # candidates
     candidates: list[SuiteCandidate] = []

@@ -36,7 +36,7 @@ from .functional import activation as get_activation
 
 __all__ = ["MLP", "ExpertBank", "ModuleExperts", "grouped_mm_available", "sort_slots"]
 
-IMPLS = ("auto", "loop", "grouped")
+IMPLS = ("auto", "loop", "grouped")  # and "stream": CPU inference of "auto" / "loop"
 
 
 def _grouped_mm_fn():
@@ -63,11 +63,14 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def sort_slots(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def sort_slots(
+    indices: Tensor, num_experts: int, inverse: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Sort the ``T·K`` token slots by expert, once.
 
     Args:
         indices: ``(T, K)`` chosen experts.
+        inverse: also compute the inverse permutation (else ``None`` is returned in its place).
 
     Returns:
         ``(order, counts, tokens, inverse)``: ``order (S,)`` slot ids sorted by expert (stable),
@@ -78,6 +81,8 @@ def sort_slots(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
     order = flat.argsort(stable=True)
     counts = expert_counts(flat, num_experts)  # bincount, traceable by torch.compile
     tokens = order // indices.shape[-1]
+    if not inverse:
+        return order, counts, tokens, None
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return order, counts, tokens, inverse
@@ -704,26 +709,34 @@ class ExpertBank(nn.Module):
         """Whether the ``"grouped"`` implementation runs for ``x`` (device, dtype, alignment)."""
         return grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
 
-    #: on the CPU, ``"auto"`` takes ``"loop"`` from this many token slots per expert on (``T·K/N``):
-    #: there the loop's activation on each expert's rows while they are in cache beats
-    #: ``grouped_mm``'s one activation pass over all ``T·K`` rows; below it ``grouped_mm``'s
-    #: C++ loop over the experts beats the Python one (``moelab bench suite``, docs/performance.md)
+    #: on the CPU, ``"auto"`` trains with ``"loop"`` from this many token slots per expert on
+    #: (``T·K/N``): there the loop's activation on each expert's rows while they are in cache beats
+    #: ``grouped_mm``'s one activation pass over all ``T·K`` rows; below it ``grouped_mm``'s C++
+    #: loop over the experts beats the Python one (``moelab bench suite``, docs/performance.md)
     LOOP_ROWS_PER_EXPERT = 512
+    #: on the CPU, ``"auto"`` infers with ``"stream"`` from this many slots per expert on (no
+    #: ``(T·K, d)`` buffers; below it ``grouped_mm`` wins) and at ``T·K ≤ N`` (decoding)
+    STREAM_ROWS_PER_EXPERT = 256
 
-    def resolved_impl(self, x: Tensor, top_k: int = 1) -> str:
-        """The implementation ``forward`` uses for ``x (T, d)`` routed to ``top_k`` experts per token.
+    def resolved_impl(self, x: Tensor, top_k: int = 1, grad: bool = True) -> str:
+        """The implementation ``forward`` uses for ``x (T, d)`` routed to ``top_k`` experts per token,
+        with (``grad``) or without autograd.
 
-        ``"auto"``: ``"grouped"`` wherever :meth:`grouped_ok` (no host sync), except on the CPU
-        from :attr:`LOOP_ROWS_PER_EXPERT` slots per expert on, where ``"loop"`` is faster; else
-        ``"loop"`` (float64, unaligned sizes, older torch).  Independently of the implementation,
-        CPU inference with ``T·K ≤ N`` takes the few-token path (:meth:`_few_tokens`).
+        ``"auto"``, on the CPU: inference (``grad=False``) takes ``"stream"`` (:meth:`_stream`) at
+        ``T·K ≤ N`` and from :attr:`STREAM_ROWS_PER_EXPERT` slots per expert on, training takes
+        ``"loop"`` from :attr:`LOOP_ROWS_PER_EXPERT` slots per expert on; otherwise, and on other
+        devices, ``"grouped"`` wherever :meth:`grouped_ok` (no host sync), else ``"loop"``
+        (float64, unaligned sizes, older torch).  ``"loop"`` streams in CPU inference.  While
+        torch.compile traces, never ``"stream"`` (its host sync would break the graph).
         """
-        if self.impl != "auto":
-            return self.impl
-        if not self.grouped_ok(x):
-            return "loop"
-        slots = x.shape[0] * top_k
-        if x.device.type == "cpu" and slots >= self.LOOP_ROWS_PER_EXPERT * self.num_experts:
+        if self.impl == "grouped":
+            return "grouped"
+        cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        slots, n = x.shape[0] * top_k, self.num_experts
+        grouped = self.impl == "auto" and self.grouped_ok(x)
+        if not grad and cpu and (not grouped or slots <= n or slots >= self.STREAM_ROWS_PER_EXPERT * n):
+            return "stream"
+        if not grouped or (cpu and slots >= self.LOOP_ROWS_PER_EXPERT * n):
             return "loop"
         return "grouped"
 
@@ -739,11 +752,12 @@ class ExpertBank(nn.Module):
             ``(T, d)``.
         """
         K = indices.shape[1]
-        if self.impl != "grouped" and self._few_slots(x, indices):
-            return self._few_tokens(x, indices, weights)
-        impl = self.resolved_impl(x, K)
+        track = self._tracks_grad(x, weights)
+        impl = self.resolved_impl(x, K, track)
+        if impl == "stream":
+            return self._stream(x, indices, weights)
         order, counts, tokens, inverse = sort_slots(indices, self.num_experts)
-        track = self._tracks_grad(x, weights)  # without autograd: the same ops, no autograd nodes
+        # without autograd: the same ops, no autograd nodes
         xs = _GatherTokens.apply(x, tokens, inverse, K) if track else x.index_select(0, tokens)
         if impl == "grouped":
             if not grouped_mm_available(x.device, x.dtype):
@@ -769,38 +783,53 @@ class ExpertBank(nn.Module):
         """Whether this call records autograd: grad mode on and an input or weight requiring it."""
         return torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others, *self.parameters()))
 
-    def _few_slots(self, x: Tensor, indices: Tensor) -> bool:
-        """Whether :meth:`_few_tokens` serves this call: inference (no autograd) on the CPU, eager,
-        with at most one slot per expert on average (``T·K ≤ N``), where sorting the slots costs
-        more than it saves."""
-        return (
-            indices.numel() <= self.num_experts
-            and x.device.type == "cpu"
-            and not self._tracks_grad(x)
-            and not torch.compiler.is_compiling()
-        )
+    def _stream(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        """CPU inference: each expert gathers its tokens, runs, and adds its weighted output to them.
 
-    def _few_tokens(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
-        """Inference at a few tokens (decoding): the ``T·K ≤ N`` slots sorted on the host.
-
-        One host sync reads the chosen experts; sorting at most N numbers in Python costs less
-        than the tensor ops of :func:`sort_slots`.  Each touched expert then runs once on its rows
-        (:func:`_loop_forward`, reading its weights once: the bound at this size, ``moelab bench
-        suite``) and one ``index_add_`` adds the weighted outputs to their tokens, in slot order
-        (deterministic on the CPU, the only device this path runs on).
+        No ``(T·K, d)`` tensor exists: every expert's rows, hidden activations and outputs are
+        temporaries of its own size that the allocator reuses (a fresh buffer of tens of MB costs
+        more in page faults than the copy into it).  The slots are sorted once — on the host when
+        there are at most N of them (decoding: a few numbers sort faster in Python than by tensor
+        ops), else by :func:`sort_slots` — and the outputs are summed into the tokens by
+        ``index_add_`` expert after expert, in slot order: deterministic.  At a few tokens each
+        touched expert reads its weights once: the bound (``moelab bench suite``).
         """
-        K = indices.shape[1]
-        flat = indices.reshape(-1).tolist()  # the one host sync
-        order = sorted(range(len(flat)), key=flat.__getitem__)  # stable: slots grouped by expert
-        counts = [0] * self.num_experts
-        for e in flat:
-            counts[e] += 1
-        order_t = torch.tensor(order, device=x.device)
-        rows = order_t // K
-        args = (self.b_in, self.b_out, counts, self.activation, self.act)
-        ys = _loop_forward(x.index_select(0, rows), self.w_in, self.w_out, *args, keep=False)[0]
-        ys *= weights.reshape(-1, 1).to(ys.dtype).index_select(0, order_t)
-        return x.new_zeros(indices.shape[0], self.d_model).index_add_(0, rows, ys)
+        T, K = indices.shape
+        if indices.numel() <= self.num_experts:
+            flat = indices.reshape(-1).tolist()  # the one host sync
+            order_list = sorted(range(len(flat)), key=flat.__getitem__)  # stable
+            counts = [0] * self.num_experts
+            for e in flat:
+                counts[e] += 1
+            order = torch.tensor(order_list, device=x.device)
+        else:
+            order, counts_t, _, _ = sort_slots(indices, self.num_experts, inverse=False)
+            counts = counts_t.tolist()  # the one host sync
+        tokens = order // K
+        w_sorted = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(-1)
+        out = x.new_zeros(T, self.d_model)
+        b_in, b_out = self.b_in, self.b_out
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            stop = start + c
+            rows = tokens[start:stop]
+            x_e = x.index_select(0, rows)
+            h = (
+                torch.mm(x_e, self.w_in[e].t())
+                if b_in is None
+                else torch.addmm(b_in[e], x_e, self.w_in[e].t())
+            )
+            a = _activation_forward(h, self.activation, self.act)[0]
+            y = (
+                torch.mm(a, self.w_out[e].t())
+                if b_out is None
+                else torch.addmm(b_out[e], a, self.w_out[e].t())
+            )
+            out.index_add_(0, rows, y.mul_(w_sorted[start:stop]))
+            start = stop
+        return out
 
     def _loop(self, xs: Tensor, counts: Sequence[int]) -> Tensor:
         args = (self.b_in, self.b_out, list(counts), self.activation, self.act)
