@@ -6,17 +6,22 @@ and the outputs return to slot order through the inverse permutation, where they
 summed over K.  There is no Python loop over tokens, and the stacked weights are never indexed per
 expert by autograd.
 
-:class:`ExpertBank` has two implementations (measured in docs/performance.md, ``moelab bench
-layer``):
+:class:`ExpertBank` has three implementations (measured in docs/performance.md, ``moelab bench
+suite``), chosen by ``impl="auto"`` from the device, the slots per expert ``T·K/N`` and whether
+autograd records (:meth:`ExpertBank.resolved_impl`):
 
 - ``"loop"``: one custom autograd node (``_ExpertMLP``) runs every expert on its slice — matmul,
   activation while the rows are in cache, matmul — with one host sync for the counts; its
   backward writes each expert's weight gradient straight into one ``(N, ·, ·)`` buffer (no
   ``unbind``/``stack`` copies, no per-expert autograd nodes; experts with no tokens get zeros).
-- ``"grouped"``: ``torch.nn.functional.grouped_mm`` with offsets, no host sync at all.
+- ``"grouped"``: ``grouped_mm`` with offsets, no host sync at all, in one autograd node
+  (``_GroupedMLP``) with a fused activation backward.
+- ``"stream"`` (CPU inference): expert after expert gathers its tokens, runs and scatter-adds its
+  weighted output; no ``(T·K, d)`` buffer exists (at ``T·K ≤ N`` the slots are sorted on the host).
 
-Both share the token gather (``_GatherTokens``) and the weighted way back (``_CombineSlots``),
-which are gathers in both directions (no ``index_add``), so results are deterministic.
+The token gather (``_GatherTokens``) and the weighted way back (``_CombineSlots``) are shared; on
+the CPU the way back is an ``index_add`` in slot order (deterministic there), on other devices a
+gather (no atomics), so results are deterministic everywhere.
 """
 
 from __future__ import annotations
