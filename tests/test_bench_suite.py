@@ -95,6 +95,22 @@ def tiny_json() -> dict:
     return json.loads(text)
 
 
+def _balanced_to(out, tokens: str) -> list[str]:
+    """argv of a tiny balanced grid without peers or memory probes, written to ``out``."""
+    return [
+        "--tokens",
+        tokens,
+        "--routing",
+        "balanced",
+        *TINY,
+        "--peers",
+        "none",
+        "--no-memory",
+        "--out",
+        str(out),
+    ]
+
+
 def _rows(case: dict, **match) -> list[dict]:
     return [r for r in case["rows"] if all(r[k] == v for k, v in match.items())]
 
@@ -304,18 +320,7 @@ def test_suite_out_keeps_completed_cases_when_a_later_case_fails_and_resume_runs
     tmp_path, monkeypatch, capsys
 ):
     out = tmp_path / "suite.json"
-    args = [
-        "--tokens",
-        "4,8",
-        "--routing",
-        "balanced",
-        *TINY,
-        "--peers",
-        "none",
-        "--no-memory",
-        "--out",
-        str(out),
-    ]
+    args = _balanced_to(out, "4,8")
     real = suite.run_case
     calls = []
 
@@ -346,18 +351,7 @@ def test_suite_out_keeps_completed_cases_when_a_later_case_fails_and_resume_runs
 
 def test_suite_resume_refuses_other_settings(tmp_path, capsys):
     out = tmp_path / "suite.json"
-    args = [
-        "--tokens",
-        "4",
-        "--routing",
-        "balanced",
-        *TINY,
-        "--peers",
-        "none",
-        "--no-memory",
-        "--out",
-        str(out),
-    ]
+    args = _balanced_to(out, "4")
     assert main(["bench", "suite", *args]) == 0
     assert main(["bench", "suite", *args, "--resume", "--seed", "3"]) == 2
     assert "--seed=3 differs from 0" in capsys.readouterr().err
