@@ -415,3 +415,10 @@ def test_auto_inference_streams_when_decoding_and_from_enough_slots_per_expert()
     assert bank.resolved_impl(torch.randn(rows * 2 - 1, 8), top_k=2, grad=False) == "grouped"
     assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) == "stream"
     assert bank.resolved_impl(torch.randn(3, 8).double(), top_k=2, grad=False) == "stream"
+    threads = torch.get_num_threads()
+    try:  # with several threads, only decoding streams
+        torch.set_num_threads(2)
+        assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) == "grouped"
+        assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"
+    finally:
+        torch.set_num_threads(threads)

@@ -719,8 +719,10 @@ class ExpertBank(nn.Module):
     #: ``grouped_mm``'s one activation pass over all ``T·K`` rows; below it ``grouped_mm``'s C++
     #: loop over the experts beats the Python one (``moelab bench suite``, docs/performance.md)
     LOOP_ROWS_PER_EXPERT = 512
-    #: on the CPU, ``"auto"`` infers with ``"stream"`` from this many slots per expert on (no
-    #: ``(T·K, d)`` buffers; below it ``grouped_mm`` wins) and at ``T·K ≤ N`` (decoding)
+    #: on the CPU, ``"auto"`` infers with ``"stream"`` at ``T·K ≤ N`` (decoding) and, with one
+    #: torch thread, from this many slots per expert on (no ``(T·K, d)`` buffers; below it
+    #: ``grouped_mm`` wins).  With more threads its many small per-expert ops each pay a parallel
+    #: region (2 threads, T=2048: 2.3x dense against 1.5x for grouped_mm), so ``grouped``/``loop`` serve
     STREAM_ROWS_PER_EXPERT = 256
 
     def resolved_impl(self, x: Tensor, top_k: int = 1, grad: bool = True) -> str:
@@ -728,7 +730,8 @@ class ExpertBank(nn.Module):
         with (``grad``) or without autograd.
 
         ``"auto"``, on the CPU: inference (``grad=False``) takes ``"stream"`` (:meth:`_stream`) at
-        ``T·K ≤ N`` and from :attr:`STREAM_ROWS_PER_EXPERT` slots per expert on, training takes
+        ``T·K ≤ N`` and, with one thread, from :attr:`STREAM_ROWS_PER_EXPERT` slots per expert on;
+        training (and inference with more threads) takes
         ``"loop"`` from :attr:`LOOP_ROWS_PER_EXPERT` slots per expert on; otherwise, and on other
         devices, ``"grouped"`` wherever :meth:`grouped_ok` (no host sync), else ``"loop"``
         (float64, unaligned sizes, older torch).  ``"loop"`` streams in CPU inference.  While
@@ -739,7 +742,15 @@ class ExpertBank(nn.Module):
         cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
         slots, n = x.shape[0] * top_k, self.num_experts
         grouped = self.impl == "auto" and self.grouped_ok(x)
-        if not grad and cpu and (not grouped or slots <= n or slots >= self.STREAM_ROWS_PER_EXPERT * n):
+        if (
+            not grad
+            and cpu
+            and (
+                not grouped
+                or slots <= n
+                or (slots >= self.STREAM_ROWS_PER_EXPERT * n and torch.get_num_threads() == 1)
+            )
+        ):
             return "stream"
         if not grouped or (cpu and slots >= self.LOOP_ROWS_PER_EXPERT * n):
             return "loop"
