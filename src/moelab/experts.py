@@ -742,16 +742,11 @@ class ExpertBank(nn.Module):
         cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
         slots, n = x.shape[0] * top_k, self.num_experts
         grouped = self.impl == "auto" and self.grouped_ok(x)
-        if (
-            not grad
-            and cpu
-            and (
-                not grouped
-                or slots <= n
-                or (slots >= self.STREAM_ROWS_PER_EXPERT * n and torch.get_num_threads() == 1)
-            )
-        ):
-            return "stream"
+        if not grad and cpu:
+            decoding = slots <= n
+            large = slots >= self.STREAM_ROWS_PER_EXPERT * n and torch.get_num_threads() == 1
+            if not grouped or decoding or large:
+                return "stream"
         if not grouped or (cpu and slots >= self.LOOP_ROWS_PER_EXPERT * n):
             return "loop"
         return "grouped"
@@ -824,25 +819,13 @@ class ExpertBank(nn.Module):
         tokens = order // K
         w_sorted = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(-1)
         out = x.new_zeros(T, self.d_model)
-        b_in, b_out = self.b_in, self.b_out
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             stop = start + c
             rows = tokens[start:stop]
-            x_e = x.index_select(0, rows)
-            h = (
-                torch.mm(x_e, self.w_in[e].t())
-                if b_in is None
-                else torch.addmm(b_in[e], x_e, self.w_in[e].t())
-            )
-            a = _activation_forward(h, self.activation, self.act)[0]
-            y = (
-                torch.mm(a, self.w_out[e].t())
-                if b_out is None
-                else torch.addmm(b_out[e], a, self.w_out[e].t())
-            )
+            y = self.expert_forward(x.index_select(0, rows), e)
             out.index_add_(0, rows, y.mul_(w_sorted[start:stop]))
             start = stop
         return out
