@@ -28,3 +28,14 @@ def _data_cache(tmp_path, monkeypatch):
     """Point the download cache at a temporary folder: no test touches ~/.cache/moelab."""
     monkeypatch.setenv("MOELAB_DATA", str(tmp_path / "cache"))
     yield
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tiny text file: 600 lines of eight words from a ten-word vocabulary (LM and DDP tests)."""
+    path = tmp_path_factory.mktemp("data") / "tiny.txt"
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
+    g = torch.Generator().manual_seed(0)
+    lines = [" ".join(words[i] for i in torch.randint(10, (8,), generator=g).tolist()) for i in range(600)]
+    path.write_text("\n".join(lines) + "\n")
+    return path

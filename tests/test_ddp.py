@@ -26,16 +26,6 @@ from moelab.experiments.lm import LMTask, build_model
 from moelab.rundir import RunDir
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "tiny.txt"
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
-    g = torch.Generator().manual_seed(0)
-    lines = [" ".join(words[i] for i in torch.randint(10, (8,), generator=g).tolist()) for i in range(600)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def tiny_args(corpus, out, *extra):
     return [
         "train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "8",

@@ -18,16 +18,6 @@ from moelab.train import TrainConfig, Trainer
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.0)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "tiny.txt"
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
-    g = torch.Generator().manual_seed(0)
-    lines = [" ".join(words[i] for i in torch.randint(10, (8,), generator=g).tolist()) for i in range(600)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def expected_counts(size: str, arch: str, vocab: int = 256) -> tuple[int, int]:
     """Parameter counts written out by hand (independent of count_parameters)."""
     p = PRESETS[size]

@@ -111,20 +111,25 @@ def test_a_kill_during_a_checkpoint_write_resumes_to_the_same_log_and_metrics(
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000008", "step-00000012"]
 
 
-def test_resume_falls_back_past_a_corrupted_checkpoint_and_ends_the_same(data, tmp_path, full, monkeypatch):
+def _interrupt_at_batch(n: int, data, out, monkeypatch) -> None:
+    """Train into ``out`` and stop with Ctrl-C when the ``n``-th batch is drawn."""
     real_sample = LMTask.sample
     calls = {"n": 0}
 
     def sample(self, generator, batch_size):
         calls["n"] += 1
-        if calls["n"] == 11:
+        if calls["n"] == n:
             raise KeyboardInterrupt
         return real_sample(self, generator, batch_size)
 
     with monkeypatch.context() as m:
         m.setattr(LMTask, "sample", sample)
         with pytest.raises(KeyboardInterrupt):
-            train(data, tmp_path)
+            train(data, out)
+
+
+def test_resume_falls_back_past_a_corrupted_checkpoint_and_ends_the_same(data, tmp_path, full, monkeypatch):
+    _interrupt_at_batch(11, data, tmp_path, monkeypatch)
     state = tmp_path / "ckpt" / "step-00000008" / C.STATE
     state.write_bytes(state.read_bytes()[:50])  # truncated on disk
     with pytest.warns(UserWarning, match=r"step-00000008.*state\.pt is truncated or corrupted.*falling back"):
@@ -379,19 +384,7 @@ def test_cuda_rng_states_are_saved_and_restored_when_there_is_a_gpu(monkeypatch)
 
 
 def test_resume_drops_cut_and_garbage_log_rows(data, tmp_path, full, monkeypatch):
-    real_sample = LMTask.sample
-    calls = {"n": 0}
-
-    def sample(self, generator, batch_size):
-        calls["n"] += 1
-        if calls["n"] == 11:
-            raise KeyboardInterrupt
-        return real_sample(self, generator, batch_size)
-
-    with monkeypatch.context() as m:
-        m.setattr(LMTask, "sample", sample)
-        with pytest.raises(KeyboardInterrupt):
-            train(data, tmp_path)
+    _interrupt_at_batch(11, data, tmp_path, monkeypatch)
     log = tmp_path / "log.csv"
     width = log.read_text().splitlines()[0].count(",")
     with log.open("a") as f:  # a zero-filled row (power loss) and a row cut mid-write

@@ -99,6 +99,24 @@ def regression_truth(
     return MoEParams(beta0, beta1, eta)
 
 
+def _inputs_and_truth(truth, n: int, replicates: int, distribution: str, bound: float, generator):
+    """``X (R, n, d)`` drawn for R replicates, and ``truth`` with R parameter sets (one set is
+    shared: expanded)."""
+    if truth.replicates not in (1, replicates):
+        raise ValueError(f"truth has R={truth.replicates} parameter sets; expected 1 or {replicates}")
+    gate = truth.beta1
+    x = sample_inputs(
+        replicates,
+        n,
+        gate.shape[-1],
+        distribution=distribution,
+        bound=bound,
+        generator=generator,
+        dtype=gate.dtype,
+    )
+    return x, (truth.expand(replicates) if truth.replicates == 1 else truth)
+
+
 def simulate_regression(
     model: RegressionMoE,
     truth: MoEParams,
@@ -115,14 +133,7 @@ def simulate_regression(
     ``truth`` holds one parameter set (R = 1, shared by all replicates, as in 003) or R of them.
     """
     non_negative("noise_var", noise_var)
-    if truth.replicates not in (1, replicates):
-        raise ValueError(f"truth has R={truth.replicates} parameter sets; expected 1 or {replicates}")
-    d = truth.beta1.shape[-1]
-    x = sample_inputs(
-        replicates, n, d, distribution=distribution, bound=bound, generator=generator, dtype=truth.beta1.dtype
-    )
-    if truth.replicates == 1:
-        truth = truth.expand(replicates)
+    x, truth = _inputs_and_truth(truth, n, replicates, distribution, bound, generator)
     f = model.mean(x, truth)
     noise = math.sqrt(noise_var) * torch.randn(f.shape, generator=generator, dtype=f.dtype)
     return x, f + noise
@@ -170,14 +181,7 @@ def simulate_gaussian(
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
     """R samples of size n from ``p_G*(y|x)``: draw the expert z ~ π(x), then y ~ N(a_zᵀx + b_z, ν_z)."""
-    if truth.replicates not in (1, replicates):
-        raise ValueError(f"truth has R={truth.replicates} parameter sets; expected 1 or {replicates}")
-    d = truth.a.shape[-1]
-    x = sample_inputs(
-        replicates, n, d, distribution=distribution, bound=bound, generator=generator, dtype=truth.a.dtype
-    )
-    if truth.replicates == 1:
-        truth = truth.expand(replicates)
+    x, truth = _inputs_and_truth(truth, n, replicates, distribution, bound, generator)
     pi = model.gate_weights(x, truth)  # (R, n, k)
     z = torch.multinomial(pi.reshape(-1, pi.shape[-1]), 1, generator=generator).view(replicates, n, 1)
     mean = model.means(x, truth).gather(-1, z).squeeze(-1)
