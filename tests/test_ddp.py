@@ -231,8 +231,8 @@ def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) ->
     """A Trainer with expert_parallel=True on one rank; reports what the plan made of the model."""
     import torch.distributed as dist
 
+    from moelab.layer import moe_layers
     from moelab.models.lm import LMConfig, TransformerLM
-    from moelab.routing import moe_layers
     from moelab.train import TrainConfig, Trainer
     from moelab.train.distributed import ExpertParallelBank
 

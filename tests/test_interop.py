@@ -5,7 +5,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import moelab  # noqa: E402
-from moelab.interop import GatedSharedExpert, from_hf  # noqa: E402
+from moelab.hf.convert import GatedSharedExpert, from_hf  # noqa: E402
 
 D, H, N, K = 16, 8, 8, 2
 

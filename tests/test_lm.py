@@ -60,7 +60,7 @@ def test_dense_arch_has_the_active_width_of_the_moe_model():
     _, active = count_parameters(moe)
     total_dense, _ = count_parameters(dense)
     assert total_dense == active - 2 * 16 * 64  # the same except the routers
-    assert not moelab.routing.moe_layers(dense)
+    assert not moelab.layer.moe_layers(dense)
 
 
 @pytest.mark.parametrize("arch,n_moe", [("switch", 4), ("glam", 2), ("dense", 0)])

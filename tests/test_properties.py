@@ -125,7 +125,7 @@ def no_training(monkeypatch, tiny_text):
     import moelab.experiments.lm as lm
     from moelab.train.trainer import Trainer
 
-    upcycle = importlib.import_module("moelab.upcycle")  # (moelab.upcycle is also a function)
+    upcycle = importlib.import_module("moelab.hf.upcycle")  # (moelab.upcycle is also a function)
 
     monkeypatch.setattr(lm, "load_text", lambda *a, **k: tiny_text)
     monkeypatch.setattr(compare, "load_text", lambda *a, **k: tiny_text)

@@ -7,7 +7,7 @@ from torch import nn
 import moelab
 from moelab.cli import main
 from moelab.experts import MLP
-from moelab.upcycle import find_mlps, load_upcycled, upcycle
+from moelab.hf.upcycle import find_mlps, load_upcycled, upcycle
 
 transformers = pytest.importorskip("transformers")
 
@@ -210,7 +210,7 @@ def test_cli_accepts_a_config_json_and_reports_bad_input(tmp_path, capsys):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_hf_trainer_fine_tunes_an_upcycled_model_with_aux_loss_and_routing_context(tmp_path, accumulate):
-    from moelab.interop import MoETrainer, MoETrainerCallback
+    from moelab.hf.trainer import MoETrainer, MoETrainerCallback
 
     model = _gpt2().float().train()
     upcycle(model, 4, 2, method="smoe-dropout", k_max=4, balance_coef=0.5)  # K grows with ctx.progress

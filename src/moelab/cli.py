@@ -13,7 +13,8 @@ import errno
 import importlib
 import sys
 
-from . import __version__
+from ._version import __version__
+from .errors import UsageError
 
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -28,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "fine-tune a trained MoE LM on text classification (000 Table 3)",
     ),
     "report": ("moelab.experiments.report", "tables and plots from finished runs"),
-    "upcycle": ("moelab.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
+    "upcycle": ("moelab.hf.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
     "bench": ("moelab.bench", "benchmarks: medians and ratios to the dense limit and to peers"),
     "simulate": ("moelab.stats.studies", "convergence-rate studies of regression / Gaussian MoE estimators"),
     "specialize": ("moelab.experiments.specialization", "expert-specialization lab of paper 002 (image MoE)"),
@@ -37,10 +38,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 #: OSError numbers reported as one-line user errors (exit 2): no space, quota, read-only, permission
 _USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-class UsageError(Exception):
-    """A problem with the user's input: reported as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):

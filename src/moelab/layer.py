@@ -8,19 +8,16 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate
+from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, combine
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
 from .methods import get_method
 from .routers import ROUTERS, build_router, router_options
-from .routing import Routing, RoutingContext, moe_layers
+from .routing import Routing, RoutingContext
 
-__all__ = ["MoE", "NonFiniteError", "aux_loss"]
+__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
 
 _LAYER_OPTIONS = ("num_shared",)
-
-
-class NonFiniteError(RuntimeError):
-    """Router logits are NaN/inf (``check_finite``); the trainer turns it into a clean stop."""
 
 
 class MoE(nn.Module):
@@ -248,3 +245,28 @@ def aux_loss(model: nn.Module) -> Tensor:
     for layer in layers[1:]:
         total = total + layer.aux_loss
     return total
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The MoE layers of ``model`` in module order (``model`` itself included if it is one)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
+    """Give every MoE layer of ``model`` the shared context and its index (module order).
+
+    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  If the context
+    holds a schedule with a ``num_layers`` attribute it must match the model's MoE layer count.
+    """
+    if not isinstance(ctx, RoutingContext):
+        raise ValueError(f"ctx={ctx!r} is not allowed; expected a moelab.RoutingContext")
+    layers = moe_layers(model)
+    num_layers = getattr(ctx.schedule, "num_layers", None)
+    if num_layers is not None and num_layers != len(layers):
+        raise ValueError(
+            f"schedule.num_layers={num_layers} does not match the model, which has {len(layers)} MoE layers"
+        )
+    for i, layer in enumerate(layers):
+        layer.ctx = ctx
+        layer.layer_index = i
+    return layers

@@ -7,11 +7,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import _validate
 
-__all__ = ["Routing", "RoutingContext", "attach", "moe_layers"]
+__all__ = ["Routing", "RoutingContext"]
 
 
 @dataclass
@@ -104,30 +104,3 @@ class RoutingContext:
 
     def replace(self, **changes: Any) -> RoutingContext:
         return dataclasses.replace(self, **changes)
-
-
-def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The MoE layers of ``model`` in module order (``model`` itself included if it is one)."""
-    from .layer import MoE
-
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
-    """Give every MoE layer of ``model`` the shared context and its index (module order).
-
-    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  If the context
-    holds a schedule with a ``num_layers`` attribute it must match the model's MoE layer count.
-    """
-    if not isinstance(ctx, RoutingContext):
-        raise ValueError(f"ctx={ctx!r} is not allowed; expected a moelab.RoutingContext")
-    layers = moe_layers(model)
-    num_layers = getattr(ctx.schedule, "num_layers", None)
-    if num_layers is not None and num_layers != len(layers):
-        raise ValueError(
-            f"schedule.num_layers={num_layers} does not match the model, which has {len(layers)} MoE layers"
-        )
-    for i, layer in enumerate(layers):
-        layer.ctx = ctx
-        layer.layer_index = i
-    return layers

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .routing import moe_layers
+from .layer import moe_layers
 from .rundir import atomic_write_bytes, atomic_write_text
 
 __all__ = ["STATE_NAME", "WEIGHTS_NAME", "load_checkpoint", "load_state_dict", "save_checkpoint"]
@@ -75,7 +75,7 @@ def save_checkpoint(
     Returns:
         the directory.
     """
-    from . import __version__
+    from ._version import __version__
 
     directory = Path(directory)
     payload: dict[str, Any] = {"format": FORMAT, "moelab_version": __version__, "state": dict(state or {})}

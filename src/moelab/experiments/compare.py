@@ -64,7 +64,7 @@ def parse_sweep(text: str | None) -> tuple[str, list[str]] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..errors import UsageError
 
     requested = [m.strip() for m in str(args.methods).split(",") if m.strip()]
     if not requested:

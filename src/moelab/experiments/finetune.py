@@ -147,7 +147,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..errors import UsageError
 
     lm, tokenizer, lm_config = load_pretrained(args.source)
     data = load_classification(args.task)

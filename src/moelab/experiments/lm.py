@@ -408,7 +408,7 @@ def set_threads(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..errors import UsageError
 
     if args.task == "image":
         if importlib.util.find_spec("moelab.experiments.specialization") is None:
@@ -486,9 +486,9 @@ def benchmark_throughput(
     import statistics
     import time
 
-    from ..layer import aux_loss
+    from ..layer import attach, aux_loss
     from ..methods import methods as registered
-    from ..routing import RoutingContext, attach
+    from ..routing import RoutingContext
 
     names = [m for m in methods if m in registered()] + ["dense"]
     cfg = lm_config(size, 256)

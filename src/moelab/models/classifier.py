@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..routing import moe_layers
+from ..layer import moe_layers
 from .lm import TransformerLM
 
 __all__ = ["LMClassifier", "freeze_routers"]

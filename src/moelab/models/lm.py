@@ -39,8 +39,7 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..experts import MLP, ExpertBank
-from ..layer import MoE
-from ..routing import moe_layers
+from ..layer import MoE, moe_layers
 
 __all__ = ["ARCHS", "PRESETS", "LMConfig", "TransformerLM", "count_parameters", "lm_config"]
 

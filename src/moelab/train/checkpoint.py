@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
+
 __all__ = [
     "CheckpointError",
     "latest_checkpoint",
@@ -44,10 +46,6 @@ __all__ = [
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 META = "meta.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, truncated or corrupted; the message names the file."""
 
 
 def _sha256(path: Path) -> str:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..experts import ExpertBank, combine, sort_slots
-from ..routing import moe_layers
+from ..layer import moe_layers
 
 __all__ = [
     "ExpertParallelBank",

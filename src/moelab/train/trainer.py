@@ -44,8 +44,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from ..layer import NonFiniteError, aux_loss
-from ..routing import RoutingContext, attach, moe_layers
+from ..errors import NonFiniteError, TrainingError
+from ..layer import attach, aux_loss, moe_layers
+from ..routing import RoutingContext
 from ..rundir import RunDir
 from . import checkpoint as ckpt
 
@@ -62,10 +63,6 @@ __all__ = [
 ]
 
 SCHEDULES = ("inverse_sqrt", "cosine", "constant")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss); the message says where and what was kept."""
 
 
 class Task(Protocol):

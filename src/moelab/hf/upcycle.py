@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _validate
-from .layer import MoE
-from .methods import get_method
-from .routers import ROUTERS, router_options
+from .. import _validate
+from ..layer import MoE
+from ..methods import get_method
+from ..routers import ROUTERS, router_options
 
 __all__ = ["SUPPORTED_MLPS", "find_mlps", "load_upcycled", "upcycle"]
 
@@ -76,7 +76,7 @@ class _Dense:
 
 def _activation_name(act: Any) -> str | None:
     """moelab's name for a dense MLP's activation (module or function), else ``None``."""
-    from .functional import ACTIVATIONS
+    from ..functional import ACTIVATIONS
 
     for name, fn in ACTIVATIONS.items():
         if act is fn:
@@ -360,7 +360,7 @@ def load_upcycled(directory: str | Path) -> nn.Module:
     """Rebuild a model written by ``moelab upcycle`` and load its checkpoint (bit-exact)."""
     import transformers
 
-    from .serialization import load_checkpoint, load_state_dict
+    from ..serialization import load_checkpoint, load_state_dict
 
     tensors, payload = load_state_dict(directory)
     info = payload.get("state", {}).get("upcycle")
@@ -413,8 +413,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .rundir import RunDir
-    from .serialization import save_checkpoint
+    from ..rundir import RunDir
+    from ..serialization import save_checkpoint
 
     layers = None
     if args.layers:
