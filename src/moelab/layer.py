@@ -11,8 +11,8 @@ from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, combine
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
-from .methods import get_method
-from .routers import ROUTERS, build_router, router_options
+from .methods import build_method_router, get_method, method_router_options
+from .routers import ROUTERS
 from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
@@ -73,10 +73,10 @@ class MoE(nn.Module):
         self.check_finite = bool(check_finite)
 
         router_cls = ROUTERS[preset.router]
-        allowed_router = router_options(router_cls)
+        allowed_router = method_router_options(method)
         loss_names = LOSS_NAMES + tuple(getattr(router_cls, "loss_names", ()))
         allowed = sorted([*allowed_router, *(f"{n}_coef" for n in loss_names), *_LAYER_OPTIONS])
-        r_opts = dict(preset.options)
+        r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
         for key, value in options.items():
@@ -91,7 +91,7 @@ class MoE(nn.Module):
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
 
-        self.router = build_router(preset.router, d_model, num_experts, top_k, **r_opts)
+        self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
         if experts is None:
             experts = ExpertBank(num_experts, d_model, d_hidden, activation=activation, bias=bias, impl=impl)
         elif getattr(experts, "num_experts", None) != num_experts:

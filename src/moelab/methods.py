@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Method", "get_method", "methods", "register_method"]
+__all__ = ["SCHEDULE_KINDS", "Method", "build_method_router", "get_method", "methods", "register_method"]
+
+#: the training schedules a preset can declare (built by :func:`moelab.schedules.build_schedule`)
+SCHEDULE_KINDS = ("competition", "coin-flip")
 
 #: default loss coefficients of the learned softmax routers: the 001 VLM setting (Table 20)
 _BALANCED = {"balance": 0.01, "z": 0.001}
@@ -18,7 +21,9 @@ _BALANCED = {"balance": 0.01, "z": 0.001}
 
 @dataclass(frozen=True)
 class Method:
-    """A preset: which router, its options, the loss coefficients and the shared experts."""
+    """A preset: which router, its options, the loss coefficients, the shared experts, and the
+    training schedule it needs (``"competition"``: the per-layer Bernoulli schedule of
+    CompeteSMoE (2025); ``"coin-flip"``: the λ(t) coin flips of CompeteSMoE (2024); ``None``)."""
 
     name: str
     router: str
@@ -27,6 +32,13 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)
     coefs: dict[str, float] = field(default_factory=dict)
     num_shared: int = 0
+    schedule: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
+            raise ValueError(
+                f"schedule={self.schedule!r} is not allowed; expected one of {SCHEDULE_KINDS} or None"
+            )
 
 
 _METHODS: dict[str, Method] = {}
@@ -139,6 +151,7 @@ for _m in [
         "001 App. C.1, Table 10 (DenseMoE ablation, after Pan et al. 2024)",
         options={"mode": "dense"},
         coefs=_BALANCED,
+        schedule="competition",
     ),
     Method(
         "competition",
@@ -152,6 +165,7 @@ for _m in [
         "smoe router + scheduled competition; L_D (γ=0.01, α=0.1) + L_div (β=0.005)",
         "001 §2.2-2.4, App. B, Table 20",
         coefs={**_BALANCED, "distill": 0.01, "diversity": 0.005},
+        schedule="competition",
     ),
     Method(
         "competesmoe-v1",
@@ -160,6 +174,47 @@ for _m in [
         "000 §3, eq. 3-5",
         options={"mode": "v1", "reduce": "norm", "weighting": "softmax"},
         coefs={"distill": 1.0},
+        schedule="coin-flip",
     ),
 ]:
     register_method(_m)
+
+
+# ---------------------------------------------------------------- building a preset's router
+#: options of the ``competesmoe`` router family that name its base by method (resolved here)
+_BASE_OPTIONS = ("base", "base_options")
+
+
+def method_router_options(method: str) -> list[str]:
+    """The router options a layer of ``method`` accepts (its router's, with ``base`` taken as a
+    method name and ``base_options`` beside it for the routers that wrap a base router)."""
+    from .routers import ROUTERS, router_options
+
+    names = router_options(ROUTERS[get_method(method).router])
+    if "base" in names:
+        names = [n for n in names if n != "base_method"] + ["base_options"]
+    return names
+
+
+def build_method_router(method: str, d_model: int, num_experts: int, top_k: int, **options: Any):
+    """The router of ``method``'s preset, its options updated by ``options``.
+
+    A router that wraps a base router (``competesmoe``) takes ``base`` as a method name (default
+    ``smoe``) and ``base_options`` (that method's router options): the base router is built here
+    from its own preset and handed over built.
+    """
+    from .routers import build_router
+
+    preset = get_method(method)
+    params = {**preset.options, **options}
+    if "base" in method_router_options(method):
+        base_name = params.pop("base", "smoe")
+        base_options = params.pop("base_options", None)
+        if base_options is not None and not isinstance(base_options, dict):
+            raise ValueError(f"base_options={base_options!r} is not allowed; expected a dict or None")
+        base_preset = get_method(base_name)  # the router checks that the base is a plain one
+        base = build_router(
+            base_preset.router, d_model, num_experts, top_k, **{**base_preset.options, **(base_options or {})}
+        )
+        params.update(base=base, base_method=base_name)
+    return build_router(preset.router, d_model, num_experts, top_k, **params)

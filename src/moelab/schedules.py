@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validate
+from .methods import get_method
 
 __all__ = ["CoinFlipSchedule", "CompetitionSchedule", "default_a_max"]
 
@@ -253,26 +254,23 @@ class CoinFlipSchedule:
 
 
 def build_schedule(method: str, num_layers: int, total_steps: int, seed: int = 0, **options: Any) -> Any:
-    """The competition schedule a model of ``num_layers`` MoE layers needs for ``method``, or ``None``.
+    """The schedule that ``method``'s preset declares (``Method.schedule``) for a model of
+    ``num_layers`` MoE layers, or ``None``.
 
-    A method needs one when its router class says ``needs_schedule = True`` (the ``competesmoe``
-    family: competesmoe, competesmoe-v1, densemoe).  ``mode="v1"`` (000) gets a
-    :class:`CoinFlipSchedule` with λ = ``rate`` (0.05); the others 001's :class:`CompetitionSchedule`
-    with ``omega``, ``a_max`` (capped at ``num_layers``) and ``competition_warmup`` (the warm-up
-    fraction).  Other keys of ``options`` (the layer's own options) are ignored here.
+    ``"coin-flip"`` (``competesmoe-v1``, CompeteSMoE (2024)) gets a :class:`CoinFlipSchedule` with
+    λ = ``rate`` (0.05); ``"competition"`` (``competesmoe``, ``densemoe``, CompeteSMoE (2025)) a
+    :class:`CompetitionSchedule` with ``omega``, ``a_max`` (capped at ``num_layers``) and
+    ``competition_warmup`` (the warm-up fraction).  Other keys of ``options`` (the layer's own
+    options) are ignored here.
     """
-    from .methods import get_method
-    from .routers import ROUTERS
-
-    preset = get_method(method)
-    if num_layers == 0 or not getattr(ROUTERS[preset.router], "needs_schedule", False):
+    kind = get_method(method).schedule
+    if num_layers == 0 or kind is None:
         return None
-    params = {**preset.options, **options}
-    if params.get("mode") == "v1":
-        return CoinFlipSchedule(num_layers, rate=params.get("rate", 0.05), seed=seed)
-    kwargs: dict[str, Any] = {k: params[k] for k in ("omega", "a_max") if k in params}
+    if kind == "coin-flip":
+        return CoinFlipSchedule(num_layers, rate=options.get("rate", 0.05), seed=seed)
+    kwargs: dict[str, Any] = {k: options[k] for k in ("omega", "a_max") if k in options}
     if "a_max" in kwargs:  # the cap cannot exceed the model's depth (shared/REFERENCES.md: scale it)
         kwargs["a_max"] = min(int(kwargs["a_max"]), num_layers)
-    if "competition_warmup" in params:
-        kwargs["warmup"] = params["competition_warmup"]
+    if "competition_warmup" in options:
+        kwargs["warmup"] = options["competition_warmup"]
     return CompetitionSchedule(num_layers=num_layers, total_steps=total_steps, seed=seed, **kwargs)

@@ -32,10 +32,8 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import COMPETITION_ACTIVATIONS, competition_affinity
 from ..losses import competition_router_loss, distillation_loss, diversity_loss, switch_balance_loss
-from ..methods import get_method
 from ..routing import Routing, RoutingContext
-from . import ROUTERS, build_router, register
-from .base import Router
+from .base import Router, build_router, register
 
 __all__ = ["CompeteSMoERouter", "CompetitionRouter", "compete"]
 
@@ -229,9 +227,11 @@ class CompeteSMoERouter(Router):
     it learns from ``distill``.  The task loss trains it on every other step (001 §2.3, C.2).
 
     Options:
-        base: the base method (``smoe``); its preset router options apply, updated by
-            ``base_options``.  Shared experts (``num_shared``) are a layer option.
-        base_options: extra options of the base router (e.g. ``{"init_std": 0.02}``).
+        base: the base router, built (default: a plain top-K softmax router, ``smoe``'s).  A
+            layer builds it from the method name in its ``base`` option and ``base_options``
+            (:func:`moelab.methods.build_method_router`).  Shared experts (``num_shared``) are a
+            layer option.
+        base_method: the base's method name, for messages and ``repr``.
         mode: ``"compete"``, ``"v1"`` or ``"dense"``.
         kappa, reduce, weighting, grad_path: the competition (:class:`CompetitionRouter`).
         alpha: α of the winner term of L_D (0.1, 001 Table 20).
@@ -242,16 +242,14 @@ class CompeteSMoERouter(Router):
     """
 
     loss_names = ("distill", "diversity")
-    #: the trainer builds a competition schedule for it (:func:`moelab.schedules.build_schedule`)
-    needs_schedule = True
 
     def __init__(
         self,
         d_model: int,
         num_experts: int,
         top_k: int,
-        base: str = "smoe",
-        base_options: dict | None = None,
+        base: nn.Module | None = None,
+        base_method: str = "smoe",
         mode: str = "compete",
         kappa: str = "softplus",
         reduce: str = "mean",
@@ -261,23 +259,28 @@ class CompeteSMoERouter(Router):
         diversity: str = "frobenius",
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
-        preset = get_method(base)
-        base_cls = ROUTERS[preset.router]
-        if getattr(base_cls, "loss_names", ()) or base_cls is CompetitionRouter:
+        if base is None:
+            base = build_router("topk", d_model, num_experts, top_k)
+        if (
+            not isinstance(base, Router)
+            or base.loss_names
+            or isinstance(base, (CompetitionRouter, CompeteSMoERouter))
+        ):
             raise ValueError(
-                f"base={base!r} is not allowed: the base must be a plain router method without its own "
+                f"base={base_method!r} is not allowed: the base must be a plain router method without its own "
                 "losses or competition (e.g. 'smoe', 'xmoe', 'pcosine', 'sigma-moe', 'sharede-v3', 'hyperrouter')"
             )
-        if base_options is not None and not isinstance(base_options, dict):
-            raise ValueError(f"base_options={base_options!r} is not allowed; expected a dict or None")
+        if (base.d_model, base.num_experts, base.top_k) != (d_model, num_experts, top_k):
+            raise ValueError(
+                f"base has d_model={base.d_model}, num_experts={base.num_experts}, top_k={base.top_k}; "
+                f"expected {d_model}, {num_experts}, {top_k} like the competition"
+            )
         _check_competition_options(kappa, reduce, weighting, grad_path)
         self.mode = _validate.one_of("mode", mode, MODES)
         self.alpha = _validate.non_negative("alpha", alpha)
         self.diversity = _validate.one_of("diversity", diversity, ["frobenius", "cosine"])
-        self.base_method = base
-        self.base = build_router(
-            preset.router, d_model, num_experts, top_k, **{**preset.options, **(base_options or {})}
-        )
+        self.base_method = base_method
+        self.base = base
         self.kappa, self.reduce, self.weighting, self.grad_path = (
             kappa,
             reduce,

@@ -8,8 +8,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import cosine_logits, topk_softmax
 from ..routing import Routing, RoutingContext
-from . import register
-from .base import Router
+from .base import Router, register
 
 
 @register("cosine")

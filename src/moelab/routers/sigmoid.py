@@ -12,8 +12,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import expert_counts, normalized_weights
 from ..routing import Routing, RoutingContext
-from . import register
-from .base import Router
+from .base import Router, register
 
 
 @register("sigmoid")

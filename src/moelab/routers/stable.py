@@ -9,8 +9,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import topk_softmax
 from ..routing import Routing, RoutingContext
-from . import register
-from .base import Router
+from .base import Router, register
 
 
 @register("stable")
