@@ -74,7 +74,7 @@ def test_the_package_has_no_import_circle():
         stack.append(m)
         for t in sorted(edges.get(m, ())):
             if state.get(t) == 1:
-                circles.append(stack[stack.index(t) :] + [t])
+                circles.append([*stack[stack.index(t) :], t])
             elif t not in state:
                 visit(t)
         stack.pop()
@@ -100,6 +100,10 @@ def test_library_code_never_imports_the_layers_above_it(layer):
 
 
 def test_the_import_walker_sees_lazy_and_relative_imports(tmp_path):
-    modules = {"moelab": SRC / "__init__.py", "moelab.a": tmp_path / "a.py", "moelab.pkg.b": tmp_path / "b.py"}
+    modules = {
+        "moelab": SRC / "__init__.py",
+        "moelab.a": tmp_path / "a.py",
+        "moelab.pkg.b": tmp_path / "b.py",
+    }
     (tmp_path / "b.py").write_text("def f():\n    from ..a import x\n    import moelab.pkg.b\n")
     assert _imports("moelab.pkg.b", tmp_path / "b.py", modules) == {"moelab.a"}
