@@ -98,3 +98,20 @@ def test_other_errors_keep_their_traceback(monkeypatch):
     _fake_command(monkeypatch, RuntimeError("a bug"))
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["fake"])
+
+
+def test_python_dash_m_moelab_help_exits_0_and_lists_every_subcommand():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(cli.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "moelab", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: moelab")
+    for name in cli.SUBCOMMANDS:
+        assert name in proc.stdout

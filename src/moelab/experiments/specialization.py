@@ -46,7 +46,6 @@ __all__ = [
     "add_image_arguments",
     "evaluate",
     "run",
-    "run_image",
     "train_once",
 ]
 
@@ -640,9 +639,6 @@ def run(args: argparse.Namespace) -> int:
     rundir.write_metrics(metrics)
     _print_summary(metrics)
     return 0
-
-
-run_image = run
 
 
 def _print_summary(metrics: dict[str, Any]) -> None:
