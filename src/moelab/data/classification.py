@@ -1,4 +1,4 @@
-"""Text-classification data for fine-tuning (000 §6.3, Table 3 and App. C.3): SST-2, SST-5, IMDB,
+"""Text-classification data for fine-tuning (CompeteSMoE (2024) §6.3, Table 3 and App. C.3): SST-2, SST-5, IMDB,
 BANKING77, or a local CSV/TSV of (text, label).
 
 Every loader returns a :class:`ClassificationData` with train / valid / test texts and integer

@@ -1,6 +1,6 @@
 """``moelab compare``: several MoE methods × seeds on one language-modelling task — the main job.
 
-The CPU-scale version of 000 Table 2 (with the seeds and Welch t-test of 000 Table 9): every
+The CPU-scale version of CompeteSMoE (2024) Table 2 (with the seeds and Welch t-test of CompeteSMoE (2024) Table 9): every
 method is trained with each seed by :func:`moelab.experiments.lm.train_lm` into
 ``OUT/<method>/seed<k>/``, then :mod:`moelab.experiments.report` prints the table (mean ± std over
 seeds, best marked, p-value of each method against CompeteSMoE) and writes ``results.csv``,
@@ -27,7 +27,7 @@ from .report import collect_runs, write_report
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
 
-#: the baselines of 000 Table 2 and the method itself
+#: the baselines of CompeteSMoE (2024) Table 2 and the method itself
 DEFAULT_METHODS = ("smoe", "smoe-fixed", "xmoe", "stablemoe", "competesmoe")
 
 
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep",
         metavar="KEY=V1,V2,...",
-        help="also vary one method option (000 Tables 4-5), e.g. omega=0.01,0.03,0.05; report prints the sensitivity table",
+        help="also vary one method option (CompeteSMoE (2024) Tables 4-5), e.g. omega=0.01,0.03,0.05; report prints the sensitivity table",
     )
     p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     p.add_argument(

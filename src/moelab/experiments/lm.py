@@ -1,10 +1,10 @@
-"""``moelab train --task lm``: a Switch / GLaM decoder LM with any MoE method (000 §6.1-6.2,
-Table 2; 003 §5.2, Table 2).
+"""``moelab train --task lm``: a Switch / GLaM decoder LM with any MoE method (CompeteSMoE (2024) §6.1-6.2,
+Table 2; perturbed cosine router (2024) §5.2, Table 2).
 
 One run writes into ``--out``: ``config.yaml`` (everything needed to re-run, ``--resume`` reads it
 back), ``log.csv`` (one row per step; validation columns on evaluation steps), ``metrics.json``
 (:data:`METRIC_KEYS`), ``best.safetensors`` (the best-validation weights, used for the test as
-000 does) and ``ckpt/`` (atomic checkpoints).
+CompeteSMoE (2024) does) and ``ckpt/`` (atomic checkpoints).
 
 Example::
 
@@ -64,7 +64,7 @@ METRIC_KEYS = (
     "data",
 )
 
-#: training defaults per preset: 000 App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k steps)
+#: training defaults per preset: CompeteSMoE (2024) App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k steps)
 #: for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
 _PAPER = dict(lr=7e-4, warmup=None, batch_size=48, eval_every=1000, eval_tokens=500_000, ckpt_every=1000)
 SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -291,7 +291,9 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-experts", type=int, dest="num_experts", help="experts per MoE layer (16)")
     p.add_argument("--top-k", type=int, dest="top_k", help="experts per token (2)")
     p.add_argument("--dropout", type=float, help="dropout (preset default)")
-    p.add_argument("--lr", type=float, help="Adam learning rate (7e-4 as 000; the cpu preset 2e-3)")
+    p.add_argument(
+        "--lr", type=float, help="Adam learning rate (7e-4 as CompeteSMoE (2024); the cpu preset 2e-3)"
+    )
     p.add_argument("--schedule", default="inverse_sqrt", choices=list(SCHEDULES), help="LR schedule")
     p.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps; the cpu preset 30)")
     p.add_argument(

@@ -1,9 +1,9 @@
 """Sparse upcycling: replace the dense MLPs of a model by MoE layers whose experts copy them.
 
-Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of 001 (§5.1 "Tasks" and App. H,
+Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of CompeteSMoE (2025) (§5.1 "Tasks" and App. H,
 "Visual Instruction Tuning"): "each expert is initialized from its corresponding pretrained MLP,
 while the Top-K router is learned from scratch", the router "initialized ... using Gaussian noise
-N(0, 0.02), following ... GPT-2" (std 0.02; 001 uses N_E = 4 experts, K = 2 there).  Since
+N(0, 0.02), following ... GPT-2" (std 0.02; CompeteSMoE (2025) uses N_E = 4 experts, K = 2 there).  Since
 all experts are equal, ``Σ_k w_k · FFN(x) = FFN(x)`` whenever the routing weights sum to 1, so
 the upcycled model computes exactly what the dense one did until training moves the experts
 apart.  For methods with ``S`` shared experts (``sharede-v2``, ``sharede-v3``) the routed experts
@@ -55,7 +55,7 @@ SUPPORTED_MLPS = (
     "nn.Sequential(Linear, activation, Linear)",
 )
 
-#: std of the upcycled router's N(0, 0.02²) init (001 App. H, VIT stage hyper-parameters)
+#: std of the upcycled router's N(0, 0.02²) init (CompeteSMoE (2025) App. H, VIT stage hyper-parameters)
 ROUTER_INIT_STD = 0.02
 
 
