@@ -27,8 +27,8 @@ __all__ = [
 def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-K softmax gating: ``w = softmax(TopK_-inf(h))``.
 
-    The Switch / GShard / Mixtral router (CompeteSMoE (2024) eq. 1-2; CompeteSMoE (2025) eq. 1).  Mixtral computes the
-    softmax over all N experts and renormalises the chosen K: mathematically the same weights.
+    The Switch / GShard / Mixtral router (CompeteSMoE (2024) eq. 1-2; CompeteSMoE (2025) eq. 1).  Mixtral
+    computes the softmax over all N experts and renormalises the chosen K: mathematically the same weights.
 
     Args:
         logits: ``(T, N)`` router logits ``h``.
@@ -64,10 +64,11 @@ def cosine_logits(
 ) -> Tensor:
     """(Perturbed) cosine similarity between tokens and expert embeddings.
 
-    ``ℓ_i(x) = xᵀ e_i / ((‖x‖ + τ₂)(‖e_i‖ + τ₁))`` — perturbed cosine router (2024) eq. (7); with ``τ₁ = τ₂ = 0`` it is the vanilla cosine router of X-MoE (perturbed cosine router (2024) eq. (2)).
+    ``ℓ_i(x) = xᵀ e_i / ((‖x‖ + τ₂)(‖e_i‖ + τ₁))`` — perturbed cosine router (2024) eq. (7);
+    with ``τ₁ = τ₂ = 0`` it is the vanilla cosine router of X-MoE (perturbed cosine router (2024) eq. (2)).
     The same function serves the ``xmoe`` / ``pcosine`` routers and the regression models of
-    ``moelab.stats``.  ``eps`` only guards the unperturbed case against a zero norm; it is
-    added as ``max(‖·‖, eps)`` so that a non-zero vector's cosine is exact.
+    ``moelab.stats``.  ``eps`` only guards the unperturbed case against a zero norm; it is added as
+    ``max(‖·‖, eps)`` so that a non-zero vector's cosine is exact.
 
     Args:
         x: ``(..., T, d)`` tokens (already projected, for X-MoE).
@@ -127,10 +128,10 @@ COMPETITION_ACTIVATIONS = ("softplus", "silu", "sigmoid", "relu", "softmax", "ex
 def competition_affinity(outputs: Tensor, activation: str = "softplus", reduce: str = "mean") -> Tensor:
     """Expert affinity scores of the competition mechanism.
 
-    * ``reduce="mean"``: ``s_i = mean_d κ(g_i(x))`` — CompeteSMoE (2025) eq. (4) with κ = softplus by default and
-      the alternatives of CompeteSMoE (2025) App. C.3 / eq. (10) (silu, sigmoid, relu, softmax, exp).  For
-      ``softmax`` the softmax runs across the N experts for each feature (a softmax over the
-      features would average to the constant 1/d).
+    * ``reduce="mean"``: ``s_i = mean_d κ(g_i(x))`` — CompeteSMoE (2025) eq. (4) with κ = softplus by default
+      and the alternatives of CompeteSMoE (2025) App. C.3 / eq. (10) (silu, sigmoid, relu, softmax, exp).  For
+      ``softmax`` the softmax runs across the N experts for each feature (a softmax over the features would
+      average to the constant 1/d).
     * ``reduce="norm"``: ``s_i = ‖g_i(x)‖₂`` — CompeteSMoE (2024) eq. (3) (CompeteSMoE v1).
 
     ``κ = exp`` overflows in float32 once an output exceeds ~88 (CompeteSMoE (2025) App. C.3 reports NaNs).

@@ -32,8 +32,8 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
     """Switch Transformer load-balancing loss ``N · Σ_i f_i P_i``.
 
     ``f_i`` is the fraction of the ``T·K`` token slots routed to expert ``i``; ``P_i`` the mean
-    router probability of ``i`` (Fedus et al. 2022, eq. 4; used by CompeteSMoE (2025) §4 with coefficient 0.01).
-    Equals 1 under perfect balance.
+    router probability of ``i`` (Fedus et al. 2022, eq. 4; used by CompeteSMoE (2025) §4 with coefficient
+    0.01). Equals 1 under perfect balance.
 
     Args:
         probs: ``(T, N)`` router distribution.
@@ -45,15 +45,15 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
 
 
 def z_loss(logits: Tensor) -> Tensor:
-    """Router z-loss ``mean_x (logsumexp_i h_i(x))²`` (ST-MoE, Zoph et al. 2022, eq. 5; CompeteSMoE (2025) Table 20
-    uses 0.001)."""
+    """Router z-loss ``mean_x (logsumexp_i h_i(x))²`` (ST-MoE, Zoph et al. 2022, eq. 5; CompeteSMoE (2025)
+    Table 20 uses 0.001)."""
     compute = torch.promote_types(logits.dtype, torch.float32)  # fp16/bf16 → fp32; float64 stays
     return logits.to(compute).logsumexp(dim=-1).square().mean().to(logits.dtype)
 
 
 def importance_loss(probs: Tensor) -> Tensor:
-    """Importance loss ``CV(Σ_x p(·|x))²`` with ``CV = std / mean`` (Krishnamurthy et al. (2023) eq. 7, after Shazeer et al.
-    2017); the paper's weight ``w`` is the coefficient."""
+    """Importance loss ``CV(Σ_x p(·|x))²`` with ``CV = std / mean`` (Krishnamurthy et al. (2023) eq. 7, after
+    Shazeer et al. 2017); the paper's weight ``w`` is the coefficient."""
     importance = probs.sum(dim=0)  # (N,)
     return importance.var(unbiased=False) / importance.mean().square()
 

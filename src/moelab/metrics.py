@@ -1,7 +1,7 @@
 """Routing diagnostics.
 
-CompeteSMoE diagnostics (CompeteSMoE (2024) App. C.5; CompeteSMoE (2025) §5.2.2, App. C.5, D.1), usable on any model that contains
-``moelab.MoE`` layers, whatever its method:
+CompeteSMoE diagnostics (CompeteSMoE (2024) App. C.5; CompeteSMoE (2025) §5.2.2, App. C.5, D.1), usable on any
+model that contains ``moelab.MoE`` layers, whatever its method:
 
 * :func:`router_entropy` — mean entropy of the router softmax, per layer (CompeteSMoE (2024) Table 10);
 * :func:`competition_overlap` — mean ``|TopK(router) ∩ TopK(competition)|`` per token, per layer,
@@ -19,8 +19,8 @@ evaluation mode without gradients over ``batches`` (an iterable of inputs; a tup
 unpacked into the call, or pass ``forward(model, batch)``) and read each MoE layer's input and
 ``last_routing`` through forward hooks.
 
-Expert specialization (Krishnamurthy et al. (2023) §3 and Appendix A): :func:`specialization` (``H_s``, ``H_u``,
-``I_EY``), :func:`selection_table` and :func:`plot_selection_table` (the expert × class table of
+Expert specialization (Krishnamurthy et al. (2023) §3 and Appendix A): :func:`specialization` (``H_s``,
+``H_u``, ``I_EY``), :func:`selection_table` and :func:`plot_selection_table` (the expert × class table of
 Krishnamurthy et al. (2023) Fig. 2, 3, 6).  All entropies are in bits (log₂).
 """
 
@@ -187,10 +187,10 @@ def competition_overlap(
     reduce: str = "mean",
 ) -> list[float]:
     """Per layer, the mean number of experts shared by the layer's routing (its top-K) and the
-    top-K of the competition on the same input (CompeteSMoE (2025) App. C.5 "level learning"; K means the router
-    has learned the competition policy).  The competition runs on demand (``forward_all`` on the
-    layer's input, affinity :func:`moelab.functional.competition_affinity` with ``kappa`` /
-    ``reduce``), for any method."""
+    top-K of the competition on the same input (CompeteSMoE (2025) App. C.5 "level learning"; K means the
+    router has learned the competition policy).  The competition runs on demand (``forward_all`` on the
+    layer's input, affinity :func:`moelab.functional.competition_affinity` with ``kappa`` / ``reduce``), for
+    any method."""
     sums: dict[int, float] = {}
     counts: dict[int, int] = {}
 
@@ -207,7 +207,8 @@ def competition_overlap(
 
 def expert_output_norms(model: nn.Module, batches: Iterable[Any], forward: Callable | None = None) -> Tensor:
     """``(L, N)``: the mean ``‖g_i(x)‖₂`` of every expert i of every MoE layer over that layer's
-    tokens (all experts run on all tokens; CompeteSMoE (2025) App. D.1, Fig. 6 plots their layer-wise evolution)."""
+    tokens (all experts run on all tokens; CompeteSMoE (2025) App. D.1, Fig. 6 plots their layer-wise
+    evolution)."""
     sums: dict[int, Tensor] = {}
     counts: dict[int, int] = {}
 
@@ -250,9 +251,9 @@ def expert_change_rate(
 @contextlib.contextmanager
 def swap_top1(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block every MoE layer of ``model`` replaces its top-1 expert by its (K+1)-th
-    (CompeteSMoE (2025) §5.2.2 a, Table 3: "shifting the selected experts down by one rank"); the weights are the
-    router's rule on the new set (top-K softmax renormalised over it, σ-MoE's raw scores kept).
-    Meant for evaluation; needs ``top_k < num_experts``.
+    (CompeteSMoE (2025) §5.2.2 a, Table 3: "shifting the selected experts down by one rank"); the weights are
+    the router's rule on the new set (top-K softmax renormalised over it, σ-MoE's raw scores kept). Meant for
+    evaluation; needs ``top_k < num_experts``.
 
     >>> with moelab.metrics.swap_top1(model):
     ...     loss = evaluate(model)
@@ -277,7 +278,8 @@ __all__ += [
 ]
 
 
-# ---------------------------------------------------------------------- expert specialization (Krishnamurthy et al. (2023))
+# ---------------------------------------------------------------------- expert specialization (Krishnamurthy
+# et al. (2023))
 def entropy_bits(p: Tensor, dim: int = -1) -> Tensor:
     """Shannon entropy ``−Σ p log₂ p`` along ``dim`` with ``0 log 0 = 0``."""
     p = p.double()
@@ -314,11 +316,13 @@ def mutual_information_bits(table: Tensor) -> Tensor:
 def specialization(gate_probs: Tensor, labels: Tensor, num_classes: int) -> dict[str, float]:
     """The information-theoretic routing metrics of Krishnamurthy et al. (2023) §3, in bits.
 
-    * ``H_s`` — mean per-sample entropy of the gate distribution (Krishnamurthy et al. (2023) eq. 1): low = sparse gating.
-    * ``H_u`` — entropy of the batch-mean gate distribution (Krishnamurthy et al. (2023) eq. 2): high = balanced use.
+    * ``H_s`` — mean per-sample entropy of the gate distribution (Krishnamurthy et al. (2023) eq. 1): low =
+      sparse gating.
+    * ``H_u`` — entropy of the batch-mean gate distribution (Krishnamurthy et al. (2023) eq. 2): high =
+      balanced use.
     * ``I_EY`` — mutual information between the argmax expert ``E`` and the TRUE class ``Y``
-      (Krishnamurthy et al. (2023) eq. 3, Appendix A).  The authors' code used the predicted class (a defect listed in
-      shared/REFERENCES.md); the paper defines ``Y`` as the class distribution, so true labels.
+      (Krishnamurthy et al. (2023) eq. 3, Appendix A).  The authors' code used the predicted class (a defect
+      listed in shared/REFERENCES.md); the paper defines ``Y`` as the class distribution, so true labels.
 
     Args:
         gate_probs: ``(B, M)`` gate distribution p(e|x) of each sample (rows sum to 1).
@@ -352,7 +356,8 @@ def plot_selection_table(
     class_names: list[str] | None = None,
     title: str = "",
 ) -> None:
-    """Save the expert × class count table as an annotated heatmap PNG (like Krishnamurthy et al. (2023) Fig. 2 and 6)."""
+    """Save the expert × class count table as an annotated heatmap PNG (like Krishnamurthy et al. (2023) Fig.
+    2 and 6)."""
     import matplotlib
 
     matplotlib.use("Agg")

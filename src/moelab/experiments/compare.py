@@ -1,10 +1,10 @@
 """``moelab compare``: several MoE methods × seeds on one language-modelling task — the main job.
 
-The CPU-scale version of CompeteSMoE (2024) Table 2 (with the seeds and Welch t-test of CompeteSMoE (2024) Table 9): every
-method is trained with each seed by :func:`moelab.experiments.lm.train_lm` into
-``OUT/<method>/seed<k>/``, then :mod:`moelab.experiments.report` prints the table (mean ± std over
-seeds, best marked, p-value of each method against CompeteSMoE) and writes ``results.csv``,
-``runs.csv`` and ``val_curves.png`` into ``OUT``.
+The CPU-scale version of CompeteSMoE (2024) Table 2 (with the seeds and Welch t-test of CompeteSMoE (2024)
+Table 9): every method is trained with each seed by :func:`moelab.experiments.lm.train_lm` into
+``OUT/<method>/seed<k>/``, then :mod:`moelab.experiments.report` prints the table (mean ± std over seeds, best
+marked, p-value of each method against CompeteSMoE) and writes ``results.csv``, ``runs.csv`` and
+``val_curves.png`` into ``OUT``.
 
 Defaults: the embedded corpus, the ``cpu`` preset (300 steps), methods smoe, smoe-fixed, xmoe,
 stablemoe, competesmoe (those registered in this moelab; the others are named in the output),
@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     points = list(zip(sweep.values, sweep.labels)) if sweep else [(None, None)]
     for method in chosen:
         for value, label in points:
-            # the folder of a swept value: ``<method>-<key><value as written>`` (parse_sweep keeps it in --out)
+            # the folder of a swept value: ``<method>-<key><value as written>`` (parse_sweep keeps it in
+            # --out)
             name = method if sweep is None else f"{method}-{sweep.key}{label}"
             for seed in seeds:
                 ns = argparse.Namespace(**vars(args))

@@ -1,4 +1,5 @@
-"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (CompeteSMoE (2024) §6.3, Table 3).
+"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (CompeteSMoE (2024) §6.3, Table
+3).
 
 The LM of ``--from RUN_DIR`` (its best-validation weights, else its newest checkpoint) loses its
 head; two new fully connected layers classify the mean-pooled final states; the routers are

@@ -64,8 +64,8 @@ METRIC_KEYS = (
     "data",
 )
 
-#: training defaults per preset: CompeteSMoE (2024) App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k steps)
-#: for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
+#: training defaults per preset: CompeteSMoE (2024) App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k
+#: steps) for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
 _PAPER = dict(lr=7e-4, warmup=None, batch_size=48, eval_every=1000, eval_tokens=500_000, ckpt_every=1000)
 SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {**_PAPER, "steps": 60000},

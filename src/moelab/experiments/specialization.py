@@ -3,17 +3,21 @@
 Modes (``--mode``):
 
 * ``run`` (default): one model — ``--gate {original,attentive}`` with ``--reg {none,importance,ls}``,
-  optionally ``--distill`` (Krishnamurthy et al. (2023) §5.1); with ``--sweep``, the Krishnamurthy et al. (2023) Appendix C grid × ``--runs``
-  seeds, selecting the run with the minimum training error as the paper does (Krishnamurthy et al. (2023) §7).
+  optionally ``--distill`` (Krishnamurthy et al. (2023) §5.1); with ``--sweep``, the Krishnamurthy et al.
+  (2023) Appendix C grid × ``--runs`` seeds, selecting the run with the minimum training error as the paper
+  does (Krishnamurthy et al. (2023) §7).
 * ``single``: the single-model baseline (one expert's architecture; Krishnamurthy et al. (2023) §7 row 1).
-* ``table``: every row of Krishnamurthy et al. (2023) Table 2 / 3 / 7 for ``--data``, each as ``run`` would do it.
+* ``table``: every row of Krishnamurthy et al. (2023) Table 2 / 3 / 7 for ``--data``, each as ``run`` would do
+  it.
 * ``partition``: the intuitive-partition experiment (Krishnamurthy et al. (2023) §4.2, Fig. 4, Table 1).
-* ``scaling``: expert-count scaling (Krishnamurthy et al. (2023) §7, Fig. 6): how many experts each regulariser uses.
+* ``scaling``: expert-count scaling (Krishnamurthy et al. (2023) §7, Fig. 6): how many experts each
+  regulariser uses.
 
-Training (Krishnamurthy et al. (2023) §7, docs/references.md): Adam, lr 1e-3, batch 512, 20 epochs (MNIST-like) or 40
-(CIFAR-100); loss NLL of ``log(Σ_e p(e|x) y_e(x) + 1e-7)`` plus the regulariser on the gate's
-``p(e|x)``: ``w · CV(Σ_x p)²`` (:func:`moelab.losses.importance_loss`, Krishnamurthy et al. (2023) eq. 7) or ``L_s``
-(:func:`moelab.losses.sample_similarity_loss`, Krishnamurthy et al. (2023) eq. 8–10) on the normalised input pixels.
+Training (Krishnamurthy et al. (2023) §7, docs/references.md): Adam, lr 1e-3, batch 512, 20 epochs
+(MNIST-like) or 40 (CIFAR-100); loss NLL of ``log(Σ_e p(e|x) y_e(x) + 1e-7)`` plus the regulariser on the
+gate's ``p(e|x)``: ``w · CV(Σ_x p)²`` (:func:`moelab.losses.importance_loss`, Krishnamurthy et al. (2023) eq.
+7) or ``L_s`` (:func:`moelab.losses.sample_similarity_loss`, Krishnamurthy et al. (2023) eq. 8–10) on the
+normalised input pixels.
 
 ``metrics.json`` keys (stable): ``test_error``, ``train_error`` (dense output mixture),
 ``train_loss`` (task NLL on the train set), ``test_error_top1`` (top-1 conditional computation),
@@ -53,8 +57,8 @@ GATES = ("original", "attentive")
 REGS = ("none", "importance", "ls")
 MODES = ("run", "single", "table", "partition", "scaling")
 
-#: Krishnamurthy et al. (2023) Appendix C: w_importance for every dataset; (β_s, β_d) per dataset (Table 6).  digits is not
-#: in the paper: its 64-pixel inputs have ~12× smaller squared distances than MNIST's 784 pixels
+#: Krishnamurthy et al. (2023) Appendix C: w_importance for every dataset; (β_s, β_d) per dataset (Table 6).
+#: digits is not in the paper: its 64-pixel inputs have ~12× smaller squared distances than MNIST's 784 pixels
 #: (both normalised to unit variance), so its L_s grid is the MNIST grid × 10.
 _W = (0.2, 0.4, 0.6, 0.8, 1.0)
 GRIDS: dict[str, dict[str, Any]] = {
@@ -335,7 +339,8 @@ def _run_row(tag: str, cfg: SpecConfig, metrics: dict[str, Any]) -> dict[str, An
 def sweep(
     cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir | None, use_grid: bool = True, tag: str = ""
 ):
-    """Every setting × ``runs`` seeds; the run with the minimum training error is selected (Krishnamurthy et al. (2023) §7)."""
+    """Every setting × ``runs`` seeds; the run with the minimum training error is selected (Krishnamurthy et
+    al. (2023) §7)."""
     cfg = cfg.resolved()
     settings = grid(cfg) if use_grid else [cfg]
     results = []
@@ -386,7 +391,8 @@ TABLE_ROWS = (
 
 
 def format_table(rows: dict[str, dict[str, Any]]) -> str:
-    """The rows of a ``table`` run as a markdown table in the layout of Krishnamurthy et al. (2023) Table 2."""
+    """The rows of a ``table`` run as a markdown table in the layout of Krishnamurthy et al. (2023) Table
+    2."""
     f = lambda m, k: "NA" if m.get(k) is None else f"{m[k]:.3f}"
     lines = [
         "| experiment | error | ± std | I(E;Y) | H_s | H_u | top-1 error | experts used | selected |",
@@ -416,9 +422,9 @@ def run_table(cfg: SpecConfig, data: ImageData, runs: int, use_grid: bool, rundi
 
 
 def run_partition(cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir) -> dict[str, Any]:
-    """Krishnamurthy et al. (2023) §4.2 (Fig. 4, Table 1).  (a) a gate trained end-to-end with untrained experts; (b) a gate
-    trained against experts pre-trained on class pairs (each expert sees only its pair's samples).
-    Each gate is then frozen and a new set of experts is trained with it; the table reports that
+    """Krishnamurthy et al. (2023) §4.2 (Fig. 4, Table 1).  (a) a gate trained end-to-end with untrained
+    experts; (b) a gate trained against experts pre-trained on class pairs (each expert sees only its pair's
+    samples). Each gate is then frozen and a new set of experts is trained with it; the table reports that
     second model's test error and training loss, averaged over ``runs`` seeds."""
     cfg = cfg.resolved()
     pairs = PARTITIONS.get(data.num_classes)
@@ -497,8 +503,8 @@ def run_partition(cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir) -
 
 
 def run_scaling(cfg: SpecConfig, data: ImageData, counts: list[int], rundir: RunDir) -> dict[str, Any]:
-    """Krishnamurthy et al. (2023) §7, Fig. 6: train with N experts for each N and each of L_importance and L_s; report
-    how many experts each actually uses (``experts_used``) and the selection tables."""
+    """Krishnamurthy et al. (2023) §7, Fig. 6: train with N experts for each N and each of L_importance and
+    L_s; report how many experts each actually uses (``experts_used``) and the selection tables."""
     out: dict[str, Any] = {}
     for reg in ("importance", "ls"):
         for n in counts:

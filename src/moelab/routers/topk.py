@@ -17,7 +17,8 @@ from .base import Router
 
 @register("topk")
 class TopKRouter(Router):
-    """``h = W x``, ``w = softmax(TopK_-inf(h))`` — the SMoE router (CompeteSMoE (2024) eq. 1-2; CompeteSMoE (2025) eq. 1).
+    """``h = W x``, ``w = softmax(TopK_-inf(h))`` — the SMoE router (CompeteSMoE (2024) eq. 1-2; CompeteSMoE
+    (2025) eq. 1).
 
     Options:
         init_std: std of the N(0, σ²) init of ``W (N, d)``; default ``d^-1/2`` (the LM code of
