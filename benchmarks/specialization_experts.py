@@ -1,5 +1,5 @@
-"""One training epoch of N CNN experts of 002: batched (vmap over stacked weights) vs a Python loop
-over expert modules vs N × one expert trained alone.
+"""One training epoch of N CNN experts of Krishnamurthy et al. (2023): batched (vmap over stacked weights) vs
+a Python loop over expert modules vs N × one expert trained alone.
 
     PYTHONPATH=src python benchmarks/specialization_experts.py [--threads 1] [--repeats 3]
 

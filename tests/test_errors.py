@@ -90,8 +90,9 @@ def test_missing_config_file(capsys, tmp_path):
     "argv,message",
     [
         ([], "--out is required (the run directory)"),
-        (["--opt", "a=[1"], "--opt 'a=[1' is not allowed; its value is not a YAML scalar"),
-        (["--opt", "=3"], "--opt '=3' is not allowed; expected key=value"),
+        (["--opt", "1a=3"], "--opt '1a=3' is not allowed; KEY '1a' must be a name of letters"),
+        (["--opt", "=3"], "--opt '=3' is not allowed; KEY '' must be a name of letters"),
+        (["--opt", "omega="], "--opt 'omega=' is not allowed; VALUE is empty (expected KEY=VALUE"),
         (["--steps", "0"], "--steps=0 is not allowed; expected a positive integer"),
         (["--batch-size", "-2"], "--batch-size=-2 is not allowed; expected a positive integer"),
         (["--size", "huge"], "--size='huge' is not allowed; expected one of ['tiny'"),
@@ -159,7 +160,7 @@ def test_compare_sweep_is_validated(capsys, tmp_path):
     err = error_of(
         capsys, ["compare", "--out", str(tmp_path / "c"), "--methods", "smoe", "--sweep", "omega="]
     )
-    assert "--sweep 'omega=' is not allowed; expected KEY=V1,V2,..." in err
+    assert "--sweep 'omega=' is not allowed; VALUE is empty (expected KEY=V1,V2,..." in err
 
 
 @pytest.mark.parametrize(
@@ -222,7 +223,7 @@ def test_a_classification_file_that_is_not_utf8(tmp_path):
 def test_upcycle_option_is_validated(capsys, tmp_path):
     argv = ["upcycle", "--model", "m", "--num-experts", "4", "--top-k", "2", "--out", str(tmp_path / "o")]
     err = error_of(capsys, [*argv, "--option", "noequals"])
-    assert "--option 'noequals' is not allowed; expected KEY=VALUE" in err
+    assert "--option 'noequals' is not allowed; expected KEY=VALUE, e.g. --option balance_coef=0.02" in err
 
 
 def test_argparse_errors_are_one_line(capsys):

@@ -169,7 +169,10 @@ def test_train_cli_reads_a_config_file(corpus, tmp_path):
         (["--size", "huge"], "--size='huge' is not allowed"),
         (["--arch", "moe"], "--arch='moe' is not allowed"),
         (["--steps", "0"], "--steps=0 is not allowed"),
-        (["--opt", "nonsense"], "--opt 'nonsense' is not allowed; expected key=value"),
+        (
+            ["--opt", "nonsense"],
+            "--opt 'nonsense' is not allowed; expected KEY=VALUE, e.g. --opt balance_coef=0",
+        ),
         (["--opt", "wrong_option=1"], "option 'wrong_option' is not accepted by method='smoe'"),
         (["--block-size", "4096"], "too short"),
         (["--config", "/nonexistent.yaml"], "does not exist"),
@@ -192,16 +195,14 @@ def test_train_cli_missing_data_and_existing_run(corpus, tmp_path, capsys):
     assert "already holds a run; pass --resume" in err and len(err.strip().splitlines()) == 1
 
 
-def test_train_cli_task_image_without_the_module_exits_2(tmp_path, capsys, monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec",
-        lambda name, *a: None if name == "moelab.experiments.specialization" else real(name, *a),
-    )  # fmt: skip
+def test_train_task_image_is_refused_with_a_pointer_to_specialize(tmp_path, capsys):
     assert main(["train", "--task", "image", "--out", str(tmp_path / "x")]) == 2
-    assert "--task image needs moelab.experiments.specialization" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == (
+        "moelab train: error: --task image is not a train task; run the expert-specialization lab "
+        "with `moelab specialize` (see `moelab specialize --help`)\n"
+    )
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize(

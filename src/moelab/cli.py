@@ -22,17 +22,20 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("moelab.experiments.lm", "train a model: a Switch/GLaM MoE language model (--task lm)"),
     "compare": (
         "moelab.experiments.compare",
-        "compare MoE methods x seeds on language modelling (000 Table 2)",
+        "compare MoE methods x seeds on language modelling (CompeteSMoE (2024) Table 2)",
     ),
     "finetune": (
         "moelab.experiments.finetune",
-        "fine-tune a trained MoE LM on text classification (000 Table 3)",
+        "fine-tune a trained MoE LM on text classification (CompeteSMoE (2024) Table 3)",
     ),
     "report": ("moelab.experiments.report", "tables and plots from finished runs"),
     "upcycle": ("moelab.hf.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
     "bench": ("moelab.bench", "benchmarks: medians and ratios to the dense limit and to peers"),
     "simulate": ("moelab.stats.studies", "convergence-rate studies of regression / Gaussian MoE estimators"),
-    "specialize": ("moelab.experiments.specialization", "expert-specialization lab of paper 002 (image MoE)"),
+    "specialize": (
+        "moelab.experiments.specialization",
+        "the expert-specialization lab of Krishnamurthy et al. (2023) on image MoEs",
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""``moelab bench suite``: the benchmark grid of issue 8 (a script, never timed tests).
+"""``moelab bench suite``: the full benchmark grid of docs/performance.md (a script, never timed tests).
 
 For every case of the grid — tokens ``T`` × shapes ``(N, K, h)`` × width ``d`` × routing ×
 threads — one process builds every candidate, checks that they compute the same function, times

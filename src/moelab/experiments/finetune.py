@@ -1,8 +1,9 @@
-"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (000 §6.3, Table 3).
+"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (CompeteSMoE (2024) §6.3, Table
+3).
 
 The LM of ``--from RUN_DIR`` (its best-validation weights, else its newest checkpoint) loses its
 head; two new fully connected layers classify the mean-pooled final states; the routers are
-frozen (:mod:`moelab.models.classifier`).  000 App. C.3: Adam, lr 1e-4, batch 16 (IMDB 4),
+frozen (:mod:`moelab.models.classifier`).  CompeteSMoE (2024) App. C.3: Adam, lr 1e-4, batch 16 (IMDB 4),
 5 epochs (BANKING77 50); inputs truncated to the LM's block size.  The best-validation weights
 give the test accuracy; ``metrics.json`` holds ``val_acc``, ``test_acc`` and the trainer's keys.
 
@@ -36,7 +37,7 @@ from .lm import build_model
 
 __all__ = ["ClassificationTask", "add_arguments", "encode_texts", "load_pretrained", "run"]
 
-#: 000 App. C.3 (Table 8)
+#: CompeteSMoE (2024) App. C.3 (Table 8)
 EPOCHS = {"banking77": 50}
 BATCH = {"imdb": 4}
 
@@ -133,10 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--from", dest="source", required=True, metavar="RUN_DIR", help="a `moelab train` run")
     p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--epochs", type=float, help="epochs (000: 5; BANKING77 50)")
+    p.add_argument("--epochs", type=float, help="epochs (CompeteSMoE (2024): 5; BANKING77 50)")
     p.add_argument("--steps", type=int, help="optimisation steps (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, dest="batch_size", help="batch (000: 16; IMDB 4)")
-    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (1e-4, 000)")
+    p.add_argument("--batch-size", type=int, dest="batch_size", help="batch (CompeteSMoE (2024): 16; IMDB 4)")
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (1e-4, CompeteSMoE (2024))")
     p.add_argument(
         "--eval-every", type=int, dest="eval_every", help="validate every N steps (default: each epoch)"
     )

@@ -1,10 +1,10 @@
-"""``moelab train --task lm``: a Switch / GLaM decoder LM with any MoE method (000 §6.1-6.2,
-Table 2; 003 §5.2, Table 2).
+"""``moelab train --task lm``: a Switch / GLaM decoder LM with any MoE method (CompeteSMoE (2024) §6.1-6.2,
+Table 2; perturbed cosine router (2024) §5.2, Table 2).
 
 One run writes into ``--out``: ``config.yaml`` (everything needed to re-run, ``--resume`` reads it
 back), ``log.csv`` (one row per step; validation columns on evaluation steps), ``metrics.json``
 (:data:`METRIC_KEYS`), ``best.safetensors`` (the best-validation weights, used for the test as
-000 does) and ``ckpt/`` (atomic checkpoints).
+CompeteSMoE (2024) does) and ``ckpt/`` (atomic checkpoints).
 
 Example::
 
@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 from dataclasses import asdict
@@ -41,6 +40,7 @@ from ..train.trainer import (
     build_competition_schedule,
     split_schedule_options,
 )
+from .args import parse_key_values
 
 __all__ = ["METRIC_KEYS", "SIZE_DEFAULTS", "LMTask", "add_arguments", "build_config", "run", "train_lm"]
 
@@ -64,8 +64,8 @@ METRIC_KEYS = (
     "data",
 )
 
-#: training defaults per preset: 000 App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k steps)
-#: for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
+#: training defaults per preset: CompeteSMoE (2024) App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k
+#: steps) for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
 _PAPER = dict(lr=7e-4, warmup=None, batch_size=48, eval_every=1000, eval_tokens=500_000, ckpt_every=1000)
 SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {**_PAPER, "steps": 60000},
@@ -153,17 +153,9 @@ class LMTask:
 
 # ------------------------------------------------------------------------------ config
 def parse_opts(items: list[str] | None) -> dict[str, Any]:
-    """``["key=value", ...]`` → dict, values read as YAML scalars (``0.1`` → float, ``true`` → bool)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if not isinstance(item, str) or "=" not in item or not item.split("=", 1)[0].strip():
-            raise ValueError(f"--opt {item!r} is not allowed; expected key=value")
-        key, value = item.split("=", 1)
-        try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            raise ValueError(f"--opt {item!r} is not allowed; its value is not a YAML scalar") from None
-    return out
+    """``--opt`` items ``["key=value", ...]`` → dict, by the one ``KEY=VALUE`` rule of
+    :mod:`moelab.experiments.args` (``0.1`` → float, ``true`` → bool, ``none`` → None)."""
+    return parse_key_values(items, "--opt")
 
 
 def build_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -299,7 +291,9 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-experts", type=int, dest="num_experts", help="experts per MoE layer (16)")
     p.add_argument("--top-k", type=int, dest="top_k", help="experts per token (2)")
     p.add_argument("--dropout", type=float, help="dropout (preset default)")
-    p.add_argument("--lr", type=float, help="Adam learning rate (7e-4 as 000; the cpu preset 2e-3)")
+    p.add_argument(
+        "--lr", type=float, help="Adam learning rate (7e-4 as CompeteSMoE (2024); the cpu preset 2e-3)"
+    )
     p.add_argument("--schedule", default="inverse_sqrt", choices=list(SCHEDULES), help="LR schedule")
     p.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps; the cpu preset 30)")
     p.add_argument(
@@ -309,7 +303,12 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=int, dest="eval_tokens", help="validation tokens per evaluation")
     p.add_argument("--test-tokens", type=int, dest="test_tokens", help="cap on test tokens (default: all)")
     p.add_argument("--ckpt-every", type=int, dest="ckpt_every", help="checkpoint every N steps")
-    p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="method option, e.g. balance_coef=0")
+    p.add_argument(
+        "--opt",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a method option, repeatable, e.g. balance_coef=0 (VALUE: true/false, none, a number or text)",
+    )
     p.add_argument(
         "--threads", type=int, help="torch CPU threads (default: 1 for --size cpu, else torch's choice)"
     )
@@ -318,7 +317,10 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--task", default="lm", choices=["lm", "image"], help="lm (this lab) or image (specialization)"
+        "--task",
+        default="lm",
+        choices=["lm", "image"],
+        help="lm, the only train task (image models: use `moelab specialize`)",
     )
     p.add_argument("--config", help="YAML file of flag defaults (configs/lm/*.yaml)")
     p.add_argument("--method", default="smoe", help="MoE method (moelab.methods())")
@@ -410,14 +412,13 @@ def set_threads(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
 
-    if args.task == "image":
-        if importlib.util.find_spec("moelab.experiments.specialization") is None:
-            raise UsageError("--task image needs moelab.experiments.specialization, which is not installed")
-        from . import specialization  # type: ignore[attr-defined]
-
-        return int(specialization.run_image(args) or 0)
     if args.config:
         apply_config_file(args, _defaults())
+    if args.task == "image":
+        raise UsageError(
+            "--task image is not a train task; run the expert-specialization lab with "
+            "`moelab specialize` (see `moelab specialize --help`)"
+        )
     if not args.out:
         raise UsageError("--out is required (the run directory)")
     set_threads(args)

@@ -1,9 +1,9 @@
 """Sparse upcycling: replace the dense MLPs of a model by MoE layers whose experts copy them.
 
-Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of 001 (§5.1 "Tasks" and App. H,
+Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of CompeteSMoE (2025) (§5.1 "Tasks" and App. H,
 "Visual Instruction Tuning"): "each expert is initialized from its corresponding pretrained MLP,
 while the Top-K router is learned from scratch", the router "initialized ... using Gaussian noise
-N(0, 0.02), following ... GPT-2" (std 0.02; 001 uses N_E = 4 experts, K = 2 there).  Since
+N(0, 0.02), following ... GPT-2" (std 0.02; CompeteSMoE (2025) uses N_E = 4 experts, K = 2 there).  Since
 all experts are equal, ``Σ_k w_k · FFN(x) = FFN(x)`` whenever the routing weights sum to 1, so
 the upcycled model computes exactly what the dense one did until training moves the experts
 apart.  For methods with ``S`` shared experts (``sharede-v2``, ``sharede-v3``) the routed experts
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experiments.args import parse_key_values
 from ..layer import MoE
 from ..methods import get_method
 from ..routers import ROUTERS, router_options
@@ -54,7 +55,7 @@ SUPPORTED_MLPS = (
     "nn.Sequential(Linear, activation, Linear)",
 )
 
-#: std of the upcycled router's N(0, 0.02²) init (001 App. H, VIT stage hyper-parameters)
+#: std of the upcycled router's N(0, 0.02²) init (CompeteSMoE (2025) App. H, VIT stage hyper-parameters)
 ROUTER_INIT_STD = 0.02
 
 
@@ -378,21 +379,6 @@ def load_upcycled(directory: str | Path) -> nn.Module:
     return model
 
 
-def _parse_options(items: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(
-                f"--option {item!r} is not allowed; expected KEY=VALUE (VALUE parsed as JSON if it can be)"
-            )
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -406,7 +392,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layers", default=None, help="comma-separated MLP indices to upcycle (default: all)"
     )
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a method option")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a method option, repeatable, e.g. balance_coef=0.02 (VALUE: true/false, none, a number or text)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the router init (default 0)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
@@ -424,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--layers {args.layers!r} is not allowed; expected comma-separated integers"
             ) from None
-    options = _parse_options(args.option)
+    options = parse_key_values(args.option, "--option")
     out = RunDir(args.out, force=args.force)
     torch.manual_seed(args.seed)
     model = _load_hf_model(args.model).eval()
