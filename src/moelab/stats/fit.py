@@ -237,11 +237,12 @@ class _BatchedEstimator:
     def set_params(self, **params: Any) -> _BatchedEstimator:
         """Set hyper-parameters by name; returns ``self``.  Values are checked by ``fit``."""
         valid = self._get_param_names()
-        for name, value in params.items():
+        for name, value in params.items():  # all names first: a bad one changes nothing
             if name not in valid:
                 raise ValueError(
                     f"{name}={value!r} is not a parameter of {type(self).__name__}; expected one of {valid}"
                 )
+        for name, value in params.items():
             setattr(self, name, value)
         return self
 
