@@ -234,7 +234,7 @@ def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) ->
     from moelab.layer import moe_layers
     from moelab.models.lm import LMConfig, TransformerLM
     from moelab.train import TrainConfig, Trainer
-    from moelab.train.distributed import ExpertParallelBank
+    from moelab.experts import ExpertParallelBank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
