@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from experts_helpers import IMPLS, random_routing, reference
-from moelab.experts import ExpertBank, ModuleExperts, sort_slots
+from moelab.experts import ExpertBank, Experts, ModuleExperts, sort_slots
+from moelab.experts.dispatch import winners_by_rerun
 
 
 def test_sort_slots_groups_slots_by_expert():
@@ -76,3 +77,60 @@ def test_gather_combine_of_the_gpu_equals_the_cpu_scatter_add_in_values_and_grad
 def test_module_experts_dispatch_of_zero_tokens_is_empty():
     modules = _module_experts(3, 6, 2)
     assert modules(torch.randn(0, 6), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1)).shape == (0, 2)
+
+
+def test_every_bank_implements_the_experts_protocol():
+    from moelab.models.vision import BatchedExperts
+
+    banks = [
+        ExpertBank(3, 4, 4),
+        _module_experts(3, 4, 4),
+        BatchedExperts([nn.Linear(4, 4) for _ in range(3)]),
+    ]
+    for bank in banks:
+        assert isinstance(bank, Experts), type(bank).__name__
+    assert not isinstance(nn.Linear(4, 4), Experts)
+
+
+def test_module_experts_on_images_dispatch_with_deterministic_gradients():
+    """CNN experts: ``(T, C, H, W)`` in, ``(T, C', H', W')`` out, through the same gather and combine."""
+    g = torch.Generator().manual_seed(4)
+    bank = ModuleExperts([nn.Conv2d(2, 3, 3, padding=1) for _ in range(4)])
+    x = torch.randn(6, 2, 5, 5, generator=g, requires_grad=True)
+    idx, w = random_routing(6, 4, 2, g)
+    w.requires_grad_()
+    y = bank(x, idx, w)
+    assert y.shape == (6, 3, 5, 5)
+    want = torch.stack(
+        [sum(w[t, k] * bank.experts[int(idx[t, k])](x[t : t + 1])[0] for k in range(2)) for t in range(6)]
+    )
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad(y.square().sum(), [x, w, *bank.parameters()])
+    ref = torch.autograd.grad(want.square().sum(), [x, w, *bank.parameters()])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [None, 40])  # one chunk; several chunks
+def test_winners_by_rerun_equals_the_winners_of_a_differentiable_forward_all(budget):
+    torch.manual_seed(0)
+    bank = _module_experts(5, 6, 4).double()
+    x = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+
+    def choose(y):
+        s = y.norm(dim=-1)
+        return s.topk(2, dim=-1).indices, s
+
+    winners, out, scores = winners_by_rerun(bank, x, choose, budget)
+    all_out = bank.forward_all(x)
+    ref_scores = all_out.detach().norm(dim=-1)
+    ref_winners = ref_scores.topk(2, dim=-1).indices
+    ref = all_out.gather(1, ref_winners.unsqueeze(-1).expand(-1, -1, 4))
+    assert torch.equal(winners, ref_winners)
+    torch.testing.assert_close(scores, ref_scores)
+    torch.testing.assert_close(out.detach(), ref.detach())
+    params = [x, *bank.parameters()]
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b)
+    assert bank.forward_winners(x, choose)[0].equal(winners)

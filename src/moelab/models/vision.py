@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from .. import _validate
 from ..experts import ModuleExperts, combine
-from ..experts.dispatch import Slots, dispatch, tracks_grad, winners_by_rerun
+from ..experts.dispatch import Slots
 from ..routing import Routing, RoutingContext
 
 __all__ = [
@@ -246,16 +245,10 @@ class BatchedExperts(nn.Module):
         p, b = self._stacked()
         return self._call({k: v[e] for k, v in p.items()}, {k: v[e] for k, v in b.items()}, x)
 
-    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
-        """``Σ_k w_k · expert_{i_k}(x)``: only the chosen experts run (the shared sorted dispatch)."""
-        return dispatch(x, indices, weights, self.num_experts, self._run, tracks_grad(self, x, weights))
-
-    def forward_winners(
-        self, x: Tensor, choose: Callable[[Tensor], tuple[Tensor, Any]]
-    ) -> tuple[Tensor, Tensor, Any]:
-        """The competition's pass: all experts without autograd, the winners again with it
-        (:func:`moelab.experts.dispatch.winners_by_rerun`)."""
-        return winners_by_rerun(self, x, choose, self.chunk_elements)
+    # the sparse forward and the competition's pass of ModuleExperts (the shared sorted dispatch,
+    # winners_by_rerun): only the run step on the sorted samples, ``_run``, differs
+    forward = ModuleExperts.forward
+    forward_winners = ModuleExperts.forward_winners
 
     def _run(self, xs: Tensor, slots: Slots) -> Tensor:
         """Each expert on its contiguous slice of the expert-sorted samples, its parameters
