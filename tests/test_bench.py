@@ -85,7 +85,11 @@ def test_bench_layer_prints_a_table_with_the_machine(capsys):
     ("flag", "value", "match"),
     [
         ("--top-k", "5", r"top_k=5 is not allowed; expected an integer in \[1, 4\]"),
-        ("--impl", "fast", r"impl='fast' is not allowed; expected one of \['auto', 'loop', 'grouped'\]"),
+        (
+            "--impl",
+            "fast",
+            r"impl='fast' is not allowed; expected one of \['auto', 'loop', 'grouped', 'stream'\]",
+        ),
         ("--repeats", "0", r"repeats=0 is not allowed; expected a positive integer"),
         ("--threads", "0", r"threads=0 is not allowed; expected a positive integer"),
     ],

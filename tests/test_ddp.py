@@ -231,10 +231,10 @@ def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) ->
     """A Trainer with expert_parallel=True on one rank; reports what the plan made of the model."""
     import torch.distributed as dist
 
+    from moelab.experts import ExpertParallelBank
     from moelab.layer import moe_layers
     from moelab.models.lm import LMConfig, TransformerLM
     from moelab.train import TrainConfig, Trainer
-    from moelab.train.distributed import ExpertParallelBank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -14,10 +14,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import moelab
-from moelab.experts import combine
+from moelab.experts import ExpertParallelBank, combine
 from moelab.functional import competition_affinity
 from moelab.train.distributed import (
-    ExpertParallelBank,
     apply_expert_parallel,
     ddp_ignore_experts,
     expert_parameters,

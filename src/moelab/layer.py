@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from . import _validate
 from .errors import NonFiniteError
-from .experts import MLP, ExpertBank, combine
+from .experts import MLP, ExpertBank, Experts, combine
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS
@@ -30,13 +30,14 @@ class MoE(nn.Module):
         d_model: token width d.
         num_experts: routed experts N.
         top_k: experts per token K, in ``[1, N]``.
-        d_hidden: hidden width of each expert (default ``d_model``, the 000 setting).
+        d_hidden: hidden width of each expert (default ``d_model``, the CompeteSMoE (2024) setting).
         method: a name from :func:`moelab.methods` (the presets of :mod:`moelab.methods`).
         activation: expert activation ``relu``, ``gelu``, ``silu`` or ``swiglu``.
         bias: expert biases.
         impl: expert dispatch, ``"auto"``, ``"loop"`` or ``"grouped"`` (:class:`ExpertBank`).
         experts: a custom expert bank (e.g. :class:`ModuleExperts` of CNN experts) used instead of
-            an :class:`ExpertBank`; it must have ``num_experts`` == N.
+            an :class:`ExpertBank`; it implements :class:`moelab.experts.Experts` with
+            ``num_experts`` == N.
         check_finite: raise ``RuntimeError`` when router logits are NaN/inf (one host sync per
             forward; switch off for speed).  Under ``torch.compile`` the check is traced as
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
@@ -94,9 +95,14 @@ class MoE(nn.Module):
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
         if experts is None:
             experts = ExpertBank(num_experts, d_model, d_hidden, activation=activation, bias=bias, impl=impl)
-        elif getattr(experts, "num_experts", None) != num_experts:
+        elif not isinstance(experts, Experts):
             raise ValueError(
-                f"experts.num_experts={getattr(experts, 'num_experts', None)!r} does not match num_experts={num_experts}"
+                f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
+                "moelab.experts.Experts (num_experts, d_model, forward, expert_forward, forward_all, forward_winners)"
+            )
+        elif experts.num_experts != num_experts:
+            raise ValueError(
+                f"experts.num_experts={experts.num_experts!r} does not match num_experts={num_experts}"
             )
         self.experts = experts
         self.shared = (
@@ -105,8 +111,8 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
-        #: top-(K+1) swap evaluation (001 Table 3; :func:`moelab.metrics.swap_top1`): route with
-        #: K+1 experts and drop the top-1
+        #: top-(K+1) swap evaluation (CompeteSMoE (2025) Table 3; :func:`moelab.metrics.swap_top1`):
+        #: route with K+1 experts and drop the top-1
         self.swap_top1 = False
         self._aux: Tensor | None = torch.zeros(())
         self._aux_pending: tuple[Routing, Tensor] | None = None
@@ -185,9 +191,9 @@ class MoE(nn.Module):
         return y.reshape(shape)
 
     def _route_swapped(self, x: Tensor) -> Routing:
-        """The router's choice with its top-1 expert replaced by its (K+1)-th (001 Table 3): route
-        with K+1 experts, drop column 0 (routers sort their choice by decreasing score) and, for
-        routers whose weights sum to one, renormalise the K left."""
+        """The router's choice with its top-1 expert replaced by its (K+1)-th (CompeteSMoE (2025)
+        Table 3): route with K+1 experts, drop column 0 (routers sort their choice by decreasing
+        score) and, for routers whose weights sum to one, renormalise the K left."""
         router = self.router
         k = router.top_k
         if k >= self.num_experts:

@@ -112,6 +112,7 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..experts import MLP, ExpertBank, sort_slots
+from ..experts.kernels import grouped_rows, loop_rows
 from ..functional import expert_counts
 from ..layer import MoE
 from ..rundir import atomic_write_text
@@ -419,9 +420,9 @@ def experts_only(
 
     def run(rows: Tensor) -> Tensor:
         return (
-            bank._grouped(rows, counts, order, indices)
+            grouped_rows(bank, rows, counts, order, indices)
             if impl == "grouped"
-            else bank._loop(rows, counts_list)
+            else loop_rows(bank, rows, counts_list)
         )
 
     xs_train = xs.clone().requires_grad_()

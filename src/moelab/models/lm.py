@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..experts import MLP, ExpertBank
+from ..experts import MLP, Experts
 from ..layer import MoE, moe_layers
 
 __all__ = ["ARCHS", "PRESETS", "LMConfig", "TransformerLM", "count_parameters", "lm_config"]
@@ -254,7 +254,7 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
             total += p.numel()
     inactive = 0
     for layer in moe_layers(model):
-        if isinstance(layer.experts, ExpertBank) or hasattr(layer.experts, "num_experts"):
+        if isinstance(layer.experts, Experts):
             n = layer.num_experts
             expert_params = sum(p.numel() for p in layer.experts.parameters())
             inactive += expert_params * (n - layer.top_k) // n
