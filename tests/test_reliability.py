@@ -17,7 +17,7 @@ from moelab.data.text import load_text
 from moelab.experiments.lm import LMTask
 from moelab.functional import COMPETITION_ACTIVATIONS, competition_affinity, normalized_weights
 from moelab.models.lm import LMConfig, TransformerLM
-from moelab.rundir import RunDir
+from moelab.io.rundir import RunDir
 from moelab.train import TrainConfig, Trainer, TrainingError
 from moelab.train import checkpoint as C
 from moelab.train import trainer as T

@@ -8,7 +8,7 @@ import math
 import pytest
 import yaml
 
-from moelab.rundir import RunDir, atomic_write_bytes, atomic_write_text
+from moelab.io.rundir import RunDir, atomic_write_bytes, atomic_write_text
 
 
 def test_rundir_creates_the_folder(tmp_path):

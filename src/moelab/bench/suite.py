@@ -114,7 +114,7 @@ from .. import _validate
 from ..experts import MLP, ExpertBank, sort_slots
 from ..functional import expert_counts
 from ..layer import MoE
-from ..rundir import atomic_write_text
+from ..io.atomic import atomic_write_text
 from .harness import (
     CLOCKS,
     Candidate,

@@ -31,7 +31,7 @@ from .. import _validate
 from ..data.text import TextData, load_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
-from ..rundir import RunDir, atomic_write_text
+from ..io.rundir import RunDir, atomic_write_text
 from ..train.trainer import (
     SCHEDULES,
     TrainConfig,

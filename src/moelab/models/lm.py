@@ -30,7 +30,9 @@ cpu           2       64       4      128    0.32M / 0.09M (1000 steps in minute
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -238,6 +240,33 @@ class TransformerLM(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.head(self.features(idx))  # (B, L, vocab)
+
+    def moelab_config(self) -> dict[str, Any]:
+        """What :func:`moelab.save` records to rebuild this model (the :class:`LMConfig`)."""
+        return self.cfg.to_dict()
+
+    @classmethod
+    def from_moelab_config(cls, config: dict[str, Any]) -> TransformerLM:
+        return cls(LMConfig.from_dict(config))
+
+    # ---------------------------------------------------------------- persistence
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
+        from ..io import save
+
+        return save(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> TransformerLM:
+        """:func:`moelab.load` of ``directory`` (a save folder or a run), checked to be a ``TransformerLM``."""
+        from ..io import load
+
+        model = load(directory)
+        if not isinstance(model, cls):
+            raise ValueError(
+                f"directory={str(directory)!r} holds a {type(model).__name__}; expected a {cls.__name__}"
+            )
+        return model
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
