@@ -176,7 +176,7 @@ def _canonical(config: Mapping[str, Any]) -> bytes:
 
 
 def save(
-    model: nn.Module,
+    model: nn.Module | Mapping[str, Tensor],
     directory: str | os.PathLike,
     *,
     ctx: Any = None,
@@ -187,8 +187,9 @@ def save(
 
     Args:
         model: any module; moelab's models, a bare :class:`moelab.MoE` and upcycled / converted
-            transformers models are rebuilt by :func:`load`, any other module's weights load
-            with :func:`load_weights`.
+            transformers models are rebuilt by :func:`load`, any other module's weights (or a
+            state dict's: ``full_state_dict`` under expert parallelism) load with
+            :func:`load_weights`.
         directory: created if missing; the files in it are replaced atomically.
         ctx: the :class:`moelab.RoutingContext` to record (default: the one attached to the
             model's MoE layers, if any).
@@ -201,13 +202,16 @@ def save(
     """
     from .._version import __version__
 
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model={type(model).__name__} is not allowed; expected a torch.nn.Module")
+    if not isinstance(model, (nn.Module, Mapping)):
+        raise ValueError(
+            f"model={type(model).__name__} is not allowed; expected a torch.nn.Module or a state dict"
+        )
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"directory={str(directory)!r} is not allowed; it exists and is not a folder")
-    kind, config = describe(model)
-    ctx = _context_of(model) if ctx is None else ctx
+    module = model if isinstance(model, nn.Module) else nn.Module()  # a state dict: weights only
+    kind, config = describe(module) if module is model else ("module", None)
+    ctx = _context_of(module) if ctx is None else ctx
     tensors, tied = _tensors(model)
     floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
     payload: dict[str, Any] = {
@@ -217,7 +221,7 @@ def save(
         "kind": kind,
         "config": config,
         "dtype": str(floating[0]).removeprefix("torch.") if floating else None,
-        "moe_layers": _layer_records(model),
+        "moe_layers": _layer_records(module),
         "routing_context": None
         if ctx is None
         else {**ctx.state_dict(), "schedule": _schedule_record(getattr(ctx, "schedule", None))},
