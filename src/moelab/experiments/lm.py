@@ -3,7 +3,7 @@ Table 2; 003 §5.2, Table 2).
 
 One run writes into ``--out``: ``config.yaml`` (everything needed to re-run, ``--resume`` reads it
 back), ``log.csv`` (one row per step; validation columns on evaluation steps), ``metrics.json``
-(:data:`METRIC_KEYS`), ``best.safetensors`` (the best-validation weights, used for the test as
+(:data:`METRIC_KEYS`), ``best/`` (the best-validation weights, used for the test as
 000 does) and ``ckpt/`` (atomic checkpoints).
 
 Example::
