@@ -191,7 +191,10 @@ def test_a_run_config_json_opens_without_the_run(corpus, tmp_path):
     assert set(config["moe_layers"]) == {"blocks.0.ffn", "blocks.1.ffn"}
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert config["routing_context"]["step"] == 6
-    assert config["metadata"]["test_bpc"] == metrics["test_bpc"] and config["metadata"]["step"] == metrics["best_step"]
+    assert (
+        config["metadata"]["test_bpc"] == metrics["test_bpc"]
+        and config["metadata"]["step"] == metrics["best_step"]
+    )
     model = moelab.load(tmp_path / "elsewhere")
     _same_state(model.state_dict(), moelab.load(tmp_path / "run").state_dict())
 

@@ -12,8 +12,8 @@ import torch
 import moelab
 from moelab.data.text import load_text
 from moelab.experiments.lm import LMTask
-from moelab.models.lm import LMConfig, TransformerLM
 from moelab.io.rundir import RunDir
+from moelab.models.lm import LMConfig, TransformerLM
 from moelab.train import TrainConfig, Trainer, TrainingError, lr_factor
 from moelab.train.trainer import build_competition_schedule, split_schedule_options
 

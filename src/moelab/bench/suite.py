@@ -113,8 +113,8 @@ from torch import Tensor, nn
 from .. import _validate
 from ..experts import MLP, ExpertBank, sort_slots
 from ..functional import expert_counts
-from ..layer import MoE
 from ..io.atomic import atomic_write_text
+from ..layer import MoE
 from .harness import (
     CLOCKS,
     Candidate,

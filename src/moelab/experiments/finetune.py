@@ -28,9 +28,9 @@ from torch import Tensor, nn
 from .. import _validate
 from ..data.classification import TASKS, ClassificationData, load_classification
 from ..data.text import tokenizer_from_state
-from ..models.classifier import LMClassifier, freeze_routers
 from ..io.model import load
 from ..io.rundir import RunDir
+from ..models.classifier import LMClassifier, freeze_routers
 from ..models.lm import TransformerLM
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 

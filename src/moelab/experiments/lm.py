@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..data.text import TextData, load_text
+from ..io.rundir import RunDir, atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
-from ..io.rundir import RunDir, atomic_write_text
 from ..train.trainer import (
     SCHEDULES,
     TrainConfig,

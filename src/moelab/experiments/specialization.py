@@ -34,12 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from ..data.images import DATASETS, ImageData, load_images
-from ..losses import importance_loss, sample_similarity_loss
-from ..metrics import plot_selection_table, selection_table, specialization
-from ..models.vision import ImageMoE, MoEOutput, SingleModel, distill_gate, vision_config
 from ..io.atomic import atomic_write_text
 from ..io.model import save
 from ..io.rundir import RunDir
+from ..losses import importance_loss, sample_similarity_loss
+from ..metrics import plot_selection_table, selection_table, specialization
+from ..models.vision import ImageMoE, MoEOutput, SingleModel, distill_gate, vision_config
 
 __all__ = [
     "GRIDS",

@@ -44,8 +44,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _sync(fd: int, path: Path) -> None:
+    """fsync the open temporary file that will become ``path`` (the one place every write makes
+    durable; the reliability tests stand a kill in here)."""
+    os.fsync(fd)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename."""
+    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename.
+
+    On an error the temporary file is removed and ``path`` is left as it was; an interrupt
+    (``KeyboardInterrupt``, like a kill) leaves at most a hidden ``.{name}.*.tmp`` file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -53,9 +63,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            _sync(f.fileno(), path)
         os.replace(tmp, path)
-    except BaseException:
+    except Exception:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
@@ -97,21 +107,24 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     """Build the folder ``path`` under a temporary name (yielded), then rename it into place.
 
     Files go into the yielded folder with the ``atomic_write_*`` functions.  On success the
-    temporary folder replaces ``path`` (an existing ``path`` is removed first); on any error it is
-    removed and ``path`` is left as it was.  Stale ``.tmp-*`` folders of killed writes are removed.
+    temporary folder ``.tmp-{name}`` replaces ``path`` (an existing ``path`` is removed first); on
+    an error it is removed and ``path`` is left as it was.  Stale ``.tmp-*`` folders beside
+    ``path`` (killed writes) are removed first.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".tmp-{path.name}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}."))
+    for stale in path.parent.glob(".tmp-*"):  # left by a killed write
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.parent / f".tmp-{path.name}"
+    tmp.mkdir()
     try:
         yield tmp
         fsync_dir(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
+    except Exception:  # an interrupt, like a kill, leaves the .tmp-* folder for the next write
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_dir(path.parent)

@@ -80,7 +80,9 @@ def _json_ready(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{what}={value!r} is not allowed; expected JSON-serialisable values ({exc})") from None
+        raise ValueError(
+            f"{what}={value!r} is not allowed; expected JSON-serialisable values ({exc})"
+        ) from None
 
 
 def describe(model: nn.Module) -> tuple[str, dict[str, Any] | None]:
@@ -259,7 +261,9 @@ def resolve(path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} does not exist or is not a folder; expected a moelab.save folder or a run")
+        raise CheckpointError(
+            f"{str(path)!r} does not exist or is not a folder; expected a moelab.save folder or a run"
+        )
     if (path / CONFIG_NAME).is_file():
         return path
     if (path / "config.yaml").is_file():
@@ -340,7 +344,9 @@ def load_weights(path: str | os.PathLike, model: nn.Module, *, strict: bool = Tr
             model.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        raise CheckpointError(f"{str(file)!r} does not fit the model: {' '.join(lines[1:3] or lines)}") from None
+        raise CheckpointError(
+            f"{str(file)!r} does not fit the model: {' '.join(lines[1:3] or lines)}"
+        ) from None
     return config
 
 
@@ -371,7 +377,9 @@ def _build_transformers(config: dict[str, Any], file: Path) -> nn.Module:
     raw = dict(config["transformers_config"])
     model_type = raw.pop("model_type", None)
     if not model_type:
-        raise CheckpointError(f"{str(file)!r} has no transformers_config.model_type; cannot rebuild the model")
+        raise CheckpointError(
+            f"{str(file)!r} has no transformers_config.model_type; cannot rebuild the model"
+        )
     hf_config = transformers.AutoConfig.for_model(model_type, **raw)
     cls = getattr(transformers, str(config["model_class"]), None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
@@ -431,4 +439,3 @@ def load(path: str | os.PathLike) -> nn.Module:
         ctx.schedule = _build_schedule(state.get("schedule"))
         attach(model, ctx)
     return model.eval()
-

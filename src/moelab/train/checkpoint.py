@@ -99,7 +99,9 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
         raise CheckpointError(f"checkpoint {path} is incomplete: {path / CONFIG_NAME} is missing")
     config = read_config(path)
     if STATE not in config.get("files", {}):
-        raise CheckpointError(f"checkpoint {path} has no {STATE}; it is a saved model, not a training checkpoint")
+        raise CheckpointError(
+            f"checkpoint {path} has no {STATE}; it is a saved model, not a training checkpoint"
+        )
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:

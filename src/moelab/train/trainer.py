@@ -45,10 +45,10 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..errors import NonFiniteError, TrainingError
-from ..layer import attach, aux_loss, moe_layers
-from ..routing import RoutingContext
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
+from ..layer import attach, aux_loss, moe_layers
+from ..routing import RoutingContext
 from . import checkpoint as ckpt
 
 __all__ = [
@@ -575,8 +575,11 @@ class Trainer:
                 self.model if self._full is None else self._full,
                 self.run.file("best"),
                 ctx=self.ctx,
-                metadata={"step": state["best_step"], f"val_{metric}": state["best_val"],
-                          f"test_{metric}": test[metric]},  # fmt: skip
+                metadata={
+                    "step": state["best_step"],
+                    f"val_{metric}": state["best_val"],
+                    f"test_{metric}": test[metric],
+                },
             )
         from ..models.lm import count_parameters
 
