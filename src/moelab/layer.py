@@ -30,7 +30,7 @@ class MoE(nn.Module):
         d_model: token width d.
         num_experts: routed experts N.
         top_k: experts per token K, in ``[1, N]``.
-        d_hidden: hidden width of each expert (default ``d_model``, the 000 setting).
+        d_hidden: hidden width of each expert (default ``d_model``, the CompeteSMoE (2024) setting).
         method: a name from :func:`moelab.methods` (the presets of :mod:`moelab.methods`).
         activation: expert activation ``relu``, ``gelu``, ``silu`` or ``swiglu``.
         bias: expert biases.
@@ -120,7 +120,7 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
-        #: top-(K+1) swap evaluation (001 Table 3; :func:`moelab.metrics.swap_top1`): route with
+        #: top-(K+1) swap evaluation (CompeteSMoE (2025) Table 3; :func:`moelab.metrics.swap_top1`): route with
         #: K+1 experts and drop the top-1
         self.swap_top1 = False
         self._aux: Tensor | None = torch.zeros(())
@@ -200,7 +200,7 @@ class MoE(nn.Module):
         return y.reshape(shape)
 
     def _route_swapped(self, x: Tensor) -> Routing:
-        """The router's choice with its top-1 expert replaced by its (K+1)-th (001 Table 3): route
+        """The router's choice with its top-1 expert replaced by its (K+1)-th (CompeteSMoE (2025) Table 3): route
         with K+1 experts, drop column 0 (routers sort their choice by decreasing score) and, for
         routers whose weights sum to one, renormalise the K left."""
         router = self.router

@@ -1,6 +1,6 @@
-"""A pre-trained MoE language model turned into a text classifier (000 §6.3, App. C.3).
+"""A pre-trained MoE language model turned into a text classifier (CompeteSMoE (2024) §6.3, App. C.3).
 
-000: "remove the last layer and employ two randomly initialized fully connected layers as the
+CompeteSMoE (2024): "remove the last layer and employ two randomly initialized fully connected layers as the
 classifier", with the routers frozen ("Following Chen et al. (2023), we freeze the router").  The
 LM head is dropped; the final hidden states are mean-pooled over the real (non-padding) tokens
 and fed to ``Linear(d, d) → ReLU → Dropout → Linear(d, C)``.  Causal attention means right

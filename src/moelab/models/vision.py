@@ -1,15 +1,15 @@
-"""CNN experts and gates of the expert-specialization paper (002), as an output-mixture MoE.
+"""CNN experts and gates of the expert-specialization paper, Krishnamurthy et al. (2023), as an output-mixture MoE.
 
-* Experts (002 Appendix B): a conv trunk → two hidden layers (ReLU) → a class layer → softmax.
+* Experts (Krishnamurthy et al. (2023) Appendix B): a conv trunk → two hidden layers (ReLU) → a class layer → softmax.
   Each returns ``[class probabilities | hidden vector]`` so that the attentive gate can read the
   last hidden layer (``h``, 32 or 256 wide).
-* The *original* gate (002 §4.1, App. B): the same kind of trunk → an expert layer → softmax.
-* The *attentive* gate (002 §5, eq. 4–6): query ``Q = G W_q`` from the gate's hidden vector
+* The *original* gate (Krishnamurthy et al. (2023) §4.1, App. B): the same kind of trunk → an expert layer → softmax.
+* The *attentive* gate (Krishnamurthy et al. (2023) §5, eq. 4–6): query ``Q = G W_q`` from the gate's hidden vector
   ``G``, keys ``K_i = E_i W_k`` from the experts' hidden vectors, ``p(e|x) = softmax(Q Kᵀ/√h)``.
 * The *original MoE* output is the dense mixture ``Σ_e p(e|x) y_e(x)`` of the experts' class
   distributions; its loss is the NLL of ``log(output + 1e-7)`` (shared/REFERENCES.md, "Expert
   specialization models").  At inference any gate can be made sparse: the top-K experts by
-  ``p(e|x)`` with renormalised weights (conditional computation, 002 §5.1).
+  ``p(e|x)`` with renormalised weights (conditional computation, Krishnamurthy et al. (2023) §5.1).
 
 A gate is a router in the core sense: ``gate(x, experts, ctx) -> moelab.Routing`` over an expert
 bank with the :class:`moelab.experts.ModuleExperts` interface.  :class:`BatchedExperts` is that
@@ -62,13 +62,13 @@ __all__ = [
 ]
 
 #: one conv layer: (out_channels, kernel, padding, batch_norm); each is followed by ReLU and a 2×2
-#: max-pool with stride 2 (002 Appendix B)
+#: max-pool with stride 2 (Krishnamurthy et al. (2023) Appendix B)
 Conv = tuple[int, int, int, bool]
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """Layer sizes of one dataset's MoE (002 Appendix B).
+    """Layer sizes of one dataset's MoE (Krishnamurthy et al. (2023) Appendix B).
 
     Attributes:
         in_channels, image_size: the input ``(C, S, S)``.
@@ -95,13 +95,13 @@ class VisionConfig:
 
 _MNIST_EXPERT = ((1, 3, 0, False),)
 CONFIGS: dict[str, VisionConfig] = {
-    # 002 App. B.1: expert conv 1→1 k3 + pool → 1·13·13 → 5 → 32 → 10; gate 1·13·13 → 128 → 32 → 5
+    # Krishnamurthy et al. (2023) App. B.1: expert conv 1→1 k3 + pool → 1·13·13 → 5 → 32 → 10; gate 1·13·13 → 128 → 32 → 5
     "mnist": VisionConfig(1, 28, 10, 5, _MNIST_EXPERT, (5, 32), ((1, 3, 0, False),), (128, 32)),
-    # 002 App. B.4: expert 1·13·13 → 64 → 32 → 10; gate conv 1→8 k3, 8·13·13 → 512 → 32 → 5
+    # Krishnamurthy et al. (2023) App. B.4: expert 1·13·13 → 64 → 32 → 10; gate conv 1→8 k3, 8·13·13 → 512 → 32 → 5
     "fmnist": VisionConfig(1, 28, 10, 5, _MNIST_EXPERT, (64, 32), ((8, 3, 0, False),), (512, 32)),
-    # 002 App. B.2: experts as MNIST with 12 classes, 6 experts; gate conv k5 → 1·12·12 → 128 → 32 → 6
+    # Krishnamurthy et al. (2023) App. B.2: experts as MNIST with 12 classes, 6 experts; gate conv k5 → 1·12·12 → 128 → 32 → 6
     "fmnist+mnist": VisionConfig(1, 28, 12, 6, _MNIST_EXPERT, (5, 32), ((1, 5, 0, False),), (128, 32)),
-    # 002 App. B.3: 4 conv layers (BN on the 2nd and 4th), 128·2·2 → 1024 → 256 → 100; 20 experts.
+    # Krishnamurthy et al. (2023) App. B.3: 4 conv layers (BN on the 2nd and 4th), 128·2·2 → 1024 → 256 → 100; 20 experts.
     # A 2·2 map after four pools of a 32×32 input needs padding 1 (not stated in the paper).
     "cifar100": VisionConfig(
         3,
@@ -275,7 +275,7 @@ def _topk_routing(probs: Tensor, top_k: int, logits: Tensor | None) -> Routing:
 
 
 class OriginalGate(nn.Module):
-    """The original MoE gate (002 §4.1, App. B): trunk → expert layer (ReLU) → softmax.
+    """The original MoE gate (Krishnamurthy et al. (2023) §4.1, App. B): trunk → expert layer (ReLU) → softmax.
 
     ``forward(x, experts, ctx) -> Routing`` with ``probs = p(e|x)``; ``indices`` / ``weights`` are
     the top-K experts with renormalised weights (``top_k = N``: all experts, dense).
@@ -304,7 +304,7 @@ class OriginalGate(nn.Module):
 
 
 class AttentiveGate(nn.Module):
-    """The attentive gate (002 §5, eq. 4–6).
+    """The attentive gate (Krishnamurthy et al. (2023) §5, eq. 4–6).
 
     ``G = trunk(x)`` (the last hidden layer without activation, App. B), ``Q = G W_q``,
     ``K_i = E_i W_k`` with ``E_i`` the hidden vector of expert ``i``, and
@@ -396,7 +396,7 @@ class MoEOutput:
     gate_probs: Tensor
 
     def nll(self, labels: Tensor, eps: float = 1e-7) -> Tensor:
-        """NLL of ``log(output + 1e-7)`` (the output-mixture loss of 002's code)."""
+        """NLL of ``log(output + 1e-7)`` (the output-mixture loss of the code of Krishnamurthy et al. (2023))."""
         return F.nll_loss(torch.log(self.probs + eps), labels)
 
 
@@ -460,7 +460,7 @@ class ImageMoE(_Persistent, nn.Module):
 
 
 class SingleModel(_Persistent, nn.Module):
-    """The single-model baseline (002 §7 row 1): one network with an expert's architecture."""
+    """The single-model baseline (Krishnamurthy et al. (2023) §7 row 1): one network with an expert's architecture."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -487,7 +487,7 @@ def build_model(
 
 
 def distill_gate(model: ImageMoE) -> ImageMoE:
-    """The distilled model of 002 §5.1: the attentive model's experts (copied, frozen) and a plain
+    """The distilled model of Krishnamurthy et al. (2023) §5.1: the attentive model's experts (copied, frozen) and a plain
     :class:`OriginalGate` whose trunk (convs and both hidden layers) starts from the attentive
     gate's trunk; only the gate's expert layer is new.  Train the result's gate on the task loss;
     it then supports conditional computation (top-K) at inference."""
