@@ -305,9 +305,9 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     for name, digest in config.get("files", {}).items():
         f = directory / name
         if not f.is_file():
-            raise CheckpointError(f"checkpoint file {str(f)!r} is missing")
+            raise CheckpointError(f"checkpoint file {f} is missing")
         if sha256_file(f) != digest:
-            raise CheckpointError(f"checkpoint file {str(f)!r} is truncated or corrupted (sha256 mismatch)")
+            raise CheckpointError(f"checkpoint file {f} is truncated or corrupted (sha256 mismatch)")
     config["directory"] = str(directory)
     return config
 
