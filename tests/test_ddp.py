@@ -23,7 +23,7 @@ import moelab
 from moelab.cli import main
 from moelab.data.text import load_text
 from moelab.experiments.lm import LMTask, build_model
-from moelab.rundir import RunDir
+from moelab.io.rundir import RunDir
 
 
 def tiny_args(corpus, out, *extra):

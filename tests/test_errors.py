@@ -189,7 +189,7 @@ def test_finetune_refuses_an_lm_run_without_weights(capsys, tmp_path):
     )
     (run / "tokenizer.json").write_text(json.dumps(ByteTokenizer().state()))
     err = error_of(capsys, ["finetune", "--from", str(run), "--out", str(tmp_path / "o"), "--task", "x.csv"])
-    assert "has no weights (best.safetensors or ckpt/)" in err
+    assert "holds no saved model (best/ or ckpt/step-*/)" in err
 
 
 @pytest.mark.parametrize(
@@ -265,10 +265,8 @@ def test_damaged_checkpoint_metadata_is_named(tmp_path):
 
     model = torch_tiny_model()
     path = C.save_checkpoint(tmp_path, 1, model, {"step": 1})
-    (path / "meta.json").write_text("{not json")
-    with pytest.raises(
-        C.CheckpointError, match=r"checkpoint file .*step-00000001/meta\.json is corrupted \(not JSON\)"
-    ):
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(C.CheckpointError, match=r".*step-00000001/config\.json' is corrupted \(not JSON\)"):
         C.verify_checkpoint(path)
     path = C.save_checkpoint(tmp_path, 2, model, {"step": 2})
     (path / "state.pt").unlink()
@@ -356,11 +354,11 @@ def test_upcycle_and_from_hf_refuse_non_modules():
         moelab.from_hf(torch.nn.Linear(2, 2))
 
 
-def test_serialization_refuses_non_tensor_state(tmp_path):
-    from moelab import serialization
+def test_save_refuses_non_tensor_state(tmp_path):
+    import moelab
 
-    with pytest.raises(ValueError, match=r"state entry 'w' is a str, not a tensor"):
-        serialization.save_checkpoint(tmp_path / "c", {"w": "x"})
+    with pytest.raises(ValueError, match=r"state entry 'w' is a str; expected a tensor"):
+        moelab.save({"w": "x"}, tmp_path / "c")
 
 
 def test_a_router_name_cannot_be_registered_twice():

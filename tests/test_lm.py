@@ -148,7 +148,7 @@ def test_train_cli_writes_the_run(corpus, tmp_path, capsys):
     assert "balance_coef: 0" in config and "method: xmoe" in config
     rows = (out / "log.csv").read_text().splitlines()
     assert len(rows) == 5 and rows[0].startswith("step,lr,loss")
-    assert (out / "best.safetensors").exists() and (out / "ckpt").is_dir()
+    assert (out / "best" / "config.json").exists() and (out / "ckpt").is_dir()
     assert "test_bpc" in capsys.readouterr().out
 
 

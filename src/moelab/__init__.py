@@ -3,6 +3,7 @@
 from ._version import __version__
 from .experts import ExpertBank, ModuleExperts
 from .hf import from_hf, upcycle
+from .io import load, save
 from .layer import MoE, attach, aux_loss
 from .methods import methods
 from .routing import Routing, RoutingContext
@@ -20,6 +21,8 @@ __all__ = [
     "attach",
     "aux_loss",
     "from_hf",
+    "load",
     "methods",
+    "save",
     "upcycle",
 ]

@@ -72,6 +72,21 @@ class MoE(nn.Module):
         preset = get_method(method)
         self.method = method
         self.check_finite = bool(check_finite)
+        #: the constructor arguments, JSON-ready: what :func:`moelab.save` records of this layer
+        #: (``custom_experts``: an ``experts`` module was given, which a config cannot rebuild)
+        self.init_config = {
+            "d_model": d_model,
+            "num_experts": num_experts,
+            "top_k": top_k,
+            "d_hidden": d_hidden,
+            "method": method,
+            "activation": activation,
+            "bias": bool(bias),
+            "impl": impl,
+            "check_finite": bool(check_finite),
+            "options": dict(options),
+            "custom_experts": experts is not None,
+        }
 
         router_cls = ROUTERS[preset.router]
         allowed_router = method_router_options(method)

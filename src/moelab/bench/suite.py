@@ -114,8 +114,8 @@ from .. import _validate
 from ..experts import MLP, ExpertBank, sort_slots
 from ..experts.kernels import grouped_rows, loop_rows
 from ..functional import expert_counts
+from ..io.atomic import atomic_write_text
 from ..layer import MoE
-from ..rundir import atomic_write_text
 from .harness import (
     CLOCKS,
     Candidate,

@@ -29,13 +29,13 @@ from torch import Tensor, nn
 from .. import _validate
 from ..data.classification import TASKS, ClassificationData, load_classification
 from ..data.text import tokenizer_from_state
+from ..io.model import load
+from ..io.rundir import RunDir
 from ..models.classifier import LMClassifier, freeze_routers
-from ..rundir import RunDir
-from ..train import checkpoint as ckpt
+from ..models.lm import TransformerLM
 from ..train.trainer import TrainConfig, Trainer, TrainingError
-from .lm import build_model
 
-__all__ = ["ClassificationTask", "add_arguments", "encode_texts", "load_pretrained", "run"]
+__all__ = ["ClassificationTask", "add_arguments", "encode_texts", "read_lm_run", "run"]
 
 #: CompeteSMoE (2024) App. C.3 (Table 8)
 EPOCHS = {"banking77": 50}
@@ -102,8 +102,9 @@ class ClassificationTask:
         return {"loss": total / n, "acc": 100.0 * correct / n}
 
 
-def load_pretrained(run_dir: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """The LM of a finished (or checkpointed) ``moelab train`` run, its tokenizer and config."""
+def read_lm_run(run_dir: str | Path) -> tuple[dict[str, Any], Any]:
+    """The configuration and tokenizer of a ``moelab train`` language-model run (its model:
+    ``moelab.load(run_dir)``, the best-validation weights)."""
     run_dir = Path(run_dir)
     config_path = run_dir / "config.yaml"
     if not config_path.exists():
@@ -116,16 +117,7 @@ def load_pretrained(run_dir: str | Path) -> tuple[nn.Module, Any, dict[str, Any]
     tok_path = run_dir / "tokenizer.json"
     if not tok_path.exists():
         raise FileNotFoundError(f"--from {str(run_dir)!r} has no tokenizer.json")
-    tokenizer = tokenizer_from_state(json.loads(tok_path.read_text()))
-    model = build_model(config, tokenizer.vocab_size)
-    if (run_dir / "best.safetensors").exists():
-        ckpt.load_weights(run_dir / "best.safetensors", model)
-    else:
-        latest = ckpt.latest_checkpoint(run_dir / "ckpt")
-        if latest is None:
-            raise FileNotFoundError(f"--from {str(run_dir)!r} has no weights (best.safetensors or ckpt/)")
-        ckpt.load_checkpoint(latest, model)
-    return model, tokenizer, config
+    return config, tokenizer_from_state(json.loads(tok_path.read_text()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,7 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
 
-    lm, tokenizer, lm_config = load_pretrained(args.source)
+    lm_config, tokenizer = read_lm_run(args.source)
+    lm = load(args.source)  # the best-validation weights (moelab.io.model.resolve)
+    if not isinstance(lm, TransformerLM):
+        raise ValueError(f"--from {str(args.source)!r} holds a {type(lm).__name__}; expected a TransformerLM")
     data = load_classification(args.task)
     name = args.task if args.task in TASKS else "local"
     batch = args.batch_size if args.batch_size is not None else BATCH.get(name, 16)

@@ -3,7 +3,7 @@ Table 2; perturbed cosine router (2024) §5.2, Table 2).
 
 One run writes into ``--out``: ``config.yaml`` (everything needed to re-run, ``--resume`` reads it
 back), ``log.csv`` (one row per step; validation columns on evaluation steps), ``metrics.json``
-(:data:`METRIC_KEYS`), ``best.safetensors`` (the best-validation weights, used for the test as
+(:data:`METRIC_KEYS`), ``best/`` (the best-validation weights, used for the test as
 CompeteSMoE (2024) does) and ``ckpt/`` (atomic checkpoints).
 
 Example::
@@ -28,9 +28,9 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..data.text import TextData, load_text
+from ..io.rundir import RunDir, atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
-from ..rundir import RunDir, atomic_write_text
 from ..train.trainer import (
     SCHEDULES,
     TrainConfig,

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from ..rundir import atomic_write_text
+from ..io.atomic import atomic_write_text
 
 __all__ = ["Group", "Run", "add_arguments", "collect_runs", "group_runs", "render", "run", "write_report"]
 

@@ -38,10 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from ..data.images import DATASETS, ImageData, load_images
+from ..io.atomic import atomic_write_text
+from ..io.model import save
+from ..io.rundir import RunDir
 from ..losses import importance_loss, sample_similarity_loss
 from ..metrics import plot_selection_table, selection_table, specialization
 from ..models.vision import ImageMoE, MoEOutput, SingleModel, distill_gate, vision_config
-from ..rundir import RunDir, atomic_write_text
 
 __all__ = [
     "GRIDS",
@@ -369,7 +371,7 @@ def sweep(
 def _save(
     rundir: RunDir, name: str, model: nn.Module, table: Tensor | None, data: ImageData, title: str
 ) -> None:
-    torch.save(model.state_dict(), rundir.file(f"{name}.pt"))
+    save(model, rundir.file(name))  # config.json + model.safetensors: moelab.load(rundir / name)
     if table is not None:
         plot_selection_table(table, rundir.file(f"{name}_selection.png"), data.class_names, title)
 

@@ -189,4 +189,6 @@ def from_hf(module: nn.Module) -> nn.Module:
         parent_path, _, attr = path.rpartition(".")
         parent = module.get_submodule(parent_path) if parent_path else module
         setattr(parent, attr, layer)
+    # what moelab.save records to rebuild the model offline (transformers config + this step)
+    module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
     return module

@@ -45,7 +45,7 @@ from ..layer import MoE
 from ..methods import get_method
 from ..routers import ROUTERS, router_options
 
-__all__ = ["SUPPORTED_MLPS", "find_mlps", "load_upcycled", "upcycle"]
+__all__ = ["SUPPORTED_MLPS", "find_mlps", "upcycle"]
 
 SUPPORTED_MLPS = (
     "GPT-2 Conv1D MLP (c_fc, c_proj, act)",
@@ -313,6 +313,11 @@ def upcycle(
             parent[int(attr)] = new
         else:
             setattr(parent, attr, new)
+    # what moelab.save records to rebuild the model offline (transformers config + these steps)
+    recipe = list(getattr(model, "_moelab_recipe", []))
+    recipe.append({"op": "upcycle", "num_experts": num_experts, "top_k": top_k, "method": method,
+                   "layers": layers, "options": dict(options)})  # fmt: skip
+    model._moelab_recipe = recipe
     return model
 
 
@@ -357,26 +362,6 @@ def _load_hf_model(source: str | Path) -> nn.Module:
     return cls(config)
 
 
-def load_upcycled(directory: str | Path) -> nn.Module:
-    """Rebuild a model written by ``moelab upcycle`` and load its checkpoint (bit-exact)."""
-    import transformers
-
-    from ..serialization import load_checkpoint, load_state_dict
-
-    tensors, payload = load_state_dict(directory)
-    info = payload.get("state", {}).get("upcycle")
-    if info is None:
-        raise ValueError(f"{str(directory)!r} is a moelab checkpoint but not one written by `moelab upcycle`")
-    raw = dict(info["config"])
-    config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
-    cls = getattr(transformers, info["model_class"], None) or transformers.AutoModel
-    model = cls(config) if cls is not transformers.AutoModel else cls.from_config(config)
-    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-    if dtype is not None:
-        model.to(dtype)  # a bfloat16 checkpoint stays bfloat16
-    upcycle(model, info["num_experts"], info["top_k"], info["method"], info["layers"], **info["options"])
-    load_checkpoint(directory, model)
-    return model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -405,8 +390,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..rundir import RunDir
-    from ..serialization import save_checkpoint
+    from ..io.model import save
+    from ..io.rundir import RunDir
 
     layers = None
     if args.layers:
@@ -420,7 +405,6 @@ def run(args: argparse.Namespace) -> int:
     out = RunDir(args.out, force=args.force)
     torch.manual_seed(args.seed)
     model = _load_hf_model(args.model).eval()
-    config = model.config.to_dict()
     num_dense = sum(p.numel() for p in model.parameters())
     names = find_mlps(model)
     upcycle(model, args.num_experts, args.top_k, args.method, layers, **options)
@@ -435,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     out.write_config(info)
-    save_checkpoint(out.path, model, state={"upcycle": {**info, "config": config}})
+    save(model, out.path, metadata={"upcycle": info})  # moelab.load(out) rebuilds it offline
     metrics = {
         "num_mlps": len(names),
         "num_moe_layers": len(layers) if layers is not None else len(names),

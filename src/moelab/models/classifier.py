@@ -1,6 +1,6 @@
-"""A pre-trained MoE language model turned into a text classifier (000 §6.3, App. C.3).
+"""A pre-trained MoE language model turned into a text classifier (CompeteSMoE (2024) §6.3, App. C.3).
 
-000: "remove the last layer and employ two randomly initialized fully connected layers as the
+CompeteSMoE (2024): "remove the last layer and employ two randomly initialized fully connected layers as the
 classifier", with the routers frozen ("Following Chen et al. (2023), we freeze the router").  The
 LM head is dropped; the final hidden states are mean-pooled over the real (non-padding) tokens
 and fed to ``Linear(d, d) → ReLU → Dropout → Linear(d, C)``.  Causal attention means right
@@ -8,6 +8,10 @@ padding never changes the real tokens' states.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -50,3 +54,32 @@ class LMClassifier(nn.Module):
         m = mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
         pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, d)
         return self.fc2(self.drop(torch.relu(self.fc1(pooled))))
+
+    def moelab_config(self) -> dict[str, Any]:
+        """What :func:`moelab.save` records: the trunk's :class:`LMConfig`, classes, dropout."""
+        return {"lm": self.lm.cfg.to_dict(), "num_classes": self.fc2.out_features, "dropout": self.drop.p}
+
+    @classmethod
+    def from_moelab_config(cls, config: dict[str, Any]) -> LMClassifier:
+        from .lm import LMConfig
+
+        return cls(TransformerLM(LMConfig.from_dict(config["lm"])), config["num_classes"], config["dropout"])
+
+    # ---------------------------------------------------------------- persistence
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
+        from ..io import save
+
+        return save(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> LMClassifier:
+        """:func:`moelab.load` of ``directory`` (a save folder or a run), checked to be a ``LMClassifier``."""
+        from ..io import load
+
+        model = load(directory)
+        if not isinstance(model, cls):
+            raise ValueError(
+                f"directory={str(directory)!r} holds a {type(model).__name__}; expected a {cls.__name__}"
+            )
+        return model

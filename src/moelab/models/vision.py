@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -361,6 +364,42 @@ def build_gate(cfg: VisionConfig, gate: str, top_k: int | None = None) -> nn.Mod
     return AttentiveGate(cfg, top_k) if gate == "attentive" else OriginalGate(cfg, top_k)
 
 
+def _vision_config_dict(cfg: VisionConfig) -> dict[str, Any]:
+    return asdict(cfg)
+
+
+def _vision_config_from(data: dict[str, Any]) -> VisionConfig:
+    """A :class:`VisionConfig` from its JSON form (lists back to tuples)."""
+    d = dict(data)
+    for key in ("expert_convs", "gate_convs"):
+        d[key] = tuple(tuple(c) for c in d[key])
+    for key in ("expert_hidden", "gate_hidden"):
+        d[key] = tuple(d[key])
+    return VisionConfig(**d)
+
+
+class _Persistent:
+    """``save_pretrained`` / ``from_pretrained``: thin wrappers over :func:`moelab.save` / :func:`moelab.load`."""
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
+        from ..io import save
+
+        return save(self, directory)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> Any:
+        """:func:`moelab.load` of ``directory``, checked to be an instance of this class."""
+        from ..io import load
+
+        model = load(directory)
+        if not isinstance(model, cls):
+            raise ValueError(
+                f"directory={str(directory)!r} holds a {type(model).__name__}; expected a {cls.__name__}"
+            )
+        return model
+
+
 @dataclass
 class MoEOutput:
     """``probs (B, K)`` the model's class distribution, ``gate_probs (B, N)`` p(e|x)."""
@@ -373,7 +412,7 @@ class MoEOutput:
         return F.nll_loss(torch.log(self.probs + eps), labels)
 
 
-class ImageMoE(nn.Module):
+class ImageMoE(_Persistent, nn.Module):
     """Output-mixture MoE over images: ``Σ_e p(e|x) y_e(x)`` (dense) or its top-K (sparse).
 
     Args:
@@ -392,6 +431,18 @@ class ImageMoE(nn.Module):
     @property
     def num_classes(self) -> int:
         return self.cfg.num_classes
+
+    def moelab_config(self) -> dict[str, Any]:
+        """What :func:`moelab.save` records: the layer sizes, the gate, the expert layout."""
+        return {
+            "vision": _vision_config_dict(self.cfg),
+            "gate": "attentive" if getattr(self.gate, "attentive", False) else "original",
+            "batched": isinstance(self.experts, BatchedExperts),
+        }
+
+    @classmethod
+    def from_moelab_config(cls, config: dict[str, Any]) -> ImageMoE:
+        return cls(_vision_config_from(config["vision"]), config["gate"], config["batched"])
 
     def forward(self, x: Tensor, top_k: int | None = None) -> MoEOutput:
         """Dense mixture when ``top_k`` is ``None`` (training), else the top-K experts' mixture with
@@ -420,7 +471,7 @@ class ImageMoE(nn.Module):
         return MoEOutput(out, p)
 
 
-class SingleModel(nn.Module):
+class SingleModel(_Persistent, nn.Module):
     """The single-model baseline: one network with an expert's architecture.
 
     Krishnamurthy et al. (2023) §7 row 1."""
@@ -429,6 +480,14 @@ class SingleModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.net = Expert(cfg)
+
+    def moelab_config(self) -> dict[str, Any]:
+        """What :func:`moelab.save` records: the layer sizes."""
+        return {"vision": _vision_config_dict(self.cfg)}
+
+    @classmethod
+    def from_moelab_config(cls, config: dict[str, Any]) -> SingleModel:
+        return cls(_vision_config_from(config["vision"]))
 
     def forward(self, x: Tensor, top_k: int | None = None) -> MoEOutput:
         probs = self.net(x)[..., : self.cfg.num_classes]

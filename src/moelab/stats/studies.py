@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 from .._validate import non_negative, one_of, positive, positive_int
-from ..rundir import RunDir
+from ..io.rundir import RunDir
 from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE
 from .models import GaussianMoE, MoEParams, RegressionMoE
 from .rates import fit_rate
@@ -380,7 +380,7 @@ def _write_csv(rundir: RunDir, rows: list[dict[str, Any]]) -> None:
     import csv
     import io
 
-    from ..rundir import atomic_write_text
+    from ..io.atomic import atomic_write_text
 
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))

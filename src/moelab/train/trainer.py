@@ -45,9 +45,10 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..errors import NonFiniteError, TrainingError
+from ..io.model import load_weights, save
+from ..io.rundir import RunDir
 from ..layer import attach, aux_loss, moe_layers
 from ..routing import RoutingContext
-from ..rundir import RunDir
 from . import checkpoint as ckpt
 
 __all__ = [
@@ -238,7 +239,7 @@ class _TrainForward(nn.Module):
 
 
 class Trainer:
-    """Train ``model`` on ``task`` and write the run into ``run`` (a :class:`moelab.rundir.RunDir`).
+    """Train ``model`` on ``task`` and write the run into ``run`` (a :class:`moelab.io.RunDir`).
 
     Args:
         model: the model (its MoE layers get a shared :class:`moelab.RoutingContext`).
@@ -513,10 +514,11 @@ class Trainer:
                     if self.run is not None:
                         weights = self._weights()  # a collective under expert parallelism
                         if self.is_main:
-                            ckpt.save_weights(
-                                self.run.file("best.safetensors"),
+                            save(  # the routing context of this validation (step done - 1)
                                 weights,
-                                {"step": done, f"val_{metric}": val[metric]},
+                                self.run.file("best"),
+                                ctx=self.ctx,
+                                metadata={"step": done, f"val_{metric}": val[metric]},
                             )
                 if self.on_eval is not None:
                     self.on_eval(done, val)
@@ -558,15 +560,27 @@ class Trainer:
         metric = self.task.metric
         if self.world_size > 1:  # rank 0 has written the last best weights
             torch.distributed.barrier()
-        if self.run is not None and self.run.file("best.safetensors").exists():
+        best = self.run is not None and self.run.file("best").joinpath("config.json").exists()
+        if best:
             if self._full is None:
-                ckpt.load_weights(self.run.file("best.safetensors"), self.model)
+                load_weights(self.run.file("best"), self.model)
             else:  # the full weights, then this rank's experts
                 from .distributed import local_state_dict
 
-                ckpt.load_weights(self.run.file("best.safetensors"), self._full)
+                load_weights(self.run.file("best"), self._full)
                 self.model.load_state_dict(local_state_dict(self.model, self._full.state_dict()))
         test = self._evaluate("test", cfg.test_tokens)
+        if best and self.is_main:  # best/ now records the routing context the test ran with
+            save(
+                self.model if self._full is None else self._full,
+                self.run.file("best"),
+                ctx=self.ctx,
+                metadata={
+                    "step": state["best_step"],
+                    f"val_{metric}": state["best_val"],
+                    f"test_{metric}": test[metric],
+                },
+            )
         from ..models.lm import count_parameters
 
         total, active = count_parameters(self.model if self._full is None else self._full)
@@ -599,7 +613,7 @@ class Trainer:
 
     def _truncate_log(self, step: int) -> None:
         """Drop ``log.csv`` rows after ``step`` (written after the checkpoint we resume from)."""
-        from ..rundir import atomic_write_text
+        from ..io.atomic import atomic_write_text
 
         path = self.run.file("log.csv")
         if not path.exists():
