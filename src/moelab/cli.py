@@ -29,7 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "fine-tune a trained MoE LM on text classification (CompeteSMoE (2024) Table 3)",
     ),
     "report": ("moelab.experiments.report", "tables and plots from finished runs"),
-    "upcycle": ("moelab.hf.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
+    "upcycle": (
+        "moelab.experiments.upcycle",
+        "turn a dense model's MLPs into MoE layers (safetensors checkpoint)",
+    ),
     "bench": ("moelab.bench", "benchmarks: medians and ratios to the dense limit and to peers"),
     "simulate": ("moelab.stats.studies", "convergence-rate studies of regression / Gaussian MoE estimators"),
     "specialize": (

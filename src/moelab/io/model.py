@@ -28,9 +28,11 @@ line naming the file.  Training checkpoints (:mod:`moelab.train.checkpoint`) are
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +64,50 @@ KINDS = ("TransformerLM", "LMClassifier", "ImageMoE", "SingleModel", "MoE", "tra
 
 
 # ----------------------------------------------------------------------------- what a model is
-def _model_classes() -> dict[str, type]:
-    from ..models.classifier import LMClassifier
-    from ..models.lm import TransformerLM
-    from ..models.vision import ImageMoE, SingleModel
+#: kind → the module defining it: a fixed table (nothing named in a file is imported); the class
+#: registers itself under its kind when that module is imported (:class:`Persistent`)
+_KIND_MODULES = {
+    "TransformerLM": "moelab.models.lm",
+    "LMClassifier": "moelab.models.classifier",
+    "ImageMoE": "moelab.models.vision",
+    "SingleModel": "moelab.models.vision",
+}
+_KIND_CLASSES: dict[str, type] = {}
 
-    return {"TransformerLM": TransformerLM, "LMClassifier": LMClassifier, "ImageMoE": ImageMoE,
-            "SingleModel": SingleModel}  # fmt: skip
+
+class Persistent:
+    """Base of moelab's own models: registers the class as a kind :func:`load` rebuilds, and gives
+    it ``save_pretrained`` / ``from_pretrained`` (thin wrappers over :func:`save` / :func:`load`).
+
+    A subclass provides ``moelab_config() -> dict`` (JSON-ready constructor config) and the
+    classmethod ``from_moelab_config(config)``.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__name__ in _KIND_MODULES and cls.__module__ == _KIND_MODULES[cls.__name__]:
+            _KIND_CLASSES[cls.__name__] = cls
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
+        return save(self, directory)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> Any:
+        """:func:`moelab.load` of ``directory`` (a save folder or a run), checked to be an
+        instance of this class."""
+        model = load(directory)
+        if not isinstance(model, cls):
+            raise ValueError(
+                f"directory={str(directory)!r} holds a {type(model).__name__}; expected a {cls.__name__}"
+            )
+        return model
+
+
+def _model_classes() -> dict[str, type]:
+    for module in _KIND_MODULES.values():
+        importlib.import_module(module)
+    return _KIND_CLASSES
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -269,8 +308,6 @@ def resolve(path: str | os.PathLike) -> Path:
     if (path / "config.yaml").is_file():
         if (path / "best" / CONFIG_NAME).is_file():
             return path / "best"
-        from ..train.checkpoint import latest_checkpoint
-
         latest = latest_checkpoint(path / "ckpt")
         if latest is not None:
             return latest
@@ -281,6 +318,27 @@ def resolve(path: str | os.PathLike) -> Path:
             )
         raise CheckpointError(f"run {str(path)!r} holds no saved model (best/ or ckpt/step-*/)")
     raise CheckpointError(f"{str(path / CONFIG_NAME)!r} is missing; not a moelab.save folder or a run")
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Checkpoint folders ``step-*`` under ``root`` (a run's ``ckpt/``), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir())
+
+
+def latest_checkpoint(root: str | os.PathLike, verify: Callable[[Path], Any] | None = None) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies (``verify``, default :func:`read_config`);
+    a bad one is skipped with a warning naming its file.  ``None`` when there is none."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            (verify or read_config)(path)
+        except CheckpointError as exc:
+            warnings.warn(f"{exc}; falling back to an older checkpoint", stacklevel=2)
+            continue
+        return path
+    return None
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:

@@ -9,13 +9,12 @@ padding never changes the real tokens' states.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..io.model import Persistent
 from ..layer import moe_layers
 from .lm import TransformerLM
 
@@ -33,7 +32,7 @@ def freeze_routers(model: nn.Module) -> int:
     return frozen
 
 
-class LMClassifier(nn.Module):
+class LMClassifier(Persistent, nn.Module):
     """``(idx (B, L), mask (B, L)) → logits (B, C)`` on top of a :class:`TransformerLM` trunk."""
 
     def __init__(self, lm: TransformerLM, num_classes: int, dropout: float = 0.1) -> None:
@@ -64,22 +63,3 @@ class LMClassifier(nn.Module):
         from .lm import LMConfig
 
         return cls(TransformerLM(LMConfig.from_dict(config["lm"])), config["num_classes"], config["dropout"])
-
-    # ---------------------------------------------------------------- persistence
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
-        from ..io import save
-
-        return save(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> LMClassifier:
-        """:func:`moelab.load` of ``directory`` (a save folder or a run), checked to be a ``LMClassifier``."""
-        from ..io import load
-
-        model = load(directory)
-        if not isinstance(model, cls):
-            raise ValueError(
-                f"directory={str(directory)!r} holds a {type(model).__name__}; expected a {cls.__name__}"
-            )
-        return model

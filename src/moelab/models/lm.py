@@ -30,9 +30,7 @@ cpu           2       64       4      128    0.32M / 0.09M (1000 steps in minute
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..experts import MLP, Experts
+from ..io.model import Persistent
 from ..layer import MoE, moe_layers
 
 __all__ = ["ARCHS", "PRESETS", "LMConfig", "TransformerLM", "count_parameters", "lm_config"]
@@ -190,7 +189,7 @@ class Block(nn.Module):
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
-class TransformerLM(nn.Module):
+class TransformerLM(Persistent, nn.Module):
     """Decoder-only LM: token + position embeddings → blocks → LayerNorm → tied LM head.
 
     ``forward(idx (B, L)) → logits (B, L, vocab)``; :meth:`features` gives the final hidden
@@ -248,25 +247,6 @@ class TransformerLM(nn.Module):
     @classmethod
     def from_moelab_config(cls, config: dict[str, Any]) -> TransformerLM:
         return cls(LMConfig.from_dict(config))
-
-    # ---------------------------------------------------------------- persistence
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
-        from ..io import save
-
-        return save(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> TransformerLM:
-        """:func:`moelab.load` of ``directory`` (a save folder or a run), checked to be a ``TransformerLM``."""
-        from ..io import load
-
-        model = load(directory)
-        if not isinstance(model, cls):
-            raise ValueError(
-                f"directory={str(directory)!r} holds a {type(model).__name__}; expected a {cls.__name__}"
-            )
-        return model
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +44,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from .. import _validate
 from ..experts import ModuleExperts, combine
 from ..experts.dispatch import Slots
+from ..io.model import Persistent
 from ..routing import Routing, RoutingContext
 
 __all__ = [
@@ -378,28 +377,6 @@ def _vision_config_from(data: dict[str, Any]) -> VisionConfig:
     return VisionConfig(**d)
 
 
-class _Persistent:
-    """``save_pretrained`` / ``from_pretrained``: thin wrappers over :func:`moelab.save` / :func:`moelab.load`."""
-
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
-        from ..io import save
-
-        return save(self, directory)  # type: ignore[arg-type]
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> Any:
-        """:func:`moelab.load` of ``directory``, checked to be an instance of this class."""
-        from ..io import load
-
-        model = load(directory)
-        if not isinstance(model, cls):
-            raise ValueError(
-                f"directory={str(directory)!r} holds a {type(model).__name__}; expected a {cls.__name__}"
-            )
-        return model
-
-
 @dataclass
 class MoEOutput:
     """``probs (B, K)`` the model's class distribution, ``gate_probs (B, N)`` p(e|x)."""
@@ -412,7 +389,7 @@ class MoEOutput:
         return F.nll_loss(torch.log(self.probs + eps), labels)
 
 
-class ImageMoE(_Persistent, nn.Module):
+class ImageMoE(Persistent, nn.Module):
     """Output-mixture MoE over images: ``Σ_e p(e|x) y_e(x)`` (dense) or its top-K (sparse).
 
     Args:
@@ -471,7 +448,7 @@ class ImageMoE(_Persistent, nn.Module):
         return MoEOutput(out, p)
 
 
-class SingleModel(_Persistent, nn.Module):
+class SingleModel(Persistent, nn.Module):
     """The single-model baseline: one network with an expert's architecture.
 
     Krishnamurthy et al. (2023) §7 row 1."""

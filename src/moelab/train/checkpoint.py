@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,8 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_directory
-from ..io.model import CONFIG_NAME, load_weights, read_config, save
+from ..io.model import CONFIG_NAME, list_checkpoints, load_weights, read_config, save
+from ..io.model import latest_checkpoint as _latest_verified
 
 __all__ = [
     "CheckpointError",
@@ -84,14 +84,6 @@ def _schedule_of(model: nn.Module) -> Any:
     return next((layer.ctx.schedule for layer in moe_layers(model) if layer.ctx is not None), None)
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Checkpoint folders under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir())
-
-
 def verify_checkpoint(path: str | os.PathLike) -> None:
     """Raise :class:`CheckpointError` naming the file when ``path`` is incomplete or corrupted."""
     path = Path(path)
@@ -105,16 +97,9 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest checkpoint under ``root`` that verifies; a bad one is skipped with a warning
-    naming its file.  ``None`` when there is none."""
-    for path in reversed(list_checkpoints(root)):
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as exc:
-            warnings.warn(f"{exc}; falling back to an older checkpoint", stacklevel=2)
-            continue
-        return path
-    return None
+    """The newest training checkpoint under ``root`` that verifies (model files and ``state.pt``);
+    a bad one is skipped with a warning naming its file.  ``None`` when there is none."""
+    return _latest_verified(root, verify_checkpoint)
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module) -> dict[str, Any]:
