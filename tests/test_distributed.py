@@ -80,7 +80,9 @@ def _check_layer(rank: int, world: int, method: str) -> dict[str, float]:
     }
     if ep.shared is not None:
         out["grad_shared"] = _err(_sum_over_ranks(ep.shared.fc_in.weight.grad), ref.shared.fc_in.weight.grad)
-    if method == "sharede-v3":  # the aux-loss-free bias update sees the global loads
+    if method == "sharede-v3":  # the aux-loss-free bias update (the step hook) sees the global loads
+        ref.router.on_step()  # one process: the whole batch's load
+        ep.router.on_step()  # this rank's load, summed over the ranks
         assert ref.router.selection_bias.abs().sum() > 0
         out["selection_bias"] = _err(ep.router.selection_bias, ref.router.selection_bias)
     return {f"{method}/{k}": v for k, v in out.items()}

@@ -276,7 +276,9 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
     """Give every MoE layer of ``model`` the shared context and its index (module order).
 
-    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  If the context
+    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  Every router
+    module with an ``on_step(ctx)`` method (state updated once per optimizer step, e.g. sharede-v3's
+    selection bias) is registered as a step hook of ``ctx`` (:meth:`RoutingContext.advance`).  If the context
     holds a schedule with a ``num_layers`` attribute it must match the model's MoE layer count.
     """
     if not isinstance(ctx, RoutingContext):
@@ -290,4 +292,8 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
     for i, layer in enumerate(layers):
         layer.ctx = ctx
         layer.layer_index = i
+        for module in layer.router.modules():  # a composed router's base router too
+            on_step = getattr(module, "on_step", None)
+            if callable(on_step):
+                ctx.add_step_hook(on_step)
     return layers

@@ -47,8 +47,8 @@ def _trainer_classes() -> dict[str, type]:
             self.ctx = ctx
 
         def on_step_end(self, args, state, control, **kwargs):
-            if self.ctx is not None:
-                self.ctx.step = int(state.global_step)
+            if self.ctx is not None:  # after the optimizer step: the step hooks, then the step
+                self.ctx.advance(max(0, int(state.global_step) - self.ctx.step))
 
     class MoETrainer(Trainer):
         """``transformers.Trainer`` whose training loss is ``task + moelab.aux_loss(model)``.

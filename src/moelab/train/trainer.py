@@ -522,7 +522,7 @@ class Trainer:
                             )
                 if self.on_eval is not None:
                     self.on_eval(done, val)
-            self.ctx.step = done
+            self.ctx.advance()  # the step hooks (sharede-v3's bias), then ctx.step = done
             if self.is_main and self.run is not None:
                 self.run.append_log(row)
             if self.run is not None and (
