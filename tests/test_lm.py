@@ -162,6 +162,57 @@ def test_train_cli_reads_a_config_file(corpus, tmp_path):
     assert metrics["steps"] == 4  # a flag given on the command line wins over the file
 
 
+def test_a_runs_own_config_yaml_is_accepted_back_by_config(corpus, tmp_path):
+    import yaml
+
+    first = tmp_path / "first"
+    assert (
+        main(
+            [*tiny_args(corpus, first), "--method", "xmoe", "--opt", "balance_coef=0.02", "--opt", "z_coef=0"]
+        )
+        == 0
+    )
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(first / "config.yaml"), "--out", str(again), "--no-progress"]) == 0
+    a, b = (yaml.safe_load((d / "config.yaml").read_text()) for d in (first, again))
+    assert a == b and a["method"] == "xmoe" and a["opts"] == {"balance_coef": 0.02, "z_coef": 0}
+    m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (first, again))
+    assert m1["test_bpc"] == m2["test_bpc"]  # the same run again
+    # a flag on the command line still wins over the file
+    third = tmp_path / "third"
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(first / "config.yaml"),
+                "--out",
+                str(third),
+                "--seed",
+                "5",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert yaml.safe_load((third / "config.yaml").read_text())["train"]["seed"] == 5
+
+
+def test_a_damaged_run_config_is_refused_in_one_line(corpus, tmp_path, capsys):
+    import yaml
+
+    first = tmp_path / "first"
+    assert main(tiny_args(corpus, first)) == 0
+    config = yaml.safe_load((first / "config.yaml").read_text())
+    config["train"]["bogus"] = 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown train keys ['bogus']" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -218,7 +269,7 @@ def test_shipped_configs_are_valid(path):
     args = parser.parse_args(["--config", str(path), "--out", "x"])
     apply_config_file(args, _defaults())
     config = build_config(args)
-    assert config["data"] in ("default", "enwik8", "text8", "wikitext103")
+    assert config.data in ("default", "enwik8", "text8", "wikitext103")
 
 
 def test_a_run_depends_on_its_seed_only(corpus, tmp_path):

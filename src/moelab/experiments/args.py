@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Sweep", "parse_key_values", "parse_sweep", "parse_value"]
+__all__ = ["Sweep", "format_value", "parse_key_values", "parse_sweep", "parse_value"]
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _INT = re.compile(r"[+-]?\d+\Z")
@@ -45,6 +45,26 @@ def parse_value(text: str) -> Any:
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
         return text[1:-1]
     return text
+
+
+def format_value(value: Any) -> str:
+    """The ``VALUE`` text that :func:`parse_value` reads back as ``value`` (bool, None, int, float
+    or str); a string that would read as something else is quoted."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return (
+            value
+            if value and parse_value(value) == value
+            else f'"{value}"'
+            if '"' not in value
+            else f"'{value}'"
+        )
+    raise ValueError(f"value={value!r} is not allowed; expected a bool, None, a number or a string")
 
 
 def _split(flag: str, item: object, form: str) -> tuple[str, str]:

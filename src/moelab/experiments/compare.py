@@ -94,12 +94,12 @@ def run(args: argparse.Namespace) -> int:
                 ns.method, ns.seed = method, seed
                 config = build_config(ns)  # validates every flag before training
                 if sweep is not None:
-                    config["opts"] = {**config["opts"], sweep.key: value}
+                    config.opts = {**config.opts, sweep.key: value}
                 configs.append((name, seed, config))
-    data = load_text(configs[0][2]["data"], level=configs[0][2]["level"])
+    data = load_text(configs[0][2].data, level=configs[0][2].level)
     print(
         f"compare: {len(chosen)} methods × {len(seeds)} seeds on {data.name} "
-        f"({data.train.numel():,} training tokens), size {args.size}, {configs[0][2]['train']['steps']} steps"
+        f"({data.train.numel():,} training tokens), size {args.size}, {configs[0][2].train.steps} steps"
     )
     start = time.perf_counter()
     for i, (method, seed, config) in enumerate(configs, 1):
