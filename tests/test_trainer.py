@@ -14,8 +14,8 @@ from moelab.data.text import load_text
 from moelab.experiments.lm import LMTask
 from moelab.io.rundir import RunDir
 from moelab.models.lm import LMConfig, TransformerLM
-from moelab.train import TrainConfig, Trainer, TrainingError, lr_factor
-from moelab.train.trainer import build_competition_schedule, split_schedule_options
+from moelab.schedules import build_competition_schedule, lr_factor, split_schedule_options
+from moelab.train import TrainConfig, Trainer, TrainingError
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.1)
 

@@ -13,6 +13,7 @@ has one code path whatever the schedule.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,11 +21,23 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import _validate
+from .layer import moe_layers
 from .methods import get_method
 
-__all__ = ["CoinFlipSchedule", "CompetitionSchedule", "default_a_max"]
+__all__ = [
+    "LR_SCHEDULES",
+    "SCHEDULE_OPTIONS",
+    "CoinFlipSchedule",
+    "CompetitionSchedule",
+    "build_competition_schedule",
+    "build_schedule",
+    "default_a_max",
+    "lr_factor",
+    "split_schedule_options",
+]
 
 
 def default_a_max(num_layers: int) -> int:
@@ -274,3 +287,51 @@ def build_schedule(method: str, num_layers: int, total_steps: int, seed: int = 0
     if "competition_warmup" in options:
         kwargs["warmup"] = options["competition_warmup"]
     return CompetitionSchedule(num_layers=num_layers, total_steps=total_steps, seed=seed, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- learning rate
+#: the learning-rate schedules of :func:`lr_factor` (all with linear warm-up)
+LR_SCHEDULES = ("inverse_sqrt", "cosine", "constant")
+
+
+def lr_factor(schedule: str, step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """The learning-rate multiplier after ``step`` completed steps (``LambdaLR`` convention).
+
+    * warm-up (``step < warmup``): ``(step + 1) / warmup``;
+    * ``inverse_sqrt``: ``sqrt(max(warmup, 1) / (step + 1))`` — CompeteSMoE (2024)'s ``1/√t``, equal to 1 at the
+      end of warm-up (fairseq's ``inverse_sqrt``);
+    * ``cosine``: ``min_ratio + (1 − min_ratio)·½(1 + cos(π·p))``, ``p`` the post-warm-up progress;
+    * ``constant``: 1.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "inverse_sqrt":
+        return math.sqrt(max(warmup, 1) / (step + 1))
+    if schedule == "cosine":
+        p = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    if schedule == "constant":
+        return 1.0
+    raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {list(LR_SCHEDULES)}")
+
+
+#: ``--opt`` keys that configure the competition schedule (not the layer): ω, A_max and the
+#: warm-up fraction of CompeteSMoE (2025)'s schedule, λ of CompeteSMoE (2024)'s coin flips
+SCHEDULE_OPTIONS = ("omega", "a_max", "competition_warmup", "rate")
+
+
+def split_schedule_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(layer options, schedule options)`` of a method's ``--opt`` values."""
+    layer = {k: v for k, v in options.items() if k not in SCHEDULE_OPTIONS}
+    schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
+    return layer, schedule
+
+
+def build_competition_schedule(
+    model: nn.Module, method: str, total_steps: int, seed: int, options: dict[str, Any] | None = None
+) -> Any:
+    """The competition schedule of ``model`` for ``method`` (``None`` if it needs none): built once
+    before training from the seed, identical on every rank and after a resume
+    (:func:`moelab.schedules.build_schedule`).  ``options`` are the run's ``--opt`` values; the
+    schedule reads :data:`SCHEDULE_OPTIONS`."""
+    return build_schedule(method, len(moe_layers(model)), total_steps, seed, **dict(options or {}))

@@ -31,15 +31,8 @@ from ..data.text import TextData, load_text
 from ..io.rundir import RunDir, atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
-from ..train.trainer import (
-    SCHEDULES,
-    TrainConfig,
-    Trainer,
-    TrainingError,
-    _dist,
-    build_competition_schedule,
-    split_schedule_options,
-)
+from ..schedules import LR_SCHEDULES, build_competition_schedule, split_schedule_options
+from ..train.trainer import TrainConfig, Trainer, TrainingError, _dist
 from .args import format_value, parse_key_values
 
 __all__ = [
@@ -385,7 +378,7 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lr", type=float, help="Adam learning rate (7e-4 as CompeteSMoE (2024); the cpu preset 2e-3)"
     )
-    p.add_argument("--schedule", default="inverse_sqrt", choices=list(SCHEDULES), help="LR schedule")
+    p.add_argument("--schedule", default="inverse_sqrt", choices=list(LR_SCHEDULES), help="LR schedule")
     p.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps; the cpu preset 30)")
     p.add_argument(
         "--grad-clip", type=float, default=1.0, dest="grad_clip", help="max gradient norm (0: off)"

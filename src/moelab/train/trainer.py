@@ -47,23 +47,17 @@ from .. import _validate
 from ..errors import NonFiniteError, TrainingError
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
-from ..layer import attach, aux_loss, moe_layers
+from ..layer import attach, aux_loss
 from ..routing import RoutingContext
+from ..schedules import LR_SCHEDULES, build_competition_schedule, lr_factor
 from . import checkpoint as ckpt
 
 __all__ = [
-    "SCHEDULES",
-    "SCHEDULE_OPTIONS",
     "Task",
     "TrainConfig",
     "Trainer",
     "TrainingError",
-    "build_competition_schedule",
-    "lr_factor",
-    "split_schedule_options",
 ]
-
-SCHEDULES = ("inverse_sqrt", "cosine", "constant")
 
 
 class Task(Protocol):
@@ -117,7 +111,7 @@ class TrainConfig:
         _validate.positive_int("steps", self.steps)
         _validate.positive_int("batch_size", self.batch_size)
         _validate.positive("lr", self.lr)
-        _validate.one_of("schedule", self.schedule, SCHEDULES)
+        _validate.one_of("schedule", self.schedule, LR_SCHEDULES)
         if self.warmup is not None:
             _validate.int_in_range("warmup", self.warmup, 0, 1 << 40)
         _validate.probability("min_lr_ratio", self.min_lr_ratio)
@@ -134,51 +128,6 @@ class TrainConfig:
     @property
     def warmup_steps(self) -> int:
         return round(0.05 * self.steps) if self.warmup is None else self.warmup
-
-
-def lr_factor(schedule: str, step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
-    """The learning-rate multiplier after ``step`` completed steps (``LambdaLR`` convention).
-
-    * warm-up (``step < warmup``): ``(step + 1) / warmup``;
-    * ``inverse_sqrt``: ``sqrt(max(warmup, 1) / (step + 1))`` — 000's ``1/√t``, equal to 1 at the
-      end of warm-up (fairseq's ``inverse_sqrt``);
-    * ``cosine``: ``min_ratio + (1 − min_ratio)·½(1 + cos(π·p))``, ``p`` the post-warm-up progress;
-    * ``constant``: 1.
-    """
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "inverse_sqrt":
-        return math.sqrt(max(warmup, 1) / (step + 1))
-    if schedule == "cosine":
-        p = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
-    if schedule == "constant":
-        return 1.0
-    raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {list(SCHEDULES)}")
-
-
-#: ``--opt`` keys that configure the competition schedule (not the layer): ω, A_max and the
-#: warm-up fraction of 001's schedule, λ of 000's coin flips
-SCHEDULE_OPTIONS = ("omega", "a_max", "competition_warmup", "rate")
-
-
-def split_schedule_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(layer options, schedule options)`` of a method's ``--opt`` values."""
-    layer = {k: v for k, v in options.items() if k not in SCHEDULE_OPTIONS}
-    schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
-    return layer, schedule
-
-
-def build_competition_schedule(
-    model: nn.Module, method: str, total_steps: int, seed: int, options: dict[str, Any] | None = None
-) -> Any:
-    """The competition schedule of ``model`` for ``method`` (``None`` if it needs none): built once
-    before training from the seed, identical on every rank and after a resume
-    (:func:`moelab.schedules.build_schedule`).  ``options`` are the run's ``--opt`` values; the
-    schedule reads :data:`SCHEDULE_OPTIONS`."""
-    from moelab.schedules import build_schedule
-
-    return build_schedule(method, len(moe_layers(model)), total_steps, seed, **dict(options or {}))
 
 
 def _dist() -> tuple[int, int]:
