@@ -370,9 +370,9 @@ def test_a_router_name_cannot_be_registered_twice():
 
 def test_the_batch_must_split_over_the_processes(monkeypatch):
     from moelab.train import TrainConfig, Trainer
-    from moelab.train import trainer as T
+    from moelab.train import parallel as P
 
-    monkeypatch.setattr(T, "_dist", lambda: (0, 4))
+    monkeypatch.setattr(P, "process_group", lambda: (0, 4))
     model = torch_tiny_model()
     with pytest.raises(
         ValueError, match=r"batch_size=6 is not allowed with 4 processes; expected a multiple of"

@@ -32,7 +32,8 @@ from ..io.rundir import RunDir, atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
 from ..schedules import LR_SCHEDULES, build_competition_schedule, split_schedule_options
-from ..train.trainer import TrainConfig, Trainer, TrainingError, _dist
+from ..train.parallel import process_group
+from ..train.trainer import TrainConfig, Trainer, TrainingError
 from .args import format_value, parse_key_values
 
 __all__ = [
@@ -307,7 +308,7 @@ def train_lm(
 ) -> dict[str, Any]:
     """Train one LM run described by ``config`` (:func:`build_config`) into ``out``
     (``expert_parallel``: under torchrun, spread each MoE layer's experts over the ranks)."""
-    rank, world = _dist()
+    rank, world = process_group()
     run = None
     # rank 0 first: it refuses (or clears, with force) an existing run and downloads the data once;
     # the other ranks then read the same folder and the cached data.  Only rank 0 writes.
