@@ -1,9 +1,9 @@
 """Training schedules: when each MoE layer competes.
 
-* :class:`CompetitionSchedule` — CompeteSMoE (001 §2.3.2, §2.4, App. B): built once, offline,
+* :class:`CompetitionSchedule` — CompeteSMoE (2025) §2.3.2, §2.4, App. B: built once, offline,
   before training; per layer a Bernoulli(ω) draw per step after a warm-up, and a global cap of
   ``A_max`` competing layers per step.
-* :class:`CoinFlipSchedule` — CompeteSMoE v1 (000 §3.2-3.3): an independent coin flip per layer and
+* :class:`CoinFlipSchedule` — CompeteSMoE (2024) §3.2-3.3: an independent coin flip per layer and
   step with probability λ(t).
 
 Both expose ``num_layers`` and ``active(layer, step) -> bool``: the routers read them through
@@ -43,7 +43,7 @@ __all__ = [
 def default_a_max(num_layers: int) -> int:
     """The default cap ``A_max`` for a model with ``num_layers`` MoE layers.
 
-    001 uses ``A_max = 6`` for its language models (24 layers, §2.3.2 and App. G) and
+    CompeteSMoE (2025) uses ``A_max = 6`` for its language models (24 layers, §2.3.2 and App. G) and
     ``A_max = 9`` for the VLM (Phi-3.5-mini, 32 layers; Table 20).  The rule here: 6 up to 24
     layers, 9 from 27 layers on, one more per layer in between (25 → 7, 26 → 8).  For models
     with at most 6 layers the cap is never reached (every layer may compete at once).
@@ -55,7 +55,7 @@ def default_a_max(num_layers: int) -> int:
 
 
 def _broadcast_from_rank0(table: torch.Tensor) -> torch.Tensor:
-    """Broadcast a bool table from rank 0 when torch.distributed is initialised (001 App. B: the
+    """Broadcast a bool table from rank 0 when torch.distributed is initialised (CompeteSMoE (2025) App. B: the
     reference code builds the schedule on rank 0 and broadcasts it)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return table
@@ -68,7 +68,7 @@ def _broadcast_from_rank0(table: torch.Tensor) -> torch.Tensor:
 
 
 class CompetitionSchedule:
-    """The competition schedule Λ(l, t) of CompeteSMoE (001 §2.3.2, §2.4, App. B, Table 20).
+    """The competition schedule Λ(l, t) of CompeteSMoE (2025) §2.3.2, §2.4, App. B, Table 20.
 
     Built once before training:
 
@@ -209,7 +209,7 @@ class CompetitionSchedule:
 
 
 class CoinFlipSchedule:
-    """CompeteSMoE v1's schedule (000 §3.2-3.3): at step t each layer competes with probability
+    """CompeteSMoE (2024)'s schedule (§3.2-3.3): at step t each layer competes with probability
     λ(t), independently of the other layers.
 
     The flip of ``(layer, step)`` is drawn from a generator seeded with ``(seed, layer, step)``:
@@ -218,7 +218,7 @@ class CoinFlipSchedule:
 
     Args:
         num_layers: L.
-        rate: λ, a number in [0, 1] (000 uses 0.05; 0.03-0.09 robust, Table 4) or a callable
+        rate: λ, a number in [0, 1] (CompeteSMoE (2024) uses 0.05; 0.03-0.09 robust, Table 4) or a callable
             ``step -> λ``.
         seed: seed of the flips.
     """

@@ -19,7 +19,7 @@ from .base import Router, register
 class SigmoidRouter(Router):
     """``s = sigmoid(W x)``; the K experts with the largest ``s + b`` are chosen.
 
-    * ``sigma-moe`` (Csordás et al. 2023; 001 baseline): weights are the chosen ``s``, NOT
+    * ``sigma-moe`` (Csordás et al. 2023; a CompeteSMoE (2025) baseline): weights are the chosen ``s``, NOT
       renormalised; during training each (token, expert) score is dropped from the selection
       with probability ``expert_dropout`` (0.05) before the top-K; regulariser: the entropy of the
       batch-mean ``softmax(W x)`` (``entropy_coef``, :func:`moelab.losses.mean_entropy_loss`).

@@ -3,7 +3,7 @@
 Flow (shared/DESIGN.md, "Training"): set ``ctx.step`` → forward → loss = task loss +
 ``moelab.aux_loss(model)`` → backward → gradient clipping → Adam → LR schedule → log → evaluate
 every ``eval_every`` steps (keeping the best-validation weights, which the final test uses, as
-000 §6.1 does) → atomic checkpoint every ``ckpt_every`` steps.
+CompeteSMoE (2024) §6.1 does) → atomic checkpoint every ``ckpt_every`` steps.
 
 What a task provides (:class:`Task`): ``sample(generator, batch_size)`` a global batch,
 ``shard(batch, rank, world)`` a rank's part, ``loss(model, batch) -> (loss, tokens)``,
@@ -74,24 +74,24 @@ class Task(Protocol):
 
 @dataclass
 class TrainConfig:
-    """Optimisation and bookkeeping settings (defaults: 000 App. C.2 where it states them).
+    """Optimisation and bookkeeping settings (defaults: CompeteSMoE (2024) App. C.2 where it states them).
 
     Attributes:
         steps: optimisation steps.
-        batch_size: global batch (sequences); 48 in 000.
-        lr: Adam learning rate (7e-4 in 000).
-        schedule: ``inverse_sqrt`` (000: "a learning rate schedule of 1/√t"), ``cosine`` or
+        batch_size: global batch (sequences); 48 in CompeteSMoE (2024).
+        lr: Adam learning rate (7e-4 in CompeteSMoE (2024)).
+        schedule: ``inverse_sqrt`` (CompeteSMoE (2024): "a learning rate schedule of 1/√t"), ``cosine`` or
             ``constant``; all with linear warm-up.
-        warmup: warm-up steps; ``None`` = 5% of ``steps`` (000 does not state it: our choice).
+        warmup: warm-up steps; ``None`` = 5% of ``steps`` (CompeteSMoE (2024) does not state it: our choice).
         min_lr_ratio: floor of the cosine schedule, as a fraction of ``lr``.
-        grad_clip: max global gradient norm (0 = off); 000 does not state it: 1.0 is our choice.
+        grad_clip: max global gradient norm (0 = off); CompeteSMoE (2024) does not state it: 1.0 is our choice.
         eval_every: evaluate on the validation split every this many steps (and at the end).
         eval_tokens: cap on the validation tokens per evaluation (``None`` = the whole split).
         test_tokens: cap on the test tokens of the final test (``None`` = the whole split).
         ckpt_every: write a checkpoint every this many steps (and at the end); 0 = only at the end.
         keep_ckpts: how many checkpoints to keep.
         seed: seeds python, numpy, torch and the data order.
-        weight_decay: Adam (L2) weight decay (0 in 000).
+        weight_decay: Adam (L2) weight decay (0 in CompeteSMoE (2024)).
     """
 
     steps: int
