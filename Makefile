@@ -27,7 +27,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/moelab compare --out runs/demo --resume
 
-# the grid of issue 8 (about an hour on 2 cores); an interrupted run continues where it stopped.
+# the full benchmark grid of docs/performance.md (about an hour on 2 cores); an interrupted run continues where it stopped.
 # OpenMP threads sleep instead of spinning at barriers: see docs/performance.md (2-thread timings)
 bench: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/moelab bench suite --out runs/bench/suite.json --resume

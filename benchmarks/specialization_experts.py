@@ -1,5 +1,5 @@
-"""One training epoch of N CNN experts of 002: batched (vmap over stacked weights) vs a Python loop
-over expert modules vs N × one expert trained alone.
+"""One training epoch of N CNN experts of Krishnamurthy et al. (2023): batched (vmap over stacked weights) vs
+a Python loop over expert modules vs N × one expert trained alone.
 
     PYTHONPATH=src python benchmarks/specialization_experts.py [--threads 1] [--repeats 3]
 
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from moelab.experts import ModuleExperts
+from moelab.experts import Experts, ModuleExperts
 from moelab.models.vision import BatchedExperts, Expert, vision_config
 
 
@@ -22,7 +22,7 @@ def epoch(bank, x, y, batch, num_classes):
     opt = torch.optim.Adam(bank.parameters(), lr=1e-3)
     t0 = time.perf_counter()
     for idx in torch.randperm(len(y)).split(batch):
-        out = bank.forward_all(x[idx]) if hasattr(bank, "forward_all") else bank(x[idx])[:, None]
+        out = bank.forward_all(x[idx]) if isinstance(bank, Experts) else bank(x[idx])[:, None]
         probs = out[..., :num_classes]  # (B, N, K)
         loss = torch.nn.functional.nll_loss(torch.log(probs + 1e-7).mean(1), y[idx])
         opt.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import moelab
-from moelab.rundir import RunDir
+from moelab.io.rundir import RunDir
 from moelab.schedules import build_schedule
 
 

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-import moelab.bench_suite as suite
+import moelab.bench.suite as suite
 from moelab import MoE
 from moelab.cli import main
 from moelab.experts import MLP
@@ -180,7 +180,7 @@ def test_suite_experts_row_splits_the_gap_into_dispatch_and_expert_gemms(tiny_js
 
 
 def test_experts_only_runs_the_banks_experts_on_sorted_slots():
-    from moelab.bench_suite import experts_only
+    from moelab.bench.suite import experts_only
     from moelab.experts import ExpertBank
 
     bank = ExpertBank(4, 8, 8, activation="swiglu")

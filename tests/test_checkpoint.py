@@ -50,7 +50,7 @@ def test_a_damaged_newest_checkpoint_is_refused_and_an_older_one_used(tmp_path, 
     m = model(0)
     C.save_checkpoint(tmp_path, 1, m, {"step": 1})
     newest = C.save_checkpoint(tmp_path, 2, m, {"step": 2})
-    target = newest / ("model.safetensors" if damage != "remove_meta" else "meta.json")
+    target = newest / ("model.safetensors" if damage != "remove_meta" else "config.json")
     if damage == "truncate":
         target.write_bytes(target.read_bytes()[:100])
     elif damage == "flip":
@@ -65,15 +65,14 @@ def test_a_damaged_newest_checkpoint_is_refused_and_an_older_one_used(tmp_path, 
         C.load_checkpoint(newest, m)
 
 
-def test_weights_file_is_verified_by_its_sidecar(tmp_path):
-    a, b = model(0), model(1)
-    path = C.save_weights(tmp_path / "best.safetensors", a, {"step": 5})
-    assert json.loads((tmp_path / "best.safetensors.json").read_text())["step"] == 5
-    assert C.load_weights(path, b)["step"] == 5 and same_weights(a, b)
-    data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with pytest.raises(C.CheckpointError, match=r"best\.safetensors is corrupted"):
-        C.load_weights(path, b)
-    with pytest.raises(C.CheckpointError, match="does not exist"):
-        C.load_weights(tmp_path / "nope.safetensors", b)
+def test_a_checkpoint_is_a_moelab_save_folder_plus_the_training_state(tmp_path):
+    import moelab
+
+    a = model(0)
+    path = C.save_checkpoint(tmp_path, 5, a, {"step": 5})
+    assert {p.name for p in path.iterdir()} == {"config.json", "model.safetensors", "state.pt"}
+    config = json.loads((path / "config.json").read_text())
+    assert set(config["files"]) == {"model.safetensors", "state.pt"} and config["metadata"] == {"step": 5}
+    b = model(1)
+    moelab.io.load_weights(path, b)
+    assert same_weights(a, b)

@@ -98,3 +98,59 @@ def test_other_errors_keep_their_traceback(monkeypatch):
     _fake_command(monkeypatch, RuntimeError("a bug"))
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["fake"])
+
+
+def test_python_dash_m_moelab_help_exits_0_and_lists_every_subcommand():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(cli.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "moelab", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: moelab")
+    for name in cli.SUBCOMMANDS:
+        assert name in proc.stdout
+
+
+def _all_help(parser) -> list[str]:
+    """The help text of ``parser`` and of every subcommand under it, recursively."""
+    import argparse
+
+    texts = [parser.format_help()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                texts += _all_help(sub)
+    return texts
+
+
+def test_help_cites_papers_by_name_not_by_internal_number_or_issue():
+    import re
+
+    internal = re.compile(r"(?<![\d.,])\b00[0-4]\b(?![.,]?\d)|\b[Ii]ssue \d|paper 00")
+    texts = _all_help(cli.build_parser())
+    assert len(texts) > len(cli.SUBCOMMANDS)
+    for text in texts:
+        assert not internal.search(text), internal.search(text).group(0) + " in:\n" + text
+    assert any("CompeteSMoE (2024) Table 2" in t for t in texts)
+
+
+def test_references_table_holds_every_short_citation_and_the_readme_links_it():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    table = (root / "docs" / "references.md").read_text(encoding="utf-8")
+    for name, arxiv in [
+        ("CompeteSMoE (2024)", "2402.02526"),
+        ("CompeteSMoE (2025)", "2505.13380"),
+        ("Krishnamurthy et al. (2023)", "Improving Expert Specialization"),
+        ("perturbed cosine router (2024)", "2405.14131"),
+        ("Ho (2025)", "VIASM"),
+    ]:
+        assert f"| {name} |" in table and arxiv in table
+    assert "docs/references.md" in (root / "README.md").read_text(encoding="utf-8")

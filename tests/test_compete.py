@@ -412,7 +412,7 @@ def test_competition_over_module_experts():
 def _bench_args(**changes):
     import argparse
 
-    from moelab import bench_compete
+    from moelab.bench import compete as bench_compete
 
     parser = argparse.ArgumentParser()
     bench_compete.add_arguments(parser)

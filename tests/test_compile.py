@@ -18,7 +18,8 @@ import torch._dynamo.testing
 from moelab import MoE
 from moelab.cli import main
 from moelab.experts import ExpertBank
-from moelab.routing import RoutingContext, attach
+from moelab.layer import attach
+from moelab.routing import RoutingContext
 from moelab.schedules import CompetitionSchedule
 
 # routers whose steady-state forward (training, no competition) compiles as one graph

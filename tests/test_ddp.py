@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 import moelab
 from moelab.cli import main
 from moelab.data.text import load_text
-from moelab.experiments.lm import LMTask, build_model
-from moelab.rundir import RunDir
+from moelab.experiments.lm import LMTask, RunConfig, build_model
+from moelab.io.rundir import RunDir
 
 
 def tiny_args(corpus, out, *extra):
@@ -120,7 +120,7 @@ def test_each_rank_adds_the_aux_loss_of_its_own_tokens(corpus, tmp_path):
     row = read_log(out)[0]
 
     # the first step by hand: same seed → same initial weights and the same global batch
-    config = RunDir(out, resume=True).read_config()
+    config = RunConfig.from_dict(RunDir(out, resume=True).read_config())
     data = load_text(str(corpus))
     torch.manual_seed(0)
     model = build_model(config, data.vocab_size)
@@ -200,7 +200,7 @@ def test_expert_parallel_training_follows_the_data_parallel_curve(corpus, tmp_pa
     assert m_ep["params"] == m_dp["params"]  # the whole model, not one rank's block
     assert m_ep["test_bpc"] == pytest.approx(m_dp["test_bpc"], rel=1e-4)
     # the checkpoints hold the full model and optimizer: they load into a plain model
-    config = RunDir(ep, resume=True).read_config()
+    config = RunConfig.from_dict(RunDir(ep, resume=True).read_config())
     model = build_model(config, load_text(str(corpus)).vocab_size)
     from moelab.train.checkpoint import load_checkpoint
 
@@ -231,10 +231,10 @@ def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) ->
     """A Trainer with expert_parallel=True on one rank; reports what the plan made of the model."""
     import torch.distributed as dist
 
+    from moelab.experts import ExpertParallelBank
+    from moelab.layer import moe_layers
     from moelab.models.lm import LMConfig, TransformerLM
-    from moelab.routing import moe_layers
     from moelab.train import TrainConfig, Trainer
-    from moelab.train.distributed import ExpertParallelBank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

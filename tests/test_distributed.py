@@ -14,10 +14,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import moelab
-from moelab.experts import combine
+from moelab.experts import ExpertParallelBank, combine
 from moelab.functional import competition_affinity
 from moelab.train.distributed import (
-    ExpertParallelBank,
     apply_expert_parallel,
     ddp_ignore_experts,
     expert_parameters,
@@ -81,7 +80,9 @@ def _check_layer(rank: int, world: int, method: str) -> dict[str, float]:
     }
     if ep.shared is not None:
         out["grad_shared"] = _err(_sum_over_ranks(ep.shared.fc_in.weight.grad), ref.shared.fc_in.weight.grad)
-    if method == "sharede-v3":  # the aux-loss-free bias update sees the global loads
+    if method == "sharede-v3":  # the aux-loss-free bias update (the step hook) sees the global loads
+        ref.router.on_step()  # one process: the whole batch's load
+        ep.router.on_step()  # this rank's load, summed over the ranks
         assert ref.router.selection_bias.abs().sum() > 0
         out["selection_bias"] = _err(ep.router.selection_bias, ref.router.selection_bias)
     return {f"{method}/{k}": v for k, v in out.items()}
@@ -239,6 +240,4 @@ def test_the_scaling_doc_script_runs_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "world 2: final loss" in out.stdout
     model = nn.Sequential(nn.Linear(32, 64), moelab.MoE(64, num_experts=8, top_k=2), nn.Linear(64, 10))
-    from moelab.serialization import load_checkpoint
-
-    assert load_checkpoint(tmp_path / "ckpt", model) == {"step": 20, "world_size": 2}
+    assert moelab.io.load_weights(tmp_path / "ckpt", model)["metadata"] == {"step": 20, "world_size": 2}

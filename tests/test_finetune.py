@@ -12,7 +12,7 @@ from moelab.cli import main
 from moelab.data.classification import load_classification, read_table
 from moelab.data.download import DataError
 from moelab.data.text import ByteTokenizer, CharTokenizer
-from moelab.experiments.finetune import encode_texts, load_pretrained
+from moelab.experiments.finetune import encode_texts, read_lm_run
 from moelab.models.classifier import LMClassifier, freeze_routers
 from moelab.models.lm import LMConfig, TransformerLM
 
@@ -122,7 +122,7 @@ def test_finetune_cli_reports_accuracy(pretrained, reviews, tmp_path, capsys):
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["test_acc"] <= 100 and "val_acc" in metrics and metrics["num_classes"] == 2
     assert "test accuracy" in capsys.readouterr().out
-    _, tok, config = load_pretrained(pretrained)
+    config, tok = read_lm_run(pretrained)
     assert config["task"] == "lm" and tok.vocab_size == 256
 
 

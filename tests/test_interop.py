@@ -5,7 +5,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import moelab  # noqa: E402
-from moelab.interop import GatedSharedExpert, from_hf  # noqa: E402
+from moelab.hf.convert import GatedSharedExpert, from_hf  # noqa: E402
 
 D, H, N, K = 16, 8, 8, 2
 
@@ -143,10 +143,13 @@ def test_whole_model_conversion_keeps_the_logits():
 
 def test_converted_layer_trains():
     layer = from_hf(_block("deepseek")).train()
+    ctx = moelab.RoutingContext()
+    moelab.attach(layer, ctx)
     bias_before = layer.router.selection_bias.clone()
     y = layer(torch.randn(20, D))
     (y.square().mean() + layer.aux_loss).backward()
     assert layer.router.weight.grad is not None and layer.experts.w_in.grad is not None
+    ctx.advance()  # after the optimizer step
     assert not torch.equal(layer.router.selection_bias, bias_before)  # aux-loss-free balancing ran
 
 

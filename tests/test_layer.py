@@ -185,7 +185,10 @@ def test_attach_rejects_something_that_is_not_a_context():
             {"activation": "tanh"},
             r"activation='tanh' is not allowed; expected one of \[.*'gelu', .*'swiglu'\]",
         ),
-        ({"impl": "cuda"}, r"impl='cuda' is not allowed; expected one of \['auto', 'loop', 'grouped'\]"),
+        (
+            {"impl": "cuda"},
+            r"impl='cuda' is not allowed; expected one of \['auto', 'loop', 'grouped', 'stream'\]",
+        ),
         ({"balance_coef": -0.1}, r"balance_coef=-0.1 is not allowed; expected a number >= 0"),
         ({"z_coef": float("nan")}, r"z_coef=nan is not allowed; expected a number >= 0"),
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),

@@ -60,7 +60,7 @@ def test_dense_arch_has_the_active_width_of_the_moe_model():
     _, active = count_parameters(moe)
     total_dense, _ = count_parameters(dense)
     assert total_dense == active - 2 * 16 * 64  # the same except the routers
-    assert not moelab.routing.moe_layers(dense)
+    assert not moelab.layer.moe_layers(dense)
 
 
 @pytest.mark.parametrize("arch,n_moe", [("switch", 4), ("glam", 2), ("dense", 0)])
@@ -148,7 +148,7 @@ def test_train_cli_writes_the_run(corpus, tmp_path, capsys):
     assert "balance_coef: 0" in config and "method: xmoe" in config
     rows = (out / "log.csv").read_text().splitlines()
     assert len(rows) == 5 and rows[0].startswith("step,lr,loss")
-    assert (out / "best.safetensors").exists() and (out / "ckpt").is_dir()
+    assert (out / "best" / "config.json").exists() and (out / "ckpt").is_dir()
     assert "test_bpc" in capsys.readouterr().out
 
 
@@ -162,6 +162,57 @@ def test_train_cli_reads_a_config_file(corpus, tmp_path):
     assert metrics["steps"] == 4  # a flag given on the command line wins over the file
 
 
+def test_a_runs_own_config_yaml_is_accepted_back_by_config(corpus, tmp_path):
+    import yaml
+
+    first = tmp_path / "first"
+    assert (
+        main(
+            [*tiny_args(corpus, first), "--method", "xmoe", "--opt", "balance_coef=0.02", "--opt", "z_coef=0"]
+        )
+        == 0
+    )
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(first / "config.yaml"), "--out", str(again), "--no-progress"]) == 0
+    a, b = (yaml.safe_load((d / "config.yaml").read_text()) for d in (first, again))
+    assert a == b and a["method"] == "xmoe" and a["opts"] == {"balance_coef": 0.02, "z_coef": 0}
+    m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (first, again))
+    assert m1["test_bpc"] == m2["test_bpc"]  # the same run again
+    # a flag on the command line still wins over the file
+    third = tmp_path / "third"
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(first / "config.yaml"),
+                "--out",
+                str(third),
+                "--seed",
+                "5",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert yaml.safe_load((third / "config.yaml").read_text())["train"]["seed"] == 5
+
+
+def test_a_damaged_run_config_is_refused_in_one_line(corpus, tmp_path, capsys):
+    import yaml
+
+    first = tmp_path / "first"
+    assert main(tiny_args(corpus, first)) == 0
+    config = yaml.safe_load((first / "config.yaml").read_text())
+    config["train"]["bogus"] = 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown train keys ['bogus']" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -169,7 +220,10 @@ def test_train_cli_reads_a_config_file(corpus, tmp_path):
         (["--size", "huge"], "--size='huge' is not allowed"),
         (["--arch", "moe"], "--arch='moe' is not allowed"),
         (["--steps", "0"], "--steps=0 is not allowed"),
-        (["--opt", "nonsense"], "--opt 'nonsense' is not allowed; expected key=value"),
+        (
+            ["--opt", "nonsense"],
+            "--opt 'nonsense' is not allowed; expected KEY=VALUE, e.g. --opt balance_coef=0",
+        ),
         (["--opt", "wrong_option=1"], "option 'wrong_option' is not accepted by method='smoe'"),
         (["--block-size", "4096"], "too short"),
         (["--config", "/nonexistent.yaml"], "does not exist"),
@@ -192,16 +246,14 @@ def test_train_cli_missing_data_and_existing_run(corpus, tmp_path, capsys):
     assert "already holds a run; pass --resume" in err and len(err.strip().splitlines()) == 1
 
 
-def test_train_cli_task_image_without_the_module_exits_2(tmp_path, capsys, monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec",
-        lambda name, *a: None if name == "moelab.experiments.specialization" else real(name, *a),
-    )  # fmt: skip
+def test_train_task_image_is_refused_with_a_pointer_to_specialize(tmp_path, capsys):
     assert main(["train", "--task", "image", "--out", str(tmp_path / "x")]) == 2
-    assert "--task image needs moelab.experiments.specialization" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == (
+        "moelab train: error: --task image is not a train task; run the expert-specialization lab "
+        "with `moelab specialize` (see `moelab specialize --help`)\n"
+    )
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize(
@@ -217,7 +269,7 @@ def test_shipped_configs_are_valid(path):
     args = parser.parse_args(["--config", str(path), "--out", "x"])
     apply_config_file(args, _defaults())
     config = build_config(args)
-    assert config["data"] in ("default", "enwik8", "text8", "wikitext103")
+    assert config.data in ("default", "enwik8", "text8", "wikitext103")
 
 
 def test_a_run_depends_on_its_seed_only(corpus, tmp_path):

@@ -125,13 +125,13 @@ def no_training(monkeypatch, tiny_text):
     import moelab.experiments.lm as lm
     from moelab.train.trainer import Trainer
 
-    upcycle = importlib.import_module("moelab.upcycle")  # (moelab.upcycle is also a function)
+    upcycle = importlib.import_module("moelab.experiments.upcycle")
 
     monkeypatch.setattr(lm, "load_text", lambda *a, **k: tiny_text)
     monkeypatch.setattr(compare, "load_text", lambda *a, **k: tiny_text)
     monkeypatch.setattr(Trainer, "fit", _stop)
     monkeypatch.setattr(finetune, "load_classification", _stop)
-    monkeypatch.setattr(upcycle, "_load_hf_model", _stop)
+    monkeypatch.setattr(upcycle, "load_hf_model", _stop)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # --threads must not touch the pool
 
 

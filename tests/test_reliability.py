@@ -5,6 +5,7 @@ good checkpoint, finite competition affinities for large expert outputs."""
 from __future__ import annotations
 
 import csv
+import os
 import random
 from pathlib import Path
 
@@ -16,8 +17,9 @@ import moelab
 from moelab.data.text import load_text
 from moelab.experiments.lm import LMTask
 from moelab.functional import COMPETITION_ACTIVATIONS, competition_affinity, normalized_weights
+from moelab.io import atomic as A
+from moelab.io.rundir import RunDir
 from moelab.models.lm import LMConfig, TransformerLM
-from moelab.rundir import RunDir
 from moelab.train import TrainConfig, Trainer, TrainingError
 from moelab.train import checkpoint as C
 from moelab.train import trainer as T
@@ -65,36 +67,36 @@ def full(data, tmp_path_factory):
 
 
 def _killer(where: str, at: int):
-    """A stand-in for C._fsync_file / C._fsync_dir that 'kills' the process (KeyboardInterrupt, as
-    SIGKILL would: nothing after it runs) at one moment of the checkpoint write of step ``at``."""
-    real_file, real_dir = C._fsync_file, C._fsync_dir
+    """Stand-ins for the atomic writer's fsync hooks (``moelab.io.atomic._sync`` / ``fsync_dir``)
+    that 'kill' the process (KeyboardInterrupt, as SIGKILL would: nothing after it runs) at one
+    moment of the checkpoint write of step ``at``."""
+    real_sync, real_dir = A._sync, A.fsync_dir
     tmp = f".tmp-step-{at:08d}"
 
-    def fsync_file(path: Path) -> None:
+    def sync(fd: int, path: Path) -> None:
         if path.parent.name == tmp and where == "state-half-written" and path.name == C.STATE:
-            data = path.read_bytes()
-            path.write_bytes(data[: len(data) // 2])  # the write got half-way
+            os.ftruncate(fd, os.fstat(fd).st_size // 2)  # the write got half-way
             raise KeyboardInterrupt
-        real_file(path)
-        if path.parent.name == tmp and where == "before-rename" and path.name == C.META:
+        real_sync(fd, path)
+        if path.parent.name == tmp and where == "before-rename" and path.name == "config.json":
             raise KeyboardInterrupt
 
     def fsync_dir(path: Path) -> None:
         real_dir(path)
-        if where == "after-rename" and path.name == "ckpt" and (path / f"step-{at:08d}").exists():
+        if where == "after-rename" and Path(path).name == "ckpt" and (Path(path) / f"step-{at:08d}").exists():
             raise KeyboardInterrupt  # renamed into place; the older checkpoints not pruned yet
 
-    return fsync_file, fsync_dir
+    return sync, fsync_dir
 
 
 @pytest.mark.parametrize("where", ["state-half-written", "before-rename", "after-rename"])
 def test_a_kill_during_a_checkpoint_write_resumes_to_the_same_log_and_metrics(
     data, tmp_path, full, where, monkeypatch
 ):
-    fsync_file, fsync_dir = _killer(where, at=8)
+    sync, fsync_dir = _killer(where, at=8)
     with monkeypatch.context() as m:
-        m.setattr(C, "_fsync_file", fsync_file)
-        m.setattr(C, "_fsync_dir", fsync_dir)
+        m.setattr(A, "_sync", sync)
+        m.setattr(A, "fsync_dir", fsync_dir)
         with pytest.raises(KeyboardInterrupt):
             train(data, tmp_path)
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
@@ -270,27 +272,26 @@ def test_a_competition_layer_stays_finite_with_large_expert_outputs(kappa, sign)
 
 _KILLER = """
 import os, signal, sys
-from pathlib import Path
-from moelab.train import checkpoint as C
+from moelab.io import atomic as A
 
 tmp, name = f".tmp-step-{int(os.environ['KILL_AT']):08d}", os.environ["KILL_FILE"]
-real = C._fsync_file
+real = A._sync
 
-def fsync_file(path):
+def sync(fd, path):
     if path.parent.name == tmp and path.name == name:
-        if name == C.STATE:
-            Path(path).write_bytes(Path(path).read_bytes()[:1000])  # half-way through the write
+        if name == "state.pt":
+            os.ftruncate(fd, 1000)  # half-way through the write
         os.kill(os.getpid(), signal.SIGKILL)
-    real(path)
+    real(fd, path)
 
-C._fsync_file = fsync_file
+A._sync = sync
 from moelab.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("file", [C.STATE, C.META])
+@pytest.mark.parametrize("file", [C.STATE, "config.json"])
 def test_sigkill_inside_a_checkpoint_write_then_resume_ends_like_an_uninterrupted_run(tmp_path, file):
     """A real `moelab train` process SIGKILLed inside the atomic write of checkpoint 10 (state.pt
     half written, or everything written but not yet renamed), then resumed with --resume."""
@@ -333,15 +334,15 @@ def test_sigkill_inside_a_checkpoint_write_then_resume_ends_like_an_uninterrupte
 def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_ones(data, tmp_path, full, monkeypatch):
     import errno
 
-    real = C._write_weights
+    real = A._sync
 
-    def write(path, model):
+    def sync(fd, path):
         if path.parent.name == ".tmp-step-00000008":
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, model)
+        real(fd, path)
 
     with monkeypatch.context() as m:
-        m.setattr(C, "_write_weights", write)
+        m.setattr(A, "_sync", sync)
         with pytest.raises(C.CheckpointError, match=r"cannot write checkpoint .*step-00000008: No space left on device; "
                            r"the previous checkpoints are kept \(step-00000004\); free disk space"):  # fmt: skip
             train(data, tmp_path)

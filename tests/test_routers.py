@@ -237,26 +237,92 @@ def test_sharede_v3_selection_bias_changes_selection_not_weights():
 
 def test_sharede_v3_bias_update_lowers_overloaded_and_raises_underloaded():
     layer = moelab.MoE(6, 4, 1, method="sharede-v3", bias_update_rate=0.01).train()
+    ctx = moelab.RoutingContext()
+    moelab.attach(layer, ctx)
     with torch.no_grad():
         layer.router.selection_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0]))  # expert 0 takes all
     x = torch.randn(16, 6)
     layer(x)
     load = torch.bincount(layer.last_routing.indices.reshape(-1), minlength=4).float()
     assert load.tolist() == [16.0, 0.0, 0.0, 0.0]
+    assert layer.router.selection_bias.tolist() == [5.0, 0.0, 0.0, 0.0]  # forward changes nothing
+    ctx.advance()
     torch.testing.assert_close(layer.router.selection_bias, torch.tensor([4.99, 0.01, 0.01, 0.01]))
+    assert ctx.step == 1 and not layer.router.pending_load.any()
     layer.eval()
     before = layer.router.selection_bias.clone()
     layer(x)
-    assert torch.equal(layer.router.selection_bias, before)  # no update outside training
+    ctx.advance()
+    assert torch.equal(layer.router.selection_bias, before)  # evaluation forwards are not counted
+
+
+def _sharede_v3(rate: float = 1e-3) -> tuple[moelab.MoE, moelab.RoutingContext]:
+    torch.manual_seed(0)
+    layer = moelab.MoE(6, 4, 1, method="sharede-v3", bias_update_rate=rate).train()
+    ctx = moelab.RoutingContext()
+    moelab.attach(layer, ctx)
+    return layer, ctx
 
 
 def test_sharede_v3_bias_update_keeps_balanced_experts_unchanged():
     router = build_router("sigmoid", 4, 4, 1, normalize=True, selection_bias=True)
-    router._update_bias(torch.tensor([[0], [1], [2], [3], [0], [1]]))  # loads 2,2,1,1; mean 1.5
+    router.pending_load += torch.tensor([2.0, 2.0, 1.0, 1.0])  # mean 1.5
+    router.on_step()
     torch.testing.assert_close(router.selection_bias, torch.tensor([-1e-3, -1e-3, 1e-3, 1e-3]))
     router = build_router("sigmoid", 4, 4, 1, normalize=True, selection_bias=True)
-    router._update_bias(torch.tensor([[0], [1], [2], [3]]))
+    router.pending_load += 1.0
+    router.on_step()
     assert torch.equal(router.selection_bias, torch.zeros(4))
+
+
+def test_sharede_v3_bias_never_changes_in_a_forward_loop_without_advance():
+    layer, _ = _sharede_v3(rate=0.1)
+    for _ in range(5):
+        layer(torch.randn(32, 6)).sum().backward()
+    assert torch.equal(layer.router.selection_bias, torch.zeros(4))
+    assert layer.router.pending_load.sum().item() == 5 * 32  # the load waits for the step hook
+
+
+def test_sharede_v3_bias_updates_once_per_step_with_the_load_of_all_micro_batches():
+    micro = [torch.randn(8, 6) for _ in range(4)]
+    layer, ctx = _sharede_v3(rate=0.01)
+    total = torch.zeros(4)
+    for x in micro:  # gradient accumulation: four forwards and backwards, one optimizer step
+        layer(x).sum().backward()
+        total += torch.bincount(layer.last_routing.indices.reshape(-1), minlength=4).float()
+    ctx.advance()
+    expected = 0.01 * torch.sign(total.mean() - total)
+    torch.testing.assert_close(layer.router.selection_bias, expected)
+    # the same as one forward of the whole batch
+    whole, ctx_whole = _sharede_v3(rate=0.01)
+    whole(torch.cat(micro)).sum().backward()
+    ctx_whole.advance()
+    torch.testing.assert_close(whole.router.selection_bias, layer.router.selection_bias)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_sharede_v3_bias_counts_a_checkpointed_forward_once(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(16, 6, requires_grad=True)
+    plain, ctx_plain = _sharede_v3(rate=0.01)
+    plain(x).sum().backward()
+    ctx_plain.advance()
+    ckpt, ctx_ckpt = _sharede_v3(rate=0.01)
+    checkpoint(ckpt, x, use_reentrant=reentrant).sum().backward()  # the backward runs forward again
+    assert ckpt.router.pending_load.sum().item() == 16  # counted once, not twice
+    ctx_ckpt.advance()
+    assert not plain.router.selection_bias.eq(0).all()
+    torch.testing.assert_close(ckpt.router.selection_bias, plain.router.selection_bias)
+
+
+def test_attach_registers_each_step_hook_once():
+    layer, ctx = _sharede_v3()
+    moelab.attach(layer, ctx)
+    moelab.attach(layer, ctx)
+    assert ctx.hooks == [layer.router.on_step]
+    with pytest.raises(ValueError, match=r"hook=3 is not allowed; expected a callable taking the context"):
+        ctx.add_step_hook(3)
 
 
 def test_sharede_v3_has_shared_experts_and_no_aux_loss():
@@ -442,9 +508,13 @@ def test_sharede_v3_selection_bias_keeps_accumulating_in_a_low_precision_model(d
     assert layer.router.selection_bias.dtype == torch.float32
     with torch.no_grad():
         layer.router.selection_bias.copy_(torch.tensor([3.0, 1.0, 1.0, 1.0]))  # expert 0 takes every token
+    ctx = moelab.RoutingContext()
+    moelab.attach(layer, ctx)
     x = torch.randn(16, 8, dtype=dtype)
     for _ in range(5):
         layer(x)
+        ctx.advance()
+    assert layer.router.pending_load.dtype == torch.float32
     torch.testing.assert_close(layer.router.selection_bias, torch.tensor([2.995, 1.005, 1.005, 1.005]))
 
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import moelab
-from moelab.routing import Routing, RoutingContext, moe_layers
+from moelab.layer import moe_layers
+from moelab.routing import Routing, RoutingContext
 
 
 def test_routing_detach_drops_graph_and_outputs():

@@ -8,7 +8,7 @@ import math
 import pytest
 import yaml
 
-from moelab.rundir import RunDir, atomic_write_bytes, atomic_write_text
+from moelab.io.rundir import RunDir, atomic_write_bytes, atomic_write_text
 
 
 def test_rundir_creates_the_folder(tmp_path):
@@ -79,7 +79,7 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatc
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("moelab.rundir.os.replace", boom)
+    monkeypatch.setattr("moelab.io.atomic.os.replace", boom)
     with pytest.raises(OSError, match="disk full"):
         atomic_write_bytes(path, b"new")
     assert path.read_bytes() == b"old"

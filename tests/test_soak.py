@@ -19,8 +19,8 @@ import torch
 
 from moelab.data.text import load_text
 from moelab.experiments.lm import LMTask
+from moelab.io.rundir import RunDir
 from moelab.models.lm import LMConfig, TransformerLM
-from moelab.rundir import RunDir
 from moelab.train import TrainConfig, Trainer
 
 

@@ -119,13 +119,16 @@ def test_fewer_experts_than_truth_is_rejected():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"tau": -0.5}, "tau1=-0.5"), ({"gate": "hash"}, "gate='hash'"), ({"expert": "conv"}, "expert='conv'"),
+    [({"tau": -0.5}, "tau=-0.5"), ({"gate": "hash"}, "gate='hash'"), ({"expert": "conv"}, "expert='conv'"),
      ({"optimizer": "rmsprop"}, "optimizer='rmsprop'"), ({"init": "zeros"}, "init='zeros'"),
-     ({"steps": 0}, "steps=0"), ({"lr": -1.0}, "lr=-1.0")],
+     ({"steps": 0}, "steps=0"), ({"lr": -1.0}, "lr=-1.0"), ({"seed": 1.5}, "seed=1.5")],
 )  # fmt: skip
-def test_estimator_rejects_bad_hyper_parameters(kwargs, match):
+def test_fit_rejects_bad_hyper_parameters_that_init_stored_unchecked(kwargs, match):
+    _, truth, X, Y = _data(n=500, R=1)
+    est = LeastSquaresMoE(2, **kwargs)  # scikit-learn's rule: __init__ stores, fit checks
+    assert all(getattr(est, name) == value for name, value in kwargs.items())
     with pytest.raises(ValueError, match=match):
-        LeastSquaresMoE(2, **kwargs)
+        est.fit(X, Y, truth)
 
 
 def test_truth_init_without_truth_is_rejected():

@@ -131,7 +131,7 @@ def test_gaussian_log_density_equals_literal_loop(gating):
             mus = [_dot(p.a[r, i].tolist(), xs) + float(p.b[r, i]) for i in range(K)]
             if gating == "softmax":
                 logits = [_dot(p.beta1[r, i].tolist(), xs) + float(p.beta0[r, i]) for i in range(K)]
-            else:  # 001 eq. (13): exp(log(1 + exp(mu)))
+            else:  # CompeteSMoE (2025) eq. (13): exp(log(1 + exp(mu)))
                 logits = [math.log(1 + math.exp(m)) for m in mus]
             z = sum(math.exp(v) for v in logits)
             dens = sum(

@@ -36,7 +36,9 @@ def test_truncated_normal_is_more_concentrated_than_uniform():
 def test_regression_noise_has_the_requested_variance_and_seed_reproduces():
     model = RegressionMoE(gate="linear", expert="ffn")
     truth = regression_truth(model, 2, 3, generator=torch.Generator().manual_seed(0))
-    assert truth.beta1[0, -1].abs().sum() == 0 and truth.beta0[0, -1] == 0  # last router pinned (003 E.1)
+    assert (
+        truth.beta1[0, -1].abs().sum() == 0 and truth.beta0[0, -1] == 0
+    )  # last router pinned (perturbed cosine router (2024) E.1)
     X, Y = simulate_regression(
         model, truth, 20000, 2, noise_var=0.04, generator=torch.Generator().manual_seed(1)
     )

@@ -41,7 +41,7 @@ def test_hand_computed_split_atom_case():
     b1, eta = _t([[2.0], [-2.0], [10.0]]), _t([[0.0], [0.0], [12.0]])
     got = voronoi_loss(b0, b1, eta, B0_TRUE, B1_TRUE, ETA_TRUE)
     assert got.item() == pytest.approx(8.25)
-    # exponent-r variant (004): r(|A_j| = 2) = 4 -> 0.5·16 + 0.25·16 = 12 in cell 1
+    # exponent-r variant (Ho (2025)): r(|A_j| = 2) = 4 -> 0.5·16 + 0.25·16 = 12 in cell 1
     got_r = voronoi_loss(b0, b1, eta, B0_TRUE, B1_TRUE, ETA_TRUE, r_multi=lambda size: 2.0 * size)
     assert got_r.item() == pytest.approx(12 + 4 + 1.25)
 
@@ -77,7 +77,7 @@ def test_batched_equals_loop_over_replicates():
 
 
 def test_gaussian_voronoi_loss_hand_computed():
-    # 001 App. J eq. (14), unit weights (competition gating): atoms 1, 2 split true atom 1
+    # CompeteSMoE (2025) App. J eq. (14), unit weights (competition gating): atoms 1, 2 split true atom 1
     a_true, b_true, nu_true = _t([[0.0, 0.0], [5.0, 5.0]]), _t([0.0, 5.0]), _t([1.0, 1.0])
     a, b, nu = _t([[3.0, 4.0], [0.0, 0.0], [5.0, 5.0]]), _t([0.0, 1.0, 5.0]), _t([1.0, 1.0, 1.5])
     # cell 1 (size 2): (25 + 0 + 0) + (0 + 1 + 0) = 26;  cell 2: 0 + 0 + 0.5;  masses |2 − 1| + |1 − 1| = 1

@@ -12,10 +12,10 @@ import torch
 import moelab
 from moelab.data.text import load_text
 from moelab.experiments.lm import LMTask
+from moelab.io.rundir import RunDir
 from moelab.models.lm import LMConfig, TransformerLM
-from moelab.rundir import RunDir
-from moelab.train import TrainConfig, Trainer, TrainingError, lr_factor
-from moelab.train.trainer import build_competition_schedule, split_schedule_options
+from moelab.schedules import build_competition_schedule, lr_factor, split_schedule_options
+from moelab.train import TrainConfig, Trainer, TrainingError
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.1)
 
@@ -95,7 +95,7 @@ def test_run_writes_log_metrics_and_uses_the_best_validation_weights(data, tmp_p
     assert metrics["train_loss"] == pytest.approx(sum(float(r["loss"]) for r in rows[-3:]) / 3)
     assert metrics["world_size"] == 1 and metrics["seed"] == 5 and metrics["tokens_per_s"] > 0
     assert [p.name for p in (tmp_path / "a" / "ckpt").iterdir()] and (
-        tmp_path / "a" / "best.safetensors"
+        tmp_path / "a" / "best" / "model.safetensors"
     ).exists()
 
 

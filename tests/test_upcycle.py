@@ -7,7 +7,7 @@ from torch import nn
 import moelab
 from moelab.cli import main
 from moelab.experts import MLP
-from moelab.upcycle import find_mlps, load_upcycled, upcycle
+from moelab.hf.upcycle import find_mlps, upcycle
 
 transformers = pytest.importorskip("transformers")
 
@@ -181,13 +181,13 @@ def test_cli_writes_a_checkpoint_that_reloads_bit_exactly(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["num_moe_layers"] == 2 and metrics["num_parameters"] > metrics["num_parameters_dense"]
 
-    model = load_upcycled(out).eval()
+    model = moelab.load(out)
     layers = moelab.attach(model, moelab.RoutingContext())
     assert len(layers) == 2 and layers[0].coefs["balance"] == 0.02
     ids = torch.randint(0, 40, (2, 6))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)
-        again = load_upcycled(out).eval()
+        again = moelab.load(out)
         assert torch.equal(again(ids).logits, model(ids).logits)
     assert main(argv) == 2  # refuses to overwrite without --force
 
@@ -200,7 +200,7 @@ def test_cli_accepts_a_config_json_and_reports_bad_input(tmp_path, capsys):
     cfg.save_pretrained(tmp_path / "cfg")
     argv = ["upcycle", "--model", str(tmp_path / "cfg" / "config.json"), "--num-experts", "4", "--top-k", "1"]
     assert main([*argv, "--layers", "0", "--out", str(tmp_path / "a")]) == 0
-    model = load_upcycled(tmp_path / "a")
+    model = moelab.load(tmp_path / "a")
     assert len(moelab.attach(model, moelab.RoutingContext())) == 1
     assert main([*argv, "--layers", "x", "--out", str(tmp_path / "b")]) == 2
     assert "--layers 'x' is not allowed" in capsys.readouterr().err
@@ -210,7 +210,7 @@ def test_cli_accepts_a_config_json_and_reports_bad_input(tmp_path, capsys):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_hf_trainer_fine_tunes_an_upcycled_model_with_aux_loss_and_routing_context(tmp_path, accumulate):
-    from moelab.interop import MoETrainer, MoETrainerCallback
+    from moelab.hf.trainer import MoETrainer, MoETrainerCallback
 
     model = _gpt2().float().train()
     upcycle(model, 4, 2, method="smoe-dropout", k_max=4, balance_coef=0.5)  # K grows with ctx.progress
@@ -259,9 +259,16 @@ def test_hf_trainer_fine_tunes_an_upcycled_model_with_aux_loss_and_routing_conte
     assert not torch.equal(model.transformer.h[0].mlp.experts.w_in, before)
 
 
-def test_load_upcycled_refuses_other_checkpoints(tmp_path):
-    from moelab.serialization import save_checkpoint
-
-    save_checkpoint(tmp_path, nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="not one written by `moelab upcycle`"):
-        load_upcycled(tmp_path)
+def test_an_upcycled_model_records_how_to_rebuild_it_offline(tmp_path):
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2
+    )
+    model = upcycle(transformers.LlamaForCausalLM(cfg), 4, 2, "smoe", [1], balance_coef=0.02)
+    moelab.save(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["kind"] == "transformers" and config["config"]["model_class"] == "LlamaForCausalLM"
+    assert config["config"]["recipe"] == [{"op": "upcycle", "num_experts": 4, "top_k": 2, "method": "smoe",
+                                           "layers": [1], "options": {"balance_coef": 0.02}}]  # fmt: skip
+    again = moelab.load(tmp_path)
+    for (k, a), (k2, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k

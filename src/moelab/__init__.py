@@ -1,14 +1,13 @@
 """moelab: sparse mixture-of-experts routing, every method of the source papers, correct and fast."""
 
+from ._version import __version__
 from .experts import ExpertBank, ModuleExperts
-from .interop import from_hf
-from .layer import MoE, aux_loss
+from .hf import from_hf, upcycle
+from .io import load, save
+from .layer import MoE, attach, aux_loss
 from .methods import methods
-from .routing import Routing, RoutingContext, attach
+from .routing import Routing, RoutingContext
 from .schedules import CoinFlipSchedule, CompetitionSchedule
-from .upcycle import upcycle
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CoinFlipSchedule",
@@ -22,6 +21,8 @@ __all__ = [
     "attach",
     "aux_loss",
     "from_hf",
+    "load",
     "methods",
+    "save",
     "upcycle",
 ]

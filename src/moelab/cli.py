@@ -13,7 +13,8 @@ import errno
 import importlib
 import sys
 
-from . import __version__
+from ._version import __version__
+from .errors import UsageError
 
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -21,26 +22,28 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("moelab.experiments.lm", "train a model: a Switch/GLaM MoE language model (--task lm)"),
     "compare": (
         "moelab.experiments.compare",
-        "compare MoE methods x seeds on language modelling (000 Table 2)",
+        "compare MoE methods x seeds on language modelling (CompeteSMoE (2024) Table 2)",
     ),
     "finetune": (
         "moelab.experiments.finetune",
-        "fine-tune a trained MoE LM on text classification (000 Table 3)",
+        "fine-tune a trained MoE LM on text classification (CompeteSMoE (2024) Table 3)",
     ),
     "report": ("moelab.experiments.report", "tables and plots from finished runs"),
-    "upcycle": ("moelab.upcycle", "turn a dense model's MLPs into MoE layers (safetensors checkpoint)"),
+    "upcycle": (
+        "moelab.experiments.upcycle",
+        "turn a dense model's MLPs into MoE layers (safetensors checkpoint)",
+    ),
     "bench": ("moelab.bench", "benchmarks: medians and ratios to the dense limit and to peers"),
     "simulate": ("moelab.stats.studies", "convergence-rate studies of regression / Gaussian MoE estimators"),
-    "specialize": ("moelab.experiments.specialization", "expert-specialization lab of paper 002 (image MoE)"),
+    "specialize": (
+        "moelab.experiments.specialization",
+        "the expert-specialization lab of Krishnamurthy et al. (2023) on image MoEs",
+    ),
 }
 
 
 #: OSError numbers reported as one-line user errors (exit 2): no space, quota, read-only, permission
 _USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-class UsageError(Exception):
-    """A problem with the user's input: reported as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):

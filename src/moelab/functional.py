@@ -27,8 +27,8 @@ __all__ = [
 def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-K softmax gating: ``w = softmax(TopK_-inf(h))``.
 
-    The Switch / GShard / Mixtral router (000 eq. 1-2; 001 eq. 1).  Mixtral computes the
-    softmax over all N experts and renormalises the chosen K: mathematically the same weights.
+    The Switch / GShard / Mixtral router (CompeteSMoE (2024) eq. 1-2; CompeteSMoE (2025) eq. 1).  Mixtral
+    computes the softmax over all N experts and renormalises the chosen K: mathematically the same weights.
 
     Args:
         logits: ``(T, N)`` router logits ``h``.
@@ -48,9 +48,9 @@ def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def normalized_weights(scores: Tensor, eps: float = 0.0) -> Tensor:
     """Normalise non-negative scores over the last dimension: ``s / Σ s``.
 
-    Used by the normalised-sigmoid gate of DeepSeek-V3 (004, "normalized sigmoid gating";
-    001 SharedE-V3 baseline) and by the competition weights ``TopK_0(s) / Σ TopK_0(s)``
-    (001 eq. 5).
+    Used by the normalised-sigmoid gate of DeepSeek-V3 (Ho (2025), "normalized sigmoid gating";
+    CompeteSMoE (2025) SharedE-V3 baseline) and by the competition weights ``TopK_0(s) / Σ TopK_0(s)``
+    (CompeteSMoE (2025) eq. 5).
     """
     return scores / (scores.sum(dim=-1, keepdim=True) + eps)
 
@@ -64,11 +64,11 @@ def cosine_logits(
 ) -> Tensor:
     """(Perturbed) cosine similarity between tokens and expert embeddings.
 
-    ``ℓ_i(x) = xᵀ e_i / ((‖x‖ + τ₂)(‖e_i‖ + τ₁))`` — 003 eq. (7) (the perturbed cosine
-    router); with ``τ₁ = τ₂ = 0`` it is the vanilla cosine router of X-MoE (003 eq. (2)).
+    ``ℓ_i(x) = xᵀ e_i / ((‖x‖ + τ₂)(‖e_i‖ + τ₁))`` — perturbed cosine router (2024) eq. (7);
+    with ``τ₁ = τ₂ = 0`` it is the vanilla cosine router of X-MoE (perturbed cosine router (2024) eq. (2)).
     The same function serves the ``xmoe`` / ``pcosine`` routers and the regression models of
-    ``moelab.stats``.  ``eps`` only guards the unperturbed case against a zero norm; it is
-    added as ``max(‖·‖, eps)`` so that a non-zero vector's cosine is exact.
+    ``moelab.stats``.  ``eps`` only guards the unperturbed case against a zero norm; it is added as
+    ``max(‖·‖, eps)`` so that a non-zero vector's cosine is exact.
 
     Args:
         x: ``(..., T, d)`` tokens (already projected, for X-MoE).
@@ -128,13 +128,13 @@ COMPETITION_ACTIVATIONS = ("softplus", "silu", "sigmoid", "relu", "softmax", "ex
 def competition_affinity(outputs: Tensor, activation: str = "softplus", reduce: str = "mean") -> Tensor:
     """Expert affinity scores of the competition mechanism.
 
-    * ``reduce="mean"``: ``s_i = mean_d κ(g_i(x))`` — 001 eq. (4) with κ = softplus by default and
-      the alternatives of 001 App. C.3 / eq. (10) (silu, sigmoid, relu, softmax, exp).  For
-      ``softmax`` the softmax runs across the N experts for each feature (a softmax over the
-      features would average to the constant 1/d).
-    * ``reduce="norm"``: ``s_i = ‖g_i(x)‖₂`` — 000 eq. (3) (CompeteSMoE v1).
+    * ``reduce="mean"``: ``s_i = mean_d κ(g_i(x))`` — CompeteSMoE (2025) eq. (4) with κ = softplus by default
+      and the alternatives of CompeteSMoE (2025) App. C.3 / eq. (10) (silu, sigmoid, relu, softmax, exp).  For
+      ``softmax`` the softmax runs across the N experts for each feature (a softmax over the features would
+      average to the constant 1/d).
+    * ``reduce="norm"``: ``s_i = ‖g_i(x)‖₂`` — CompeteSMoE (2024) eq. (3) (CompeteSMoE v1).
 
-    ``κ = exp`` overflows in float32 once an output exceeds ~88 (001 App. C.3 reports NaNs).
+    ``κ = exp`` overflows in float32 once an output exceeds ~88 (CompeteSMoE (2025) App. C.3 reports NaNs).
     Here it is computed in log space and shifted per token by the largest log-affinity, so the
     returned scores are ``mean(exp(g_i)) / max_j mean(exp(g_j))``: finite, with the same ranking
     and the same normalised weights ``s / Σ s`` as the exact values.
@@ -159,7 +159,7 @@ def competition_affinity(outputs: Tensor, activation: str = "softplus", reduce: 
         return F.relu(outputs).mean(dim=-1)
     if activation == "softmax":
         # The mean over features of a softmax over the same features is the constant 1/d, so the
-        # softmax is taken across experts, per feature (our reading of 001 App. C.3).
+        # softmax is taken across experts, per feature (our reading of CompeteSMoE (2025) App. C.3).
         return outputs.softmax(dim=-2).mean(dim=-1)
     if activation == "exp":
         log_mean = outputs.logsumexp(dim=-1) - math.log(outputs.shape[-1])  # (..., N)

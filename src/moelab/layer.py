@@ -8,19 +8,16 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate
-from .experts import MLP, ExpertBank, combine
+from .errors import NonFiniteError
+from .experts import MLP, ExpertBank, Experts, combine
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
-from .methods import get_method
-from .routers import ROUTERS, build_router, router_options
-from .routing import Routing, RoutingContext, moe_layers
+from .methods import build_method_router, get_method, method_router_options
+from .routers import ROUTERS
+from .routing import Routing, RoutingContext
 
-__all__ = ["MoE", "NonFiniteError", "aux_loss"]
+__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
 
 _LAYER_OPTIONS = ("num_shared",)
-
-
-class NonFiniteError(RuntimeError):
-    """Router logits are NaN/inf (``check_finite``); the trainer turns it into a clean stop."""
 
 
 class MoE(nn.Module):
@@ -33,13 +30,14 @@ class MoE(nn.Module):
         d_model: token width d.
         num_experts: routed experts N.
         top_k: experts per token K, in ``[1, N]``.
-        d_hidden: hidden width of each expert (default ``d_model``, the 000 setting).
+        d_hidden: hidden width of each expert (default ``d_model``, the CompeteSMoE (2024) setting).
         method: a name from :func:`moelab.methods` (the presets of :mod:`moelab.methods`).
         activation: expert activation ``relu``, ``gelu``, ``silu`` or ``swiglu``.
         bias: expert biases.
         impl: expert dispatch, ``"auto"``, ``"loop"`` or ``"grouped"`` (:class:`ExpertBank`).
         experts: a custom expert bank (e.g. :class:`ModuleExperts` of CNN experts) used instead of
-            an :class:`ExpertBank`; it must have ``num_experts`` == N.
+            an :class:`ExpertBank`; it implements :class:`moelab.experts.Experts` with
+            ``num_experts`` == N.
         check_finite: raise ``RuntimeError`` when router logits are NaN/inf (one host sync per
             forward; switch off for speed).  Under ``torch.compile`` the check is traced as
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
@@ -74,12 +72,27 @@ class MoE(nn.Module):
         preset = get_method(method)
         self.method = method
         self.check_finite = bool(check_finite)
+        #: the constructor arguments, JSON-ready: what :func:`moelab.save` records of this layer
+        #: (``custom_experts``: an ``experts`` module was given, which a config cannot rebuild)
+        self.init_config = {
+            "d_model": d_model,
+            "num_experts": num_experts,
+            "top_k": top_k,
+            "d_hidden": d_hidden,
+            "method": method,
+            "activation": activation,
+            "bias": bool(bias),
+            "impl": impl,
+            "check_finite": bool(check_finite),
+            "options": dict(options),
+            "custom_experts": experts is not None,
+        }
 
         router_cls = ROUTERS[preset.router]
-        allowed_router = router_options(router_cls)
+        allowed_router = method_router_options(method)
         loss_names = LOSS_NAMES + tuple(getattr(router_cls, "loss_names", ()))
         allowed = sorted([*allowed_router, *(f"{n}_coef" for n in loss_names), *_LAYER_OPTIONS])
-        r_opts = dict(preset.options)
+        r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
         for key, value in options.items():
@@ -94,12 +107,17 @@ class MoE(nn.Module):
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
 
-        self.router = build_router(preset.router, d_model, num_experts, top_k, **r_opts)
+        self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
         if experts is None:
             experts = ExpertBank(num_experts, d_model, d_hidden, activation=activation, bias=bias, impl=impl)
-        elif getattr(experts, "num_experts", None) != num_experts:
+        elif not isinstance(experts, Experts):
             raise ValueError(
-                f"experts.num_experts={getattr(experts, 'num_experts', None)!r} does not match num_experts={num_experts}"
+                f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
+                "moelab.experts.Experts (num_experts, d_model, forward, expert_forward, forward_all, forward_winners)"
+            )
+        elif experts.num_experts != num_experts:
+            raise ValueError(
+                f"experts.num_experts={experts.num_experts!r} does not match num_experts={num_experts}"
             )
         self.experts = experts
         self.shared = (
@@ -108,8 +126,8 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
-        #: top-(K+1) swap evaluation (001 Table 3; :func:`moelab.metrics.swap_top1`): route with
-        #: K+1 experts and drop the top-1
+        #: top-(K+1) swap evaluation (CompeteSMoE (2025) Table 3; :func:`moelab.metrics.swap_top1`):
+        #: route with K+1 experts and drop the top-1
         self.swap_top1 = False
         self._aux: Tensor | None = torch.zeros(())
         self._aux_pending: tuple[Routing, Tensor] | None = None
@@ -188,9 +206,9 @@ class MoE(nn.Module):
         return y.reshape(shape)
 
     def _route_swapped(self, x: Tensor) -> Routing:
-        """The router's choice with its top-1 expert replaced by its (K+1)-th (001 Table 3): route
-        with K+1 experts, drop column 0 (routers sort their choice by decreasing score) and, for
-        routers whose weights sum to one, renormalise the K left."""
+        """The router's choice with its top-1 expert replaced by its (K+1)-th (CompeteSMoE (2025)
+        Table 3): route with K+1 experts, drop column 0 (routers sort their choice by decreasing
+        score) and, for routers whose weights sum to one, renormalise the K left."""
         router = self.router
         k = router.top_k
         if k >= self.num_experts:
@@ -248,3 +266,34 @@ def aux_loss(model: nn.Module) -> Tensor:
     for layer in layers[1:]:
         total = total + layer.aux_loss
     return total
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The MoE layers of ``model`` in module order (``model`` itself included if it is one)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
+    """Give every MoE layer of ``model`` the shared context and its index (module order).
+
+    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  Every router
+    module with an ``on_step(ctx)`` method (state updated once per optimizer step, e.g. sharede-v3's
+    selection bias) is registered as a step hook of ``ctx`` (:meth:`RoutingContext.advance`).  If the context
+    holds a schedule with a ``num_layers`` attribute it must match the model's MoE layer count.
+    """
+    if not isinstance(ctx, RoutingContext):
+        raise ValueError(f"ctx={ctx!r} is not allowed; expected a moelab.RoutingContext")
+    layers = moe_layers(model)
+    num_layers = getattr(ctx.schedule, "num_layers", None)
+    if num_layers is not None and num_layers != len(layers):
+        raise ValueError(
+            f"schedule.num_layers={num_layers} does not match the model, which has {len(layers)} MoE layers"
+        )
+    for i, layer in enumerate(layers):
+        layer.ctx = ctx
+        layer.layer_index = i
+        for module in layer.router.modules():  # a composed router's base router too
+            on_step = getattr(module, "on_step", None)
+            if callable(on_step):
+                ctx.add_step_hook(on_step)
+    return layers

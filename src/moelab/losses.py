@@ -32,8 +32,8 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
     """Switch Transformer load-balancing loss ``N · Σ_i f_i P_i``.
 
     ``f_i`` is the fraction of the ``T·K`` token slots routed to expert ``i``; ``P_i`` the mean
-    router probability of ``i`` (Fedus et al. 2022, eq. 4; used by 001 §4 with coefficient 0.01).
-    Equals 1 under perfect balance.
+    router probability of ``i`` (Fedus et al. 2022, eq. 4; used by CompeteSMoE (2025) §4 with coefficient
+    0.01). Equals 1 under perfect balance.
 
     Args:
         probs: ``(T, N)`` router distribution.
@@ -45,32 +45,32 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
 
 
 def z_loss(logits: Tensor) -> Tensor:
-    """Router z-loss ``mean_x (logsumexp_i h_i(x))²`` (ST-MoE, Zoph et al. 2022, eq. 5; 001 Table 20
-    uses 0.001)."""
+    """Router z-loss ``mean_x (logsumexp_i h_i(x))²`` (ST-MoE, Zoph et al. 2022, eq. 5; CompeteSMoE (2025)
+    Table 20 uses 0.001)."""
     compute = torch.promote_types(logits.dtype, torch.float32)  # fp16/bf16 → fp32; float64 stays
     return logits.to(compute).logsumexp(dim=-1).square().mean().to(logits.dtype)
 
 
 def importance_loss(probs: Tensor) -> Tensor:
-    """Importance loss ``CV(Σ_x p(·|x))²`` with ``CV = std / mean`` (002 eq. 7, after Shazeer et al.
-    2017); the paper's weight ``w`` is the coefficient."""
+    """Importance loss ``CV(Σ_x p(·|x))²`` with ``CV = std / mean`` (Krishnamurthy et al. (2023) eq. 7, after
+    Shazeer et al. 2017); the paper's weight ``w`` is the coefficient."""
     importance = probs.sum(dim=0)  # (N,)
     return importance.var(unbiased=False) / importance.mean().square()
 
 
 def mean_entropy_loss(probs: Tensor, eps: float = 1e-9) -> Tensor:
     """σ-MoE regulariser: the negative entropy of the batch-mean router distribution,
-    ``−H(mean_x softmax(W x))`` (Csordás et al. 2023, §4 "entropy regularisation"; 001 σ-MoE
+    ``−H(mean_x softmax(W x))`` (Csordás et al. 2023, §4 "entropy regularisation"; CompeteSMoE (2025) σ-MoE
     baseline, coefficient ≈ 1e-3).  Minimising it spreads the load."""
     mean = probs.mean(dim=0)
     return (mean * (mean + eps).log()).sum()
 
 
-# ---------------------------------------------------------------- CompeteSMoE (000, 001)
+# ---------------------------------------------------------------- CompeteSMoE (2024, 2025)
 def distillation_loss(
     router_scores: Tensor, competition_scores: Tensor, winners: Tensor, alpha: float
 ) -> Tensor:
-    """CompeteSMoE distillation loss (001 eq. 1):
+    """CompeteSMoE distillation loss (CompeteSMoE (2025) eq. 1):
     ``L_D = MSE(s_R, s_C) + (α/K) · Σ_{j∈I_C} (s_C^j − s_R^j)²``.
 
     The MSE is the mean over the ``T·N`` entries; the winner term is summed over the K winners of
@@ -81,7 +81,7 @@ def distillation_loss(
         router_scores: ``(T, N)`` ``s_R``, the router's softmax over all experts.
         competition_scores: ``(T, N)`` ``s_C = TopK_0(s) / Σ TopK_0(s)`` (zero off the winners).
         winners: ``(T, K)`` ``I_C``, the competition winners.
-        alpha: α (0.1, 001 Table 20).
+        alpha: α (0.1, CompeteSMoE (2025) Table 20).
     """
     target = competition_scores.detach().to(router_scores.dtype)
     mse = (router_scores - target).square().mean()
@@ -91,7 +91,7 @@ def distillation_loss(
 
 
 def diversity_loss(outputs: Tensor, normalize: str = "frobenius", eps: float = 1e-12) -> Tensor:
-    """CompeteSMoE diversity loss on the winners' outputs (001 eq. 2):
+    """CompeteSMoE diversity loss on the winners' outputs (CompeteSMoE (2025) eq. 2):
     ``L_div(O) = 1/(K(K−1)) Σ_{i≠j} C_ij`` with ``C = O Oᵀ / ‖O‖²₂``, per token, averaged over tokens.
 
     Args:
@@ -120,13 +120,13 @@ def diversity_loss(outputs: Tensor, normalize: str = "frobenius", eps: float = 1
 
 def topk_softmax_dense(scores: Tensor, k: int) -> Tensor:
     """``softmax(TopK_-inf(v))`` as an ``(T, N)`` distribution: the softmax over each row's K
-    largest entries, zero elsewhere (000 eq. 1-2)."""
+    largest entries, zero elsewhere (CompeteSMoE (2024) eq. 1-2)."""
     top, idx = scores.topk(k, dim=-1)
     return torch.zeros_like(scores).scatter(-1, idx, top.softmax(dim=-1))
 
 
 def competition_router_loss(router_logits: Tensor, competition_scores: Tensor, k: int) -> Tensor:
-    """CompeteSMoE v1 router loss (000 eq. 3):
+    """CompeteSMoE v1 router loss (CompeteSMoE (2024) eq. 3):
     ``L_R = MSE(softmax(TopK(s_R, K)), softmax(TopK(s_C, K)))``, both over N experts (zero off each
     one's top K), mean over the ``T·N`` entries; ``s_C`` (the experts' output norms) is detached.
 
@@ -140,7 +140,7 @@ def competition_router_loss(router_logits: Tensor, competition_scores: Tensor, k
 
 
 def sample_similarity_loss(probs: Tensor, x: Tensor, beta_s: float, beta_d: float) -> Tensor:
-    """Sample-similarity regulariser ``L_s`` of 002 eq. 8–10, as the paper writes it.
+    """Sample-similarity regulariser ``L_s`` of Krishnamurthy et al. (2023) eq. 8–10, as the paper writes it.
 
     ``L_s = 1/(N²−N) Σ_{x,x'} [S(x,x') − D(x,x')]`` over the ``N`` samples of the batch, with
     ``S = β_s/M Σ_e p(e|x) p(e|x') ‖x−x'‖²`` (similar samples to the same expert) and
@@ -152,7 +152,7 @@ def sample_similarity_loss(probs: Tensor, x: Tensor, beta_s: float, beta_d: floa
     Args:
         probs: ``(N, M)`` gate distribution.
         x: ``(N, ...)`` the samples (flattened to vectors).
-        beta_s, beta_d: the paper's weights (002 Appendix C, Table 6).
+        beta_s, beta_d: the paper's weights (Krishnamurthy et al. (2023) Appendix C, Table 6).
     """
     n, m = probs.shape
     if n < 2 or m < 2:

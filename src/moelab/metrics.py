@@ -1,17 +1,17 @@
 """Routing diagnostics.
 
-CompeteSMoE diagnostics (000 App. C.5; 001 §5.2.2, App. C.5, D.1), usable on any model that contains
-``moelab.MoE`` layers, whatever its method:
+CompeteSMoE diagnostics (CompeteSMoE (2024) App. C.5; CompeteSMoE (2025) §5.2.2, App. C.5, D.1), usable on any
+model that contains ``moelab.MoE`` layers, whatever its method:
 
-* :func:`router_entropy` — mean entropy of the router softmax, per layer (000 Table 10);
+* :func:`router_entropy` — mean entropy of the router softmax, per layer (CompeteSMoE (2024) Table 10);
 * :func:`competition_overlap` — mean ``|TopK(router) ∩ TopK(competition)|`` per token, per layer,
-  the competition computed on demand from the layer's input (001 App. C.5, "level learning");
+  the competition computed on demand from the layer's input (CompeteSMoE (2025) App. C.5, "level learning");
 * :func:`expert_change_rate` — fraction of (token, layer, slot) assignments that differ between two
-  checkpoints on the same data (001 §5.2.2 b, Fig. 3);
+  checkpoints on the same data (CompeteSMoE (2025) §5.2.2 b, Fig. 3);
 * :func:`expert_output_norms` — mean ‖g_i(x)‖₂ of every expert on the layer's tokens, per layer
-  (001 App. D.1, Fig. 6);
+  (CompeteSMoE (2025) App. D.1, Fig. 6);
 * :func:`swap_top1` — context manager: every layer replaces its top-1 expert by its (K+1)-th
-  (001 §5.2.2 a, Table 3).
+  (CompeteSMoE (2025) §5.2.2 a, Table 3).
 
 The tensor-level functions (:func:`routing_entropy`, :func:`topk_overlap`,
 :func:`assignment_change_rate`) take routings directly; the model-level ones run the model in
@@ -19,9 +19,9 @@ evaluation mode without gradients over ``batches`` (an iterable of inputs; a tup
 unpacked into the call, or pass ``forward(model, batch)``) and read each MoE layer's input and
 ``last_routing`` through forward hooks.
 
-Expert specialization (paper 002 §3 and Appendix A): :func:`specialization` (``H_s``, ``H_u``,
-``I_EY``), :func:`selection_table` and :func:`plot_selection_table` (the expert × class table of
-002 Fig. 2, 3, 6).  All entropies are in bits (log₂).
+Expert specialization (Krishnamurthy et al. (2023) §3 and Appendix A): :func:`specialization` (``H_s``,
+``H_u``, ``I_EY``), :func:`selection_table` and :func:`plot_selection_table` (the expert × class table of
+Krishnamurthy et al. (2023) Fig. 2, 3, 6).  All entropies are in bits (log₂).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ __all__ = [
 # ---------------------------------------------------------------- on routings
 def routing_entropy(probs: Tensor, base: float = math.e) -> Tensor:
     """Mean per-token entropy ``mean_x −Σ_i p_i log p_i`` of a ``(T, N)`` router distribution, in
-    nats by default (``base=2`` for bits).  000 Table 10 reports it per layer (a uniform router
+    nats by default (``base=2`` for bits).  CompeteSMoE (2024) Table 10 reports it per layer (a uniform router
     over 16 experts has ln 16 ≈ 2.77)."""
     if probs.dim() != 2:
         raise ValueError(f"probs of shape {tuple(probs.shape)} is not allowed; expected (T, N)")
@@ -62,7 +62,7 @@ def routing_entropy(probs: Tensor, base: float = math.e) -> Tensor:
 
 
 def topk_overlap(indices_a: Tensor, indices_b: Tensor) -> Tensor:
-    """Mean ``|A ∩ B|`` per token of two ``(T, K)`` expert choices (the "level learning" of 001
+    """Mean ``|A ∩ B|`` per token of two ``(T, K)`` expert choices (the "level learning" of CompeteSMoE (2025)
     App. C.5 when A is the router's top-K and B the competition's); 0-dim float."""
     if indices_a.dim() != 2 or indices_a.shape[0] != indices_b.shape[0]:
         raise ValueError(
@@ -84,7 +84,7 @@ def _mismatches(indices_a: Tensor, indices_b: Tensor) -> tuple[int, int]:
 
 
 def assignment_change_rate(indices_a: Tensor | list[Tensor], indices_b: Tensor | list[Tensor]) -> float:
-    """Expert change rate (001 §5.2.2 b): the fraction of (token, layer, slot) assignments that
+    """Expert change rate (CompeteSMoE (2025) §5.2.2 b): the fraction of (token, layer, slot) assignments that
     differ between two routings of the same tokens.  Each token's K experts are compared as a set
     (a swap of order is no change): per token ``K − |A ∩ B|`` mismatches out of K.
 
@@ -163,7 +163,7 @@ def router_entropy(
     model: nn.Module, batches: Iterable[Any], forward: Callable | None = None, base: float = math.e
 ) -> list[float | None]:
     """Mean entropy of each MoE layer's router distribution (``Routing.probs``) over the tokens of
-    ``batches``, in layer order (000 App. C.5, Table 10); ``None`` for a layer without a router
+    ``batches``, in layer order (CompeteSMoE (2024) App. C.5, Table 10); ``None`` for a layer without a router
     distribution (pure competition)."""
     sums: dict[int, float] = {}
     counts: dict[int, int] = {}
@@ -187,10 +187,10 @@ def competition_overlap(
     reduce: str = "mean",
 ) -> list[float]:
     """Per layer, the mean number of experts shared by the layer's routing (its top-K) and the
-    top-K of the competition on the same input (001 App. C.5 "level learning"; K means the router
-    has learned the competition policy).  The competition runs on demand (``forward_all`` on the
-    layer's input, affinity :func:`moelab.functional.competition_affinity` with ``kappa`` /
-    ``reduce``), for any method."""
+    top-K of the competition on the same input (CompeteSMoE (2025) App. C.5 "level learning"; K means the
+    router has learned the competition policy).  The competition runs on demand (``forward_all`` on the
+    layer's input, affinity :func:`moelab.functional.competition_affinity` with ``kappa`` / ``reduce``), for
+    any method."""
     sums: dict[int, float] = {}
     counts: dict[int, int] = {}
 
@@ -207,7 +207,8 @@ def competition_overlap(
 
 def expert_output_norms(model: nn.Module, batches: Iterable[Any], forward: Callable | None = None) -> Tensor:
     """``(L, N)``: the mean ``‖g_i(x)‖₂`` of every expert i of every MoE layer over that layer's
-    tokens (all experts run on all tokens; 001 App. D.1, Fig. 6 plots their layer-wise evolution)."""
+    tokens (all experts run on all tokens; CompeteSMoE (2025) App. D.1, Fig. 6 plots their layer-wise
+    evolution)."""
     sums: dict[int, Tensor] = {}
     counts: dict[int, int] = {}
 
@@ -233,7 +234,7 @@ def _routings(model: nn.Module, batch: Any, forward: Callable | None) -> list[Te
 def expert_change_rate(
     model_a: nn.Module, model_b: nn.Module, batches: Iterable[Any], forward: Callable | None = None
 ) -> float:
-    """Expert change rate between two checkpoints of one model on the same data (001 §5.2.2 b,
+    """Expert change rate between two checkpoints of one model on the same data (CompeteSMoE (2025) §5.2.2 b,
     Fig. 3): :func:`assignment_change_rate` over every token, MoE layer and slot of ``batches``.
     ``batches`` is iterated once; each batch goes through both models."""
     bad = total = 0
@@ -250,9 +251,9 @@ def expert_change_rate(
 @contextlib.contextmanager
 def swap_top1(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block every MoE layer of ``model`` replaces its top-1 expert by its (K+1)-th
-    (001 §5.2.2 a, Table 3: "shifting the selected experts down by one rank"); the weights are the
-    router's rule on the new set (top-K softmax renormalised over it, σ-MoE's raw scores kept).
-    Meant for evaluation; needs ``top_k < num_experts``.
+    (CompeteSMoE (2025) §5.2.2 a, Table 3: "shifting the selected experts down by one rank"); the weights are
+    the router's rule on the new set (top-K softmax renormalised over it, σ-MoE's raw scores kept). Meant for
+    evaluation; needs ``top_k < num_experts``.
 
     >>> with moelab.metrics.swap_top1(model):
     ...     loss = evaluate(model)
@@ -277,7 +278,8 @@ __all__ += [
 ]
 
 
-# ---------------------------------------------------------------------- expert specialization (002)
+# ---------------------------------------------------------------------- expert specialization (Krishnamurthy
+# et al. (2023))
 def entropy_bits(p: Tensor, dim: int = -1) -> Tensor:
     """Shannon entropy ``−Σ p log₂ p`` along ``dim`` with ``0 log 0 = 0``."""
     p = p.double()
@@ -286,7 +288,7 @@ def entropy_bits(p: Tensor, dim: int = -1) -> Tensor:
 
 def selection_table(experts: Tensor, labels: Tensor, num_experts: int, num_classes: int) -> Tensor:
     """The count matrix ``C (M, K)``: ``C[i, j]`` = samples of class ``j`` sent to expert ``i``
-    (002 Appendix A, Table 4).
+    (Krishnamurthy et al. (2023) Appendix A, Table 4).
 
     Args:
         experts: ``(B,)`` the selected (argmax) expert of each sample.
@@ -306,19 +308,21 @@ def selection_table(experts: Tensor, labels: Tensor, num_experts: int, num_class
 
 
 def mutual_information_bits(table: Tensor) -> Tensor:
-    """``I(E;Y) = H(E) + H(Y) − H(E,Y)`` from a count table (002 eq. 3, 11–16)."""
+    """``I(E;Y) = H(E) + H(Y) − H(E,Y)`` from a count table (Krishnamurthy et al. (2023) eq. 3, 11–16)."""
     joint = table.double() / table.sum()
     return entropy_bits(joint.sum(1)) + entropy_bits(joint.sum(0)) - entropy_bits(joint.reshape(-1))
 
 
 def specialization(gate_probs: Tensor, labels: Tensor, num_classes: int) -> dict[str, float]:
-    """The information-theoretic routing metrics of 002 §3, in bits.
+    """The information-theoretic routing metrics of Krishnamurthy et al. (2023) §3, in bits.
 
-    * ``H_s`` — mean per-sample entropy of the gate distribution (002 eq. 1): low = sparse gating.
-    * ``H_u`` — entropy of the batch-mean gate distribution (002 eq. 2): high = balanced use.
+    * ``H_s`` — mean per-sample entropy of the gate distribution (Krishnamurthy et al. (2023) eq. 1): low =
+      sparse gating.
+    * ``H_u`` — entropy of the batch-mean gate distribution (Krishnamurthy et al. (2023) eq. 2): high =
+      balanced use.
     * ``I_EY`` — mutual information between the argmax expert ``E`` and the TRUE class ``Y``
-      (002 eq. 3, Appendix A).  The authors' code used the predicted class (a defect listed in
-      shared/REFERENCES.md); the paper defines ``Y`` as the class distribution, so true labels.
+      (Krishnamurthy et al. (2023) eq. 3, Appendix A).  The authors' code used the predicted class (a defect
+      listed in shared/REFERENCES.md); the paper defines ``Y`` as the class distribution, so true labels.
 
     Args:
         gate_probs: ``(B, M)`` gate distribution p(e|x) of each sample (rows sum to 1).
@@ -352,7 +356,8 @@ def plot_selection_table(
     class_names: list[str] | None = None,
     title: str = "",
 ) -> None:
-    """Save the expert × class count table as an annotated heatmap PNG (like 002 Fig. 2 and 6)."""
+    """Save the expert × class count table as an annotated heatmap PNG (like Krishnamurthy et al. (2023) Fig.
+    2 and 6)."""
     import matplotlib
 
     matplotlib.use("Agg")

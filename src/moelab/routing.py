@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import _validate
 
-__all__ = ["Routing", "RoutingContext", "attach", "moe_layers"]
+__all__ = ["Routing", "RoutingContext"]
 
 
 @dataclass
@@ -66,18 +67,27 @@ class RoutingContext:
     The trainer advances :attr:`step`; routers read it for their schedules (SMoE-Dropout's
     growing K, StableMoE's stage switch, CompeteSMoE's competition schedule).
 
+    State that changes with training (sharede-v3's selection bias) changes in *step hooks*, never
+    in ``forward``: :func:`moelab.attach` registers every router's ``on_step(ctx)``, and
+    :meth:`advance` — called once after each optimizer step — runs them, then counts the step.  A
+    loop of forwards without ``advance`` changes no such state (gradient accumulation and
+    activation checkpointing therefore update it once per optimizer step).
+
     Attributes:
         step: the current optimisation step (0-based).
         total_steps: the planned length of training, or ``None`` if unknown.
         schedule: an object with ``active(layer, step) -> bool`` (the competition schedule),
             or ``None``.
         extra: free-form state for user routers.
+        hooks: the step hooks ``fn(ctx)`` :meth:`advance` runs (registered by
+            :func:`moelab.attach`; not part of :meth:`state_dict`).
     """
 
     step: int = 0
     total_steps: int | None = None
     schedule: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    hooks: list[Callable[[RoutingContext], None]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -92,7 +102,18 @@ class RoutingContext:
             return None
         return min(max(self.step / self.total_steps, 0.0), 1.0)
 
+    def add_step_hook(self, hook: Callable[[RoutingContext], None]) -> None:
+        """Run ``hook(ctx)`` at every :meth:`advance` (once, however often it is added)."""
+        if not callable(hook):
+            raise ValueError(f"hook={hook!r} is not allowed; expected a callable taking the context")
+        if hook not in self.hooks:
+            self.hooks.append(hook)
+
     def advance(self, steps: int = 1) -> None:
+        """The optimizer has stepped: run the step hooks (in registration order), then count
+        ``steps`` steps.  Call it once per optimizer step, on every rank (a hook may all-reduce)."""
+        for hook in self.hooks:
+            hook(self)
         self.step += steps
 
     def state_dict(self) -> dict[str, Any]:
@@ -104,30 +125,3 @@ class RoutingContext:
 
     def replace(self, **changes: Any) -> RoutingContext:
         return dataclasses.replace(self, **changes)
-
-
-def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The MoE layers of ``model`` in module order (``model`` itself included if it is one)."""
-    from .layer import MoE
-
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
-    """Give every MoE layer of ``model`` the shared context and its index (module order).
-
-    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  If the context
-    holds a schedule with a ``num_layers`` attribute it must match the model's MoE layer count.
-    """
-    if not isinstance(ctx, RoutingContext):
-        raise ValueError(f"ctx={ctx!r} is not allowed; expected a moelab.RoutingContext")
-    layers = moe_layers(model)
-    num_layers = getattr(ctx.schedule, "num_layers", None)
-    if num_layers is not None and num_layers != len(layers):
-        raise ValueError(
-            f"schedule.num_layers={num_layers} does not match the model, which has {len(layers)} MoE layers"
-        )
-    for i, layer in enumerate(layers):
-        layer.ctx = ctx
-        layer.layer_index = i
-    return layers

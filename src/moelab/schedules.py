@@ -1,9 +1,9 @@
 """Training schedules: when each MoE layer competes.
 
-* :class:`CompetitionSchedule` — CompeteSMoE (001 §2.3.2, §2.4, App. B): built once, offline,
+* :class:`CompetitionSchedule` — CompeteSMoE (2025) §2.3.2, §2.4, App. B: built once, offline,
   before training; per layer a Bernoulli(ω) draw per step after a warm-up, and a global cap of
   ``A_max`` competing layers per step.
-* :class:`CoinFlipSchedule` — CompeteSMoE v1 (000 §3.2-3.3): an independent coin flip per layer and
+* :class:`CoinFlipSchedule` — CompeteSMoE (2024) §3.2-3.3: an independent coin flip per layer and
   step with probability λ(t).
 
 Both expose ``num_layers`` and ``active(layer, step) -> bool``: the routers read them through
@@ -13,6 +13,7 @@ has one code path whatever the schedule.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,16 +21,29 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import _validate
+from .layer import moe_layers
+from .methods import get_method
 
-__all__ = ["CoinFlipSchedule", "CompetitionSchedule", "default_a_max"]
+__all__ = [
+    "LR_SCHEDULES",
+    "SCHEDULE_OPTIONS",
+    "CoinFlipSchedule",
+    "CompetitionSchedule",
+    "build_competition_schedule",
+    "build_schedule",
+    "default_a_max",
+    "lr_factor",
+    "split_schedule_options",
+]
 
 
 def default_a_max(num_layers: int) -> int:
     """The default cap ``A_max`` for a model with ``num_layers`` MoE layers.
 
-    001 uses ``A_max = 6`` for its language models (24 layers, §2.3.2 and App. G) and
+    CompeteSMoE (2025) uses ``A_max = 6`` for its language models (24 layers, §2.3.2 and App. G) and
     ``A_max = 9`` for the VLM (Phi-3.5-mini, 32 layers; Table 20).  The rule here: 6 up to 24
     layers, 9 from 27 layers on, one more per layer in between (25 → 7, 26 → 8).  For models
     with at most 6 layers the cap is never reached (every layer may compete at once).
@@ -41,7 +55,7 @@ def default_a_max(num_layers: int) -> int:
 
 
 def _broadcast_from_rank0(table: torch.Tensor) -> torch.Tensor:
-    """Broadcast a bool table from rank 0 when torch.distributed is initialised (001 App. B: the
+    """Broadcast a bool table from rank 0 when torch.distributed is initialised (CompeteSMoE (2025) App. B: the
     reference code builds the schedule on rank 0 and broadcasts it)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return table
@@ -54,7 +68,7 @@ def _broadcast_from_rank0(table: torch.Tensor) -> torch.Tensor:
 
 
 class CompetitionSchedule:
-    """The competition schedule Λ(l, t) of CompeteSMoE (001 §2.3.2, §2.4, App. B, Table 20).
+    """The competition schedule Λ(l, t) of CompeteSMoE (2025) §2.3.2, §2.4, App. B, Table 20.
 
     Built once before training:
 
@@ -195,7 +209,7 @@ class CompetitionSchedule:
 
 
 class CoinFlipSchedule:
-    """CompeteSMoE v1's schedule (000 §3.2-3.3): at step t each layer competes with probability
+    """CompeteSMoE (2024)'s schedule (§3.2-3.3): at step t each layer competes with probability
     λ(t), independently of the other layers.
 
     The flip of ``(layer, step)`` is drawn from a generator seeded with ``(seed, layer, step)``:
@@ -204,7 +218,7 @@ class CoinFlipSchedule:
 
     Args:
         num_layers: L.
-        rate: λ, a number in [0, 1] (000 uses 0.05; 0.03-0.09 robust, Table 4) or a callable
+        rate: λ, a number in [0, 1] (CompeteSMoE (2024) uses 0.05; 0.03-0.09 robust, Table 4) or a callable
             ``step -> λ``.
         seed: seed of the flips.
     """
@@ -253,26 +267,71 @@ class CoinFlipSchedule:
 
 
 def build_schedule(method: str, num_layers: int, total_steps: int, seed: int = 0, **options: Any) -> Any:
-    """The competition schedule a model of ``num_layers`` MoE layers needs for ``method``, or ``None``.
+    """The schedule that ``method``'s preset declares (``Method.schedule``) for a model of
+    ``num_layers`` MoE layers, or ``None``.
 
-    A method needs one when its router class says ``needs_schedule = True`` (the ``competesmoe``
-    family: competesmoe, competesmoe-v1, densemoe).  ``mode="v1"`` (000) gets a
-    :class:`CoinFlipSchedule` with λ = ``rate`` (0.05); the others 001's :class:`CompetitionSchedule`
-    with ``omega``, ``a_max`` (capped at ``num_layers``) and ``competition_warmup`` (the warm-up
-    fraction).  Other keys of ``options`` (the layer's own options) are ignored here.
+    ``"coin-flip"`` (``competesmoe-v1``, CompeteSMoE (2024)) gets a :class:`CoinFlipSchedule` with
+    λ = ``rate`` (0.05); ``"competition"`` (``competesmoe``, ``densemoe``, CompeteSMoE (2025)) a
+    :class:`CompetitionSchedule` with ``omega``, ``a_max`` (capped at ``num_layers``) and
+    ``competition_warmup`` (the warm-up fraction).  Other keys of ``options`` (the layer's own
+    options) are ignored here.
     """
-    from .methods import get_method
-    from .routers import ROUTERS
-
-    preset = get_method(method)
-    if num_layers == 0 or not getattr(ROUTERS[preset.router], "needs_schedule", False):
+    kind = get_method(method).schedule
+    if num_layers == 0 or kind is None:
         return None
-    params = {**preset.options, **options}
-    if params.get("mode") == "v1":
-        return CoinFlipSchedule(num_layers, rate=params.get("rate", 0.05), seed=seed)
-    kwargs: dict[str, Any] = {k: params[k] for k in ("omega", "a_max") if k in params}
+    if kind == "coin-flip":
+        return CoinFlipSchedule(num_layers, rate=options.get("rate", 0.05), seed=seed)
+    kwargs: dict[str, Any] = {k: options[k] for k in ("omega", "a_max") if k in options}
     if "a_max" in kwargs:  # the cap cannot exceed the model's depth (shared/REFERENCES.md: scale it)
         kwargs["a_max"] = min(int(kwargs["a_max"]), num_layers)
-    if "competition_warmup" in params:
-        kwargs["warmup"] = params["competition_warmup"]
+    if "competition_warmup" in options:
+        kwargs["warmup"] = options["competition_warmup"]
     return CompetitionSchedule(num_layers=num_layers, total_steps=total_steps, seed=seed, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- learning rate
+#: the learning-rate schedules of :func:`lr_factor` (all with linear warm-up)
+LR_SCHEDULES = ("inverse_sqrt", "cosine", "constant")
+
+
+def lr_factor(schedule: str, step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """The learning-rate multiplier after ``step`` completed steps (``LambdaLR`` convention).
+
+    * warm-up (``step < warmup``): ``(step + 1) / warmup``;
+    * ``inverse_sqrt``: ``sqrt(max(warmup, 1) / (step + 1))`` — CompeteSMoE (2024)'s ``1/√t``, equal to 1 at the
+      end of warm-up (fairseq's ``inverse_sqrt``);
+    * ``cosine``: ``min_ratio + (1 − min_ratio)·½(1 + cos(π·p))``, ``p`` the post-warm-up progress;
+    * ``constant``: 1.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "inverse_sqrt":
+        return math.sqrt(max(warmup, 1) / (step + 1))
+    if schedule == "cosine":
+        p = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    if schedule == "constant":
+        return 1.0
+    raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {list(LR_SCHEDULES)}")
+
+
+#: ``--opt`` keys that configure the competition schedule (not the layer): ω, A_max and the
+#: warm-up fraction of CompeteSMoE (2025)'s schedule, λ of CompeteSMoE (2024)'s coin flips
+SCHEDULE_OPTIONS = ("omega", "a_max", "competition_warmup", "rate")
+
+
+def split_schedule_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(layer options, schedule options)`` of a method's ``--opt`` values."""
+    layer = {k: v for k, v in options.items() if k not in SCHEDULE_OPTIONS}
+    schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
+    return layer, schedule
+
+
+def build_competition_schedule(
+    model: nn.Module, method: str, total_steps: int, seed: int, options: dict[str, Any] | None = None
+) -> Any:
+    """The competition schedule of ``model`` for ``method`` (``None`` if it needs none): built once
+    before training from the seed, identical on every rank and after a resume
+    (:func:`moelab.schedules.build_schedule`).  ``options`` are the run's ``--opt`` values; the
+    schedule reads :data:`SCHEDULE_OPTIONS`."""
+    return build_schedule(method, len(moe_layers(model)), total_steps, seed, **dict(options or {}))

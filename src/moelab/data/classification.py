@@ -1,5 +1,5 @@
-"""Text-classification data for fine-tuning (000 §6.3, Table 3 and App. C.3): SST-2, SST-5, IMDB,
-BANKING77, or a local CSV/TSV of (text, label).
+"""Text-classification data for fine-tuning (CompeteSMoE (2024) §6.3, Table 3 and App. C.3): SST-2, SST-5,
+IMDB, BANKING77, or a local CSV/TSV of (text, label).
 
 Every loader returns a :class:`ClassificationData` with train / valid / test texts and integer
 labels.  The published splits are used where they exist (the test split of each task; SST-2's

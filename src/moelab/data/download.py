@@ -17,11 +17,9 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..errors import DataError
+
 __all__ = ["DataError", "cache_dir", "fetch", "sha256sum"]
-
-
-class DataError(ValueError):
-    """A dataset cannot be obtained or fails verification; the message says how to fix it."""
 
 
 def cache_dir() -> Path:

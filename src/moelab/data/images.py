@@ -1,4 +1,4 @@
-"""Image classification data for the expert-specialization lab (paper 002).
+"""Image classification data for the expert-specialization lab (Krishnamurthy et al. (2023)).
 
 Datasets (:func:`load_images`):
 
@@ -10,8 +10,8 @@ Datasets (:func:`load_images`):
   the canonical URLs through :func:`moelab.data.download.fetch` (cache ``$MOELAB_DATA``, sha256).
   Every IDX file is checked against its header (magic, dimensions) and the size they imply; a
   missing or truncated file is a :class:`DataError` naming it.
-* ``fmnist+mnist`` — 002 §4.1 / App. B.2: Fashion-MNIST classes 0–5 (t-shirt … sandal) as labels
-  0–5 and MNIST digits 4–9 as labels 6–11; 10,000 train and 2,000 test samples drawn with seed 0.
+* ``fmnist+mnist`` — Krishnamurthy et al. (2023) §4.1 / App. B.2: Fashion-MNIST classes 0–5 (t-shirt … sandal)
+  as labels 0–5 and MNIST digits 4–9 as labels 6–11; 10,000 train and 2,000 test samples drawn with seed 0.
 * ``cifar100`` — the python pickle version (``cifar-100-python/{train,test}``), fine labels (100
   classes); the coarse labels (20) are kept in :attr:`ImageData.coarse_train` / ``coarse_test``.
 
@@ -230,7 +230,8 @@ def _idx_dataset(name: str, data_dir: str | os.PathLike | None) -> ImageData:
 
 
 def _combined(mnist_dir: str | os.PathLike | None, fmnist_dir: str | os.PathLike | None) -> ImageData:
-    """002 §4.1: FMNIST classes 0–5 → 0–5, MNIST digits 4–9 → 6–11; 10,000 / 2,000 samples (seed 0)."""
+    """Krishnamurthy et al. (2023) §4.1: FMNIST classes 0–5 → 0–5, MNIST digits 4–9 → 6–11; 10,000 / 2,000
+    samples (seed 0)."""
     f = _idx_dataset("fmnist", fmnist_dir)
     m = _idx_dataset("mnist", mnist_dir)
 

@@ -2,7 +2,8 @@
 embedded default corpus that exists on every machine without a download.
 
 Every corpus becomes a :class:`TextData`: three 1-D int64 token tensors (train / valid / test),
-a tokenizer and the metric the papers report (000 §6.1, App. C.2; 003 App. E.2):
+a tokenizer and the metric the papers report (CompeteSMoE (2024) §6.1, App. C.2; perturbed cosine router
+(2024) App. E.2):
 
 ==============  ===========  =====================================  ======
 corpus          level        split                                  metric
@@ -122,7 +123,8 @@ class CharTokenizer:
 
 class WordTokenizer:
     """Whitespace words with ``<eos>`` at each line end (the WikiText-103 convention of
-    Transformer-XL and the Sandwich-Transformer code behind 000); unseen words map to ``<unk>``."""
+    Transformer-XL and the Sandwich-Transformer code behind CompeteSMoE (2024)); unseen words map to
+    ``<unk>``."""
 
     level = "word"
     EOS = "<eos>"

@@ -1,1 +1,1 @@
-"""Experiment runners behind the ``moelab`` subcommands (specialization.py: paper 002)."""
+"""Experiment runners behind the ``moelab`` subcommands (specialization.py: Krishnamurthy et al. (2023))."""

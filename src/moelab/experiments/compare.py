@@ -1,10 +1,10 @@
 """``moelab compare``: several MoE methods × seeds on one language-modelling task — the main job.
 
-The CPU-scale version of 000 Table 2 (with the seeds and Welch t-test of 000 Table 9): every
-method is trained with each seed by :func:`moelab.experiments.lm.train_lm` into
-``OUT/<method>/seed<k>/``, then :mod:`moelab.experiments.report` prints the table (mean ± std over
-seeds, best marked, p-value of each method against CompeteSMoE) and writes ``results.csv``,
-``runs.csv`` and ``val_curves.png`` into ``OUT``.
+The CPU-scale version of CompeteSMoE (2024) Table 2 (with the seeds and Welch t-test of CompeteSMoE (2024)
+Table 9): every method is trained with each seed by :func:`moelab.experiments.lm.train_lm` into
+``OUT/<method>/seed<k>/``, then :mod:`moelab.experiments.report` prints the table (mean ± std over seeds, best
+marked, p-value of each method against CompeteSMoE) and writes ``results.csv``, ``runs.csv`` and
+``val_curves.png`` into ``OUT``.
 
 Defaults: the embedded corpus, the ``cpu`` preset (300 steps), methods smoe, smoe-fixed, xmoe,
 stablemoe, competesmoe (those registered in this moelab; the others are named in the output),
@@ -21,12 +21,13 @@ from pathlib import Path
 from .. import _validate
 from ..data.text import load_text
 from ..methods import methods
+from .args import parse_sweep
 from .lm import add_lm_arguments, build_config, set_threads, train_lm
 from .report import collect_runs, write_report
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
 
-#: the baselines of 000 Table 2 and the method itself
+#: the baselines of CompeteSMoE (2024) Table 2 and the method itself
 DEFAULT_METHODS = ("smoe", "smoe-fixed", "xmoe", "stablemoe", "competesmoe")
 
 
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep",
         metavar="KEY=V1,V2,...",
-        help="also vary one method option (000 Tables 4-5), e.g. omega=0.01,0.03,0.05; report prints the sensitivity table",
+        help="also vary one method option (CompeteSMoE (2024) Tables 4-5), e.g. omega=0.01,0.03,0.05; report prints the sensitivity table",
     )
     p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     p.add_argument(
@@ -52,19 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_lm_arguments(p)
 
 
-def parse_sweep(text: str | None) -> tuple[str, list[str]] | None:
-    """``"omega=0.01,0.05"`` → ``("omega", ["0.01", "0.05"])``."""
-    if not text:
-        return None
-    key, _, values = text.partition("=")
-    items = [v.strip() for v in values.split(",") if v.strip()]
-    if not key.strip() or not items:
-        raise ValueError(f"--sweep {text!r} is not allowed; expected KEY=V1,V2,... (e.g. omega=0.03,0.05)")
-    return key.strip(), items
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..errors import UsageError
 
     requested = [m.strip() for m in str(args.methods).split(",") if m.strip()]
     if not requested:
@@ -93,19 +83,23 @@ def run(args: argparse.Namespace) -> int:
     seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
     sweep = parse_sweep(args.sweep)
     configs = []
+    points = list(zip(sweep.values, sweep.labels)) if sweep else [(None, None)]
     for method in chosen:
-        for value in sweep[1] if sweep else [None]:
-            name = method if value is None else f"{method}-{sweep[0]}{value}"
+        for value, label in points:
+            # the folder of a swept value: ``<method>-<key><value as written>`` (parse_sweep keeps it in
+            # --out)
+            name = method if sweep is None else f"{method}-{sweep.key}{label}"
             for seed in seeds:
                 ns = argparse.Namespace(**vars(args))
                 ns.method, ns.seed = method, seed
-                if value is not None:
-                    ns.opt = [*(args.opt or []), f"{sweep[0]}={value}"]
-                configs.append((name, seed, build_config(ns)))  # validates every flag before training
-    data = load_text(configs[0][2]["data"], level=configs[0][2]["level"])
+                config = build_config(ns)  # validates every flag before training
+                if sweep is not None:
+                    config.opts = {**config.opts, sweep.key: value}
+                configs.append((name, seed, config))
+    data = load_text(configs[0][2].data, level=configs[0][2].level)
     print(
         f"compare: {len(chosen)} methods × {len(seeds)} seeds on {data.name} "
-        f"({data.train.numel():,} training tokens), size {args.size}, {configs[0][2]['train']['steps']} steps"
+        f"({data.train.numel():,} training tokens), size {args.size}, {configs[0][2].train.steps} steps"
     )
     start = time.perf_counter()
     for i, (method, seed, config) in enumerate(configs, 1):

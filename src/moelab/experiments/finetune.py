@@ -1,8 +1,9 @@
-"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (000 §6.3, Table 3).
+"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (CompeteSMoE (2024) §6.3, Table
+3).
 
 The LM of ``--from RUN_DIR`` (its best-validation weights, else its newest checkpoint) loses its
 head; two new fully connected layers classify the mean-pooled final states; the routers are
-frozen (:mod:`moelab.models.classifier`).  000 App. C.3: Adam, lr 1e-4, batch 16 (IMDB 4),
+frozen (:mod:`moelab.models.classifier`).  CompeteSMoE (2024) App. C.3: Adam, lr 1e-4, batch 16 (IMDB 4),
 5 epochs (BANKING77 50); inputs truncated to the LM's block size.  The best-validation weights
 give the test accuracy; ``metrics.json`` holds ``val_acc``, ``test_acc`` and the trainer's keys.
 
@@ -28,15 +29,15 @@ from torch import Tensor, nn
 from .. import _validate
 from ..data.classification import TASKS, ClassificationData, load_classification
 from ..data.text import tokenizer_from_state
+from ..io.model import load
+from ..io.rundir import RunDir
 from ..models.classifier import LMClassifier, freeze_routers
-from ..rundir import RunDir
-from ..train import checkpoint as ckpt
+from ..models.lm import TransformerLM
 from ..train.trainer import TrainConfig, Trainer, TrainingError
-from .lm import build_model
 
-__all__ = ["ClassificationTask", "add_arguments", "encode_texts", "load_pretrained", "run"]
+__all__ = ["ClassificationTask", "add_arguments", "encode_texts", "read_lm_run", "run"]
 
-#: 000 App. C.3 (Table 8)
+#: CompeteSMoE (2024) App. C.3 (Table 8)
 EPOCHS = {"banking77": 50}
 BATCH = {"imdb": 4}
 
@@ -101,8 +102,9 @@ class ClassificationTask:
         return {"loss": total / n, "acc": 100.0 * correct / n}
 
 
-def load_pretrained(run_dir: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """The LM of a finished (or checkpointed) ``moelab train`` run, its tokenizer and config."""
+def read_lm_run(run_dir: str | Path) -> tuple[dict[str, Any], Any]:
+    """The configuration and tokenizer of a ``moelab train`` language-model run (its model:
+    ``moelab.load(run_dir)``, the best-validation weights)."""
     run_dir = Path(run_dir)
     config_path = run_dir / "config.yaml"
     if not config_path.exists():
@@ -115,16 +117,7 @@ def load_pretrained(run_dir: str | Path) -> tuple[nn.Module, Any, dict[str, Any]
     tok_path = run_dir / "tokenizer.json"
     if not tok_path.exists():
         raise FileNotFoundError(f"--from {str(run_dir)!r} has no tokenizer.json")
-    tokenizer = tokenizer_from_state(json.loads(tok_path.read_text()))
-    model = build_model(config, tokenizer.vocab_size)
-    if (run_dir / "best.safetensors").exists():
-        ckpt.load_weights(run_dir / "best.safetensors", model)
-    else:
-        latest = ckpt.latest_checkpoint(run_dir / "ckpt")
-        if latest is None:
-            raise FileNotFoundError(f"--from {str(run_dir)!r} has no weights (best.safetensors or ckpt/)")
-        ckpt.load_checkpoint(latest, model)
-    return model, tokenizer, config
+    return config, tokenizer_from_state(json.loads(tok_path.read_text()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,10 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--from", dest="source", required=True, metavar="RUN_DIR", help="a `moelab train` run")
     p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--epochs", type=float, help="epochs (000: 5; BANKING77 50)")
+    p.add_argument("--epochs", type=float, help="epochs (CompeteSMoE (2024): 5; BANKING77 50)")
     p.add_argument("--steps", type=int, help="optimisation steps (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, dest="batch_size", help="batch (000: 16; IMDB 4)")
-    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (1e-4, 000)")
+    p.add_argument("--batch-size", type=int, dest="batch_size", help="batch (CompeteSMoE (2024): 16; IMDB 4)")
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (1e-4, CompeteSMoE (2024))")
     p.add_argument(
         "--eval-every", type=int, dest="eval_every", help="validate every N steps (default: each epoch)"
     )
@@ -147,9 +140,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..errors import UsageError
 
-    lm, tokenizer, lm_config = load_pretrained(args.source)
+    lm_config, tokenizer = read_lm_run(args.source)
+    lm = load(args.source)  # the best-validation weights (moelab.io.model.resolve)
+    if not isinstance(lm, TransformerLM):
+        raise ValueError(f"--from {str(args.source)!r} holds a {type(lm).__name__}; expected a TransformerLM")
     data = load_classification(args.task)
     name = args.task if args.task in TASKS else "local"
     batch = args.batch_size if args.batch_size is not None else BATCH.get(name, 16)

@@ -1,10 +1,10 @@
-"""``moelab train --task lm``: a Switch / GLaM decoder LM with any MoE method (000 §6.1-6.2,
-Table 2; 003 §5.2, Table 2).
+"""``moelab train --task lm``: a Switch / GLaM decoder LM with any MoE method (CompeteSMoE (2024) §6.1-6.2,
+Table 2; perturbed cosine router (2024) §5.2, Table 2).
 
 One run writes into ``--out``: ``config.yaml`` (everything needed to re-run, ``--resume`` reads it
 back), ``log.csv`` (one row per step; validation columns on evaluation steps), ``metrics.json``
-(:data:`METRIC_KEYS`), ``best.safetensors`` (the best-validation weights, used for the test as
-000 does) and ``ckpt/`` (atomic checkpoints).
+(:data:`METRIC_KEYS`), ``best/`` (the best-validation weights, used for the test as
+CompeteSMoE (2024) does) and ``ckpt/`` (atomic checkpoints).
 
 Example::
 
@@ -15,12 +15,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,20 +28,24 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..data.text import TextData, load_text
+from ..io.rundir import RunDir, atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
-from ..rundir import RunDir, atomic_write_text
-from ..train.trainer import (
-    SCHEDULES,
-    TrainConfig,
-    Trainer,
-    TrainingError,
-    _dist,
-    build_competition_schedule,
-    split_schedule_options,
-)
+from ..schedules import LR_SCHEDULES, build_competition_schedule, split_schedule_options
+from ..train.parallel import process_group
+from ..train.trainer import TrainConfig, Trainer, TrainingError
+from .args import format_value, parse_key_values
 
-__all__ = ["METRIC_KEYS", "SIZE_DEFAULTS", "LMTask", "add_arguments", "build_config", "run", "train_lm"]
+__all__ = [
+    "METRIC_KEYS",
+    "SIZE_DEFAULTS",
+    "LMTask",
+    "RunConfig",
+    "add_arguments",
+    "build_config",
+    "run",
+    "train_lm",
+]
 
 #: keys of metrics.json (``<m>`` is ``bpc`` for character/byte corpora, ``ppl`` for word level)
 METRIC_KEYS = (
@@ -64,8 +67,8 @@ METRIC_KEYS = (
     "data",
 )
 
-#: training defaults per preset: 000 App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k steps)
-#: for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
+#: training defaults per preset: CompeteSMoE (2024) App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k
+#: steps) for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
 _PAPER = dict(lr=7e-4, warmup=None, batch_size=48, eval_every=1000, eval_tokens=500_000, ckpt_every=1000)
 SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {**_PAPER, "steps": 60000},
@@ -152,21 +155,89 @@ class LMTask:
 
 
 # ------------------------------------------------------------------------------ config
+@dataclass
+class RunConfig:
+    """Everything a ``moelab train`` run needs, as written to its ``config.yaml`` and accepted back
+    by ``--config``.
+
+    The inputs: ``task``, ``data``, ``level``, ``size``, ``arch``, ``method``, ``opts`` (method
+    options), ``model`` (the :func:`moelab.models.lm.lm_config` fields: the size preset with the
+    flag overrides) and ``train`` (:class:`moelab.train.TrainConfig`).  What the run measured
+    when it began (``vocab_size``, ``metric``, ``data_info``, ``params``, ``active_params``) is
+    recorded beside them and ignored as input.
+    """
+
+    data: str
+    level: str
+    size: str
+    arch: str
+    method: str
+    opts: dict[str, Any]
+    model: dict[str, Any]
+    train: TrainConfig
+    task: str = "lm"
+    vocab_size: int | None = None
+    metric: str | None = None
+    data_info: dict[str, Any] | None = None
+    params: int | None = None
+    active_params: int | None = None
+
+    #: the keys of a run's config.yaml that are inputs (the rest the run recorded)
+    INPUTS: ClassVar[tuple[str, ...]] = (
+        "task",
+        "data",
+        "level",
+        "size",
+        "arch",
+        "method",
+        "opts",
+        "model",
+        "train",
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML-ready mapping (``train`` as a mapping; unset recorded fields left out)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["train"] = asdict(self.train)
+        return {k: v for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
+        """A run's ``config.yaml`` mapping back; a missing or unknown key is a one-line error
+        naming ``source``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping of run settings, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(map(str, data)) - set(names))
+        missing = [k for k in cls.INPUTS if k not in data and k != "task"]
+        if unknown or missing:
+            raise ValueError(
+                f"{source}: "
+                + (f"unknown keys {unknown}" if unknown else f"missing keys {missing}")
+                + f"; a run config holds {names}"
+            )
+        train = data["train"]
+        if (
+            not isinstance(train, dict)
+            or not isinstance(data["model"], dict)
+            or not isinstance(data["opts"], dict)
+        ):
+            raise ValueError(f"{source}: train, model and opts must be mappings")
+        known = {f.name for f in fields(TrainConfig)}
+        if set(train) - known:
+            raise ValueError(
+                f"{source}: unknown train keys {sorted(set(train) - known)}; allowed: {sorted(known)}"
+            )
+        return cls(**{**data, "train": TrainConfig(**train)})
+
+
 def parse_opts(items: list[str] | None) -> dict[str, Any]:
-    """``["key=value", ...]`` → dict, values read as YAML scalars (``0.1`` → float, ``true`` → bool)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if not isinstance(item, str) or "=" not in item or not item.split("=", 1)[0].strip():
-            raise ValueError(f"--opt {item!r} is not allowed; expected key=value")
-        key, value = item.split("=", 1)
-        try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            raise ValueError(f"--opt {item!r} is not allowed; its value is not a YAML scalar") from None
-    return out
+    """``--opt`` items ``["key=value", ...]`` → dict, by the one ``KEY=VALUE`` rule of
+    :mod:`moelab.experiments.args` (``0.1`` → float, ``true`` → bool, ``none`` → None)."""
+    return parse_key_values(items, "--opt")
 
 
-def build_config(args: argparse.Namespace) -> dict[str, Any]:
+def build_config(args: argparse.Namespace) -> RunConfig:
     """The run's full configuration (what ``config.yaml`` holds) from parsed CLI arguments."""
     _validate.one_of("--size", args.size, list(PRESETS))
     _validate.one_of("--arch", args.arch, list(ARCHS))
@@ -198,36 +269,35 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         ckpt_every=pick("ckpt_every"),
         seed=args.seed,
     )
-    return {
-        "task": "lm",
-        "data": args.data,
-        "level": args.level,
-        "size": args.size,
-        "arch": args.arch,
-        "method": "dense" if args.arch == "dense" else args.method,
-        "opts": parse_opts(args.opt),
-        "model": model,
-        "train": asdict(train),
-    }
+    return RunConfig(
+        data=args.data,
+        level=args.level,
+        size=args.size,
+        arch=args.arch,
+        method="dense" if args.arch == "dense" else args.method,
+        opts=parse_opts(args.opt),
+        model=model,
+        train=train,
+    )
 
 
-def build_model(config: dict[str, Any], vocab_size: int) -> TransformerLM:
-    method = config["method"] if config["arch"] != "dense" else "smoe"
+def build_model(config: RunConfig, vocab_size: int) -> TransformerLM:
+    method = config.method if config.arch != "dense" else "smoe"
     cfg = lm_config(
-        config["size"],
+        config.size,
         vocab_size,
         **{
-            **config["model"],
-            "arch": config["arch"],
+            **config.model,
+            "arch": config.arch,
             "method": method,
-            "method_options": split_schedule_options(dict(config["opts"]))[0],
+            "method_options": split_schedule_options(dict(config.opts))[0],
         },
     )
     return TransformerLM(cfg)
 
 
 def train_lm(
-    config: dict[str, Any],
+    config: RunConfig,
     out: str | Path | None,
     *,
     resume: bool = False,
@@ -238,7 +308,7 @@ def train_lm(
 ) -> dict[str, Any]:
     """Train one LM run described by ``config`` (:func:`build_config`) into ``out``
     (``expert_parallel``: under torchrun, spread each MoE layer's experts over the ranks)."""
-    rank, world = _dist()
+    rank, world = process_group()
     run = None
     # rank 0 first: it refuses (or clears, with force) an existing run and downloads the data once;
     # the other ranks then read the same folder and the cached data.  Only rank 0 writes.
@@ -248,36 +318,43 @@ def train_lm(
                 RunDir(out, resume=resume or rank > 0, force=force and rank == 0) if out is not None else None
             )
             if run is not None and resume and run.file("config.yaml").exists():
-                config = run.read_config()  # the stored configuration wins: the same curve
+                # the stored configuration wins: the same curve
+                config = RunConfig.from_dict(run.read_config(), str(run.file("config.yaml")))
             if data is None:
-                data = load_text(config["data"], level=config.get("level", "byte"))
+                data = load_text(config.data, level=config.level)
         if world > 1 and turn == 0:
             torch.distributed.barrier()
-    torch.manual_seed(int(config["train"]["seed"]))  # the initial weights depend on the seed only
+    torch.manual_seed(config.train.seed)  # the initial weights depend on the seed only
     model = build_model(config, data.vocab_size)
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         model = model.to(torch.device("cuda", torch.cuda.current_device()))  # torchrun on GPUs
     task = LMTask(data, model.cfg.block_size)
     total, active = count_parameters(model)
-    config = {**config, "vocab_size": data.vocab_size, "metric": data.metric, "data_info": data.info}
-    config["params"], config["active_params"] = total, active
+    config = replace(
+        config,
+        vocab_size=data.vocab_size,
+        metric=data.metric,
+        data_info=data.info,
+        params=total,
+        active_params=active,
+    )
     if run is not None and rank == 0 and not (resume and run.file("config.yaml").exists()):
-        run.write_config(config)
+        run.write_config(config.to_dict())
         # the tokenizer, so that `moelab finetune` encodes text as the LM was trained
         atomic_write_text(run.file("tokenizer.json"), json.dumps(data.tokenizer.state()))
     trainer = Trainer(
         model,
         task,
-        TrainConfig(**config["train"]),
+        config.train,
         run,
-        method=None if config["arch"] == "dense" else config["method"],
-        method_options=config["opts"],
+        method=None if config.arch == "dense" else config.method,
+        method_options=config.opts,
         progress=progress,
         extra_metrics={
-            "method": config["method"],
-            "arch": config["arch"],
-            "size": config["size"],
-            "data": config["data"],
+            "method": config.method,
+            "arch": config.arch,
+            "size": config.size,
+            "data": config.data,
         },
         expert_parallel=expert_parallel,
     )
@@ -299,8 +376,10 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-experts", type=int, dest="num_experts", help="experts per MoE layer (16)")
     p.add_argument("--top-k", type=int, dest="top_k", help="experts per token (2)")
     p.add_argument("--dropout", type=float, help="dropout (preset default)")
-    p.add_argument("--lr", type=float, help="Adam learning rate (7e-4 as 000; the cpu preset 2e-3)")
-    p.add_argument("--schedule", default="inverse_sqrt", choices=list(SCHEDULES), help="LR schedule")
+    p.add_argument(
+        "--lr", type=float, help="Adam learning rate (7e-4 as CompeteSMoE (2024); the cpu preset 2e-3)"
+    )
+    p.add_argument("--schedule", default="inverse_sqrt", choices=list(LR_SCHEDULES), help="LR schedule")
     p.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps; the cpu preset 30)")
     p.add_argument(
         "--grad-clip", type=float, default=1.0, dest="grad_clip", help="max gradient norm (0: off)"
@@ -309,7 +388,12 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=int, dest="eval_tokens", help="validation tokens per evaluation")
     p.add_argument("--test-tokens", type=int, dest="test_tokens", help="cap on test tokens (default: all)")
     p.add_argument("--ckpt-every", type=int, dest="ckpt_every", help="checkpoint every N steps")
-    p.add_argument("--opt", action="append", metavar="KEY=VALUE", help="method option, e.g. balance_coef=0")
+    p.add_argument(
+        "--opt",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a method option, repeatable, e.g. balance_coef=0 (VALUE: true/false, none, a number or text)",
+    )
     p.add_argument(
         "--threads", type=int, help="torch CPU threads (default: 1 for --size cpu, else torch's choice)"
     )
@@ -318,7 +402,10 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--task", default="lm", choices=["lm", "image"], help="lm (this lab) or image (specialization)"
+        "--task",
+        default="lm",
+        choices=["lm", "image"],
+        help="lm, the only train task (image models: use `moelab specialize`)",
     )
     p.add_argument("--config", help="YAML file of flag defaults (configs/lm/*.yaml)")
     p.add_argument("--method", default="smoe", help="MoE method (moelab.methods())")
@@ -346,6 +433,8 @@ def apply_config_file(args: argparse.Namespace, parser_defaults: dict[str, Any])
         raise ValueError(f"--config {args.config!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {args.config!r} must hold a mapping of flag names to values")
+    if isinstance(data.get("train"), dict):  # a run's own config.yaml
+        data = _flags_of(RunConfig.from_dict(data, f"--config {args.config!r}"), args.config)
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in parser_defaults:
@@ -354,6 +443,45 @@ def apply_config_file(args: argparse.Namespace, parser_defaults: dict[str, Any])
             )
         if getattr(args, name) == parser_defaults[name]:
             setattr(args, name, _config_value(args.config, key, value))
+
+
+#: the model fields a flag sets (the others come from the --size preset)
+_MODEL_FLAGS = ("block_size", "dropout", "num_experts", "top_k")
+
+
+def _flags_of(config: RunConfig, path: str) -> dict[str, Any]:
+    """The flag values that rebuild ``config`` (a run's ``config.yaml``) with :func:`build_config`."""
+    preset = PRESETS.get(config.size)
+    if preset is None:
+        raise ValueError(
+            f"--config {path!r}: size={config.size!r} is not allowed; expected one of {list(PRESETS)}"
+        )
+    fixed = {k: v for k, v in config.model.items() if k not in _MODEL_FLAGS}
+    if fixed != {k: v for k, v in preset.items() if k not in _MODEL_FLAGS}:
+        raise ValueError(
+            f"--config {path!r}: model {fixed} differs from the {config.size!r} preset in fields no flag sets"
+        )
+    train = asdict(config.train)
+    flags = {name: train[name] for name in _TRAIN_FLAGS}
+    flags.update({name: config.model[name] for name in _MODEL_FLAGS if name in config.model})
+    flags.update(
+        task=config.task,
+        data=config.data,
+        level=config.level,
+        size=config.size,
+        arch=config.arch,
+        opt=[f"{k}={format_value(v)}" for k, v in config.opts.items()] or None,
+    )
+    if config.arch != "dense":
+        flags["method"] = config.method
+    return flags
+
+
+#: the TrainConfig fields a flag sets
+_TRAIN_FLAGS = (
+    "steps", "batch_size", "lr", "schedule", "warmup", "grad_clip", "eval_every", "eval_tokens",
+    "test_tokens", "ckpt_every", "seed",
+)  # fmt: skip
 
 
 def _config_value(path: str, key: object, value: Any) -> Any:
@@ -408,16 +536,15 @@ def set_threads(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..errors import UsageError
 
-    if args.task == "image":
-        if importlib.util.find_spec("moelab.experiments.specialization") is None:
-            raise UsageError("--task image needs moelab.experiments.specialization, which is not installed")
-        from . import specialization  # type: ignore[attr-defined]
-
-        return int(specialization.run_image(args) or 0)
     if args.config:
         apply_config_file(args, _defaults())
+    if args.task == "image":
+        raise UsageError(
+            "--task image is not a train task; run the expert-specialization lab with "
+            "`moelab specialize` (see `moelab specialize --help`)"
+        )
     if not args.out:
         raise UsageError("--out is required (the run directory)")
     set_threads(args)
@@ -434,15 +561,15 @@ def run(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
 
 
-def _train_and_report(args: argparse.Namespace, config: dict[str, Any], rank: int, world: int) -> int:
-    batch = config["train"]["batch_size"]
+def _train_and_report(args: argparse.Namespace, config: RunConfig, rank: int, world: int) -> int:
+    batch = config.train.batch_size
     if batch % world:
         raise ValueError(
             f"--batch-size={batch} is not allowed with {world} processes (torchrun --nproc_per_node x "
             f"--nnodes); the global batch is split evenly over the ranks: use a multiple of {world}"
         )
-    if getattr(args, "expert_parallel", False) and config["arch"] != "dense":
-        experts = lm_config(config["size"], 2, **config["model"]).num_experts
+    if getattr(args, "expert_parallel", False) and config.arch != "dense":
+        experts = lm_config(config.size, 2, **config.model).num_experts
         if experts % world:  # before anything is written (the plan itself checks it again)
             raise ValueError(
                 f"--expert-parallel: world size {world} does not divide num_experts={experts}; "
@@ -486,9 +613,9 @@ def benchmark_throughput(
     import statistics
     import time
 
-    from ..layer import aux_loss
+    from ..layer import attach, aux_loss
     from ..methods import methods as registered
-    from ..routing import RoutingContext, attach
+    from ..routing import RoutingContext
 
     names = [m for m in methods if m in registered()] + ["dense"]
     cfg = lm_config(size, 256)

@@ -2,15 +2,15 @@
 
 Runs are grouped by method and by every ``--opt`` whose value differs between runs (a sweep):
 each group is one row with the mean ± sample standard deviation over its seeds of the test
-metric (000 Table 2 / Table 9 layout), the best row marked ``*``, and the two-sided Welch
-t-test p-value of each group against the reference group (000 Table 9 uses CompeteSMoE vs
+metric (CompeteSMoE (2024) Table 2 / Table 9 layout), the best row marked ``*``, and the two-sided Welch
+t-test p-value of each group against the reference group (CompeteSMoE (2024) Table 9 uses CompeteSMoE vs
 SMoE; ``scipy.stats.ttest_ind(equal_var=False)``).  When exactly one option varies (a λ/ω or α
-sweep) the sensitivity table of 000 Tables 4-5 is printed too: one column per value, one row
+sweep) the sensitivity table of CompeteSMoE (2024) Tables 4-5 is printed too: one column per value, one row
 per architecture.
 
 Writes into ``--out`` (default: the first RUN_DIR when it is a folder of runs): ``results.csv``
 (one row per group), ``runs.csv`` (one row per run) and ``val_curves.png`` (validation metric
-against step, mean over seeds: 000 Fig. 2).
+against step, mean over seeds: CompeteSMoE (2024) Fig. 2).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from ..rundir import atomic_write_text
+from ..io.atomic import atomic_write_text
 
 __all__ = ["Group", "Run", "add_arguments", "collect_runs", "group_runs", "render", "run", "write_report"]
 
@@ -208,7 +208,7 @@ def _mean(values: list[Any]) -> float:
 
 
 def _sensitivity(groups: list[Group], metric: str) -> str:
-    """000 Tables 4-5: one varying option → a row per architecture, a column per value."""
+    """CompeteSMoE (2024) Tables 4-5: one varying option → a row per architecture, a column per value."""
     keys = [k for k in groups[0].settings if k != "arch"]
     if len(keys) != 1 or len({g.method for g in groups}) != 1:
         return ""
@@ -231,7 +231,7 @@ def _sensitivity(groups: list[Group], metric: str) -> str:
 
 
 def plot_curves(groups: list[Group], path: Path) -> Path:
-    """Validation metric against step, mean over each group's seeds (000 Fig. 2)."""
+    """Validation metric against step, mean over each group's seeds (CompeteSMoE (2024) Fig. 2)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,19 +1,23 @@
-"""The expert-specialization lab of paper 002: ``moelab specialize`` (and ``train --task image``).
+"""The expert-specialization lab of Krishnamurthy et al. (2023): ``moelab specialize``.
 
 Modes (``--mode``):
 
 * ``run`` (default): one model — ``--gate {original,attentive}`` with ``--reg {none,importance,ls}``,
-  optionally ``--distill`` (002 §5.1); with ``--sweep``, the 002 Appendix C grid × ``--runs``
-  seeds, selecting the run with the minimum training error as the paper does (002 §7).
-* ``single``: the single-model baseline (one expert's architecture; 002 §7 row 1).
-* ``table``: every row of 002 Table 2 / 3 / 7 for ``--data``, each as ``run`` would do it.
-* ``partition``: the intuitive-partition experiment (002 §4.2, Fig. 4, Table 1).
-* ``scaling``: expert-count scaling (002 §7, Fig. 6): how many experts each regulariser uses.
+  optionally ``--distill`` (Krishnamurthy et al. (2023) §5.1); with ``--sweep``, the Krishnamurthy et al.
+  (2023) Appendix C grid × ``--runs`` seeds, selecting the run with the minimum training error as the paper
+  does (Krishnamurthy et al. (2023) §7).
+* ``single``: the single-model baseline (one expert's architecture; Krishnamurthy et al. (2023) §7 row 1).
+* ``table``: every row of Krishnamurthy et al. (2023) Table 2 / 3 / 7 for ``--data``, each as ``run`` would do
+  it.
+* ``partition``: the intuitive-partition experiment (Krishnamurthy et al. (2023) §4.2, Fig. 4, Table 1).
+* ``scaling``: expert-count scaling (Krishnamurthy et al. (2023) §7, Fig. 6): how many experts each
+  regulariser uses.
 
-Training (002 §7, shared/REFERENCES.md): Adam, lr 1e-3, batch 512, 20 epochs (MNIST-like) or 40
-(CIFAR-100); loss NLL of ``log(Σ_e p(e|x) y_e(x) + 1e-7)`` plus the regulariser on the gate's
-``p(e|x)``: ``w · CV(Σ_x p)²`` (:func:`moelab.losses.importance_loss`, 002 eq. 7) or ``L_s``
-(:func:`moelab.losses.sample_similarity_loss`, 002 eq. 8–10) on the normalised input pixels.
+Training (Krishnamurthy et al. (2023) §7, docs/references.md): Adam, lr 1e-3, batch 512, 20 epochs
+(MNIST-like) or 40 (CIFAR-100); loss NLL of ``log(Σ_e p(e|x) y_e(x) + 1e-7)`` plus the regulariser on the
+gate's ``p(e|x)``: ``w · CV(Σ_x p)²`` (:func:`moelab.losses.importance_loss`, Krishnamurthy et al. (2023) eq.
+7) or ``L_s`` (:func:`moelab.losses.sample_similarity_loss`, Krishnamurthy et al. (2023) eq. 8–10) on the
+normalised input pixels.
 
 ``metrics.json`` keys (stable): ``test_error``, ``train_error`` (dense output mixture),
 ``train_loss`` (task NLL on the train set), ``test_error_top1`` (top-1 conditional computation),
@@ -34,10 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from ..data.images import DATASETS, ImageData, load_images
+from ..io.atomic import atomic_write_text
+from ..io.model import save
+from ..io.rundir import RunDir
 from ..losses import importance_loss, sample_similarity_loss
 from ..metrics import plot_selection_table, selection_table, specialization
 from ..models.vision import ImageMoE, MoEOutput, SingleModel, distill_gate, vision_config
-from ..rundir import RunDir, atomic_write_text
 
 __all__ = [
     "GRIDS",
@@ -46,7 +52,6 @@ __all__ = [
     "add_image_arguments",
     "evaluate",
     "run",
-    "run_image",
     "train_once",
 ]
 
@@ -54,8 +59,8 @@ GATES = ("original", "attentive")
 REGS = ("none", "importance", "ls")
 MODES = ("run", "single", "table", "partition", "scaling")
 
-#: 002 Appendix C: w_importance for every dataset; (β_s, β_d) per dataset (Table 6).  digits is not
-#: in the paper: its 64-pixel inputs have ~12× smaller squared distances than MNIST's 784 pixels
+#: Krishnamurthy et al. (2023) Appendix C: w_importance for every dataset; (β_s, β_d) per dataset (Table 6).
+#: digits is not in the paper: its 64-pixel inputs have ~12× smaller squared distances than MNIST's 784 pixels
 #: (both normalised to unit variance), so its L_s grid is the MNIST grid × 10.
 _W = (0.2, 0.4, 0.6, 0.8, 1.0)
 GRIDS: dict[str, dict[str, Any]] = {
@@ -70,7 +75,7 @@ GRIDS: dict[str, dict[str, Any]] = {
 }
 GRIDS["fmnist+mnist"] = GRIDS["mnist"]
 
-#: per-dataset training defaults (002 §7; digits: moelab's choice for 1,437 samples)
+#: per-dataset training defaults (Krishnamurthy et al. (2023) §7; digits: moelab's choice for 1,437 samples)
 DEFAULTS = {
     "digits": {"epochs": 40, "batch_size": 64},
     "mnist": {"epochs": 20, "batch_size": 512},
@@ -79,7 +84,7 @@ DEFAULTS = {
     "cifar100": {"epochs": 40, "batch_size": 512},
 }
 
-#: 002 §4.2: MNIST digit pairs; the combined set pairs consecutive classes (Fig. 3b)
+#: Krishnamurthy et al. (2023) §4.2: MNIST digit pairs; the combined set pairs consecutive classes (Fig. 3b)
 PARTITIONS = {
     10: ((0, 7), (1, 9), (2, 4), (3, 8), (5, 6)),
     12: ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11)),
@@ -283,7 +288,7 @@ def train_once(cfg: SpecConfig, data: ImageData, log=None) -> tuple[nn.Module, d
 
 # ---------------------------------------------------------------------- sweeps and named modes
 def grid(cfg: SpecConfig) -> list[SpecConfig]:
-    """The 002 Appendix C settings for ``cfg.reg`` (one setting for ``none``)."""
+    """The Krishnamurthy et al. (2023) Appendix C settings for ``cfg.reg`` (one setting for ``none``)."""
     g = GRIDS[cfg.data]
     if cfg.reg == "importance":
         return [replace(cfg, w_importance=w) for w in g["importance"]]
@@ -336,7 +341,8 @@ def _run_row(tag: str, cfg: SpecConfig, metrics: dict[str, Any]) -> dict[str, An
 def sweep(
     cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir | None, use_grid: bool = True, tag: str = ""
 ):
-    """Every setting × ``runs`` seeds; the run with the minimum training error is selected (002 §7)."""
+    """Every setting × ``runs`` seeds; the run with the minimum training error is selected (Krishnamurthy et
+    al. (2023) §7)."""
     cfg = cfg.resolved()
     settings = grid(cfg) if use_grid else [cfg]
     results = []
@@ -365,7 +371,7 @@ def sweep(
 def _save(
     rundir: RunDir, name: str, model: nn.Module, table: Tensor | None, data: ImageData, title: str
 ) -> None:
-    torch.save(model.state_dict(), rundir.file(f"{name}.pt"))
+    save(model, rundir.file(name))  # config.json + model.safetensors: moelab.load(rundir / name)
     if table is not None:
         plot_selection_table(table, rundir.file(f"{name}_selection.png"), data.class_names, title)
 
@@ -387,7 +393,8 @@ TABLE_ROWS = (
 
 
 def format_table(rows: dict[str, dict[str, Any]]) -> str:
-    """The rows of a ``table`` run as a markdown table in the layout of 002 Table 2."""
+    """The rows of a ``table`` run as a markdown table in the layout of Krishnamurthy et al. (2023) Table
+    2."""
     f = lambda m, k: "NA" if m.get(k) is None else f"{m[k]:.3f}"
     lines = [
         "| experiment | error | ± std | I(E;Y) | H_s | H_u | top-1 error | experts used | selected |",
@@ -404,7 +411,7 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
 
 
 def run_table(cfg: SpecConfig, data: ImageData, runs: int, use_grid: bool, rundir: RunDir) -> dict[str, Any]:
-    """All nine rows of 002 Table 2 / 3 / 7."""
+    """All nine rows of Krishnamurthy et al. (2023) Table 2 / 3 / 7."""
     rows = {}
     for i, (name, change) in enumerate(TABLE_ROWS):
         c = replace(cfg, **{"reg": "none", "distill": False, **change})
@@ -417,9 +424,9 @@ def run_table(cfg: SpecConfig, data: ImageData, runs: int, use_grid: bool, rundi
 
 
 def run_partition(cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir) -> dict[str, Any]:
-    """002 §4.2 (Fig. 4, Table 1).  (a) a gate trained end-to-end with untrained experts; (b) a gate
-    trained against experts pre-trained on class pairs (each expert sees only its pair's samples).
-    Each gate is then frozen and a new set of experts is trained with it; the table reports that
+    """Krishnamurthy et al. (2023) §4.2 (Fig. 4, Table 1).  (a) a gate trained end-to-end with untrained
+    experts; (b) a gate trained against experts pre-trained on class pairs (each expert sees only its pair's
+    samples). Each gate is then frozen and a new set of experts is trained with it; the table reports that
     second model's test error and training loss, averaged over ``runs`` seeds."""
     cfg = cfg.resolved()
     pairs = PARTITIONS.get(data.num_classes)
@@ -498,8 +505,8 @@ def run_partition(cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir) -
 
 
 def run_scaling(cfg: SpecConfig, data: ImageData, counts: list[int], rundir: RunDir) -> dict[str, Any]:
-    """002 §7, Fig. 6: train with N experts for each N and each of L_importance and L_s; report
-    how many experts each actually uses (``experts_used``) and the selection tables."""
+    """Krishnamurthy et al. (2023) §7, Fig. 6: train with N experts for each N and each of L_importance and
+    L_s; report how many experts each actually uses (``experts_used``) and the selection tables."""
     out: dict[str, Any] = {}
     for reg in ("importance", "ls"):
         for n in counts:
@@ -535,7 +542,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs", type=int, default=1, help="seeds per setting (paper: 10 MNIST, 5 CIFAR-100)"
     )
-    parser.add_argument("--sweep", action="store_true", help="sweep the 002 Appendix C grid")
+    parser.add_argument(
+        "--sweep", action="store_true", help="sweep the Krishnamurthy et al. (2023) Appendix C grid"
+    )
     parser.add_argument("--top-k", type=int, default=1, help="experts at sparse inference")
     parser.add_argument("--counts", default="5,10,15", help="scaling: expert counts")
     parser.add_argument(
@@ -543,7 +552,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--test-samples", type=int, default=None, help="use a random subset of the test set")
     parser.add_argument(
-        "--output-relu", action="store_true", help="ReLU on the output logits (002 App. B literal)"
+        "--output-relu",
+        action="store_true",
+        help="ReLU on the output logits (Krishnamurthy et al. (2023) App. B literal)",
     )
     parser.add_argument(
         "--loop-experts", action="store_true", help="run experts in a Python loop (benchmarks)"
@@ -640,9 +651,6 @@ def run(args: argparse.Namespace) -> int:
     rundir.write_metrics(metrics)
     _print_summary(metrics)
     return 0
-
-
-run_image = run
 
 
 def _print_summary(metrics: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
-"""A pre-trained MoE language model turned into a text classifier (000 §6.3, App. C.3).
+"""A pre-trained MoE language model turned into a text classifier (CompeteSMoE (2024) §6.3, App. C.3).
 
-000: "remove the last layer and employ two randomly initialized fully connected layers as the
+CompeteSMoE (2024): "remove the last layer and employ two randomly initialized fully connected layers as the
 classifier", with the routers frozen ("Following Chen et al. (2023), we freeze the router").  The
 LM head is dropped; the final hidden states are mean-pooled over the real (non-padding) tokens
 and fed to ``Linear(d, d) → ReLU → Dropout → Linear(d, C)``.  Causal attention means right
@@ -9,10 +9,13 @@ padding never changes the real tokens' states.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from ..routing import moe_layers
+from ..io.model import Persistent
+from ..layer import moe_layers
 from .lm import TransformerLM
 
 __all__ = ["LMClassifier", "freeze_routers"]
@@ -29,7 +32,7 @@ def freeze_routers(model: nn.Module) -> int:
     return frozen
 
 
-class LMClassifier(nn.Module):
+class LMClassifier(Persistent, nn.Module):
     """``(idx (B, L), mask (B, L)) → logits (B, C)`` on top of a :class:`TransformerLM` trunk."""
 
     def __init__(self, lm: TransformerLM, num_classes: int, dropout: float = 0.1) -> None:
@@ -50,3 +53,13 @@ class LMClassifier(nn.Module):
         m = mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
         pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, d)
         return self.fc2(self.drop(torch.relu(self.fc1(pooled))))
+
+    def moelab_config(self) -> dict[str, Any]:
+        """What :func:`moelab.save` records: the trunk's :class:`LMConfig`, classes, dropout."""
+        return {"lm": self.lm.cfg.to_dict(), "num_classes": self.fc2.out_features, "dropout": self.drop.p}
+
+    @classmethod
+    def from_moelab_config(cls, config: dict[str, Any]) -> LMClassifier:
+        from .lm import LMConfig
+
+        return cls(TransformerLM(LMConfig.from_dict(config["lm"])), config["num_classes"], config["dropout"])

@@ -1,6 +1,6 @@
 """Decoder-only Transformer language models whose FFNs are MoE layers of any method.
 
-The setting of paper 000 §6.1 ("Architecture") and App. C.2, from its reference code (Sandwich
+The setting of CompeteSMoE (2024) §6.1 ("Architecture") and App. C.2, from its reference code (Sandwich
 Transformer based; shared/REFERENCES.md, "Model configs"):
 
 * ``switch``: every FFN is an MoE layer (Switch Transformer, Fedus et al. 2022).
@@ -9,7 +9,7 @@ Transformer based; shared/REFERENCES.md, "Model configs"):
 * ``dense``: every FFN is a dense MLP of width ``top_k · d_hidden`` — the dense model of equal
   *active* width, the throughput baseline of docs/performance-lm.md.
 
-16 experts, top-2, expert hidden width = ``d_model``, ReLU experts, dropout 0.1 (000).  Blocks
+16 experts, top-2, expert hidden width = ``d_model``, ReLU experts, dropout 0.1 (CompeteSMoE (2024)).  Blocks
 are pre-LayerNorm (nanoGPT); attention is causal ``scaled_dot_product_attention``.
 
 Presets (:data:`PRESETS`), with the parameter counts of the byte-level (vocab 256) model:
@@ -17,10 +17,10 @@ Presets (:data:`PRESETS`), with the parameter counts of the byte-level (vocab 25
 ============  ======  =======  =====  =====  ==========================================
 preset        layers  d_model  heads  block  parameters (switch, total / active)
 ============  ======  =======  =====  =====  ==========================================
-tiny          3       256      8      512    7.29M / 1.79M  (000: "3 SMoE blocks, 7M")
-small         6       264      8      512    15.30M / 3.59M (000: "6 SMoE layers, 15M")
-medium        8       352      8      512    36.02M / 8.27M (000: "8 SMoE layers, 36M")
-wt103-small   3       128      8      256    000's WikiText-103 small (word level, dropout 0.7)
+tiny          3       256      8      512    7.29M / 1.79M  (CompeteSMoE (2024): "3 SMoE blocks, 7M")
+small         6       264      8      512    15.30M / 3.59M (CompeteSMoE (2024): "6 SMoE layers, 15M")
+medium        8       352      8      512    36.02M / 8.27M (CompeteSMoE (2024): "8 SMoE layers, 36M")
+wt103-small   3       128      8      256    CompeteSMoE (2024)'s WikiText-103 small (word level, dropout 0.7)
 cpu           2       64       4      128    0.32M / 0.09M (1000 steps in minutes on 2 cores)
 ============  ======  =======  =====  =====  ==========================================
 
@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..experts import MLP, ExpertBank
-from ..layer import MoE
-from ..routing import moe_layers
+from ..experts import MLP, Experts
+from ..io.model import Persistent
+from ..layer import MoE, moe_layers
 
 __all__ = ["ARCHS", "PRESETS", "LMConfig", "TransformerLM", "count_parameters", "lm_config"]
 
@@ -59,11 +59,11 @@ class LMConfig:
         n_head: attention heads (must divide ``d_model``).
         arch: ``switch``, ``glam`` or ``dense`` (see the module docstring).
         method: MoE method name (:func:`moelab.methods`).
-        num_experts: experts per MoE layer (16 in 000).
-        top_k: experts per token (2 in 000).
-        d_hidden: expert hidden width (default ``d_model``, 000).
-        activation: expert activation (``relu`` in 000).
-        dropout: dropout on attention, residual branches and embeddings (0.1 in 000).
+        num_experts: experts per MoE layer (16 in CompeteSMoE (2024)).
+        top_k: experts per token (2 in CompeteSMoE (2024)).
+        d_hidden: expert hidden width (default ``d_model``, CompeteSMoE (2024)).
+        activation: expert activation (``relu`` in CompeteSMoE (2024)).
+        dropout: dropout on attention, residual branches and embeddings (0.1 in CompeteSMoE (2024)).
         method_options: options passed to every :class:`moelab.MoE` (``--opt key=value``).
     """
 
@@ -122,13 +122,13 @@ class LMConfig:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-#: the paper's model sizes (000 §6.1, shared/REFERENCES.md) and a CPU size; training defaults
+#: the paper's model sizes (CompeteSMoE (2024) §6.1, shared/REFERENCES.md) and a CPU size; training defaults
 #: per preset live in ``moelab.experiments.lm.SIZE_DEFAULTS``
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=3, d_model=256, n_head=8, block_size=512, dropout=0.1),
     "small": dict(n_layer=6, d_model=264, n_head=8, block_size=512, dropout=0.1),
     "medium": dict(n_layer=8, d_model=352, n_head=8, block_size=512, dropout=0.1),
-    # 000's WikiText-103 small model (reference code): 3 layers, d 128, block 256, dropout 0.7
+    # CompeteSMoE (2024)'s WikiText-103 small model (reference code): 3 layers, d 128, block 256, dropout 0.7
     "wt103-small": dict(n_layer=3, d_model=128, n_head=8, block_size=256, dropout=0.7),
     # small enough that 1000 steps take minutes on 2 CPU cores; no dropout for short runs
     "cpu": dict(n_layer=2, d_model=64, n_head=4, block_size=128, dropout=0.0),
@@ -189,11 +189,11 @@ class Block(nn.Module):
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
-class TransformerLM(nn.Module):
+class TransformerLM(Persistent, nn.Module):
     """Decoder-only LM: token + position embeddings → blocks → LayerNorm → tied LM head.
 
     ``forward(idx (B, L)) → logits (B, L, vocab)``; :meth:`features` gives the final hidden
-    states ``(B, L, d)`` (the fine-tuning trunk, 000 §6.3).
+    states ``(B, L, d)`` (the fine-tuning trunk, CompeteSMoE (2024) §6.3).
     """
 
     def __init__(self, cfg: LMConfig) -> None:
@@ -240,6 +240,14 @@ class TransformerLM(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         return self.head(self.features(idx))  # (B, L, vocab)
 
+    def moelab_config(self) -> dict[str, Any]:
+        """What :func:`moelab.save` records to rebuild this model (the :class:`LMConfig`)."""
+        return self.cfg.to_dict()
+
+    @classmethod
+    def from_moelab_config(cls, config: dict[str, Any]) -> TransformerLM:
+        return cls(LMConfig.from_dict(config))
+
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """``(total, active)`` parameter counts (tied weights counted once).
@@ -255,7 +263,7 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
             total += p.numel()
     inactive = 0
     for layer in moe_layers(model):
-        if isinstance(layer.experts, ExpertBank) or hasattr(layer.experts, "num_experts"):
+        if isinstance(layer.experts, Experts):
             n = layer.num_experts
             expert_params = sum(p.numel() for p in layer.experts.parameters())
             inactive += expert_params * (n - layer.top_k) // n

@@ -1,20 +1,23 @@
-"""CNN experts and gates of the expert-specialization paper (002), as an output-mixture MoE.
+"""CNN experts and gates of expert specialization (Krishnamurthy et al. (2023)), an output-mixture MoE.
 
-* Experts (002 Appendix B): a conv trunk → two hidden layers (ReLU) → a class layer → softmax.
-  Each returns ``[class probabilities | hidden vector]`` so that the attentive gate can read the
-  last hidden layer (``h``, 32 or 256 wide).
-* The *original* gate (002 §4.1, App. B): the same kind of trunk → an expert layer → softmax.
-* The *attentive* gate (002 §5, eq. 4–6): query ``Q = G W_q`` from the gate's hidden vector
-  ``G``, keys ``K_i = E_i W_k`` from the experts' hidden vectors, ``p(e|x) = softmax(Q Kᵀ/√h)``.
+* Experts (Krishnamurthy et al. (2023) Appendix B): a conv trunk → two hidden layers (ReLU) → a
+  class layer → softmax.  Each returns ``[class probabilities | hidden vector]`` so that the
+  attentive gate can read the last hidden layer (``h``, 32 or 256 wide).
+* The *original* gate (Krishnamurthy et al. (2023) §4.1, App. B): the same kind of trunk → an
+  expert layer → softmax.
+* The *attentive* gate (Krishnamurthy et al. (2023) §5, eq. 4–6): query ``Q = G W_q`` from the
+  gate's hidden vector ``G``, keys ``K_i = E_i W_k`` from the experts' hidden vectors,
+  ``p(e|x) = softmax(Q Kᵀ/√h)``.
 * The *original MoE* output is the dense mixture ``Σ_e p(e|x) y_e(x)`` of the experts' class
   distributions; its loss is the NLL of ``log(output + 1e-7)`` (shared/REFERENCES.md, "Expert
   specialization models").  At inference any gate can be made sparse: the top-K experts by
-  ``p(e|x)`` with renormalised weights (conditional computation, 002 §5.1).
+  ``p(e|x)`` with renormalised weights (conditional computation, Krishnamurthy et al. (2023) §5.1).
 
 A gate is a router in the core sense: ``gate(x, experts, ctx) -> moelab.Routing`` over an expert
-bank with the :class:`moelab.experts.ModuleExperts` interface.  :class:`BatchedExperts` is that
-interface for experts of identical architecture, run together with ``torch.func.vmap`` over
-stacked weights (one batched kernel per layer instead of a Python loop over experts).
+bank implementing :class:`moelab.experts.Experts` (:class:`moelab.experts.ModuleExperts`).
+:class:`BatchedExperts` is that bank for experts of identical architecture, run together with
+``torch.func.vmap`` over stacked weights (one batched kernel per layer instead of a Python loop
+over experts).
 
 Output-layer ReLU: Appendix B lists the class layer (and the gate's expert layer) "with ReLU
 activation" before the softmax, while the authors' model as summarised in shared/REFERENCES.md
@@ -30,7 +33,8 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +42,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from .. import _validate
-from ..experts import ModuleExperts, combine, sort_slots
+from ..experts import ModuleExperts, combine
+from ..experts.dispatch import Slots
+from ..io.model import Persistent
 from ..routing import Routing, RoutingContext
 
 __all__ = [
@@ -59,13 +65,13 @@ __all__ = [
 ]
 
 #: one conv layer: (out_channels, kernel, padding, batch_norm); each is followed by ReLU and a 2×2
-#: max-pool with stride 2 (002 Appendix B)
+#: max-pool with stride 2 (Krishnamurthy et al. (2023) Appendix B)
 Conv = tuple[int, int, int, bool]
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """Layer sizes of one dataset's MoE (002 Appendix B).
+    """Layer sizes of one dataset's MoE (Krishnamurthy et al. (2023) Appendix B).
 
     Attributes:
         in_channels, image_size: the input ``(C, S, S)``.
@@ -92,13 +98,17 @@ class VisionConfig:
 
 _MNIST_EXPERT = ((1, 3, 0, False),)
 CONFIGS: dict[str, VisionConfig] = {
-    # 002 App. B.1: expert conv 1→1 k3 + pool → 1·13·13 → 5 → 32 → 10; gate 1·13·13 → 128 → 32 → 5
+    # Krishnamurthy et al. (2023) App. B.1: expert conv 1→1 k3 + pool → 1·13·13 → 5 → 32 → 10;
+    # gate 1·13·13 → 128 → 32 → 5
     "mnist": VisionConfig(1, 28, 10, 5, _MNIST_EXPERT, (5, 32), ((1, 3, 0, False),), (128, 32)),
-    # 002 App. B.4: expert 1·13·13 → 64 → 32 → 10; gate conv 1→8 k3, 8·13·13 → 512 → 32 → 5
+    # Krishnamurthy et al. (2023) App. B.4: expert 1·13·13 → 64 → 32 → 10;
+    # gate conv 1→8 k3, 8·13·13 → 512 → 32 → 5
     "fmnist": VisionConfig(1, 28, 10, 5, _MNIST_EXPERT, (64, 32), ((8, 3, 0, False),), (512, 32)),
-    # 002 App. B.2: experts as MNIST with 12 classes, 6 experts; gate conv k5 → 1·12·12 → 128 → 32 → 6
+    # Krishnamurthy et al. (2023) App. B.2: experts as MNIST with 12 classes, 6 experts;
+    # gate conv k5 → 1·12·12 → 128 → 32 → 6
     "fmnist+mnist": VisionConfig(1, 28, 12, 6, _MNIST_EXPERT, (5, 32), ((1, 5, 0, False),), (128, 32)),
-    # 002 App. B.3: 4 conv layers (BN on the 2nd and 4th), 128·2·2 → 1024 → 256 → 100; 20 experts.
+    # Krishnamurthy et al. (2023) App. B.3: 4 conv layers (BN on the 2nd and 4th),
+    # 128·2·2 → 1024 → 256 → 100; 20 experts.
     # A 2·2 map after four pools of a 32×32 input needs padding 1 (not stated in the paper).
     "cifar100": VisionConfig(
         3,
@@ -182,11 +192,10 @@ class Expert(nn.Module):
 class BatchedExperts(nn.Module):
     """Experts of identical architecture with stacked weights, run together with ``vmap``.
 
-    The :class:`moelab.experts.ModuleExperts` interface (``num_experts``, ``forward_all``,
-    ``expert_forward``, ``forward(x, indices, weights)``).  ``forward_all`` is one
-    ``vmap(functional_call)`` over the stacked parameters and buffers: every layer runs as one
-    batched kernel for all experts.  The sparse ``forward`` sorts the slots once and runs each
-    expert on its contiguous slice with its parameters unbound once per call.
+    The :class:`moelab.experts.Experts` protocol, as :class:`moelab.experts.ModuleExperts`.
+    ``forward_all`` is one ``vmap(functional_call)`` over the stacked parameters and buffers: every
+    layer runs as one batched kernel for all experts.  The sparse ``forward`` is the shared sorted
+    dispatch, each expert on its contiguous slice with its parameters unbound once per call.
 
     Args:
         experts: modules of identical architecture (their current weights are copied).
@@ -203,6 +212,8 @@ class BatchedExperts(nn.Module):
                 "experts of different architectures cannot be batched; use moelab.experts.ModuleExperts"
             )
         self.num_experts = len(experts)
+        self.d_model = None  # the output width is known only by running an expert
+        self.chunk_elements = 1 << 22
         params, buffers = stack_module_state(experts)
         self._pnames = list(params)
         self._bnames = list(buffers)
@@ -236,23 +247,24 @@ class BatchedExperts(nn.Module):
         p, b = self._stacked()
         return self._call({k: v[e] for k, v in p.items()}, {k: v[e] for k, v in b.items()}, x)
 
-    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
-        """``Σ_k w_k · expert_{i_k}(x)``: only the chosen experts run (sparse inference)."""
-        T, K = indices.shape
-        _, counts, tokens, inverse = sort_slots(indices, self.num_experts)
-        xs = x.index_select(0, tokens)
+    # the sparse forward and the competition's pass of ModuleExperts (the shared sorted dispatch,
+    # winners_by_rerun): only the run step on the sorted samples, ``_run``, differs
+    forward = ModuleExperts.forward
+    forward_winners = ModuleExperts.forward_winners
+
+    def _run(self, xs: Tensor, slots: Slots) -> Tensor:
+        """Each expert on its contiguous slice of the expert-sorted samples, its parameters
+        unbound once per call."""
         p, b = self._stacked()
         pu = {k: v.unbind(0) for k, v in p.items()}  # unbound once
         bu = {k: v.unbind(0) for k, v in b.items()}
-        counts_list = counts.tolist()
+        counts = slots.counts.tolist()  # the one host sync
         outs = [
             self._call({k: v[e] for k, v in pu.items()}, {k: v[e] for k, v in bu.items()}, xe)
-            for e, (xe, c) in enumerate(zip(xs.split(counts_list), counts_list))
+            for e, (xe, c) in enumerate(zip(xs.split(counts), counts))
             if c > 0
         ]
-        ys = torch.cat(outs)
-        slots = ys.index_select(0, inverse).view(T, K, -1)
-        return combine(slots, weights)
+        return torch.cat(outs)
 
 
 def build_experts(cfg: VisionConfig, batched: bool = True) -> nn.Module:
@@ -272,7 +284,9 @@ def _topk_routing(probs: Tensor, top_k: int, logits: Tensor | None) -> Routing:
 
 
 class OriginalGate(nn.Module):
-    """The original MoE gate (002 §4.1, App. B): trunk → expert layer (ReLU) → softmax.
+    """The original MoE gate: trunk → expert layer (ReLU) → softmax.
+
+    Krishnamurthy et al. (2023) §4.1, App. B.
 
     ``forward(x, experts, ctx) -> Routing`` with ``probs = p(e|x)``; ``indices`` / ``weights`` are
     the top-K experts with renormalised weights (``top_k = N``: all experts, dense).
@@ -301,7 +315,7 @@ class OriginalGate(nn.Module):
 
 
 class AttentiveGate(nn.Module):
-    """The attentive gate (002 §5, eq. 4–6).
+    """The attentive gate (Krishnamurthy et al. (2023) §5, eq. 4–6).
 
     ``G = trunk(x)`` (the last hidden layer without activation, App. B), ``Q = G W_q``,
     ``K_i = E_i W_k`` with ``E_i`` the hidden vector of expert ``i``, and
@@ -349,6 +363,20 @@ def build_gate(cfg: VisionConfig, gate: str, top_k: int | None = None) -> nn.Mod
     return AttentiveGate(cfg, top_k) if gate == "attentive" else OriginalGate(cfg, top_k)
 
 
+def _vision_config_dict(cfg: VisionConfig) -> dict[str, Any]:
+    return asdict(cfg)
+
+
+def _vision_config_from(data: dict[str, Any]) -> VisionConfig:
+    """A :class:`VisionConfig` from its JSON form (lists back to tuples)."""
+    d = dict(data)
+    for key in ("expert_convs", "gate_convs"):
+        d[key] = tuple(tuple(c) for c in d[key])
+    for key in ("expert_hidden", "gate_hidden"):
+        d[key] = tuple(d[key])
+    return VisionConfig(**d)
+
+
 @dataclass
 class MoEOutput:
     """``probs (B, K)`` the model's class distribution, ``gate_probs (B, N)`` p(e|x)."""
@@ -357,11 +385,11 @@ class MoEOutput:
     gate_probs: Tensor
 
     def nll(self, labels: Tensor, eps: float = 1e-7) -> Tensor:
-        """NLL of ``log(output + 1e-7)`` (the output-mixture loss of 002's code)."""
+        """NLL of ``log(output + 1e-7)`` (the output-mixture loss of Krishnamurthy et al. (2023)'s code)."""
         return F.nll_loss(torch.log(self.probs + eps), labels)
 
 
-class ImageMoE(nn.Module):
+class ImageMoE(Persistent, nn.Module):
     """Output-mixture MoE over images: ``Σ_e p(e|x) y_e(x)`` (dense) or its top-K (sparse).
 
     Args:
@@ -380,6 +408,18 @@ class ImageMoE(nn.Module):
     @property
     def num_classes(self) -> int:
         return self.cfg.num_classes
+
+    def moelab_config(self) -> dict[str, Any]:
+        """What :func:`moelab.save` records: the layer sizes, the gate, the expert layout."""
+        return {
+            "vision": _vision_config_dict(self.cfg),
+            "gate": "attentive" if getattr(self.gate, "attentive", False) else "original",
+            "batched": isinstance(self.experts, BatchedExperts),
+        }
+
+    @classmethod
+    def from_moelab_config(cls, config: dict[str, Any]) -> ImageMoE:
+        return cls(_vision_config_from(config["vision"]), config["gate"], config["batched"])
 
     def forward(self, x: Tensor, top_k: int | None = None) -> MoEOutput:
         """Dense mixture when ``top_k`` is ``None`` (training), else the top-K experts' mixture with
@@ -408,13 +448,23 @@ class ImageMoE(nn.Module):
         return MoEOutput(out, p)
 
 
-class SingleModel(nn.Module):
-    """The single-model baseline (002 §7 row 1): one network with an expert's architecture."""
+class SingleModel(Persistent, nn.Module):
+    """The single-model baseline: one network with an expert's architecture.
+
+    Krishnamurthy et al. (2023) §7 row 1."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.net = Expert(cfg)
+
+    def moelab_config(self) -> dict[str, Any]:
+        """What :func:`moelab.save` records: the layer sizes."""
+        return {"vision": _vision_config_dict(self.cfg)}
+
+    @classmethod
+    def from_moelab_config(cls, config: dict[str, Any]) -> SingleModel:
+        return cls(_vision_config_from(config["vision"]))
 
     def forward(self, x: Tensor, top_k: int | None = None) -> MoEOutput:
         probs = self.net(x)[..., : self.cfg.num_classes]
@@ -428,10 +478,12 @@ def build_model(
 
 
 def distill_gate(model: ImageMoE) -> ImageMoE:
-    """The distilled model of 002 §5.1: the attentive model's experts (copied, frozen) and a plain
-    :class:`OriginalGate` whose trunk (convs and both hidden layers) starts from the attentive
-    gate's trunk; only the gate's expert layer is new.  Train the result's gate on the task loss;
-    it then supports conditional computation (top-K) at inference."""
+    """The distilled model of Krishnamurthy et al. (2023) §5.1: the attentive model's experts and a new gate.
+
+    The experts are copied and frozen; the gate is a plain :class:`OriginalGate` whose trunk (convs
+    and both hidden layers) starts from the attentive gate's trunk; only the gate's expert layer is
+    new.  Train the result's gate on the task loss; it then supports conditional computation
+    (top-K) at inference."""
     if not isinstance(model.gate, AttentiveGate):
         raise ValueError(
             f"gate={type(model.gate).__name__} is not allowed; distillation starts from an attentive gate"

@@ -1,11 +1,44 @@
-"""What every router shares: sizes, validation, and the step a context reports."""
+"""What every router shares: the registry of router families (name → class), sizes, validation,
+and the step a context reports."""
 
 from __future__ import annotations
+
+import inspect
 
 from torch import nn
 
 from .. import _validate
 from ..routing import RoutingContext
+
+__all__ = ["ROUTERS", "Router", "build_router", "register", "router_options"]
+
+#: router family name → class; filled by :func:`register` when ``moelab.routers`` is imported
+ROUTERS: dict[str, type[nn.Module]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a router available to the presets under ``name``."""
+
+    def deco(cls: type[nn.Module]) -> type[nn.Module]:
+        if name in ROUTERS:
+            raise ValueError(f"router {name!r} is already registered")
+        ROUTERS[name] = cls
+        return cls
+
+    return deco
+
+
+def router_options(cls: type[nn.Module]) -> list[str]:
+    """The keyword options a router class accepts (beyond d_model, num_experts, top_k)."""
+    params = inspect.signature(cls.__init__).parameters
+    return [p for p in params if p not in ("self", "d_model", "num_experts", "top_k")]
+
+
+def build_router(name: str, d_model: int, num_experts: int, top_k: int, **options) -> nn.Module:
+    """Build the router family ``name`` (a key of :data:`ROUTERS`) with its own options."""
+    if name not in ROUTERS:
+        raise ValueError(f"router={name!r} is not registered; allowed: {sorted(ROUTERS)}")
+    return ROUTERS[name](d_model, num_experts, top_k, **options)
 
 
 class Router(nn.Module):

@@ -1,19 +1,20 @@
 """Competition routing: ``competition`` (pure) and ``competesmoe`` (a router that learns it on a schedule).
 
-Competition (000 §3.1; 001 §2.2): every expert runs, each expert's affinity is its own response
-``s_i = mean(κ(g_i(x)))`` (or ``‖g_i(x)‖₂``), the K strongest win and produce the output.  The
+Competition (CompeteSMoE (2024) §3.1; CompeteSMoE (2025) §2.2): every expert runs, each expert's
+affinity is its own response ``s_i = mean(κ(g_i(x)))`` (or ``‖g_i(x)‖₂``), the K strongest win and
+produce the output.  The
 routers here hand the layer the winners' outputs (``Routing.outputs``), so the layer never runs an
 expert for them again.
 
 How the winners' outputs get their gradient (option ``grad_path``):
 
-* ``"winners"`` (default): for an :class:`moelab.ExpertBank`, the N experts run once without
-  autograd, in token chunks (:meth:`ExpertBank.forward_winners`); the winners' outputs and
-  pre-activations are kept, everything else dropped, and the backward runs through the K winners
-  only from those kept activations.  No expert runs twice: ``N + 2K`` expert passes per token
-  (forward N, backward 2K) and the activation memory of an smoe step.  Other banks
-  (``ModuleExperts``, the expert-parallel bank) run the K winners again with autograd
-  (``N + 3K`` passes).
+* ``"winners"`` (default): the bank's :meth:`moelab.experts.Experts.forward_winners`.  For an
+  :class:`moelab.ExpertBank`, the N experts run once without autograd, in token chunks; the
+  winners' outputs and pre-activations are kept, everything else dropped, and the backward runs
+  through the K winners only from those kept activations.  No expert runs twice: ``N + 2K``
+  expert passes per token (forward N, backward 2K) and the activation memory of an smoe step.
+  Other banks (``ModuleExperts``, ``BatchedExperts``, the expert-parallel bank) run the K winners
+  again with autograd (:func:`moelab.experts.dispatch.winners_by_rerun`, ``N + 3K`` passes).
 * ``"all"``: one differentiable ``forward_all`` and the winners' outputs gathered from it, but the
   backward then runs over all N experts: ``3N`` passes and ``N/K`` times the activation memory.
   Non-winners get exactly zero gradient either way.
@@ -32,10 +33,8 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import COMPETITION_ACTIVATIONS, competition_affinity
 from ..losses import competition_router_loss, distillation_loss, diversity_loss, switch_balance_loss
-from ..methods import get_method
 from ..routing import Routing, RoutingContext
-from . import ROUTERS, build_router, register
-from .base import Router
+from .base import Router, build_router, register
 
 __all__ = ["CompeteSMoERouter", "CompetitionRouter", "compete"]
 
@@ -44,44 +43,10 @@ GRAD_PATHS = ("winners", "all")
 MODES = ("compete", "v1", "dense")
 
 
-def _scores_no_grad(
-    x: Tensor, experts: nn.Module, k: int, kappa: str, reduce: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Every expert on every token without autograd, reduced chunk by chunk to the affinities.
-
-    Returns ``(scores (T, N), winners (T, K), winner_outputs (T, K, d))``.
-    """
-    width = getattr(experts, "d_model", None) or max(1, x[0].numel())  # output width (≈ input for others)
-    # at most ~4M output elements (16 MiB in float32) at once: the transient of a competition step
-    budget = min(getattr(experts, "chunk_elements", 1 << 22), 1 << 22)
-    chunk = max(1, budget // (experts.num_experts * width))
-    scores, winners, outs = [], [], []
-    with torch.no_grad():
-        for xc in x.split(chunk):
-            all_out = experts.forward_all(xc)  # (t, N, d)
-            s = competition_affinity(all_out, kappa, reduce)  # (t, N)
-            idx = s.topk(k, dim=-1).indices  # (t, K) sorted by decreasing affinity
-            scores.append(s)
-            winners.append(idx)
-            outs.append(all_out.gather(1, idx.unsqueeze(-1).expand(-1, -1, all_out.shape[-1])))
-    cat = lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0]
-    return cat(scores), cat(winners), cat(outs)
-
-
 def _choose(outputs: Tensor, k: int, kappa: str, reduce: str) -> tuple[Tensor, Tensor]:
     """Winners ``TopK(s)`` of all experts' outputs ``(t, N, d)`` and the affinities ``s (t, N)``."""
     s = competition_affinity(outputs, kappa, reduce)
     return s.topk(k, dim=-1).indices, s
-
-
-def _winner_outputs(x: Tensor, experts: nn.Module, winners: Tensor) -> Tensor:
-    """The winners' outputs ``(T, K, d)`` with autograd, through the bank's sorted dispatch (each
-    (token, winner) slot is one row with weight 1)."""
-    T, K = winners.shape
-    xs = x.repeat_interleave(K, dim=0)  # (T·K, ...)
-    ones = x.new_ones(T * K, 1)
-    y = experts(xs, winners.reshape(-1, 1), ones)  # (T·K, d)
-    return y.view(T, K, *y.shape[1:])
 
 
 def compete(
@@ -93,12 +58,13 @@ def compete(
     weighting: str = "normalized",
     grad_path: str = "winners",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The competition mechanism (000 §3.1; 001 §2.2, eq. 4-5).
+    """The competition mechanism (CompeteSMoE (2024) §3.1; CompeteSMoE (2025) §2.2, eq. 4-5).
 
-    1. ``g_i(x)`` for all N experts; 2. ``s_i = mean(κ(g_i(x)))`` (``reduce="mean"``, 001) or
-    ``‖g_i(x)‖₂`` (``reduce="norm"``, 000) via :func:`moelab.functional.competition_affinity`;
+    1. ``g_i(x)`` for all N experts; 2. ``s_i = mean(κ(g_i(x)))`` (``reduce="mean"``,
+    CompeteSMoE (2025)) or ``‖g_i(x)‖₂`` (``reduce="norm"``, CompeteSMoE (2024)) via
+    :func:`moelab.functional.competition_affinity`;
     3. winners ``I_C = TopK(s)``; weights ``TopK_0(s) / Σ TopK_0(s)`` (``weighting="normalized"``,
-    001) or ``softmax(TopK_-inf(s))`` (``"softmax"``, 000).
+    CompeteSMoE (2025)) or ``softmax(TopK_-inf(s))`` (``"softmax"``, CompeteSMoE (2024)).
 
     Returns:
         ``(winners (T, K), weights (T, K), outputs (T, K, d), scores (T, N))``: winners sorted by
@@ -113,19 +79,10 @@ def compete(
             outputs = all_out.gather(1, winners.unsqueeze(-1).expand(-1, -1, all_out.shape[-1]))
             win_scores = s.gather(1, winners)
             return winners, _weights(win_scores, weighting), outputs, s.detach()
-    if hasattr(experts, "forward_winners"):  # an ExpertBank: one pass, winners' activations kept
-        winners, outputs, scores = experts.forward_winners(x, lambda y: _choose(y, k, kappa, reduce))
-        # the affinity of a winner depends on its own output only (for exp the shift is the top-1
-        # winner's, the same as over all N): recomputed from the outputs, with autograd
-        win_scores = competition_affinity(outputs, kappa, reduce) if torch.is_grad_enabled() else None
-        if win_scores is None:
-            win_scores = scores.gather(1, winners)
-        return winners, _weights(win_scores, weighting), outputs, scores
-    scores, winners, outputs = _scores_no_grad(x, experts, k, kappa, reduce)
+    winners, outputs, scores = experts.forward_winners(x, lambda y: _choose(y, k, kappa, reduce))
+    # the affinity of a winner depends on its own output only (for exp the shift is the top-1
+    # winner's, the same as over all N): recomputed from the outputs, with autograd
     if torch.is_grad_enabled():
-        outputs = _winner_outputs(x, experts, winners)
-        # The affinity of a winner depends on its own output only (for exp the shift is the top-1
-        # winner's, the same as over all N), so the winners' scores are recomputed with autograd.
         win_scores = competition_affinity(outputs, kappa, reduce)
     else:
         win_scores = scores.gather(1, winners)
@@ -156,17 +113,21 @@ def _schedule_active(ctx: RoutingContext, layer: int) -> bool:
 
 @register("competition")
 class CompetitionRouter(Router):
-    """Pure competition (000 §3.1; 001 §2.2): no learned router; every expert runs on every token
-    and the K with the strongest response produce the output, in training and evaluation alike.
+    """Pure competition (CompeteSMoE (2024) §3.1; CompeteSMoE (2025) §2.2): no learned router.
+
+    Every expert runs on every token and the K with the strongest response produce the output, in
+    training and evaluation alike.
 
     Options:
-        kappa: κ of ``s_i = mean(κ(g_i(x)))``: ``softplus`` (001 default), ``silu``,
-            ``sigmoid``, ``relu``, ``softmax``, ``exp`` (computed stably; 001 App. C.3).
-        reduce: ``"mean"`` (001 eq. 4) or ``"norm"`` (``s_i = ‖g_i(x)‖₂``, 000 §3.1; 001 App. C.4).
-        weighting: ``"normalized"`` (``TopK_0(s)/Σ TopK_0(s)``, 001) or ``"softmax"``
-            (``softmax(TopK(s))``, 000).  The normalised weights assume positive affinities
-            (softplus, sigmoid, exp, softmax, norm); with ``silu`` or ``relu`` a token whose winners
-            all score ≤ 0 gets meaningless weights (zero for relu): use ``"softmax"`` there.
+        kappa: κ of ``s_i = mean(κ(g_i(x)))``: ``softplus`` (CompeteSMoE (2025) default), ``silu``,
+            ``sigmoid``, ``relu``, ``softmax``, ``exp`` (computed stably; CompeteSMoE (2025) App. C.3).
+        reduce: ``"mean"`` (CompeteSMoE (2025) eq. 4) or ``"norm"`` (``s_i = ‖g_i(x)‖₂``,
+            CompeteSMoE (2024) §3.1; CompeteSMoE (2025) App. C.4).
+        weighting: ``"normalized"`` (``TopK_0(s)/Σ TopK_0(s)``, CompeteSMoE (2025)) or ``"softmax"``
+            (``softmax(TopK(s))``, CompeteSMoE (2024)).  The normalised weights assume positive
+            affinities (softplus, sigmoid, exp, softmax, norm); with ``silu`` or ``relu`` a token
+            whose winners all score ≤ 0 gets meaningless weights (zero for relu): use
+            ``"softmax"`` there.
         grad_path: ``"winners"`` or ``"all"`` (module docstring).
 
     ``Routing.probs`` and ``logits`` are ``None`` (there is no router distribution); the balance
@@ -201,57 +162,63 @@ class CompetitionRouter(Router):
 
 @register("competesmoe")
 class CompeteSMoERouter(Router):
-    """A base router trained on a schedule from the competition (001 §2.3-2.4; 000 §3.2-3.3; 001
-    Table 10's DenseMoE ablation): one class, three ``mode`` presets.
+    """A base router trained on a schedule from the competition: one class, three ``mode`` presets.
+
+    CompeteSMoE (2025) §2.3-2.4; CompeteSMoE (2024) §3.2-3.3; CompeteSMoE (2025) Table 10's
+    DenseMoE ablation.
 
     Every forward runs the base router (``base``: any method name whose router has no losses of
     its own; default ``smoe``).  In evaluation, without a context, or when the context's schedule
     says this layer does not compete at this step, its routing is returned unchanged.  When
     ``ctx.schedule.active(layer_index, ctx.step)`` in training:
 
-    * ``mode="compete"`` (``competesmoe``, 001): the output goes through the competition winners
-      ``I_C`` with weights ``s_C = TopK_0(s)/Σ TopK_0(s)``; losses ``distill`` =
+    * ``mode="compete"`` (``competesmoe``, CompeteSMoE (2025)): the output goes through the
+      competition winners ``I_C`` with weights ``s_C = TopK_0(s)/Σ TopK_0(s)``; losses ``distill`` =
       :func:`moelab.losses.distillation_loss` ``(s_R, s_C)`` with ``s_R = softmax(h)`` the base
       router's distribution (weight ``distill_coef`` = γ = 0.01, ``alpha`` = α = 0.1) and
       ``diversity`` = :func:`moelab.losses.diversity_loss` of the winners' outputs (weight
       ``diversity_coef`` = β = 0.005).  The balance loss counts the winners' load (the tokens the
       experts actually received) against the router's mean probabilities.
-    * ``mode="v1"`` (``competesmoe-v1``, 000): affinity ``‖g_i(x)‖₂``, weights ``softmax(TopK(s))``,
-      loss ``distill`` = :func:`moelab.losses.competition_router_loss` (000 eq. 3), weight
-      ``distill_coef`` = α.  000 eq. (5) writes the router update as ``∂[L_R + α·NLL]`` but §6.4.2
-      calls α = 0 "SMoE", which holds only when α weights the router loss against the task loss;
-      we follow §6.4.2: total loss = task + α·L_R (α = 1 makes the two readings coincide).  The
+    * ``mode="v1"`` (``competesmoe-v1``, CompeteSMoE (2024)): affinity ``‖g_i(x)‖₂``, weights
+      ``softmax(TopK(s))``, loss ``distill`` = :func:`moelab.losses.competition_router_loss`
+      (CompeteSMoE (2024) eq. 3), weight ``distill_coef`` = α.  CompeteSMoE (2024) eq. (5) writes
+      the router update as ``∂[L_R + α·NLL]`` but §6.4.2 calls α = 0 "SMoE", which holds only
+      when α weights the router loss against the task loss; we follow §6.4.2: total loss = task +
+      α·L_R (α = 1 makes the two readings coincide).  The
       schedule is normally a :class:`moelab.schedules.CoinFlipSchedule` (λ = 0.05).
-    * ``mode="dense"`` (``densemoe``, 001 Table 10 rows 3-4): all N experts contribute, weighted by
-      the router's softmax over all N; the balance loss keeps the router's own top-K selection.
+    * ``mode="dense"`` (``densemoe``, CompeteSMoE (2025) Table 10 rows 3-4): all N experts
+      contribute, weighted by the router's softmax over all N; the balance loss keeps the
+      router's own top-K selection.
 
     On competition steps the router receives no task-loss gradient (it is not on the output path);
-    it learns from ``distill``.  The task loss trains it on every other step (001 §2.3, C.2).
+    it learns from ``distill``.  The task loss trains it on every other step (CompeteSMoE (2025)
+    §2.3, C.2).
 
     Options:
-        base: the base method (``smoe``); its preset router options apply, updated by
-            ``base_options``.  Shared experts (``num_shared``) are a layer option.
-        base_options: extra options of the base router (e.g. ``{"init_std": 0.02}``).
+        base: the base router, built (default: a plain top-K softmax router, ``smoe``'s).  A
+            layer builds it from the method name in its ``base`` option and ``base_options``
+            (:func:`moelab.methods.build_method_router`).  Shared experts (``num_shared``) are a
+            layer option.
+        base_method: the base's method name, for messages and ``repr``.
         mode: ``"compete"``, ``"v1"`` or ``"dense"``.
         kappa, reduce, weighting, grad_path: the competition (:class:`CompetitionRouter`).
-        alpha: α of the winner term of L_D (0.1, 001 Table 20).
-        diversity: ``"frobenius"`` (001 eq. 2) or ``"cosine"`` (:func:`moelab.losses.diversity_loss`).
+        alpha: α of the winner term of L_D (0.1, CompeteSMoE (2025) Table 20).
+        diversity: ``"frobenius"`` (CompeteSMoE (2025) eq. 2) or ``"cosine"``
+            (:func:`moelab.losses.diversity_loss`).
 
     Without a context (or a schedule) in training the layer routes like its base router and warns
     once.
     """
 
     loss_names = ("distill", "diversity")
-    #: the trainer builds a competition schedule for it (:func:`moelab.schedules.build_schedule`)
-    needs_schedule = True
 
     def __init__(
         self,
         d_model: int,
         num_experts: int,
         top_k: int,
-        base: str = "smoe",
-        base_options: dict | None = None,
+        base: nn.Module | None = None,
+        base_method: str = "smoe",
         mode: str = "compete",
         kappa: str = "softplus",
         reduce: str = "mean",
@@ -261,23 +228,28 @@ class CompeteSMoERouter(Router):
         diversity: str = "frobenius",
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
-        preset = get_method(base)
-        base_cls = ROUTERS[preset.router]
-        if getattr(base_cls, "loss_names", ()) or base_cls is CompetitionRouter:
+        if base is None:
+            base = build_router("topk", d_model, num_experts, top_k)
+        if (
+            not isinstance(base, Router)
+            or base.loss_names
+            or isinstance(base, (CompetitionRouter, CompeteSMoERouter))
+        ):
             raise ValueError(
-                f"base={base!r} is not allowed: the base must be a plain router method without its own "
+                f"base={base_method!r} is not allowed: the base must be a plain router method without its own "
                 "losses or competition (e.g. 'smoe', 'xmoe', 'pcosine', 'sigma-moe', 'sharede-v3', 'hyperrouter')"
             )
-        if base_options is not None and not isinstance(base_options, dict):
-            raise ValueError(f"base_options={base_options!r} is not allowed; expected a dict or None")
+        if (base.d_model, base.num_experts, base.top_k) != (d_model, num_experts, top_k):
+            raise ValueError(
+                f"base has d_model={base.d_model}, num_experts={base.num_experts}, top_k={base.top_k}; "
+                f"expected {d_model}, {num_experts}, {top_k} like the competition"
+            )
         _check_competition_options(kappa, reduce, weighting, grad_path)
         self.mode = _validate.one_of("mode", mode, MODES)
         self.alpha = _validate.non_negative("alpha", alpha)
         self.diversity = _validate.one_of("diversity", diversity, ["frobenius", "cosine"])
-        self.base_method = base
-        self.base = build_router(
-            preset.router, d_model, num_experts, top_k, **{**preset.options, **(base_options or {})}
-        )
+        self.base_method = base_method
+        self.base = base
         self.kappa, self.reduce, self.weighting, self.grad_path = (
             kappa,
             reduce,

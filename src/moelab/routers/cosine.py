@@ -1,4 +1,4 @@
-"""Cosine routers: ``xmoe`` (X-MoE) and ``pcosine`` (the perturbed cosine router of 003)."""
+"""Cosine routers: ``xmoe`` (X-MoE) and ``pcosine`` (the perturbed cosine router (2024))."""
 
 from __future__ import annotations
 
@@ -8,26 +8,25 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import cosine_logits, topk_softmax
 from ..routing import Routing, RoutingContext
-from . import register
-from .base import Router
+from .base import Router, register
 
 
 @register("cosine")
 class CosineRouter(Router):
     """``logits_i = (P x)ᵀ e_i / ((‖P x‖ + τ)(‖e_i‖ + τ)) / t``, then top-K softmax.
 
-    X-MoE (Chi et al. 2022; the ``xmoe`` baseline of 000 and 001) with ``perturbation=0``; the
-    perturbed cosine router of 003 eq. (7) (``pcosine``, 001 baseline) with ``perturbation=τ > 0``
-    (τ₁ = τ₂ = τ, as 003 App. E.1 does).  With ``τ = 0`` the two are the same function
-    (:func:`moelab.functional.cosine_logits`).
+    X-MoE (Chi et al. 2022; the ``xmoe`` baseline of CompeteSMoE (2024) and CompeteSMoE (2025)) with
+    ``perturbation=0``; the perturbed cosine router (2024) eq. (7) (``pcosine``, CompeteSMoE (2025) baseline)
+    with ``perturbation=τ > 0`` (τ₁ = τ₂ = τ, as perturbed cosine router (2024) App. E.1 does).
+    With ``τ = 0`` the two are the same function (:func:`moelab.functional.cosine_logits`).
 
     Options:
-        proj_dim: ``d_e``, the dimension of the routing space; default ``max(2, N // 2)`` (003
-            App. E.2 and LibMoE: half the number of experts).
+        proj_dim: ``d_e``, the dimension of the routing space; default ``max(2, N // 2)``
+            (perturbed cosine router (2024) App. E.2 and LibMoE: half the number of experts).
         temperature: ``t``; 0.3 fixed (LibMoE).  X-MoE makes it learnable (``learn_temperature``).
         learn_temperature: train ``t`` (kept ≥ 0.01).
         perturbation: τ added to both norms; 0 for ``xmoe``, 0.1 for ``pcosine`` (LibMoE's value;
-            003 does not state the LM value, other code uses 1e-4 … 1e-3).
+            perturbed cosine router (2024) does not state the LM value, other code uses 1e-4 … 1e-3).
         init_gain: gain of the orthogonal init of the expert embeddings ``e_i`` (0.32, LibMoE).
     """
 

@@ -9,13 +9,12 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import topk_softmax
 from ..routing import Routing, RoutingContext
-from . import register
-from .base import Router
+from .base import Router, register
 
 
 @register("hyper")
 class HyperRouter(Router):
-    """HyperRouter (Do et al. 2023; cited by 000 §2): ``[W_r | b_r] = H(e)`` with
+    """HyperRouter (Do et al. 2023; cited by CompeteSMoE (2024) §2): ``[W_r | b_r] = H(e)`` with
     ``H = Linear(d_e, h) → ReLU → Linear(h, N(d+1))`` frozen at its random init; only the
     embedding ``e ∈ R^{d_e}`` is trained.  Logits ``W_r x + b_r``, top-K softmax.
 

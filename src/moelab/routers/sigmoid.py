@@ -12,26 +12,30 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import expert_counts, normalized_weights
 from ..routing import Routing, RoutingContext
-from . import register
-from .base import Router
+from .base import Router, register
 
 
 @register("sigmoid")
 class SigmoidRouter(Router):
     """``s = sigmoid(W x)``; the K experts with the largest ``s + b`` are chosen.
 
-    * ``sigma-moe`` (Csordás et al. 2023; 001 baseline): weights are the chosen ``s``, NOT
+    * ``sigma-moe`` (Csordás et al. 2023; a CompeteSMoE (2025) baseline): weights are the chosen ``s``, NOT
       renormalised; during training each (token, expert) score is dropped from the selection
       with probability ``expert_dropout`` (0.05) before the top-K; regulariser: the entropy of the
       batch-mean ``softmax(W x)`` (``entropy_coef``, :func:`moelab.losses.mean_entropy_loss`).
-    * ``sharede-v3`` (DeepSeek-V3; 001 SharedE-V3; 004 "normalized sigmoid gating"): weights
-      ``s / Σ s`` over the chosen (:func:`moelab.functional.normalized_weights`); a per-expert bias
-      ``b`` is added for the selection only, and updated without any loss after every training
-      forward: ``b_i -= γ`` if expert i received more than the mean load, ``b_i += γ`` if less
-      (γ = ``bias_update_rate`` = 1e-3).  The loads are summed over ranks under torch.distributed
-      so ``b`` stays identical everywhere.  (Both public re-implementations forget to use ``b``:
-      here it is used.)  The update happens once per training forward — once per step without
-      gradient accumulation.
+    * ``sharede-v3`` (DeepSeek-V3; CompeteSMoE (2025) SharedE-V3; Ho (2025) "normalized sigmoid
+      gating"): weights ``s / Σ s`` over the chosen (:func:`moelab.functional.normalized_weights`);
+      a per-expert bias ``b`` is added for the selection only, and updated without any loss once
+      per optimizer step (aux-loss-free balancing): ``b_i -= γ`` if expert i received more than
+      the mean load of the step, ``b_i += γ`` if less (γ = ``bias_update_rate`` = 1e-3).  Each
+      training forward only adds its expert counts to a pending load; the update is the step hook
+      :meth:`on_step`, run by :meth:`moelab.RoutingContext.advance` after the optimizer step (the
+      trainer and ``moelab.hf.trainer.MoETrainer`` call it), where the load is summed over ranks
+      under torch.distributed so ``b`` stays identical everywhere.  So gradient accumulation
+      updates ``b`` once with the load of all micro-batches, an activation-checkpointing
+      recomputation (run by the backward pass) is not counted twice, and a forward loop without
+      ``ctx.advance()`` never changes ``b``.  (Both public re-implementations forget to use ``b``:
+      here it is used.)
 
     DeepSeek-V3 options (its technical report, "node-limited routing"; as in transformers'
     ``DeepseekV3TopkRouter``): ``num_groups`` / ``topk_groups`` restrict each token to the
@@ -80,6 +84,11 @@ class SigmoidRouter(Router):
             raise ValueError(f"expert_dropout={expert_dropout!r} is not allowed; expected a number in [0, 1)")
         self.weight = nn.Parameter(torch.randn(num_experts, d_model) * std)
         self.register_buffer("selection_bias", torch.zeros(num_experts) if selection_bias else None)
+        #: expert counts of the training forwards since the last step hook (not saved: a
+        #: checkpoint is written after the hook has consumed them)
+        self.register_buffer(
+            "pending_load", torch.zeros(num_experts) if selection_bias else None, persistent=False
+        )
 
     def forward(
         self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
@@ -99,17 +108,18 @@ class SigmoidRouter(Router):
             weights = normalized_weights(weights)
         if self.scale != 1.0:
             weights = weights * self.scale
-        if self.training and self.selection_bias is not None and self.bias_update_rate > 0:
-            self._update_bias(indices)
+        if self.training and self.selection_bias is not None and _counts_this_forward():
+            self.pending_load += expert_counts(indices, self.num_experts).to(self.pending_load.dtype)
         return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
 
     def _apply(self, fn, *args, **kwargs):
-        """Keep ``selection_bias`` in at least float32 when the model is cast to bf16 / fp16: steps of
+        """Keep ``selection_bias`` (and the pending load) in at least float32 when the model is cast to bf16 / fp16: steps of
         γ = 1e-3 vanish in bfloat16 once ``|b| ≥ 0.5`` (DeepSeek-V3 keeps this bias in float32)."""
         super()._apply(fn, *args, **kwargs)
-        b = self.selection_bias
-        if b is not None and b.dtype in (torch.float16, torch.bfloat16):
-            self.selection_bias = b.float()
+        for name in ("selection_bias", "pending_load"):
+            b = getattr(self, name)
+            if b is not None and b.dtype in (torch.float16, torch.bfloat16):
+                setattr(self, name, b.float())
         return self
 
     def _limit_groups(self, select: Tensor) -> Tensor:
@@ -126,8 +136,22 @@ class SigmoidRouter(Router):
         return self.normalize
 
     @torch.no_grad()
-    def _update_bias(self, indices: Tensor) -> None:
-        load = expert_counts(indices, self.num_experts).float()
+    def on_step(self, ctx: RoutingContext | None = None) -> None:
+        """The step hook: move ``b`` by ``γ·sign(mean load − load)`` with the load of the step's
+        training forwards (summed over ranks), then clear it.  Run on every rank."""
+        if self.selection_bias is None:
+            return
+        load = self.pending_load.float()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(load)
-        self.selection_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        if self.bias_update_rate > 0:  # an empty load (no training forward) moves nothing
+            self.selection_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.pending_load.zero_()
+
+
+def _counts_this_forward() -> bool:
+    """False while the autograd engine recomputes a forward (activation checkpointing runs the
+    forward again inside the backward pass): its tokens were counted by the first forward."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch._C._current_graph_task_id() == -1

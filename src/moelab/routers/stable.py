@@ -9,13 +9,12 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import topk_softmax
 from ..routing import Routing, RoutingContext
-from . import register
-from .base import Router
+from .base import Router, register
 
 
 @register("stable")
 class StableRouter(Router):
-    """StableMoE (Dai et al. 2022; baseline of 000 §5).
+    """StableMoE (Dai et al. 2022; a baseline of CompeteSMoE (2024), §5).
 
     * Stage 1 (steps ``< switch_step``): logits ``h_i = xᵀ c_i`` with expert centroids ``c``
       (orthogonal init, gain 0.1), trained with the balance loss; at the same time a light router
@@ -36,6 +35,9 @@ class StableRouter(Router):
         init_gain: orthogonal-init gain of the centroids (0.1).
 
     Without a context (or without ``total_steps`` and ``switch_step``) the router stays in stage 1.
+    The stage is a function of the context, so :func:`moelab.save` records the context and
+    :func:`moelab.load` attaches it again: a model loaded from a run routes as it did at the end
+    of training (stage 2 once the run passed the switch), not with the stage-1 centroids.
     """
 
     loss_names = ("distill",)

@@ -11,18 +11,18 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import topk_softmax
 from ..routing import Routing, RoutingContext
-from . import register
-from .base import Router
+from .base import Router, register
 
 
 @register("topk")
 class TopKRouter(Router):
-    """``h = W x``, ``w = softmax(TopK_-inf(h))`` — the SMoE router (000 eq. 1-2; 001 eq. 1).
+    """``h = W x``, ``w = softmax(TopK_-inf(h))`` — the SMoE router (CompeteSMoE (2024) eq. 1-2; CompeteSMoE
+    (2025) eq. 1).
 
     Options:
         init_std: std of the N(0, σ²) init of ``W (N, d)``; default ``d^-1/2`` (the LM code of
-            000); the VLM setting of 001 uses 0.02.
-        frozen: keep ``W`` at its random init for the whole run (SMoE-Fixed, 000 §5 baselines,
+            CompeteSMoE (2024)); the VLM setting of CompeteSMoE (2025) uses 0.02.
+        frozen: keep ``W`` at its random init for the whole run (SMoE-Fixed, CompeteSMoE (2024) §5 baselines,
             after SMoE-Dropout, Chen et al. 2023).
         k_max: if set, K grows linearly from ``top_k`` at step 0 to ``k_max`` at
             ``ctx.total_steps`` ("self-slimmable" SMoE-Dropout; the reference grows 8 → 16 with

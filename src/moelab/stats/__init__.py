@@ -1,8 +1,12 @@
 """Statistical convergence toolkit: simulate MoE data, fit batched estimators, measure Voronoi
-losses and estimate convergence rates (papers 003 §2-3, §5.1, App. E-F; 000 §4; 001 §3, App. J; 004).
+losses and estimate convergence rates (the perturbed cosine router (2024) §2-3, §5.1, App. E-F; CompeteSMoE v1 (2024) §4; CompeteSMoE (2025) §3, App. J; Ho (2025)).
 
 Every model and estimator carries a leading replicate dimension R, so R independent fits run as
-one batched computation.  The command-line studies live in :mod:`moelab.stats.studies`
+one batched computation.  The estimators (:class:`LeastSquaresMoE`, :class:`GaussianMoEMLE`)
+follow scikit-learn's conventions — hyper-parameters in ``__init__``, ``fit`` returning ``self``
+and creating the ``attr_`` results, ``get_params``/``set_params``/``sklearn.base.clone``,
+``predict`` and ``score`` (R² for least squares, mean log-likelihood for the Gaussian MLE) —
+without depending on scikit-learn.  The command-line studies live in :mod:`moelab.stats.studies`
 (``moelab simulate --study NAME``).
 
 Example — 20 replicates of a perturbed-cosine MoE, fitted exact-specified, Voronoi loss per replicate::

@@ -1,4 +1,5 @@
-"""Batched estimators: least squares for regression MoE, maximum likelihood for Gaussian MoE.
+"""Batched estimators in scikit-learn's shape: least squares for regression MoE, maximum
+likelihood for Gaussian MoE.
 
 R replicates are fitted in ONE optimisation: every replicate's loss depends only on its own
 parameters, so minimising the sum ``Σ_r L_r`` moves each replicate exactly as its own fit would
@@ -6,33 +7,49 @@ under SGD and Adam (both act coordinate-wise).  L-BFGS shares its line search an
 pairs across the sum; it reaches the same minimisers but along a different path than R separate
 runs (it is not bit-identical to a loop).
 
-Estimators (scikit-learn style: hyper-parameters in ``__init__``, ``fit``, ``predict``, learned
-attributes with a trailing underscore):
+Estimators follow scikit-learn's conventions: ``__init__`` stores the hyper-parameters and
+nothing else (they are validated by ``fit``); ``fit`` returns ``self`` and creates the learned
+attributes with a trailing underscore; ``get_params``/``set_params`` read the ``__init__``
+signature, so ``sklearn.base.clone`` works; ``predict`` raises ``NotFittedError`` (scikit-learn's,
+a ``ValueError``, when scikit-learn is installed; a plain ``ValueError`` otherwise) before ``fit``.
+They do not subclass ``sklearn.base.BaseEstimator``: scikit-learn is a development dependency
+only, and ``moelab`` imports without it.
 
-* :class:`LeastSquaresMoE` — the least-squares estimator of 003 eq. (3)/(9):
-  ``Ĝ_n ∈ argmin (1/n) Σ (Y_i − f_G(X_i))²``.
-* :class:`GaussianMoEMLE` — the MLE of 004 / 001 eq. (4): ``argmax (1/n) Σ log p_G(Y_i | X_i)``.
+* :class:`LeastSquaresMoE` — the least-squares estimator of the perturbed cosine router (2024),
+  eq. (3)/(9): ``Ĝ_n ∈ argmin (1/n) Σ (Y_i − f_G(X_i))²``.  ``predict`` is ``f_Ĝ(X)``; ``score``
+  is scikit-learn's regressor score, the coefficient of determination R².
+* :class:`GaussianMoEMLE` — the MLE of Ho (2025) and CompeteSMoE (2025), eq. (4):
+  ``argmax (1/n) Σ log p_G(Y_i | X_i)``.  ``predict`` is the conditional mean ``E_Ĝ[Y | X]``;
+  ``score`` is the mean log-likelihood (as ``sklearn.mixture.GaussianMixture.score``).
 
-Initialisation: ``init="truth"`` starts near the true parameters (003 App. E.1: "initialization
-... adjusted to be near the true parameters"): truth + N(0, init_noise²).  An over-specified fit
-(k > k*) splits true atoms: the extra atom k* + t copies true atom t mod k*, and the copies of
-atom j share its weight, β₀ = β*₀ⱼ − log(copies), so the initial function is the truth up to the
-noise.  ``init="random"`` draws β₁, η ~ N(0, init_scale²), β₀ = 0, runs ``restarts`` fits per
-replicate (batched too) and keeps the one with the lowest training loss.
+Batched data ``X (R, n, d)``, ``Y (R, n)`` give per-replicate results (``predict`` ``(R, n)``,
+``score`` ``(R,)``); unbatched ``X (n, d)``, ``Y (n,)`` (tensors or NumPy arrays) are one
+replicate, and ``score`` then returns a float, as scikit-learn's model selection expects.
+
+Initialisation: ``init="truth"`` starts near the true parameters (perturbed cosine router (2024),
+App. E.1: "initialization ... adjusted to be near the true parameters"): truth + N(0, init_noise²).
+An over-specified fit (k > k*) splits true atoms: the extra atom k* + t copies true atom t mod k*,
+and the copies of atom j share its weight, β₀ = β*₀ⱼ − log(copies), so the initial function is the
+truth up to the noise.  ``init="random"`` draws β₁, η ~ N(0, init_scale²), β₀ = 0, runs
+``restarts`` fits per replicate (batched too) and keeps the one with the lowest training loss.
 
 Translation: a softmax gate over linear logits is invariant to adding the same (t₁, t₂) to every
-atom's (β₀, β₁) — the MoE is identifiable only up to this translation (004, "Identifiability up
-to translation"; 003 pins the last true atom to 0).  Gradient steps are orthogonal to that flat
-direction, so SGD, full-batch GD and L-BFGS conserve Σᵢ β₁ᵢ and Σᵢ β₀ᵢ.  For the linear gate
-(and softmax-gated Gaussian MoE) the near-truth initial noise of the gate is therefore centred
-over the atoms: the fit keeps the truth's translation and parameters can be compared with it
-directly.  Adam rescales coordinates and does not conserve it.
+atom's (β₀, β₁) — the MoE is identifiable only up to this translation (Ho (2025),
+"Identifiability up to translation"; the perturbed cosine router (2024) pins the last true atom
+to 0).  Gradient steps are orthogonal to that flat direction, so SGD, full-batch GD and L-BFGS
+conserve Σᵢ β₁ᵢ and Σᵢ β₀ᵢ.  For the linear gate (and softmax-gated Gaussian MoE) the near-truth
+initial noise of the gate is therefore centred over the atoms: the fit keeps the truth's
+translation and parameters can be compared with it directly.  Adam rescales coordinates and does
+not conserve it.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -62,7 +79,7 @@ def minimize(
 
     ``loss_fn(idx)`` returns the ``(R,)`` per-replicate losses on the samples ``idx (R, b)``
     (``None`` = all samples).  ``sgd`` with ``batch_size`` runs ``steps`` epochs of mini-batch SGD
-    (003 App. E.1: SGD over epochs), each replicate with its own shuffle; otherwise ``steps``
+    (perturbed cosine router (2024), App. E.1: SGD over epochs), each replicate with its own shuffle; otherwise ``steps``
     full-batch iterations.  Returns the number of optimiser iterations.
     """
     one_of("optimizer", optimizer, OPTIMIZERS)
@@ -118,7 +135,19 @@ def _take(t: Tensor, idx: Tensor | None, sample_dim: int = -1) -> Tensor:
     return t.gather(2, idx.unsqueeze(1).expand(-1, t.shape[1], -1))
 
 
-def _batched(X: Tensor, Y: Tensor) -> tuple[Tensor, Tensor, bool]:
+def _as_float_tensor(a: Any, dtype: torch.dtype | None = None) -> Tensor:
+    """A tensor (kept as is) or an array-like (NumPy arrays keep their float dtype); integers
+    become floating point.  ``dtype`` converts to the fitted parameters' dtype."""
+    t = torch.as_tensor(a)
+    if dtype is not None:
+        return t.to(dtype)
+    return t if t.is_floating_point() else t.to(torch.get_default_dtype())
+
+
+def _batched(X: Any, Y: Any, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, bool]:
+    """``X (R, n, d)``, ``Y (R, n)`` as tensors, and whether the input was unbatched ``(n, d)``, ``(n,)``."""
+    X = _as_float_tensor(X, dtype)
+    Y = _as_float_tensor(Y, X.dtype)
     if X.dim() == 2 and Y.dim() == 1:
         return X.unsqueeze(0), Y.unsqueeze(0), True
     if X.dim() != 3 or Y.dim() != 2 or X.shape[:2] != Y.shape:
@@ -141,6 +170,30 @@ def _copies(k_true: int, k: int) -> Tensor:
 
 
 class _BatchedEstimator:
+    """What both estimators share: scikit-learn's parameter protocol (``get_params``,
+    ``set_params``, ``clone``), the checks of the shared hyper-parameters and the fit driver
+    (initialise, run one batched optimisation, keep each replicate's best restart).
+
+    Subclasses list every hyper-parameter explicitly in ``__init__`` (``get_params`` reads the
+    signature, as scikit-learn does) and provide the model, its parameter count, the objective
+    and the fitted attributes.
+
+    Shared args:
+        n_experts: k, the number of fitted experts (k* exact-specified, > k* over-specified).
+        optimizer: ``sgd`` (perturbed cosine router (2024), App. E.1), ``adam`` or ``lbfgs``.
+        lr, steps, batch_size: optimiser settings (``steps`` = epochs for mini-batch SGD).
+        init: ``truth`` (near the true parameters; needs ``truth`` in :meth:`fit`) or ``random``.
+        init_noise: std of the perturbation of the true parameters.
+        init_scale, restarts: random initialisation scale and number of restarts (``init="random"``).
+        seed: seeds the initialisation and the SGD shuffles.
+
+    Shared attributes (after ``fit``): ``model_``, ``params_``, ``loss_`` (``(R,)`` final training
+    loss of the kept restart), ``restart_losses_`` (``(restarts, R)``), ``n_iter_``,
+    ``n_features_in_``.
+    """
+
+    _estimator_type_tag: ClassVar[str | None] = None
+
     def __init__(
         self,
         n_experts: int,
@@ -155,16 +208,96 @@ class _BatchedEstimator:
         restarts: int,
         seed: int,
     ) -> None:
-        self.n_experts = positive_int("n_experts", n_experts)
-        self.optimizer = one_of("optimizer", optimizer, OPTIMIZERS)
-        self.lr = positive("lr", lr)
-        self.steps = positive_int("steps", steps)
-        self.batch_size = None if batch_size is None else positive_int("batch_size", batch_size)
-        self.init = one_of("init", init, INITS)
-        self.init_noise = non_negative("init_noise", init_noise)
-        self.init_scale = positive("init_scale", init_scale)
-        self.restarts = positive_int("restarts", restarts)
+        self.n_experts = n_experts
+        self.optimizer = optimizer
+        self.lr = lr
+        self.steps = steps
+        self.batch_size = batch_size
+        self.init = init
+        self.init_noise = init_noise
+        self.init_scale = init_scale
+        self.restarts = restarts
         self.seed = seed
+
+    # ------------------------------------------------------------ scikit-learn parameter protocol
+
+    @classmethod
+    def _get_param_names(cls) -> list[str]:
+        """The hyper-parameters: the named parameters of the class's ``__init__``."""
+        params = inspect.signature(cls.__init__).parameters.values()
+        return [
+            p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """The hyper-parameters as ``{name: value}`` (``deep`` is accepted for scikit-learn; no
+        hyper-parameter is itself an estimator)."""
+        return {name: getattr(self, name) for name in self._get_param_names()}
+
+    def set_params(self, **params: Any) -> _BatchedEstimator:
+        """Set hyper-parameters by name; returns ``self``.  Values are checked by ``fit``."""
+        valid = self._get_param_names()
+        for name, value in params.items():  # all names first: a bad one changes nothing
+            if name not in valid:
+                raise ValueError(
+                    f"{name}={value!r} is not a parameter of {type(self).__name__}; expected one of {valid}"
+                )
+        for name, value in params.items():
+            setattr(self, name, value)
+        return self
+
+    def __repr__(self) -> str:
+        """``Name(...)`` with the hyper-parameters that differ from their defaults."""
+        sig = inspect.signature(type(self).__init__).parameters
+        shown = []
+        for name, value in self.get_params().items():
+            default = sig[name].default
+            is_default = value is default or (
+                isinstance(value, (str, int, float)) and type(value) is type(default) and value == default
+            )
+            if default is inspect.Parameter.empty or not is_default:
+                shown.append(f"{name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return hasattr(self, "params_")
+
+    def __sklearn_tags__(self) -> Any:  # called by scikit-learn only, so it may import it
+        from sklearn.utils import RegressorTags, Tags, TargetTags
+
+        regressor = self._estimator_type_tag == "regressor"
+        return Tags(
+            estimator_type=self._estimator_type_tag,
+            target_tags=TargetTags(required=True),
+            regressor_tags=RegressorTags() if regressor else None,
+        )
+
+    def _check_is_fitted(self, method: str) -> None:
+        if self.__sklearn_is_fitted__():
+            return
+        msg = f"This {type(self).__name__} instance is not fitted yet; call fit(X, Y) before {method}"
+        try:
+            from sklearn.exceptions import NotFittedError
+        except ImportError:
+            raise ValueError(msg) from None
+        raise NotFittedError(msg)
+
+    # ------------------------------------------------------------------------------- checks
+
+    def _check_params(self) -> None:
+        """The shared hyper-parameters (scikit-learn checks in ``fit``, not in ``__init__``)."""
+        positive_int("n_experts", self.n_experts)
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        positive("lr", self.lr)
+        positive_int("steps", self.steps)
+        if self.batch_size is not None:
+            positive_int("batch_size", self.batch_size)
+        one_of("init", self.init, INITS)
+        non_negative("init_noise", self.init_noise)
+        positive("init_scale", self.init_scale)
+        positive_int("restarts", self.restarts)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed={self.seed!r} is not allowed; expected an integer")
 
     def _check_sizes(self, n: int, d: int, n_params: int, truth_k: int | None) -> None:
         if n < n_params:
@@ -178,6 +311,25 @@ class _BatchedEstimator:
                 "an exact- or over-specified fit needs n_experts >= k*"
             )
 
+    def _inputs(self, X: Any) -> tuple[Tensor, bool]:
+        """``X`` as ``(R, n, d)`` in the fitted dtype, and whether it was unbatched ``(n, d)``."""
+        X = _as_float_tensor(X, self.params_.beta0.dtype)
+        if X.dim() not in (2, 3):
+            raise ValueError(f"X must be (n, d) or (R, n, d); got shape {tuple(X.shape)}")
+        if X.shape[-1] != self.n_features_in_:
+            raise ValueError(
+                f"X has d={X.shape[-1]} features; {type(self).__name__} was fitted with "
+                f"d={self.n_features_in_}"
+            )
+        return (X.unsqueeze(0), True) if X.dim() == 2 else (X, False)
+
+    def _scoring_data(self, X: Any, Y: Any) -> tuple[Tensor, Tensor, bool]:
+        """``X (R, n, d)``, ``Y (R, n)`` in the fitted dtype, and whether they were unbatched."""
+        X, unbatched = self._inputs(X)
+        Y = _as_float_tensor(Y, X.dtype)
+        X, Y, _ = _batched(X[0] if unbatched else X, Y)
+        return X, Y, unbatched
+
     def _noise(self, t: Tensor, gen: torch.Generator, centered: bool = False) -> Tensor:
         """``t`` plus N(0, init_noise²); ``centered`` removes the noise's mean over the atoms (dim 1)."""
         noise = self.init_noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
@@ -185,38 +337,85 @@ class _BatchedEstimator:
             noise = noise - noise.mean(dim=1, keepdim=True)
         return t + noise
 
-    def _minimize(self, loss_fn, leaves, n: int, replicates: int, gen: torch.Generator) -> int:
-        return minimize(
+    # ------------------------------------------------------------------- what subclasses provide
+
+    def _make_model(self) -> Any:
+        raise NotImplementedError
+
+    def _n_params(self, model: Any, d: int) -> int:
+        raise NotImplementedError
+
+    def _objective(
+        self, model: Any, X: Tensor, Y: Tensor, truth: Any, restarts: int, gen: torch.Generator
+    ) -> tuple[Callable[[Tensor | None], Tensor], list[Tensor], Callable[[], Any]]:
+        """``(loss_fn, trainable leaves, current parameters)`` on ``restarts`` stacked copies of
+        the data (restart-major blocks of R replicates); ``truth`` is ``None`` for ``init="random"``."""
+        raise NotImplementedError
+
+    def _set_fitted_params(self, params: Any) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------------- fit
+
+    def _fit(self, X: Any, Y: Any, truth: Any) -> None:
+        self._check_params()
+        X, Y, _ = _batched(X, Y)
+        model = self._make_model()
+        R, n, d = X.shape
+        if self.init == "truth" and truth is None:
+            raise ValueError("init='truth' needs the true parameters: fit(X, Y, truth=...)")
+        self._check_sizes(n, d, self._n_params(model, d), truth.num_experts if truth is not None else None)
+        if truth is not None and truth.replicates not in (1, R):
+            raise ValueError(f"truth has R={truth.replicates} parameter sets; expected 1 or {R}")
+        gen = torch.Generator().manual_seed(int(self.seed))
+        restarts = self.restarts if self.init == "random" else 1
+        start = truth if self.init == "truth" else None
+        loss_fn, trainable, current = self._objective(model, X, Y, start, restarts, gen)
+        n_iter = minimize(
             loss_fn,
-            leaves,
+            trainable,
             optimizer=self.optimizer,
             lr=self.lr,
             steps=self.steps,
             batch_size=self.batch_size,
             n=n,
-            replicates=replicates,
+            replicates=R * restarts,
             generator=gen,
         )
+        with torch.no_grad():
+            final = loss_fn(None).view(restarts, R)
+            finite = torch.where(torch.isfinite(final), final, torch.full_like(final, math.inf))
+            pick = finite.argmin(dim=0) * R + torch.arange(R)
+            params = current().detach().select(pick)
+            loss = finite.min(dim=0).values
+        self.model_ = model
+        self.n_features_in_ = d
+        self.n_iter_ = n_iter
+        self.restart_losses_ = final
+        self.loss_ = loss
+        self.params_ = params
+        self._set_fitted_params(params)
 
 
 class LeastSquaresMoE(_BatchedEstimator):
-    """Least-squares fit of a regression MoE (003 eq. (3)/(9)), R replicates at once.
+    """Least-squares fit of a regression MoE (perturbed cosine router (2024), eq. (3)/(9)),
+    R replicates at once.
 
     Args:
         n_experts: k, the number of fitted experts (k* exact-specified, > k* over-specified).
-        gate, expert, tau, degree, activation, expert_bias, top_k: the model (:class:`RegressionMoE`);
-            ``tau`` sets τ₁ = τ₂ (003 §5.1).
-        optimizer: ``sgd`` (003 App. E.1), ``adam`` or ``lbfgs``.
-        lr, steps, batch_size: optimiser settings (``steps`` = epochs for mini-batch SGD).
-        init: ``truth`` (near the true parameters; needs ``truth`` in :meth:`fit`) or ``random``.
-        init_noise: std of the perturbation of the true parameters.
-        init_scale, restarts: random initialisation scale and number of restarts.
-        seed: seeds the initialisation and the SGD shuffles.
+        gate, expert, degree, activation, expert_bias, top_k: the model (:class:`RegressionMoE`).
+        tau: τ₁ = τ₂ of the perturbed gate (the perturbed cosine router (2024), §5.1, uses τ₁ = τ₂).
+        optimizer, lr, steps, batch_size, init, init_noise, init_scale, restarts, seed: the fit
+            (shared with :class:`GaussianMoEMLE`; see ``_BatchedEstimator``).
 
     Attributes (after ``fit``): ``params_`` (:class:`MoEParams`), ``beta0_``, ``beta1_``, ``eta_``,
     ``loss_`` (``(R,)`` final mean squared error), ``restart_losses_`` (``(restarts, R)``),
-    ``n_iter_``, ``model_``.
+    ``n_iter_``, ``n_features_in_``, ``model_`` (the :class:`RegressionMoE`).
+
+    ``score(X, Y)`` is scikit-learn's regressor score: R² = 1 − Σ(y − ŷ)² / Σ(y − ȳ)².
     """
+
+    _estimator_type_tag: ClassVar[str | None] = "regressor"
 
     def __init__(
         self,
@@ -251,26 +450,41 @@ class LeastSquaresMoE(_BatchedEstimator):
             restarts=restarts,
             seed=seed,
         )
-        self.model_ = RegressionMoE(
-            gate=gate,
-            expert=expert,
-            tau1=tau,
-            tau2=tau,
-            degree=degree,
-            activation=activation,
-            expert_bias=expert_bias,
-            top_k=top_k,
+        self.gate = gate
+        self.expert = expert
+        self.tau = tau
+        self.degree = degree
+        self.activation = activation
+        self.expert_bias = expert_bias
+        self.top_k = top_k
+
+    def _make_model(self) -> RegressionMoE:
+        non_negative("tau", self.tau)
+        return RegressionMoE(
+            gate=self.gate,
+            expert=self.expert,
+            tau1=self.tau,
+            tau2=self.tau,
+            degree=self.degree,
+            activation=self.activation,
+            expert_bias=self.expert_bias,
+            top_k=self.top_k,
         )
 
-    def _init(self, R: int, d: int, truth: MoEParams | None, gen: torch.Generator, dtype) -> MoEParams:
-        k, q = self.n_experts, self.model_.expert_dim(d)
+    def _n_params(self, model: RegressionMoE, d: int) -> int:
+        return self.n_experts * (1 + d + model.expert_dim(d))
+
+    def _init(
+        self, model: RegressionMoE, R: int, d: int, truth: MoEParams | None, gen: torch.Generator, dtype
+    ) -> MoEParams:
+        k, q = self.n_experts, model.expert_dim(d)
         if truth is not None:
             if truth.replicates == 1:
                 truth = truth.expand(R)
             k_true = truth.num_experts
             beta0 = _split_truth(truth.beta0, k) - _copies(k_true, k).to(dtype).log()
             beta1, eta = _split_truth(truth.beta1, k), _split_truth(truth.eta, k)
-            c = self.model_.gate == "linear"
+            c = model.gate == "linear"
             return MoEParams(self._noise(beta0, gen, c), self._noise(beta1, gen, c), self._noise(eta, gen))
         s = self.init_scale
         return MoEParams(
@@ -279,63 +493,77 @@ class LeastSquaresMoE(_BatchedEstimator):
             s * torch.randn(R, k, q, generator=gen, dtype=dtype),
         )
 
-    def fit(self, X: Tensor, Y: Tensor, truth: MoEParams | None = None) -> LeastSquaresMoE:
-        """Fit to ``X (R, n, d)``, ``Y (R, n)`` (or unbatched ``(n, d)``, ``(n,)``)."""
-        X, Y, _ = _batched(X, Y)
-        R, n, d = X.shape
-        k, q = self.n_experts, self.model_.expert_dim(d)
-        if self.init == "truth" and truth is None:
-            raise ValueError("init='truth' needs the true parameters: fit(X, Y, truth=...)")
-        self._check_sizes(n, d, k * (1 + d + q), truth.num_experts if truth is not None else None)
-        if truth is not None and truth.replicates not in (1, R):
-            raise ValueError(f"truth has R={truth.replicates} parameter sets; expected 1 or {R}")
-        gen = torch.Generator().manual_seed(self.seed)
-        restarts = self.restarts if self.init == "random" else 1
+    def _objective(
+        self,
+        model: RegressionMoE,
+        X: Tensor,
+        Y: Tensor,
+        truth: MoEParams | None,
+        restarts: int,
+        gen: torch.Generator,
+    ) -> tuple[Callable[[Tensor | None], Tensor], list[Tensor], Callable[[], MoEParams]]:
+        R, _, d = X.shape
         Xr, Yr = X.contiguous().repeat(restarts, 1, 1), Y.repeat(restarts, 1)  # restart-major blocks
         Xtr = inputs_t(Xr)
-        if self.init == "truth":
-            init = self._init(R, d, truth, gen, X.dtype)
-        else:
-            init = self._init(R * restarts, d, None, gen, X.dtype)
+        init = self._init(model, R * restarts, d, truth, gen, X.dtype)
         leaves = [t.detach().clone().requires_grad_(True) for t in init.tensors().values()]
         params = MoEParams(*leaves)
-        model = self.model_
 
         def loss_fn(idx: Tensor | None) -> Tensor:
             xt, y = _take(Xtr, idx), _take(Yr, idx)
             x = Xr if idx is None else _take(Xr, idx, sample_dim=1)
             return ((y - model.mean_t(xt, params, x)) ** 2).mean(dim=-1)
 
-        self.n_iter_ = self._minimize(loss_fn, leaves, n, R * restarts, gen)
-        with torch.no_grad():
-            final = loss_fn(None).view(restarts, R)
-            self.restart_losses_ = final
-            best = final.argmin(dim=0)  # (R,)
-            pick = best * R + torch.arange(R)
-            self.params_ = params.detach().select(pick)
-            self.loss_ = final.min(dim=0).values
-        self.beta0_, self.beta1_, self.eta_ = self.params_.beta0, self.params_.beta1, self.params_.eta
+        return loss_fn, leaves, lambda: params
+
+    def _set_fitted_params(self, params: MoEParams) -> None:
+        self.beta0_, self.beta1_, self.eta_ = params.beta0, params.beta1, params.eta
+
+    def fit(self, X: Any, Y: Any, truth: MoEParams | None = None) -> LeastSquaresMoE:
+        """Fit to ``X (R, n, d)``, ``Y (R, n)`` (or unbatched ``(n, d)``, ``(n,)``); returns ``self``.
+
+        ``truth`` (R = 1 or R parameter sets) is the starting point of ``init="truth"``.
+        """
+        self._fit(X, Y, truth)
         return self
 
-    def predict(self, X: Tensor) -> Tensor:
+    def predict(self, X: Any) -> Tensor:
         """``f_Ĝ(X)``: ``(R, n)`` for batched ``X (R, n, d)``, ``(n,)`` for ``(n, d)`` with R = 1."""
-        if X.dim() == 2:
-            return self.model_.mean(X.unsqueeze(0), self.params_)[0]
-        return self.model_.mean(X, self.params_)
+        self._check_is_fitted("predict")
+        X, unbatched = self._inputs(X)
+        out = self.model_.mean(X, self.params_)
+        return out[0] if unbatched else out
+
+    def score(self, X: Any, Y: Any) -> Tensor | float:
+        """Coefficient of determination R² = 1 − Σ(y − ŷ)² / Σ(y − ȳ)² (scikit-learn's regressor
+        score; 1 when Y is constant and predicted exactly, else 0 for constant Y): ``(R,)`` for
+        batched data, a float for unbatched ``(n, d)``, ``(n,)``."""
+        self._check_is_fitted("score")
+        X, Y, unbatched = self._scoring_data(X, Y)
+        residual = ((Y - self.model_.mean(X, self.params_)) ** 2).sum(dim=-1)
+        total = ((Y - Y.mean(dim=-1, keepdim=True)) ** 2).sum(dim=-1)
+        r2 = torch.where(total > 0, 1 - residual / total, (residual == 0).to(Y.dtype))
+        return float(r2[0]) if unbatched else r2
 
 
 class GaussianMoEMLE(_BatchedEstimator):
-    """Maximum-likelihood fit of a Gaussian mixture of linear experts (004; 001 eq. (4)), batched.
+    """Maximum-likelihood fit of a Gaussian mixture of linear experts (Ho (2025); CompeteSMoE
+    (2025), eq. (4)), R replicates at once.
 
     Args:
         n_experts: k fitted experts.
         gating: ``softmax`` or ``competition`` (:class:`GaussianMoE`).
         top_k: optional sparse gate.
         gate_bias: per-expert gate bias for competition gating (:class:`GaussianMoE`).
-        Other arguments as :class:`LeastSquaresMoE`.  Variances are optimised as log ν.
+        optimizer, lr, steps, batch_size, init, init_noise, init_scale, restarts, seed: the fit
+            (shared with :class:`LeastSquaresMoE`).  Variances are optimised as log ν.
 
-    Attributes: ``params_`` (:class:`GaussianParams`), ``a_``, ``b_``, ``nu_``, ``beta0_``,
-    ``beta1_``, ``loss_`` (``(R,)`` final mean negative log-likelihood), ``n_iter_``, ``model_``.
+    Attributes (after ``fit``): ``params_`` (:class:`GaussianParams`), ``a_``, ``b_``, ``nu_``,
+    ``beta0_``, ``beta1_``, ``loss_`` (``(R,)`` final mean negative log-likelihood),
+    ``restart_losses_``, ``n_iter_``, ``n_features_in_``, ``model_`` (the :class:`GaussianMoE`).
+
+    ``predict(X)`` is the conditional mean ``E_Ĝ[Y | X] = Σᵢ πᵢ(X)(aᵢᵀX + bᵢ)``; ``score(X, Y)``
+    is the mean log-likelihood ``(1/n) Σ log p_Ĝ(Yᵢ | Xᵢ)`` (as scikit-learn's density estimators).
     """
 
     def __init__(
@@ -367,15 +595,27 @@ class GaussianMoEMLE(_BatchedEstimator):
             restarts=restarts,
             seed=seed,
         )
-        self.model_ = GaussianMoE(gating=gating, top_k=top_k, gate_bias=gate_bias)
+        self.gating = gating
+        self.top_k = top_k
+        self.gate_bias = gate_bias
 
-    def _init(self, R: int, d: int, truth: GaussianParams | None, gen, dtype) -> list[Tensor]:
+    def _make_model(self) -> GaussianMoE:
+        return GaussianMoE(gating=self.gating, top_k=self.top_k, gate_bias=self.gate_bias)
+
+    def _n_params(self, model: GaussianMoE, d: int) -> int:
+        k = self.n_experts
+        gate_params = k * (1 + d) if model.gating == "softmax" else k * model.gate_bias
+        return gate_params + k * (d + 2)
+
+    def _init(
+        self, model: GaussianMoE, R: int, d: int, truth: GaussianParams | None, gen: torch.Generator, dtype
+    ) -> list[Tensor]:
         k = self.n_experts
         if truth is not None:
             k_true = truth.num_experts
             beta0 = _split_truth(truth.beta0, k) - _copies(k_true, k).to(dtype).log()
             parts = [beta0, *(_split_truth(t, k) for t in (truth.beta1, truth.a, truth.b))]
-            c = self.model_.gating == "softmax" or self.model_.gate_bias  # translation-invariant gates
+            c = model.gating == "softmax" or model.gate_bias  # translation-invariant gates
             parts = [self._noise(t, gen, centered=c and i < 2) for i, t in enumerate(parts)]
             log_nu = self._noise(_split_truth(truth.nu, k).log(), gen)
             return [*parts, log_nu]
@@ -388,28 +628,25 @@ class GaussianMoEMLE(_BatchedEstimator):
             torch.zeros(R, k, dtype=dtype),
         ]
 
-    def fit(self, X: Tensor, Y: Tensor, truth: GaussianParams | None = None) -> GaussianMoEMLE:
-        X, Y, _ = _batched(X, Y)
-        R, n, d = X.shape
-        k = self.n_experts
-        if self.init == "truth" and truth is None:
-            raise ValueError("init='truth' needs the true parameters: fit(X, Y, truth=...)")
-        gate_params = k * (1 + d) if self.model_.gating == "softmax" else k * self.model_.gate_bias
-        self._check_sizes(n, d, gate_params + k * (d + 2), truth.num_experts if truth is not None else None)
-        if truth is not None and truth.replicates not in (1, R):
-            raise ValueError(f"truth has R={truth.replicates} parameter sets; expected 1 or {R}")
-        gen = torch.Generator().manual_seed(self.seed)
-        restarts = self.restarts if self.init == "random" else 1
+    def _objective(
+        self,
+        model: GaussianMoE,
+        X: Tensor,
+        Y: Tensor,
+        truth: GaussianParams | None,
+        restarts: int,
+        gen: torch.Generator,
+    ) -> tuple[Callable[[Tensor | None], Tensor], list[Tensor], Callable[[], GaussianParams]]:
+        R, _, d = X.shape
         Xr, Yr = inputs_t(X).repeat(restarts, 1, 1), Y.repeat(restarts, 1)
-        if self.init == "truth":
-            init = self._init(R, d, truth.expand(R) if truth.replicates == 1 else truth, gen, X.dtype)
+        if truth is not None:
+            init = self._init(model, R, d, truth.expand(R) if truth.replicates == 1 else truth, gen, X.dtype)
         else:
-            init = self._init(R * restarts, d, None, gen, X.dtype)
+            init = self._init(model, R * restarts, d, None, gen, X.dtype)
         leaves = [t.detach().clone().requires_grad_(True) for t in init]
-        if self.model_.gating == "competition":  # no gate parameters (001 eq. (13)) but the optional bias
-            leaves[0].requires_grad_(self.model_.gate_bias)
+        if model.gating == "competition":  # no gate parameters (CompeteSMoE (2025), eq. (13)) but a bias
+            leaves[0].requires_grad_(model.gate_bias)
             leaves[1].requires_grad_(False)
-        model = self.model_
 
         def current() -> GaussianParams:
             beta0, beta1, a, b, log_nu = leaves
@@ -419,19 +656,31 @@ class GaussianMoEMLE(_BatchedEstimator):
             x, y = _take(Xr, idx), _take(Yr, idx)
             return -model.log_density_t(x, y, current()).mean(dim=-1)
 
-        trainable = [t for t in leaves if t.requires_grad]
-        self.n_iter_ = self._minimize(loss_fn, trainable, n, R * restarts, gen)
-        with torch.no_grad():
-            final = loss_fn(None).view(restarts, R)
-            final = torch.where(torch.isfinite(final), final, torch.full_like(final, math.inf))
-            pick = final.argmin(dim=0) * R + torch.arange(R)
-            self.params_ = current().detach().select(pick)
-            self.loss_ = final.min(dim=0).values
-        p = self.params_
+        return loss_fn, [t for t in leaves if t.requires_grad], current
+
+    def _set_fitted_params(self, params: GaussianParams) -> None:
+        p = params
         self.beta0_, self.beta1_, self.a_, self.b_, self.nu_ = p.beta0, p.beta1, p.a, p.b, p.nu
+
+    def fit(self, X: Any, Y: Any, truth: GaussianParams | None = None) -> GaussianMoEMLE:
+        """Fit to ``X (R, n, d)``, ``Y (R, n)`` (or unbatched ``(n, d)``, ``(n,)``); returns ``self``.
+
+        ``truth`` (R = 1 or R parameter sets) is the starting point of ``init="truth"``.
+        """
+        self._fit(X, Y, truth)
         return self
 
-    def score(self, X: Tensor, Y: Tensor) -> Tensor:
-        """Mean log-likelihood per replicate: ``(R,)``."""
-        X, Y, _ = _batched(X, Y)
-        return self.model_.log_density(X, Y, self.params_).mean(dim=-1)
+    def predict(self, X: Any) -> Tensor:
+        """The conditional mean ``E_Ĝ[Y | X]``: ``(R, n)`` for ``X (R, n, d)``, ``(n,)`` for ``(n, d)``."""
+        self._check_is_fitted("predict")
+        X, unbatched = self._inputs(X)
+        out = (self.model_.gate_weights(X, self.params_) * self.model_.means(X, self.params_)).sum(dim=-1)
+        return out[0] if unbatched else out
+
+    def score(self, X: Any, Y: Any) -> Tensor | float:
+        """Mean log-likelihood ``(1/n) Σ log p_Ĝ(Yᵢ | Xᵢ)``: ``(R,)`` for batched data, a float for
+        unbatched ``(n, d)``, ``(n,)``."""
+        self._check_is_fitted("score")
+        X, Y, unbatched = self._scoring_data(X, Y)
+        ll = self.model_.log_density(X, Y, self.params_).mean(dim=-1)
+        return float(ll[0]) if unbatched else ll

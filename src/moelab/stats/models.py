@@ -4,35 +4,35 @@ Every tensor carries a leading replicate axis ``R``: inputs ``x`` are ``(R, n, d
 ``beta0 (R, k)``, ``beta1 (R, k, d)``, ``eta (R, k, q)``.  R independent fits then run as one
 batched computation (one matmul instead of R small ones).
 
-Regression MoE (003 eq. (1)/(7); 004 "Regression MoE")::
+Regression MoE (perturbed cosine router (2024) eq. (1)/(7); Ho (2025) "Regression MoE")::
 
     f_G(x) = Σ_i  softmax_i(ℓ(x))  h(x, η_i),     Y = f_G(X) + ε,  ε ~ N(0, ν)
 
 with the gate logits ``ℓ_i(x)``
 
-* ``linear``:    β₁ᵢᵀx + β₀ᵢ                                            (004; 003 App. F)
-* ``cosine``:    β₁ᵢᵀx / (‖β₁ᵢ‖ ‖x‖) + β₀ᵢ                              (003 eq. (2))
-* ``perturbed``: β₁ᵢᵀx / ((‖β₁ᵢ‖ + τ₁)(‖x‖ + τ₂)) + β₀ᵢ                  (003 eq. (8))
-* ``sigmoid``:   weights σ(β₁ᵢᵀx + β₀ᵢ), not normalised (σ-MoE; 004 "sigmoid gating")
+* ``linear``:    β₁ᵢᵀx + β₀ᵢ                                            (Ho (2025); perturbed cosine router (2024) App. F)
+* ``cosine``:    β₁ᵢᵀx / (‖β₁ᵢ‖ ‖x‖) + β₀ᵢ                              (perturbed cosine router (2024) eq. (2))
+* ``perturbed``: β₁ᵢᵀx / ((‖β₁ᵢ‖ + τ₁)(‖x‖ + τ₂)) + β₀ᵢ                  (perturbed cosine router (2024) eq. (8))
+* ``sigmoid``:   weights σ(β₁ᵢᵀx + β₀ᵢ), not normalised (σ-MoE; Ho (2025) "sigmoid gating")
 
 computed by the same functions as the routers (:func:`moelab.functional.cosine_logits`,
 :func:`moelab.functional.topk_softmax`), and the experts ``h(x, η)``
 
-* ``linear``:     aᵀx + b,                η = (a, b)                   (004; 001 App. J)
-* ``polynomial``: (aᵀx + b)^p,            η = (a, b)                   (003 §2 (iii), App. F.2)
-* ``ffn``:        a·σ(bᵀx + c),            η = (a, b, c)                (003 §5.1; REFERENCES)
+* ``linear``:     aᵀx + b,                η = (a, b)                   (Ho (2025); CompeteSMoE (2025) App. J)
+* ``polynomial``: (aᵀx + b)^p,            η = (a, b)                   (perturbed cosine router (2024) §2 (iii), App. F.2)
+* ``ffn``:        a·σ(bᵀx + c),            η = (a, b, c)                (perturbed cosine router (2024) §5.1)
   with σ ∈ {tanh, sigmoid, gelu, relu}; ``expert_bias=False`` drops ``c`` (h = a·σ(bᵀx),
-  the form REFERENCES.md gives for 003 §5.1).
+  the form of the perturbed cosine router (2024) §5.1).
 
-Gaussian MoE (004 "Gaussian MoE"; 001 eq. (3) and (13))::
+Gaussian MoE (Ho (2025) "Gaussian MoE"; CompeteSMoE (2025) eq. (3) and (13))::
 
     p_G(y | x) = Σ_i π_i(x) N(y | aᵢᵀx + bᵢ, νᵢ)
 
 with ``softmax`` gating π = softmax(β₁ᵀx + β₀) or ``competition`` gating
 π = softmax(softplus(aᵢᵀx + bᵢ)) — the gate is the softplus affinity of the experts' own means
-(001 eq. (3)/(13), computed by :func:`moelab.functional.competition_affinity`).
+(CompeteSMoE (2025) eq. (3)/(13), computed by :func:`moelab.functional.competition_affinity`).
 
-Both models accept an optional ``top_k``: the top-K sparse softmax (003 §2 remark; 004), which
+Both models accept an optional ``top_k``: the top-K sparse softmax (perturbed cosine router (2024) §2 remark; Ho (2025)), which
 keeps the K largest logits and renormalises.
 """
 
@@ -70,7 +70,7 @@ GAUSSIAN_GATINGS = ("softmax", "competition")
 class MoEParams:
     """Parameters of R regression MoEs with k experts: ``beta0 (R,k)``, ``beta1 (R,k,d)``, ``eta (R,k,q)``.
 
-    The mixing measure ``G = Σ_i exp(β₀ᵢ) δ_(β₁ᵢ, ηᵢ)`` of 003 §2.
+    The mixing measure ``G = Σ_i exp(β₀ᵢ) δ_(β₁ᵢ, ηᵢ)`` of the perturbed cosine router (2024) §2.
     """
 
     beta0: Tensor
@@ -188,7 +188,7 @@ class RegressionMoE:
         gate: ``linear`` | ``cosine`` | ``perturbed`` | ``sigmoid``.
         expert: ``linear`` | ``polynomial`` | ``ffn``.
         tau1: perturbation of the expert-embedding norm ‖β₁ᵢ‖ (perturbed gate only).
-        tau2: perturbation of the input norm ‖x‖ (perturbed gate only).  003 §5.1 uses τ₁ = τ₂.
+        tau2: perturbation of the input norm ‖x‖ (perturbed gate only).  perturbed cosine router (2024) §5.1 uses τ₁ = τ₂.
         degree: polynomial degree p (``polynomial`` experts).
         activation: σ of the ``ffn`` expert: tanh | sigmoid | gelu | relu.
         expert_bias: include the inner bias c of the ``ffn`` expert.
@@ -233,7 +233,7 @@ class RegressionMoE:
             if x is None:
                 x = xt.transpose(-2, -1).contiguous()
             # cosine_logits(a, b) = aᵀb / ((‖a‖ + τ_a)(‖b‖ + τ_b)) is symmetric: call it expert-major,
-            # τ₁ on ‖β₁ᵢ‖ and τ₂ on ‖x‖ (003 eq. (8)); the cosine gate is τ₁ = τ₂ = 0 (003 eq. (2))
+            # τ₁ on ‖β₁ᵢ‖ and τ₂ on ‖x‖ (perturbed cosine router (2024) eq. (8)); the cosine gate is τ₁ = τ₂ = 0 (perturbed cosine router (2024) eq. (2))
             tau1, tau2 = (self.tau1, self.tau2) if self.gate == "perturbed" else (0.0, 0.0)
             raw = functional.cosine_logits(beta1, x, tau_x=tau1, tau_e=tau2)
         return raw + beta0.unsqueeze(-1)
@@ -290,11 +290,11 @@ class GaussianMoE:
     """Gaussian mixture of linear experts ``p_G(y|x) = Σ_i π_i(x) N(y | aᵢᵀx + bᵢ, νᵢ)``.
 
     Args:
-        gating: ``softmax`` (π = softmax(β₁ᵀx + β₀); 004, Nguyen et al. 2023) or ``competition``
-            (π = softmax(softplus(aᵢᵀx + bᵢ)); 001 eq. (13)).
-        top_k: optional top-K sparse softmax over the gate logits (000 eq. (6) uses a top-K gate).
+        gating: ``softmax`` (π = softmax(β₁ᵀx + β₀); Ho (2025), Nguyen et al. 2023) or ``competition``
+            (π = softmax(softplus(aᵢᵀx + bᵢ)); CompeteSMoE (2025) eq. (13)).
+        top_k: optional top-K sparse softmax over the gate logits (CompeteSMoE v1 (2024) eq. (6) uses a top-K gate).
         gate_bias: competition gating only: add a per-expert bias, π ∝ exp(softplus(μᵢ) + β₀ᵢ).
-            001 eq. (3)/(13) has no such parameter, but its Voronoi losses (eq. (6), (14)) weigh
+            CompeteSMoE (2025) eq. (3)/(13) has no such parameter, but its Voronoi losses (eq. (6), (14)) weigh
             atoms by exp(cᵢ) and need it: without it every atom's gate numerator is
             1 + e^{μᵢ} ≥ 1, so an over-specified fit cannot put two atoms where one was (their
             weights add up) and the k* + 1 model cannot represent the k* truth.

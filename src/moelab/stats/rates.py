@@ -1,6 +1,6 @@
 """Empirical convergence rates: ``log L̄(n) = a + b log n`` with a bootstrap confidence interval.
 
-003 §5.1 / Fig. 1 reports, for each sample size, the mean Voronoi loss over 20 replicates and the
+The perturbed cosine router (2024), §5.1 / Fig. 1, reports, for each sample size, the mean Voronoi loss over 20 replicates and the
 slope of a least-squares line through ``(log n, log mean loss)``; that slope is ``b`` here.  The
 confidence interval resamples the replicates of every sample size with replacement (a
 nonparametric bootstrap, independently per n), recomputes the means and the slope, and takes

@@ -1,10 +1,10 @@
 """Simulated data for the convergence studies: inputs on a bounded set, responses from a model.
 
-003 §5.1 / App. E.1: X_i drawn i.i.d. on a bounded set, Y_i = f_G*(X_i) + ε_i with Gaussian noise
-ε_i ~ N(0, ν).  The true router parameters are drawn from an isotropic Gaussian (zero mean) for
+The perturbed cosine router (2024), §5.1 / App. E.1: X_i drawn i.i.d. on a bounded set,
+Y_i = f_G*(X_i) + ε_i with Gaussian noise ε_i ~ N(0, ν).  The true router parameters are drawn from an isotropic Gaussian (zero mean) for
 the first k* − 1 experts and set to zero for the last one (the identifiability convention of
-003 (A.3) and Nguyen et al. 2024c); the true expert parameters are drawn from an isotropic
-Gaussian.  The paper's exact variances and input law are lost in extraction (REFERENCES.md):
+the perturbed cosine router (2024), (A.3), and Nguyen et al. 2024c); the true expert parameters are drawn from an isotropic
+Gaussian.  The paper's exact variances and input law are not recoverable from the text:
 the defaults below are ours and every study writes them to its config.
 
 All draws use an explicit :class:`torch.Generator`, so a study is reproducible from its seed.
@@ -74,7 +74,7 @@ def regression_truth(
     generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> MoEParams:
-    """True parameters (R = 1) of a k-expert regression MoE, drawn as in 003 App. E.1.
+    """True parameters (R = 1) of a k-expert regression MoE, drawn as in the perturbed cosine router (2024) App. E.1.
 
     β₁ᵢ, β₀ᵢ ~ N(0, router_std²) for i < k, and for the last expert β₀ = 0 (``zero_last_bias``)
     and β₁ = 0 (``zero_last_weight``).  ``zero_last_weight`` defaults to True for the linear and
@@ -130,7 +130,7 @@ def simulate_regression(
 ) -> tuple[Tensor, Tensor]:
     """R independent samples of size n: ``X (R, n, d)``, ``Y = f_G*(X) + ε (R, n)``, ε ~ N(0, ν).
 
-    ``truth`` holds one parameter set (R = 1, shared by all replicates, as in 003) or R of them.
+    ``truth`` holds one parameter set (R = 1, shared by all replicates, as in the perturbed cosine router (2024)) or R of them.
     """
     non_negative("noise_var", noise_var)
     x, truth = _inputs_and_truth(truth, n, replicates, distribution, bound, generator)
@@ -151,7 +151,7 @@ def gaussian_truth(
 ) -> GaussianParams:
     """True parameters (R = 1) of a Gaussian mixture of k linear experts.
 
-    Gate β₁, β₀ ~ N(0, router_std²) with the last expert's pinned to 0 (004's identifiability up
+    Gate β₁, β₀ ~ N(0, router_std²) with the last expert's pinned to 0 (Ho (2025)'s identifiability up
     to translation); a, b ~ N(0, expert_std²); ν ~ Uniform(nu_range).
     """
     positive_int("k", k)

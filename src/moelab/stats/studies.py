@@ -8,32 +8,32 @@
   intercept}`` (``log mean loss = intercept + slope · log n``, 95 % bootstrap CI), ``means``
   (mean loss per n), ``config`` (the constants again), ``wall_seconds``;
 * ``rates.png`` — log-log mean loss against n with two-standard-deviation bars and the fitted
-  lines, one panel per setting (as 003 Fig. 1 / Fig. 2).
+  lines, one panel per setting (as perturbed cosine router (2024) Fig. 1 / Fig. 2).
 
 Studies:
 
-* ``cosine-vs-perturbed`` — 003 §5.1, Fig. 1: data from a cosine (τ = 0) or perturbed cosine
+* ``cosine-vs-perturbed`` — the perturbed cosine router (2024), §5.1, Fig. 1: data from a cosine (τ = 0) or perturbed cosine
   (τ > 0) router MoE with one-unit tanh experts, fitted by least squares with k* experts
-  (exact-specified) and k* + 1 (over-specified); Voronoi loss D of 003 eq. (11).
-* ``misspecified`` — 003 App. F.1, Fig. 2(a): data from a LINEAR-router MoE, fitted by the cosine
+  (exact-specified) and k* + 1 (over-specified); Voronoi loss D of the perturbed cosine router (2024) eq. (11).
+* ``misspecified`` — the perturbed cosine router (2024), App. F.1, Fig. 2(a): data from a LINEAR-router MoE, fitted by the cosine
   and perturbed cosine MoE.  The fit converges to the best approximating mixing measure Ḡ, not
-  to the data-generating one (003 §4, "Misspecified settings"), so the loss is measured against
+  to the data-generating one (perturbed cosine router (2024) §4, "Misspecified settings"), so the loss is measured against
   Ḡ, estimated by the same estimator on one sample of size ``reference_n`` (≫ the grid).
-* ``linear-vs-perturbed`` — 003 App. F.2, Fig. 2(b): data from a linear-router MoE with
+* ``linear-vs-perturbed`` — the perturbed cosine router (2024), App. F.2, Fig. 2(b): data from a linear-router MoE with
   polynomial experts (aᵀx + b)^p, fitted by the linear router (well-specified, against the truth)
   and the perturbed cosine router (misspecified, against its Ḡ as above).
 * ``softmax-vs-competition`` — new: Gaussian mixtures of linear experts with softmax gating
-  (004) and competition gating (001 eq. (13)), each fitted over-specified (k* + 1) by maximum
+  (Ho (2025)) and competition gating (CompeteSMoE (2025) eq. (13)), each fitted over-specified (k* + 1) by maximum
   likelihood.  Losses: the expert-parameter error Σ_j Σ_{i∈A_j} ‖(Δa, Δb, Δν)‖ (exponent 1 in
-  every cell, so its rate is the slowest expert rate; 001 §3 predicts n^-1/4 with competition
-  and slower without) and the Voronoi loss of 001 eq. (14) — weighted by e^{β₀} with its mass
+  every cell, so its rate is the slowest expert rate; CompeteSMoE (2025) §3 predicts n^-1/4 with competition
+  and slower without) and the Voronoi loss of CompeteSMoE (2025) eq. (14) — weighted by e^{β₀} with its mass
   term for softmax gating; unweighted and without the mass term for competition gating, which
   has no gate parameters (its mass term would be the constant Σ_j ||A_j| − 1|).  A third series,
-  ``competition-bias``, adds the per-expert gate bias cᵢ that 001's losses presuppose
+  ``competition-bias``, adds the per-expert gate bias cᵢ that CompeteSMoE (2025)'s losses presuppose
   (:class:`~moelab.stats.models.GaussianMoE` ``gate_bias``): without it the over-specified
   competition model cannot represent the truth (every atom's gate numerator 1 + e^{μ} ≥ 1).
 
-The paper's constants (d, k*, ν, τ, grid, SGD settings) were lost in extraction (REFERENCES.md);
+The paper's constants (d, k*, ν, τ, grid, SGD settings) were not recoverable from the text;
 ours are in :data:`STUDIES` and in every run's config.  The default optimiser is full-batch
 L-BFGS in float64 rather than the paper's SGD: a rate study measures the estimator, and SGD
 with a fixed budget stops short of the least-squares solution at large n, flattening the
@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 from .._validate import non_negative, one_of, positive, positive_int
-from ..rundir import RunDir
+from ..io.rundir import RunDir
 from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE
 from .models import GaussianMoE, MoEParams, RegressionMoE
 from .rates import fit_rate
@@ -318,9 +318,9 @@ def _run_gaussian(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str,
             ).fit(X, Y, truth)  # fmt: skip
             args = (est.a_, est.b_, est.nu_, tgt.a, tgt.b, tgt.nu)
             expert_losses.append(gaussian_voronoi_loss(*args, r_multi=1.0, mass_term=False).tolist())
-            if gating == "softmax" or bias:  # 001 eq. (14) with the gate weights e^{β₀}
+            if gating == "softmax" or bias:  # CompeteSMoE (2025) eq. (14) with the gate weights e^{β₀}
                 vor = gaussian_voronoi_loss(*args, est.beta0_, tgt.beta0)
-            else:  # no gate weights (001 eq. (13)): the mass term would be the constant Σ_j ||A_j| − 1|
+            else:  # no gate weights (CompeteSMoE (2025) eq. (13)): the mass term would be the constant Σ_j ||A_j| − 1|
                 vor = gaussian_voronoi_loss(*args, mass_term=False)
             vor_losses.append(vor.tolist())
             nll.append(est.loss_.tolist())
@@ -380,7 +380,7 @@ def _write_csv(rundir: RunDir, rows: list[dict[str, Any]]) -> None:
     import csv
     import io
 
-    from ..rundir import atomic_write_text
+    from ..io.atomic import atomic_write_text
 
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
@@ -390,7 +390,7 @@ def _write_csv(rundir: RunDir, rows: list[dict[str, Any]]) -> None:
 
 
 def _plot(path, cfg: StudyConfig, means: list[dict], rates: list[dict]) -> None:
-    """Log-log mean loss ± 2 sd with fitted lines, one panel per (setting, loss) — 003 Fig. 1 style."""
+    """Log-log mean loss ± 2 sd with fitted lines, one panel per (setting, loss) — as the perturbed cosine router (2024), Fig. 1."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,6 +1,6 @@
 """Voronoi losses between a fitted mixing measure and the true one.
 
-The loss of 003 (REFERENCES.md, "Perturbed-cosine simulation"; 003 eq. (11)), with
+The loss of the perturbed cosine router (2024), eq. (11), with
 ``ω = (β₁, η)``, cells ``A_j = {i : ‖ωᵢ − ω*ⱼ‖ ≤ ‖ωᵢ − ω*ₗ‖ ∀ℓ}``::
 
     D(G, G*) = Σ_{j:|A_j|=1} Σ_{i∈A_j} e^{β₀ᵢ} (‖Δβ₁ᵢⱼ‖ + ‖Δηᵢⱼ‖)
@@ -10,10 +10,10 @@ The loss of 003 (REFERENCES.md, "Perturbed-cosine simulation"; 003 eq. (11)), wi
 Options cover the other losses of the papers:
 
 * ``r_single`` / ``r_multi``: the exponents of singleton and multi-atom cells; ``r_multi`` may be
-  a function of the cell size — the exponent-r losses ``D_r`` of 004 ("Voronoi-based loss",
+  a function of the cell size — the exponent-r losses ``D_r`` of Ho (2025) ("Voronoi-based loss",
   r(|A_j|)).
 * :func:`block_voronoi_loss` takes any list of parameter blocks (each its own norm), e.g. the
-  Gaussian-MoE losses with a variance term: 001 eq. (6) ``‖ΔW‖ + |Δν|`` and App. J eq. (14)
+  Gaussian-MoE losses with a variance term: CompeteSMoE (2025) eq. (6) ``‖ΔW‖ + |Δν|`` and App. J eq. (14)
   ``‖Δa‖ + |Δb| + |Δν|`` — see :func:`gaussian_voronoi_loss`.
 
 Ties in the cell assignment (an atom equidistant to two true atoms) go to the lower true index.
@@ -61,15 +61,15 @@ def block_voronoi_loss(
 
     Args:
         log_weights: ``β₀`` of the fitted atoms ``(R, k)`` (or ``(k,)``); ``None`` gives every atom
-            weight 1 (the unweighted mixing measures of 000 eq. (9) / 001 eq. (3)).
+            weight 1 (the unweighted mixing measures of CompeteSMoE v1 (2024), eq. (9); CompeteSMoE (2025), eq. (3)).
         blocks: pairs ``(fitted (R, k, p_b), true (R, k*, p_b))``; a block may drop its last
             dimension (scalars such as b or ν).  Cells are built on the concatenation of all blocks.
         log_weights_true: ``β*₀`` of the true atoms ``(R, k*)``; ``None`` = weight 1.
-        r_single: exponent of each block's norm in singleton cells (1 in 003/001).
-        r_multi: exponent in multi-atom cells: a number (2 in 003/001) or a function of the cell
-            size (004's r̄(|A_j|)).
+        r_single: exponent of each block's norm in singleton cells (1 in the perturbed cosine router (2024) and CompeteSMoE (2025)).
+        r_multi: exponent in multi-atom cells: a number (2 in the perturbed cosine router (2024) and CompeteSMoE (2025)) or a function of the cell
+            size (Ho (2025)'s r̄(|A_j|)).
             The first block must be vector-valued (it decides whether the input is batched).
-        powers: per-block multiplier of the exponent (004's Gaussian loss raises the (a, σ) block
+        powers: per-block multiplier of the exponent (Ho (2025)'s Gaussian loss raises the (a, σ) block
             to r/2: ``powers=(1, 0.5)``).
         mass_term: add ``Σ_j |Σ_{i∈A_j} e^{β₀ᵢ} − e^{β*₀ⱼ}|``.
 
@@ -148,12 +148,12 @@ def voronoi_loss(
     r_single: float = 1.0,
     r_multi: Exponent = 2.0,
 ) -> Tensor:
-    """The Voronoi loss ``D(G, G*)`` of 003 (module docstring; REFERENCES.md) with ω = (β₁, η).
+    """The Voronoi loss ``D(G, G*)`` of the perturbed cosine router (2024) (module docstring) with ω = (β₁, η).
 
     Args:
         beta0, beta1, eta: fitted ``(k,)``, ``(k, d)``, ``(k, q)`` — or with a leading ``R``.
         beta0_true, beta1_true, eta_true: the truth, ``k*`` atoms, same batching.
-        r_single, r_multi: exponents (1 and 2 in 003; 004's D_r via a number or function of |A_j|).
+        r_single, r_multi: exponents (1 and 2 in the perturbed cosine router (2024); Ho (2025)'s D_r via a number or function of |A_j|).
 
     Returns:
         the loss: 0-dim, or ``(R,)`` with a replicate dimension.
@@ -181,13 +181,13 @@ def gaussian_voronoi_loss(
     r_multi: Exponent = 2.0,
     mass_term: bool = True,
 ) -> Tensor:
-    """Voronoi loss of a Gaussian mixture of linear experts: 001 App. J eq. (14).
+    """Voronoi loss of a Gaussian mixture of linear experts: CompeteSMoE (2025) App. J eq. (14).
 
     ``Σ_j |Σ_{i∈A_j} e^{cᵢ} − e^{c*ⱼ}| + Σ_{|A_j|=1} e^{cᵢ}(‖Δa‖ + |Δb| + |Δν|)
     + Σ_{|A_j|>1} e^{cᵢ}(‖Δa‖² + |Δb|² + |Δν|²)``, cells on θ = (a, b, ν).  Competition gating has
-    no gate parameters (001 eq. (13)): leave ``beta0`` as ``None`` (weights 1).  With
+    no gate parameters (CompeteSMoE (2025) eq. (13)): leave ``beta0`` as ``None`` (weights 1).  With
     ``r_multi=1, mass_term=False`` it is the plain expert-parameter error Σ_j Σ_{i∈A_j} ‖Δθ‖ used
-    to read off expert estimation rates (001 §3 remark (i)).
+    to read off expert estimation rates (CompeteSMoE (2025) §3 remark (i)).
     """
     return block_voronoi_loss(
         beta0,

@@ -1,7 +1,7 @@
 """Training: the loop (:mod:`.trainer`) and atomic checkpoints (:mod:`.checkpoint`)."""
 
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from .trainer import Task, TrainConfig, Trainer, TrainingError, lr_factor
+from .trainer import Task, TrainConfig, Trainer, TrainingError
 
 __all__ = [
     "CheckpointError",
@@ -11,6 +11,5 @@ __all__ = [
     "TrainingError",
     "latest_checkpoint",
     "load_checkpoint",
-    "lr_factor",
     "save_checkpoint",
 ]

@@ -3,7 +3,7 @@
 Flow (shared/DESIGN.md, "Training"): set ``ctx.step`` → forward → loss = task loss +
 ``moelab.aux_loss(model)`` → backward → gradient clipping → Adam → LR schedule → log → evaluate
 every ``eval_every`` steps (keeping the best-validation weights, which the final test uses, as
-000 §6.1 does) → atomic checkpoint every ``ckpt_every`` steps.
+CompeteSMoE (2024) §6.1 does) → atomic checkpoint every ``ckpt_every`` steps.
 
 What a task provides (:class:`Task`): ``sample(generator, batch_size)`` a global batch,
 ``shard(batch, rank, world)`` a rank's part, ``loss(model, batch) -> (loss, tokens)``,
@@ -20,7 +20,8 @@ advances the routing context; the competition schedule is identical everywhere (
 seed, broadcast from rank 0).  The logged loss and aux loss are the means over the ranks; only
 rank 0 writes logs, metrics and checkpoints; a resume loads the same checkpoint on every rank;
 ``metrics.json`` records ``world_size``.  Evaluation runs on every rank over the whole split
-(identical weights, identical results).  ``expert_parallel=True`` spreads the experts over the
+(identical weights, identical results).  The parallel layout is a strategy handed to the trainer
+(:mod:`moelab.train.parallel`); ``expert_parallel=True`` spreads the experts over the
 ranks (:mod:`moelab.train.distributed`); checkpoints then still hold the full model.
 
 Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, the
@@ -44,28 +45,21 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from ..layer import NonFiniteError, aux_loss
-from ..routing import RoutingContext, attach, moe_layers
-from ..rundir import RunDir
+from ..errors import NonFiniteError, TrainingError
+from ..io.model import load_weights, save
+from ..io.rundir import RunDir
+from ..layer import attach
+from ..routing import RoutingContext
+from ..schedules import LR_SCHEDULES, build_competition_schedule, lr_factor
 from . import checkpoint as ckpt
+from .parallel import Parallel, choose
 
 __all__ = [
-    "SCHEDULES",
-    "SCHEDULE_OPTIONS",
     "Task",
     "TrainConfig",
     "Trainer",
     "TrainingError",
-    "build_competition_schedule",
-    "lr_factor",
-    "split_schedule_options",
 ]
-
-SCHEDULES = ("inverse_sqrt", "cosine", "constant")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss); the message says where and what was kept."""
 
 
 class Task(Protocol):
@@ -80,24 +74,24 @@ class Task(Protocol):
 
 @dataclass
 class TrainConfig:
-    """Optimisation and bookkeeping settings (defaults: 000 App. C.2 where it states them).
+    """Optimisation and bookkeeping settings (defaults: CompeteSMoE (2024) App. C.2 where it states them).
 
     Attributes:
         steps: optimisation steps.
-        batch_size: global batch (sequences); 48 in 000.
-        lr: Adam learning rate (7e-4 in 000).
-        schedule: ``inverse_sqrt`` (000: "a learning rate schedule of 1/√t"), ``cosine`` or
+        batch_size: global batch (sequences); 48 in CompeteSMoE (2024).
+        lr: Adam learning rate (7e-4 in CompeteSMoE (2024)).
+        schedule: ``inverse_sqrt`` (CompeteSMoE (2024): "a learning rate schedule of 1/√t"), ``cosine`` or
             ``constant``; all with linear warm-up.
-        warmup: warm-up steps; ``None`` = 5% of ``steps`` (000 does not state it: our choice).
+        warmup: warm-up steps; ``None`` = 5% of ``steps`` (CompeteSMoE (2024) does not state it: our choice).
         min_lr_ratio: floor of the cosine schedule, as a fraction of ``lr``.
-        grad_clip: max global gradient norm (0 = off); 000 does not state it: 1.0 is our choice.
+        grad_clip: max global gradient norm (0 = off); CompeteSMoE (2024) does not state it: 1.0 is our choice.
         eval_every: evaluate on the validation split every this many steps (and at the end).
         eval_tokens: cap on the validation tokens per evaluation (``None`` = the whole split).
         test_tokens: cap on the test tokens of the final test (``None`` = the whole split).
         ckpt_every: write a checkpoint every this many steps (and at the end); 0 = only at the end.
         keep_ckpts: how many checkpoints to keep.
         seed: seeds python, numpy, torch and the data order.
-        weight_decay: Adam (L2) weight decay (0 in 000).
+        weight_decay: Adam (L2) weight decay (0 in CompeteSMoE (2024)).
     """
 
     steps: int
@@ -119,7 +113,7 @@ class TrainConfig:
         _validate.positive_int("steps", self.steps)
         _validate.positive_int("batch_size", self.batch_size)
         _validate.positive("lr", self.lr)
-        _validate.one_of("schedule", self.schedule, SCHEDULES)
+        _validate.one_of("schedule", self.schedule, LR_SCHEDULES)
         if self.warmup is not None:
             _validate.int_in_range("warmup", self.warmup, 0, 1 << 40)
         _validate.probability("min_lr_ratio", self.min_lr_ratio)
@@ -136,57 +130,6 @@ class TrainConfig:
     @property
     def warmup_steps(self) -> int:
         return round(0.05 * self.steps) if self.warmup is None else self.warmup
-
-
-def lr_factor(schedule: str, step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
-    """The learning-rate multiplier after ``step`` completed steps (``LambdaLR`` convention).
-
-    * warm-up (``step < warmup``): ``(step + 1) / warmup``;
-    * ``inverse_sqrt``: ``sqrt(max(warmup, 1) / (step + 1))`` — 000's ``1/√t``, equal to 1 at the
-      end of warm-up (fairseq's ``inverse_sqrt``);
-    * ``cosine``: ``min_ratio + (1 − min_ratio)·½(1 + cos(π·p))``, ``p`` the post-warm-up progress;
-    * ``constant``: 1.
-    """
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "inverse_sqrt":
-        return math.sqrt(max(warmup, 1) / (step + 1))
-    if schedule == "cosine":
-        p = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
-    if schedule == "constant":
-        return 1.0
-    raise ValueError(f"schedule={schedule!r} is not allowed; expected one of {list(SCHEDULES)}")
-
-
-#: ``--opt`` keys that configure the competition schedule (not the layer): ω, A_max and the
-#: warm-up fraction of 001's schedule, λ of 000's coin flips
-SCHEDULE_OPTIONS = ("omega", "a_max", "competition_warmup", "rate")
-
-
-def split_schedule_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(layer options, schedule options)`` of a method's ``--opt`` values."""
-    layer = {k: v for k, v in options.items() if k not in SCHEDULE_OPTIONS}
-    schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
-    return layer, schedule
-
-
-def build_competition_schedule(
-    model: nn.Module, method: str, total_steps: int, seed: int, options: dict[str, Any] | None = None
-) -> Any:
-    """The competition schedule of ``model`` for ``method`` (``None`` if it needs none): built once
-    before training from the seed, identical on every rank and after a resume
-    (:func:`moelab.schedules.build_schedule`).  ``options`` are the run's ``--opt`` values; the
-    schedule reads :data:`SCHEDULE_OPTIONS`."""
-    from moelab.schedules import build_schedule
-
-    return build_schedule(method, len(moe_layers(model)), total_steps, seed, **dict(options or {}))
-
-
-def _dist() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _rng_state(generator: torch.Generator) -> dict[str, Any]:
@@ -226,22 +169,8 @@ def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
     generator.set_state(state["data"])
 
 
-class _TrainForward(nn.Module):
-    """The training forward of one rank as a module: ``batch -> (task loss, aux loss, tokens)``,
-    the aux loss being that of this rank's tokens (:func:`moelab.aux_loss` after the forward)."""
-
-    def __init__(self, model: nn.Module, task: Task) -> None:
-        super().__init__()
-        self.model = model
-        self.task = task
-
-    def forward(self, batch: Any) -> tuple[Tensor, Tensor, int]:
-        task_loss, tokens = self.task.loss(self.model, batch)
-        return task_loss, aux_loss(self.model), tokens
-
-
 class Trainer:
-    """Train ``model`` on ``task`` and write the run into ``run`` (a :class:`moelab.rundir.RunDir`).
+    """Train ``model`` on ``task`` and write the run into ``run`` (a :class:`moelab.io.RunDir`).
 
     Args:
         model: the model (its MoE layers get a shared :class:`moelab.RoutingContext`).
@@ -253,11 +182,9 @@ class Trainer:
         progress: show a tqdm bar.
         extra_metrics: added to ``metrics.json``.
         on_eval: called with ``(step, validation results)`` after each evaluation.
-        expert_parallel: spread the experts of every MoE layer over the ranks
-            (:func:`moelab.train.distributed.apply_expert_parallel`, after a resume has loaded
-            the full model); their gradients stay out of DDP's all-reduce, gradient clipping
-            uses the norm of the whole model, and checkpoints hold the gathered full model
-            and optimizer state (so they resume with or without it, on any world size).
+        parallel: how the model is spread over processes (:mod:`moelab.train.parallel`: one
+            process, DDP, or expert parallel); default :func:`moelab.train.parallel.choose`.
+        expert_parallel: shorthand for ``parallel=ExpertParallel()``.
 
     Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
@@ -274,6 +201,7 @@ class Trainer:
         progress: bool = True,
         extra_metrics: dict[str, Any] | None = None,
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
+        parallel: Parallel | None = None,
         expert_parallel: bool = False,
     ) -> None:
         if not isinstance(config, TrainConfig):
@@ -287,9 +215,8 @@ class Trainer:
         self.progress = progress
         self.extra_metrics = dict(extra_metrics or {})
         self.on_eval = on_eval
-        self.expert_parallel = expert_parallel
-        self._full: nn.Module | None = None  # under expert parallelism: the full model, for checkpoints
-        self.rank, self.world_size = _dist()
+        self.parallel = parallel if parallel is not None else choose(expert_parallel)
+        self.rank, self.world_size = self.parallel.rank, self.parallel.world_size
         if config.batch_size % self.world_size:
             raise ValueError(
                 f"batch_size={config.batch_size} is not allowed with {self.world_size} processes; "
@@ -307,79 +234,9 @@ class Trainer:
     def ckpt_dir(self) -> Path | None:
         return None if self.run is None else self.run.file("ckpt")
 
-    def _data_parallel(self) -> nn.Module | None:
-        """``DistributedDataParallel`` over the training forward (:class:`_TrainForward`) when
-        several processes train, else ``None``.
-
-        DDP looks for the parameters a step leaves unused by walking the graph back from the
-        forward's outputs; the outputs therefore hold the task loss *and* the aux loss, or a
-        parameter reached only through an aux loss (CompeteSMoE's router on a competition step:
-        only the distillation loss trains it) would be taken for unused and reduced twice.
-        ``find_unused_parameters``: which parameters a step uses depends on the routing (an
-        expert of a ``ModuleExperts`` bank that no token chose)."""
-        if self.world_size == 1 or not any(p.requires_grad for p in self.model.parameters()):
-            return None
-        from torch.nn.parallel import DistributedDataParallel
-
-        device = next(self.model.parameters()).device
-        forward = _TrainForward(self.model, self.task)
-        if self._full is not None:
-            from .distributed import ddp_ignore_experts
-
-            ddp_ignore_experts(forward)  # each rank's experts are its own: no all-reduce
-        return DistributedDataParallel(
-            forward,
-            device_ids=[device] if device.type == "cuda" else None,
-            find_unused_parameters=True,
-        )
-
-    def _apply_expert_parallel(self) -> None:
-        import copy
-
-        from .distributed import apply_expert_parallel
-
-        self._full = copy.deepcopy(self.model)  # same weights on every rank: same seed / checkpoint
-        apply_expert_parallel(self.model)  # average_grads: the gradient of the mean over ranks
-
-    def _weights(self) -> nn.Module:
-        """The module a checkpoint stores: the model, or under expert parallelism the full model
-        with every rank's experts gathered into it (a collective)."""
-        if self._full is None:
-            return self.model
-        from .distributed import full_state_dict
-
-        self._full.load_state_dict(full_state_dict(self.model))
-        return self._full
-
-    def _full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self._full is None:
-            return optimizer.state_dict()
-        from .distributed import full_optimizer_state
-
-        return full_optimizer_state(optimizer, self.model)
-
-    def _local_optimizer_state(
-        self, optimizer: torch.optim.Optimizer, full: dict[str, Any]
-    ) -> dict[str, Any]:
-        if self._full is None:
-            return full
-        from .distributed import local_optimizer_state
-
-        return local_optimizer_state(optimizer, self.model, full)
-
-    def _clip(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
-        if self._full is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        from .distributed import clip_grad_norm_
-
-        return clip_grad_norm_(params, max_norm, self.model)
-
     def _mean_over_ranks(self, task_loss: Tensor, aux: Tensor) -> tuple[float, float]:
         """``(task loss, aux loss)`` as floats, averaged over the ranks (what rank 0 logs)."""
-        values = torch.stack([task_loss.detach(), aux.detach().to(task_loss)])
-        if self.world_size > 1:
-            torch.distributed.all_reduce(values)
-            values = values / self.world_size
+        values = self.parallel.mean(torch.stack([task_loss.detach(), aux.detach().to(task_loss)]))
         task_value, aux_value = values.tolist()
         return task_value, aux_value
 
@@ -401,30 +258,22 @@ class Trainer:
     def fit(self, resume: bool = False) -> dict[str, Any]:
         """Train, test the best-validation weights and return (and write) the metrics."""
         cfg = self.config
-        metric = self.task.metric
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
         generator = torch.Generator().manual_seed(cfg.seed + 1)
-
         self.ctx.schedule = (
             build_competition_schedule(self.model, self.method, cfg.steps, cfg.seed, self.method_options)
             if self.method
             else None
         )
         attach(self.model, self.ctx)
-        saved = None
-        if resume and self.ckpt_dir is not None:
-            path = ckpt.latest_checkpoint(self.ckpt_dir)
-            if path is not None:  # into the full model: a checkpoint never depends on the layout
-                saved = ckpt.load_checkpoint(path, self.model)
-        if self.expert_parallel:
-            self._apply_expert_parallel()
+        saved = self._latest_checkpoint() if resume else None
+        self.parallel.apply(self.model)  # after a resume has loaded the full weights
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        warmup = cfg.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(cfg.schedule, s, cfg.steps, warmup, cfg.min_lr_ratio)
+            optimizer, lambda s: lr_factor(cfg.schedule, s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         )
         state: dict[str, Any] = {
             "best_val": None,
@@ -434,145 +283,184 @@ class Trainer:
             "recent_losses": [],
             "last_val": None,
         }
-        start = 0
-        if resume and self.ckpt_dir is not None:
-            if saved is not None:
-                optimizer.load_state_dict(self._local_optimizer_state(optimizer, saved["optimizer"]))
-                scheduler.load_state_dict(saved["scheduler"])
-                self.ctx.load_state_dict(saved["ctx"])
-                if saved.get("schedule") is not None and self.ctx.schedule is not None:
-                    self.ctx.schedule.load_state_dict(saved["schedule"])  # the same competitions
-                _set_rng_state(saved["rng"], generator)
-                state.update(saved["trainer"])
-                start = int(saved["step"])
-            if self.is_main and self.run is not None:
-                self._truncate_log(start)  # rows written after the checkpoint (all, without one)
+        start = self._resume(saved, optimizer, scheduler, generator, state) if resume else 0
         if start >= cfg.steps and self.run is not None and self.run.file("metrics.json").exists():
             return self.run.read_metrics()
-        net = self._data_parallel()
-
+        forward = self.parallel.wrap(self.model, self.task)
         self.model.train()
-        bar = None
-        if self.progress and self.is_main:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=start, desc=self.extra_metrics.get("method", "train"))
-        window = max(1, min(100, cfg.eval_every))
+        bar = self._progress_bar(start)
         for step in range(start, cfg.steps):
-            self.ctx.step = step
-            t0 = time.perf_counter()
-            batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
-            try:
-                if net is None:
-                    task_loss, tokens = self.task.loss(self.model, batch)
-                    aux = aux_loss(self.model)
-                else:  # this rank's shard; DDP averages the gradients over the ranks in backward
-                    task_loss, aux, tokens = net(batch)
-            except NonFiniteError as exc:  # the routers saw NaN/inf before the loss did
-                raise TrainingError(
-                    f"non-finite values at step {step + 1} ({exc}); stopped; {self._last_good()}. "
-                    "Lower --lr or check the data"
-                ) from exc
-            loss = task_loss + aux
-            task_value, aux_value = self._mean_over_ranks(task_loss, aux)
-            if not math.isfinite(task_value + aux_value):  # the same decision on every rank
-                raise TrainingError(
-                    f"non-finite loss at step {step + 1} (task {task_value:.4g}, aux {aux_value:.4g}); "
-                    f"stopped; {self._last_good()}. Lower --lr or check the data"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(self._clip(params, cfg.grad_clip)) if cfg.grad_clip > 0 else float("nan")
-            if not math.isfinite(grad_norm) and cfg.grad_clip > 0:  # the step would poison the weights
-                raise TrainingError(
-                    f"non-finite gradient norm at step {step + 1}; stopped before the update; "
-                    f"{self._last_good()}. Lower --lr or check the data"
-                )
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            state["train_time"] += time.perf_counter() - t0
-            state["train_tokens"] += tokens * self.world_size
-            loss_value = task_value
-            state["recent_losses"] = [*state["recent_losses"], loss_value][-window:]
+            row = self._step(step, forward, params, optimizer, scheduler, generator, state)
             done = step + 1
-            row: dict[str, Any] = {
-                "step": done,
-                "lr": lr,
-                "loss": loss_value,
-                "aux_loss": aux_value,
-                "grad_norm": grad_norm,
-                "tokens": state["train_tokens"],
-                "time_s": round(state["train_time"], 4),
-                "val_loss": "",
-                f"val_{metric}": "",
-            }
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                val = self._evaluate("valid", cfg.eval_tokens)
-                row["val_loss"], row[f"val_{metric}"] = val["loss"], val[metric]
-                state["last_val"] = val[metric]
-                if self._better(val[metric], state["best_val"]):  # the same decision on every rank
-                    state["best_val"], state["best_step"] = val[metric], done
-                    if self.run is not None:
-                        weights = self._weights()  # a collective under expert parallelism
-                        if self.is_main:
-                            ckpt.save_weights(
-                                self.run.file("best.safetensors"),
-                                weights,
-                                {"step": done, f"val_{metric}": val[metric]},
-                            )
-                if self.on_eval is not None:
-                    self.on_eval(done, val)
-            self.ctx.step = done
+                self._evaluate_and_keep_best(done, row, state)
+            self.ctx.advance()  # the step hooks (sharede-v3's bias), then ctx.step = done
             if self.is_main and self.run is not None:
                 self.run.append_log(row)
             if self.run is not None and (
                 (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
             ):
-                weights, optimizer_state = self._weights(), self._full_optimizer_state(optimizer)
-                if self.is_main:
-                    ckpt.save_checkpoint(
-                        self.ckpt_dir,
-                        done,
-                        weights,
-                        {
-                            "step": done,
-                            "optimizer": optimizer_state,
-                            "scheduler": scheduler.state_dict(),
-                            "ctx": self.ctx.state_dict(),
-                            "schedule": _schedule_state(self.ctx.schedule),
-                            "rng": _rng_state(generator),
-                            "trainer": state,
-                        },
-                        keep=cfg.keep_ckpts,
-                    )
+                self._checkpoint(done, optimizer, scheduler, generator, state)
             if bar is not None:
-                postfix = {"loss": f"{loss_value:.3f}"}
-                if state["last_val"] is not None:
-                    postfix[f"val_{metric}"] = f"{state['last_val']:.3f}"
-                bar.set_postfix(postfix, refresh=False)
-                bar.update(1)
+                self._show(bar, row, state)
         if bar is not None:
             bar.close()
         return self._finish(state)
+
+    # ------------------------------------------------------------------ the loop's parts
+    def _latest_checkpoint(self) -> dict[str, Any] | None:
+        """The training state of the newest good checkpoint, its weights loaded into the full
+        model (a checkpoint never depends on the parallel layout); ``None`` without one."""
+        if self.ckpt_dir is None:
+            return None
+        path = ckpt.latest_checkpoint(self.ckpt_dir)
+        return None if path is None else ckpt.load_checkpoint(path, self.model)
+
+    def _resume(self, saved, optimizer, scheduler, generator, state: dict[str, Any]) -> int:
+        """Restore the optimizer, schedules, RNG streams and trainer state of ``saved``; return
+        the step to continue from (0 without a checkpoint)."""
+        start = 0
+        if saved is not None:
+            self.parallel.load_optimizer_state(optimizer, self.model, saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+            self.ctx.load_state_dict(saved["ctx"])
+            if saved.get("schedule") is not None and self.ctx.schedule is not None:
+                self.ctx.schedule.load_state_dict(saved["schedule"])  # the same competitions
+            _set_rng_state(saved["rng"], generator)
+            state.update(saved["trainer"])
+            start = int(saved["step"])
+        if self.is_main and self.run is not None:
+            self._truncate_log(start)  # rows written after the checkpoint (all, without one)
+        return start
+
+    def _step(self, step, forward, params, optimizer, scheduler, generator, state) -> dict[str, Any]:
+        """One optimisation step; returns its ``log.csv`` row (validation columns empty)."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
+        try:  # this rank's shard; DDP averages the gradients over the ranks in backward
+            task_loss, aux, tokens = forward(batch)
+        except NonFiniteError as exc:  # the routers saw NaN/inf before the loss did
+            raise TrainingError(
+                f"non-finite values at step {step + 1} ({exc}); stopped; {self._last_good()}. "
+                "Lower --lr or check the data"
+            ) from exc
+        task_value, aux_value = self._mean_over_ranks(task_loss, aux)
+        if not math.isfinite(task_value + aux_value):  # the same decision on every rank
+            raise TrainingError(
+                f"non-finite loss at step {step + 1} (task {task_value:.4g}, aux {aux_value:.4g}); "
+                f"stopped; {self._last_good()}. Lower --lr or check the data"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        (task_loss + aux).backward()
+        grad_norm = (
+            float(self.parallel.clip(params, cfg.grad_clip, self.model))
+            if cfg.grad_clip > 0
+            else float("nan")
+        )
+        if not math.isfinite(grad_norm) and cfg.grad_clip > 0:  # the step would poison the weights
+            raise TrainingError(
+                f"non-finite gradient norm at step {step + 1}; stopped before the update; "
+                f"{self._last_good()}. Lower --lr or check the data"
+            )
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        state["train_time"] += time.perf_counter() - t0
+        state["train_tokens"] += tokens * self.world_size
+        window = max(1, min(100, cfg.eval_every))
+        state["recent_losses"] = [*state["recent_losses"], task_value][-window:]
+        metric = self.task.metric
+        return {
+            "step": step + 1,
+            "lr": lr,
+            "loss": task_value,
+            "aux_loss": aux_value,
+            "grad_norm": grad_norm,
+            "tokens": state["train_tokens"],
+            "time_s": round(state["train_time"], 4),
+            "val_loss": "",
+            f"val_{metric}": "",
+        }
+
+    def _evaluate_and_keep_best(self, done: int, row: dict[str, Any], state: dict[str, Any]) -> None:
+        """Validate, fill ``row``'s validation columns, and save ``best/`` on an improvement."""
+        metric = self.task.metric
+        val = self._evaluate("valid", self.config.eval_tokens)
+        row["val_loss"], row[f"val_{metric}"] = val["loss"], val[metric]
+        state["last_val"] = val[metric]
+        if self._better(val[metric], state["best_val"]):  # the same decision on every rank
+            state["best_val"], state["best_step"] = val[metric], done
+            if self.run is not None:
+                weights = self.parallel.weights(self.model)  # a collective under expert parallelism
+                if self.is_main:
+                    save(  # the routing context of this validation (step done - 1)
+                        weights,
+                        self.run.file("best"),
+                        ctx=self.ctx,
+                        metadata={"step": done, f"val_{metric}": val[metric]},
+                    )
+        if self.on_eval is not None:
+            self.on_eval(done, val)
+
+    def _checkpoint(self, done: int, optimizer, scheduler, generator, state: dict[str, Any]) -> None:
+        """Write ``ckpt/step-{done}`` (the full model and optimizer state, from rank 0)."""
+        weights = self.parallel.weights(self.model)
+        optimizer_state = self.parallel.optimizer_state(optimizer, self.model)
+        if self.is_main:
+            ckpt.save_checkpoint(
+                self.ckpt_dir,
+                done,
+                weights,
+                {
+                    "step": done,
+                    "optimizer": optimizer_state,
+                    "scheduler": scheduler.state_dict(),
+                    "ctx": self.ctx.state_dict(),
+                    "schedule": _schedule_state(self.ctx.schedule),
+                    "rng": _rng_state(generator),
+                    "trainer": state,
+                },
+                keep=self.config.keep_ckpts,
+            )
+
+    def _progress_bar(self, start: int):
+        if not (self.progress and self.is_main):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.config.steps, initial=start, desc=self.extra_metrics.get("method", "train"))
+
+    def _show(self, bar, row: dict[str, Any], state: dict[str, Any]) -> None:
+        postfix = {"loss": f"{row['loss']:.3f}"}
+        if state["last_val"] is not None:
+            postfix[f"val_{self.task.metric}"] = f"{state['last_val']:.3f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(1)
 
     def _finish(self, state: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
         metric = self.task.metric
         if self.world_size > 1:  # rank 0 has written the last best weights
             torch.distributed.barrier()
-        if self.run is not None and self.run.file("best.safetensors").exists():
-            if self._full is None:
-                ckpt.load_weights(self.run.file("best.safetensors"), self.model)
-            else:  # the full weights, then this rank's experts
-                from .distributed import local_state_dict
-
-                ckpt.load_weights(self.run.file("best.safetensors"), self._full)
-                self.model.load_state_dict(local_state_dict(self.model, self._full.state_dict()))
+        best = self.run is not None and self.run.file("best").joinpath("config.json").exists()
+        if best:
+            self.parallel.load_weights(self.model, lambda module: load_weights(self.run.file("best"), module))
         test = self._evaluate("test", cfg.test_tokens)
+        if best and self.is_main:  # best/ now records the routing context the test ran with
+            save(
+                self.parallel.full_model(self.model),
+                self.run.file("best"),
+                ctx=self.ctx,
+                metadata={
+                    "step": state["best_step"],
+                    f"val_{metric}": state["best_val"],
+                    f"test_{metric}": test[metric],
+                },
+            )
         from ..models.lm import count_parameters
 
-        total, active = count_parameters(self.model if self._full is None else self._full)
+        total, active = count_parameters(self.parallel.full_model(self.model))
         recent = state["recent_losses"]
         metrics = {
             "train_loss": sum(recent) / len(recent) if recent else None,
@@ -602,7 +490,7 @@ class Trainer:
 
     def _truncate_log(self, step: int) -> None:
         """Drop ``log.csv`` rows after ``step`` (written after the checkpoint we resume from)."""
-        from ..rundir import atomic_write_text
+        from ..io.atomic import atomic_write_text
 
         path = self.run.file("log.csv")
         if not path.exists():

@@ -6,7 +6,7 @@ its weights, and what it does differently from moelab.
 
 * ``mixtral``: transformers' ``MixtralSparseMoeBlock`` in its ``eager`` and ``grouped_mm``
   experts implementations, holding the very weights of a moelab SwiGLU layer
-  (:func:`moelab.bench._mixtral_blocks`).  Same routing, same arithmetic, no token dropped.
+  (:func:`moelab.bench.layer._mixtral_blocks`).  Same routing, same arithmetic, no token dropped.
 * ``stmoe``: ``st_moe_pytorch.MoE`` (``st-moe-pytorch==0.1.8``, after ST-MoE, Zoph et al. 2022).
   Experts are GEGLU FFNs with biases and a learned multiplicative bias:
   ``W2 (gelu(gate) · up · m) + b2`` with ``[up | gate] = W1 x + b1``.  Its gate is top-``n``
@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .bench import _mixtral_blocks, expert_flops_per_token
-from .layer import MoE
+from ..layer import MoE
+from .harness import expert_flops_per_token
+from .layer import _mixtral_blocks
 
 __all__ = [
     "PEERS",

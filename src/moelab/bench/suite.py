@@ -1,8 +1,8 @@
-"""``moelab bench suite``: the benchmark grid of issue 8 (a script, never timed tests).
+"""``moelab bench suite``: the full benchmark grid of docs/performance.md (a script, never timed tests).
 
 For every case of the grid — tokens ``T`` × shapes ``(N, K, h)`` × width ``d`` × routing ×
 threads — one process builds every candidate, checks that they compute the same function, times
-them in interleaved rounds (:func:`moelab.bench.interleaved`: round-robin, the order rotating each
+them in interleaved rounds (:func:`moelab.bench.harness.interleaved`: round-robin, the order rotating each
 round; medians; each ratio is the median over rounds of ``t / t_dense`` within the same round) and
 measures each one's peak memory in a separate, untimed call.  Phases: ``train`` = forward +
 backward of a fixed random output gradient, ``infer`` = forward under ``torch.inference_mode``.
@@ -21,10 +21,10 @@ same expert arithmetic without routing, the limit):
   weights of the group's moelab layer.
 
 All candidates share the router weights ``W (N, d)`` and the inputs, hence the routing.  Their
-expert FLOPs per token are computed from their weights (``moelab.bench.expert_flops_per_token``,
+expert FLOPs per token are computed from their weights (``moelab.bench.harness.expert_flops_per_token``,
 2 per multiply-add, router excluded) and a row whose FLOPs differ from its group's dense is
 flagged in its note.  The peers that drop token-slots by capacity (st-moe, lucidrains:
-:mod:`moelab.bench_peers`) are flagged ``drops_tokens`` with the measured fraction of the ``T·K``
+:mod:`moelab.bench.peers`) are flagged ``drops_tokens`` with the measured fraction of the ``T·K``
 slots they dropped in each phase and the FLOPs they actually compute per token (their experts on
 all ``N·C`` capacity rows plus the two one-hot einsums).  Before timing, outputs are compared:
 Mixtral with moelab on every token; lucidrains with its group's moelab and st-moe with
@@ -74,7 +74,7 @@ interrupted run keeps its finished cases, and ``--resume`` skips them)::
      "config": {"tokens", "shapes", "d_model", "routing", "threads", "peers" (the grid lists),
                 "repeats", "warmup", "budget", "clock", "seed", "device", "dtype",
                 "zipf_exponent", "zipf_margin", "bound_max_tokens", "peer_max_gib", "memory"},
-     "machine": moelab.bench.machine_info(),
+     "machine": moelab.bench.harness.machine_info(),
      "cases": [{"key", "tokens", "num_experts", "top_k", "d_hidden", "d_model", "routing",
                 "threads", "load": {"top_share", "max_over_mean", "favourite_hit",
                 "experts_touched", "touched_weights_mib"}, "rounds", "seconds", "loadavg_1min",
@@ -110,19 +110,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _validate
-from .bench import (
+from .. import _validate
+from ..experts import MLP, ExpertBank, sort_slots
+from ..experts.kernels import grouped_rows, loop_rows
+from ..functional import expert_counts
+from ..io.atomic import atomic_write_text
+from ..layer import MoE
+from .harness import (
     CLOCKS,
     Candidate,
-    _infer_step,
-    _train_step,
     expert_flops_per_token,
     flag_flops,
+    infer_step,
     interleaved,
     machine_info,
     summarize,
+    train_step,
 )
-from .bench_peers import (
+from .peers import (
     PEERS,
     Peer,
     capacity_stats,
@@ -132,10 +137,6 @@ from .bench_peers import (
     mixtral_peers,
     stmoe_peer,
 )
-from .experts import MLP, ExpertBank, sort_slots
-from .functional import expert_counts
-from .layer import MoE
-from .rundir import atomic_write_text
 
 __all__ = [
     "ROUTINGS",
@@ -419,9 +420,9 @@ def experts_only(
 
     def run(rows: Tensor) -> Tensor:
         return (
-            bank._grouped(rows, counts, order, indices)
+            grouped_rows(bank, rows, counts, order, indices)
             if impl == "grouped"
-            else bank._loop(rows, counts_list)
+            else loop_rows(bank, rows, counts_list)
         )
 
     xs_train = xs.clone().requires_grad_()
@@ -592,7 +593,7 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
         for phase in ("train", "infer"):
             for name, m, flops, p in members:
                 xin = x.detach().clone().requires_grad_(phase == "train")
-                fn = _train_step(m, xin, grad) if phase == "train" else _infer_step(m, xin)
+                fn = train_step(m, xin, grad) if phase == "train" else infer_step(m, xin)
                 c = SuiteCandidate(
                     name,
                     phase,
@@ -626,7 +627,7 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
 
 
 def _rows(candidates: list[SuiteCandidate]) -> list[dict]:
-    """One row per candidate: :func:`moelab.bench.summarize` per group, plus the suite's columns."""
+    """One row per candidate: :func:`moelab.bench.harness.summarize` per group, plus the suite's columns."""
     rows = []
     for gname in dict.fromkeys(c.group for c in candidates):
         members = [c for c in candidates if c.group == gname]
@@ -946,6 +947,6 @@ def markdown_summary(doc: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m moelab.bench_suite runs/bench/suite.json: the markdown summary
+if __name__ == "__main__":  # python -m moelab.bench.suite runs/bench/suite.json: the markdown summary
     for path in sys.argv[1:]:
         print(markdown_summary(json.loads(Path(path).read_text())))

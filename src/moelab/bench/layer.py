@@ -1,219 +1,38 @@
-"""``moelab bench``: benchmarks that print medians and ratios (never timed tests).
-
-``moelab bench layer`` times one :class:`moelab.MoE` layer (training step: forward + backward;
+"""``moelab bench layer``: one :class:`moelab.MoE` layer (training step: forward + backward;
 inference: forward under ``torch.inference_mode``) against the limit, a dense FFN of the same
 active width ``K·d_hidden`` (:class:`moelab.experts.MLP`, the same arithmetic with no routing), and
 against transformers' ``MixtralSparseMoeBlock`` in its ``eager`` and ``grouped_mm`` experts
 implementations when transformers is installed — the same widths, SwiGLU (``silu``) experts and
-the very same weights, so routing and FLOPs are identical (checked before timing).
-
-Method (issue 3, "Performance"): every candidate lives in one process; repetitions are
-interleaved round-robin (the order rotates each round), so slow phases of a shared machine hit
-every candidate alike; the table gives medians, the interquartile range, and each candidate's
-ratio to dense as the median over rounds of ``t_candidate / t_dense`` within the same round.
-
-Bench kinds are registered in :data:`BENCHES` (``layer`` here, ``compete`` in
-``moelab.bench_compete``); a new kind adds one entry.
+the very same weights, so routing and FLOPs are identical (checked before timing).  Timing as
+:mod:`moelab.bench.harness` describes.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
-import platform
-import statistics
-import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from . import __version__, _validate
-from .experts import IMPLS, MLP, ExpertBank
-from .layer import MoE
+from .. import _validate
+from ..experts import IMPLS, MLP
+from ..layer import MoE
+from .harness import (
+    CLOCKS,
+    Candidate,
+    expert_flops_per_token,
+    flag_flops,
+    format_table,
+    infer_step,
+    interleaved,
+    machine_info,
+    summarize,
+    train_step,
+)
 
-__all__ = [
-    "BENCHES",
-    "Candidate",
-    "add_arguments",
-    "expert_flops_per_token",
-    "flag_flops",
-    "interleaved",
-    "run",
-    "run_layer",
-    "summarize",
-]
-
-
-# ---------------------------------------------------------------------------------- machine
-def machine_info() -> dict:
-    """Cores, threads, versions and load: printed with every table."""
-    info = {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "moelab": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        # OpenMP's spin-waiting decides multi-threaded timings on a busy machine (docs/performance.md)
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        info["transformers"] = None
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-# ---------------------------------------------------------------------------------- timing
-@dataclass
-class Candidate:
-    """One timed callable.  ``flops`` is the expert (or dense FFN) multiply-add FLOPs per token."""
-
-    name: str
-    phase: str  # "train" (forward + backward) or "infer" (inference-mode forward)
-    fn: Callable[[], None]
-    flops: int | None = None
-    note: str = ""
-    times: list[float] = field(default_factory=list)
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def interleaved(
-    candidates: list[Candidate],
-    repeats: int,
-    warmup: int,
-    clock: str = "wall",
-    *,
-    budget: float | None = None,
-    min_repeats: int = 3,
-    progress: bool | None = None,
-) -> int:
-    """Time every candidate ``repeats`` times, round-robin, rotating the order each round.
-
-    ``clock="cpu"`` measures the process's CPU time (all threads) instead of wall time: on a
-    shared, oversubscribed machine with one torch thread it counts the work done rather than the
-    time spent waiting for a core (with several threads it also counts OpenMP spin-waiting).
-
-    ``budget`` (seconds): stop after the first complete round at which the timed rounds have
-    taken longer, but never before ``min(min_repeats, repeats)`` rounds.  ``progress``: print the
-    round on stderr (default: when stderr is a terminal).  Returns the rounds timed.
-    """
-    now = CLOCKS[clock]
-    for _ in range(warmup):
-        for c in candidates:
-            c.fn()
-    n = len(candidates)
-    progress = sys.stderr.isatty() if progress is None else progress
-    start = time.perf_counter()
-    rounds = 0
-    for r in range(repeats):
-        if progress:
-            print(f"\rround {r + 1}/{repeats}", end="", file=sys.stderr, flush=True)
-        for i in range(n):
-            c = candidates[(r + i) % n]
-            t0 = now()
-            c.fn()
-            c.times.append(now() - t0)
-        rounds += 1
-        if (
-            budget is not None
-            and rounds >= min(min_repeats, repeats)
-            and time.perf_counter() - start > budget
-        ):
-            break
-    if progress:
-        print("\r", end="", file=sys.stderr, flush=True)
-    return rounds
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(candidates: list[Candidate], baseline: str = "dense") -> list[dict]:
-    """Medians, quartiles and per-round ratios to the ``baseline`` of the same phase."""
-    base = {c.phase: c for c in candidates if c.name == baseline}
-    rows = []
-    for c in candidates:
-        b = base.get(c.phase)
-        ratios = [t / tb for t, tb in zip(c.times, b.times)] if b is not None else []
-        rows.append(
-            {
-                "name": c.name,
-                "phase": c.phase,
-                "median_ms": 1e3 * statistics.median(c.times),
-                "p25_ms": 1e3 * _quantile(c.times, 0.25),
-                "p75_ms": 1e3 * _quantile(c.times, 0.75),
-                "min_ms": 1e3 * min(c.times),
-                "ratio_to_dense": statistics.median(ratios) if ratios else None,
-                "ratio_p25": _quantile(ratios, 0.25) if ratios else None,
-                "ratio_p75": _quantile(ratios, 0.75) if ratios else None,
-                "flops_per_token": c.flops,
-                "note": c.note,
-            }
-        )
-    return rows
-
-
-# ---------------------------------------------------------------------------------- FLOPs
-def expert_flops_per_token(module: nn.Module, top_k: int) -> int:
-    """Multiply-add FLOPs (2 per MAC) of the expert / FFN matmuls per token, from the weights.
-
-    moelab ``ExpertBank`` and transformers' ``MixtralExperts``: ``K · 2·(d·h_in + h·d)``;
-    :class:`MLP`: ``2·(d·h_in + h·d)`` of its own width.  Router FLOPs are not counted.
-    """
-    module = getattr(module, "_orig_mod", module)  # a torch.compile'd module: its original
-    if isinstance(module, MoE):
-        module = module.experts
-    if isinstance(module, ExpertBank):
-        (_, h_in, d), h = module.w_in.shape, module.w_out.shape[-1]
-        return top_k * 2 * (d * h_in + h * d)
-    if isinstance(module, MLP):
-        return 2 * (
-            module.fc_in.in_features * module.fc_in.out_features
-            + module.fc_out.in_features * module.fc_out.out_features
-        )
-    experts = getattr(module, "experts", None)
-    if experts is not None and hasattr(experts, "gate_up_proj"):
-        (_, h_in, d), h = experts.gate_up_proj.shape, experts.down_proj.shape[-1]
-        return top_k * 2 * (d * h_in + h * d)
-    raise ValueError(f"module of type {type(module).__name__} is not a known expert layer")
-
-
-def flag_flops(candidates: list[Candidate], reference: int | None, label: str = "dense") -> None:
-    """Append a note to every candidate whose FLOPs/token differ from ``reference`` (dense's)."""
-    for c in candidates:
-        if c.flops != reference:
-            note = f"FLOPs/token {c.flops} != {label} {reference}"
-            c.note = f"{c.note}; {note}" if c.note else note
+__all__ = ["add_arguments", "build_layer_candidates", "run"]
 
 
 # ---------------------------------------------------------------------------------- candidates
@@ -243,32 +62,6 @@ def _mixtral_blocks(layer: MoE, impls: list[str]) -> tuple[dict[str, nn.Module],
             block.experts.down_proj.copy_(bank.w_out)
         blocks[impl] = block
     return blocks, ""
-
-
-def _train_step(module: nn.Module, x: Tensor, grad: Tensor) -> Callable[[], None]:
-    params = list(module.parameters())
-
-    def step() -> None:
-        module.train()
-        x.grad = None
-        for p in params:
-            p.grad = None
-        module(x).backward(grad)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-
-    return step
-
-
-def _infer_step(module: nn.Module, x: Tensor) -> Callable[[], None]:
-    def step() -> None:
-        module.eval()
-        with torch.inference_mode():
-            module(x)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-
-    return step
 
 
 def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], list[str]]:
@@ -329,30 +122,15 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
         for name, m in modules.items():
             xin = (x3 if name.startswith("mixtral") else x2).detach().clone().requires_grad_(phase == "train")
             g = grad.view_as(xin)
-            fn = _train_step(m, xin, g) if phase == "train" else _infer_step(m, xin)
+            fn = train_step(m, xin, g) if phase == "train" else infer_step(m, xin)
             flops = expert_flops_per_token(m, K)
             candidates.append(Candidate(name, phase, fn, flops))
     flag_flops(candidates, candidates[0].flops)
     return candidates, notes
 
 
-# ---------------------------------------------------------------------------------- output
-def format_table(rows: list[dict]) -> str:
-    head = f"{'candidate':<24} {'phase':<6} {'median ms':>10} {'IQR ms':>17} {'min ms':>9} {'x dense':>8} {'ratio IQR':>13}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        ratio = f"{r['ratio_to_dense']:.3f}" if r["ratio_to_dense"] is not None else "-"
-        riqr = f"{r['ratio_p25']:.2f}-{r['ratio_p75']:.2f}" if r["ratio_p25"] is not None else "-"
-        lines.append(
-            f"{r['name']:<24} {r['phase']:<6} {r['median_ms']:>10.2f} "
-            f"{r['p25_ms']:>8.2f}-{r['p75_ms']:<8.2f} {r['min_ms']:>9.2f} {ratio:>8} {riqr:>13}"
-            + (f"  {r['note']}" if r["note"] else "")
-        )
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------- layer
-def add_layer_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", "-T", type=int, default=2048, help="tokens T per step (default 2048)")
     p.add_argument("--d-model", type=int, default=256, help="token width d (default 256)")
     p.add_argument("--d-hidden", type=int, default=512, help="hidden width of each expert (default 512)")
@@ -420,7 +198,7 @@ def _check_layer_args(args: argparse.Namespace) -> None:
     args.impl = list(dict.fromkeys(impls))
 
 
-def run_layer(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     _check_layer_args(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -480,39 +258,3 @@ def run_layer(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"note: {note}")
     return 0
-
-
-# ---------------------------------------------------------------------------------- registry
-#: bench kind -> module providing ``add_arguments(parser)`` and ``run(args) -> int``, and a one-line
-#: help.  A new kind adds one line here; a module that is not installed (a kind whose branch is
-#: not merged yet) is left out of the CLI instead of breaking it.
-BENCHES: dict[str, tuple[str, str]] = {
-    "layer": ("moelab.bench", "MoE layer vs dense FFN of equal active width and transformers' Mixtral"),
-    "compete": ("moelab.bench_compete", "CompeteSMoE's competition cost over plain smoe"),
-    "suite": (
-        "moelab.bench_suite",
-        "the grid of issue 8: moelab, dense and peers over T, shapes, routing, threads",
-    ),
-}
-
-
-def _kind_functions(module: str):
-    if module == __name__:
-        return add_layer_arguments, run_layer
-    mod = importlib.import_module(module)
-    return mod.add_arguments, mod.run
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="KIND", required=True)
-    for name, (module, help_text) in BENCHES.items():
-        if module != __name__ and importlib.util.find_spec(module) is None:
-            continue
-        add, run_fn = _kind_functions(module)
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        add(p)
-        p.set_defaults(_bench_run=run_fn)
-
-
-def run(args: argparse.Namespace) -> int:
-    return int(args._bench_run(args) or 0)

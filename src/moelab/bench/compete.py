@@ -54,7 +54,7 @@ class Config:
 class _Block(nn.Module):
     def __init__(self, cfg: Config, method: str) -> None:
         super().__init__()
-        from .layer import MoE
+        from ..layer import MoE
 
         self.norm = nn.LayerNorm(cfg.d_model)
         options = {"grad_path": cfg.grad_path} if method == "competesmoe" else {}
@@ -76,7 +76,8 @@ class _Fixed:
 
 
 def _model(cfg: Config, method: str, schedule) -> tuple[nn.Module, object]:
-    from .routing import RoutingContext, attach
+    from ..layer import attach
+    from ..routing import RoutingContext
 
     torch.manual_seed(cfg.seed)
     model = nn.Sequential(*[_Block(cfg, method) for _ in range(cfg.layers)]).to(cfg.device)
@@ -86,7 +87,7 @@ def _model(cfg: Config, method: str, schedule) -> tuple[nn.Module, object]:
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    from .layer import aux_loss
+    from ..layer import aux_loss
 
     loss = model(x).square().mean() + aux_loss(model)
     loss.backward()
@@ -100,7 +101,7 @@ def _sync(device: str) -> None:
 
 
 def _time_steps(cfg: Config) -> dict:
-    from .schedules import CompetitionSchedule
+    from ..schedules import CompetitionSchedule
 
     schedule = CompetitionSchedule(
         cfg.layers, cfg.steps, omega=cfg.omega, a_max=cfg.a_max, warmup=0.0, seed=cfg.seed
@@ -130,7 +131,7 @@ def _time_steps(cfg: Config) -> dict:
 def _expert_share(cfg: Config, smoe_step: float, repeats: int = 20) -> float:
     """Fraction of an smoe step spent in the experts: forward + backward of one layer's bank on a
     top-K routing of the same tokens, times the number of layers, over the smoe step time."""
-    from .experts import ExpertBank
+    from ..experts import ExpertBank
 
     torch.manual_seed(cfg.seed)
     bank = ExpertBank(cfg.experts, cfg.d_model, cfg.d_hidden).to(cfg.device)
@@ -162,7 +163,7 @@ def _saved_bytes(cfg: Config, method: str, active: set[int]) -> int:
             pass
         return t
 
-    from .layer import aux_loss
+    from ..layer import aux_loss
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(x).square().mean() + aux_loss(model)
@@ -214,7 +215,7 @@ def _peak_memory(cfg: Config, method: str, active: set[int]) -> int:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     spec = json.dumps({"config": asdict(cfg), "method": method, "active": sorted(active)})
-    code = f"from moelab.bench_compete import _rss_probe; _rss_probe({spec!r})"
+    code = f"from moelab.bench.compete import _rss_probe; _rss_probe({spec!r})"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -243,8 +244,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import _validate
-    from .schedules import CompetitionSchedule
+    from .. import _validate
+    from ..schedules import CompetitionSchedule
 
     cfg = Config(
         layers=args.layers,

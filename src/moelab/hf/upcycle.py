@@ -1,9 +1,9 @@
 """Sparse upcycling: replace the dense MLPs of a model by MoE layers whose experts copy them.
 
-Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of 001 (§5.1 "Tasks" and App. H,
+Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of CompeteSMoE (2025) (§5.1 "Tasks" and App. H,
 "Visual Instruction Tuning"): "each expert is initialized from its corresponding pretrained MLP,
 while the Top-K router is learned from scratch", the router "initialized ... using Gaussian noise
-N(0, 0.02), following ... GPT-2" (std 0.02; 001 uses N_E = 4 experts, K = 2 there).  Since
+N(0, 0.02), following ... GPT-2" (std 0.02; CompeteSMoE (2025) uses N_E = 4 experts, K = 2 there).  Since
 all experts are equal, ``Σ_k w_k · FFN(x) = FFN(x)`` whenever the routing weights sum to 1, so
 the upcycled model computes exactly what the dense one did until training moves the experts
 apart.  For methods with ``S`` shared experts (``sharede-v2``, ``sharede-v3``) the routed experts
@@ -29,7 +29,6 @@ mode).
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,12 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _validate
-from .layer import MoE
-from .methods import get_method
-from .routers import ROUTERS, router_options
+from .. import _validate
+from ..layer import MoE
+from ..methods import get_method
+from ..routers import ROUTERS, router_options
 
-__all__ = ["SUPPORTED_MLPS", "find_mlps", "load_upcycled", "upcycle"]
+__all__ = ["SUPPORTED_MLPS", "find_mlps", "upcycle"]
 
 SUPPORTED_MLPS = (
     "GPT-2 Conv1D MLP (c_fc, c_proj, act)",
@@ -54,7 +53,7 @@ SUPPORTED_MLPS = (
     "nn.Sequential(Linear, activation, Linear)",
 )
 
-#: std of the upcycled router's N(0, 0.02²) init (001 App. H, VIT stage hyper-parameters)
+#: std of the upcycled router's N(0, 0.02²) init (CompeteSMoE (2025) App. H, VIT stage hyper-parameters)
 ROUTER_INIT_STD = 0.02
 
 
@@ -76,7 +75,7 @@ class _Dense:
 
 def _activation_name(act: Any) -> str | None:
     """moelab's name for a dense MLP's activation (module or function), else ``None``."""
-    from .functional import ACTIVATIONS
+    from ..functional import ACTIVATIONS
 
     for name, fn in ACTIVATIONS.items():
         if act is fn:
@@ -312,13 +311,18 @@ def upcycle(
             parent[int(attr)] = new
         else:
             setattr(parent, attr, new)
+    # what moelab.save records to rebuild the model offline (transformers config + these steps)
+    recipe = list(getattr(model, "_moelab_recipe", []))
+    recipe.append({"op": "upcycle", "num_experts": num_experts, "top_k": top_k, "method": method,
+                   "layers": layers, "options": dict(options)})  # fmt: skip
+    model._moelab_recipe = recipe
     return model
 
 
 # ---------------------------------------------------------------------------------------- CLI + reload
 
 
-def _load_hf_model(source: str | Path) -> nn.Module:
+def load_hf_model(source: str | Path) -> nn.Module:
     """A transformers model from a local ``save_pretrained`` directory (weights loaded) or a
     config JSON file / directory holding only ``config.json`` (random init under the seed)."""
     import transformers
@@ -354,106 +358,3 @@ def _load_hf_model(source: str | Path) -> nn.Module:
     if has_weights:
         return cls.from_pretrained(source, local_files_only=True)
     return cls(config)
-
-
-def load_upcycled(directory: str | Path) -> nn.Module:
-    """Rebuild a model written by ``moelab upcycle`` and load its checkpoint (bit-exact)."""
-    import transformers
-
-    from .serialization import load_checkpoint, load_state_dict
-
-    tensors, payload = load_state_dict(directory)
-    info = payload.get("state", {}).get("upcycle")
-    if info is None:
-        raise ValueError(f"{str(directory)!r} is a moelab checkpoint but not one written by `moelab upcycle`")
-    raw = dict(info["config"])
-    config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
-    cls = getattr(transformers, info["model_class"], None) or transformers.AutoModel
-    model = cls(config) if cls is not transformers.AutoModel else cls.from_config(config)
-    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-    if dtype is not None:
-        model.to(dtype)  # a bfloat16 checkpoint stays bfloat16
-    upcycle(model, info["num_experts"], info["top_k"], info["method"], info["layers"], **info["options"])
-    load_checkpoint(directory, model)
-    return model
-
-
-def _parse_options(items: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(
-                f"--option {item!r} is not allowed; expected KEY=VALUE (VALUE parsed as JSON if it can be)"
-            )
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="a local transformers model directory (save_pretrained: config.json + weights) or a "
-        "config.json (random init under --seed); no hub access",
-    )
-    parser.add_argument("--num-experts", type=int, required=True, help="experts per MoE layer")
-    parser.add_argument("--top-k", type=int, required=True, help="experts per token")
-    parser.add_argument("--method", default="smoe", help="a moelab method (default smoe)")
-    parser.add_argument(
-        "--layers", default=None, help="comma-separated MLP indices to upcycle (default: all)"
-    )
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a method option")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the router init (default 0)")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
-
-
-def run(args: argparse.Namespace) -> int:
-    from .rundir import RunDir
-    from .serialization import save_checkpoint
-
-    layers = None
-    if args.layers:
-        try:
-            layers = [int(v) for v in args.layers.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"--layers {args.layers!r} is not allowed; expected comma-separated integers"
-            ) from None
-    options = _parse_options(args.option)
-    out = RunDir(args.out, force=args.force)
-    torch.manual_seed(args.seed)
-    model = _load_hf_model(args.model).eval()
-    config = model.config.to_dict()
-    num_dense = sum(p.numel() for p in model.parameters())
-    names = find_mlps(model)
-    upcycle(model, args.num_experts, args.top_k, args.method, layers, **options)
-    info = {
-        "model": str(args.model),
-        "model_class": type(model).__name__,
-        "num_experts": args.num_experts,
-        "top_k": args.top_k,
-        "method": args.method,
-        "layers": layers,
-        "options": options,
-        "seed": args.seed,
-    }
-    out.write_config(info)
-    save_checkpoint(out.path, model, state={"upcycle": {**info, "config": config}})
-    metrics = {
-        "num_mlps": len(names),
-        "num_moe_layers": len(layers) if layers is not None else len(names),
-        "num_parameters_dense": num_dense,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-    }
-    out.write_metrics(metrics)
-    print(
-        f"upcycled {metrics['num_moe_layers']} of {len(names)} MLPs of {type(model).__name__} to {args.num_experts} "
-        f"experts (top-{args.top_k}, {args.method}): {metrics['num_parameters_dense']:,} → "
-        f"{metrics['num_parameters']:,} parameters; wrote {out.path / 'model.safetensors'}"
-    )
-    return 0

@@ -31,24 +31,18 @@ no z-loss), and a converted ``sharede-v3`` layer updates its selection bias duri
 computes the DeepSeek-V3 router in float32 whatever the model dtype; moelab in the model dtype.
 
 Fine-tuning with the transformers ``Trainer`` (converted or upcycled models alike):
-``MoETrainerCallback`` keeps a :class:`moelab.RoutingContext` attached to the model's MoE layers
-and at the Trainer's ``global_step`` (schedules read it), and ``MoETrainer`` (a ``Trainer``
-subclass that installs the callback) adds ``moelab.aux_loss(model)`` to the training loss.  Both
-are created on first access so ``import moelab`` does not import transformers.
+:mod:`moelab.hf.trainer`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
-from .experts import MLP
-from .layer import MoE, aux_loss
-from .routing import RoutingContext, attach, moe_layers
+from ..experts import MLP
+from ..layer import MoE
 
-__all__ = ["SUPPORTED_BLOCKS", "GatedSharedExpert", "from_hf"]  # + MoETrainer, MoETrainerCallback (lazy)
+__all__ = ["SUPPORTED_BLOCKS", "GatedSharedExpert", "from_hf"]
 
 SUPPORTED_BLOCKS = (
     "MixtralSparseMoeBlock",
@@ -195,81 +189,6 @@ def from_hf(module: nn.Module) -> nn.Module:
         parent_path, _, attr = path.rpartition(".")
         parent = module.get_submodule(parent_path) if parent_path else module
         setattr(parent, attr, layer)
+    # what moelab.save records to rebuild the model offline (transformers config + this step)
+    module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
     return module
-
-
-# ---------------------------------------------------------------------------------- transformers Trainer
-
-_TRAINER_CLASSES: dict[str, type] = {}
-
-
-def _trainer_classes() -> dict[str, type]:
-    if _TRAINER_CLASSES:
-        return _TRAINER_CLASSES
-    from transformers import Trainer, TrainerCallback
-
-    class MoETrainerCallback(TrainerCallback):
-        """Attach a :class:`moelab.RoutingContext` at train begin and keep ``ctx.step`` equal to
-        the Trainer's ``global_step`` (so a resumed run resumes its schedules too).
-
-        Args:
-            ctx: the context to attach; default the one already attached to the model, else a
-                new one with ``total_steps`` = the Trainer's ``max_steps``.
-        """
-
-        def __init__(self, ctx: RoutingContext | None = None) -> None:
-            self.ctx = ctx
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if model is None:
-                return
-            layers = moe_layers(model)
-            ctx = self.ctx or next((m.ctx for m in layers if m.ctx is not None), None) or RoutingContext()
-            if ctx.total_steps is None and state.max_steps and state.max_steps > 0:
-                ctx.total_steps = int(state.max_steps)
-            ctx.step = int(state.global_step)
-            attach(model, ctx)
-            self.ctx = ctx
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self.ctx is not None:
-                self.ctx.step = int(state.global_step)
-
-    class MoETrainer(Trainer):
-        """``transformers.Trainer`` whose training loss is ``task + moelab.aux_loss(model)``.
-
-        Installs a :class:`MoETrainerCallback` unless one is given.  The aux loss follows the
-        Trainer's gradient-accumulation scaling of the task loss; evaluation losses stay the
-        task loss alone.
-        """
-
-        def __init__(self, *args: Any, callbacks: list | None = None, **kwargs: Any) -> None:
-            callbacks = list(callbacks or [])
-            if not any(isinstance(c, MoETrainerCallback) for c in callbacks):
-                callbacks.append(MoETrainerCallback())
-            super().__init__(*args, callbacks=callbacks, **kwargs)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
-            loss, outputs = super().compute_loss(
-                model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch, **kwargs
-            )
-            if model.training:
-                extra = aux_loss(model).to(loss.device)
-                scaled = getattr(self, "loss_is_scaled_for_ga", None)
-                if scaled is None:
-                    scaled = (
-                        getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None
-                    ) or getattr(self, "compute_loss_func", None) is not None
-                if scaled:  # the Trainer will not divide this loss by the accumulation steps
-                    extra = extra / getattr(self, "current_gradient_accumulation_steps", 1)
-                loss = loss + extra
-            return (loss, outputs) if return_outputs else loss
-
-    _TRAINER_CLASSES.update(MoETrainerCallback=MoETrainerCallback, MoETrainer=MoETrainer)
-    return _TRAINER_CLASSES
-
-
-def __getattr__(name: str):
-    if name in ("MoETrainer", "MoETrainerCallback"):
-        return _trainer_classes()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

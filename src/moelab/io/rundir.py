@@ -1,7 +1,7 @@
 """The run directory every experiment writes: ``config.yaml``, ``metrics.json``, ``log.csv``.
 
-Files are written atomically (temporary file, fsync, rename) so a killed run never leaves a
-half-written file behind.
+Files are written by the one atomic writer (:mod:`moelab.io.atomic`) so a killed run never
+leaves a half-written file behind.  The model of a run: :func:`moelab.load` of the folder.
 """
 
 from __future__ import annotations
@@ -10,35 +10,15 @@ import csv
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .atomic import atomic_write_bytes, atomic_write_text
+
 __all__ = ["RunDir", "atomic_write_bytes", "atomic_write_text"]
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _plain(value: Any) -> Any:

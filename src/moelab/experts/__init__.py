@@ -1,0 +1,31 @@
+"""Expert banks and their dispatch.
+
+- :mod:`~moelab.experts.protocol`: :class:`Experts`, what every bank implements.
+- :mod:`~moelab.experts.dispatch`: sort → gather → run → combine, written once
+  (:func:`moelab.experts.dispatch.dispatch`; not re-exported, ``moelab.experts.dispatch`` is the module).
+- :mod:`~moelab.experts.kernels`: :class:`ExpertBank`'s implementations by name (:data:`KERNELS`).
+- :mod:`~moelab.experts.bank`: :class:`ExpertBank` (stacked-weight MLP experts) and :class:`MLP`.
+- :mod:`~moelab.experts.modules`: :class:`ModuleExperts` (arbitrary modules, e.g. CNN experts).
+- :mod:`~moelab.experts.parallel`: :class:`ExpertParallelBank` (experts across a process group).
+"""
+
+from .bank import MLP, ExpertBank
+from .dispatch import Slots, combine, sort_slots
+from .kernels import IMPLS, KERNELS, grouped_mm_available
+from .modules import ModuleExperts
+from .parallel import ExpertParallelBank
+from .protocol import Experts
+
+__all__ = [
+    "IMPLS",
+    "KERNELS",
+    "MLP",
+    "ExpertBank",
+    "ExpertParallelBank",
+    "Experts",
+    "ModuleExperts",
+    "Slots",
+    "combine",
+    "grouped_mm_available",
+    "sort_slots",
+]

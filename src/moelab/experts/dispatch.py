@@ -1,0 +1,277 @@
+"""Sort → gather → run → combine: the dispatch of every expert bank, written once.
+
+The ``T·K`` token slots are sorted by expert once (:func:`sort_slots`), the per-expert counts give
+contiguous slices, the tokens are gathered into that order (:func:`gather`), each expert runs once
+on its slice (the bank's ``run``), and the outputs return to their tokens, weighted and summed over
+K (:func:`combine_slots`).  There is no Python loop over tokens.  On the CPU the way back is an
+``index_add`` in slot order (sequential, deterministic there), on other devices a gather (no
+atomics), so results are deterministic everywhere.
+
+:func:`dispatch` is the whole of it; :func:`winners_by_rerun` is the competition's pass
+(:meth:`Experts.forward_winners`) for banks that keep no activations of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from ..functional import expert_counts
+
+if TYPE_CHECKING:
+    from .protocol import Experts
+
+__all__ = [
+    "Slots",
+    "combine",
+    "combine_slots",
+    "dispatch",
+    "gather",
+    "sort_slots",
+    "tracks_grad",
+    "winners_by_rerun",
+]
+
+#: ``run(xs, slots) -> ys``: every expert on its contiguous rows of the expert-sorted tokens
+#: ``xs (S, ...)`` → outputs ``ys (S, ...)`` in the same order
+Run = Callable[[Tensor, "Slots"], Tensor]
+
+
+def dispatch(x: Tensor, indices: Tensor, weights: Tensor, num_experts: int, run: Run, track: bool) -> Tensor:
+    """``Σ_k w_k · expert_{i_k}(x)`` for every token: sort once → gather → ``run`` → combine.
+
+    Args:
+        x: ``(T, ...)`` tokens (``(T, d)`` for MLP experts, images for CNN experts).
+        indices: ``(T, K)`` int64 chosen experts.
+        weights: ``(T, K)`` their weights.
+        num_experts: N.
+        run: every expert on its contiguous slice of the expert-sorted rows (see :data:`Run`).
+        track: record autograd (:func:`tracks_grad`); without it the same ops run with no
+            autograd nodes.
+
+    Returns:
+        ``(T, ...)`` in the shape of one expert output per token.
+    """
+    slots = sort_slots(indices, num_experts)
+    xs = gather(x, slots, indices.shape[1], track)  # (S, ...) grouped by expert
+    ys = run(xs, slots)  # (S, ...) in the same order
+    return combine_slots(ys, weights, slots, track)
+
+
+class Slots(NamedTuple):
+    """The ``S = T·K`` token slots sorted by expert (:func:`sort_slots`)."""
+
+    order: Tensor  #: ``(S,)`` slot ids sorted by expert (stable)
+    counts: Tensor  #: ``(N,)`` slots per expert
+    tokens: Tensor  #: ``(S,)`` the token of each sorted slot
+    inverse: Tensor | None  #: ``(S,)`` with ``sorted[inverse]`` in the original slot order
+
+
+def sort_slots(indices: Tensor, num_experts: int, inverse: bool = True) -> Slots:
+    """Sort the ``T·K`` token slots by expert, once.
+
+    Args:
+        indices: ``(T, K)`` chosen experts.
+        num_experts: N.
+        inverse: also compute the inverse permutation (else ``None`` is returned in its place).
+
+    Returns:
+        ``Slots(order, counts, tokens, inverse)`` (a tuple): ``order (S,)`` slot ids sorted by
+        expert (stable), ``counts (N,)`` slots per expert, ``tokens (S,)`` the token of each sorted
+        slot, and ``inverse (S,)`` with ``sorted[inverse] == slots`` in their original order.
+    """
+    flat = indices.reshape(-1)  # (S,) S = T*K
+    order = flat.argsort(stable=True)
+    counts = expert_counts(flat, num_experts)  # bincount, traceable by torch.compile
+    tokens = order // indices.shape[-1]
+    if not inverse:
+        return Slots(order, counts, tokens, None)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return Slots(order, counts, tokens, inv)
+
+
+def gather(x: Tensor, slots: Slots, top_k: int, track: bool) -> Tensor:
+    """``(S, ...)``: the token of every sorted slot.  With ``track``, one autograd node whose
+    backward sums each token's K slot gradients deterministically (:class:`_GatherTokens`)."""
+    if not track:
+        return x.index_select(0, slots.tokens)
+    rows = _GatherTokens.apply(x.flatten(1), slots.tokens, slots.inverse, top_k)
+    return rows.view(rows.shape[0], *x.shape[1:])
+
+
+def combine_slots(ys: Tensor, weights: Tensor, slots: Slots, track: bool) -> Tensor:
+    """``(T, ...)``: the expert outputs ``ys (S, ...)`` of the sorted slots weighted and summed into
+    their tokens, in one autograd node with ``track`` (:class:`_CombineSlots`)."""
+    rows = ys.flatten(1)
+    args = (rows, weights, slots.inverse, slots.order, slots.tokens)
+    out = _CombineSlots.apply(*args) if track else _combine_slots(*args)[0]
+    return out.view(weights.shape[0], *ys.shape[1:])
+
+
+def combine(outputs: Tensor, weights: Tensor) -> Tensor:
+    """``Σ_k w_k · out_k``: ``(T, K, d)`` outputs and ``(T, K)`` weights to ``(T, d)``."""
+    # an elementwise product and a sum over K: ``bmm`` with T batches of (1, K) x (K, d) is
+    # several times slower on the CPU, in its backward above all (one copy per token).
+    return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+
+
+def tracks_grad(module: nn.Module, *inputs: Tensor) -> bool:
+    """Whether a call records autograd: grad mode on and an input or a parameter requiring it."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *module.parameters()))
+
+
+def winners_by_rerun(
+    experts: Experts, x: Tensor, choose: Callable[[Tensor], tuple[Tensor, Any]], budget: int | None
+) -> tuple[Tensor, Tensor, Any]:
+    """:meth:`Experts.forward_winners` for a bank that keeps no activations: the N experts run
+    without autograd and the K winners again with autograd.
+
+    The competition's pass of CompeteSMoE (2024) §3.1 and CompeteSMoE (2025) §2.2: ``forward_all``
+    without autograd in token chunks of at most ``budget`` output elements (``None``: one chunk,
+    for a bank whose ``forward_all`` is a collective), ``choose(outputs (t, N, d)) -> (indices
+    (t, K), extra)`` per chunk and the winners' outputs gathered.  Under autograd the winners run
+    again through the bank's sorted dispatch, each ``(token, winner)`` slot one row of weight 1:
+    ``N + 3K`` expert passes per token.
+
+    Returns:
+        ``(indices (T, K), outputs (T, K, ...), extra)``, ``extra`` concatenated over chunks.
+    """
+    chunk = x.shape[0] or 1
+    if budget is not None:
+        width = experts.d_model or (max(1, x[0].numel()) if x.shape[0] else 1)  # ≈ input for others
+        chunk = max(1, budget // (experts.num_experts * width))
+    winners, outs, extras = [], [], []
+    with torch.no_grad():
+        for xc in x.split(chunk):
+            all_out = experts.forward_all(xc)  # (t, N, ...)
+            idx, extra = choose(all_out)
+            pick = idx.view(*idx.shape, *([1] * (all_out.dim() - 2)))
+            winners.append(idx)
+            outs.append(all_out.gather(1, pick.expand(-1, -1, *all_out.shape[2:])))
+            extras.append(extra)
+    cat = lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0]
+    winners_t, outputs, extra = cat(winners), cat(outs), cat(extras)
+    if torch.is_grad_enabled():
+        T, K = winners_t.shape
+        xs = x.repeat_interleave(K, dim=0)  # (T·K, ...)
+        y = experts(xs, winners_t.reshape(-1, 1), x.new_ones(T * K, 1))  # (T·K, ...)
+        outputs = y.view(T, K, *y.shape[1:])
+    return winners_t, outputs, extra
+
+
+# ------------------------------------------------------------------ the gather and the combine
+def _scatter_adds(device: torch.device) -> bool:
+    """Whether dispatch sums slots into tokens by scatter-add on ``device`` (the CPU, where
+    ``index_add`` is sequential and deterministic) rather than by gathers (elsewhere)."""
+    return device.type == "cpu"
+
+
+def _scatter_rows(rows: Tensor, index: Tensor, num: int) -> Tensor:
+    """``out[index[i]] += rows[i]`` into ``num`` zero rows: an ``index_add`` that reads ``rows``
+    in order and writes a small table.  Used on the CPU only, where ``index_add`` adds in index
+    order (deterministic); on the GPU it would use atomics, so CUDA gathers instead.  Out of place
+    while torch.compile traces (see :class:`_CombineSlots`)."""
+    out = rows.new_zeros(num, rows.shape[-1])
+    if torch.compiler.is_compiling():
+        return out.index_add(0, index, rows)
+    return out.index_add_(0, index, rows)
+
+
+def _row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """``(S,)``: ``<a_i, b_i>`` per row, as a batched matrix product (no ``a * b`` temporary)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``x.index_select(0, tokens)`` for the sorted slots.  Backward sums each token's K slot
+    gradients: on the CPU by a scatter-add in slot order (sequential reads of the large slot
+    gradient, :func:`_scatter_rows`), elsewhere by a gather with ``inverse`` and a sum over K
+    (no atomics).  Deterministic on every device."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tokens: Tensor, inverse: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(tokens, inverse)
+        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
+        return x.index_select(0, tokens)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        tokens, inverse = ctx.saved_tensors
+        if _scatter_adds(grad.device):
+            return _scatter_rows(grad, tokens, ctx.num_tokens), None, None, None
+        slots = grad.index_select(0, inverse)  # (T*K, d) in (token, k) order
+        return slots.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+def _combine_slots(
+    ys: Tensor, weights: Tensor, inverse: Tensor, order: Tensor, tokens: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out (T, d), kept, w_sorted)``: the expert outputs ``ys`` (sorted-slot order) weighted
+    and summed into their tokens (the forward of :class:`_CombineSlots`, and the whole of it
+    without autograd).
+
+    CPU: ``ys`` scaled by each sorted slot's weight and scatter-added into the ``(T, d)`` output
+    in slot order (:func:`_scatter_rows`: sequential reads of the large ``(T·K, d)`` rows; a gather
+    by ``inverse`` reads them at random, which costs a TLB miss per row once they outgrow the
+    cache); ``kept`` is ``ys``.  Elsewhere: a gather back to ``(token, k)`` order and K fused
+    multiply-adds (no atomics); ``kept`` is the gathered ``(T, K, d)``.  ``w_sorted (T·K,)``: the
+    weight of each sorted slot.
+    """
+    T, K = weights.shape
+    w_sorted = weights.reshape(-1).index_select(0, order).to(ys.dtype)
+    if _scatter_adds(ys.device):
+        return _scatter_rows(ys * w_sorted.unsqueeze(-1), tokens, T), ys, w_sorted
+    slots = ys.index_select(0, inverse).view(T, K, ys.shape[-1])
+    w = weights.to(ys.dtype)
+    out = slots[:, 0] * w[:, :1]
+    for k in range(1, K):
+        if torch.compiler.is_compiling():  # see _CombineSlots' docstring
+            out = out.addcmul(slots[:, k], w[:, k : k + 1])
+        else:
+            out.addcmul_(slots[:, k], w[:, k : k + 1])
+    return out, slots, w_sorted
+
+
+class _CombineSlots(torch.autograd.Function):
+    """``Σ_k w_{t,k} · y_{t,k}`` from the expert outputs ``ys (S, d)`` in sorted-slot order, in one
+    autograd node (:func:`_combine_slots`).
+
+    Backward: the gradient of ``ys`` is the output gradient gathered by token (reading the small
+    ``(T, d)`` gradient) and scaled by each slot's weight; ``∂/∂w_{t,k} = <g_t, y_{t,k}>`` as row
+    dot products (:func:`_row_dots`, a batched matrix product: no broadcast ``(T, K, d)``
+    temporary), on the CPU in sorted order and put back to ``(t, k)`` order by ``order``.  No
+    scatter-add on the GPU: deterministic everywhere.
+
+    While torch.compile traces, the accumulations are out of place: torch 2.11's dynamo sends the
+    gradient of an ``autograd.Function`` output that forward modified in place to the wrong slot
+    (silently wrong gradients, pytorch/pytorch#180642); compiled graphs are functional anyway.
+    """
+
+    @staticmethod
+    def forward(ctx, ys: Tensor, weights: Tensor, inverse: Tensor, order: Tensor, tokens: Tensor) -> Tensor:
+        out, kept, w_sorted = _combine_slots(ys, weights, inverse, order, tokens)
+        ctx.save_for_backward(kept, w_sorted, order, tokens)
+        ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        kept, w_sorted, order, tokens = ctx.saved_tensors
+        gathered = grad.index_select(0, tokens)  # (S, d): each sorted slot's output gradient
+        g_ys = g_w = None
+        if ctx.needs_input_grad[1]:
+            if kept.dim() == 2:  # CPU: kept = ys in sorted order
+                g_w = torch.empty_like(w_sorted).index_copy_(0, order, _row_dots(gathered, kept))
+            else:  # kept = the (T, K, d) outputs in token order
+                g_w = torch.bmm(kept, grad.unsqueeze(-1))
+            g_w = g_w.view(ctx.weights_shape).to(ctx.weights_dtype)
+        if ctx.needs_input_grad[0]:
+            g_ys = gathered.mul_(w_sorted.unsqueeze(-1))
+        return g_ys, g_w, None, None, None

@@ -1,0 +1,539 @@
+"""The implementations of :class:`ExpertBank`'s forward, by name: ``KERNELS[impl](bank, x, indices, weights)``.
+
+Like the experts interface of Hugging Face transformers, every backend is one function of the same
+signature in one name → function mapping; ``ExpertBank(impl=name)`` runs exactly that function and
+``impl="auto"`` picks one by :meth:`ExpertBank.resolved_impl` (device, slots per expert ``T·K/N``,
+autograd, torch threads; measured in docs/performance.md, ``moelab bench suite``).  A new kernel
+(Triton, a vendor library) is one more entry of :data:`KERNELS`.
+
+- ``"loop"``: the shared dispatch (:func:`moelab.experts.dispatch.dispatch`) with one custom
+  autograd node (:class:`_ExpertMLP`) running every expert on its slice — matmul, activation while
+  the rows are in cache, matmul — after one host sync for the counts; its backward writes each
+  expert's weight gradient straight into one ``(N, ·, ·)`` buffer (no ``unbind``/``stack`` copies,
+  no per-expert autograd nodes; experts with no tokens get zeros).
+- ``"grouped"``: the shared dispatch with ``grouped_mm`` and offsets, no host sync at all, in one
+  autograd node (:class:`_GroupedMLP`) with a fused activation backward.
+- ``"stream"`` (CPU): expert after expert gathers its tokens, runs and adds its weighted output to
+  them; no ``(T·K, d)`` buffer exists (at ``T·K ≤ N`` the slots are sorted on the host).  Made for
+  inference; under autograd the stacked weights are unbound once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .dispatch import dispatch, sort_slots, tracks_grad
+
+if TYPE_CHECKING:
+    from .bank import ExpertBank
+
+__all__ = ["IMPLS", "KERNELS", "Kernel", "grouped", "grouped_mm_available", "loop", "stream"]
+
+#: ``kernel(bank, x (T, d), indices (T, K), weights (T, K)) -> (T, d)``: ``Σ_k w_k · expert_{i_k}(x)``
+Kernel = Callable[["ExpertBank", Tensor, Tensor, Tensor], Tensor]
+
+
+def loop(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    """``"loop"``: sort once, gather, every expert on its rows in one autograd node
+    (:func:`loop_rows`), combine.  Runs everywhere (any device and dtype)."""
+    track = tracks_grad(bank, x, weights)
+    run = lambda xs, slots: loop_rows(bank, xs, slots.counts.tolist())  # the one host sync
+    return dispatch(x, indices, weights, bank.num_experts, run, track)
+
+
+def grouped(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    """``"grouped"``: sort once, gather, the experts by ``grouped_mm`` (:func:`grouped_rows`, no
+    host sync), combine.
+
+    Raises:
+        ValueError: ``grouped_mm`` cannot run for ``x``'s device and dtype, or the widths are not
+            16-byte aligned (:meth:`ExpertBank.grouped_ok`).
+    """
+    _check_grouped(bank, x)
+    track = tracks_grad(bank, x, weights)
+    run = lambda xs, slots: grouped_rows(bank, xs, slots.counts, slots.order, indices)
+    return dispatch(x, indices, weights, bank.num_experts, run, track)
+
+
+def stream(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    """``"stream"`` (CPU): each expert gathers its tokens, runs, and adds its weighted output to them.
+
+    No ``(T·K, d)`` tensor exists: every expert's rows, hidden activations and outputs are
+    temporaries of its own size that the allocator reuses (a fresh buffer of tens of MB costs
+    more in page faults than the copy into it).  The slots are sorted once — on the host when
+    there are at most N of them (decoding: a few numbers sort faster in Python than by tensor
+    ops), else by :func:`sort_slots` — and the outputs are summed into the tokens by
+    ``index_add_`` expert after expert, in slot order: deterministic on the CPU.  At a few tokens
+    each touched expert reads its weights once: the bound (``moelab bench suite``).  Without
+    autograd each expert runs by :meth:`ExpertBank.expert_forward`; with it, on the stacked
+    weights unbound once.
+
+    Raises:
+        ValueError: ``x`` is not on the CPU (``index_add_`` adds with atomics elsewhere).
+    """
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"impl='stream' is not available for device={x.device.type}: it runs on the CPU only "
+            "(index_add_ would add with atomics, nondeterministically); use impl='loop', 'grouped' or 'auto'"
+        )
+    T, K = indices.shape
+    N = bank.num_experts
+    if indices.numel() <= N:
+        flat = indices.reshape(-1).tolist()  # the one host sync
+        order_list = sorted(range(len(flat)), key=flat.__getitem__)  # stable
+        counts = [0] * N
+        for e in flat:
+            counts[e] += 1
+        order = torch.tensor(order_list, dtype=torch.int64, device=x.device)
+    else:
+        order, counts_t, _, _ = sort_slots(indices, N, inverse=False)
+        counts = counts_t.tolist()  # the one host sync
+    tokens = order // K
+    w_sorted = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(-1)
+    track = tracks_grad(bank, x, weights)
+    expert = bank.expert_forward
+    if track:  # never index a stacked weight per expert under autograd: unbind once
+        params = [
+            p.unbind(0) if p is not None else [None] * N
+            for p in (bank.w_in, bank.w_out, bank.b_in, bank.b_out)
+        ]
+        expert = lambda x_e, e: expert_mlp(x_e, *(p[e] for p in params), bank.act)
+    out = x.new_zeros(T, bank.d_model)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        stop = start + c
+        rows = tokens[start:stop]
+        y = expert(x.index_select(0, rows), e)
+        y = y * w_sorted[start:stop] if track else y.mul_(w_sorted[start:stop])
+        out.index_add_(0, rows, y)
+        start = stop
+    return out
+
+
+#: name → implementation of :meth:`ExpertBank.forward`; ``impl=name`` runs exactly ``KERNELS[name]``
+KERNELS: dict[str, Kernel] = {"loop": loop, "grouped": grouped, "stream": stream}
+
+#: the values of ``ExpertBank(impl=...)``: ``"auto"`` (:meth:`ExpertBank.resolved_impl`) and the kernels
+IMPLS = ("auto", *KERNELS)
+
+
+def expert_mlp(
+    x: Tensor, w_in: Tensor, w_out: Tensor, b_in: Tensor | None, b_out: Tensor | None, act
+) -> Tensor:
+    """One expert ``W_out · act(W_in x + b_in) + b_out`` on tokens ``x (T, d)`` → ``(T, d)``."""
+    return F.linear(act(F.linear(x, w_in, b_in)), w_out, b_out)
+
+
+def loop_rows(bank: ExpertBank, xs: Tensor, counts: Sequence[int]) -> Tensor:
+    """Every expert on its contiguous rows of the expert-sorted tokens ``xs (S, d)`` → ``(S, d)``
+    (:class:`_ExpertMLP`; the plain forward without autograd)."""
+    args = (bank.b_in, bank.b_out, list(counts), bank.activation, bank.act)
+    if tracks_grad(bank, xs):
+        return _ExpertMLP.apply(xs, bank.w_in, bank.w_out, *args)  # (S, d)
+    return _loop_forward(xs, bank.w_in, bank.w_out, *args, keep=False)[0]
+
+
+def grouped_rows(bank: ExpertBank, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
+    """Every expert on its contiguous rows of ``xs (S, d)`` by ``grouped_mm`` → ``(S, d)``:
+    :class:`_GroupedMLP` eagerly, the traceable custom ops while torch.compile traces."""
+    offs = counts.cumsum(0).to(torch.int32)
+    experts = None
+    if bank.b_in is not None or bank.b_out is not None:
+        experts = indices.reshape(-1).index_select(0, order)  # expert of each sorted slot
+    if not torch.compiler.is_compiling():
+        args = (bank.b_in, bank.b_out, offs, experts, bank.activation, bank.act)
+        if not tracks_grad(bank, xs):
+            return _grouped_forward(xs, bank.w_in, bank.w_out, *args)[0]
+        return _GroupedMLP.apply(xs, bank.w_in, bank.w_out, *args)
+    # traced: composed of the custom ops, which inductor fuses with the activation
+    h = _grouped_mm_nt(xs, bank.w_in, offs)  # (S, h_in)
+    if bank.b_in is not None:
+        h = h + bank.b_in.index_select(0, experts)
+    y = _grouped_mm_nt(bank.act(h), bank.w_out, offs)  # (S, d)
+    if bank.b_out is not None:
+        y = y + bank.b_out.index_select(0, experts)
+    return _ContiguousGrad.apply(y)
+
+
+def _check_grouped(bank: ExpertBank, x: Tensor) -> None:
+    if not grouped_mm_available(x.device, x.dtype):
+        raise ValueError(
+            f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype} with "
+            f"torch {torch.__version__}; use impl='loop' or 'auto'"
+        )
+    if not bank.grouped_aligned(x.dtype):
+        raise ValueError(
+            f"impl='grouped' needs d_model and d_hidden to be multiples of "
+            f"{16 // x.element_size()} for dtype={x.dtype} (16-byte aligned strides); got "
+            f"d_model={bank.d_model}, d_hidden={bank.d_hidden}; use impl='loop' or 'auto'"
+        )
+
+
+def _grouped_mm_fn():
+    fn = getattr(F, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+_GROUPED_MM = _grouped_mm_fn()
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` runs for this device and dtype with this torch.
+
+    CPU kernels exist from torch 2.9 (float32; bfloat16 needs 16-byte aligned strides); CUDA
+    needs compute capability 8.0 or newer.  float64 is not supported anywhere.
+    """
+    if _GROUPED_MM is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":
+        version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+        return version >= (2, 9) and dtype == torch.float32
+    return False
+
+
+def _activation_backward(name: str, act, h: Tensor, grad: Tensor) -> Tensor:
+    """``∂act(h)/∂h`` applied to ``grad`` for ``relu`` / ``gelu`` / ``silu`` (ATen's own backward
+    kernels) and any other activation (autograd on a recomputation)."""
+    if name == "relu":
+        return torch.ops.aten.threshold_backward(grad, h, 0)
+    if name == "gelu":
+        return torch.ops.aten.gelu_backward(grad, h)
+    if name == "silu":
+        return torch.ops.aten.silu_backward(grad, h)
+    with torch.enable_grad():
+        h = h.detach().requires_grad_()
+        (g_h,) = torch.autograd.grad(act(h), h, grad)
+    return g_h
+
+
+def _loop_forward(xs, w_in, w_out, b_in, b_out, counts, act_name, act, keep: bool):
+    """Every expert on its contiguous rows of ``xs``, the activation right after the first matmul
+    while the rows are in cache: ``(y, h, aux)``.
+
+    ``keep``: write the pre-activations into one ``(S, h_in)`` tensor ``h`` and collect ``aux``
+    (:func:`_activation_forward`) for a backward; without it (inference) every expert's hidden
+    activations are temporaries that the allocator reuses, so nothing of size ``S·h_in`` is
+    allocated (``h`` and ``aux`` are then ``None``).
+    """
+    h = xs.new_empty(xs.shape[0], w_in.shape[1]) if keep else None
+    y = xs.new_empty(xs.shape[0], w_out.shape[1])
+    aux = [] if keep else None  # per expert: silu(gate) for swiglu, act(h) otherwise
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        stop = start + c
+        x_e, w_e = xs[start:stop], w_in[e].t()
+        if keep:
+            h_e = (
+                torch.mm(x_e, w_e, out=h[start:stop])
+                if b_in is None
+                else torch.addmm(b_in[e], x_e, w_e, out=h[start:stop])
+            )
+        else:
+            h_e = torch.mm(x_e, w_e) if b_in is None else torch.addmm(b_in[e], x_e, w_e)
+        a_e, aux_e = _activation_forward(h_e, act_name, act)
+        if keep:
+            aux.append(aux_e)
+        if b_out is None:
+            torch.mm(a_e, w_out[e].t(), out=y[start:stop])
+        else:
+            torch.addmm(b_out[e], a_e, w_out[e].t(), out=y[start:stop])
+        start = stop
+    return y, h, aux
+
+
+class _ExpertMLP(torch.autograd.Function):
+    """All N experts on their contiguous row slices, one autograd node (the ``"loop"`` impl).
+
+    Per expert ``e`` with ``c_e > 0`` rows: ``y = act(x W_in[e]ᵀ + b_in[e]) W_out[e]ᵀ + b_out[e]``,
+    the activation applied right after the first matmul while its rows are in cache.  Saved for
+    backward: the pre-activation and, per expert, ``silu(gate)`` (``swiglu``) or the activation
+    output (others), so no transcendental is recomputed.  The backward writes every expert's
+    weight (and bias) gradient straight into row ``e`` of one ``(N, ·, ·)`` buffer: the stacked
+    weights are never unbound, stacked or indexed by autograd, and experts with no rows get zero
+    gradients.  First-order only (``once_differentiable``).
+    """
+
+    @staticmethod
+    def forward(ctx, xs, w_in, w_out, b_in, b_out, counts: list[int], act_name: str, act):
+        y, h, aux = _loop_forward(xs, w_in, w_out, b_in, b_out, counts, act_name, act, keep=True)
+        ctx.save_for_backward(xs, w_in, w_out, h, *aux)
+        ctx.counts, ctx.act_name, ctx.act = counts, act_name, act
+        ctx.has_bias = (b_in is not None, b_out is not None)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        xs, w_in, w_out, h, *aux = ctx.saved_tensors
+        grads = _mlp_backward(
+            grad,
+            xs,
+            h,
+            aux,
+            w_in,
+            w_out,
+            ctx.counts,
+            ctx.act_name,
+            ctx.act,
+            ctx.needs_input_grad[:5],
+            ctx.has_bias,
+        )
+        return (*grads, None, None, None)
+
+
+def _activation_forward(h: Tensor, act_name: str, act) -> tuple[Tensor, Tensor]:
+    """``(a, aux)``: the activation ``a`` of the pre-activations ``h`` and what its backward needs
+    besides ``h``: ``silu(gate)`` for ``swiglu`` (so no transcendental is recomputed), else ``a``
+    (the weight gradient of the second matmul reads it)."""
+    if act_name == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        s = F.silu(gate)
+        return s * up, s
+    a = act(h)
+    return a, a
+
+
+def _activation_grad(g_a: Tensor, h: Tensor, aux: Tensor, act_name: str, act) -> Tensor:
+    """``∂L/∂h`` from ``∂L/∂a`` (``g_a`` is overwritten).  ``swiglu`` writes the gate and up
+    halves straight into one ``(·, 2h)`` buffer: no ``cat`` as autograd's ``chunk`` backward does."""
+    if act_name == "swiglu":  # a = silu(gate) * up
+        gate, up = h.chunk(2, dim=-1)
+        g_h = torch.empty_like(h, memory_format=torch.contiguous_format)
+        g_gate, g_up = g_h.chunk(2, dim=-1)
+        torch.mul(g_a, aux, out=g_up)
+        torch.ops.aten.silu_backward.grad_input(g_a.mul_(up), gate, grad_input=g_gate)
+        return g_h
+    return _activation_backward(act_name, act, h, g_a)
+
+
+def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, has_bias):
+    """The backward of the experts' MLPs on expert-sorted rows: ``(∂xs, ∂w_in, ∂w_out, ∂b_in, ∂b_out)``.
+
+    ``h`` holds the pre-activations; ``aux`` per non-empty expert ``silu(gate)`` (``swiglu``) or
+    ``act(h)`` (others), or ``None`` to recompute them from ``h`` (one elementwise op per expert).
+    Every expert's weight gradient is written into row ``e`` of one ``(N, ·, ·)`` buffer; experts
+    with no rows get zeros.
+    """
+    need_x, need_w_in, need_w_out, need_b_in, need_b_out = needs
+    swiglu = act_name == "swiglu"
+    grad = grad.contiguous()
+    g_x = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_x else None
+    g_w_in = torch.empty_like(w_in, memory_format=torch.contiguous_format) if need_w_in else None
+    g_w_out = torch.empty_like(w_out, memory_format=torch.contiguous_format) if need_w_out else None
+    g_b_in = grad.new_empty(w_in.shape[:2]) if need_b_in and has_bias[0] else None
+    g_b_out = grad.new_empty(w_out.shape[:2]) if need_b_out and has_bias[1] else None
+    start, i = 0, 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            for g in (g_w_in, g_w_out, g_b_in, g_b_out):
+                if g is not None:
+                    g[e].zero_()
+            continue
+        stop = start + c
+        g_y, h_e = grad[start:stop], h[start:stop]
+        if aux is not None:
+            aux_e = aux[i]
+            a_e = aux_e * h_e.chunk(2, dim=-1)[1] if swiglu else aux_e
+        else:
+            a_e, aux_e = _activation_forward(h_e, act_name, act)
+        i += 1
+        if g_w_out is not None:
+            torch.mm(g_y.t(), a_e, out=g_w_out[e])
+        if g_b_out is not None:
+            torch.sum(g_y, 0, out=g_b_out[e])
+        g_h = _activation_grad(g_y @ w_out[e], h_e, aux_e, act_name, act)
+        if g_w_in is not None:
+            torch.mm(g_h.t(), xs[start:stop], out=g_w_in[e])
+        if g_b_in is not None:
+            torch.sum(g_h, 0, out=g_b_in[e])
+        if g_x is not None:
+            torch.mm(g_h, w_in[e], out=g_x[start:stop])
+        start = stop
+    return g_x, g_w_in, g_w_out, g_b_in, g_b_out
+
+
+def _grouped_forward(xs, w_in, w_out, b_in, b_out, offs, experts, act_name, act):
+    """``(y, h, aux)``: the experts on their expert-sorted rows by two ``grouped_mm`` (the forward
+    of :class:`_GroupedMLP`, and the whole of it without autograd)."""
+    h = _GROUPED_MM(xs, w_in.transpose(-2, -1), offs=offs)  # (S, h_in)
+    if b_in is not None:
+        h += b_in.index_select(0, experts)
+    a, aux = _activation_forward(h, act_name, act)
+    y = _GROUPED_MM(a, w_out.transpose(-2, -1), offs=offs)  # (S, d)
+    if b_out is not None:
+        y += b_out.index_select(0, experts)
+    return y, h, aux
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """All N experts on their expert-sorted rows with ``grouped_mm``, one autograd node (the
+    ``"grouped"`` impl in eager mode).
+
+    Forward: two grouped GEMMs (offsets ``offs``: cumulative row ends, int32; no host sync) and
+    the activation on all rows at once.  Saved: the rows, the pre-activations and ``aux``
+    (:func:`_activation_forward`).  Backward: four grouped GEMMs — ``∂w`` as ``grouped_mm`` of
+    two 2-D operands, one ``(N, ·, ·)`` result with zeros for empty experts — and the fused
+    activation gradient (:func:`_activation_grad`); the bias gradients are per-expert row sums,
+    a grouped GEMV against a column of ones (deterministic, no scatter).  Compared with autograd
+    through the same ops it saves the activation's copies (``chunk``'s ``cat``) and the
+    ``.contiguous()`` of the output gradient.  First-order only.
+    """
+
+    @staticmethod
+    def forward(ctx, xs, w_in, w_out, b_in, b_out, offs, experts, act_name: str, act):
+        y, h, aux = _grouped_forward(xs, w_in, w_out, b_in, b_out, offs, experts, act_name, act)
+        ctx.save_for_backward(xs, w_in, w_out, h, aux, offs)
+        ctx.act_name, ctx.act = act_name, act
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        xs, w_in, w_out, h, aux, offs = ctx.saved_tensors
+        need_x, need_w_in, need_w_out, need_b_in, need_b_out = ctx.needs_input_grad[:5]
+        grad = grad.contiguous()
+        a = aux * h.chunk(2, dim=-1)[1] if ctx.act_name == "swiglu" else aux
+        g_w_out = _GROUPED_MM(grad.t(), a, offs=offs) if need_w_out else None  # (N, d, h)
+        g_b_out = _row_sums(grad, offs) if need_b_out else None
+        g_h = _activation_grad(_GROUPED_MM(grad, w_out, offs=offs), h, aux, ctx.act_name, ctx.act)
+        g_w_in = _GROUPED_MM(g_h.t(), xs, offs=offs) if need_w_in else None  # (N, h_in, d)
+        g_b_in = _row_sums(g_h, offs) if need_b_in else None
+        g_xs = _GROUPED_MM(g_h, w_in, offs=offs) if need_x else None
+        return g_xs, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None, None
+
+
+def _row_sums(rows: Tensor, offs: Tensor) -> Tensor:
+    """``(N, n)``: the sum of each group's rows of ``rows (S, n)`` (zeros for an empty group)."""
+    ones = rows.new_ones(rows.shape[0], 16 // rows.element_size())  # grouped_mm: 16-byte rows
+    return _GROUPED_MM(rows.t(), ones, offs=offs)[..., 0]
+
+
+class _WinnerMLP(torch.autograd.Function):
+    """The winners' outputs of a competition with autograd, without running any expert again.
+
+    Forward receives the outputs ``y_w (T, K, d)`` and pre-activations ``h_w (T, K, h_in)`` that
+    :meth:`ExpertBank.forward_winners` kept from its single pass over all N experts and returns
+    ``y_w``; backward sorts the ``(token, winner)`` slots by expert once and back-propagates
+    through the winners' MLPs only (:func:`_mlp_backward`): N + 2K expert passes per token in all.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_in, w_out, b_in, b_out, winners, h_w, y_w, act_name: str, act):
+        ctx.save_for_backward(x, w_in, w_out, winners, h_w)
+        ctx.act_name, ctx.act = act_name, act
+        ctx.has_bias = (b_in is not None, b_out is not None)
+        return y_w.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, w_in, w_out, winners, h_w = ctx.saved_tensors
+        T, K = winners.shape
+        order, counts, tokens, _ = sort_slots(winners, w_in.shape[0])
+        g = grad.reshape(T * K, grad.shape[-1]).index_select(0, order)  # expert-sorted slots
+        h = h_w.reshape(T * K, h_w.shape[-1]).index_select(0, order)
+        xs = x.index_select(0, tokens)
+        g_xs, g_w_in, g_w_out, g_b_in, g_b_out = _mlp_backward(
+            g,
+            xs,
+            h,
+            None,
+            w_in,
+            w_out,
+            counts.tolist(),
+            ctx.act_name,
+            ctx.act,
+            ctx.needs_input_grad[:5],
+            ctx.has_bias,
+        )
+        g_x = None if g_xs is None else torch.zeros_like(x).index_add_(0, tokens, g_xs)
+        return g_x, g_w_in, g_w_out, g_b_in, g_b_out, None, None, None, None, None
+
+
+# ------------------------------------------------------------------ grouped_mm for torch.compile
+# torch's fake-tensor (meta) kernel of ``_grouped_mm`` accepts bfloat16 only, although the CPU kernel
+# runs float32: tracing ``impl="grouped"`` in float32 fails inside torch.compile.  Under compile the
+# two grouped GEMMs therefore go through these opaque custom ops (shape functions below); eager code
+# calls ``_GROUPED_MM`` directly.  The stacked weight enters in its stored layout and is transposed
+# inside the op (a transposed view as an op input is materialised by inductor: a 16 MB copy per
+# GEMM at the bench's sizes).  Backward: ``∂a = g bᵀ`` (a grouped GEMM) and, per group,
+# ``∂b_e = a_eᵀ g_e`` (``grouped_mm`` of two 2-D operands, one ``(N, ·, ·)`` result).
+
+
+@torch.library.custom_op("moelab::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: Tensor, b: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+    """Rows of ``a (S, k)`` grouped by ``offs`` (cumulative ends, int32) times ``b[e]`` (``(N, k, n)``)
+    or, with ``trans_b``, ``b[e]ᵀ`` (``b (N, n, k)``, the ``nn.Linear`` layout) → ``(S, n)``."""
+    return _GROUPED_MM(a, b.transpose(-2, -1) if trans_b else b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(a: Tensor, b: Tensor, offs: Tensor, trans_b: bool) -> Tensor:
+    return a.new_empty(a.shape[0], b.shape[-2] if trans_b else b.shape[-1])
+
+
+@torch.library.custom_op("moelab::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(p: Tensor, q: Tensor, offs: Tensor) -> Tensor:
+    """``(N, m, n)``: ``p_eᵀ q_e`` for each group's rows of ``p (S, m)`` and ``q (S, n)`` (zeros for
+    an empty group)."""
+    return _GROUPED_MM(p.t(), q, offs=offs)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(p: Tensor, q: Tensor, offs: Tensor) -> Tensor:
+    return p.new_empty(offs.shape[0], p.shape[1], q.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    a, b, offs, trans_b = inputs
+    ctx.save_for_backward(a, b, offs)
+    ctx.trans_b = trans_b
+
+
+def _grouped_mm_backward(ctx, grad: Tensor):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    g_a = g_b = None
+    if ctx.needs_input_grad[0]:
+        g_a = _grouped_mm_op(grad, b, offs, not ctx.trans_b)
+    if ctx.needs_input_grad[1]:
+        g_b = (
+            _grouped_mm_weight_grad(grad, a, offs) if ctx.trans_b else _grouped_mm_weight_grad(a, grad, offs)
+        )
+    return g_a, g_b, None, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _grouped_mm_nt(a: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """``a_e w[e]ᵀ`` per group (``w`` in the ``nn.Linear`` layout): ``grouped_mm`` eagerly, the
+    traceable custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(a, w, offs, True)
+    return _GROUPED_MM(a, w.transpose(-2, -1), offs=offs)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm's backward on
+    CPU rejects the expanded gradients that ``.sum()`` produces)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()

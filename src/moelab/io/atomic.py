@@ -1,0 +1,130 @@
+"""The one atomic writer: every file moelab writes goes through :func:`atomic_write_bytes`.
+
+A file is written to a temporary name in its own folder, flushed and fsynced, then renamed over
+the target with ``os.replace`` (atomic on POSIX and Windows) and the folder fsynced: a process
+killed at any moment leaves either the old file or the new one, never half of one.  A folder of
+files that belong together (a training checkpoint) is built under a temporary name with
+:func:`atomic_directory` and renamed into place in one step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "atomic_directory",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "atomic_write_torch",
+    "sha256_file",
+]
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a folder, so that a rename inside it survives a power loss (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sync(fd: int, path: Path) -> None:
+    """fsync the open temporary file that will become ``path`` (the one place every write makes
+    durable; the reliability tests stand a kill in here)."""
+    os.fsync(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename.
+
+    On an error the temporary file is removed and ``path`` is left as it was; an interrupt
+    (``KeyboardInterrupt``, like a kill) leaves at most a hidden ``.{name}.*.tmp`` file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            _sync(f.fileno(), path)
+        os.replace(tmp, path)
+    except Exception:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """:func:`atomic_write_bytes` of ``obj`` as indented, key-sorted JSON (NaN/inf refused)."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def atomic_write_torch(path: str | os.PathLike, obj: Any) -> Path:
+    """:func:`atomic_write_bytes` of ``torch.save(obj)``; read it back with
+    ``torch.load(path, weights_only=True)`` (tensors, numbers, strings and containers only)."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return atomic_write_bytes(path, buffer.getvalue())
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Build the folder ``path`` under a temporary name (yielded), then rename it into place.
+
+    Files go into the yielded folder with the ``atomic_write_*`` functions.  On success the
+    temporary folder ``.tmp-{name}`` replaces ``path`` (an existing ``path`` is removed first); on
+    an error it is removed and ``path`` is left as it was.  Stale ``.tmp-*`` folders beside
+    ``path`` (killed writes) are removed first.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(".tmp-*"):  # left by a killed write
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.parent / f".tmp-{path.name}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except Exception:  # an interrupt, like a kill, leaves the .tmp-* folder for the next write
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(path.parent)

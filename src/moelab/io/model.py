@@ -1,0 +1,499 @@
+"""One persistence format for every moelab model: ``config.json`` + ``model.safetensors``.
+
+:func:`save` writes a folder that :func:`load` rebuilds in a fresh process, bit-exactly, without
+the code that made it and without unpickling anything:
+
+* ``model.safetensors`` — every tensor of the state dict (buffers included), each storage once:
+  a key whose tensor is the same view of the same storage as an earlier key (the LM head tied to
+  the token embedding) is not stored again but listed under ``"tied"`` in ``config.json``; loading
+  fills it from its source and the rebuilt module ties it again.
+* ``config.json`` — ``format`` / ``format_version``; the model ``kind`` and its constructor
+  ``config`` (a fixed table of kinds: :class:`moelab.models.lm.TransformerLM`,
+  :class:`moelab.models.classifier.LMClassifier`, :class:`moelab.models.vision.ImageMoE`,
+  :class:`moelab.models.vision.SingleModel`, a bare :class:`moelab.MoE`, or a transformers
+  model with the moelab steps applied to it — ``upcycle`` / ``from_hf``; any other module is
+  saved as kind ``"module"``, whose weights :func:`load_weights` loads into a model you build);
+  ``moe_layers``: the method, sizes and options of every MoE layer (checked against the rebuilt
+  model); ``routing_context``: :meth:`moelab.RoutingContext.state_dict` (the step decides
+  StableMoE's stage and SMoE-Dropout's K) and the competition schedule's arguments; ``files``: the
+  sha256 of every other file of the folder; ``sha256``: the digest of ``config.json``'s own
+  content (every key but this one, canonical JSON); ``metadata``: the caller's (step, metric).
+
+Every file is written by :func:`moelab.io.atomic.atomic_write_bytes`, ``config.json`` last: an
+interrupted save leaves a folder whose digests do not verify, which :func:`load` refuses in one
+line naming the file.  Training checkpoints (:mod:`moelab.train.checkpoint`) are this folder plus
+``state.pt`` (optimizer, RNG, schedule, step; read with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import CheckpointError
+from .atomic import atomic_write_bytes, atomic_write_json, sha256_file
+
+__all__ = [
+    "CONFIG_NAME",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "WEIGHTS_NAME",
+    "load",
+    "load_weights",
+    "read_config",
+    "resolve",
+    "save",
+]
+
+FORMAT = "moelab"
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+#: the kinds :func:`load` rebuilds (a fixed table: nothing named in a file is imported)
+KINDS = ("TransformerLM", "LMClassifier", "ImageMoE", "SingleModel", "MoE", "transformers")
+
+
+# ----------------------------------------------------------------------------- what a model is
+#: kind → the module defining it: a fixed table (nothing named in a file is imported); the class
+#: registers itself under its kind when that module is imported (:class:`Persistent`)
+_KIND_MODULES = {
+    "TransformerLM": "moelab.models.lm",
+    "LMClassifier": "moelab.models.classifier",
+    "ImageMoE": "moelab.models.vision",
+    "SingleModel": "moelab.models.vision",
+}
+_KIND_CLASSES: dict[str, type] = {}
+
+
+class Persistent:
+    """Base of moelab's own models: registers the class as a kind :func:`load` rebuilds, and gives
+    it ``save_pretrained`` / ``from_pretrained`` (thin wrappers over :func:`save` / :func:`load`).
+
+    A subclass provides ``moelab_config() -> dict`` (JSON-ready constructor config) and the
+    classmethod ``from_moelab_config(config)``.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__name__ in _KIND_MODULES and cls.__module__ == _KIND_MODULES[cls.__name__]:
+            _KIND_CLASSES[cls.__name__] = cls
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
+        return save(self, directory)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> Any:
+        """:func:`moelab.load` of ``directory`` (a save folder or a run), checked to be an
+        instance of this class."""
+        model = load(directory)
+        if not isinstance(model, cls):
+            raise ValueError(
+                f"directory={str(directory)!r} holds a {type(model).__name__}; expected a {cls.__name__}"
+            )
+        return model
+
+
+def _model_classes() -> dict[str, type]:
+    for module in _KIND_MODULES.values():
+        importlib.import_module(module)
+    return _KIND_CLASSES
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+               for c in type(model).__mro__)  # fmt: skip
+
+
+def _json_ready(value: Any, what: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{what}={value!r} is not allowed; expected JSON-serialisable values ({exc})"
+        ) from None
+
+
+def describe(model: nn.Module) -> tuple[str, dict[str, Any] | None]:
+    """``(kind, constructor config)`` of ``model``; ``("module", None)`` for a module moelab
+    cannot rebuild."""
+    from ..layer import MoE
+
+    for kind, cls in _model_classes().items():
+        if type(model) is cls:
+            return kind, model.moelab_config()
+    if type(model) is MoE and not model.init_config["custom_experts"]:
+        config = {k: v for k, v in model.init_config.items() if k != "custom_experts"}
+        return "MoE", _json_ready(config, "MoE options")
+    if _is_transformers_model(model):
+        return "transformers", {
+            "model_class": type(model).__name__,
+            "transformers_config": json.loads(model.config.to_json_string(use_diff=False)),
+            "recipe": _json_ready(list(getattr(model, "_moelab_recipe", [])), "recipe"),
+        }
+    return "module", None
+
+
+def _layer_records(model: nn.Module) -> dict[str, dict[str, Any]]:
+    from ..layer import MoE
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            c = m.init_config
+            out[name] = {"method": c["method"], "num_experts": c["num_experts"], "top_k": c["top_k"],
+                         "options": c["options"]}  # fmt: skip
+    return _json_ready(out, "MoE layer options")
+
+
+def _context_of(model: nn.Module) -> Any:
+    from ..layer import moe_layers
+
+    return next((layer.ctx for layer in moe_layers(model) if layer.ctx is not None), None)
+
+
+def _schedule_record(schedule: Any) -> dict[str, Any] | None:
+    """The competition schedule as its constructor arguments (its table is a function of them)."""
+    from ..schedules import CoinFlipSchedule, CompetitionSchedule
+
+    if isinstance(schedule, CompetitionSchedule):
+        keys = ("num_layers", "total_steps", "omega", "a_max", "warmup", "seed")
+        return {"type": "CompetitionSchedule", "args": {k: getattr(schedule, k) for k in keys}}
+    if isinstance(schedule, CoinFlipSchedule) and not callable(schedule.rate):
+        return {"type": "CoinFlipSchedule",
+                "args": {"num_layers": schedule.num_layers, "rate": schedule.rate, "seed": schedule.seed}}  # fmt: skip
+    return None
+
+
+def _build_schedule(record: dict[str, Any] | None) -> Any:
+    from ..schedules import CoinFlipSchedule, CompetitionSchedule
+
+    if record is None:
+        return None
+    cls = {"CompetitionSchedule": CompetitionSchedule, "CoinFlipSchedule": CoinFlipSchedule}[record["type"]]
+    return cls(**record["args"])
+
+
+# ----------------------------------------------------------------------------- tensors
+def _tensors(model_or_state: nn.Module | Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors to store and the tied keys (``alias -> source``).  The one rule for tied
+    weights: a key whose tensor is the same view (storage, offset, shape, stride, dtype) as an
+    earlier key is stored once, under the earlier key."""
+    state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else model_or_state
+    out: dict[str, Tensor] = {}
+    tied: dict[str, str] = {}
+    views: dict[tuple, str] = {}
+    for key, value in state.items():
+        if not isinstance(value, Tensor):
+            raise ValueError(f"state entry {key!r} is a {type(value).__name__}; expected a tensor")
+        view = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+                value.stride(), value.dtype)  # fmt: skip
+        if value.numel() and view in views:
+            tied[key] = views[view]
+            continue
+        views[view] = key
+        t = value.detach().to("cpu").contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.data_ptr() in {
+            o.data_ptr() for o in out.values() if o.numel()
+        }:
+            t = t.clone()  # safetensors refuses shared or partial storage
+        out[key] = t
+    return out, tied
+
+
+def _canonical(config: Mapping[str, Any]) -> bytes:
+    body = {k: v for k, v in config.items() if k != "sha256"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def save(
+    model: nn.Module | Mapping[str, Tensor],
+    directory: str | os.PathLike,
+    *,
+    ctx: Any = None,
+    metadata: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path:
+    """Write ``model`` to ``directory`` as ``config.json`` + ``model.safetensors``.
+
+    Args:
+        model: any module; moelab's models, a bare :class:`moelab.MoE` and upcycled / converted
+            transformers models are rebuilt by :func:`load`, any other module's weights (or a
+            state dict's: ``full_state_dict`` under expert parallelism) load with
+            :func:`load_weights`.
+        directory: created if missing; the files in it are replaced atomically.
+        ctx: the :class:`moelab.RoutingContext` to record (default: the one attached to the
+            model's MoE layers, if any).
+        metadata: JSON-serialisable extra facts (step, validation metric), under ``"metadata"``.
+        extra_files: more files of the folder (name → bytes), written with the same writer and
+            recorded with their sha256 (a training checkpoint's ``state.pt``).
+
+    Returns:
+        the directory.
+    """
+    from .._version import __version__
+
+    if not isinstance(model, (nn.Module, Mapping)):
+        raise ValueError(
+            f"model={type(model).__name__} is not allowed; expected a torch.nn.Module or a state dict"
+        )
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"directory={str(directory)!r} is not allowed; it exists and is not a folder")
+    module = model if isinstance(model, nn.Module) else nn.Module()  # a state dict: weights only
+    kind, config = describe(module) if module is model else ("module", None)
+    ctx = _context_of(module) if ctx is None else ctx
+    tensors, tied = _tensors(model)
+    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    payload: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "moelab_version": __version__,
+        "kind": kind,
+        "config": config,
+        "dtype": str(floating[0]).removeprefix("torch.") if floating else None,
+        "moe_layers": _layer_records(module),
+        "routing_context": None
+        if ctx is None
+        else {**ctx.state_dict(), "schedule": _schedule_record(getattr(ctx, "schedule", None))},
+        "tied": tied,
+        "metadata": _json_ready(dict(metadata or {}), "metadata"),
+    }
+    from safetensors.torch import save as st_save
+
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {WEIGHTS_NAME: st_save(tensors, metadata={"format": FORMAT})}
+    for name, data in (extra_files or {}).items():
+        if name in (CONFIG_NAME, WEIGHTS_NAME) or "/" in name or name.startswith("."):
+            raise ValueError(f"extra_files name {name!r} is not allowed; expected a plain new file name")
+        files[name] = data
+    digests = {}
+    for name, data in files.items():
+        atomic_write_bytes(directory / name, data)
+        digests[name] = hashlib.sha256(data).hexdigest()
+    payload["files"] = digests
+    payload["sha256"] = hashlib.sha256(_canonical(payload)).hexdigest()
+    atomic_write_json(directory / CONFIG_NAME, payload)  # last: it vouches for the others
+    return directory
+
+
+# ----------------------------------------------------------------------------- reading
+def resolve(path: str | os.PathLike) -> Path:
+    """The saved-model folder that ``path`` names.
+
+    * a folder with ``config.json`` (:func:`save`, ``moelab upcycle``, a checkpoint
+      ``ckpt/step-*``): itself;
+    * a run directory (``config.yaml``; ``moelab train`` / ``compare`` / ``finetune``):
+      ``best/``, the best-validation weights with the routing context the run's test figure
+      (``test_bpc`` / ``test_acc`` in ``metrics.json``) was computed with; without one (a run
+      stopped before its first evaluation), its newest checkpoint that verifies.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{str(path)!r} does not exist or is not a folder; expected a moelab.save folder or a run"
+        )
+    if (path / CONFIG_NAME).is_file():
+        return path
+    if (path / "config.yaml").is_file():
+        if (path / "best" / CONFIG_NAME).is_file():
+            return path / "best"
+        latest = latest_checkpoint(path / "ckpt")
+        if latest is not None:
+            return latest
+        if (path / "best.safetensors").is_file():
+            raise CheckpointError(
+                f"{str(path / 'best.safetensors')!r} is in the format of moelab < 0.2; re-run the run to "
+                "write best/ (config.json + model.safetensors)"
+            )
+        raise CheckpointError(f"run {str(path)!r} holds no saved model (best/ or ckpt/step-*/)")
+    raise CheckpointError(f"{str(path / CONFIG_NAME)!r} is missing; not a moelab.save folder or a run")
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Checkpoint folders ``step-*`` under ``root`` (a run's ``ckpt/``), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir())
+
+
+def latest_checkpoint(root: str | os.PathLike, verify: Callable[[Path], Any] | None = None) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies (``verify``, default :func:`read_config`);
+    a bad one is skipped with a warning naming its file.  ``None`` when there is none."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            (verify or read_config)(path)
+        except CheckpointError as exc:
+            warnings.warn(f"{exc}; falling back to an older checkpoint", stacklevel=2)
+            continue
+        return path
+    return None
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """``config.json`` of the folder :func:`resolve` finds, verified: its own digest and the
+    sha256 of every file it lists (a mismatch raises :class:`CheckpointError` naming the file)."""
+    directory = resolve(path)
+    file = directory / CONFIG_NAME
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{str(file)!r} is corrupted (not JSON)") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        got = config.get("format") if isinstance(config, dict) else None
+        raise CheckpointError(f"{str(file)!r} has format={got!r}; expected {FORMAT!r} (a moelab.save folder)")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{str(file)!r} has format_version={config.get('format_version')!r}; this moelab reads "
+            f"{FORMAT_VERSION}"
+        )
+    if hashlib.sha256(_canonical(config)).hexdigest() != config.get("sha256"):
+        raise CheckpointError(f"{str(file)!r} is corrupted or was edited (sha256 does not match its content)")
+    for name, digest in config.get("files", {}).items():
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        if sha256_file(f) != digest:
+            raise CheckpointError(f"checkpoint file {f} is truncated or corrupted (sha256 mismatch)")
+    config["directory"] = str(directory)
+    return config
+
+
+def _load_tensors(directory: Path, config: dict[str, Any]) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    file = directory / WEIGHTS_NAME
+    try:
+        tensors = load_file(str(file))
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{str(file)!r} cannot be read: {str(exc).splitlines()[0]}") from None
+    for alias, source in config.get("tied", {}).items():
+        tensors[alias] = tensors[source]
+    return tensors
+
+
+def load_weights(path: str | os.PathLike, model: nn.Module, *, strict: bool = True) -> dict[str, Any]:
+    """Load the verified weights of a saved folder (or a run: :func:`resolve`) into ``model``,
+    bit-exactly; returns the verified ``config.json``.  The model's routing context is left as it
+    is (:func:`load` restores the saved one)."""
+    config = read_config(path)
+    directory = Path(config["directory"])
+    tensors = _load_tensors(directory, config)
+    file = directory / WEIGHTS_NAME
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{str(file)!r} does not fit the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
+        )
+    try:
+        with torch.no_grad():
+            model.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        raise CheckpointError(
+            f"{str(file)!r} does not fit the model: {' '.join(lines[1:3] or lines)}"
+        ) from None
+    return config
+
+
+def _build(kind: str, config: dict[str, Any], file: Path) -> nn.Module:
+    if kind in _model_classes():
+        return _model_classes()[kind].from_moelab_config(config)
+    if kind == "MoE":
+        from ..layer import MoE
+
+        c = dict(config)
+        return MoE(**{k: v for k, v in c.items() if k != "options"}, **c.get("options", {}))
+    if kind == "transformers":
+        return _build_transformers(config, file)
+    if kind == "module":
+        raise CheckpointError(
+            f"{str(file)!r} holds kind='module' (a module moelab cannot rebuild); build the model and "
+            "load the weights with moelab.io.load_weights(path, model)"
+        )
+    raise CheckpointError(f"{str(file)!r} has kind={kind!r}; expected one of {list(KINDS)} or 'module'")
+
+
+def _build_transformers(config: dict[str, Any], file: Path) -> nn.Module:
+    """A transformers model from its config (offline, random init), then the recorded moelab steps."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover
+        raise CheckpointError(f"{str(file)!r} holds a transformers model; pip install transformers") from None
+    raw = dict(config["transformers_config"])
+    model_type = raw.pop("model_type", None)
+    if not model_type:
+        raise CheckpointError(
+            f"{str(file)!r} has no transformers_config.model_type; cannot rebuild the model"
+        )
+    hf_config = transformers.AutoConfig.for_model(model_type, **raw)
+    cls = getattr(transformers, str(config["model_class"]), None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise CheckpointError(
+            f"{str(file)!r} has model_class={config['model_class']!r}; expected a transformers model class"
+        )
+    model = cls(hf_config)
+    from ..hf.convert import from_hf
+    from ..hf.upcycle import upcycle
+
+    for step in config.get("recipe", []):
+        step = dict(step)
+        op = step.pop("op", None)
+        if op == "upcycle":
+            options = step.pop("options", {})
+            upcycle(model, **step, **options)
+        elif op == "from_hf":
+            from_hf(model)
+        else:
+            raise CheckpointError(f"{str(file)!r} has recipe step op={op!r}; expected 'upcycle' or 'from_hf'")
+    return model
+
+
+def load(path: str | os.PathLike) -> nn.Module:
+    """Rebuild the model saved in ``path`` (see :func:`resolve`: a :func:`save` folder, a
+    checkpoint, or a run directory, whose ``best/`` is returned) and restore its routing context.
+
+    Every file is verified first (sha256); nothing is unpickled.  The model comes back in eval
+    mode, on the CPU, in its saved dtype, bit-exact, its MoE layers attached to a
+    :class:`moelab.RoutingContext` at the saved step (so StableMoE routes with its frozen light
+    router after the stage switch, as at the end of training).
+    """
+    from ..layer import attach, moe_layers
+    from ..routing import RoutingContext
+
+    config = read_config(path)
+    directory = Path(config["directory"])
+    file = directory / CONFIG_NAME
+    model = _build(config.get("kind"), config.get("config") or {}, file)
+    dtype = config.get("dtype")
+    if dtype is not None:
+        target = getattr(torch, dtype, None)
+        if not isinstance(target, torch.dtype):
+            raise CheckpointError(f"{str(file)!r} has dtype={dtype!r}; expected a torch dtype name")
+        if any(p.is_floating_point() and p.dtype != target for p in model.parameters()):
+            model.to(target)
+    rebuilt = _layer_records(model)
+    if rebuilt != config.get("moe_layers", {}):
+        raise CheckpointError(
+            f"{str(file)!r}: the rebuilt model's MoE layers do not match moe_layers "
+            f"({sorted(rebuilt)[:3]} vs {sorted(config.get('moe_layers', {}))[:3]})"
+        )
+    load_weights(directory, model)
+    state = config.get("routing_context")
+    if state is not None and moe_layers(model):
+        ctx = RoutingContext(step=int(state["step"]), total_steps=state.get("total_steps"))
+        ctx.schedule = _build_schedule(state.get("schedule"))
+        attach(model, ctx)
+    return model.eval()

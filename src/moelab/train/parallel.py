@@ -1,0 +1,185 @@
+"""How the trainer spreads a model over processes: a strategy chosen once and handed to the
+:class:`moelab.train.Trainer`, the way torchtitan applies its parallel plans from outside.
+
+* :class:`Parallel` — one process (``none``): every hook is the identity.
+* :class:`DataParallel` — ``torchrun`` data parallelism: each rank trains on its shard of the
+  batch, DDP averages the gradients.
+* :class:`ExpertParallel` — data parallelism plus the experts of every MoE layer spread over the
+  ranks (:func:`moelab.train.distributed.apply_expert_parallel`); checkpoints still hold the full
+  model and optimizer state, so a run resumes with or without it, on any world size.
+
+The trainer calls the same hooks whatever the strategy: :meth:`Parallel.apply` (after a resume
+has loaded the full weights), :meth:`Parallel.wrap` (the training forward), :meth:`Parallel.clip`,
+:meth:`Parallel.mean`, and for checkpoints :meth:`Parallel.weights`,
+:meth:`Parallel.optimizer_state` / :meth:`Parallel.load_optimizer_state` and
+:meth:`Parallel.load_weights`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..layer import aux_loss
+from .distributed import (
+    apply_expert_parallel,
+    clip_grad_norm_,
+    ddp_ignore_experts,
+    full_optimizer_state,
+    full_state_dict,
+    local_optimizer_state,
+    local_state_dict,
+)
+
+__all__ = ["DataParallel", "ExpertParallel", "Parallel", "choose", "process_group"]
+
+
+def process_group() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class TrainForward(nn.Module):
+    """The training forward of one rank as a module: ``batch -> (task loss, aux loss, tokens)``,
+    the aux loss being that of this rank's tokens (:func:`moelab.aux_loss` after the forward).
+
+    DDP finds the parameters a step leaves unused by walking the graph back from the forward's
+    outputs; the outputs therefore hold the task loss *and* the aux loss, or a parameter reached
+    only through an aux loss (CompeteSMoE's router on a competition step: only the distillation
+    loss trains it) would be taken for unused and reduced twice."""
+
+    def __init__(self, model: nn.Module, task: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.task = task
+
+    def forward(self, batch: Any) -> tuple[Tensor, Tensor, int]:
+        task_loss, tokens = self.task.loss(self.model, batch)
+        return task_loss, aux_loss(self.model), tokens
+
+
+class Parallel:
+    """One process: the model trains as it is."""
+
+    name = "none"
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = process_group()
+
+    def apply(self, model: nn.Module) -> None:
+        """Change ``model`` for this strategy (after a resume loaded the full weights into it)."""
+
+    def wrap(self, model: nn.Module, task: Any) -> nn.Module:
+        """The training forward ``batch -> (task loss, aux loss, tokens)``."""
+        return TrainForward(model, task)
+
+    def clip(self, params: list[nn.Parameter], max_norm: float, model: nn.Module) -> Tensor:
+        """Clip the gradients to a global norm; return the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def mean(self, values: Tensor) -> Tensor:
+        """``values`` averaged over the ranks (the same on every rank)."""
+        return values
+
+    def weights(self, model: nn.Module) -> nn.Module:
+        """The module a checkpoint stores (a collective under expert parallelism)."""
+        return model
+
+    def load_weights(self, model: nn.Module, load: Any) -> None:
+        """Load saved full weights with ``load(module)`` into the training ``model``."""
+        load(model)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+        """The optimizer state a checkpoint stores (the full model's)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, full: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(full)
+
+    def full_model(self, model: nn.Module) -> nn.Module:
+        """The whole model (for parameter counts), without a collective."""
+        return model
+
+
+class DataParallel(Parallel):
+    """``torchrun`` data parallelism: DDP over the training forward."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, task: Any) -> nn.Module:
+        forward = TrainForward(model, task)
+        if self.world_size == 1 or not any(p.requires_grad for p in model.parameters()):
+            return forward
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._ignore(forward)
+        device = next(model.parameters()).device
+        # find_unused_parameters: which parameters a step uses depends on the routing (an expert
+        # of a ModuleExperts bank that no token chose)
+        return DistributedDataParallel(
+            forward, device_ids=[device] if device.type == "cuda" else None, find_unused_parameters=True
+        )
+
+    def _ignore(self, forward: nn.Module) -> None:
+        """Parameters DDP must not all-reduce (none here)."""
+
+    def mean(self, values: Tensor) -> Tensor:
+        if self.world_size == 1:
+            return values
+        values = values.clone()
+        torch.distributed.all_reduce(values)
+        return values / self.world_size
+
+
+class ExpertParallel(DataParallel):
+    """Data parallelism with the experts of every MoE layer spread over the ranks."""
+
+    name = "expert-parallel"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._full: nn.Module | None = None  # the full model, for checkpoints
+
+    def apply(self, model: nn.Module) -> None:
+        self._full = copy.deepcopy(model)  # same weights on every rank: same seed / checkpoint
+        apply_expert_parallel(model)  # average_grads: the gradient of the mean over ranks
+
+    def _ignore(self, forward: nn.Module) -> None:
+        ddp_ignore_experts(forward)  # each rank's experts are its own: no all-reduce
+
+    def clip(self, params: list[nn.Parameter], max_norm: float, model: nn.Module) -> Tensor:
+        return clip_grad_norm_(params, max_norm, model)
+
+    def weights(self, model: nn.Module) -> nn.Module:
+        self._full.load_state_dict(full_state_dict(model))
+        return self._full
+
+    def load_weights(self, model: nn.Module, load: Any) -> None:
+        load(self._full)  # the full weights, then this rank's experts
+        model.load_state_dict(local_state_dict(model, self._full.state_dict()))
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+        return full_optimizer_state(optimizer, model)
+
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, full: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(local_optimizer_state(optimizer, model, full))
+
+    def full_model(self, model: nn.Module) -> nn.Module:
+        return model if self._full is None else self._full
+
+
+def choose(expert_parallel: bool = False) -> Parallel:
+    """The strategy for this process group: expert parallel when asked, data parallel under
+    ``torchrun``, else one process."""
+    if expert_parallel:
+        return ExpertParallel()
+    return DataParallel() if process_group()[1] > 1 else Parallel()

@@ -1,0 +1,248 @@
+"""The kernels by name: ``impl="auto"``'s rule, an explicit ``impl`` runs exactly that kernel, and
+every kernel gives the outputs and gradients of ``loop``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experts_helpers import ACTS, GROUPED, IMPLS, random_routing, reference
+from moelab.experts import KERNELS, ExpertBank
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm not available in this torch")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_gradients_equal_loop_gradients(act, bias):
+    g = torch.Generator().manual_seed(2)
+    loop = ExpertBank(6, 8, 12, activation=act, bias=bias, impl="loop")
+    grouped = ExpertBank(6, 8, 12, activation=act, bias=bias, impl="grouped")
+    if bias:
+        with torch.no_grad():
+            loop.b_in.normal_()
+            loop.b_out.normal_()
+    grouped.load_state_dict(loop.state_dict())
+    x = torch.randn(11, 8, generator=g)
+    idx, w = random_routing(11, 6, 2, g, experts=[0, 2, 3, 5])
+    grads = []
+    for bank in (loop, grouped):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        (bank(xi, idx, wi) * torch.linspace(-1, 1, 8)).sum().backward()
+        grads.append([xi.grad, wi.grad] + [p.grad for p in bank.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_loop_dispatch_passes_gradcheck_in_float64(act, bias):
+    bank = ExpertBank(3, 3, 2, activation=act, bias=bias, impl="loop").double()
+    names = [name for name, _ in bank.named_parameters()]
+    params = [p.detach().clone().normal_().requires_grad_() for p in bank.parameters()]
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 0]])  # expert 1 idle
+    w = torch.rand(4, 2, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w, *ps):
+        return torch.func.functional_call(bank, dict(zip(names, ps)), (x, idx, w))
+
+    assert torch.autograd.gradcheck(f, (x, w, *params))
+
+
+def test_grouped_impl_rejects_float64_with_a_clear_message():
+    bank = ExpertBank(2, 4, 4, impl="grouped").double()
+    idx, w = random_routing(3, 2, 1, torch.Generator().manual_seed(0))
+    with pytest.raises(
+        ValueError, match=r"impl='grouped' is not available for device=cpu, dtype=torch.float64"
+    ):
+        bank(torch.randn(3, 4, dtype=torch.float64), idx, w.double())
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm not available in this torch")
+def test_grouped_impl_rejects_unaligned_sizes_naming_them():
+    bank = ExpertBank(2, 6, 10, impl="grouped")
+    idx, w = random_routing(3, 2, 1, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"multiples of 4 .*d_model=6, d_hidden=10"):
+        bank(torch.randn(3, 6), idx, w)
+
+
+def test_auto_falls_back_to_loop_where_grouped_cannot_run():
+    bank = ExpertBank(3, 6, 10, impl="auto")  # 6 and 10 are not multiples of 4
+    x = torch.randn(5, 6)
+    assert bank.resolved_impl(x) == "loop"
+    assert bank.resolved_impl(x.double()) == "loop"
+    idx, w = random_routing(5, 3, 2, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(bank(x, idx, w), reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm not available in this torch")
+def test_auto_uses_grouped_for_aligned_float32():
+    assert ExpertBank(3, 8, 16).resolved_impl(torch.randn(2, 8)) == "grouped"
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert():
+    bank = ExpertBank(4, 8, 16)
+    rows = ExpertBank.LOOP_ROWS_PER_EXPERT
+    assert bank.resolved_impl(torch.randn(rows * 4 // 2 - 1, 8), top_k=2) == "grouped"
+    assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
+    assert ExpertBank(4, 8, 16, impl="grouped").resolved_impl(torch.randn(rows * 4, 8)) == "grouped"
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_auto_inference_streams_when_decoding_and_from_enough_slots_per_expert():
+    bank = ExpertBank(4, 8, 16)
+    rows = ExpertBank.STREAM_ROWS_PER_EXPERT
+    assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"  # T·K ≤ N
+    assert bank.resolved_impl(torch.randn(3, 8), top_k=2, grad=False) == "grouped"
+    assert bank.resolved_impl(torch.randn(rows * 2 - 1, 8), top_k=2, grad=False) == "grouped"
+    assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) == "stream"
+    assert bank.resolved_impl(torch.randn(3, 8).double(), top_k=2, grad=False) == "stream"
+    threads = torch.get_num_threads()
+    try:  # with several threads, only decoding streams
+        torch.set_num_threads(2)
+        assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) == "grouped"
+        assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"
+    finally:
+        torch.set_num_threads(threads)
+
+
+FEW = [(1, 4, 2, 8, 4), (1, 3, 3, 4, 8), (3, 8, 2, 8, 8), (8, 8, 1, 4, 12)]  # T·K ≤ N
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("case", FEW)
+def test_few_token_inference_equals_weighted_sum_without_sorting(monkeypatch, act, bias, case):
+    t, n, k, d, h = case
+    g = torch.Generator().manual_seed(t + n + k)
+    bank = ExpertBank(n, d, h, activation=act, bias=bias)
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.normal_(generator=g)
+    x = torch.randn(t, d, generator=g)
+    idx, w = random_routing(t, n, k, g)
+    with torch.no_grad():
+        expected = reference(bank, x, idx, w)
+
+    def no_sort(*args):
+        raise AssertionError("the few-token path must not sort the slots")
+
+    monkeypatch.setattr("moelab.experts.kernels.sort_slots", no_sort)
+    monkeypatch.setattr("moelab.experts.dispatch.sort_slots", no_sort)
+    with torch.inference_mode():
+        y = bank(x, idx, w)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_streams_in_cpu_inference_only(monkeypatch):
+    bank = ExpertBank(8, 8, 8, activation="swiglu").double()  # float64: grouped_mm cannot run
+    g = torch.Generator().manual_seed(0)
+    idx, w = random_routing(5, 8, 2, g)  # T·K = 10 > N = 8: sorted by sort_slots
+    x = torch.randn(5, 8, dtype=torch.float64)
+    w = w.double()
+    assert bank.resolved_impl(x, 2, grad=True) == "loop"
+    assert bank.resolved_impl(x, 2, grad=False) == "stream"
+    with torch.no_grad():
+        expected = reference(bank, x, idx, w)
+        torch.testing.assert_close(bank(x, idx, w), expected)
+    monkeypatch.setitem(KERNELS, "stream", lambda *a: pytest.fail("stream kernel taken with autograd"))
+    y = bank(x, idx, w)  # parameters require grad: the autograd path
+    assert y.grad_fn is not None
+
+
+def _spy(monkeypatch):
+    """Replace every kernel of the registry by one that records its name and runs the original."""
+    calls = []
+    for name, fn in list(KERNELS.items()):
+        monkeypatch.setitem(KERNELS, name, lambda *a, name=name, fn=fn: calls.append(name) or fn(*a))
+    return calls
+
+
+def test_explicit_loop_runs_the_loop_kernel_where_auto_would_stream(monkeypatch):
+    x = torch.randn(2, 8)
+    idx, w = random_routing(2, 8, 2, torch.Generator().manual_seed(1))  # T·K ≤ N: decoding
+    auto = ExpertBank(8, 8, 8, activation="swiglu")
+    assert auto.resolved_impl(x, 2, grad=False) == "stream"
+    bank = ExpertBank(8, 8, 8, activation="swiglu", impl="loop")
+    bank.load_state_dict(auto.state_dict())
+    assert bank.resolved_impl(x, 2, grad=False) == bank.resolved_impl(x, 2, grad=True) == "loop"
+    calls = _spy(monkeypatch)
+    with torch.inference_mode():
+        y = bank(x, idx, w)
+    assert calls == ["loop"]
+    torch.testing.assert_close(y, reference(bank, x, idx, w).detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "auto"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_explicit_impl_runs_exactly_its_kernel(monkeypatch, impl, grad):
+    bank = ExpertBank(4, 8, 8, impl=impl)
+    calls = _spy(monkeypatch)
+    for t in (1, 3, 600):  # decoding, a few tokens, many slots per expert
+        idx, w = random_routing(t, 4, 2, torch.Generator().manual_seed(t))
+        with torch.set_grad_enabled(grad):
+            bank(torch.randn(t, 8), idx, w)
+    assert calls == [impl] * 3
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "auto"])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_kernel_gives_the_outputs_and_gradients_of_loop(impl, act, bias):
+    g = torch.Generator().manual_seed(7)
+    loop = ExpertBank(6, 8, 12, activation=act, bias=bias, impl="loop")
+    with torch.no_grad():
+        for p in loop.parameters():
+            p.normal_(generator=g)
+    bank = ExpertBank(6, 8, 12, activation=act, bias=bias, impl=impl)
+    bank.load_state_dict(loop.state_dict())
+    for t, k in ((2, 3), (13, 2)):  # T·K ≤ N (host-sorted stream) and T·K > N
+        x = torch.randn(t, 8, generator=g)
+        idx, w = random_routing(t, 6, k, g, experts=[0, 2, 3, 5])  # experts 1 and 4 idle
+        runs = []
+        for b in (loop, bank):
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = b(xi, idx, wi)
+            grads = torch.autograd.grad((y * torch.linspace(-1, 1, 8)).sum(), [xi, wi, *b.parameters()])
+            with torch.inference_mode():
+                plain = b(x, idx, w)
+            runs.append([y.detach(), plain, *grads])
+        for a, c in zip(*runs):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_stream_rejects_devices_other_than_the_cpu_naming_impl():
+    bank = ExpertBank(4, 8, 8, impl="stream")
+    x = torch.randn(3, 8, device="meta")
+    idx = torch.zeros(3, 1, dtype=torch.long, device="meta")
+    with pytest.raises(
+        ValueError, match=r"impl='stream' is not available for device=meta: it runs on the CPU only"
+    ):
+        bank(x, idx, torch.ones(3, 1, device="meta"))
+
+
+def test_few_token_path_repeats_bitwise():
+    bank = ExpertBank(16, 8, 8, activation="swiglu")
+    idx, w = random_routing(4, 16, 3, torch.Generator().manual_seed(3))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(bank(x, idx, w), bank(x, idx, w))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_inference_dispatch_without_autograd_equals_the_autograd_path(impl, bias):
+    g = torch.Generator().manual_seed(5)
+    bank = ExpertBank(4, 8, 8, activation="swiglu", bias=bias, impl=impl)
+    with torch.no_grad():
+        for p in bank.parameters():
+            p.normal_(generator=g)
+    x = torch.randn(9, 8, generator=g)  # T·K = 18 > N: the sorted dispatch, not the few-token path
+    idx, w = random_routing(9, 4, 2, g)
+    tracked = bank(x, idx, w)
+    assert tracked.grad_fn is not None
+    with torch.inference_mode():
+        plain = bank(x, idx, w)
+    assert plain.grad_fn is None
+    torch.testing.assert_close(plain, tracked.detach(), rtol=0, atol=0)

@@ -1,0 +1,109 @@
+"""The package's import graph: no circle (at any depth, lazy imports included) and no upward
+import (library code never imports the command line, the experiments or the benchmarks)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "moelab"
+#: the layers above the library: nothing below them may import them
+TOP = ("moelab.cli", "moelab.__main__", "moelab.experiments", "moelab.bench")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ["moelab", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in SRC.rglob("*.py")}
+
+
+def _resolve(name: str, modules: dict[str, pathlib.Path]) -> str | None:
+    """The moelab module ``name`` refers to (a submodule, or the package holding an attribute)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []  # typing-only imports do not run
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                root = ".".join(base + ([node.module] if node.module else []))
+            else:
+                root = node.module or ""
+            targets = [f"{root}.{a.name}" for a in node.names] or [root]
+        else:
+            continue
+        for t in targets:
+            if t.startswith("moelab"):
+                target = _resolve(t, modules)
+                if target and target != module:
+                    found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def test_the_package_has_no_import_circle():
+    graph = _graph()
+    edges = graph
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                circles.append([*stack[stack.index(t) :], t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+@pytest.mark.parametrize("layer", TOP)
+def test_library_code_never_imports_the_layers_above_it(layer):
+    graph = _graph()
+    offenders = sorted(
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        if not m.startswith(TOP) and m != "moelab"
+        for t in ts
+        if t == layer or t.startswith(layer + ".")
+    )
+    assert not offenders, f"library modules import {layer}: {offenders}"
+
+
+def test_the_import_walker_sees_lazy_and_relative_imports(tmp_path):
+    modules = {
+        "moelab": SRC / "__init__.py",
+        "moelab.a": tmp_path / "a.py",
+        "moelab.pkg.b": tmp_path / "b.py",
+    }
+    (tmp_path / "b.py").write_text("def f():\n    from ..a import x\n    import moelab.pkg.b\n")
+    assert _imports("moelab.pkg.b", tmp_path / "b.py", modules) == {"moelab.a"}
