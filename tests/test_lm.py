@@ -198,6 +198,108 @@ def test_a_runs_own_config_yaml_is_accepted_back_by_config(corpus, tmp_path):
     assert yaml.safe_load((third / "config.yaml").read_text())["train"]["seed"] == 5
 
 
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("moelab train: error:"), err
+    return err
+
+
+def test_force_leaves_nothing_of_the_old_run_for_resume_to_continue(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out, "--steps", "6", "--ckpt-every", "2")) == 0
+    assert main(tiny_args(corpus, out, "--steps", "2", "--ckpt-every", "1", "--force")) == 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step-00000001", "step-00000002"]
+    capsys.readouterr()
+    assert main(tiny_args(corpus, out, "--steps", "2", "--ckpt-every", "1", "--resume")) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["best_step"] <= 2
+
+
+@pytest.mark.parametrize(
+    "change,flag",
+    [(["--steps", "6"], "--steps=6"), (["--lr", "0.01"], "--lr=0.01"), (["--seed", "3"], "--seed=3"),
+     (["--method", "xmoe"], "--method='xmoe'")],
+)  # fmt: skip
+def test_resume_refuses_changed_flags_in_one_line(corpus, tmp_path, capsys, change, flag):
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out)) == 0
+    (out / "metrics.json").unlink()  # an unfinished run
+    capsys.readouterr()
+    assert main([*tiny_args(corpus, out, "--resume"), *change]) == 2
+    err = _one_line_error(capsys)
+    assert f"--resume: {flag} differs from" in err and "config.yaml" in err and "--allow-changes" in err
+
+
+def test_resume_without_flags_continues_with_the_runs_own_settings(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert main([*tiny_args(corpus, out), "--method", "xmoe", "--seed", "2"]) == 0
+    (out / "metrics.json").unlink()
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["method"], metrics["seed"], metrics["steps"]) == ("xmoe", 2, 4)
+
+
+def test_resume_with_allow_changes_continues_with_the_new_steps(corpus, tmp_path):
+    import yaml
+
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out)) == 0
+    assert main([*tiny_args(corpus, out, "--resume"), "--steps", "6", "--allow-changes"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 6
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["steps"] == 6
+
+
+def test_resume_refuses_a_changed_data_file(corpus, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(Path(corpus).read_bytes())
+    out = tmp_path / "run"
+    assert main(tiny_args(data, out)) == 0
+    (out / "metrics.json").unlink()
+    data.write_bytes(Path(corpus).read_bytes()[::-1])  # same name, other text
+    capsys.readouterr()
+    assert main(tiny_args(data, out, "--resume")) == 2
+    err = _one_line_error(capsys)
+    assert "has sha256" in err and "the run cannot continue on other data" in err
+
+
+def test_resume_refuses_checkpoints_without_their_config(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out, "--ckpt-every", "2")) == 0
+    (out / "config.yaml").unlink()
+    capsys.readouterr()
+    assert main(tiny_args(corpus, out, "--resume")) == 2
+    assert "holds checkpoints but no config.yaml: the run cannot continue exactly" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--grad-clip", "--dropout"])
+def test_infinite_numbers_are_refused_in_one_line(corpus, tmp_path, capsys, flag):
+    assert main(tiny_args(corpus, tmp_path / "run", flag, "inf")) == 2
+    err = _one_line_error(capsys)
+    assert "=inf is not allowed; expected a" in err
+
+
+def test_a_second_process_on_the_same_run_is_refused_naming_the_holder(tmp_path):
+    import subprocess
+    import sys
+
+    from moelab.io.rundir import RunDir
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from moelab.io.rundir import RunDir; RunDir({str(out)!r}); print('held', flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(
+            FileExistsError, match=rf"is in use by another moelab process \(PID {holder.pid}\)"
+        ):
+            RunDir(out)
+    finally:
+        holder.communicate("\n", timeout=30)
+    RunDir(out).close()  # free again once the holder has exited
+
+
 def test_a_damaged_run_config_is_refused_in_one_line(corpus, tmp_path, capsys):
     import yaml
 

@@ -36,7 +36,7 @@ def data(tmp_path_factory):
     return load_text(str(path))
 
 
-def train(data, out, *, steps=12, resume=False, method="smoe", keep=2, loss=None):
+def train(data, out, *, steps=12, resume=False, method="smoe", keep=2, loss=None, grad_clip=1.0):
     torch.manual_seed(123)
     model = TransformerLM(LMConfig(vocab_size=256, method=method, **TINY))
     task = LMTask(data, 16)
@@ -45,7 +45,7 @@ def train(data, out, *, steps=12, resume=False, method="smoe", keep=2, loss=None
         task.loss = lambda m, b: loss(real, m, b)
     cfg = TrainConfig(
         steps=steps, batch_size=4, eval_every=3, ckpt_every=4, eval_tokens=64, test_tokens=64, seed=5,
-        keep_ckpts=keep,
+        keep_ckpts=keep, grad_clip=grad_clip,
     )  # fmt: skip
     run = RunDir(out, resume=resume)
     if not resume:
@@ -210,7 +210,8 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_pa
     assert len(log_rows(tmp_path)) == 9 and not (tmp_path / "metrics.json").exists()
 
 
-def test_a_non_finite_gradient_stops_before_the_update(data, tmp_path):
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_a_non_finite_gradient_stops_before_the_update(data, tmp_path, grad_clip):
     calls = {"n": 0}
 
     def loss(real, model, batch):
@@ -221,7 +222,7 @@ def test_a_non_finite_gradient_stops_before_the_update(data, tmp_path):
         return value, tokens
 
     with pytest.raises(TrainingError, match=r"non-finite gradient norm at step 6; .*step-00000004"):
-        train(data, tmp_path, loss=loss)
+        train(data, tmp_path, loss=loss, grad_clip=grad_clip)  # checked with clipping off too
     model = TransformerLM(LMConfig(vocab_size=256, **TINY))
     C.load_checkpoint(C.list_checkpoints(tmp_path / "ckpt")[-1], model)
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 
@@ -17,15 +18,23 @@ def int_in_range(name: str, value: object, low: int, high: int) -> int:
     return value
 
 
+def _finite(name: str, value: object, bound: str) -> None:
+    """Refuse inf (NaN fails every comparison already): no coefficient, rate or size is infinite."""
+    if isinstance(value, float) and math.isinf(value):
+        raise ValueError(f"{name}={value!r} is not allowed; expected a finite number {bound}")
+
+
 def non_negative(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(f"{name}={value!r} is not allowed; expected a number >= 0")
+    _finite(name, value, ">= 0")
     return float(value)
 
 
 def positive(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}={value!r} is not allowed; expected a number > 0")
+    _finite(name, value, "> 0")
     return float(value)
 
 

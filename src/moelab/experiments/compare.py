@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="reuse finished runs in --out, continue unfinished ones"
     )
     p.add_argument("--force", action="store_true", help="re-run everything in --out")
+    p.add_argument(
+        "--allow-changes",
+        action="store_true",
+        dest="allow_changes",
+        help="with --resume: continue unfinished runs even though flags or data differ from theirs",
+    )
     add_lm_arguments(p)
 
 
@@ -109,7 +115,13 @@ def run(args: argparse.Namespace) -> int:
             continue
         resume = args.resume and (run_dir / "config.yaml").exists()
         m = train_lm(
-            config, run_dir, resume=resume, force=args.force, progress=not args.no_progress, data=data
+            config,
+            run_dir,
+            resume=resume,
+            force=args.force,
+            progress=not args.no_progress,
+            data=data,
+            allow_changes=args.allow_changes,
         )
         key = f"test_{data.metric}"
         print(

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..data.text import TextData, load_text
-from ..io.rundir import RunDir, atomic_write_text
+from ..io.rundir import RUN_ENTRIES, RunDir, atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
 from ..schedules import LR_SCHEDULES, build_competition_schedule, split_schedule_options
@@ -296,6 +296,32 @@ def build_model(config: RunConfig, vocab_size: int) -> TransformerLM:
     return TransformerLM(cfg)
 
 
+def _changed_input(new: RunConfig, old: RunConfig) -> tuple[str, Any, Any] | None:
+    """The first input of ``new`` that differs from ``old``, as ``(flag, new value, old value)``."""
+    for name in RunConfig.INPUTS:
+        a, b = getattr(new, name), getattr(old, name)
+        if name == "train":
+            a, b = asdict(a), asdict(b)
+        if name in ("train", "model"):
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    return f"--{key.replace('_', '-')}", a.get(key), b.get(key)
+        elif a != b:
+            return f"--{name}", a, b
+    return None
+
+
+def _check_same_data(stored: RunConfig, data: TextData, out: Any) -> None:
+    """Refuse to resume on data whose sha256 differs from the one the run recorded."""
+    old = (stored.data_info or {}).get("sha256")
+    new = (data.info or {}).get("sha256")
+    if old is not None and new is not None and old != new:
+        raise ValueError(
+            f"--resume: --data {stored.data!r} has sha256 {new[:12]}…, but the run in {out} was trained on "
+            f"{old[:12]}…; the run cannot continue on other data (--allow-changes to continue anyway)"
+        )
+
+
 def train_lm(
     config: RunConfig,
     out: str | Path | None,
@@ -305,23 +331,41 @@ def train_lm(
     progress: bool = True,
     data: TextData | None = None,
     expert_parallel: bool = False,
+    allow_changes: bool = False,
 ) -> dict[str, Any]:
     """Train one LM run described by ``config`` (:func:`build_config`) into ``out``
-    (``expert_parallel``: under torchrun, spread each MoE layer's experts over the ranks)."""
+    (``expert_parallel``: under torchrun, spread each MoE layer's experts over the ranks).
+
+    ``resume`` continues the run in ``out`` only if ``config``'s inputs and the data's sha256 are
+    those recorded in its ``config.yaml``; a difference is refused in one line naming it, unless
+    ``allow_changes``, which continues with ``config`` and records it."""
     rank, world = process_group()
-    run = None
+    run = stored = None
     # rank 0 first: it refuses (or clears, with force) an existing run and downloads the data once;
     # the other ranks then read the same folder and the cached data.  Only rank 0 writes.
     for turn in (0, 1) if world > 1 else (0,):
         if (rank == 0) == (turn == 0):
             run = (
-                RunDir(out, resume=resume or rank > 0, force=force and rank == 0) if out is not None else None
+                RunDir(out, resume=resume or rank > 0, force=force and rank == 0, lock=rank == 0)
+                if out is not None
+                else None
             )
             if run is not None and resume and run.file("config.yaml").exists():
-                # the stored configuration wins: the same curve
-                config = RunConfig.from_dict(run.read_config(), str(run.file("config.yaml")))
+                stored = RunConfig.from_dict(run.read_config(), str(run.file("config.yaml")))
+                changed = _changed_input(config, stored)
+                if changed is not None and not allow_changes:
+                    flag, new, old = changed
+                    raise ValueError(
+                        f"--resume: {flag}={new!r} differs from {old!r} recorded in {run.file('config.yaml')}; "
+                        "the run cannot continue with other settings (pass --allow-changes to continue it "
+                        "with the new ones, or --force to start afresh)"
+                    )
+                if changed is None:
+                    config = replace(stored)  # the stored configuration: the same curve
             if data is None:
                 data = load_text(config.data, level=config.level)
+            if stored is not None and not allow_changes:
+                _check_same_data(stored, data, out)
         if world > 1 and turn == 0:
             torch.distributed.barrier()
     torch.manual_seed(config.train.seed)  # the initial weights depend on the seed only
@@ -338,7 +382,7 @@ def train_lm(
         params=total,
         active_params=active,
     )
-    if run is not None and rank == 0 and not (resume and run.file("config.yaml").exists()):
+    if run is not None and rank == 0 and (stored is None or allow_changes):
         run.write_config(config.to_dict())
         # the tokenizer, so that `moelab finetune` encodes text as the LM was trained
         atomic_write_text(run.file("tokenizer.json"), json.dumps(data.tokenizer.state()))
@@ -358,7 +402,11 @@ def train_lm(
         },
         expert_parallel=expert_parallel,
     )
-    return trainer.fit(resume=resume)
+    try:
+        return trainer.fit(resume=resume)
+    finally:
+        if run is not None:
+            run.close()
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -412,7 +460,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="run directory")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--force", action="store_true", help="overwrite the run in --out")
+    p.add_argument("--force", action="store_true", help="start afresh: empty the run in --out first")
+    p.add_argument(
+        "--allow-changes",
+        action="store_true",
+        dest="allow_changes",
+        help="with --resume: continue even though flags or the data differ from the run's config.yaml",
+    )
     p.add_argument(
         "--expert-parallel",
         action="store_true",
@@ -422,27 +476,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_lm_arguments(p)
 
 
-def apply_config_file(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> None:
-    """Fill flags left at their defaults from ``--config`` (keys are flag names, ``-`` or ``_``)."""
-    path = Path(args.config)
-    if not path.is_file():
-        raise FileNotFoundError(f"--config {args.config!r} does not exist")
+def apply_config_file(
+    args: argparse.Namespace, parser_defaults: dict[str, Any], path: str | None = None, flag: str = "--config"
+) -> None:
+    """Fill flags left at their defaults from a YAML file (``--config``, or with ``path`` a run's
+    own ``config.yaml``): keys are flag names (``-`` or ``_``), or a run's configuration."""
+    path = str(args.config if path is None else path)
+    source = f"{flag} {path!r}"
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{source} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ValueError(f"--config {args.config!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ValueError(f"{source} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--config {args.config!r} must hold a mapping of flag names to values")
+        raise ValueError(f"{source} must hold a mapping of flag names to values")
     if isinstance(data.get("train"), dict):  # a run's own config.yaml
-        data = _flags_of(RunConfig.from_dict(data, f"--config {args.config!r}"), args.config)
+        data = _flags_of(RunConfig.from_dict(data, source), path)
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in parser_defaults:
-            raise ValueError(
-                f"--config {args.config!r}: unknown key {key!r}; allowed: {sorted(parser_defaults)}"
-            )
+            raise ValueError(f"{source}: unknown key {key!r}; allowed: {sorted(parser_defaults)}")
         if getattr(args, name) == parser_defaults[name]:
-            setattr(args, name, _config_value(args.config, key, value))
+            setattr(args, name, _config_value(path, key, value))
 
 
 #: the model fields a flag sets (the others come from the --size preset)
@@ -547,6 +603,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.out:
         raise UsageError("--out is required (the run directory)")
+    stored = Path(args.out, "config.yaml")
+    if args.resume and not args.force and stored.is_file():
+        # the flags not given are the run's own; a given one that differs is refused by train_lm
+        apply_config_file(args, _defaults(), stored, flag="--resume: the run's")
     set_threads(args)
     config = build_config(args)
     from ..train.distributed import init_from_env
@@ -575,7 +635,7 @@ def _train_and_report(args: argparse.Namespace, config: RunConfig, rank: int, wo
                 f"--expert-parallel: world size {world} does not divide num_experts={experts}; "
                 f"allowed world sizes: {[w for w in range(1, experts + 1) if experts % w == 0]}"
             )
-    if args.resume and not Path(args.out, "config.yaml").exists():
+    if args.resume and not any(Path(args.out, name).exists() for name in RUN_ENTRIES):
         if rank == 0:
             print(f"--resume: {args.out} holds no run yet; starting one")
         args.resume = False
@@ -587,6 +647,7 @@ def _train_and_report(args: argparse.Namespace, config: RunConfig, rank: int, wo
             force=args.force,
             progress=not args.no_progress,
             expert_parallel=bool(getattr(args, "expert_parallel", False)),
+            allow_changes=args.allow_changes,
         )
     except TrainingError as exc:
         print(f"moelab train: {exc}")

@@ -7,9 +7,11 @@ leaves a half-written file behind.  The model of a run: :func:`moelab.load` of t
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import math
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,31 +38,86 @@ def _plain(value: Any) -> Any:
     return value
 
 
+#: what a run directory holds (the markers of a run, and what ``--force`` removes)
+RUN_ENTRIES = ("config.yaml", "metrics.json", "log.csv", "tokenizer.json", "best", "ckpt")
+LOCK = ".lock"
+#: run directories this process owns (path → open lock file): a process may open its own run again
+_HELD: dict[Path, int] = {}
+
+
 class RunDir:
-    """An experiment's output folder.
+    """An experiment's output folder, owned by one process.
 
     Args:
         path: the ``--out`` directory.
         resume: continue a run already in ``path``.
-        force: overwrite a run already in ``path``.
+        force: start afresh: the old run in ``path`` is removed first.
+        lock: take the folder's advisory lock (every writer does; the reading ranks of a
+            ``torchrun`` job do not).
 
-    A folder that already holds a run (a ``config.yaml``) is refused unless ``resume`` or
-    ``force`` is given, so finished work is never overwritten by accident.
+    A folder that already holds a run (a ``config.yaml``, checkpoints or best weights) is refused
+    unless ``resume`` or ``force`` is given, so finished work is never overwritten by accident;
+    ``resume`` of checkpoints without their ``config.yaml`` is refused (the run cannot continue
+    exactly).  While a process holds the folder, a second process is refused in one line naming
+    the holder's PID.
     """
 
-    def __init__(self, path: str | os.PathLike, resume: bool = False, force: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike, resume: bool = False, force: bool = False, lock: bool = True
+    ) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"--out {self.path} exists and is not a directory")
-        if (self.path / "config.yaml").exists() and not (resume or force):
+        has_config = (self.path / "config.yaml").exists()
+        holds_run = any((self.path / name).exists() for name in RUN_ENTRIES)
+        if holds_run and not (resume or force):
             raise FileExistsError(
                 f"--out {self.path} already holds a run; pass --resume to continue it or --force"
             )
-        if force and not resume and (self.path / "config.yaml").exists():
-            # start afresh: the old run's config, metrics and CSV logs would otherwise mix with the new
-            for old in [self.path / "config.yaml", self.path / "metrics.json", *self.path.glob("*.csv")]:
+        if resume and not force and not has_config and (self.path / "ckpt").exists():
+            raise FileExistsError(
+                f"--out {self.path} holds checkpoints but no config.yaml: the run cannot continue exactly; "
+                "pass --force to start afresh"
+            )
+        if lock:
+            self._lock()
+        if force and not resume and holds_run:  # start afresh: nothing of the old run may survive
+            for name in RUN_ENTRIES:
+                old = self.path / name
+                if old.is_dir() and not old.is_symlink():
+                    shutil.rmtree(old)
+                else:
+                    old.unlink(missing_ok=True)
+            for old in self.path.glob("*.csv"):
                 old.unlink(missing_ok=True)
         self.path.mkdir(parents=True, exist_ok=True)
+
+    def _lock(self) -> None:
+        """Take ``path/.lock`` (``fcntl.flock``; released by :meth:`close` or when the process
+        ends, even by SIGKILL)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        key = self.path.resolve()
+        if key in _HELD:
+            return
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise FileExistsError(
+                f"--out {self.path} is in use by another moelab process (PID {holder}); wait for it or "
+                "choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD[key] = fd
+
+    def close(self) -> None:
+        """Release the folder's lock (another process may then open the run)."""
+        fd = _HELD.pop(self.path.resolve(), None)
+        if fd is not None:
+            os.close(fd)
 
     def file(self, name: str) -> Path:
         return self.path / name

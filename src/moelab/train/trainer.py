@@ -353,12 +353,10 @@ class Trainer:
             )
         optimizer.zero_grad(set_to_none=True)
         (task_loss + aux).backward()
-        grad_norm = (
-            float(self.parallel.clip(params, cfg.grad_clip, self.model))
-            if cfg.grad_clip > 0
-            else float("nan")
-        )
-        if not math.isfinite(grad_norm) and cfg.grad_clip > 0:  # the step would poison the weights
+        # the norm is measured whatever the clipping (0: off = an infinite bound): a non-finite
+        # gradient is never applied, so no checkpoint can hold a poisoned update
+        grad_norm = float(self.parallel.clip(params, cfg.grad_clip or math.inf, self.model))
+        if not math.isfinite(grad_norm):  # the step would poison the weights
             raise TrainingError(
                 f"non-finite gradient norm at step {step + 1}; stopped before the update; "
                 f"{self._last_good()}. Lower --lr or check the data"
