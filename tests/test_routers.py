@@ -126,12 +126,12 @@ def test_xmoe_logits_are_cosine_of_projection_over_temperature():
     check_routing(r, logits, 2)
 
 
-def test_xmoe_learnable_temperature_receives_a_gradient():
-    layer = moelab.MoE(6, 4, 2, method="xmoe", learn_temperature=True, temperature=0.5)
+def test_xmoe_temperature_is_learned_by_default_as_the_competesmoe_2024_baseline():
+    layer = moelab.MoE(6, 4, 2, method="xmoe", temperature=0.5)
     assert isinstance(layer.router.temperature, torch.nn.Parameter)
     layer(torch.randn(5, 6)).square().sum().backward()
     assert layer.router.temperature.grad is not None and layer.router.temperature.grad != 0
-    fixed = moelab.MoE(6, 4, 2, method="xmoe")
+    fixed = moelab.MoE(6, 4, 2, method="xmoe", learn_temperature=False)
     assert not isinstance(fixed.router.temperature, torch.nn.Parameter)
 
 
