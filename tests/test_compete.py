@@ -10,7 +10,6 @@ from moelab.losses import (
     distillation_loss,
     diversity_loss,
     switch_balance_loss,
-    z_loss,
 )
 from moelab.routers.compete import compete
 
