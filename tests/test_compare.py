@@ -51,6 +51,41 @@ def test_compare_produces_the_table_with_every_method(corpus, tmp_path, capsys):
     assert "finished, reused" in capsys.readouterr().out
 
 
+def test_compare_gives_every_method_the_same_aux_losses_and_says_so(corpus, tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "cmp"
+    assert main(tiny(corpus, out, "--methods", "smoe-fixed,competesmoe-v1", "--seeds", "1")) == 0
+    text = capsys.readouterr().out
+    assert "aux losses: balance 0.01, z 0.001 for every method" in text
+    assert (out / "table.txt").read_text().startswith("aux losses: balance 0.01, z 0.001 for every method")
+    for method in ("smoe-fixed", "competesmoe-v1"):  # neither preset has a balance loss of its own
+        opts = yaml.safe_load((out / method / "seed0" / "config.yaml").read_text())["opts"]
+        assert opts == {"balance_coef": 0.01, "z_coef": 0.001}
+    preset = tmp_path / "preset"
+    assert main(tiny(corpus, preset, "--methods", "smoe-fixed", "--seeds", "1", "--losses", "preset")) == 0
+    assert yaml.safe_load((preset / "smoe-fixed" / "seed0" / "config.yaml").read_text())["opts"] == {}
+    assert "each method's preset coefficients" in capsys.readouterr().out
+
+
+def test_compare_paper_2024_runs_its_methods_without_balance_and_prints_its_table(corpus, tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "paper"
+    assert (
+        main(tiny(corpus, out, "--paper", "2024", "--seeds", "1", "--steps", "2", "--eval-every", "2")) == 0
+    )
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(
+        ["smoe", "smoe-fixed", "xmoe", "stablemoe", "competesmoe-v1"]
+    )
+    opts = yaml.safe_load((out / "xmoe" / "seed0" / "config.yaml").read_text())["opts"]
+    assert opts == {"balance_coef": 0.0, "z_coef": 0.0}
+    assert "as CompeteSMoE (2024)" in text and "CompeteSMoE (2024) Table 2" in text
+    side = (out / "paper.txt").read_text()
+    assert "competesmoe-v1" in side and "1.177" in side  # the paper's number beside ours
+
+
 def test_compare_sweep_gives_the_sensitivity_table(corpus, tmp_path, capsys):
     out = tmp_path / "sweep"
     args = [*tiny(corpus, out, "--methods", "smoe", "--sweep", "balance_coef=0,0.1")]

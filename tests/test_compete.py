@@ -10,7 +10,6 @@ from moelab.losses import (
     distillation_loss,
     diversity_loss,
     switch_balance_loss,
-    z_loss,
 )
 from moelab.routers.compete import compete
 
@@ -233,20 +232,66 @@ def test_competesmoe_aux_loss_is_the_weighted_sum():
     cs(x)
     r = cs.last_routing
     probs = F.linear(x, cs.router.base.weight).softmax(-1)
-    logits = F.linear(x, cs.router.base.weight)
     s_c = torch.zeros(T, N).scatter(1, r.indices, r.weights)
     with torch.no_grad():
-        out = all_outputs(cs.experts, x).gather(1, r.indices.unsqueeze(-1).expand(-1, -1, D))
+        everything = all_outputs(cs.experts, x)
+        out = everything.gather(1, r.indices.unsqueeze(-1).expand(-1, -1, D))
+        affinity = torch.nn.functional.softplus(everything).mean(-1).softmax(-1)
+    # on a competition step: no router balance or z term; the competition's own balance instead
     expected = (
-        0.01 * switch_balance_loss(probs, r.indices, N)
-        + 0.001 * z_loss(logits)
-        + 0.01 * distillation_loss(probs, s_c, r.indices, 0.1)
+        0.01 * distillation_loss(probs, s_c, r.indices, 0.1)
         + 0.005 * diversity_loss(out)
+        + 0.01 * switch_balance_loss(affinity, r.indices, N)
     )
     assert torch.allclose(cs.aux_loss, expected, atol=1e-6)
     # the router learns from L_D on a competition step: its weight gets a gradient from aux_loss
     cs.aux_loss.backward()
     assert cs.router.base.weight.grad.abs().sum() > 0
+
+
+def _router_grad(layer, x, loss=None):
+    """The router's gradient of the layer's whole aux loss, or of one of its losses."""
+    layer.zero_grad()
+    layer(x)
+    routing, _ = layer._aux_pending  # this forward's routing, with autograd
+    (layer.aux_loss if loss is None else routing.losses[loss]).backward()
+    return layer.router.base.weight.grad.flatten().clone()
+
+
+@pytest.mark.parametrize("balance,positive", [("affinity", True), ("off", True), ("router", False)])
+def test_on_a_competition_step_the_router_follows_the_distillation(balance, positive):
+    torch.manual_seed(0)
+    layer = moelab.MoE(16, 16, 2, method="competesmoe", competition_balance=balance).train()
+    moelab.attach(layer, moelab.RoutingContext(schedule=Always()))
+    x = torch.nn.functional.layer_norm(torch.randn(4096, 16), (16,))
+    whole = _router_grad(layer, x)
+    distill = _router_grad(layer, x, "distill")
+    cosine = torch.nn.functional.cosine_similarity(whole, distill, dim=0).item()
+    if positive:
+        assert cosine > 0.999  # the router learns from L_D alone
+    else:  # the router's balance with the winners' load dominates and opposes L_D
+        assert cosine < 0.5
+
+
+def test_the_competition_balance_and_distillation_options_are_validated():
+    with pytest.raises(
+        ValueError,
+        match=r"competition_balance='x' is not allowed; expected one of \['affinity', 'router', 'off'\]",
+    ):
+        moelab.MoE(8, 4, 2, method="competesmoe", competition_balance="x")
+    with pytest.raises(ValueError, match=r"distill='kl' is not allowed; expected one of \['paper', 'mse'\]"):
+        moelab.MoE(8, 4, 2, method="competesmoe", distill="kl")
+
+
+def test_the_mse_distillation_is_the_authors_softmax_of_affinities():
+    torch.manual_seed(1)
+    cs = make("competesmoe", schedule=Always(), distill="mse")
+    x = torch.randn(T, D)
+    cs(x)
+    probs = F.linear(x, cs.router.base.weight).softmax(-1)
+    with torch.no_grad():
+        target = torch.nn.functional.softplus(all_outputs(cs.experts, x)).mean(-1).softmax(-1)
+    torch.testing.assert_close(cs.last_routing.losses["distill"], (probs - target).square().mean())
 
 
 def test_competesmoe_without_context_warns_once_and_routes_like_base():
@@ -382,7 +427,9 @@ def test_compete_function_matches_layer():
     x = torch.randn(T, D)
     winners, weights, outputs, scores = compete(x, layer.experts, K)
     assert torch.allclose(weights.sum(-1), torch.ones(T))
-    assert outputs.shape == (T, K, D) and scores.shape == (T, N) and not scores.requires_grad
+    assert outputs.shape == (T, K, D) and scores.shape == (T, N)
+    (grad,) = torch.autograd.grad(scores.sum(), outputs)  # the winners' affinities carry a gradient
+    assert grad.abs().sum() > 0
     assert torch.equal(winners, scores.topk(K, -1).indices)
 
 

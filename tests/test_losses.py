@@ -53,12 +53,12 @@ def test_z_loss_keeps_float64_precision():
     torch.autograd.gradcheck(z_loss, (logits.requires_grad_(),))
 
 
-def test_importance_loss_is_squared_coefficient_of_variation():
+def test_importance_loss_is_the_coefficient_of_variation_as_the_paper_writes_it():
     probs = torch.randn(9, 4, dtype=torch.float64).softmax(-1)
     imp = [sum(probs[x, i].item() for x in range(9)) for i in range(4)]
     mean = sum(imp) / 4
     var = sum((v - mean) ** 2 for v in imp) / 4
-    assert importance_loss(probs).item() == pytest.approx(var / mean**2, rel=1e-12)
+    assert importance_loss(probs).item() == pytest.approx(var**0.5 / mean, rel=1e-12)  # CV, not CV²
 
 
 def test_importance_loss_is_zero_under_equal_importance():

@@ -126,12 +126,12 @@ def test_xmoe_logits_are_cosine_of_projection_over_temperature():
     check_routing(r, logits, 2)
 
 
-def test_xmoe_learnable_temperature_receives_a_gradient():
-    layer = moelab.MoE(6, 4, 2, method="xmoe", learn_temperature=True, temperature=0.5)
+def test_xmoe_temperature_is_learned_by_default_as_the_competesmoe_2024_baseline():
+    layer = moelab.MoE(6, 4, 2, method="xmoe", temperature=0.5)
     assert isinstance(layer.router.temperature, torch.nn.Parameter)
     layer(torch.randn(5, 6)).square().sum().backward()
     assert layer.router.temperature.grad is not None and layer.router.temperature.grad != 0
-    fixed = moelab.MoE(6, 4, 2, method="xmoe")
+    fixed = moelab.MoE(6, 4, 2, method="xmoe", learn_temperature=False)
     assert not isinstance(fixed.router.temperature, torch.nn.Parameter)
 
 
@@ -439,7 +439,7 @@ def test_every_method_router_is_registered():
 
 
 def test_router_options_lists_keyword_options():
-    assert router_options(ROUTERS["topk"]) == ["init_std", "frozen", "k_max", "renormalize"]
+    assert router_options(ROUTERS["topk"]) == ["init_std", "frozen", "k_max", "renormalize", "eval_k"]
 
 
 def test_build_router_rejects_unknown_router():
@@ -516,6 +516,22 @@ def test_sharede_v3_selection_bias_keeps_accumulating_in_a_low_precision_model(d
         ctx.advance()
     assert layer.router.pending_load.dtype == torch.float32
     torch.testing.assert_close(layer.router.selection_bias, torch.tensor([2.995, 1.005, 1.005, 1.005]))
+
+
+def test_smoe_dropout_evaluates_with_the_k_it_reached_unless_eval_k_is_set():
+    ctx = RoutingContext(step=6, total_steps=6)
+    wide = moelab.MoE(6, 8, 2, method="smoe-dropout")
+    moelab.attach(wide, ctx)
+    wide.eval()(torch.randn(3, 6))
+    assert wide.last_routing.indices.shape[-1] == 8  # the end of training: all experts, as trained
+    slim = moelab.MoE(6, 8, 2, method="smoe-dropout", eval_k=2)
+    moelab.attach(slim, ctx)
+    slim.train()(torch.randn(3, 6))
+    assert slim.last_routing.indices.shape[-1] == 8  # training follows the schedule
+    slim.eval()(torch.randn(3, 6))
+    assert slim.last_routing.indices.shape[-1] == 2
+    with pytest.raises(ValueError, match=r"eval_k=9 is not allowed; expected an integer in \[1, 8\]"):
+        moelab.MoE(6, 8, 2, method="smoe-dropout", eval_k=9)
 
 
 def test_smoe_dropout_k_at_each_step_of_a_short_run():

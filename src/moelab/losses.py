@@ -52,10 +52,11 @@ def z_loss(logits: Tensor) -> Tensor:
 
 
 def importance_loss(probs: Tensor) -> Tensor:
-    """Importance loss ``CV(Σ_x p(·|x))²`` with ``CV = std / mean`` (Krishnamurthy et al. (2023) eq. 7, after
-    Shazeer et al. 2017); the paper's weight ``w`` is the coefficient."""
+    """Importance loss ``CV(Σ_x p(·|x))`` with ``CV = std / mean``, as Krishnamurthy et al. (2023)
+    eq. 7 writes it (``L = w · CV(Importance)``; Shazeer et al. 2017 square it — not here, so the
+    paper's grid of ``w`` means what it meant there); the paper's weight ``w`` is the coefficient."""
     importance = probs.sum(dim=0)  # (N,)
-    return importance.var(unbiased=False) / importance.mean().square()
+    return importance.std(unbiased=False) / importance.mean()
 
 
 def mean_entropy_loss(probs: Tensor, eps: float = 1e-9) -> Tensor:
@@ -67,6 +68,21 @@ def mean_entropy_loss(probs: Tensor, eps: float = 1e-9) -> Tensor:
 
 
 # ---------------------------------------------------------------- CompeteSMoE (2024, 2025)
+def affinity_distillation_loss(router_scores: Tensor, affinities: Tensor) -> Tensor:
+    """The distillation of the CompeteSMoE (2025) authors' public code
+    (``moe_model/model/moe/competesmoe.py`` of Fsoft-AIC/CompeteSMoE): the mean squared error
+    between the router's softmax over all N experts and the softmax of the competition's
+    affinities ``s`` over all N (a target, detached) — instead of the paper's L_D with its winner
+    term (:func:`distillation_loss`).
+
+    Args:
+        router_scores: ``(T, N)`` ``s_R``, the router's softmax over all experts.
+        affinities: ``(T, N)`` the competition's affinities ``s``.
+    """
+    target = affinities.detach().to(torch.promote_types(affinities.dtype, torch.float32)).softmax(dim=-1)
+    return (router_scores - target.to(router_scores.dtype)).square().mean()
+
+
 def distillation_loss(
     router_scores: Tensor, competition_scores: Tensor, winners: Tensor, alpha: float
 ) -> Tensor:

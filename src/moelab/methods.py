@@ -89,8 +89,8 @@ for _m in [
         "xmoe",
         "cosine",
         "cos(P x, e_i) / t in a d_e = N/2 space",
-        "X-MoE (Chi et al. 2022); CompeteSMoE (2024, 2025) baselines",
-        options={"perturbation": 0.0},
+        "X-MoE (Chi et al. 2022); CompeteSMoE (2024, 2025) baselines; learnable t as CompeteSMoE (2024) §6",
+        options={"perturbation": 0.0, "learn_temperature": True},
         coefs=_BALANCED,
     ),
     Method(
@@ -164,7 +164,7 @@ for _m in [
         "competesmoe",
         "smoe router + scheduled competition; L_D (γ=0.01, α=0.1) + L_div (β=0.005)",
         "CompeteSMoE (2025) §2.2-2.4, App. B, Table 20",
-        coefs={**_BALANCED, "distill": 0.01, "diversity": 0.005},
+        coefs={**_BALANCED, "distill": 0.01, "diversity": 0.005, "competition_balance": 0.01},
         schedule="competition",
     ),
     Method(

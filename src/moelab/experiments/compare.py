@@ -15,14 +15,17 @@ checkpoint), so a killed comparison loses at most one run's last steps.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 from .. import _validate
 from ..data.text import load_text
+from ..io.atomic import atomic_write_text
 from ..methods import methods
 from .args import parse_sweep
 from .lm import add_lm_arguments, build_config, set_threads, train_lm
+from .papers import PAPERS, SAME_LOSSES, paper_table
 from .report import collect_runs, write_report
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
@@ -40,6 +43,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds per method, 0..N-1 (default 3)")
     p.add_argument("--seed-offset", type=int, default=0, dest="seed_offset", help="first seed")
     p.add_argument("--reference", default="competesmoe", help="method the p-values compare against")
+    p.add_argument(
+        "--paper",
+        choices=sorted(PAPERS),
+        help="run the methods and loss settings of CompeteSMoE (2024) or (2025) Table 2 and print the "
+        "paper's numbers beside ours",
+    )
+    p.add_argument(
+        "--losses",
+        choices=["same", "preset"],
+        default="same",
+        help="same (default): every method gets balance 0.01 and z 0.001 (the paper's with --paper); "
+        "preset: each method's own preset coefficients",
+    )
     p.add_argument(
         "--sweep",
         metavar="KEY=V1,V2,...",
@@ -62,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
 
+    paper = PAPERS[args.paper] if args.paper else None
+    if paper is not None:
+        if args.methods == ",".join(DEFAULT_METHODS):  # the paper's methods unless chosen
+            args.methods = ",".join(paper.methods)
+        if args.reference == "competesmoe":
+            args.reference = paper.reference
     requested = [m.strip() for m in str(args.methods).split(",") if m.strip()]
     if not requested:
         raise UsageError(f"--methods {args.methods!r} names no method")
@@ -87,6 +109,16 @@ def run(args: argparse.Namespace) -> int:
         )
 
     seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
+    shared = {} if args.losses == "preset" else dict(paper.losses if paper else SAME_LOSSES)
+    losses_line = (
+        "aux losses: each method's preset coefficients"
+        if not shared
+        else "aux losses: "
+        + ", ".join(f"{k[:-5]} {v:g}" for k, v in shared.items())
+        + " for every method (plus each method's own losses: distillation, diversity, ...)"
+        + (f", as {paper.citation}" if paper else "")
+    )
+    print(losses_line)
     sweep = parse_sweep(args.sweep)
     configs = []
     points = list(zip(sweep.values, sweep.labels)) if sweep else [(None, None)]
@@ -99,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
                 ns = argparse.Namespace(**vars(args))
                 ns.method, ns.seed = method, seed
                 config = build_config(ns)  # validates every flag before training
+                if shared:  # like with like: the same auxiliary losses (a flag's --opt wins)
+                    config.opts = {**shared, **config.opts}
                 if sweep is not None:
                     config.opts = {**config.opts, sweep.key: value}
                 configs.append((name, seed, config))
@@ -130,7 +164,21 @@ def run(args: argparse.Namespace) -> int:
         )
     runs = collect_runs(list(dict.fromkeys(out / name / f"seed{seed}" for name, seed, _ in configs)))
     print()
-    print(write_report(runs, out, reference))
+    table = write_report(runs, out, reference, header=losses_line)
+    print(table)
+    if paper is not None:
+        ours = {}
+        for name, _, _ in configs:
+            values = [
+                json.loads((out / name / f"seed{s}" / "metrics.json").read_text())[f"test_{data.metric}"]
+                for s in seeds
+            ]
+            mean = sum(values) / len(values)
+            sd = (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5
+            ours[name] = (mean, sd, len(values))
+        side = paper_table(paper, ours, data.metric.upper())
+        print("\n" + side)
+        atomic_write_text(out / "paper.txt", side + "\n")
     print(
         f"\nwrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'val_curves.png'} ({time.perf_counter() - start:.0f}s)"
     )

@@ -276,10 +276,15 @@ def _csv_text(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def write_report(runs: list[Run], out: Path, reference: str | None = "competesmoe") -> str:
-    """Group ``runs``, write results.csv, runs.csv and val_curves.png into ``out``; return the table."""
+def write_report(
+    runs: list[Run], out: Path, reference: str | None = "competesmoe", header: str | None = None
+) -> str:
+    """Group ``runs``, write results.csv, runs.csv and val_curves.png into ``out``; return the table
+    (``header``, e.g. the loss settings, above it)."""
     groups = group_runs(runs)
     text, rows = render(groups, reference)
+    if header:
+        text = f"{header}\n{text}"
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "results.csv", _csv_text(rows))
     run_rows = []

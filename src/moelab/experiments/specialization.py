@@ -15,7 +15,7 @@ Modes (``--mode``):
 
 Training (Krishnamurthy et al. (2023) §7, docs/references.md): Adam, lr 1e-3, batch 512, 20 epochs
 (MNIST-like) or 40 (CIFAR-100); loss NLL of ``log(Σ_e p(e|x) y_e(x) + 1e-7)`` plus the regulariser on the
-gate's ``p(e|x)``: ``w · CV(Σ_x p)²`` (:func:`moelab.losses.importance_loss`, Krishnamurthy et al. (2023) eq.
+gate's ``p(e|x)``: ``w · CV(Σ_x p)`` (:func:`moelab.losses.importance_loss`, Krishnamurthy et al. (2023) eq.
 7) or ``L_s`` (:func:`moelab.losses.sample_similarity_loss`, Krishnamurthy et al. (2023) eq. 8–10) on the
 normalised input pixels.
 

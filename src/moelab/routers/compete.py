@@ -32,7 +32,13 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..functional import COMPETITION_ACTIVATIONS, competition_affinity
-from ..losses import competition_router_loss, distillation_loss, diversity_loss, switch_balance_loss
+from ..losses import (
+    affinity_distillation_loss,
+    competition_router_loss,
+    distillation_loss,
+    diversity_loss,
+    switch_balance_loss,
+)
 from ..routing import Routing, RoutingContext
 from .base import Router, build_router, register
 
@@ -68,8 +74,9 @@ def compete(
 
     Returns:
         ``(winners (T, K), weights (T, K), outputs (T, K, d), scores (T, N))``: winners sorted by
-        decreasing affinity; the weights and outputs carry gradients to the winners; ``scores``
-        are detached.
+        decreasing affinity; the weights, the outputs and the winners' entries of ``scores``
+        carry gradients to the winners (the other entries are constants: non-winners get no
+        gradient on either path).
     """
     if grad_path == "all" or kappa == "softmax":
         if torch.is_grad_enabled():
@@ -78,12 +85,14 @@ def compete(
             winners = s.detach().topk(k, dim=-1).indices
             outputs = all_out.gather(1, winners.unsqueeze(-1).expand(-1, -1, all_out.shape[-1]))
             win_scores = s.gather(1, winners)
-            return winners, _weights(win_scores, weighting), outputs, s.detach()
+            scores = s.detach().scatter(1, winners, win_scores)
+            return winners, _weights(win_scores, weighting), outputs, scores
     winners, outputs, scores = experts.forward_winners(x, lambda y: _choose(y, k, kappa, reduce))
     # the affinity of a winner depends on its own output only (for exp the shift is the top-1
     # winner's, the same as over all N): recomputed from the outputs, with autograd
     if torch.is_grad_enabled():
         win_scores = competition_affinity(outputs, kappa, reduce)
+        scores = scores.detach().scatter(1, winners, win_scores.to(scores.dtype))
     else:
         win_scores = scores.gather(1, winners)
     return winners, _weights(win_scores, weighting), outputs, scores
@@ -205,12 +214,25 @@ class CompeteSMoERouter(Router):
         alpha: α of the winner term of L_D (0.1, CompeteSMoE (2025) Table 20).
         diversity: ``"frobenius"`` (CompeteSMoE (2025) eq. 2) or ``"cosine"``
             (:func:`moelab.losses.diversity_loss`).
+        distill: ``"paper"`` — L_D of CompeteSMoE (2025) eq. 1 (:func:`moelab.losses.distillation_loss`)
+            — or ``"mse"`` — the authors' public code: MSE between the router's softmax and the
+            softmax of the affinities over all N (:func:`moelab.losses.affinity_distillation_loss`).
+        competition_balance: the balance term on competition steps (``mode="compete"``):
+            ``"affinity"`` (default, the authors' public code): the Switch balance loss of the
+            competition's own distribution ``softmax(s)`` with the winners' load, weighted by
+            ``competition_balance_coef``; it balances the experts' responses (its gradient reaches
+            the winners' experts through their affinities) and sends no gradient to the router — on a competition step the router learns from the
+            distillation alone (its balance and z terms are not applied there);
+            ``"router"``: the router's probabilities with the winners' load under
+            ``balance_coef`` (moelab before; it pushes the router away from the experts the
+            competition chose, against the distillation); ``"off"``: no balance term and no
+            router term but the distillation on competition steps.
 
     Without a context (or a schedule) in training the layer routes like its base router and warns
     once.
     """
 
-    loss_names = ("distill", "diversity")
+    loss_names = ("distill", "diversity", "competition_balance")
 
     def __init__(
         self,
@@ -226,6 +248,8 @@ class CompeteSMoERouter(Router):
         grad_path: str = "winners",
         alpha: float = 0.1,
         diversity: str = "frobenius",
+        distill: str = "paper",
+        competition_balance: str = "affinity",
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
         if base is None:
@@ -248,6 +272,10 @@ class CompeteSMoERouter(Router):
         self.mode = _validate.one_of("mode", mode, MODES)
         self.alpha = _validate.non_negative("alpha", alpha)
         self.diversity = _validate.one_of("diversity", diversity, ["frobenius", "cosine"])
+        self.distill = _validate.one_of("distill", distill, ["paper", "mse"])
+        self.competition_balance = _validate.one_of(
+            "competition_balance", competition_balance, ["affinity", "router", "off"]
+        )
         self.base_method = base_method
         self.base = base
         self.kappa, self.reduce, self.weighting, self.grad_path = (
@@ -312,11 +340,20 @@ class CompeteSMoERouter(Router):
         if self.mode == "v1":
             losses["distill"] = competition_router_loss(routing.logits, scores, k)
         else:
-            s_c = torch.zeros_like(routing.probs).scatter(
-                1, winners, weights.detach().to(routing.probs.dtype)
-            )
-            losses["distill"] = distillation_loss(routing.probs, s_c, winners, self.alpha)
+            if self.distill == "mse":
+                losses["distill"] = affinity_distillation_loss(routing.probs, scores)
+            else:
+                s_c = torch.zeros_like(routing.probs).scatter(
+                    1, winners, weights.detach().to(routing.probs.dtype)
+                )
+                losses["distill"] = distillation_loss(routing.probs, s_c, winners, self.alpha)
             losses["diversity"] = diversity_loss(outputs, self.diversity)
+            if self.competition_balance != "router":  # the router learns from the distillation only
+                zero = routing.probs.new_zeros(())
+                losses["balance"] = losses["z"] = zero
+                if self.competition_balance == "affinity":
+                    affinity = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1)
+                    losses["competition_balance"] = switch_balance_loss(affinity, winners, self.num_experts)
         return Routing(
             indices=winners,
             weights=weights,

@@ -23,8 +23,10 @@ class CosineRouter(Router):
     Options:
         proj_dim: ``d_e``, the dimension of the routing space; default ``max(2, N // 2)``
             (perturbed cosine router (2024) App. E.2 and LibMoE: half the number of experts).
-        temperature: ``t``; 0.3 fixed (LibMoE).  X-MoE makes it learnable (``learn_temperature``).
-        learn_temperature: train ``t`` (kept ≥ 0.01).
+        temperature: ``t``, initial value 0.3 (LibMoE).
+        learn_temperature: train ``t`` (kept ≥ 0.01): the ``xmoe`` preset does, as X-MoE and the
+            CompeteSMoE (2024) baseline ("a gating network with learnable temperatures", §6);
+            ``learn_temperature=False`` keeps it fixed (LibMoE).
         perturbation: τ added to both norms; 0 for ``xmoe``, 0.1 for ``pcosine`` (LibMoE's value;
             perturbed cosine router (2024) does not state the LM value, other code uses 1e-4 … 1e-3).
         init_gain: gain of the orthogonal init of the expert embeddings ``e_i`` (0.32, LibMoE).

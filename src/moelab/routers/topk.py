@@ -28,6 +28,11 @@ class TopKRouter(Router):
             ``ctx.total_steps`` ("self-slimmable" SMoE-Dropout; the reference grows 8 → 16 with
             16 experts); ``"all"`` means ``num_experts``.  Without a context, or without
             ``total_steps``, K stays ``top_k``.
+        eval_k: K in evaluation mode.  ``None`` (default): the K the schedule has reached at the
+            context's step — SMoE-Dropout evaluates with the experts it trained with, so a model
+            at the end of training routes to all ``k_max`` experts (the test figures of
+            ``smoe-dropout`` are those of its final, widest routing); an integer fixes K for
+            evaluation (SMoE-Dropout's "self-slimmable" inference with fewer experts).
         renormalize: ``True`` (default): the softmax over the K chosen logits.  ``False``: the
             softmax over all N experts evaluated at the chosen K, weights summing to less than
             1 (Qwen2-MoE / Qwen3-MoE / OLMoE with ``norm_topk_prob=False``).
@@ -42,6 +47,7 @@ class TopKRouter(Router):
         frozen: bool = False,
         k_max: int | str | None = None,
         renormalize: bool = True,
+        eval_k: int | None = None,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
         std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
@@ -50,6 +56,7 @@ class TopKRouter(Router):
         if k_max is not None:
             _validate.int_in_range("k_max", k_max, top_k, num_experts)
         self.k_max = k_max
+        self.eval_k = None if eval_k is None else _validate.int_in_range("eval_k", eval_k, 1, num_experts)
         self.frozen = bool(frozen)
         self.renormalize = bool(renormalize)
         weight = torch.randn(num_experts, d_model) * std
@@ -59,7 +66,10 @@ class TopKRouter(Router):
             self.weight = nn.Parameter(weight)
 
     def current_k(self, ctx: RoutingContext | None) -> int:
-        """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``."""
+        """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
+        mode ``eval_k`` when set."""
+        if not self.training and self.eval_k is not None:
+            return self.eval_k
         if self.k_max is None or ctx is None or ctx.progress is None:
             return self.top_k
         return self.top_k + round((self.k_max - self.top_k) * ctx.progress)
