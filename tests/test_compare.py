@@ -22,7 +22,7 @@ def corpus(tmp_path_factory):
 def tiny(corpus, out, *extra):
     return ["compare", "--data", str(corpus), "--block-size", "16", "--batch-size", "4", "--num-experts", "4",
             "--steps", "3", "--eval-every", "3", "--eval-tokens", "64", "--test-tokens", "64", "--seeds", "2",
-            "--no-progress", "--out", str(out), *extra]  # fmt: skip
+            "--no-progress", "--jobs", "1", "--out", str(out), *extra]  # fmt: skip
 
 
 def test_compare_produces_the_table_with_every_method(corpus, tmp_path, capsys):
@@ -112,6 +112,26 @@ def test_compare_errors_exit_2_with_one_line(corpus, tmp_path, capsys, extra, me
     assert main([*tiny(corpus, tmp_path / "x"), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_compare_jobs_train_in_worker_processes_with_the_same_results(corpus, tmp_path, capsys):
+    import json
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(tiny(corpus, one, "--methods", "smoe,xmoe", "--seeds", "1")) == 0
+    assert main([*tiny(corpus, two, "--methods", "smoe,xmoe", "--seeds", "1"), "--jobs", "2"]) == 0
+    assert "2 jobs" in capsys.readouterr().out
+    for method in ("smoe", "xmoe"):
+        a, b = (json.loads((d / method / "seed0" / "metrics.json").read_text()) for d in (one, two))
+        assert a["test_bpc"] == b["test_bpc"]  # one thread each: the same numbers as in this process
+
+
+def test_compare_refuses_a_bad_jobs_count(corpus, tmp_path, capsys):
+    assert main([*tiny(corpus, tmp_path / "o"), "--jobs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--jobs=0 is not allowed; expected a positive integer" in err and len(err.strip().splitlines()) == 1
+    )
 
 
 def test_welch_p_matches_the_formula():

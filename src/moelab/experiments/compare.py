@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seeds", type=int, default=3, help="seeds per method, 0..N-1 (default 3)")
     p.add_argument("--seed-offset", type=int, default=0, dest="seed_offset", help="first seed")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        help="trainings at once, in worker processes of one thread each (default: the cores; 1: in this "
+        "process, with progress bars)",
+    )
     p.add_argument("--reference", default="competesmoe", help="method the p-values compare against")
     p.add_argument(
         "--paper",
@@ -96,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if not chosen:
         raise UsageError(f"none of --methods {requested} is available in this moelab")
     _validate.positive_int("--seeds", args.seeds)
+    _jobs(args)  # a bad --jobs fails before anything runs
     out = Path(args.out)
     if (out / "results.csv").exists() and not (args.resume or args.force):
         raise FileExistsError(f"--out {out} already holds a comparison; pass --resume to reuse it or --force")
@@ -142,25 +150,22 @@ def run(args: argparse.Namespace) -> int:
         f"({data.train.numel():,} training tokens), size {args.size}, {configs[0][2].train.steps} steps"
     )
     start = time.perf_counter()
-    for i, (method, seed, config) in enumerate(configs, 1):
+    # seed-major: a busy phase of the machine falls on every method alike
+    order = sorted(configs, key=lambda c: c[1])  # stable: the methods keep their order within a seed
+    tasks = []
+    for method, seed, config in order:
         run_dir = out / method / f"seed{seed}"  # method: the method, with the swept value if any
         if args.resume and (run_dir / "metrics.json").exists():
-            print(f"[{i}/{len(configs)}] {method} seed {seed}: finished, reused")
+            print(f"{method} seed {seed}: finished, reused")
             continue
         resume = args.resume and (run_dir / "config.yaml").exists()
-        m = train_lm(
-            config,
-            run_dir,
-            resume=resume,
-            force=args.force,
-            progress=not args.no_progress,
-            data=data,
-            allow_changes=args.allow_changes,
-        )
-        key = f"test_{data.metric}"
+        tasks.append((method, seed, config, run_dir, resume))
+    jobs = min(_jobs(args), max(1, len(tasks)))
+    key = f"test_{data.metric}"
+    for i, (method, seed, m) in enumerate(_train_all(tasks, jobs, args, data), 1):
         print(
-            f"[{i}/{len(configs)}] {method} seed {seed}: {key} {m[key]:.4f} "
-            f"({time.perf_counter() - start:.0f}s elapsed)"
+            f"[{i}/{len(tasks)}] {method} seed {seed}: {key} {m[key]:.4f} "
+            f"({time.perf_counter() - start:.0f}s elapsed{f', {jobs} jobs' if jobs > 1 else ''})"
         )
     runs = collect_runs(list(dict.fromkeys(out / name / f"seed{seed}" for name, seed, _ in configs)))
     print()
@@ -183,3 +188,44 @@ def run(args: argparse.Namespace) -> int:
         f"\nwrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'val_curves.png'} ({time.perf_counter() - start:.0f}s)"
     )
     return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    if args.jobs is None:
+        return os.cpu_count() or 1
+    return _validate.positive_int("--jobs", args.jobs)
+
+
+def _train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
+    """Train ``tasks`` (method, seed, config, run dir, resume) and yield ``(method, seed, metrics)``
+    as they finish: in this process, or in ``jobs`` worker processes of one thread each."""
+    options = {"force": args.force, "allow_changes": args.allow_changes}
+    if jobs == 1:
+        for method, seed, config, run_dir, resume in tasks:
+            m = train_lm(config, run_dir, resume=resume, progress=not args.no_progress, data=data, **options)
+            yield method, seed, m
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawn: a fresh interpreter per worker (forking a process that has started OpenMP threads can hang)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {
+            pool.submit(_train_in_worker, config, run_dir, resume, options): (method, seed)
+            for method, seed, config, run_dir, resume in tasks
+        }
+        try:
+            for future in as_completed(futures):
+                method, seed = futures[future]
+                yield method, seed, future.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def _train_in_worker(config, run_dir: Path, resume: bool, options: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(1)  # the jobs share the cores: one thread each
+    return train_lm(config, run_dir, resume=resume, progress=False, **options)
