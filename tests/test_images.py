@@ -2,6 +2,7 @@
 
 import gzip
 import hashlib
+import os
 import pickle
 
 import numpy as np
@@ -154,6 +155,27 @@ def test_cifar100_python_pickles(tmp_path):
     (folder / "test").write_bytes(b"\x80\x04trunc")
     with pytest.raises(DataError, match="cifar-100-python/test"):
         load_images("cifar100", tmp_path)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch should-not-exist",))
+
+
+def test_a_cifar100_file_that_would_run_code_is_refused_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for part in ("train", "test"):
+        (folder / part).write_bytes(
+            pickle.dumps({b"data": _RunsCode(), b"fine_labels": [], b"coarse_labels": []})
+        )
+    with pytest.raises(
+        DataError,
+        match=r"cifar-100-python/train is truncated or not the python version \(global posix.system is not allowed",
+    ):
+        load_images("cifar100", tmp_path)
+    assert not (tmp_path / "should-not-exist").exists()
 
 
 def test_unknown_dataset_is_refused():

@@ -275,7 +275,7 @@ def _cifar100(data_dir: str | os.PathLike | None) -> ImageData:
     def part(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         try:
             with open(folder / name, "rb") as fh:
-                d = pickle.load(fh, encoding="bytes")
+                d = _CifarUnpickler(fh).load()
             x = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
             return x, np.asarray(d[b"fine_labels"]), np.asarray(d[b"coarse_labels"])
         except (pickle.UnpicklingError, EOFError, KeyError, ValueError) as exc:
@@ -292,9 +292,32 @@ def _cifar100(data_dir: str | os.PathLike | None) -> ImageData:
     meta = folder / "meta"
     if meta.is_file():
         with open(meta, "rb") as fh:
-            names = [n.decode() for n in pickle.load(fh, encoding="bytes")[b"fine_label_names"]]
+            names = [n.decode() for n in _CifarUnpickler(fh).load()[b"fine_label_names"]]
     t = lambda a: torch.from_numpy(a.astype(np.int64))
     return ImageData("cifar100", norm(xtr), t(ftr), norm(xte), t(fte), 100, names, t(ctr), t(cte))
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Reads the CIFAR python batches (dicts of bytes, lists, ints and numpy arrays) and nothing
+    else: the only globals it resolves are numpy's array reconstructors, so a crafted file cannot
+    run code (any other global is refused as :class:`pickle.UnpicklingError`)."""
+
+    _ALLOWED = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+        }
+    )
+
+    def __init__(self, fh) -> None:
+        super().__init__(fh, encoding="bytes")
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR-100 file")
 
 
 def load_images(

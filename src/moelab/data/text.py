@@ -309,7 +309,7 @@ def _wikitext103() -> TextData:
     text = {s: _verified(p).read_text(encoding="utf-8") for s, p in files.items()}
     cache = root / "tokens.pt"
     if cache.exists():
-        blob = torch.load(cache)
+        blob = torch.load(cache, weights_only=True)  # tensors, strings and lists only: no code runs
         tok = WordTokenizer(blob["vocab"])
         return TextData("wikitext103", blob["train"], blob["valid"], blob["test"], tok, "ppl")
     data = parse_wikitext("wikitext103", text["train"], text["valid"], text["test"])
