@@ -308,3 +308,27 @@ def test_aux_loss_is_computed_only_when_read(monkeypatch):
     assert calls == [1] and layer.aux_loss is first  # computed once, then kept
     layer(torch.randn(3, 8))
     assert layer.aux_loss is not first and calls == [1, 1]
+
+
+@pytest.mark.parametrize("method", moelab.methods())
+def test_a_layer_built_on_the_meta_device_works_after_to_empty_and_reset_parameters(method):
+    with torch.device("meta"):
+        layer = moelab.MoE(8, 4, 2, d_hidden=16, method=method)
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+        assert torch.isfinite(t).all(), name
+    weights = [t for t in [*layer.parameters(), *layer.buffers()] if t.dim() >= 2]
+    assert weights and all(t.std() > 0 for t in weights)  # drawn, not left as zeros or garbage
+    y = layer.eval()(torch.randn(5, 8))
+    assert y.shape == (5, 8) and torch.isfinite(y).all()
+
+
+def test_reset_parameters_draws_the_init_of_construction():
+    torch.manual_seed(3)
+    built = moelab.MoE(8, 4, 2, method="xmoe")
+    torch.manual_seed(3)
+    again = moelab.MoE(8, 4, 2, method="xmoe")
+    torch.manual_seed(3)
+    again.router.reset_parameters()
+    torch.testing.assert_close(again.router.proj.weight, built.router.proj.weight)

@@ -165,6 +165,18 @@ class MoE(nn.Module):
         state["_aux"], state["_aux_pending"] = self.aux_loss.detach(), None
         return state
 
+    def reset_parameters(self) -> None:
+        """Initialise router, experts and shared experts as at construction: after
+        ``to_empty`` from the meta device a layer is usable again (``MoE(..., device="meta")``
+        style initialisation)."""
+        for module in (self.router, self.experts, self.shared):
+            if module is None:
+                continue
+            for m in module.modules():
+                reset = getattr(m, "reset_parameters", None)
+                if callable(reset) and m is not self:
+                    reset()
+
     def extra_repr(self) -> str:
         return (
             f"method={self.method!r}, d_model={self.d_model}, num_experts={self.num_experts}, "

@@ -58,6 +58,10 @@ class Router(nn.Module):
         self.top_k = _validate.int_in_range("top_k", top_k, 1, num_experts)
         self.layer_index = 0
 
+    def reset_parameters(self) -> None:
+        """Initialise the router's parameters and state as at construction (e.g. after
+        ``to_empty`` from the meta device).  A router without parameters has nothing to do."""
+
     @staticmethod
     def step_of(ctx: RoutingContext | None) -> int | None:
         return None if ctx is None else ctx.step

@@ -286,6 +286,10 @@ class CompeteSMoERouter(Router):
         )
         self._warned = False
 
+    def reset_parameters(self) -> None:
+        """The base router's (the competition has no parameters)."""
+        self.base.reset_parameters()
+
     # ``top_k`` and ``layer_index`` are the base router's (the top-(K+1) swap changes ``top_k``).
     @property
     def top_k(self) -> int:

@@ -49,15 +49,25 @@ class CosineRouter(Router):
         )
         _validate.positive("temperature", temperature)
         self.perturbation = _validate.non_negative("perturbation", perturbation)
-        _validate.positive("init_gain", init_gain)
+        self.init_gain = _validate.positive("init_gain", init_gain)
+        self.init_temperature = float(temperature)
         self.proj = nn.Linear(d_model, proj_dim, bias=False)
         self.embeddings = nn.Parameter(torch.empty(num_experts, proj_dim))
-        nn.init.orthogonal_(self.embeddings, gain=init_gain)
-        t = torch.tensor(float(temperature))
+        t = torch.empty(())
         if learn_temperature:
             self.temperature = nn.Parameter(t)
         else:
             self.register_buffer("temperature", t)
+        self.reset_parameters(proj=False)
+
+    def reset_parameters(self, proj: bool = True) -> None:
+        """``P`` as ``nn.Linear`` initialises it, ``e_i`` orthogonal (gain ``init_gain``), ``t`` its
+        initial value."""
+        if proj:
+            self.proj.reset_parameters()
+        nn.init.orthogonal_(self.embeddings, gain=self.init_gain)
+        with torch.no_grad():
+            self.temperature.fill_(self.init_temperature)
 
     def logits(self, x: Tensor) -> Tensor:
         tau = self.perturbation

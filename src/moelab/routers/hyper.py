@@ -39,18 +39,27 @@ class HyperRouter(Router):
         _validate.positive_int("hyper_dim", hyper_dim)
         embed_dim = d_model if embed_dim is None else _validate.positive_int("embed_dim", embed_dim)
         _validate.positive("embed_std", embed_std)
-        self.embedding = nn.Parameter(torch.randn(embed_dim) * embed_std)
-        hypernet = nn.Sequential(
-            nn.Linear(embed_dim, hyper_dim), nn.ReLU(), nn.Linear(hyper_dim, num_experts * (d_model + 1))
-        )
+        self.embed_std, self.hyper_dim = embed_std, hyper_dim
+        self.embedding = nn.Parameter(torch.empty(embed_dim))
         # frozen at its random init: kept as buffers, so no optimizer or requires_grad_(True) trains it
-        for name, tensor in (
-            ("h1_weight", hypernet[0].weight),
-            ("h1_bias", hypernet[0].bias),
-            ("h2_weight", hypernet[2].weight),
-            ("h2_bias", hypernet[2].bias),
+        for name, shape in (
+            ("h1_weight", (hyper_dim, embed_dim)),
+            ("h1_bias", (hyper_dim,)),
+            ("h2_weight", (num_experts * (d_model + 1), hyper_dim)),
+            ("h2_bias", (num_experts * (d_model + 1),)),
         ):
-            self.register_buffer(name, tensor.detach().clone())
+            self.register_buffer(name, torch.empty(shape))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A new embedding ``N(0, embed_std²)`` and hypernetwork (``nn.Linear``'s init)."""
+        with torch.no_grad():
+            embed_dim = self.embedding.shape[0]
+            self.embedding.copy_(torch.randn(embed_dim) * self.embed_std)
+            h1, h2 = nn.Linear(embed_dim, self.hyper_dim), nn.Linear(self.hyper_dim, self.h2_bias.shape[0])
+            for name, tensor in (("h1_weight", h1.weight), ("h1_bias", h1.bias), ("h2_weight", h2.weight),
+                                 ("h2_bias", h2.bias)):  # fmt: skip
+                getattr(self, name).copy_(tensor)
 
     def router_weights(self) -> tuple[Tensor, Tensor]:
         """The generated ``W_r (N, d)`` and ``b_r (N,)``."""

@@ -82,13 +82,23 @@ class SigmoidRouter(Router):
         self.expert_dropout = _validate.probability("expert_dropout", expert_dropout)
         if self.expert_dropout >= 1:
             raise ValueError(f"expert_dropout={expert_dropout!r} is not allowed; expected a number in [0, 1)")
-        self.weight = nn.Parameter(torch.randn(num_experts, d_model) * std)
+        self.init_std = std
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self.register_buffer("selection_bias", torch.zeros(num_experts) if selection_bias else None)
         #: expert counts of the training forwards since the last step hook (not saved: a
         #: checkpoint is written after the hook has consumed them)
         self.register_buffer(
             "pending_load", torch.zeros(num_experts) if selection_bias else None, persistent=False
         )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``W ~ N(0, init_std²)``, the selection bias and the pending load zero."""
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
+            for b in (self.selection_bias, self.pending_load):
+                if b is not None:
+                    b.zero_()
 
     def forward(
         self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None

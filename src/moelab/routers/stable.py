@@ -60,10 +60,19 @@ class StableRouter(Router):
         ):
             raise ValueError(f"switch_step={switch_step!r} is not allowed; expected an integer >= 0 or None")
         self.switch_step = switch_step
+        self.init_gain = _validate.positive("init_gain", init_gain)
         self.centroids = nn.Parameter(torch.empty(num_experts, d_model))
-        nn.init.orthogonal_(self.centroids, gain=_validate.positive("init_gain", init_gain))
+        nn.init.orthogonal_(self.centroids, gain=self.init_gain)
         self.light_proj = nn.Linear(d_model, distill_dim, bias=False)
         self.light_centroids = nn.Parameter(torch.randn(num_experts, distill_dim) / distill_dim**0.5)
+
+    def reset_parameters(self) -> None:
+        """The centroids orthogonal (gain ``init_gain``), the light router as at construction."""
+        nn.init.orthogonal_(self.centroids, gain=self.init_gain)
+        self.light_proj.reset_parameters()
+        with torch.no_grad():
+            d = self.light_centroids.shape[1]
+            self.light_centroids.copy_(torch.randn(self.light_centroids.shape) / d**0.5)
 
     def stage(self, ctx: RoutingContext | None) -> int:
         """1 (learn and distil) or 2 (frozen light router) at the context's step."""

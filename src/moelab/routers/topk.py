@@ -59,11 +59,18 @@ class TopKRouter(Router):
         self.eval_k = None if eval_k is None else _validate.int_in_range("eval_k", eval_k, 1, num_experts)
         self.frozen = bool(frozen)
         self.renormalize = bool(renormalize)
-        weight = torch.randn(num_experts, d_model) * std
+        self.init_std = std
+        weight = torch.empty(num_experts, d_model)
         if self.frozen:  # a buffer: no optimizer or requires_grad_(True) can unfreeze it
             self.register_buffer("weight", weight)
         else:
             self.weight = nn.Parameter(weight)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``W ~ N(0, init_std²)`` (also after ``to_empty`` from the meta device)."""
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
 
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
