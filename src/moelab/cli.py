@@ -29,6 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "fine-tune a trained MoE LM on text classification (CompeteSMoE (2024) Table 3)",
     ),
     "report": ("moelab.experiments.report", "tables and plots from finished runs"),
+    "diagnose": (
+        "moelab.experiments.diagnose",
+        "routing diagnostics of trained runs: router entropy, swap tests, overlap, load, change rate",
+    ),
     "upcycle": (
         "moelab.experiments.upcycle",
         "turn a dense model's MLPs into MoE layers (safetensors checkpoint)",

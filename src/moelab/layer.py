@@ -127,8 +127,9 @@ class MoE(nn.Module):
         )
         self.ctx: RoutingContext | None = None
         #: top-(K+1) swap evaluation (CompeteSMoE (2025) Table 3; :func:`moelab.metrics.swap_top1`):
-        #: route with K+1 experts and drop the top-1
+        #: route with K+1 experts and drop the one of rank ``swap_rank`` (0: the top-1; K-1: the K-th)
         self.swap_top1 = False
+        self.swap_rank = 0
         self._aux: Tensor | None = torch.zeros(())
         self._aux_pending: tuple[Routing, Tensor] | None = None
         self.last_routing: Routing | None = None
@@ -232,16 +233,17 @@ class MoE(nn.Module):
             r = router(x, self.experts, self.ctx)
         finally:
             router.top_k = k
-        weights = r.weights[:, 1:]
+        keep = [j for j in range(k + 1) if j != self.swap_rank]  # the (K+1)-th replaces rank swap_rank
+        weights = r.weights[:, keep]
         if getattr(router, "weights_sum_to_one", True):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(
-            indices=r.indices[:, 1:],
+            indices=r.indices[:, keep],
             weights=weights,
             probs=r.probs,
             logits=r.logits,
             losses=r.losses,
-            outputs=None if r.outputs is None else r.outputs[:, 1:],
+            outputs=None if r.outputs is None else r.outputs[:, keep],
         )
 
     def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import _validate
 from .functional import competition_affinity
 
 __all__ = [
@@ -249,24 +250,46 @@ def expert_change_rate(
 
 
 @contextlib.contextmanager
-def swap_top1(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block every MoE layer of ``model`` replaces its top-1 expert by its (K+1)-th
-    (CompeteSMoE (2025) §5.2.2 a, Table 3: "shifting the selected experts down by one rank"); the weights are
-    the router's rule on the new set (top-K softmax renormalised over it, σ-MoE's raw scores kept). Meant for
-    evaluation; needs ``top_k < num_experts``.
+def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
+    """Within the block every MoE layer of ``model`` replaces its expert of rank ``rank`` (0: the
+    top-1, CompeteSMoE (2025) §5.2.2 a, Table 3: "shifting the selected experts down by one rank";
+    K-1: the K-th) by its (K+1)-th; the weights are the router's rule on the new set (top-K softmax
+    renormalised over it, σ-MoE's raw scores kept). Meant for evaluation; needs
+    ``top_k < num_experts``.
 
     >>> with moelab.metrics.swap_top1(model):
     ...     loss = evaluate(model)
     """
     layers = _layers(model)
-    previous = [layer.swap_top1 for layer in layers]
     for layer in layers:
-        layer.swap_top1 = True
+        _validate.int_in_range("rank", rank, 0, layer.top_k - 1)
+    previous = [(layer.swap_top1, layer.swap_rank) for layer in layers]
+    for layer in layers:
+        layer.swap_top1, layer.swap_rank = True, rank
     try:
         yield model
     finally:
-        for layer, p in zip(layers, previous):
-            layer.swap_top1 = p
+        for layer, (on, r) in zip(layers, previous):
+            layer.swap_top1, layer.swap_rank = on, r
+
+
+def load_cv(
+    model: nn.Module, batches: Iterable[Any], forward: Callable | None = None
+) -> list[dict[str, Any]]:
+    """Per MoE layer: the fraction of token slots each expert received over ``batches`` and its
+    coefficient of variation (std / mean; 0 = perfectly balanced)."""
+    counts: dict[int, Tensor] = {}
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        c = torch.bincount(layer.last_routing.indices.reshape(-1), minlength=layer.num_experts).double()
+        counts[i] = counts[i] + c if i in counts else c
+
+    n = _run(model, batches, forward, on_layer)
+    out = []
+    for i in range(n):
+        load = counts[i] / counts[i].sum()
+        out.append({"load": load.tolist(), "cv": float(load.std(unbiased=False) / load.mean())})
+    return out
 
 
 __all__ += [

@@ -305,8 +305,47 @@ def write_report(
             )
     atomic_write_text(out / "runs.csv", _csv_text(run_rows))
     plot_curves(groups, out / "val_curves.png")
+    diagnostics = diagnostics_table(groups, reference)
+    if diagnostics is not None:
+        text += "\n\n" + diagnostics[0]
+        atomic_write_text(out / "diagnostics.csv", _csv_text(diagnostics[1]))
     atomic_write_text(out / "table.txt", text + "\n")
     return text
+
+
+def diagnostics_table(groups: list[Group], reference: str | None) -> tuple[str, list[dict[str, Any]]] | None:
+    """The scalar routing diagnostics (``moelab diagnose``'s ``diagnostics.json`` in the runs):
+    mean ± sd over each group's runs and the Welch p against the reference group; ``None`` when no
+    run has been diagnosed."""
+    from .diagnose import SCALARS
+
+    def values(g: Group, key: str) -> list[float]:
+        out = []
+        for r in g.runs:
+            f = r.path / "diagnostics.json"
+            v = json.loads(f.read_text()).get(key) if f.is_file() else None
+            if v is not None:
+                out.append(float(v))
+        return out
+
+    if not any((r.path / "diagnostics.json").is_file() for g in groups for r in g.runs):
+        return None
+    ref = next((g for g in groups if g.label == reference or g.method == reference), None)
+    lines = ["routing diagnostics (moelab diagnose): mean ± sd over runs, Welch p against "
+             f"{ref.label if ref else '—'}"]  # fmt: skip
+    rows = []
+    for key in SCALARS:
+        lines.append(f"  {key}")
+        for g in groups:
+            v = values(g, key)
+            if not v:
+                continue
+            mean = sum(v) / len(v)
+            sd = (sum((x - mean) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else float("nan")
+            p = welch_p(v, values(ref, key)) if ref is not None and g is not ref else float("nan")
+            lines.append(f"    {g.label:<28} {mean:10.4f} ± {sd:.4f} (n={len(v)})  p={p:.3g}")
+            rows.append({"diagnostic": key, "group": g.label, "mean": mean, "sd": sd, "n": len(v), "p": p})
+    return "\n".join(lines), rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
