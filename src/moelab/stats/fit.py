@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from .._validate import non_negative, one_of, positive, positive_int
+from .lbfgs import LBFGSResult, batched_lbfgs
 from .models import GaussianMoE, GaussianParams, MoEParams, RegressionMoE, inputs_t
 
 __all__ = ["OPTIMIZERS", "GaussianMoEMLE", "LeastSquaresMoE", "minimize"]
@@ -74,36 +75,23 @@ def minimize(
     n: int | None = None,
     replicates: int = 1,
     generator: torch.Generator | None = None,
-) -> int:
+) -> LBFGSResult:
     """Minimise ``Σ_r loss_fn(idx)[r]`` over ``params`` (leaf tensors with ``requires_grad``).
 
     ``loss_fn(idx)`` returns the ``(R,)`` per-replicate losses on the samples ``idx (R, b)``
     (``None`` = all samples).  ``sgd`` with ``batch_size`` runs ``steps`` epochs of mini-batch SGD
     (perturbed cosine router (2024), App. E.1: SGD over epochs), each replicate with its own shuffle; otherwise ``steps``
-    full-batch iterations.  Returns the number of optimiser iterations.
+    full-batch iterations.  ``lbfgs`` runs :func:`moelab.stats.lbfgs.batched_lbfgs`: every replicate
+    its own L-BFGS, to convergence or ``steps`` iterations.  Returns the per-replicate iterations,
+    final gradient max-norms and whether each converged before the cap (an
+    :class:`~moelab.stats.lbfgs.LBFGSResult`; for sgd/adam every replicate ran every iteration and
+    no convergence is tested).
     """
     one_of("optimizer", optimizer, OPTIMIZERS)
     positive("lr", lr)
     positive_int("steps", steps)
-    if optimizer == "lbfgs":
-        opt = torch.optim.LBFGS(
-            params,
-            lr=lr,
-            max_iter=steps,
-            history_size=20,
-            tolerance_grad=1e-10,
-            tolerance_change=1e-14,
-            line_search_fn="strong_wolfe",
-        )
-
-        def closure() -> Tensor:
-            opt.zero_grad()
-            loss = loss_fn(None).sum()
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        return int(opt.state[params[0]].get("n_iter", steps))
+    if optimizer == "lbfgs":  # per-replicate line search, curvature and stopping: independent fits
+        return batched_lbfgs(lambda: loss_fn(None), params, max_iter=steps, lr=lr)
     opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.Adam(params, lr=lr)
     iters = 0
     minibatch = optimizer == "sgd" and batch_size is not None and n is not None and batch_size < n
@@ -120,7 +108,15 @@ def minimize(
             loss_fn(None).sum().backward()
             opt.step()
             iters += 1
-    return iters
+    B = params[0].shape[0]
+    grad = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(B, -1) for p in params], 1
+    )
+    return LBFGSResult(
+        n_iter=torch.full((B,), iters, dtype=torch.long),
+        grad_norm=grad.detach().abs().amax(dim=1),
+        converged=torch.zeros(B, dtype=torch.bool),
+    )
 
 
 def _take(t: Tensor, idx: Tensor | None, sample_dim: int = -1) -> Tensor:
@@ -371,7 +367,7 @@ class _BatchedEstimator:
         restarts = self.restarts if self.init == "random" else 1
         start = truth if self.init == "truth" else None
         loss_fn, trainable, current = self._objective(model, X, Y, start, restarts, gen)
-        n_iter = minimize(
+        result = minimize(
             loss_fn,
             trainable,
             optimizer=self.optimizer,
@@ -390,7 +386,10 @@ class _BatchedEstimator:
             loss = finite.min(dim=0).values
         self.model_ = model
         self.n_features_in_ = d
-        self.n_iter_ = n_iter
+        #: per replicate (of the best restart): iterations, final gradient max-norm, converged
+        self.n_iter_ = result.n_iter[pick]
+        self.grad_norm_ = result.grad_norm[pick]
+        self.converged_ = result.converged[pick]
         self.restart_losses_ = final
         self.loss_ = loss
         self.params_ = params
