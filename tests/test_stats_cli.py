@@ -55,6 +55,9 @@ def test_tiny_study_writes_config_metrics_csv_and_plot(study, tmp_path, capsys):
         assert rate["ci_low"] <= rate["ci_high"]
     lines = (out / "losses.csv").read_text().splitlines()
     assert len(lines) == 1 + len(metrics["rates"]) * 2 * 2  # header + series × sizes × replicates
+    header = lines[0].split(",")
+    assert "loss" in header and "value" in header  # the loss's name and its value, apart
+    assert {row.split(",")[header.index("loss")] for row in lines[1:]} <= {"expert", "voronoi"}
     assert (out / "rates.png").stat().st_size > 0
     assert main(argv) == 2  # a finished run is not overwritten
     assert "already holds a run" in capsys.readouterr().err

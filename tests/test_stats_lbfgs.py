@@ -64,3 +64,23 @@ def test_the_estimators_report_iterations_gradient_and_convergence_per_replicate
     ).fit(X, Y)
     assert est.n_iter_.shape == (3,) and est.grad_norm_.shape == (3,) and est.converged_.dtype == torch.bool
     assert (est.n_iter_ <= 200).all()
+
+
+def test_the_start_near_the_truth_centres_the_gate_bias_noise_for_every_gate():
+    from moelab.stats.models import MoEParams, RegressionMoE
+
+    torch.manual_seed(3)
+    truth = MoEParams(torch.randn(1, 2, dtype=torch.float64), torch.randn(1, 2, 3, dtype=torch.float64),
+                      torch.randn(1, 2, 4, dtype=torch.float64))  # fmt: skip
+    for gate in ("linear", "cosine", "perturbed"):
+        est = LeastSquaresMoE(2, gate=gate, expert="linear", init_noise=0.5)
+        start = est._init(
+            RegressionMoE(gate=gate, expert="linear"),
+            6,
+            3,
+            truth,
+            torch.Generator().manual_seed(0),
+            torch.float64,
+        )
+        shift = (start.beta0 - truth.beta0).mean(dim=1)
+        torch.testing.assert_close(shift, torch.zeros(6, dtype=torch.float64), atol=1e-12, rtol=0)

@@ -483,8 +483,11 @@ class LeastSquaresMoE(_BatchedEstimator):
             k_true = truth.num_experts
             beta0 = _split_truth(truth.beta0, k) - _copies(k_true, k).to(dtype).log()
             beta1, eta = _split_truth(truth.beta1, k), _split_truth(truth.eta, k)
+            # β₀'s noise is centred for every gate: a common shift leaves the gate unchanged but not
+            # the Voronoi loss (perturbed cosine router (2024) eq. 11), which it would floor; β₁'s
+            # only for the linear gate (the one invariant to it)
             c = model.gate == "linear"
-            return MoEParams(self._noise(beta0, gen, c), self._noise(beta1, gen, c), self._noise(eta, gen))
+            return MoEParams(self._noise(beta0, gen, True), self._noise(beta1, gen, c), self._noise(eta, gen))
         s = self.init_scale
         return MoEParams(
             torch.zeros(R, k, dtype=dtype),

@@ -3,7 +3,8 @@
 ``moelab simulate --study NAME [--quick] --seed S --out DIR`` runs one study and writes into DIR:
 
 * ``config.yaml`` — every constant (d, k*, noise, τ, sample-size grid, optimiser settings, seed);
-* ``losses.csv`` — one row per (router, setting, loss, n, replicate): the loss and the training MSE/NLL;
+* ``losses.csv`` — one row per (router, setting, loss, n, replicate): ``loss`` names the loss (expert
+  or voronoi), ``value`` is its value, ``train`` the training MSE/NLL;
 * ``metrics.json`` — ``rates``: a list of ``{router, setting, loss, slope, ci_low, ci_high,
   intercept}`` (``log mean loss = intercept + slope · log n``, 95 % bootstrap CI), ``means``
   (mean loss per n), ``config`` (the constants again), ``wall_seconds``;
@@ -360,7 +361,7 @@ def run_study(cfg: StudyConfig, rundir: RunDir | None = None, progress: bool = T
                         "k": res["k"],
                         "n": n,
                         "replicate": r,
-                        "loss": loss[s, r],
+                        "value": loss[s, r],  # "loss" names which loss (expert or voronoi)
                         "train": res["train"][s, r],
                     }
                 )
