@@ -141,6 +141,31 @@ def test_resume_falls_back_past_a_corrupted_checkpoint_and_ends_the_same(data, t
     assert {k: resumed[k] for k in STABLE_METRICS} == {k: metrics[k] for k in STABLE_METRICS}
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text.replace("\n5,", "\n6,", 1),  # a flipped digit in the step column
+        lambda text: text + ",,,,,,,,\n",  # a torn append
+        lambda text: ",,,,,,,,,\n" + text.split("\n", 1)[1],  # a header of commas
+    ],
+    ids=["flipped-step", "torn-append", "comma-header"],
+)
+def test_resume_rebuilds_the_log_from_the_checkpoint_whatever_became_of_the_file(
+    data, tmp_path, full, damage
+):
+    train(data, tmp_path)
+    for p in C.list_checkpoints(tmp_path / "ckpt")[1:]:  # resume from step 8
+        import shutil
+
+        shutil.rmtree(p)
+    (tmp_path / "metrics.json").unlink()
+    log = tmp_path / "log.csv"
+    log.write_text(damage(log.read_text()))
+    train(data, tmp_path, resume=True)
+    rows, _ = full
+    assert log_rows(tmp_path) == rows  # the uninterrupted run's rows, each once, in order
+
+
 @pytest.mark.parametrize("keep", [1, 3])
 def test_training_keeps_the_newest_keep_ckpts_checkpoints(data, tmp_path, keep):
     train(data, tmp_path, keep=keep)

@@ -330,7 +330,7 @@ class Trainer:
             state.update(saved["trainer"])
             start = int(saved["step"])
         if self.is_main and self.run is not None:
-            self._truncate_log(start)  # rows written after the checkpoint (all, without one)
+            self._restore_log(saved)  # the log as it was at the checkpoint, whatever became of the file
         return start
 
     def _step(self, step, forward, params, optimizer, scheduler, generator, state) -> dict[str, Any]:
@@ -405,6 +405,8 @@ class Trainer:
         """Write ``ckpt/step-{done}`` (the full model and optimizer state, from rank 0)."""
         weights = self.parallel.weights(self.model)
         optimizer_state = self.parallel.optimizer_state(optimizer, self.model)
+        log = self.run.file("log.csv")
+        log_text = log.read_text() if self.is_main and log.exists() else ""
         if self.is_main:
             ckpt.save_checkpoint(
                 self.ckpt_dir,
@@ -418,6 +420,7 @@ class Trainer:
                     "schedule": _schedule_state(self.ctx.schedule),
                     "rng": _rng_state(generator),
                     "trainer": state,
+                    "log": log_text,  # log.csv up to this step: resume rewrites it exactly
                 },
                 keep=self.config.keep_ckpts,
             )
@@ -486,23 +489,17 @@ class Trainer:
             return f"the last good checkpoint is {good}"
         return "no checkpoint was written yet"
 
-    def _truncate_log(self, step: int) -> None:
-        """Drop ``log.csv`` rows after ``step`` (written after the checkpoint we resume from)."""
+    def _restore_log(self, saved: dict[str, Any] | None) -> None:
+        """``log.csv`` as the checkpoint recorded it (its rows up to the checkpoint's step, byte for
+        byte: a torn append, a damaged row or the rows written after the checkpoint are gone); with
+        no checkpoint, no log (the run starts again at step 0)."""
         from ..io.atomic import atomic_write_text
 
         path = self.run.file("log.csv")
-        if not path.exists():
-            return
-        lines = path.read_text().splitlines(keepends=True)
-        if not lines:
-            return
-        width = lines[0].count(",")
-        kept = [lines[0]]
-        for ln in lines[1:]:  # complete rows up to ``step`` (a row cut by a kill is dropped)
-            first = ln.split(",", 1)[0]
-            if ln.endswith("\n") and ln.count(",") == width and first.isdigit() and int(first) <= step:
-                kept.append(ln)  # (a row of garbage, e.g. zeros after a power loss, is dropped too)
-        atomic_write_text(path, "".join(kept))
+        if saved is None:
+            path.unlink(missing_ok=True)
+        elif saved.get("log") is not None:
+            atomic_write_text(path, saved["log"])
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)
