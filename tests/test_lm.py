@@ -300,6 +300,24 @@ def test_a_second_process_on_the_same_run_is_refused_naming_the_holder(tmp_path)
     RunDir(out).close()  # free again once the holder has exited
 
 
+def test_a_kill_while_a_run_is_created_leaves_a_run_that_resume_completes(corpus, tmp_path, monkeypatch):
+    from moelab.io.rundir import RunDir
+
+    out = tmp_path / "run"
+    real = RunDir.write_config
+
+    def killed(self, config):
+        raise KeyboardInterrupt  # SIGKILL-like: nothing after it runs
+
+    monkeypatch.setattr(RunDir, "write_config", killed)
+    assert main(tiny_args(corpus, out)) == 130  # "interrupted"
+    assert (out / "tokenizer.json").exists() and not (out / "config.yaml").exists()
+    monkeypatch.setattr(RunDir, "write_config", real)
+    assert main(tiny_args(corpus, out, "--resume")) == 0
+    assert (out / "config.yaml").exists() and (out / "tokenizer.json").exists()
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+
+
 def test_a_damaged_run_config_is_refused_in_one_line(corpus, tmp_path, capsys):
     import yaml
 

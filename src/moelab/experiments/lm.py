@@ -383,9 +383,11 @@ def train_lm(
         active_params=active,
     )
     if run is not None and rank == 0 and (stored is None or allow_changes):
-        run.write_config(config.to_dict())
-        # the tokenizer, so that `moelab finetune` encodes text as the LM was trained
+        # the tokenizer (so that `moelab finetune` encodes text as the LM was trained) before
+        # config.yaml, the file that makes the folder a run: a run with a config always has its
+        # tokenizer, and a kill between the two leaves a folder that --resume (or --force) starts
         atomic_write_text(run.file("tokenizer.json"), json.dumps(data.tokenizer.state()))
+        run.write_config(config.to_dict())
     trainer = Trainer(
         model,
         task,
