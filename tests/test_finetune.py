@@ -150,3 +150,13 @@ def test_finetune_cli_errors_exit_2(pretrained, reviews, tmp_path, capsys):
                  "--epochs", "0"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "--epochs=0.0 is not allowed" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_damaged_tokenizer_file_is_named_in_one_line(pretrained, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(pretrained, run)
+    (run / "tokenizer.json").write_text('{"kind": "byte", ')
+    with pytest.raises(ValueError, match=r"tokenizer.json' is not valid JSON \(Expecting"):
+        read_lm_run(run)

@@ -332,3 +332,16 @@ def test_reset_parameters_draws_the_init_of_construction():
     torch.manual_seed(3)
     again.router.reset_parameters()
     torch.testing.assert_close(again.router.proj.weight, built.router.proj.weight)
+
+
+def test_inputs_of_a_wrong_dtype_are_refused_in_one_line():
+    layer = moelab.MoE(8, 4, 2)
+    with pytest.raises(
+        ValueError, match=r"input of dtype torch.int64 is not allowed; expected a floating-point tensor"
+    ):
+        layer(torch.ones(3, 8, dtype=torch.long))
+    with pytest.raises(
+        ValueError,
+        match=r"input of dtype torch.float16 is not allowed; expected the layer's dtype torch.float32",
+    ):
+        layer(torch.ones(3, 8, dtype=torch.float16))

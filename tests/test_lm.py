@@ -412,3 +412,15 @@ def test_resume_without_a_run_starts_one(corpus, tmp_path, capsys):
     assert main([*tiny_args(corpus, out), "--resume"]) == 0
     assert "holds no run yet; starting one" in capsys.readouterr().out
     assert (out / "metrics.json").exists()
+
+
+def test_token_ids_out_of_the_vocabulary_or_of_a_float_dtype_are_refused():
+    model = TransformerLM(LMConfig(vocab_size=10, **TINY))
+    with pytest.raises(
+        ValueError, match=r"token id 10 is not allowed; expected ids in \[0, 9\] \(vocab_size=10\)"
+    ):
+        model(torch.tensor([[1, 10]]))
+    with pytest.raises(ValueError, match=r"token id -1 is not allowed"):
+        model(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match=r"idx of shape \(1, 2\) and dtype torch.float32 is not allowed"):
+        model(torch.tensor([[1.0, 2.0]]))

@@ -190,6 +190,14 @@ class MoE(nn.Module):
                 f"input of shape {tuple(x.shape)} is not allowed; expected the last dimension to be "
                 f"d_model={self.d_model}"
             )
+        if not x.is_floating_point():
+            raise ValueError(f"input of dtype {x.dtype} is not allowed; expected a floating-point tensor")
+        weight = next(self.router.parameters(), None)
+        if weight is not None and x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(
+                f"input of dtype {x.dtype} is not allowed; expected the layer's dtype {weight.dtype} "
+                f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
+            )
         shape = x.shape
         flat = x.reshape(-1, self.d_model)  # (T, d)
         routing = self._route_swapped(flat) if self.swap_top1 else self.router(flat, self.experts, self.ctx)

@@ -15,14 +15,13 @@ checkpoint), so a killed comparison loses at most one run's last steps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 from .. import _validate
 from ..data.text import load_text
-from ..io.atomic import atomic_write_text
+from ..io.atomic import atomic_write_text, read_json
 from ..methods import methods
 from .args import parse_sweep
 from .lm import add_lm_arguments, build_config, set_threads, train_lm
@@ -175,8 +174,7 @@ def run(args: argparse.Namespace) -> int:
         ours = {}
         for name, _, _ in configs:
             values = [
-                json.loads((out / name / f"seed{s}" / "metrics.json").read_text())[f"test_{data.metric}"]
-                for s in seeds
+                read_json(out / name / f"seed{s}" / "metrics.json")[f"test_{data.metric}"] for s in seeds
             ]
             mean = sum(values) / len(values)
             sd = (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5

@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..data.classification import TASKS, ClassificationData, load_classification
 from ..data.text import tokenizer_from_state
+from ..io.atomic import read_json
 from ..io.model import load
 from ..io.rundir import RunDir
 from ..models.classifier import LMClassifier, freeze_routers
@@ -117,7 +117,7 @@ def read_lm_run(run_dir: str | Path) -> tuple[dict[str, Any], Any]:
     tok_path = run_dir / "tokenizer.json"
     if not tok_path.exists():
         raise FileNotFoundError(f"--from {str(run_dir)!r} has no tokenizer.json")
-    return config, tokenizer_from_state(json.loads(tok_path.read_text()))
+    return config, tokenizer_from_state(read_json(tok_path))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

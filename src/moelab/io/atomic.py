@@ -26,6 +26,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "atomic_write_torch",
+    "read_json",
     "sha256_file",
 ]
 
@@ -91,6 +92,14 @@ def atomic_write_torch(path: str | os.PathLike, obj: Any) -> Path:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON in ``path``; a file that is not JSON is a ``ValueError`` naming it (one line)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc})") from None
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .atomic import atomic_write_bytes, atomic_write_text
+from .atomic import atomic_write_bytes, atomic_write_text, read_json
 
 __all__ = ["RunDir", "atomic_write_bytes", "atomic_write_text"]
 
@@ -134,7 +134,7 @@ class RunDir:
         )
 
     def read_metrics(self) -> dict[str, Any]:
-        return json.loads(self.file("metrics.json").read_text())
+        return read_json(self.file("metrics.json"))
 
     def append_log(self, row: Mapping[str, Any], name: str = "log.csv") -> None:
         """Append one row to a CSV log (header written on first use; the columns of the first row)."""

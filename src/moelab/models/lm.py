@@ -226,6 +226,18 @@ class TransformerLM(Persistent, nn.Module):
 
     def features(self, idx: Tensor) -> Tensor:
         """Final hidden states ``(B, L, d)`` of token ids ``idx (B, L)``."""
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"idx of shape {tuple(idx.shape)} and dtype {idx.dtype} is not allowed; expected token ids "
+                "(B, L) of dtype int64"
+            )
+        if not torch.compiler.is_compiling() and idx.numel():  # one reduction; compiled graphs skip it
+            low, high = int(idx.min()), int(idx.max())
+            if low < 0 or high >= self.cfg.vocab_size:
+                raise ValueError(
+                    f"token id {low if low < 0 else high} is not allowed; expected ids in [0, "
+                    f"{self.cfg.vocab_size - 1}] (vocab_size={self.cfg.vocab_size})"
+                )
         L = idx.shape[1]
         if L > self.cfg.block_size:
             raise ValueError(
