@@ -10,7 +10,7 @@ from moelab.data.download import DataError, cache_dir, fetch, sha256sum
 
 PAYLOAD = b"moelab test payload\n" * 100
 SHA = hashlib.sha256(PAYLOAD).hexdigest()
-OFFLINE = "http://127.0.0.1:9/x"  # discard port: nothing listens
+OFFLINE = "https://127.0.0.1:9/x"  # discard port: nothing listens
 
 
 @pytest.fixture
@@ -71,3 +71,10 @@ def test_fetch_offline_names_the_url_and_destination():
 def test_fetch_rejects_an_empty_url_list():
     with pytest.raises(ValueError, match=r"urls=\[\] is not allowed; expected at least one URL"):
         fetch("data.bin", [], SHA, progress=False)
+
+
+def test_plain_http_sources_are_refused():
+    with pytest.raises(
+        ValueError, match=r"url='http://example.org/x' is not allowed; expected an https:// \(or file:\) URL"
+    ):
+        fetch("data.bin", ["http://example.org/x"], SHA, progress=False)

@@ -446,7 +446,7 @@ def test_fetch_validates_the_name_and_the_digest(tmp_path, monkeypatch, name, sh
 
     monkeypatch.setenv("MOELAB_DATA", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=message):
-        fetch(name, "http://127.0.0.1:9/x", sha, progress=False)
+        fetch(name, "https://127.0.0.1:9/x", sha, progress=False)
 
 
 def test_fetch_accepts_an_upper_case_digest_without_refetching(tmp_path, monkeypatch):
@@ -461,7 +461,7 @@ def test_fetch_accepts_an_upper_case_digest_without_refetching(tmp_path, monkeyp
     fetch("d.bin", src.as_uri(), digest, progress=False)
     # cached and verified: the offline URL is never tried
     assert (
-        fetch("d.bin", "http://127.0.0.1:9/x", digest, timeout=0.5, progress=False).read_bytes()
+        fetch("d.bin", "https://127.0.0.1:9/x", digest, timeout=0.5, progress=False).read_bytes()
         == src.read_bytes()
     )
 

@@ -58,6 +58,9 @@ def fetch(
     urls = [urls] if isinstance(urls, str) else list(urls)
     if not urls:
         raise ValueError(f"urls={urls!r} is not allowed; expected at least one URL")
+    for url in urls:  # what is fetched over the network is fetched over TLS
+        if not isinstance(url, str) or not url.startswith(("https://", "file:")):
+            raise ValueError(f"url={url!r} is not allowed; expected an https:// (or file:) URL")
     if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
         raise ValueError(f"name={name!r} is not allowed; expected a plain file name (no folders)")
     if sha256 is not None:  # a malformed digest would refuse (and delete) every good download

@@ -68,8 +68,7 @@ MNIST_SHA256 = {
     "test_images": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
     "test_labels": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
 }
-FMNIST_URLS = (
-    "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",  # canonical (Zalando)
+FMNIST_URLS = (  # the authors' repository over https (their S3 website serves plain http only)
     "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/",
 )
 #: sha256 of the Fashion-MNIST IDX payloads (the bytes after the header, decompressed).  The .gz

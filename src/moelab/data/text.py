@@ -64,8 +64,8 @@ __all__ = [
 
 CORPORA = ("enwik8", "text8", "wikitext103", "default")
 
-ENWIK8_URLS = ("http://mattmahoney.net/dc/enwik8.zip", "https://mattmahoney.net/dc/enwik8.zip")
-TEXT8_URLS = ("http://mattmahoney.net/dc/text8.zip", "https://mattmahoney.net/dc/text8.zip")
+ENWIK8_URLS = ("https://mattmahoney.net/dc/enwik8.zip",)  # https only
+TEXT8_URLS = ("https://mattmahoney.net/dc/text8.zip",)
 WIKITEXT103_URLS = (
     "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip",
     "https://wikitext.smerity.com/wikitext-103-v1.zip",
