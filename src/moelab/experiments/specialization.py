@@ -21,9 +21,17 @@ normalised input pixels.
 
 ``metrics.json`` keys (stable): ``test_error``, ``train_error`` (dense output mixture),
 ``train_loss`` (task NLL on the train set), ``test_error_top1`` (top-1 conditional computation),
-``H_s``, ``H_u``, ``I_EY`` (bits, test set, :func:`moelab.metrics.specialization`),
-``experts_used`` (experts that are the argmax for ≥ 1% of the test samples), ``seed``, and for
-sweeps ``test_error_std`` (over the seeds of the selected setting), ``selected`` and ``num_runs``.
+``H_s``, ``H_u``, ``I_EY`` (bits, test set, true labels: Krishnamurthy et al. (2023) eq. 3),
+``I_EY_pred`` (the same with the model's predicted labels, the quantity the authors' code computed;
+:func:`moelab.metrics.specialization`), ``experts_used`` (experts that are the argmax for ≥ 1% of the
+test samples), ``seed``, and for sweeps and ``--runs N`` ``test_error_std`` (over the seeds of the
+selected setting), ``selected``, ``num_runs``, ``seeds`` (each of :data:`SUMMARY_METRICS` per seed of
+the selected setting) and ``over_seeds`` (their ``n``, ``mean``, ``sd``, 95 % t-interval ``ci_low`` /
+``ci_high``).  ``--mode table`` adds ``welch`` (Welch's t-test between every pair of rows for each
+summary metric; also ``welch.md``) beside ``table.md``; ``--rows`` runs a subset of the nine rows.
+``log.csv`` has one row per epoch (``row``, ``seed``, the setting, losses, the test error at the end
+of the epoch); a distilled model's folder also gets its teacher's selection table
+(``*_teacher_selection.png``).
 """
 
 from __future__ import annotations
