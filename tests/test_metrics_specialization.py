@@ -83,3 +83,15 @@ def test_selection_table_plot_writes_a_png(tmp_path):
     table = torch.tensor([[5, 0], [1, 7]])
     plot_selection_table(table, tmp_path / "t.png", ["a", "b"], "title")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_information_with_predicted_labels_is_reported_beside_the_true_label_one():
+    # experts split the true classes perfectly, but the model predicts one class for everything
+    p = torch.eye(2, dtype=torch.float64).repeat_interleave(3, 0)  # samples 0-2 -> E0, 3-5 -> E1
+    labels = torch.tensor([0, 0, 0, 1, 1, 1])
+    assert "I_EY_pred" not in specialization(p, labels, 2)
+    m = specialization(p, labels, 2, predictions=labels)
+    assert m["I_EY_pred"] == pytest.approx(m["I_EY"]) == pytest.approx(1.0)
+    assert specialization(p, labels, 2, predictions=torch.zeros(6, dtype=torch.long))["I_EY_pred"] == 0.0
+    with pytest.raises(ValueError, match="predictions of shape"):
+        specialization(p, labels, 2, predictions=labels[:3])

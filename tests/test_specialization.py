@@ -138,9 +138,10 @@ def test_tiny_digits_run_end_to_end(tmp_path, capsys):
         assert key in m
     assert 0 <= m["test_error"] <= 1 and 0 <= m["H_s"] <= np.log2(5) + 1e-9 and m["seed"] == 0
     assert (out / "model_selection.png").stat().st_size > 0 and (out / "config.yaml").exists()
-    assert (
-        len((out / "log.csv").read_text().splitlines()) == 1 + 2 + 2
-    )  # header, 2 teacher + 2 distill epochs
+    log = (out / "log.csv").read_text().splitlines()
+    assert len(log) == 1 + 2 + 2  # header, 2 teacher + 2 distill epochs
+    assert "test_error" in log[0].split(",")  # per-epoch test error
+    assert (out / "model_teacher_selection.png").stat().st_size > 0
     code, err = main(argv, capsys)  # a finished run is not overwritten
     assert code == 2 and "already holds a run" in err
 
@@ -171,10 +172,11 @@ def test_sweep_covers_the_appendix_c_grid_and_selects_the_minimum_training_error
     def fake_train_once(cfg, data, log=None):
         seen.append((cfg.beta_s, cfg.beta_d, cfg.seed))
         train_error = abs(cfg.beta_d - 1e-3) + cfg.seed * 1e-6  # minimum at beta_d = 1e-3, seed 0
-        return None, {"train_error": train_error, "test_error": 0.1 + cfg.seed / 100, "seed": cfg.seed}, None
+        metrics = {"train_error": train_error, "test_error": 0.1 + cfg.seed / 100, "seed": cfg.seed}
+        return spec.Trained(None, metrics, None)
 
     monkeypatch.setattr(spec, "train_once", fake_train_once)
-    _, summary, _ = spec.sweep(spec.SpecConfig(data="mnist", reg="ls"), None, runs=3, rundir=None)
+    summary = spec.sweep(spec.SpecConfig(data="mnist", reg="ls"), None, runs=3, rundir=None).metrics
     assert len(seen) == 2 * 6 * 3  # β_s ∈ {1e-6, 1e-5} × β_d ∈ {1e-1..1e-6} × 3 seeds (002 Table 6)
     assert summary["selected"]["beta_d"] == pytest.approx(1e-3) and summary["selected"]["seed"] == 0
     assert summary["test_error_std"] == pytest.approx(float(np.std([0.10, 0.11, 0.12], ddof=1)))
@@ -201,3 +203,106 @@ def test_partition_and_scaling_modes_run(tmp_path, capsys):
     code, _ = main(["--mode", "scaling", "--counts", "5,6", *TINY, "--out", str(tmp_path / "s")], capsys)
     m = json.loads((tmp_path / "s" / "metrics.json").read_text())
     assert code == 0 and set(m["scaling"]) == {"importance_5", "importance_6", "ls_5", "ls_6"}
+
+
+def test_seed_summary_is_mean_sample_sd_and_student_t_interval():
+    from scipy import stats
+
+    v = [0.10, 0.12, 0.11, 0.15, 0.09]
+    s = spec.seed_summary(v)
+    half = stats.t.ppf(0.975, 4) * np.std(v, ddof=1) / np.sqrt(5)
+    assert (
+        s["n"] == 5 and s["mean"] == pytest.approx(np.mean(v)) and s["sd"] == pytest.approx(np.std(v, ddof=1))
+    )
+    assert (s["ci_low"], s["ci_high"]) == pytest.approx((np.mean(v) - half, np.mean(v) + half))
+    assert spec.seed_summary([0.2]) == {"n": 1, "mean": 0.2, "sd": None, "ci_low": None, "ci_high": None}
+
+
+def test_welch_matches_scipys_unequal_variance_t_test():
+    from scipy import stats
+
+    a, b = [0.10, 0.12, 0.11, 0.15, 0.09], [0.08, 0.085, 0.09, 0.07]
+    w = spec.welch(a, b)
+    ref = stats.ttest_ind(a, b, equal_var=False)
+    assert w["t"] == pytest.approx(ref.statistic) and w["p"] == pytest.approx(ref.pvalue)
+    assert w["diff"] == pytest.approx(np.mean(a) - np.mean(b))
+    assert spec.welch([0.1], b)["p"] is None and spec.welch([0.1, 0.1], [0.1, 0.1])["p"] is None
+
+
+def test_every_default_beta_is_a_point_of_the_appendix_c_grid():
+    for data, (beta_s, beta_d) in spec.BETA_DEFAULTS.items():
+        assert beta_s in spec.GRIDS[data]["beta_s"] and any(
+            beta_d == pytest.approx(g) for g in spec.GRIDS[data]["beta_d"]
+        )
+    # 1e-4, the middle of the Fashion-MNIST grid, left training unchanged; 1e-2 had the lowest train error
+    assert spec.SpecConfig(data="fmnist").resolved().beta_d == pytest.approx(1e-2)
+
+
+def test_help_shows_the_per_dataset_beta_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["specialize", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fmnist 1e-06" in text and "fmnist 0.01" in text and "--rows" in text
+
+
+def test_resolved_config_records_the_expert_count():
+    assert spec.SpecConfig(data="fmnist").resolved().experts == 5
+    assert spec.SpecConfig(data="fmnist", experts=7).resolved().experts == 7
+
+
+def test_distilled_titles_name_the_teacher_and_the_student_separately():
+    model, teacher = spec.titles(spec.SpecConfig(gate="attentive", reg="ls", distill=True))
+    assert model == "digits: distilled from attentive gate MoE with L_s"
+    assert teacher == "digits: attentive gate MoE with L_s (teacher)"
+    assert spec.titles(spec.SpecConfig(gate="original", reg="importance")) == (
+        "digits: vanilla MoE with L_importance",
+        "",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mode", "table", "--rows", "0,2"], "--rows='0,2' is not allowed"),
+        (["--mode", "table", "--rows", "2,2"], "--rows='2,2' is not allowed"),
+        (["--mode", "table", "--rows", "a"], "--rows='a' is not allowed"),
+        (["--rows", "2"], "--rows is not allowed with --mode run"),
+    ],
+)
+def test_bad_rows_exit_2_with_one_line(argv, message, capsys, tmp_path):
+    code, err = main([*argv, "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_table_rows_over_seeds_report_summaries_welch_tests_and_teacher_tables(tmp_path, capsys, monkeypatch):
+    plots = {}
+    monkeypatch.setattr(
+        spec, "plot_selection_table", lambda t, path, names, title: plots.update({path.name: title})
+    )
+    out = tmp_path / "t"
+    code, _ = main(["--mode", "table", "--rows", "2,8", "--runs", "2", *TINY, "--out", str(out)], capsys)
+    assert code == 0
+    m = json.loads((out / "metrics.json").read_text())
+    vanilla, distilled = (
+        m["rows"]["vanilla MoE"],
+        m["rows"]["distilled from attentive gate MoE with L_importance"],
+    )
+    assert sorted(m["rows"]) == ["distilled from attentive gate MoE with L_importance", "vanilla MoE"]
+    for key in spec.SUMMARY_METRICS:
+        s = vanilla["over_seeds"][key]
+        assert s["n"] == 2 and s["ci_low"] <= s["mean"] <= s["ci_high"]
+        assert s["mean"] == pytest.approx(np.mean(vanilla["seeds"][key]))
+    assert {(t["metric"]) for t in m["welch"]} == set(spec.SUMMARY_METRICS)
+    assert "I_EY_pred" in distilled and "teacher_I_EY" in distilled
+    assert len((out / "table.md").read_text().splitlines()) == 2 + 2
+    assert len((out / "welch.md").read_text().splitlines()) == 2 + len(spec.SUMMARY_METRICS)
+    assert plots == {
+        "row2_selection.png": "vanilla MoE",
+        "row8_selection.png": "distilled from attentive gate MoE with L_importance",
+        "row8_teacher_selection.png": "digits: attentive gate MoE with L_importance (teacher)",
+    }
+    log = (out / "log.csv").read_text().splitlines()
+    assert log[0].split(",")[:2] == ["row", "seed"] and "test_error" in log[0].split(",")
+    assert len(log) == 1 + 2 * 1 + 2 * 2  # vanilla: 2 seeds × 1 epoch; distilled: 2 seeds × (teacher + gate)
+    config = (out / "config.yaml").read_text()
+    assert "experts: 5" in config and "rows:\n- 2\n- 8" in config

@@ -336,7 +336,9 @@ def mutual_information_bits(table: Tensor) -> Tensor:
     return entropy_bits(joint.sum(1)) + entropy_bits(joint.sum(0)) - entropy_bits(joint.reshape(-1))
 
 
-def specialization(gate_probs: Tensor, labels: Tensor, num_classes: int) -> dict[str, float]:
+def specialization(
+    gate_probs: Tensor, labels: Tensor, num_classes: int, predictions: Tensor | None = None
+) -> dict[str, float]:
     """The information-theoretic routing metrics of Krishnamurthy et al. (2023) §3, in bits.
 
     * ``H_s`` — mean per-sample entropy of the gate distribution (Krishnamurthy et al. (2023) eq. 1): low =
@@ -344,16 +346,20 @@ def specialization(gate_probs: Tensor, labels: Tensor, num_classes: int) -> dict
     * ``H_u`` — entropy of the batch-mean gate distribution (Krishnamurthy et al. (2023) eq. 2): high =
       balanced use.
     * ``I_EY`` — mutual information between the argmax expert ``E`` and the TRUE class ``Y``
-      (Krishnamurthy et al. (2023) eq. 3, Appendix A).  The authors' code used the predicted class (a defect
-      listed in shared/REFERENCES.md); the paper defines ``Y`` as the class distribution, so true labels.
+      (Krishnamurthy et al. (2023) eq. 3, Appendix A); the paper defines ``Y`` as the class distribution,
+      so true labels.
+    * ``I_EY_pred`` (only with ``predictions``) — the same with the model's PREDICTED class in place of
+      ``Y``: the quantity the authors' code computed, reported beside ``I_EY`` for comparison with their
+      tables.
 
     Args:
         gate_probs: ``(B, M)`` gate distribution p(e|x) of each sample (rows sum to 1).
         labels: ``(B,)`` int true classes in ``[0, num_classes)``.
         num_classes: K.
+        predictions: optional ``(B,)`` int predicted classes in ``[0, num_classes)``.
 
     Returns:
-        ``{"H_s", "H_u", "I_EY"}`` as floats.
+        ``{"H_s", "H_u", "I_EY"}`` (and ``"I_EY_pred"`` with ``predictions``) as floats.
     """
     if gate_probs.dim() != 2 or labels.dim() != 1 or gate_probs.shape[0] != labels.shape[0]:
         raise ValueError(
@@ -366,11 +372,19 @@ def specialization(gate_probs: Tensor, labels: Tensor, num_classes: int) -> dict
         raise ValueError(f"num_classes={num_classes!r} is not allowed; expected a positive integer")
     p = gate_probs.detach().double()
     table = selection_table(p.argmax(dim=1), labels.detach(), p.shape[1], num_classes)
-    return {
+    out = {
         "H_s": float(entropy_bits(p).mean()),
         "H_u": float(entropy_bits(p.mean(dim=0))),
         "I_EY": float(mutual_information_bits(table)),
     }
+    if predictions is not None:
+        if predictions.shape != labels.shape:
+            raise ValueError(
+                f"predictions of shape {tuple(predictions.shape)} is not allowed; expected {tuple(labels.shape)}"
+            )
+        pred_table = selection_table(p.argmax(dim=1), predictions.detach(), p.shape[1], num_classes)
+        out["I_EY_pred"] = float(mutual_information_bits(pred_table))
+    return out
 
 
 def plot_selection_table(

@@ -21,9 +21,17 @@ normalised input pixels.
 
 ``metrics.json`` keys (stable): ``test_error``, ``train_error`` (dense output mixture),
 ``train_loss`` (task NLL on the train set), ``test_error_top1`` (top-1 conditional computation),
-``H_s``, ``H_u``, ``I_EY`` (bits, test set, :func:`moelab.metrics.specialization`),
-``experts_used`` (experts that are the argmax for ≥ 1% of the test samples), ``seed``, and for
-sweeps ``test_error_std`` (over the seeds of the selected setting), ``selected`` and ``num_runs``.
+``H_s``, ``H_u``, ``I_EY`` (bits, test set, true labels: Krishnamurthy et al. (2023) eq. 3),
+``I_EY_pred`` (the same with the model's predicted labels, the quantity the authors' code computed;
+:func:`moelab.metrics.specialization`), ``experts_used`` (experts that are the argmax for ≥ 1% of the
+test samples), ``seed``, and for sweeps and ``--runs N`` ``test_error_std`` (over the seeds of the
+selected setting), ``selected``, ``num_runs``, ``seeds`` (each of :data:`SUMMARY_METRICS` per seed of
+the selected setting) and ``over_seeds`` (their ``n``, ``mean``, ``sd``, 95 % t-interval ``ci_low`` /
+``ci_high``).  ``--mode table`` adds ``welch`` (Welch's t-test between every pair of rows for each
+summary metric; also ``welch.md``) beside ``table.md``; ``--rows`` runs a subset of the nine rows.
+``log.csv`` has one row per epoch (``row``, ``seed``, the setting, losses, the test error at the end
+of the epoch); a distilled model's folder also gets its teacher's selection table
+(``*_teacher_selection.png``).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import argparse
 import math
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -75,6 +83,21 @@ GRIDS: dict[str, dict[str, Any]] = {
 }
 GRIDS["fmnist+mnist"] = GRIDS["mnist"]
 
+#: per-dataset L_s defaults ``(β_s, β_d)``, each a point of the Krishnamurthy et al. (2023) Appendix C grid
+#: (Table 6).  Fashion-MNIST: β_d = 1e-2.  The middle of its grid, β_d = 1e-4, leaves training where it is
+#: without L_s (β_s ≤ 1e-6 makes the S term negligible for 784 unit-variance pixels, so L_s is the D term,
+#: whose gradient at 1e-4 is about 1 % of the task loss's); on a 6,000-sample, 3-epoch probe (seed 0)
+#: β_d ∈ {1e-4, 1e-3, 1e-2, 1e-1} gave training errors 0.525, 0.503, 0.429, 0.439 against 0.515 without
+#: L_s, and H_u 1.53, 1.63, 2.27, 2.26 bits against 1.55: 1e-2 is the grid's lowest training error (the
+#: paper's selection rule, Krishnamurthy et al. (2023) Appendix C) on that probe.
+BETA_DEFAULTS: dict[str, tuple[float, float]] = {
+    "digits": (1e-4, 1e-3),
+    "mnist": (1e-5, 1e-4),
+    "fmnist": (1e-6, 1e-2),
+    "fmnist+mnist": (1e-5, 1e-4),
+    "cifar100": (1e-3, 1e-4),
+}
+
 #: per-dataset training defaults (Krishnamurthy et al. (2023) §7; digits: moelab's choice for 1,437 samples)
 DEFAULTS = {
     "digits": {"epochs": 40, "batch_size": 64},
@@ -115,13 +138,14 @@ class SpecConfig:
 
     def resolved(self) -> SpecConfig:
         d = DEFAULTS[self.data]
-        grid = GRIDS[self.data]
+        beta_s, beta_d = BETA_DEFAULTS[self.data]
         return replace(
             self,
+            experts=self.experts or vision_config(self.data).num_experts,
             epochs=self.epochs or d["epochs"],
             batch_size=self.batch_size or d["batch_size"],
-            beta_s=grid["beta_s"][-1] if self.beta_s is None else self.beta_s,
-            beta_d=grid["beta_d"][len(grid["beta_d"]) // 2] if self.beta_d is None else self.beta_d,
+            beta_s=beta_s if self.beta_s is None else self.beta_s,
+            beta_d=beta_d if self.beta_d is None else self.beta_d,
         )
 
     def validate(self) -> None:
@@ -166,14 +190,21 @@ def evaluate(
     """Error, task NLL and gate probabilities of ``model`` on ``(x, y)`` (eval mode)."""
     was = model.training
     model.eval()
-    errors, nll, probs = 0, 0.0, []
+    errors, nll, probs, preds = 0, 0.0, [], []
     for xc, yc in zip(x.split(chunk), y.split(chunk)):
         out = model(xc, top_k=top_k)
-        errors += int((out.probs.argmax(-1) != yc).sum())
+        pred = out.probs.argmax(-1)
+        errors += int((pred != yc).sum())
         nll += float(out.nll(yc)) * len(yc)
         probs.append(out.gate_probs)
+        preds.append(pred)
     model.train(was)
-    return {"error": errors / len(y), "loss": nll / len(y), "gate_probs": torch.cat(probs)}
+    return {
+        "error": errors / len(y),
+        "loss": nll / len(y),
+        "gate_probs": torch.cat(probs),
+        "predictions": torch.cat(preds),
+    }
 
 
 def fit(
@@ -190,6 +221,7 @@ def fit(
 
     ``output_fn(model, x, y) -> MoEOutput`` replaces ``model(x)`` (used by the partition
     experiment's expert pre-training); modules in ``frozen`` stay in eval mode (BatchNorm stats).
+    With ``log``, each epoch's row carries the test error of the model at the end of the epoch.
     """
     from tqdm.auto import tqdm
 
@@ -220,13 +252,19 @@ def fit(
             reg_total += float(reg.detach())
             steps += 1
         if log is not None:
+            seconds = time.perf_counter() - t0
+            test_error = evaluate(model, data.x_test, data.y_test)["error"]
+            model.train()
+            for m in frozen:
+                m.eval()
             log(
                 {
                     "phase": desc,
                     "epoch": epoch + 1,
                     "task_loss": total / steps,
                     "reg_loss": reg_total / steps,
-                    "seconds": time.perf_counter() - t0,
+                    "test_error": test_error,
+                    "seconds": seconds,
                 }
             )
 
@@ -241,7 +279,16 @@ def _metrics(model: nn.Module, data: ImageData, cfg: SpecConfig) -> tuple[dict[s
         "seed": cfg.seed,
     }
     if not isinstance(model, ImageMoE):
-        out.update({"H_s": None, "H_u": None, "I_EY": None, "test_error_top1": None, "experts_used": None})
+        out.update(
+            {
+                "H_s": None,
+                "H_u": None,
+                "I_EY": None,
+                "I_EY_pred": None,
+                "test_error_top1": None,
+                "experts_used": None,
+            }
+        )
         return out, None
     out["test_error_top1"] = evaluate(model, data.x_test, data.y_test, top_k=1)["error"]
     if cfg.top_k != 1:
@@ -249,14 +296,24 @@ def _metrics(model: nn.Module, data: ImageData, cfg: SpecConfig) -> tuple[dict[s
             "error"
         ]
     p = test["gate_probs"]
-    out.update(specialization(p, data.y_test, data.num_classes))
+    out.update(specialization(p, data.y_test, data.num_classes, predictions=test["predictions"]))
     table = selection_table(p.argmax(1), data.y_test, p.shape[1], data.num_classes)
     out["experts_used"] = int((table.sum(1) >= 0.01 * len(data.y_test)).sum())
     return out, table
 
 
-def train_once(cfg: SpecConfig, data: ImageData, log=None) -> tuple[nn.Module, dict[str, Any], Tensor | None]:
-    """Train one configuration; returns ``(model, metrics, selection table or None)``."""
+class Trained(NamedTuple):
+    """What :func:`train_once` returns; ``teacher_table`` only for ``--distill`` (the attentive teacher's
+    expert × class table; ``table`` is then the distilled model's)."""
+
+    model: nn.Module
+    metrics: dict[str, Any]
+    table: Tensor | None
+    teacher_table: Tensor | None = None
+
+
+def train_once(cfg: SpecConfig, data: ImageData, log=None) -> Trained:
+    """Train one configuration."""
     cfg = cfg.resolved()
     torch.manual_seed(cfg.seed)
     vcfg = vision_config(cfg.data, cfg.experts, cfg.output_relu)
@@ -264,13 +321,13 @@ def train_once(cfg: SpecConfig, data: ImageData, log=None) -> tuple[nn.Module, d
         model: nn.Module = SingleModel(vcfg)
         fit(model, data, cfg, log=log, desc="single")
         metrics, table = _metrics(model, data, cfg)
-        return model, metrics, table
+        return Trained(model, metrics, table)
     model = ImageMoE(vcfg, cfg.gate, batched=cfg.batched)
     fit(model, data, cfg, log=log, desc=f"{cfg.gate}-{cfg.reg}")
     if not cfg.distill:
         metrics, table = _metrics(model, data, cfg)
-        return model, metrics, table
-    teacher_metrics, _ = _metrics(model, data, cfg)
+        return Trained(model, metrics, table)
+    teacher_metrics, teacher_table = _metrics(model, data, cfg)
     student = distill_gate(model)
     fit(
         student,
@@ -283,7 +340,7 @@ def train_once(cfg: SpecConfig, data: ImageData, log=None) -> tuple[nn.Module, d
     )
     metrics, table = _metrics(student, data, cfg)
     metrics.update({f"teacher_{k}": v for k, v in teacher_metrics.items() if k != "seed"})
-    return student, metrics, table
+    return Trained(student, metrics, table, teacher_table)
 
 
 # ---------------------------------------------------------------------- sweeps and named modes
@@ -295,6 +352,9 @@ def grid(cfg: SpecConfig) -> list[SpecConfig]:
     if cfg.reg == "ls":
         return [replace(cfg, beta_s=bs, beta_d=bd) for bs in g["beta_s"] for bd in g["beta_d"]]
     return [cfg]
+
+
+_SETTING_KEYS = ("w_importance", "beta_s", "beta_d")
 
 
 def _setting(cfg: SpecConfig) -> dict[str, Any]:
@@ -322,8 +382,51 @@ RUN_COLUMNS = (
     "H_s",
     "H_u",
     "I_EY",
+    "I_EY_pred",
     "experts_used",
 )
+
+#: the metrics summarised over seeds (mean, sd, 95 % CI) and compared between rows (Welch's t-test)
+SUMMARY_METRICS = ("test_error", "H_s", "H_u", "I_EY", "I_EY_pred")
+
+
+def seed_summary(values: list[float], level: float = 0.95) -> dict[str, Any]:
+    """Mean, sample sd and the two-sided Student-t confidence interval of the mean over seeds.
+
+    One value has no spread: ``sd`` and the interval are then ``None``."""
+    from scipy import stats
+
+    v = [float(x) for x in values]
+    n = len(v)
+    mean = math.fsum(v) / n
+    if n < 2:
+        return {"n": n, "mean": mean, "sd": None, "ci_low": None, "ci_high": None}
+    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in v) / (n - 1))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "ci_low": mean - half, "ci_high": mean + half}
+
+
+def welch(a: list[float], b: list[float]) -> dict[str, Any]:
+    """Welch's unequal-variance t-test of ``mean(a) = mean(b)`` (two-sided): ``t``, ``df``, ``p``.
+
+    ``None`` entries when either side has fewer than two values or both have zero spread."""
+    from scipy import stats
+
+    out: dict[str, Any] = {
+        "n_a": len(a),
+        "n_b": len(b),
+        "mean_a": math.fsum(a) / len(a),
+        "mean_b": math.fsum(b) / len(b),
+    }
+    out["diff"] = out["mean_a"] - out["mean_b"]
+    va = sum((x - out["mean_a"]) ** 2 for x in a) / (len(a) - 1) if len(a) > 1 else 0.0
+    vb = sum((x - out["mean_b"]) ** 2 for x in b) / (len(b) - 1) if len(b) > 1 else 0.0
+    if len(a) < 2 or len(b) < 2 or va + vb == 0:
+        return {**out, "t": None, "df": None, "p": None}
+    se2 = va / len(a) + vb / len(b)
+    df = se2**2 / ((va / len(a)) ** 2 / (len(a) - 1) + (vb / len(b)) ** 2 / (len(b) - 1))
+    t = out["diff"] / math.sqrt(se2)
+    return {**out, "t": t, "df": df, "p": float(2 * stats.t.sf(abs(t), df))}
 
 
 def _run_row(tag: str, cfg: SpecConfig, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -350,30 +453,70 @@ def sweep(
     for s in settings:
         for r in range(runs):
             c = replace(s, seed=cfg.seed + r)
-            model, m, table = train_once(c, data)
+            log = None
+            if rundir is not None:
+                setting = _setting(c)
+                log = lambda row, c=c, setting=setting: rundir.append_log(
+                    {"row": tag, "seed": c.seed, **{k: setting.get(k) for k in _SETTING_KEYS}, **row}
+                )
+            trained = train_once(c, data, log=log)
+            m = trained.metrics
             results.append((s, m))
             if rundir is not None:
                 rundir.append_log(_run_row(tag, c, m), name="runs.csv")
             if best is None or m["train_error"] < best[1]["train_error"]:
-                best = (c, m, table, model)
-    c, m, table, model = best
-    same = [r[1]["test_error"] for r in results if _setting(r[0]) == _setting(c)]
-    std = float(torch.tensor(same, dtype=torch.float64).std()) if len(same) > 1 else 0.0
+                best = (c, m, trained)
+    c, m, trained = best
+    same = [r[1] for r in results if _setting(r[0]) == _setting(c)]
+    std = (
+        float(torch.tensor([r["test_error"] for r in same], dtype=torch.float64).std())
+        if len(same) > 1
+        else 0.0
+    )
     summary = {
         **m,
         "test_error_std": std,
         "selected": {**_setting(c), "seed": c.seed},
         "num_runs": len(results),
+        "seeds": {
+            k: [r[k] for r in same] for k in SUMMARY_METRICS if all(r.get(k) is not None for r in same)
+        },
     }
-    return model, summary, table
+    summary["over_seeds"] = {k: seed_summary(v) for k, v in summary["seeds"].items()}
+    return trained._replace(metrics=summary)
 
 
 def _save(
-    rundir: RunDir, name: str, model: nn.Module, table: Tensor | None, data: ImageData, title: str
+    rundir: RunDir, name: str, trained: Trained, data: ImageData, title: str, teacher_title: str
 ) -> None:
-    save(model, rundir.file(name))  # config.json + model.safetensors: moelab.load(rundir / name)
-    if table is not None:
-        plot_selection_table(table, rundir.file(f"{name}_selection.png"), data.class_names, title)
+    """The model and its expert × class table (``{name}_selection.png``); for a distilled model also the
+    attentive teacher's table (``{name}_teacher_selection.png``)."""
+    save(trained.model, rundir.file(name))  # config.json + model.safetensors: moelab.load(rundir / name)
+    if trained.table is not None:
+        plot_selection_table(trained.table, rundir.file(f"{name}_selection.png"), data.class_names, title)
+    if trained.teacher_table is not None:
+        plot_selection_table(
+            trained.teacher_table,
+            rundir.file(f"{name}_teacher_selection.png"),
+            data.class_names,
+            teacher_title,
+        )
+
+
+_REG_NAMES = {"none": "", "importance": " with L_importance", "ls": " with L_s"}
+
+
+def titles(cfg: SpecConfig) -> tuple[str, str]:
+    """The selection-table titles ``(model, teacher)`` of one configuration; ``teacher`` is ``""`` unless
+    ``cfg.distill``.  A distilled model has a plain gate trained without a regulariser: its title names the
+    teacher it came from, and the teacher's title its own gate and regulariser."""
+    if cfg.gate == "single":
+        return f"{cfg.data}: single model", ""
+    gate = "attentive gate MoE" if cfg.gate == "attentive" else "vanilla MoE"
+    own = f"{cfg.data}: {gate}{_REG_NAMES[cfg.reg]}"
+    if not cfg.distill:
+        return own, ""
+    return f"{cfg.data}: distilled from {gate}{_REG_NAMES[cfg.reg]}", f"{own} (teacher)"
 
 
 TABLE_ROWS = (
@@ -392,35 +535,111 @@ TABLE_ROWS = (
 )
 
 
+def _mean_sd(m: dict[str, Any], k: str) -> str:
+    s = (m.get("over_seeds") or {}).get(k)
+    if s is None:
+        return "NA" if m.get(k) is None else f"{m[k]:.3f}"
+    return f"{s['mean']:.3f}" if s["sd"] is None else f"{s['mean']:.3f} ± {s['sd']:.3f}"
+
+
+def _ci(m: dict[str, Any], k: str) -> str:
+    s = (m.get("over_seeds") or {}).get(k)
+    return "NA" if s is None or s["sd"] is None else f"[{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
+
+
 def format_table(rows: dict[str, dict[str, Any]]) -> str:
-    """The rows of a ``table`` run as a markdown table in the layout of Krishnamurthy et al. (2023) Table
-    2."""
+    """The rows of a ``table`` run as a markdown table in the layout of Krishnamurthy et al. (2023) Table 2:
+    mean ± sd over the seeds of each row's selected setting (95 % t-interval of the mean error), the
+    paper's I(E;Y) with true labels and I(E;Ŷ) with predicted labels (what the authors' code computed),
+    and the test error of the run with the minimum training error (the paper's selection rule)."""
     f = lambda m, k: "NA" if m.get(k) is None else f"{m[k]:.3f}"
     lines = [
-        "| experiment | error | ± std | I(E;Y) | H_s | H_u | top-1 error | experts used | selected |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| experiment | seeds | error | error 95 % CI | I(E;Y) | I(E;Ŷ) | H_s | H_u | "
+        "min-train-error run: error | top-1 error | experts used | selected |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, m in rows.items():
         sel = ", ".join(f"{k}={v:g}" for k, v in (m.get("selected") or {}).items())
         used = "NA" if m.get("experts_used") is None else str(m["experts_used"])
+        n = (m.get("over_seeds") or {}).get("test_error", {}).get("n", 1)
         lines.append(
-            f"| {name} | {f(m, 'test_error')} | {f(m, 'test_error_std')} | {f(m, 'I_EY')} | {f(m, 'H_s')} | "
-            f"{f(m, 'H_u')} | {f(m, 'test_error_top1')} | {used} | {sel} |"
+            f"| {name} | {n} | {_mean_sd(m, 'test_error')} | {_ci(m, 'test_error')} | {_mean_sd(m, 'I_EY')} | "
+            f"{_mean_sd(m, 'I_EY_pred')} | {_mean_sd(m, 'H_s')} | {_mean_sd(m, 'H_u')} | "
+            f"{f(m, 'test_error')} | {f(m, 'test_error_top1')} | {used} | {sel} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def run_table(cfg: SpecConfig, data: ImageData, runs: int, use_grid: bool, rundir: RunDir) -> dict[str, Any]:
-    """All nine rows of Krishnamurthy et al. (2023) Table 2 / 3 / 7."""
-    rows = {}
-    for i, (name, change) in enumerate(TABLE_ROWS):
+def welch_tests(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Welch's t-test between every pair of rows for each of :data:`SUMMARY_METRICS` (over the seeds of
+    each row's selected setting)."""
+    names = list(rows)
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            for k in SUMMARY_METRICS:
+                va, vb = rows[a].get("seeds", {}).get(k), rows[b].get("seeds", {}).get(k)
+                if va and vb:
+                    out.append({"row_a": a, "row_b": b, "metric": k, **welch(va, vb)})
+    return out
+
+
+def format_welch(tests: list[dict[str, Any]]) -> str:
+    """Welch tests as a markdown table."""
+    g = lambda v, fmt: "NA" if v is None else format(v, fmt)
+    lines = [
+        "| row a | row b | metric | mean a | mean b | a − b | t | df | p |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for t in tests:
+        lines.append(
+            f"| {t['row_a']} | {t['row_b']} | {t['metric']} | {t['mean_a']:.4f} | {t['mean_b']:.4f} | "
+            f"{t['diff']:+.4f} | {g(t['t'], '.2f')} | {g(t['df'], '.1f')} | {g(t['p'], '.3g')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_rows(text: str | None) -> list[int]:
+    """``--rows``: comma-separated 1-based row numbers of :data:`TABLE_ROWS` (the numbering of Krishnamurthy
+    et al. (2023) §7); ``None`` = all nine."""
+    if text is None:
+        return list(range(1, len(TABLE_ROWS) + 1))
+    bad = ValueError(
+        f"--rows={text!r} is not allowed; expected distinct comma-separated row numbers in 1..{len(TABLE_ROWS)}"
+    )
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise bad from None
+    if not rows or len(set(rows)) != len(rows) or any(not 1 <= r <= len(TABLE_ROWS) for r in rows):
+        raise bad
+    return rows
+
+
+def run_table(
+    cfg: SpecConfig,
+    data: ImageData,
+    runs: int,
+    use_grid: bool,
+    rundir: RunDir,
+    rows_wanted: list[int] | None = None,
+) -> dict[str, Any]:
+    """The rows ``rows_wanted`` (1-based; default all nine) of Krishnamurthy et al. (2023) Table 2 / 3 / 7,
+    each summarised over its seeds, with Welch tests between the rows (``welch.md``, ``metrics.json``)."""
+    rows: dict[str, dict[str, Any]] = {}
+    tests: list[dict[str, Any]] = []
+    for i in rows_wanted or range(1, len(TABLE_ROWS) + 1):
+        name, change = TABLE_ROWS[i - 1]
         c = replace(cfg, **{"reg": "none", "distill": False, **change})
-        model, m, table = sweep(c, data, runs, rundir, use_grid=use_grid, tag=name)
-        rows[name] = m
-        _save(rundir, f"row{i}", model, table, data, name)
-        rundir.write_metrics({"rows": rows, "data": cfg.data})
+        trained = sweep(c, data, runs, rundir, use_grid=use_grid, tag=name)
+        rows[name] = trained.metrics
+        _, teacher_title = titles(c)
+        _save(rundir, f"row{i}", trained, data, name, teacher_title)
+        tests = welch_tests(rows)
+        rundir.write_metrics({"rows": rows, "welch": tests, "data": cfg.data})
         atomic_write_text(rundir.file("table.md"), format_table(rows))
-    return {"rows": rows, "data": cfg.data}
+        atomic_write_text(rundir.file("welch.md"), format_welch(tests))
+    return {"rows": rows, "welch": tests, "data": cfg.data}
 
 
 def run_partition(cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir) -> dict[str, Any]:
@@ -511,10 +730,10 @@ def run_scaling(cfg: SpecConfig, data: ImageData, counts: list[int], rundir: Run
     for reg in ("importance", "ls"):
         for n in counts:
             c = replace(cfg, reg=reg, experts=n, distill=False)
-            model, m, table = train_once(c, data)
-            out[f"{reg}_{n}"] = m
-            rundir.append_log(_run_row(f"scaling {reg} {n}", c, m), name="runs.csv")
-            _save(rundir, f"{reg}_{n}", model, table, data, f"{reg}, {n} experts")
+            trained = train_once(c, data)
+            out[f"{reg}_{n}"] = trained.metrics
+            rundir.append_log(_run_row(f"scaling {reg} {n}", c, trained.metrics), name="runs.csv")
+            _save(rundir, f"{reg}_{n}", trained, data, f"{reg}, {n} experts", "")
     return {"scaling": out, "data": cfg.data}
 
 
@@ -531,8 +750,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate", choices=GATES, default="original")
     parser.add_argument("--reg", choices=REGS, default="none", help="gate regulariser")
     parser.add_argument("--w-importance", type=float, default=0.2, help="weight of L_importance")
-    parser.add_argument("--beta-s", type=float, default=None, help="L_s β_s (default: per dataset)")
-    parser.add_argument("--beta-d", type=float, default=None, help="L_s β_d (default: per dataset)")
+    per_data = lambda i: ", ".join(f"{d} {b[i]:g}" for d, b in BETA_DEFAULTS.items())
+    parser.add_argument(
+        "--beta-s", type=float, default=None, help=f"L_s β_s (default per dataset: {per_data(0)})"
+    )
+    parser.add_argument(
+        "--beta-d",
+        type=float,
+        default=None,
+        help=f"L_s β_d (default per dataset: {per_data(1)}; each a point of the Krishnamurthy et al. (2023) "
+        "Appendix C grid)",
+    )
     parser.add_argument("--distill", action="store_true", help="distil the attentive model into a plain gate")
     parser.add_argument("--experts", type=int, default=None, help="number of experts (default: per dataset)")
     parser.add_argument("--epochs", type=int, default=None)
@@ -540,13 +768,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--runs", type=int, default=1, help="seeds per setting (paper: 10 MNIST, 5 CIFAR-100)"
+        "--runs",
+        type=int,
+        default=1,
+        help="seeds per setting (paper: 10 MNIST, 5 CIFAR-100); with N > 1 the metrics are also "
+        "summarised over the seeds (mean ± sd, 95 %% CI) and table rows compared by Welch's t-test",
     )
     parser.add_argument(
         "--sweep", action="store_true", help="sweep the Krishnamurthy et al. (2023) Appendix C grid"
     )
     parser.add_argument("--top-k", type=int, default=1, help="experts at sparse inference")
     parser.add_argument("--counts", default="5,10,15", help="scaling: expert counts")
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help="table: comma-separated row numbers to run, 1..9 in the order of Krishnamurthy et al. (2023) "
+        "Table 2 / 7 (1 single, 2 vanilla, 3 vanilla + L_importance, 4 vanilla + L_s, 5 attentive, "
+        "6 attentive + L_importance, 7 attentive + L_s, 8 and 9 distilled from 6 and 7; default: all)",
+    )
     parser.add_argument(
         "--train-samples", type=int, default=None, help="use a random subset of the train set"
     )
@@ -613,6 +852,9 @@ def run(args: argparse.Namespace) -> int:
             ) from None
         if any(c < 2 for c in counts):
             raise ValueError(f"--counts={args.counts!r} is not allowed; every count must be >= 2")
+    rows_wanted = parse_rows(args.rows)
+    if args.rows is not None and args.mode != "table":
+        raise ValueError(f"--rows is not allowed with --mode {args.mode}; it selects rows of --mode table")
     data = load_images(cfg.data, args.data_dir, args.mnist_dir)
     if cfg.train_samples or cfg.test_samples:
         data = data.subset(cfg.train_samples, cfg.test_samples, seed=0)
@@ -627,13 +869,14 @@ def run(args: argparse.Namespace) -> int:
             "data_dir": args.data_dir,
             "mnist_dir": args.mnist_dir,
             "counts": counts,
+            "rows": rows_wanted if args.mode == "table" else None,
             "train_size": len(data.y_train),
             "test_size": len(data.y_test),
         }
     )
     t0 = time.perf_counter()
     if args.mode == "table":
-        metrics = run_table(cfg, data, args.runs, args.sweep, rundir)
+        metrics = run_table(cfg, data, args.runs, args.sweep, rundir, rows_wanted)
     elif args.mode == "partition":
         metrics = run_partition(cfg, data, args.runs, rundir)
     elif args.mode == "scaling":
@@ -643,10 +886,11 @@ def run(args: argparse.Namespace) -> int:
             cfg = replace(cfg, gate="single", reg="none", distill=False)
         log = lambda row: rundir.append_log(row)
         if args.sweep or args.runs > 1:
-            model, metrics, table = sweep(cfg, data, args.runs, rundir, use_grid=args.sweep)
+            trained = sweep(cfg, data, args.runs, rundir, use_grid=args.sweep)
         else:
-            model, metrics, table = train_once(cfg, data, log=log)
-        _save(rundir, "model", model, table, data, f"{cfg.data}: {cfg.gate} gate, reg {cfg.reg}")
+            trained = train_once(cfg, data, log=log)
+        metrics = trained.metrics
+        _save(rundir, "model", trained, data, *titles(cfg))
     metrics["seconds"] = time.perf_counter() - t0
     rundir.write_metrics(metrics)
     _print_summary(metrics)
@@ -655,12 +899,25 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_summary(metrics: dict[str, Any]) -> None:
     def line(name: str, m: dict[str, Any]) -> str:
+        if m.get("over_seeds", {}).get("test_error", {}).get("n", 1) > 1:
+            e = m["over_seeds"]["test_error"]
+            return (
+                f"{name}: over {e['n']} seeds error {_mean_sd(m, 'test_error')} (95% CI {_ci(m, 'test_error')}) "
+                f"I(E;Y) {_mean_sd(m, 'I_EY')} I(E;Y_pred) {_mean_sd(m, 'I_EY_pred')} H_s {_mean_sd(m, 'H_s')} "
+                f"H_u {_mean_sd(m, 'H_u')}"
+            )
         f = lambda k: "NA" if m.get(k) is None else f"{m[k]:.3f}"
-        return f"{name}: error {f('test_error')} I(E;Y) {f('I_EY')} H_s {f('H_s')} H_u {f('H_u')}"
+        return (
+            f"{name}: error {f('test_error')} I(E;Y) {f('I_EY')} I(E;Y_pred) {f('I_EY_pred')} "
+            f"H_s {f('H_s')} H_u {f('H_u')}"
+        )
 
     if "rows" in metrics:
         for name, m in metrics["rows"].items():
             print(line(name, m))
+        for t in metrics.get("welch", []):
+            if t["metric"] == "test_error" and t["p"] is not None:
+                print(f"Welch test error: {t['row_a']} vs {t['row_b']}: diff {t['diff']:+.4f} p {t['p']:.3g}")
     elif "partition" in metrics:
         for arm, m in metrics["partition"].items():
             print(f"({arm}) test error {m['test_error']:.3f} train loss {m['train_loss']:.3f}")
