@@ -12,6 +12,7 @@ import moelab
 from moelab.cli import main
 from moelab.data.text import TextData, load_text
 from moelab.experiments.lm import LMTask
+from moelab.layer import moe_layers
 from moelab.models.lm import PRESETS, LMConfig, TransformerLM, count_parameters, lm_config
 from moelab.train import TrainConfig, Trainer
 
@@ -218,7 +219,8 @@ def test_force_leaves_nothing_of_the_old_run_for_resume_to_continue(corpus, tmp_
 @pytest.mark.parametrize(
     "change,flag",
     [(["--steps", "6"], "--steps=6"), (["--lr", "0.01"], "--lr=0.01"), (["--seed", "3"], "--seed=3"),
-     (["--method", "xmoe"], "--method='xmoe'")],
+     (["--method", "xmoe"], "--method='xmoe'"), (["--layers", "1"], "--layers=1"),
+     (["--d-hidden", "8"], "--d-hidden=8")],
 )  # fmt: skip
 def test_resume_refuses_changed_flags_in_one_line(corpus, tmp_path, capsys, change, flag):
     out = tmp_path / "run"
@@ -424,3 +426,27 @@ def test_token_ids_out_of_the_vocabulary_or_of_a_float_dtype_are_refused():
         model(torch.tensor([[-1, 2]]))
     with pytest.raises(ValueError, match=r"idx of shape \(1, 2\) and dtype torch.float32 is not allowed"):
         model(torch.tensor([[1.0, 2.0]]))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [(["--layers", "0"], "--layers=0 is not allowed; expected a positive integer"),
+     (["--d-model", "-4"], "--d-model=-4 is not allowed; expected a positive integer"),
+     (["--heads", "0"], "--heads=0 is not allowed; expected a positive integer"),
+     (["--d-hidden", "0"], "--d-hidden=0 is not allowed; expected a positive integer"),
+     (["--d-model", "30", "--heads", "4"], "n_head=4 is not allowed for d_model=30")],
+)  # fmt: skip
+def test_model_size_flags_are_validated_in_one_line(corpus, tmp_path, capsys, flags, message):
+    assert main([*tiny_args(corpus, tmp_path / "run"), *flags]) == 2
+    assert message in _one_line_error(capsys)
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_model_size_flags_build_the_model_they_name(corpus, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--d-model", "24", "--layers", "1", "--heads", "3", "--d-hidden", "40", "--steps", "2"]
+    assert main([*tiny_args(corpus, out), *flags]) == 0
+    model = moelab.load(out)
+    cfg = model.cfg
+    assert (cfg.d_model, cfg.n_layer, cfg.n_head, cfg.d_hidden) == (24, 1, 3, 40)
+    assert moe_layers(model)[0].experts.d_hidden == 40

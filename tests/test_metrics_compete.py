@@ -181,3 +181,42 @@ def test_swap_top1_needs_a_spare_expert():
         with metrics.swap_top1(model):
             model(torch.randn(2, D))
     assert model[0].swap_top1 is False
+
+
+# ---------------------------------------------------------------- the cheap per-step summary
+def test_routing_summary_matches_direct_computation_of_the_last_forward():
+    model = stack("smoe")
+    x = torch.randn(T, D)
+    model(x)
+    ents, cvs = [], []
+    for layer, xi in zip(model, layer_inputs(model, x)):
+        p = F.linear(xi, layer.router.weight).softmax(-1)
+        ents.append(-(p * p.log()).sum(-1).mean().item())
+        load = torch.bincount(p.topk(K, -1).indices.reshape(-1), minlength=N).double()
+        cvs.append((load.std(unbiased=False) / load.mean()).item())
+    got = metrics.routing_summary(model)
+    assert got["router_entropy"] == pytest.approx(sum(ents) / 2, rel=1e-5)
+    assert got["load_cv"] == pytest.approx(sum(cvs) / 2, rel=1e-9)
+    assert got["competition_overlap"] is None  # no layer competed
+
+
+def test_routing_summary_overlap_is_router_topk_against_the_winners_on_competition_steps():
+    model = stack("competesmoe", layers=1)
+
+    class Always:
+        def active(self, layer, step):
+            return True
+
+    ctx = moelab.RoutingContext(schedule=Always())  # competes at every step
+    moelab.attach(model, ctx)
+    x = torch.randn(T, D)
+    model(x)
+    layer = model[0]
+    with torch.no_grad():
+        router = layer.router.base(x, layer.experts).probs.topk(K, -1).indices
+        winners = F.softplus(all_outputs(layer.experts, x)).mean(-1).topk(K, -1).indices
+    expected = sum(len(set(r.tolist()) & set(w.tolist())) for r, w in zip(router, winners)) / T
+    assert metrics.routing_summary(model)["competition_overlap"] == pytest.approx(expected)
+    model.eval()  # evaluation never competes
+    model(x)
+    assert metrics.routing_summary(model)["competition_overlap"] is None

@@ -89,6 +89,20 @@ def test_default_corpus_is_offline_and_deterministic():
     assert data.train.numel() == int(0.9 * (1 << 20))
 
 
+def test_stdlib_corpus_is_the_whole_standard_library_without_tests_and_installed_packages():
+    import sysconfig
+
+    text = T.default_corpus_text(1 << 40, whole_stdlib=True)
+    names = [line[len(b"# file: ") :].decode() for line in text.splitlines() if line.startswith(b"# file: ")]
+    assert names == sorted(names) and len(names) > 300
+    assert "json/decoder.py" in names and "os.py" in names
+    assert not [
+        n for n in names if {"site-packages", "test", "tests", "idlelib", "lib2to3"} & set(n.split("/"))
+    ]
+    stdlib = sysconfig.get_paths()["stdlib"]
+    assert text.count(b"# file: ") >= len(names) and stdlib  # every file has its header line
+
+
 def test_parse_hutter_scales_the_90_5_5_split():
     data = T.parse_hutter("enwik8", bytes(range(256)) * 40, T.ByteTokenizer())
     assert (data.train.numel(), data.valid.numel(), data.test.numel()) == (9216, 512, 512)

@@ -229,3 +229,13 @@ def test_sigkill_at_any_moment_then_resume_ends_like_an_uninterrupted_run(tmp_pa
         assert {k: ma[k] for k in ("test_bpc", "val_bpc", "train_loss")} == {
             k: mb[k] for k in ("test_bpc", "val_bpc", "train_loss")
         }
+
+
+def test_log_has_the_cheap_routing_diagnostics_and_overlap_only_on_competition_steps(data, tmp_path):
+    run_training(data, tmp_path / "c", steps=12, method="competesmoe")
+    rows = read_log(tmp_path / "c")
+    assert all(0 < float(r["router_entropy"]) <= math.log(4) + 1e-6 for r in rows)
+    assert all(float(r["load_cv"]) >= 0 for r in rows)
+    overlap = [r["competition_overlap"] for r in rows]
+    assert any(v for v in overlap) and any(v == "" for v in overlap)  # competes on some steps only
+    assert all(0 <= float(v) <= 2 for v in overlap if v)

@@ -11,7 +11,10 @@ model that contains ``moelab.MoE`` layers, whatever its method:
 * :func:`expert_output_norms` — mean ‖g_i(x)‖₂ of every expert on the layer's tokens, per layer
   (CompeteSMoE (2025) App. D.1, Fig. 6);
 * :func:`swap_top1` — context manager: every layer replaces its top-1 expert by its (K+1)-th
-  (CompeteSMoE (2025) §5.2.2 a, Table 3).
+  (CompeteSMoE (2025) §5.2.2 a, Table 3);
+* :func:`routing_summary` — the cheap ones (router entropy, load CV, router/competition overlap on
+  competition steps) from the routings of the last forward pass, with no extra computation: what the
+  trainer logs in ``log.csv`` at every step.
 
 The tensor-level functions (:func:`routing_entropy`, :func:`topk_overlap`,
 :func:`assignment_change_rate`) take routings directly; the model-level ones run the model in
@@ -45,6 +48,7 @@ __all__ = [
     "expert_output_norms",
     "router_entropy",
     "routing_entropy",
+    "routing_summary",
     "swap_top1",
     "topk_overlap",
 ]
@@ -290,6 +294,32 @@ def load_cv(
         load = counts[i] / counts[i].sum()
         out.append({"load": load.tolist(), "cv": float(load.std(unbiased=False) / load.mean())})
     return out
+
+
+def routing_summary(model: nn.Module) -> dict[str, float | None]:
+    """The cheap diagnostics of the last forward pass, averaged over ``model``'s MoE layers, read from
+    each layer's ``last_routing`` (no extra forward): ``router_entropy`` (nats, mean over tokens of the
+    router distribution's entropy; ``None`` without one), ``load_cv`` (std / mean of the experts' share
+    of the token slots) and ``competition_overlap`` (mean ``|TopK(router) ∩ winners|`` per token, K = learned, over the
+    layers that competed in that pass, CompeteSMoE (2025) App. C.5; ``None`` when none did).  A layer
+    competed when its routing carries a ``distill`` loss."""
+    entropies: list[float] = []
+    cvs: list[float] = []
+    overlaps: list[float] = []
+    for layer in _layers(model):
+        routing = layer.last_routing
+        if routing is None:
+            continue
+        if routing.probs is not None:
+            entropies.append(float(routing_entropy(routing.probs)))
+        load = torch.bincount(routing.indices.reshape(-1), minlength=layer.num_experts).double()
+        cvs.append(float(load.std(unbiased=False) / load.mean()))
+        if "distill" in routing.losses and routing.probs is not None:
+            k = routing.indices.shape[-1]
+            router_top = routing.probs.topk(k, dim=-1).indices
+            overlaps.append(float(topk_overlap(router_top, routing.indices)))
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
+    return {"router_entropy": mean(entropies), "load_cv": mean(cvs), "competition_overlap": mean(overlaps)}
 
 
 __all__ += [

@@ -12,6 +12,7 @@ corpus          level        split                                  metric
 ``text8``       char (27)    first 90M / next 5M / last 5M chars    BPC
 ``wikitext103`` word         the official train / valid / test      PPL
 ``default``     byte (256)   90% / 5% / 5% contiguous (below)       BPC
+``stdlib``      byte (256)   90% / 5% / 5% contiguous (below)       BPC
 ``PATH``        byte (256)   90% / 5% / 5% contiguous (below)       BPC
 ==============  ===========  =====================================  ======
 
@@ -24,7 +25,10 @@ from the training part, unseen words → ``<unk>``).
 The *default corpus* is the source text of the Python standard library installed with the
 interpreter (the ``*.py`` files directly in ``sysconfig.get_paths()["stdlib"]``, sorted by name,
 concatenated up to ``max_bytes``): offline on every machine, deterministic for a given Python
-version; its sha256 and the Python version are recorded in :attr:`TextData.info`.
+version; its sha256 and the Python version are recorded in :attr:`TextData.info`.  The ``stdlib``
+corpus is the same for the whole standard library (every ``*.py`` below the stdlib folder, sorted
+by relative path, without ``site-packages`` and the test, ``idlelib`` and ``lib2to3`` packages: about
+11 MB for Python 3.11), large enough that a small model trains for an epoch before it repeats text.
 
 Downloads go through :func:`moelab.data.download.fetch` (cache ``$MOELAB_DATA``, atomic,
 verified).  The upstream archives are not pinned by sha256 here (no published digests); the
@@ -62,7 +66,7 @@ __all__ = [
     "split_contiguous",
 ]
 
-CORPORA = ("enwik8", "text8", "wikitext103", "default")
+CORPORA = ("enwik8", "text8", "wikitext103", "default", "stdlib")
 
 ENWIK8_URLS = ("https://mattmahoney.net/dc/enwik8.zip",)  # https only
 TEXT8_URLS = ("https://mattmahoney.net/dc/text8.zip",)
@@ -319,17 +323,29 @@ def _wikitext103() -> TextData:
     return data
 
 
-def default_corpus_text(max_bytes: int = 1 << 20) -> bytes:
-    """The embedded default corpus: the standard library's top-level ``*.py`` sources, sorted by
-    file name and concatenated (each preceded by a ``# file: NAME`` line), cut at ``max_bytes``."""
+#: the stdlib folders the ``stdlib`` corpus leaves out: installed packages, tests, the IDE, 2to3
+_STDLIB_EXCLUDED = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
+
+
+def default_corpus_text(max_bytes: int = 1 << 20, whole_stdlib: bool = False) -> bytes:
+    """The embedded default corpus: the standard library's top-level ``*.py`` sources (with
+    ``whole_stdlib``: every ``*.py`` below it but the excluded packages), sorted by relative path and
+    concatenated (each preceded by a ``# file: PATH`` line), cut at ``max_bytes``."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.glob("*.py") if p.is_file())
+    if whole_stdlib:
+        files = sorted(
+            (p for p in stdlib.rglob("*.py") if p.is_file()),
+            key=lambda p: p.relative_to(stdlib).as_posix(),
+        )
+        files = [p for p in files if not _STDLIB_EXCLUDED & set(p.relative_to(stdlib).parts)]
+    else:
+        files = sorted(p for p in stdlib.glob("*.py") if p.is_file())
     if not files:
         raise DataError(f"no Python sources found in {stdlib} to build the default corpus; pass --data PATH")
     parts: list[bytes] = []
     size = 0
     for p in files:
-        chunk = f"# file: {p.name}\n".encode() + p.read_bytes() + b"\n"
+        chunk = f"# file: {p.relative_to(stdlib).as_posix()}\n".encode() + p.read_bytes() + b"\n"
         parts.append(chunk)
         size += len(chunk)
         if size >= max_bytes:
@@ -338,12 +354,12 @@ def default_corpus_text(max_bytes: int = 1 << 20) -> bytes:
 
 
 def load_text(source: str, level: str = "byte", max_bytes: int = 1 << 20) -> TextData:
-    """Load a corpus by name (``enwik8``, ``text8``, ``wikitext103``, ``default``) or a path.
+    """Load a corpus by name (``enwik8``, ``text8``, ``wikitext103``, ``default``, ``stdlib``) or a path.
 
     Args:
         source: a corpus name or the path of a UTF-8 text file.
         level: for a local file, ``byte`` (BPC) or ``word`` (PPL, the WikiText rules).
-        max_bytes: size of the default corpus.
+        max_bytes: size of the default corpus (``stdlib`` is always whole).
 
     Raises:
         FileNotFoundError: ``source`` is neither a corpus name nor an existing file.
@@ -357,16 +373,17 @@ def load_text(source: str, level: str = "byte", max_bytes: int = 1 << 20) -> Tex
         return _hutter("text8", TEXT8_URLS, CharTokenizer(" abcdefghijklmnopqrstuvwxyz"), "bpc")
     if source == "wikitext103":
         return _wikitext103()
-    if source == "default":
-        data = default_corpus_text(max_bytes)
+    if source in ("default", "stdlib"):
+        whole = source == "stdlib"
+        data = default_corpus_text(1 << 40 if whole else max_bytes, whole_stdlib=whole)
         train, valid, test = split_contiguous(ByteTokenizer().encode(data))
         info = {
-            "source": "python stdlib sources",
+            "source": "python stdlib sources" + (" (whole)" if whole else ""),
             "python": ".".join(map(str, sys.version_info[:3])),
             "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest(),
         }
-        return TextData("default", train, valid, test, ByteTokenizer(), "bpc", info)
+        return TextData(source, train, valid, test, ByteTokenizer(), "bpc", info)
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(

@@ -80,6 +80,10 @@ SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": dict(
         lr=2e-3, warmup=30, steps=300, batch_size=16, eval_every=50, eval_tokens=16384, ckpt_every=100
     ),
+    # mini: the cpu setting for runs of thousands of steps (docs/results.md's decisive comparison)
+    "mini": dict(
+        lr=2e-3, warmup=100, steps=4000, batch_size=16, eval_every=250, eval_tokens=65536, ckpt_every=500
+    ),
 }
 
 
@@ -252,7 +256,10 @@ def build_config(args: argparse.Namespace) -> RunConfig:
                 f"--{name.replace('_', '-')}={value!r} is not allowed; expected a positive integer"
             )
     model = {**PRESETS[args.size]}
-    for name in ("block_size", "dropout", "num_experts", "top_k"):
+    for name in ("d_model", "n_layer", "n_head", "d_hidden"):  # named by their flags here
+        if getattr(args, name, None) is not None:
+            _validate.positive_int(_flag(name), getattr(args, name))
+    for name in _MODEL_FLAGS:
         if getattr(args, name, None) is not None:
             model[name] = getattr(args, name)
     lm_config(args.size, 1, **model, arch=args.arch)  # the model flags fail here, before any data is read
@@ -305,7 +312,7 @@ def _changed_input(new: RunConfig, old: RunConfig) -> tuple[str, Any, Any] | Non
         if name in ("train", "model"):
             for key in sorted(set(a) | set(b)):
                 if a.get(key) != b.get(key):
-                    return f"--{key.replace('_', '-')}", a.get(key), b.get(key)
+                    return _flag(key), a.get(key), b.get(key)
         elif a != b:
             return f"--{name}", a, b
     return None
@@ -415,7 +422,9 @@ def train_lm(
 def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     """The LM flags (shared by ``train`` and ``compare``)."""
     p.add_argument(
-        "--data", default="default", help="enwik8, text8, wikitext103, default (offline) or a text file"
+        "--data",
+        default="default",
+        help="enwik8, text8, wikitext103, default or stdlib (offline: Python's own sources) or a text file",
     )
     p.add_argument("--level", default="byte", choices=["byte", "word"], help="tokens of a local --data file")
     p.add_argument("--arch", default="switch", help=f"one of {', '.join(ARCHS)}")
@@ -423,6 +432,15 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="optimisation steps (preset default)")
     p.add_argument("--batch-size", type=int, dest="batch_size", help="sequences per step (preset default)")
     p.add_argument("--block-size", type=int, dest="block_size", help="context length (preset default)")
+    p.add_argument("--d-model", type=int, dest="d_model", help="model width (preset default)")
+    p.add_argument("--layers", type=int, dest="n_layer", help="Transformer blocks (preset default)")
+    p.add_argument("--heads", type=int, dest="n_head", help="attention heads (preset default)")
+    p.add_argument(
+        "--d-hidden",
+        type=int,
+        dest="d_hidden",
+        help="expert hidden width (default: --d-model, as CompeteSMoE (2024))",
+    )
     p.add_argument("--num-experts", type=int, dest="num_experts", help="experts per MoE layer (16)")
     p.add_argument("--top-k", type=int, dest="top_k", help="experts per token (2)")
     p.add_argument("--dropout", type=float, help="dropout (preset default)")
@@ -504,7 +522,13 @@ def apply_config_file(
 
 
 #: the model fields a flag sets (the others come from the --size preset)
-_MODEL_FLAGS = ("block_size", "dropout", "num_experts", "top_k")
+_MODEL_FLAGS = ("block_size", "dropout", "num_experts", "top_k", "d_model", "n_layer", "n_head", "d_hidden")
+#: the flag of a model or training field whose flag is not ``--field-name``
+_FLAG_NAMES = {"n_layer": "--layers", "n_head": "--heads"}
+
+
+def _flag(field_name: str) -> str:
+    return _FLAG_NAMES.get(field_name, f"--{field_name.replace('_', '-')}")
 
 
 def _flags_of(config: RunConfig, path: str) -> dict[str, Any]:
@@ -589,7 +613,7 @@ def set_threads(args: argparse.Namespace) -> None:
     (docs/performance-lm.md)."""
     if args.threads is not None:
         torch.set_num_threads(_validate.positive_int("--threads", args.threads))
-    elif args.size == "cpu":
+    elif args.size in ("cpu", "mini"):
         torch.set_num_threads(1)
 
 

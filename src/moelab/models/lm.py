@@ -132,6 +132,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "wt103-small": dict(n_layer=3, d_model=128, n_head=8, block_size=256, dropout=0.7),
     # small enough that 1000 steps take minutes on 2 CPU cores; no dropout for short runs
     "cpu": dict(n_layer=2, d_model=64, n_head=4, block_size=128, dropout=0.0),
+    # between cpu and tiny: a model that still learns after thousands of CPU steps (our choice)
+    "mini": dict(n_layer=3, d_model=96, n_head=4, block_size=128, dropout=0.0),
 }
 
 

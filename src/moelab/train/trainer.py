@@ -48,7 +48,8 @@ from .. import _validate
 from ..errors import NonFiniteError, TrainingError
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
-from ..layer import attach
+from ..layer import attach, moe_layers
+from ..metrics import routing_summary
 from ..routing import RoutingContext
 from ..schedules import LR_SCHEDULES, build_competition_schedule, lr_factor
 from . import checkpoint as ckpt
@@ -369,7 +370,7 @@ class Trainer:
         window = max(1, min(100, cfg.eval_every))
         state["recent_losses"] = [*state["recent_losses"], task_value][-window:]
         metric = self.task.metric
-        return {
+        row = {
             "step": step + 1,
             "lr": lr,
             "loss": task_value,
@@ -377,9 +378,12 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens": state["train_tokens"],
             "time_s": round(state["train_time"], 4),
-            "val_loss": "",
-            f"val_{metric}": "",
         }
+        if moe_layers(self.model):  # this step's routing (this rank's shard), from the forward's routings
+            summary = routing_summary(self.model)
+            row.update({k: "" if v is None else v for k, v in summary.items()})
+        row.update({"val_loss": "", f"val_{metric}": ""})
+        return row
 
     def _evaluate_and_keep_best(self, done: int, row: dict[str, Any], state: dict[str, Any]) -> None:
         """Validate, fill ``row``'s validation columns, and save ``best/`` on an improvement."""
