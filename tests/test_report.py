@@ -81,3 +81,27 @@ def test_report_cli_writes_files_and_rejects_bad_paths(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "no finished runs" in capsys.readouterr().err
+
+
+def test_per_step_validation_table_is_mean_and_sd_over_seeds(tmp_path):
+    curves = [((10, 2.0), (20, 1.5)), ((10, 2.2), (20, 1.7)), ((10, 2.4), (20, 1.6))]
+    for i, curve in enumerate(curves):
+        fake_run(tmp_path / "runs" / f"s{i}", "smoe", i, 1.3, curve=curve)
+    fake_run(tmp_path / "runs" / "c0", "competesmoe", 0, 1.2, curve=((10, 1.9), (20, 1.4)))
+    from moelab.experiments.report import curve_stats, curve_table
+
+    groups = group_runs(collect_runs([tmp_path / "runs"]))
+    smoe = next(g for g in groups if g.method == "smoe")
+    steps, mean, sd, n = curve_stats(smoe)
+    assert steps == [10, 20] and n == 3
+    assert mean == pytest.approx([2.2, 1.6]) and sd == pytest.approx([0.2, 0.1])
+    text, rows = curve_table(groups)
+    assert "2.2000 ± 0.2000" in text and "1.9000" in text and "± nan" not in text
+    assert {(r["group"], r["step"]) for r in rows} == {(g, s) for g in ("smoe", "competesmoe") for s in (10, 20)}
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
+    with open(tmp_path / "rep" / "val_curves.csv", newline="") as f:
+        written = list(csv.DictReader(f))
+    assert float(next(r for r in written if r["group"] == "smoe" and r["step"] == "20")["val_bpc_sd"]) == (
+        pytest.approx(0.1)
+    )
+    assert "validation bpc by step" in (tmp_path / "rep" / "table.txt").read_text()

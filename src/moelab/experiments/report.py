@@ -230,27 +230,79 @@ def _sensitivity(groups: list[Group], metric: str) -> str:
     return f"test {metric} by {key} (mean over seeds)\n" + "\n".join(lines)
 
 
+def curve_stats(group: Group) -> tuple[list[int], list[float], list[float], int]:
+    """The group's validation curve over its seeds: ``(steps, mean, sd, n_runs)`` at the steps every
+    run with a curve has (sd is the sample standard deviation; NaN for one run)."""
+    curves = [c for c in (r.curve() for r in group.runs) if c[0]]
+    if not curves:
+        return [], [], [], 0
+    common = sorted(set.intersection(*(set(c[0]) for c in curves)))
+    by_step = [dict(zip(*c)) for c in curves]
+    mean, sd = [], []
+    for step in common:
+        vals = [c[step] for c in by_step]
+        m = sum(vals) / len(vals)
+        mean.append(m)
+        sd.append(math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else math.nan)
+    return common, mean, sd, len(curves)
+
+
+def curve_table(groups: list[Group]) -> tuple[str, list[dict[str, Any]]]:
+    """The per-step validation table: text (a row per step, a column per group, mean ± sd over
+    seeds) and CSV rows (``group, step, n, mean, sd``)."""
+    metric = groups[0].runs[0].metric
+    stats = {g.label: curve_stats(g) for g in groups}
+    rows = [
+        {"group": label, "step": step, "n": n, f"val_{metric}_mean": m, f"val_{metric}_sd": sd}
+        for label, (steps, mean, sds, n) in stats.items()
+        for step, m, sd in zip(steps, mean, sds)
+    ]
+    all_steps = sorted({r["step"] for r in rows})
+    labels = [g.label for g in groups if stats[g.label][0]]
+    cells = {(r["group"], r["step"]): r for r in rows}
+
+    def cell(label: str, step: int) -> str:
+        r = cells.get((label, step))
+        if r is None:
+            return ""
+        sd = r[f"val_{metric}_sd"]
+        return _fmt(r[f"val_{metric}_mean"]) + ("" if math.isnan(sd) else f" ± {_fmt(sd)}")
+
+    table = [["step", *labels]] + [[str(step), *(cell(lab, step) for lab in labels)] for step in all_steps]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+    text = f"validation {metric} by step (mean ± sd over seeds)\n" + "\n".join(lines)
+    return text, rows
+
+
 def plot_curves(groups: list[Group], path: Path) -> Path:
-    """Validation metric against step, mean over each group's seeds (CompeteSMoE (2024) Fig. 2)."""
+    """Validation metric against step: each group's mean over its seeds, the band ± one sd shaded,
+    one colour (and, past ten groups, line style) per group (CompeteSMoE (2024) Fig. 2)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metric = groups[0].runs[0].metric
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for g in groups:
-        curves = [r.curve() for r in g.runs]
-        curves = [c for c in curves if c[0]]
-        if not curves:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = plt.get_cmap("tab10").colors
+    styles = ["-", "--", ":", "-."]
+    for i, g in enumerate(groups):
+        steps, mean, sd, n = curve_stats(g)
+        if not steps:
             continue
-        steps = curves[0][0]
-        n = min(len(c[1]) for c in curves)
-        mean = [sum(c[1][i] for c in curves) / len(curves) for i in range(n)]
-        ax.plot(steps[:n], mean, marker="o", markersize=3, label=f"{g.label} (n={len(curves)})")
+        colour = colours[i % len(colours)]
+        ax.plot(
+            steps, mean, color=colour, linestyle=styles[(i // len(colours)) % len(styles)],
+            marker="o", markersize=3, label=f"{g.label} (n={n})",
+        )  # fmt: skip
+        if n > 1:
+            low = [m - s for m, s in zip(mean, sd)]
+            high = [m + s for m, s in zip(mean, sd)]
+            ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
     ax.set_xlabel("step")
     ax.set_ylabel(f"validation {metric.upper()}")
-    ax.set_title(f"Validation {metric.upper()} during training (mean over seeds)")
+    ax.set_title(f"Validation {metric.upper()} during training (mean ± sd over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -279,8 +331,9 @@ def _csv_text(rows: list[dict[str, Any]]) -> str:
 def write_report(
     runs: list[Run], out: Path, reference: str | None = "competesmoe", header: str | None = None
 ) -> str:
-    """Group ``runs``, write results.csv, runs.csv and val_curves.png into ``out``; return the table
-    (``header``, e.g. the loss settings, above it)."""
+    """Group ``runs``, write results.csv, runs.csv, val_curves.png and val_curves.csv (the per-step
+    validation table) into ``out``; return the table (``header``, e.g. the loss settings, above it;
+    the diagnostics and the per-step validation table below)."""
     groups = group_runs(runs)
     text, rows = render(groups, reference)
     if header:
@@ -305,10 +358,15 @@ def write_report(
             )
     atomic_write_text(out / "runs.csv", _csv_text(run_rows))
     plot_curves(groups, out / "val_curves.png")
+    curves_text, curve_rows = curve_table(groups)
+    if curve_rows:
+        atomic_write_text(out / "val_curves.csv", _csv_text(curve_rows))
     diagnostics = diagnostics_table(groups, reference)
     if diagnostics is not None:
         text += "\n\n" + diagnostics[0]
         atomic_write_text(out / "diagnostics.csv", _csv_text(diagnostics[1]))
+    if curve_rows:
+        text += "\n\n" + curves_text
     atomic_write_text(out / "table.txt", text + "\n")
     return text
 
