@@ -78,3 +78,47 @@ def test_plain_http_sources_are_refused():
         ValueError, match=r"url='http://example.org/x' is not allowed; expected an https:// \(or file:\) URL"
     ):
         fetch("data.bin", ["http://example.org/x"], SHA, progress=False)
+
+
+def _capture_fetches(monkeypatch, module):
+    calls = []
+
+    def fake_fetch(name, urls, sha256, subdir="", **kwargs):
+        calls.append((subdir, name, sha256))
+        raise DataError("offline (test)")
+
+    monkeypatch.setattr(module, "fetch", fake_fetch)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "corpus,expected",
+    [("enwik8", ("enwik8", "enwik8.zip", "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc")),
+     ("wikitext103", ("wikitext103", "wikitext-103-v1.zip",
+                      "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590"))],
+)  # fmt: skip
+def test_text_downloads_are_pinned_to_the_published_sha256(monkeypatch, tmp_path, corpus, expected):
+    from moelab.data import text
+
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path))
+    calls = _capture_fetches(monkeypatch, text)
+    with pytest.raises(DataError):
+        text.load_text(corpus)
+    assert calls == [expected]
+
+
+@pytest.mark.parametrize(
+    "task,expected",
+    [("sst2", ("sst2", "SST-2.zip", "d67e16fb55739c1b32cdce9877596db1c127dc322d93c082281f64057c16deaa")),
+     ("imdb", ("imdb", "aclImdb_v1.tar.gz", "c40f74a18d3b61f90feba1e17730e0d38e8b97c05fde7008942e91923d1658fe")),
+     ("banking77", ("banking77", "train.csv",
+                    "b06e26ac675513959a63135f11b94ea7786ed02da65db93a5650d8838cbc664b"))],
+)  # fmt: skip
+def test_classification_downloads_are_pinned_to_the_published_sha256(monkeypatch, tmp_path, task, expected):
+    from moelab.data import classification
+
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path))
+    calls = _capture_fetches(monkeypatch, classification)
+    with pytest.raises(DataError):
+        classification.load_classification(task)
+    assert calls == [expected]

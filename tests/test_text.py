@@ -132,11 +132,20 @@ def test_a_truncated_extracted_corpus_is_refused_naming_the_file(offline):
 
 
 def test_a_bad_zip_is_refused(offline):
+    folder = offline / "text8"  # text8.zip has no published digest: its zip is opened
+    folder.mkdir(parents=True)
+    (folder / "text8.zip").write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="not a valid zip"):
+        T.load_text("text8")
+
+
+def test_a_cached_archive_that_differs_from_the_pinned_sha256_is_discarded(offline):
     folder = offline / "enwik8"
     folder.mkdir(parents=True)
-    (folder / "enwik8.zip").write_bytes(b"not a zip")
-    with pytest.raises(DataError, match="not a valid zip"):
+    (folder / "enwik8.zip").write_bytes(b"not the enwik8 archive")
+    with pytest.raises(DataError, match="cannot download enwik8.zip"):  # refetched (offline here)
         T.load_text("enwik8")
+    assert not (folder / "enwik8.zip").exists()
 
 
 def test_a_changed_file_is_detected_by_its_recorded_sha256(tmp_path):

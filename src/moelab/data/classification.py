@@ -51,6 +51,21 @@ SOURCES = {
     ],
 }
 
+#: sha256 of each downloaded file, as published with their sizes in the Hugging Face ``datasets``
+#: library's dataset definitions (github.com/huggingface/datasets at commit 040102f1,
+#: ``datasets/{glue,imdb,banking77}/dataset_infos.json``): SST-2.zip 7,439,277 bytes,
+#: aclImdb_v1.tar.gz 84,125,825 bytes, BANKING77 train.csv 839,073 and test.csv 239,961 bytes.
+#: SST-5 (SetFit's copy on the Hugging Face hub): no published digest found (None: the digest is
+#: recorded on first use and verified afterwards).
+SHA256: dict[str, str | None] = {
+    "sst2/SST-2.zip": "d67e16fb55739c1b32cdce9877596db1c127dc322d93c082281f64057c16deaa",
+    "sst5/train.jsonl": None,
+    "sst5/test.jsonl": None,
+    "imdb/aclImdb_v1.tar.gz": "c40f74a18d3b61f90feba1e17730e0d38e8b97c05fde7008942e91923d1658fe",
+    "banking77/train.csv": "b06e26ac675513959a63135f11b94ea7786ed02da65db93a5650d8838cbc664b",
+    "banking77/test.csv": "d12d6e3bc4c3103966ae786dc435913c0c563dfa328f5a3646d0e62cfeeb474d",
+}
+
 _TEXT_COLUMNS = ("text", "sentence", "review")
 _LABEL_COLUMNS = ("label", "category")
 
@@ -150,7 +165,7 @@ def read_table(path: str | Path) -> ClassificationData:
 
 
 def _sst2() -> ClassificationData:
-    archive = fetch("SST-2.zip", SOURCES["sst2"], None, subdir="sst2")
+    archive = fetch("SST-2.zip", SOURCES["sst2"], SHA256["sst2/SST-2.zip"], subdir="sst2")
     _verified(archive)
     with zipfile.ZipFile(archive) as zf:
         read = lambda n: list(csv.reader(io.StringIO(zf.read(f"SST-2/{n}").decode()), delimiter="\t"))[1:]
@@ -164,7 +179,7 @@ def _sst2() -> ClassificationData:
 def _sst5() -> ClassificationData:
     rows = {}
     for url, split in zip(SOURCES["sst5"], ("train", "test")):
-        path = _verified(fetch(f"{split}.jsonl", [url], None, subdir="sst5"))
+        path = _verified(fetch(f"{split}.jsonl", [url], SHA256[f"sst5/{split}.jsonl"], subdir="sst5"))
         items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         rows[split] = [(it["text"], str(it["label"])) for it in items]
     return _build("sst5", rows)
@@ -174,7 +189,7 @@ def _imdb() -> ClassificationData:
     root = cache_dir() / "imdb"
     parsed = root / "imdb.json"
     if not parsed.exists():
-        archive = _verified(fetch("aclImdb_v1.tar.gz", SOURCES["imdb"], None, subdir="imdb"))
+        archive = _verified(fetch("aclImdb_v1.tar.gz", SOURCES["imdb"], SHA256["imdb/aclImdb_v1.tar.gz"], subdir="imdb"))
         rows: dict[str, list[tuple[str, str]]] = {"train": [], "test": []}
         with tarfile.open(archive) as tf:
             for member in tf:
@@ -191,7 +206,7 @@ def _imdb() -> ClassificationData:
 def _banking77() -> ClassificationData:
     rows = {}
     for url, split in zip(SOURCES["banking77"], ("train", "test")):
-        path = _verified(fetch(f"{split}.csv", [url], None, subdir="banking77"))
+        path = _verified(fetch(f"{split}.csv", [url], SHA256[f"banking77/{split}.csv"], subdir="banking77"))
         table = list(csv.reader(io.StringIO(path.read_text(encoding="utf-8"))))[1:]
         rows[split] = [(r[0], r[1]) for r in table if len(r) >= 2]
     return _build("banking77", rows)

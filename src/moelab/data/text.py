@@ -31,10 +31,12 @@ by relative path, without ``site-packages`` and the test, ``idlelib`` and ``lib2
 11 MB for Python 3.11), large enough that a small model trains for an epoch before it repeats text.
 
 Downloads go through :func:`moelab.data.download.fetch` (cache ``$MOELAB_DATA``, atomic,
-verified).  The upstream archives are not pinned by sha256 here (no published digests); the
-extracted files are checked against their known sizes, and the sha256 of each extracted file is
-recorded next to it on first use and verified on every later use (``<file>.sha256``), so a
-truncated or altered file is refused with a message naming it.
+verified, https only).  The enwik8 and WikiText-103 archives are pinned by sha256
+(:data:`ARCHIVE_SHA256`, digests as published in the Hugging Face ``datasets`` library's dataset
+definitions, cited there); a download that differs is refused.  No published digest of text8.zip
+was found, so text8 is checked by size only.  Every extracted file is also checked against its
+known size, and its sha256 is recorded next to it on first use and verified on every later use
+(``<file>.sha256``), so a truncated or altered file is refused with a message naming it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ WIKITEXT103_URLS = (
     "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip",
     "https://wikitext.smerity.com/wikitext-103-v1.zip",
 )
+#: sha256 of the upstream archives, as published with their sizes in the Hugging Face ``datasets``
+#: library's dataset definitions (github.com/huggingface/datasets, ``datasets/enwik8/dataset_infos.json``
+#: and ``datasets/wikitext/dataset_infos.json``, commit 040102f1): enwik8.zip 36,445,475 bytes,
+#: wikitext-103-v1.zip 190,229,076 bytes.  text8.zip: no published digest found (None: size-checked only).
+ARCHIVE_SHA256: dict[str, str | None] = {
+    "enwik8.zip": "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc",
+    "text8.zip": None,
+    "wikitext-103-v1.zip": "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
+}
 #: the standard split of enwik8 / text8 (90M / 5M / 5M; Al-Rfou et al. 2019, Transformer-XL)
 HUTTER_SPLIT = (90_000_000, 5_000_000, 5_000_000)
 
@@ -272,7 +283,7 @@ def _hutter(name: str, urls: Sequence[str], tokenizer: Any, metric: str) -> Text
     root = cache_dir() / name
     raw = root / name
     if not raw.exists():
-        archive = fetch(f"{name}.zip", list(urls), None, subdir=name)
+        archive = fetch(f"{name}.zip", list(urls), ARCHIVE_SHA256[f"{name}.zip"], subdir=name)
         _extract(archive, name, raw)
     _verified(raw, sum(HUTTER_SPLIT))
     return parse_hutter(name, raw.read_bytes(), tokenizer, metric)
@@ -307,7 +318,12 @@ def _wikitext103() -> TextData:
     root = cache_dir() / "wikitext103"
     files = {s: root / f"wiki.{s}.tokens" for s in ("train", "valid", "test")}
     if not all(p.exists() for p in files.values()):
-        archive = fetch("wikitext-103-v1.zip", list(WIKITEXT103_URLS), None, subdir="wikitext103")
+        archive = fetch(
+            "wikitext-103-v1.zip",
+            list(WIKITEXT103_URLS),
+            ARCHIVE_SHA256["wikitext-103-v1.zip"],
+            subdir="wikitext103",
+        )
         for p in files.values():
             _extract(archive, p.name, p)
     text = {s: _verified(p).read_text(encoding="utf-8") for s, p in files.items()}
