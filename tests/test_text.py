@@ -143,7 +143,7 @@ def test_a_cached_archive_that_differs_from_the_pinned_sha256_is_discarded(offli
     folder = offline / "enwik8"
     folder.mkdir(parents=True)
     (folder / "enwik8.zip").write_bytes(b"not the enwik8 archive")
-    with pytest.raises(DataError, match="cannot download enwik8.zip"):  # refetched (offline here)
+    with pytest.raises(DataError, match=r"cannot download enwik8\.zip"):  # refetched (offline here)
         T.load_text("enwik8")
     assert not (folder / "enwik8.zip").exists()
 
