@@ -1,5 +1,6 @@
 """moelab.save / moelab.load: one format (config.json + model.safetensors) for every writer."""
 
+import hashlib
 import json
 import math
 import os
@@ -231,3 +232,42 @@ def test_bad_input_is_refused_naming_what_is_allowed(tmp_path):
     (tmp_path / "lm" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="format_version=99; this moelab reads 1"):
         moelab.load(tmp_path / "lm")
+
+
+def _resign(path, edit):
+    """Edit a saved folder's config.json and recompute its own digest, as a crafted file would."""
+    from moelab.io.model import _canonical
+
+    config = json.loads(path.read_text())
+    edit(config)
+    config.pop("sha256", None)
+    config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [("no files", "lists no model.safetensors in its files"),
+     ("outside", "lists the file '../outside.bin'; expected plain file names inside"),
+     ("absolute", "lists the file '/dev/zero'; expected plain file names inside"),
+     ("link to a device", "is not a regular file (a link or a device); refused"),
+     ("bad digest", "has sha256='x' for 'model.safetensors'; expected 64 hex digits")],
+)  # fmt: skip
+def test_crafted_metadata_is_refused_before_any_file_is_read(tmp_path, case, message):
+    moelab.save(_layers(), tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    if case == "no files":
+        _resign(config, lambda c: c.__setitem__("files", {}))
+    elif case == "outside":
+        (tmp_path / "outside.bin").write_bytes(b"x")
+        _resign(config, lambda c: c["files"].__setitem__("../outside.bin", "0" * 64))
+    elif case == "absolute":
+        _resign(config, lambda c: c["files"].__setitem__("/dev/zero", "0" * 64))
+    elif case == "link to a device":
+        os.symlink("/dev/zero", tmp_path / "m" / "extra.bin")
+        _resign(config, lambda c: c["files"].__setitem__("extra.bin", "0" * 64))
+    else:
+        _resign(config, lambda c: c["files"].__setitem__("model.safetensors", "x"))
+    with pytest.raises(CheckpointError) as info:
+        moelab.load(tmp_path / "m")
+    assert message in str(info.value) and "\n" not in str(info.value)

@@ -97,7 +97,9 @@ def test_per_step_validation_table_is_mean_and_sd_over_seeds(tmp_path):
     assert mean == pytest.approx([2.2, 1.6]) and sd == pytest.approx([0.2, 0.1])
     text, rows = curve_table(groups)
     assert "2.2000 ± 0.2000" in text and "1.9000" in text and "± nan" not in text
-    assert {(r["group"], r["step"]) for r in rows} == {(g, s) for g in ("smoe", "competesmoe") for s in (10, 20)}
+    assert {(r["group"], r["step"]) for r in rows} == {
+        (g, s) for g in ("smoe", "competesmoe") for s in (10, 20)
+    }
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
     with open(tmp_path / "rep" / "val_curves.csv", newline="") as f:
         written = list(csv.DictReader(f))

@@ -189,7 +189,9 @@ def _imdb() -> ClassificationData:
     root = cache_dir() / "imdb"
     parsed = root / "imdb.json"
     if not parsed.exists():
-        archive = _verified(fetch("aclImdb_v1.tar.gz", SOURCES["imdb"], SHA256["imdb/aclImdb_v1.tar.gz"], subdir="imdb"))
+        archive = _verified(
+            fetch("aclImdb_v1.tar.gz", SOURCES["imdb"], SHA256["imdb/aclImdb_v1.tar.gz"], subdir="imdb")
+        )
         rows: dict[str, list[tuple[str, str]]] = {"train": [], "test": []}
         with tarfile.open(archive) as tf:
             for member in tf:

@@ -31,6 +31,7 @@ import hashlib
 import importlib
 import json
 import os
+import stat
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -360,10 +361,26 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         )
     if hashlib.sha256(_canonical(config)).hexdigest() != config.get("sha256"):
         raise CheckpointError(f"{str(file)!r} is corrupted or was edited (sha256 does not match its content)")
-    for name, digest in config.get("files", {}).items():
+    files = config.get("files")
+    if not isinstance(files, dict) or WEIGHTS_NAME not in files:
+        raise CheckpointError(
+            f"{str(file)!r} lists no {WEIGHTS_NAME} in its files; a moelab.save folder lists (and "
+            "verifies) every file it holds"
+        )
+    for name, digest in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            raise CheckpointError(
+                f"{str(file)!r} lists the file {name!r}; expected plain file names inside {str(directory)!r}"
+            )
+        if not (isinstance(digest, str) and len(digest) == 64):
+            raise CheckpointError(f"{str(file)!r} has sha256={digest!r} for {name!r}; expected 64 hex digits")
         f = directory / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing")
+        try:
+            mode = os.lstat(f).st_mode
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {f} is missing") from None
+        if not stat.S_ISREG(mode):  # a link or a device (/dev/zero would never end) is not read
+            raise CheckpointError(f"checkpoint file {f} is not a regular file (a link or a device); refused")
         if sha256_file(f) != digest:
             raise CheckpointError(f"checkpoint file {f} is truncated or corrupted (sha256 mismatch)")
     config["directory"] = str(directory)
