@@ -450,3 +450,46 @@ def test_model_size_flags_build_the_model_they_name(corpus, tmp_path):
     cfg = model.cfg
     assert (cfg.d_model, cfg.n_layer, cfg.n_head, cfg.d_hidden) == (24, 1, 3, 40)
     assert moe_layers(model)[0].experts.d_hidden == 40
+
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("base") / "run"
+    assert main(tiny_args(corpus, out)) == 0
+    return out
+
+
+_DAMAGED_CONFIGS = {
+    "truncated": (lambda good: good[: len(good) // 2], "is not valid YAML"),
+    "a list": (lambda good: "- 1\n- 2\n", "must hold a mapping"),
+    "a scalar": (lambda good: "42\n", "must hold a mapping"),
+    "bad syntax": (lambda good: "task: lm\n  bad: [\n", "is not valid YAML"),
+    "steps text": (lambda good: good.replace("steps: 4", "steps: abc"), "steps='abc' is not allowed"),
+    "lr a list": (lambda good: good.replace("lr: 0.002", "lr: [1]"), "lr=[1] is not allowed"),
+    "unknown key": (lambda good: good + "zzz: 1\n", "unknown keys ['zzz']"),
+    "empty": (lambda good: "", "must hold a mapping of run settings"),
+    "binary": (None, "is not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("case", list(_DAMAGED_CONFIGS))
+def test_resume_of_a_damaged_config_yaml_is_one_line_naming_the_file(
+    finished_run, corpus, tmp_path, capsys, case
+):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    (out / "metrics.json").unlink()  # an unfinished run
+    damage, message = _DAMAGED_CONFIGS[case]
+    config = out / "config.yaml"
+    if damage is None:
+        config.write_bytes(b"\x00\x01\x02\xff\xfe")
+    else:
+        text = damage(config.read_text())
+        assert text != config.read_text()
+        config.write_text(text)
+    capsys.readouterr()
+    assert main(tiny_args(corpus, out, "--resume")) == 2
+    err = _one_line_error(capsys)
+    assert message in err and str(config) in err

@@ -232,7 +232,10 @@ class RunConfig:
             raise ValueError(
                 f"{source}: unknown train keys {sorted(set(train) - known)}; allowed: {sorted(known)}"
             )
-        return cls(**{**data, "train": TrainConfig(**train)})
+        try:
+            return cls(**{**data, "train": TrainConfig(**train)})
+        except (TypeError, ValueError) as exc:  # a value of the wrong type or range: name the file
+            raise ValueError(f"{source}: {exc}") from None
 
 
 def parse_opts(items: list[str] | None) -> dict[str, Any]:
@@ -506,7 +509,9 @@ def apply_config_file(
     if not Path(path).is_file():
         raise FileNotFoundError(f"{source} does not exist")
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ValueError(f"{source} is not UTF-8 text (a damaged or binary file)") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"{source} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):

@@ -126,7 +126,17 @@ class RunDir:
         atomic_write_text(self.file("config.yaml"), yaml.safe_dump(_plain(config), sort_keys=False))
 
     def read_config(self) -> dict[str, Any]:
-        return yaml.safe_load(self.file("config.yaml").read_text())
+        """``config.yaml`` as a mapping; a damaged file is a one-line ``ValueError`` naming it."""
+        path = self.file("config.yaml")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{str(path)!r} is not UTF-8 text (a damaged or binary file)") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{str(path)!r} must hold a mapping of run settings, got {type(data).__name__}")
+        return data
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> None:
         atomic_write_text(
