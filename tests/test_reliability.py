@@ -418,3 +418,46 @@ def test_resume_drops_cut_and_garbage_log_rows(data, tmp_path, full, monkeypatch
         f.write("\x00" * 3 + "," * width + "\n" + "11,0.001,2.5")
     train(data, tmp_path, resume=True)
     assert log_rows(tmp_path) == full[0]
+
+
+def test_a_non_finite_validation_stops_before_that_step_is_saved(data, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = LMTask.evaluate
+
+    def evaluate(self, model, split, max_tokens):
+        out = real(self, model, split, max_tokens)
+        if split == "valid":
+            calls["n"] += 1
+            if calls["n"] == 2:  # the validation at step 6 (eval_every 3); training stays finite
+                out = {k: float("nan") for k in out}
+        return out
+
+    monkeypatch.setattr(LMTask, "evaluate", evaluate)
+    with pytest.raises(
+        TrainingError,
+        match=r"validation bpc is not finite at step 6 .*last good checkpoint is .*step-00000004",
+    ):
+        train(data, tmp_path)
+    assert [p.name for p in C.list_checkpoints(tmp_path / "ckpt")] == ["step-00000004"]
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_an_update_that_overflows_stops_naming_the_last_good_checkpoint(data, tmp_path, monkeypatch):
+    real, calls = torch.optim.Adam.step, {"n": 0}
+
+    def step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:  # what Adam raises when its step size does not fit the parameters' dtype
+            raise RuntimeError("value cannot be converted to type float without overflow")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    with pytest.raises(TrainingError, match=r"the update at step 6 overflowed .*step-00000004.*Lower --lr"):
+        train(data, tmp_path)
+
+
+def test_a_learning_rate_float32_cannot_hold_is_refused():
+    with pytest.raises(
+        ValueError, match=r"lr=1e\+300 is not allowed; expected a number > 0 and <= 3\.4e\+38"
+    ):
+        TrainConfig(steps=1, batch_size=1, lr=1e300)

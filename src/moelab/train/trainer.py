@@ -73,6 +73,10 @@ class Task(Protocol):
     def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]: ...
 
 
+#: the largest learning rate: float32's largest number (Adam casts its step size to the parameters' dtype)
+_MAX_LR = float(torch.finfo(torch.float32).max)
+
+
 @dataclass
 class TrainConfig:
     """Optimisation and bookkeeping settings (defaults: CompeteSMoE (2024) App. C.2 where it states them).
@@ -114,6 +118,10 @@ class TrainConfig:
         _validate.positive_int("steps", self.steps)
         _validate.positive_int("batch_size", self.batch_size)
         _validate.positive("lr", self.lr)
+        if self.lr > _MAX_LR:  # Adam casts the step size to the parameters' float32 and overflows
+            raise ValueError(
+                f"lr={self.lr!r} is not allowed; expected a number > 0 and <= {_MAX_LR:.3g} (float32's largest)"
+            )
         _validate.one_of("schedule", self.schedule, LR_SCHEDULES)
         if self.warmup is not None:
             _validate.int_in_range("warmup", self.warmup, 0, 1 << 40)
@@ -363,7 +371,15 @@ class Trainer:
                 f"{self._last_good()}. Lower --lr or check the data"
             )
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        try:
+            optimizer.step()
+        except RuntimeError as exc:  # e.g. a step size the parameters' dtype cannot hold
+            if "overflow" not in str(exc):
+                raise
+            raise TrainingError(
+                f"the update at step {step + 1} overflowed ({str(exc).splitlines()[0]}); stopped; "
+                f"{self._last_good()}. Lower --lr"
+            ) from None
         scheduler.step()
         state["train_time"] += time.perf_counter() - t0
         state["train_tokens"] += tokens * self.world_size
@@ -389,6 +405,11 @@ class Trainer:
         """Validate, fill ``row``'s validation columns, and save ``best/`` on an improvement."""
         metric = self.task.metric
         val = self._evaluate("valid", self.config.eval_tokens)
+        if not math.isfinite(val[metric]):  # the same decision on every rank (the values are reduced)
+            raise TrainingError(
+                f"validation {metric} is not finite at step {done} ({val[metric]}) although the training "
+                f"loss was; stopped before saving this step; {self._last_good()}. Lower --lr or check the data"
+            )
         row["val_loss"], row[f"val_{metric}"] = val["loss"], val[metric]
         state["last_val"] = val[metric]
         if self._better(val[metric], state["best_val"]):  # the same decision on every rank
