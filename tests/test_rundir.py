@@ -114,3 +114,14 @@ def test_append_log_keeps_the_first_rows_columns_in_their_order(tmp_path):
     run.append_log({"step": 1, "loss": 2.5})
     RunDir(tmp_path, resume=True).append_log({"loss": 2.0, "lr": 0.1, "step": 2})  # reordered, extra key
     assert (tmp_path / "log.csv").read_text().splitlines() == ["step,loss", "1,2.5", "2,2.0"]
+
+
+def test_an_out_name_too_long_for_the_file_system_is_refused_before_anything_is_written(tmp_path):
+    long = "x" * 300
+    with pytest.raises(
+        ValueError, match=r"the folder name 'xxxxxxxxxxxxxxxxxxxx'… is 300 bytes; expected at most 255"
+    ):
+        RunDir(tmp_path / long / "run")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="is longer than 4095 bytes"):
+        RunDir(tmp_path.joinpath(*["y" * 200] * 25))

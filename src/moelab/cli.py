@@ -46,8 +46,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-#: OSError numbers reported as one-line user errors (exit 2): no space, quota, read-only, permission
-_USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+#: OSError numbers reported as one-line user errors (exit 2): no space, quota, read-only, permission,
+#: a path too long for the file system
+_USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -45,6 +45,23 @@ LOCK = ".lock"
 _HELD: dict[Path, int] = {}
 
 
+#: the longest file name and path the usual file systems allow (ext4, XFS, APFS: 255 bytes a name)
+NAME_MAX, PATH_MAX = 255, 4095
+
+
+def _check_name_lengths(path: Path) -> None:
+    """Refuse an ``--out`` the file system cannot create, before anything is written."""
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > NAME_MAX:
+            raise ValueError(
+                f"--out {str(path)[:60]!r}…: the folder name {part[:20]!r}… is {size} bytes; "
+                f"expected at most {NAME_MAX} bytes a name"
+            )
+    if len(os.fsencode(str(path.absolute()))) > PATH_MAX:
+        raise ValueError(f"--out {str(path)[:60]!r}… is longer than {PATH_MAX} bytes; choose a shorter path")
+
+
 class RunDir:
     """An experiment's output folder, owned by one process.
 
@@ -66,6 +83,7 @@ class RunDir:
         self, path: str | os.PathLike, resume: bool = False, force: bool = False, lock: bool = True
     ) -> None:
         self.path = Path(path)
+        _check_name_lengths(self.path)
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"--out {self.path} exists and is not a directory")
         has_config = (self.path / "config.yaml").exists()
