@@ -917,6 +917,7 @@ def run_scaling(cfg: SpecConfig, data: ImageData, counts: list[int], rundir: Run
     """Krishnamurthy et al. (2023) §7, Fig. 6: train with N experts for each N and each of L_importance and
     L_s; report how many experts each actually uses (``experts_used``) and the selection tables."""
     out: dict[str, Any] = {}
+    cfg = cfg.resolved()  # runs.csv records the β the models trained with
     for reg in ("importance", "ls"):
         for n in counts:
             c = replace(cfg, reg=reg, experts=n, distill=False)
