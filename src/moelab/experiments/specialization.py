@@ -32,6 +32,13 @@ summary metric; also ``welch.md``) beside ``table.md``; ``--rows`` runs a subset
 ``log.csv`` has one row per epoch (``row``, ``seed``, the setting, losses, the test error at the end
 of the epoch); a distilled model's folder also gets its teacher's selection table
 (``*_teacher_selection.png``).
+
+Resume (as ``moelab train``): ``--out`` is locked while a run writes it; a folder holding a run is refused
+unless ``--resume`` (continue it) or ``--force`` (empty it first).  Every epoch of every trained model is
+checkpointed (``ckpt/fit-{k}.pt``, :class:`Progress`); ``--resume`` takes the flags not given from the
+run's ``config.yaml``, refuses a given flag that differs or other data (``data_sha256``) in one line unless
+``--allow-changes``, and ends with the same ``metrics.json`` numbers (but ``seconds``), weights and CSV rows
+as an uninterrupted run.  The checkpoints are removed once ``metrics.json`` is written.
 """
 
 from __future__ import annotations
