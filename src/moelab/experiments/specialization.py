@@ -223,6 +223,9 @@ class Progress:
     made while replaying are skipped: rows after the newest checkpoint (or torn by a kill) go.
     ``--allow-changes``: the fits already finished are kept as they are and the fit in progress
     continues to the new ``--epochs``.
+
+    Disk: the checkpoints keep every trained model's final weights until the run ends (then they are
+    removed): about 0.05 MB per digits model, 0.14 MB per MNIST model, 89 MB per CIFAR-100 model.
     """
 
     FINISHED = ".ckpt-finished"
@@ -1160,7 +1163,7 @@ def apply_stored(args: argparse.Namespace, stored: dict[str, Any], path: Path) -
     differs is refused in one line naming it, unless ``--allow-changes`` (then the given one wins)."""
     defaults = _defaults()
     for key, (dest, convert) in _STORED_FLAGS.items():
-        if key not in stored:
+        if key not in stored or (key == "counts" and not stored[key]):  # counts: scaling runs only
             continue
         old = stored[key] if convert is None else convert(stored[key])
         new = getattr(args, dest)
