@@ -72,9 +72,11 @@ from ..models.vision import ImageMoE, MoEOutput, SingleModel, distill_gate, visi
 
 __all__ = [
     "GRIDS",
+    "Progress",
     "SpecConfig",
     "add_arguments",
     "add_image_arguments",
+    "checkpointing",
     "evaluate",
     "run",
     "train_once",
