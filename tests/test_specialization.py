@@ -82,6 +82,54 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
     assert code == 2 and message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--train-samples", "0"], "--train-samples=0 is not allowed; expected a positive integer"),
+        (["--test-samples", "-5"], "--test-samples=-5 is not allowed; expected a positive integer"),
+        (["--lr", "inf"], "--lr=inf is not allowed; expected a finite number > 0"),
+        (["--lr", "nan"], "--lr=nan is not allowed; expected a number > 0"),
+        (["--lr", "0"], "--lr=0.0 is not allowed; expected a number > 0"),
+        (["--lr", "fast"], "--lr='fast' is not allowed; expected a number > 0"),
+        (["--epochs", "inf"], "--epochs=inf is not allowed; expected a positive integer"),
+        (["--epochs", "0"], "--epochs=0 is not allowed; expected a positive integer"),
+        (["--epochs", "2.5"], "--epochs=2.5 is not allowed; expected a positive integer"),
+        (["--epochs", "ten"], "--epochs='ten' is not allowed; expected a positive integer"),
+        (["--batch-size", "-1"], "--batch-size=-1 is not allowed; expected a positive integer"),
+        (["--runs", "0"], "--runs=0 is not allowed; expected a positive integer"),
+        (["--threads", "0"], "--threads=0 is not allowed; expected a positive integer"),
+        (["--top-k", "0"], "--top-k=0 is not allowed; expected a positive integer"),
+        (["--seed", "-1"], "--seed=-1 is not allowed; expected an integer >= 0"),
+        (["--experts", "2.5"], "--experts=2.5 is not allowed; expected an integer >= 2"),
+        (["--w-importance", "-1"], "--w-importance=-1.0 is not allowed; expected a number >= 0"),
+        (["--beta-s", "nan"], "--beta-s=nan is not allowed; expected a number >= 0"),
+        (["--beta-d", "inf"], "--beta-d=inf is not allowed; expected a finite number >= 0"),
+        (
+            ["--train-samples", "5000"],
+            "--train-samples=5000 is not allowed; expected an integer in [1, 1437] (the size of the digits "
+            "train set)",
+        ),
+        (
+            ["--test-samples", "361"],
+            "--test-samples=361 is not allowed; expected an integer in [1, 360] (the size of the digits test set)",
+        ),
+    ],
+)
+def test_bad_numbers_exit_2_naming_the_flag_and_the_allowed_range(argv, message, capsys, tmp_path):
+    code, err = main([*argv, "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_counts_equal_to_the_split_sizes_are_the_whole_sets(tmp_path, capsys):
+    code, _ = main(
+        ["--epochs", "1", "--train-samples", "1437", "--test-samples", "360", "--out", str(tmp_path / "o")],
+        capsys,
+    )
+    config = (tmp_path / "o" / "config.yaml").read_text()
+    assert code == 0 and "train_size: 1437" in config and "test_size: 360" in config
+
+
 @pytest.mark.parametrize("flag", [["--data", "svhn"], ["--gate", "moe"], ["--reg", "l2"]])
 def test_unknown_choices_exit_2(flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:

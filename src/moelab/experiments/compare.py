@@ -22,6 +22,7 @@ from pathlib import Path
 from .. import _validate
 from ..data.text import load_text
 from ..io.atomic import atomic_write_text, read_json
+from ..io.rundir import RUN_ENTRIES
 from ..methods import methods
 from .args import parse_sweep
 from .lm import add_lm_arguments, build_config, set_threads, train_lm
@@ -157,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
         if args.resume and (run_dir / "metrics.json").exists():
             print(f"{method} seed {seed}: finished, reused")
             continue
-        resume = args.resume and (run_dir / "config.yaml").exists()
+        # any run entry, not only config.yaml: a kill between tokenizer.json and config.yaml leaves a
+        # folder that only --resume may continue
+        resume = args.resume and any((run_dir / name).exists() for name in RUN_ENTRIES)
         tasks.append((method, seed, config, run_dir, resume))
     jobs = min(_jobs(args), max(1, len(tasks)))
     key = f"test_{data.metric}"

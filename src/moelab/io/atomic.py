@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,17 @@ __all__ = [
     "atomic_write_torch",
     "read_json",
     "sha256_file",
+    "write_event",
 ]
+
+#: Test hook of the crash harness (tests/test_crash_harness.py), not a user setting: with
+#: ``MOELAB_KILL_AT_WRITE=N`` in the environment, the process SIGKILLs itself at its Nth write event
+#: (1-based): an :func:`atomic_write_bytes` after its temporary file is complete and before the
+#: rename (the target keeps its old content, a stray ``.tmp`` file is left), an
+#: :func:`atomic_directory` before the folder's rename, a ``log.csv`` append
+#: (:meth:`moelab.io.rundir.RunDir.append_log`) before the row is written.  Unset: no effect.
+KILL_AT_WRITE_ENV = "MOELAB_KILL_AT_WRITE"
+_write_events = 0
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -43,6 +54,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_event() -> None:
+    """Count one file-system write event of this process; the crash harness's kill point
+    (:data:`KILL_AT_WRITE_ENV`, a test hook)."""
+    global _write_events
+    at = os.environ.get(KILL_AT_WRITE_ENV)
+    if not at:
+        return
+    _write_events += 1
+    if _write_events == int(at):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _sync(fd: int, path: Path) -> None:
@@ -65,6 +88,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             _sync(f.fileno(), path)
+        write_event()
         os.replace(tmp, path)
     except Exception:
         if os.path.exists(tmp):
@@ -130,6 +154,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         fsync_dir(tmp)
+        write_event()
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
