@@ -150,6 +150,12 @@ def test_finetune_cli_errors_exit_2(pretrained, reviews, tmp_path, capsys):
                  "--epochs", "0"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "--epochs=0.0 is not allowed" in err and len(err.strip().splitlines()) == 1
+    for bad in ("inf", "nan"):
+        assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--out",
+                     str(tmp_path / "o"), "--epochs", bad]) == 2  # fmt: skip
+        err = capsys.readouterr().err
+        assert f"--epochs={bad} is not allowed; expected a finite number > 0" in err
+        assert len(err.strip().splitlines()) == 1
 
 
 def test_a_damaged_tokenizer_file_is_named_in_one_line(pretrained, tmp_path):

@@ -272,3 +272,35 @@ def test_an_upcycled_model_records_how_to_rebuild_it_offline(tmp_path):
     again = moelab.load(tmp_path)
     for (k, a), (k2, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert k == k2 and torch.equal(a, b), k
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [("pipeline", "has architectures[0]='pipeline', which is not a transformers model class"),
+     ("AutoConfig", "has architectures[0]='AutoConfig', which is not a transformers model class"),
+     ("pickle weights", "holds .bin weights (a pickle, which moelab does not read)")],
+)  # fmt: skip
+def test_cli_refuses_a_model_it_cannot_build_before_writing_anything(tmp_path, capsys, case, message):
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2
+    )
+    cfg.architectures = ["LlamaForCausalLM"] if case == "pickle weights" else [case]
+    cfg.save_pretrained(tmp_path / "m")
+    if case == "pickle weights":
+        (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"not read")
+    out = tmp_path / "out"
+    argv = [
+        "upcycle",
+        "--model",
+        str(tmp_path / "m"),
+        "--num-experts",
+        "4",
+        "--top-k",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

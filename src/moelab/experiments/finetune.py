@@ -151,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
     batch = args.batch_size if args.batch_size is not None else BATCH.get(name, 16)
     _validate.positive_int("--batch-size", batch)
     epochs = args.epochs if args.epochs is not None else EPOCHS.get(name, 5)
-    if not (isinstance(epochs, (int, float)) and epochs > 0):
-        raise UsageError(f"--epochs={epochs!r} is not allowed; expected a number > 0")
+    if not (isinstance(epochs, (int, float)) and 0 < epochs < math.inf):  # NaN fails too
+        raise UsageError(f"--epochs={epochs!r} is not allowed; expected a finite number > 0")
     per_epoch = math.ceil(len(data.labels["train"]) / batch)
     steps = args.steps if args.steps is not None else max(1, round(epochs * per_epoch))
     _validate.positive_int("--steps", steps)

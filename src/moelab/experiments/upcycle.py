@@ -5,6 +5,7 @@ offline."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -51,12 +52,14 @@ def run(args: argparse.Namespace) -> int:
                 f"--layers {args.layers!r} is not allowed; expected comma-separated integers"
             ) from None
     options = parse_key_values(args.option, "--option")
-    out = RunDir(args.out, force=args.force)
+    if Path(args.out, "config.yaml").exists() and not args.force:
+        RunDir(args.out)  # refuses an existing run in one line, before the model is read
     torch.manual_seed(args.seed)
     model = load_hf_model(args.model).eval()
     num_dense = sum(p.numel() for p in model.parameters())
     names = find_mlps(model)
     upcycle(model, args.num_experts, args.top_k, args.method, layers, **options)
+    out = RunDir(args.out, force=args.force)  # only now: a refused model leaves no folder behind
     info = {
         "model": str(args.model),
         "model_class": type(model).__name__,

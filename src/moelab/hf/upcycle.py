@@ -346,10 +346,18 @@ def load_hf_model(source: str | Path) -> nn.Module:
     model_type = raw.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **raw)
     arch = (config.architectures or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    has_weights = source.is_dir() and (
-        any(source.glob("*.safetensors")) or any(source.glob("pytorch_model*.bin"))
-    )
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if arch is not None and not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(
+            f"--model {str(config_file)!r} has architectures[0]={arch!r}, which is not a transformers "
+            "model class; expected e.g. 'LlamaForCausalLM'"
+        )
+    if source.is_dir() and any(source.glob("*.bin")) and not any(source.glob("*.safetensors")):
+        raise ValueError(
+            f"--model {str(source)!r} holds .bin weights (a pickle, which moelab does not read); "
+            "save the model with safetensors (save_pretrained's default) and run again"
+        )
+    has_weights = source.is_dir() and any(source.glob("*.safetensors"))
     if cls is None:
         cls = transformers.AutoModel
         return (
