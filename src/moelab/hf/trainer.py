@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..layer import attach, aux_loss, moe_layers
 from ..routing import RoutingContext
 
@@ -79,6 +81,40 @@ def _trainer_classes() -> dict[str, type]:
                     extra = extra / getattr(self, "current_gradient_accumulation_steps", 1)
                 loss = loss + extra
             return (loss, outputs) if return_outputs else loss
+
+        def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+            """A model holding moelab layers is saved as its state dict (what the Trainer's resume
+            reads) plus a ``moelab/`` folder (``moelab.load`` rebuilds it offline), never with
+            ``save_pretrained``: transformers would re-initialise the MoE layers on load.  Call
+            ``moelab.to_hf(model)`` after training for a plain transformers checkpoint."""
+            from ..layer import moe_layers
+
+            model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            if not moe_layers(model):
+                return super()._save(output_dir, state_dict)
+            import os
+
+            import safetensors.torch
+
+            from ..io.model import save
+
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            if not self.args.should_save:
+                return None
+            os.makedirs(output_dir, exist_ok=True)
+            state = model.state_dict() if state_dict is None else state_dict
+            state = {k: v.contiguous() for k, v in state.items()}
+            data_ptrs: dict[int, str] = {}
+            unique = {}
+            for k, v in state.items():  # tied weights once (safetensors refuses shared storage)
+                if v.data_ptr() in data_ptrs:
+                    continue
+                data_ptrs[v.data_ptr()] = k
+                unique[k] = v
+            safetensors.torch.save_file(unique, os.path.join(output_dir, "model.safetensors"), {"format": "pt"})
+            save(model, os.path.join(output_dir, "moelab"))
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            return None
 
     _TRAINER_CLASSES.update(MoETrainerCallback=MoETrainerCallback, MoETrainer=MoETrainer)
     return _TRAINER_CLASSES

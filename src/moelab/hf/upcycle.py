@@ -316,6 +316,10 @@ def upcycle(
     recipe.append({"op": "upcycle", "num_experts": num_experts, "top_k": top_k, "method": method,
                    "layers": layers, "options": dict(options)})  # fmt: skip
     model._moelab_recipe = recipe
+    if hasattr(type(model), "save_pretrained"):  # a transformers model: it cannot read the layers back
+        from .convert import guard_save_pretrained
+
+        guard_save_pretrained(model)
     return model
 
 
