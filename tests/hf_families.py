@@ -44,6 +44,15 @@ TINY = {
     "router_jitter_noise": 0.0,
     "input_jitter_noise": 0.0,
     "router_hidden_size": 8,
+    "enable_moe_block": True,
+    "num_expert": 4,  # ViTPose's per-dataset experts
+    "part_features": 8,
+}
+
+#: config classes the name heuristic would not pick
+CONFIGS = {
+    "DbrxFFN": "DbrxConfig",
+    "Qwen3OmniMoeThinkerTextSparseMoeBlock": "Qwen3OmniMoeTextConfig",
 }
 
 
@@ -61,7 +70,7 @@ def families() -> list[tuple[str, type]]:
             mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
         except Exception:  # an optional dependency missing
             continue
-        for name, cls in vars(mod).items():
+        for cls in vars(mod).values():
             if inspect.isclass(cls) and issubclass(cls, nn.Module) and cls.__module__ == mod.__name__:
                 try:
                     src = inspect.getsource(cls.__init__)
@@ -76,8 +85,11 @@ def _config_class(fam: str, block_cls: type):
     from transformers import PretrainedConfig
 
     mod = importlib.import_module(f"transformers.models.{fam}.configuration_{fam}")
-    configs = [c for c in vars(mod).values() if inspect.isclass(c) and issubclass(c, PretrainedConfig)
-               and c.__module__ == mod.__name__]
+    configs = [
+        c
+        for c in vars(mod).values()
+        if inspect.isclass(c) and issubclass(c, PretrainedConfig) and c.__module__ == mod.__name__
+    ]
 
     def score(c):
         a, b = c.__name__.removesuffix("Config"), block_cls.__name__
@@ -86,6 +98,8 @@ def _config_class(fam: str, block_cls: type):
             n += 1
         return (n, "Text" in c.__name__)
 
+    if block_cls.__name__ in CONFIGS:
+        return getattr(mod, CONFIGS[block_cls.__name__])
     return max(configs, key=score)
 
 
@@ -93,10 +107,21 @@ def tiny_block(fam: str, block_cls: type, seed: int = 0) -> nn.Module:
     """The block of ``fam`` at tiny sizes, float64, random weights, a non-trivial selection bias."""
     cfg = _config_class(fam, block_cls)()
     for key, value in TINY.items():
-        if hasattr(cfg, key):
-            setattr(cfg, key, value)
-    if hasattr(cfg, "layer_types") and isinstance(cfg.layer_types, list):
-        pass
+        try:
+            if hasattr(cfg, key):
+                setattr(cfg, key, value)
+        except Exception:  # a per-layer or typed attribute: keep the default
+            pass
+    if not hasattr(cfg, "shared_expert_intermediate_size"):
+        cfg.shared_expert_intermediate_size = 12
+    for sub in ("text_config", "ffn_config"):
+        sub_cfg = getattr(cfg, sub, None)
+        for key, value in TINY.items():
+            try:
+                if sub_cfg is not None and hasattr(sub_cfg, key):
+                    setattr(sub_cfg, key, value)
+            except Exception:
+                pass
     params = inspect.signature(block_cls.__init__).parameters
     kwargs = {}
     for name in list(params)[2:]:
@@ -104,6 +129,8 @@ def tiny_block(fam: str, block_cls: type, seed: int = 0) -> nn.Module:
             kwargs[name] = 1
         elif name in ("intermediate_size", "ffn_dim"):
             kwargs[name] = H
+        elif params[name].kind is inspect.Parameter.VAR_KEYWORD:
+            continue
         elif params[name].default is inspect.Parameter.empty:
             raise TypeError(f"{block_cls.__name__} needs {name}")
     torch.manual_seed(seed)

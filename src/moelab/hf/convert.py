@@ -140,7 +140,9 @@ def _check_swiglu_mlp(mlp: nn.Module, what: str) -> str | None:
         if not isinstance(lin, nn.Linear) or lin.bias is not None:
             return f"{what} {_name(mlp)}.{n} is not a bias-free nn.Linear"
     if not _is_silu(getattr(mlp, "act_fn", None), getattr(mlp, "config", None)):
-        act = getattr(getattr(mlp, "config", None), "hidden_act", None) or _name(getattr(mlp, "act_fn", nn.Identity()))
+        act = getattr(getattr(mlp, "config", None), "hidden_act", None) or _name(
+            getattr(mlp, "act_fn", nn.Identity())
+        )
         return f"{what} {_name(mlp)} has activation {act!r} (only 'silu' maps to moelab's 'swiglu')"
     return None
 
@@ -163,7 +165,10 @@ def _check_experts(experts: nn.Module) -> tuple[bool, int, int, int] | str:
         problems.append("expert biases")
     if getattr(experts, "is_transposed", False):
         problems.append("transposed expert weights")
-    if not getattr(experts, "has_gate", True) or not hasattr(experts, "gate_up_proj"):
+    if not hasattr(experts, "gate_up_proj"):
+        names = sorted(n for n, _ in experts.named_parameters())
+        return f"experts {_name(experts)} store their weights in another layout ({names}; expected gate_up_proj, down_proj)"
+    if not getattr(experts, "has_gate", True):
         problems.append("experts without a gate projection (non-gated MLP experts)")
     if not getattr(experts, "is_concatenated", True):
         problems.append("interleaved gate/up weights")
@@ -208,13 +213,20 @@ def _plan(block: nn.Module, path: str = "") -> _Plan:
     stacked, num_experts, d_model, d_hidden = checked
     shared_name = next((n for n in _SHARED_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
     has_shared_gate = isinstance(getattr(block, "shared_expert_gate", None), nn.Module)
-    known = {router_name, "experts", *([shared_name] if shared_name else []), *(["shared_expert_gate"] * has_shared_gate)}
+    known = {
+        router_name,
+        "experts",
+        *([shared_name] if shared_name else []),
+        *(["shared_expert_gate"] * has_shared_gate),
+    }
     extra = [n for n, _ in block.named_children() if n not in known]
     if extra:
         what = ", ".join(f"{n} ({_name(getattr(block, n))})" for n in extra)
         raise _refuse(path, block, f"parts moelab does not reproduce: {what}")
     # the block's own tensors: only a selection bias handed to the router
-    own = [n for n, _ in block.named_parameters(recurse=False)] + [n for n, _ in block.named_buffers(recurse=False)]
+    own = [n for n, _ in block.named_parameters(recurse=False)] + [
+        n for n, _ in block.named_buffers(recurse=False)
+    ]
     bias_owner = bias_name = None
     for n in own:
         if n in _BIAS_NAMES and bias_name is None:
@@ -225,7 +237,9 @@ def _plan(block: nn.Module, path: str = "") -> _Plan:
         bias_owner = bias_name = None
     jitter = _attr(block, "jitter_noise", "input_jitter_noise")
     if jitter:
-        raise _refuse(path, block, f"input jitter noise {jitter} during training (moelab has none); set it to 0")
+        raise _refuse(
+            path, block, f"input jitter noise {jitter} during training (moelab has none); set it to 0"
+        )
     strategy = getattr(block, "shared_expert_combination_strategy", "sum")
     if shared_name and getattr(block, "num_shared_experts", 1) and strategy != "sum":
         raise _refuse(path, block, f"shared experts combined by {strategy!r} (moelab adds them)")
@@ -259,11 +273,15 @@ def _plan(block: nn.Module, path: str = "") -> _Plan:
     if not isinstance(top_k, int):
         raise _refuse(path, block, f"router {_name(router)} has no integer top_k")
     if _attr(router, "router_jitter_noise", "jitter_noise"):
-        raise _refuse(path, block, f"router {_name(router)} adds jitter noise during training (moelab has none)")
+        raise _refuse(
+            path, block, f"router {_name(router)} adds jitter noise during training (moelab has none)"
+        )
     if _attr(router, "topk_method") not in (None, "greedy", "noaux_tc"):
         raise _refuse(path, block, f"router {_name(router)} with topk_method={router.topk_method!r}")
     if _attr(router, "router_logit_softcapping"):
-        raise _refuse(path, block, f"router {_name(router)} soft-caps its logits (tanh), which moelab's routers do not")
+        raise _refuse(
+            path, block, f"router {_name(router)} soft-caps its logits (tanh), which moelab's routers do not"
+        )
     scale = _attr(router, "routed_scaling_factor", "route_scale")
     block_scale = 1.0
     if scale is None:  # a block that scales the routed output (the same: the experts are linear in w)
@@ -282,15 +300,32 @@ def _plan(block: nn.Module, path: str = "") -> _Plan:
             candidates.append(("sharede-v3", opts))
     else:
         for renorm in [bool(norm)] if norm is not None else [True, False]:
-            candidates.append(("smoe", dict(renormalize=renorm, **({"scale": scale} if scale != 1.0 else {}))))
+            candidates.append(
+                ("smoe", dict(renormalize=renorm, **({"scale": scale} if scale != 1.0 else {})))
+            )
         if groups == 1:  # a sigmoid router without a bias (LFM2 with use_expert_bias=False)
             for normalize in [bool(norm)] if norm is not None else [True, False]:
-                candidates.append(("sharede-v3", dict(normalize=normalize, selection_bias=False, scale=scale)))
+                candidates.append(
+                    ("sharede-v3", dict(normalize=normalize, selection_bias=False, scale=scale))
+                )
     plan = None
     for method, opts in candidates:
-        trial = _Plan(method, router_name, weight_name, bias_owner, bias_name, opts, shared_name,
-                      has_shared_gate, stacked, num_experts, int(top_k), d_model, d_hidden,
-                      extra={"block_scale": block_scale})
+        trial = _Plan(
+            method,
+            router_name,
+            weight_name,
+            bias_owner,
+            bias_name,
+            opts,
+            shared_name,
+            has_shared_gate,
+            stacked,
+            num_experts,
+            int(top_k),
+            d_model,
+            d_hidden,
+            extra={"block_scale": block_scale},
+        )
         if _probe(block, trial):
             plan = trial
             break
@@ -298,10 +333,14 @@ def _plan(block: nn.Module, path: str = "") -> _Plan:
         tried = "; ".join(f"{m} {o}" for m, o in candidates)
         hint = ""
         if groups > 1 and not bias_owner:
-            hint = " (group-limited top-K over softmax scores: moelab limits groups for the sigmoid rule only)"
+            hint = (
+                " (group-limited top-K over softmax scores: moelab limits groups for the sigmoid rule only)"
+            )
         raise _refuse(
-            path, block, f"router {_name(router)} picks or weighs experts by a rule none of moelab's routers "
-            f"reproduces{hint}; checked on random tokens against: {tried}"
+            path,
+            block,
+            f"router {_name(router)} picks or weighs experts by a rule none of moelab's routers "
+            f"reproduces{hint}; checked on random tokens against: {tried}",
         )
     if shared_name and plan.method == "smoe":
         plan.method = "sharede-v2"
@@ -342,10 +381,13 @@ def _probe(block: nn.Module, plan: _Plan, tokens: int = 256) -> bool:
         g = torch.Generator(device="cpu").manual_seed(0)
         scale = w.detach().double().norm(dim=1).mean().clamp_min(1e-6)
         x = (torch.randn(tokens, plan.d_model, generator=g, dtype=torch.float64) / scale).to(w.device)
-        try:  # (1, T, d) as a block hands it over
-            out = _router_call(block, plan, hf, x.unsqueeze(0), bias)
-        except Exception:  # a router that needs inputs the parts do not show
-            return False
+        try:  # (T, d) as most blocks hand it over, else (1, T, d)
+            out = _router_call(block, plan, hf, x, bias)
+        except Exception:
+            try:
+                out = _router_call(block, plan, hf, x.unsqueeze(0), bias)
+            except Exception:  # a router that needs inputs the parts do not show
+                return False
         if not isinstance(out, tuple) or len(out) < 3:
             return False
         hf_w, hf_i = out[1], out[2]
@@ -390,7 +432,9 @@ def _meta_skeleton(block: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for t in [*block.parameters(), *block.buffers()]:
         meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        memo[id(t)] = (
+            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        )
     return copy.deepcopy(block, memo)
 
 
@@ -400,8 +444,15 @@ def _convert_block(block: nn.Module, path: str = "") -> MoE:
     w = dict(router.named_parameters())[plan.weight_name]
     options = {**_coefs(block), **plan.options}
     options["num_shared"] = 1 if plan.shared_name else 0  # the block's own shared expert, set below
-    layer = MoE(plan.d_model, plan.num_experts, plan.top_k, d_hidden=plan.d_hidden, method=plan.method,
-                activation="swiglu", **options)
+    layer = MoE(
+        plan.d_model,
+        plan.num_experts,
+        plan.top_k,
+        d_hidden=plan.d_hidden,
+        method=plan.method,
+        activation="swiglu",
+        **options,
+    )
     layer.to(device=w.device, dtype=w.dtype)
     experts = block.experts
     with torch.no_grad():
@@ -413,7 +464,9 @@ def _convert_block(block: nn.Module, path: str = "") -> MoE:
             layer.experts.w_in.copy_(experts.gate_up_proj)
             layer.experts.w_out.copy_(experts.down_proj)
         else:
-            layer.experts.w_in.copy_(torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts]))
+            layer.experts.w_in.copy_(
+                torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
+            )
             layer.experts.w_out.copy_(torch.stack([m.down_proj.weight for m in experts]))
     if plan.shared_name:
         mlp = _swiglu_mlp(getattr(block, plan.shared_name), plan.d_model)
@@ -586,9 +639,18 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
     new_opts = {**router_opts, **coef_opts, **options, "num_shared": layer.num_shared}
     # validate and build on the meta device, then move the router over
     with torch.device("meta"):
-        tmp = MoE(cfg["d_model"], cfg["num_experts"], cfg["top_k"], cfg["d_hidden"], method=method,
-                  activation=cfg["activation"], bias=cfg["bias"], impl=cfg["impl"],
-                  check_finite=cfg["check_finite"], **new_opts)
+        tmp = MoE(
+            cfg["d_model"],
+            cfg["num_experts"],
+            cfg["top_k"],
+            cfg["d_hidden"],
+            method=method,
+            activation=cfg["activation"],
+            bias=cfg["bias"],
+            impl=cfg["impl"],
+            check_finite=cfg["check_finite"],
+            **new_opts,
+        )
     old = layer.router
     w = next(iter(old.parameters()), None)
     ref = w if w is not None else next(layer.experts.parameters())
@@ -645,14 +707,18 @@ def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
     get_method(method)
     layers = moe_layers(model)
     if not layers:
-        raise ValueError(f"model of type {_name(model)} holds no moelab MoE layer; convert it first (moelab.from_hf)")
+        raise ValueError(
+            f"model of type {_name(model)} holds no moelab MoE layer; convert it first (moelab.from_hf)"
+        )
     lost_all: dict[str, list[int]] = {}
     for i, layer in enumerate(layers):
         for item in _switch(layer, method, dict(options)):
             lost_all.setdefault(item, []).append(i)
     if lost_all:
         what = "; ".join(f"{k} (layers {v})" for k, v in lost_all.items())
-        warnings.warn(f"set_method(method={method!r}) drops what this method cannot express: {what}", stacklevel=2)
+        warnings.warn(
+            f"set_method(method={method!r}) drops what this method cannot express: {what}", stacklevel=2
+        )
     if not isinstance(model, MoE):
         step = {"op": "set_method", "method": method, **_json_options(options)}
         model._moelab_recipe = [*getattr(model, "_moelab_recipe", []), step]

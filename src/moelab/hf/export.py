@@ -43,7 +43,16 @@ _LOST = {
 def _router_options(layer: MoE) -> dict[str, Any]:
     r = layer.router
     out: dict[str, Any] = {}
-    for key in ("renormalize", "normalize", "scale", "num_groups", "topk_groups", "frozen", "k_max", "eval_k"):
+    for key in (
+        "renormalize",
+        "normalize",
+        "scale",
+        "num_groups",
+        "topk_groups",
+        "frozen",
+        "k_max",
+        "eval_k",
+    ):
         if hasattr(r, key):
             out[key] = getattr(r, key)
     out["selection_bias"] = getattr(r, "selection_bias", None) is not None
@@ -86,23 +95,31 @@ def _check(path: str, layer: MoE) -> _Plan:
     skeleton = getattr(layer, "_hf_block", None)
     router_kind = type(layer.router).__name__
     if plan is None or skeleton is None:
-        raise _refuse(path, layer, "it was never a transformers block (built by moelab, e.g. upcycle or MoE); "
-                      "a transformers model has no place for it")
+        raise _refuse(
+            path,
+            layer,
+            "it was never a transformers block (built by moelab, e.g. upcycle or MoE); "
+            "a transformers model has no place for it",
+        )
     if layer.method != plan.method:
         from ..methods import get_method
 
         family = get_method(layer.method).router
         lost = _LOST.get(family, f"the {router_kind} rule '{get_method(layer.method).summary}'")
         raise _refuse(
-            path, layer, f"{type(skeleton).__name__} has no counterpart of method {layer.method!r} (it was "
-            f"converted as {plan.method!r}); {lost} would be lost"
+            path,
+            layer,
+            f"{type(skeleton).__name__} has no counterpart of method {layer.method!r} (it was "
+            f"converted as {plan.method!r}); {lost} would be lost",
         )
     got, want = _router_options(layer), _expected_options(plan)
     diff = {k: got.get(k) for k in want if got.get(k) != want[k]}
     if diff:
         raise _refuse(
-            path, layer, f"router options {diff} differ from what {type(skeleton).__name__} expresses "
-            f"({ {k: want[k] for k in diff} }); they would be lost"
+            path,
+            layer,
+            f"router options {diff} differ from what {type(skeleton).__name__} expresses "
+            f"({ {k: want[k] for k in diff} }); they would be lost",
         )
     if (layer.shared is None) != (plan.shared_name is None):
         raise _refuse(path, layer, "its shared experts differ from the block's")
@@ -175,7 +192,9 @@ def to_hf(model: nn.Module) -> nn.Module:
         return _block_of(model, _check("", model))
     layers = {id(m): m for m in moe_layers(model)}
     if not layers:
-        raise ValueError(f"model of type {type(model).__name__} holds no moelab MoE layer; nothing to give back")
+        raise ValueError(
+            f"model of type {type(model).__name__} holds no moelab MoE layer; nothing to give back"
+        )
     paths = [(p, m) for p, m in model.named_modules() if id(m) in layers]
     blocks = [(p, _block_of(m, _check(p, m))) for p, m in paths]  # all checked before any change
     for path, block in blocks:
