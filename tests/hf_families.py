@@ -143,3 +143,25 @@ def tiny_block(fam: str, block_cls: type, seed: int = 0) -> nn.Module:
             if name.split(".")[-1] in ("e_score_correction_bias", "expert_bias") and b.is_floating_point():
                 b.copy_(torch.linspace(-0.2, 0.2, b.numel(), dtype=b.dtype).view(b.shape))
     return block.eval()
+
+
+if __name__ == "__main__":  # the table of docs/scaling.md: PYTHONPATH=src:tests python tests/hf_families.py
+    import moelab
+
+    print("| family | block | converts to | block output max abs diff (float64) | refused because |")
+    print("|---|---|---|---|---|")
+    for fam, cls in families():
+        block = tiny_block(fam, cls)
+        x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        try:
+            layer = moelab.from_hf(block)
+        except ValueError as e:
+            why = str(e).split("from_hf: ", 1)[1].replace("|", "/")
+            why = why if len(why) <= 160 else why[:157] + "..."
+            print(f"| {fam} | `{cls.__name__}` | — | — | {why} |")
+            continue
+        with torch.no_grad():
+            ref = block(x.clone())
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            diff = (layer(x) - ref).abs().max().item()
+        print(f"| {fam} | `{cls.__name__}` | `{layer.method}` | {diff:.1e} | |")

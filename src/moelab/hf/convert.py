@@ -49,6 +49,7 @@ compute in float32 whatever the model dtype; moelab computes in the model dtype.
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,7 @@ from ..experts import MLP
 from ..layer import MoE, moe_layers
 from ..methods import get_method, method_router_options
 
-__all__ = ["GatedSharedExpert", "from_hf", "set_method"]
+__all__ = ["GatedSharedExpert", "from_hf", "guard_save_pretrained", "set_method"]
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
@@ -552,8 +553,6 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
         setattr(parent, attr, layer)
     # what moelab.save records to rebuild the model offline (transformers config + this step)
     module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
-    from .export import guard_save_pretrained
-
     guard_save_pretrained(module)
     if method is not None:
         set_method(module, method, **options)
@@ -723,3 +722,25 @@ def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
         step = {"op": "set_method", "method": method, **_json_options(options)}
         model._moelab_recipe = [*getattr(model, "_moelab_recipe", []), step]
     return model
+
+
+# ---------------------------------------------------------------- save_pretrained guard
+
+
+def _guarded_save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    layers = moe_layers(self)
+    if layers:
+        raise ValueError(
+            f"save_pretrained refused: the model holds {len(layers)} moelab MoE layers, which transformers "
+            "would silently re-initialise on from_pretrained; call moelab.to_hf(model) first, or save with "
+            "moelab.save(model, path) and load with moelab.load(path)"
+        )
+    return type(self).save_pretrained(self, *args, **kwargs)
+
+
+def guard_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` raise while ``model`` holds moelab layers (a transformers
+    checkpoint of it would load with those blocks silently re-initialised); once :func:`to_hf`
+    has given the blocks back it saves as usual.  No-op for models without ``save_pretrained``."""
+    if callable(getattr(type(model), "save_pretrained", None)) and "save_pretrained" not in vars(model):
+        model.save_pretrained = types.MethodType(_guarded_save_pretrained, model)

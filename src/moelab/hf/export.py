@@ -20,16 +20,15 @@ those blocks: :func:`guard_save_pretrained` (installed by :func:`moelab.from_hf`
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..layer import MoE, moe_layers
-from .convert import GatedSharedExpert, _Plan
+from .convert import GatedSharedExpert, _Plan, guard_save_pretrained
 
-__all__ = ["guard_save_pretrained", "to_hf"]
+__all__ = ["guard_save_pretrained", "to_hf"]  # the guard lives in .convert (which installs it)
 
 _LOST = {
     "cosine": "the cosine router's projection, expert embeddings and temperature",
@@ -205,22 +204,3 @@ def to_hf(model: nn.Module) -> nn.Module:
     if hasattr(model, "_moelab_recipe"):
         model._moelab_recipe = recipe
     return model
-
-
-def _guarded_save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    layers = moe_layers(self)
-    if layers:
-        raise ValueError(
-            f"save_pretrained refused: the model holds {len(layers)} moelab MoE layers, which transformers "
-            "would silently re-initialise on from_pretrained; call moelab.to_hf(model) first, or save with "
-            "moelab.save(model, path) and load with moelab.load(path)"
-        )
-    return type(self).save_pretrained(self, *args, **kwargs)
-
-
-def guard_save_pretrained(model: nn.Module) -> None:
-    """Make ``model.save_pretrained`` raise while ``model`` holds moelab layers (a transformers
-    checkpoint of it would load with those blocks silently re-initialised); once :func:`to_hf`
-    has given the blocks back it saves as usual.  No-op for models without ``save_pretrained``."""
-    if callable(getattr(type(model), "save_pretrained", None)) and "save_pretrained" not in vars(model):
-        model.save_pretrained = types.MethodType(_guarded_save_pretrained, model)
