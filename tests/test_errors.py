@@ -350,7 +350,9 @@ def test_upcycle_and_from_hf_refuse_non_modules():
 
     with pytest.raises(ValueError, match=r"model='x' is not allowed; expected a torch.nn.Module"):
         moelab.upcycle("x", 4, 2)
-    with pytest.raises(ValueError, match=r"module of type Linear is not a supported transformers MoE block"):
+    with pytest.raises(
+        ValueError, match=r"module of type Linear is not a transformers MoE block and contains none"
+    ):
         moelab.from_hf(torch.nn.Linear(2, 2))
 
 

@@ -51,9 +51,8 @@ def _block(kind: str, seed: int = 0, **overrides) -> nn.Module:
 
         kw = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=2, norm_topk_prob=True)
         kw.update(overrides)
-        cfg = DeepseekV3Config(
-            hidden_size=D, moe_intermediate_size=H, n_routed_experts=N, num_experts_per_tok=K, **kw
-        )
+        kw.setdefault("num_experts_per_tok", K)
+        cfg = DeepseekV3Config(hidden_size=D, moe_intermediate_size=H, n_routed_experts=N, **kw)
         block = DeepseekV3MoE(cfg)
     _randomize(block, seed)
     if kind == "deepseek":
@@ -153,17 +152,22 @@ def test_converted_layer_trains():
     assert not torch.equal(layer.router.selection_bias, bias_before)  # aux-loss-free balancing ran
 
 
-def test_unsupported_modules_are_refused_naming_the_supported_blocks():
-    with pytest.raises(ValueError, match=r"Linear is not a supported .*MixtralSparseMoeBlock.*DeepseekV3MoE"):
+def test_modules_without_an_moe_block_are_refused_saying_what_was_looked_for():
+    with pytest.raises(
+        ValueError,
+        match=r"Linear is not a transformers MoE block and contains none \(no module with an 'experts' child\)",
+    ):
         from_hf(nn.Linear(3, 3))
     with pytest.raises(ValueError, match=r"module=.*expected a torch.nn.Module"):
         from_hf("mixtral")
 
 
 def test_unsupported_block_features_are_refused():
-    with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 is not supported"):
+    with pytest.raises(ValueError, match=r"\(MixtralSparseMoeBlock\) cannot be converted.*jitter noise 0.1"):
         from_hf(_block("mixtral", router_jitter_noise=0.1))
-    with pytest.raises(ValueError, match=r"activation 'gelu'.*not supported"):
+    with pytest.raises(
+        ValueError, match=r"\(Qwen3MoeSparseMoeBlock\) cannot be converted.*activation 'gelu'"
+    ):
         from_hf(_block("qwen3", hidden_act="gelu"))
 
 
@@ -186,3 +190,173 @@ def test_unrenormalized_topk_weights_are_the_full_softmax_at_the_chosen_experts(
     assert torch.equal(r.indices, expected_idx)
     torch.testing.assert_close(r.weights, full.gather(1, expected_idx))
     assert (r.weights.sum(-1) < 1).all()
+
+
+# ---------------------------------------------------------------- to_hf, save_pretrained, set_method
+
+
+def _tiny_causal_lm(kind: str):
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(
+            vocab_size=50,
+            hidden_size=D,
+            intermediate_size=H,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+        cfg._experts_implementation = "eager"  # the grouped kernels take no float64
+        model = transformers.MixtralForCausalLM(cfg)
+    else:
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=50,
+            hidden_size=D,
+            intermediate_size=H,
+            moe_intermediate_size=H,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            n_routed_experts=N,
+            num_experts_per_tok=K,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=0,
+            q_lora_rank=None,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=4,
+            head_dim=4,
+        )
+        cfg._experts_implementation = "eager"
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+    model = model.double().eval()
+    _randomize(model, 3)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(torch.linspace(-0.2, 0.2, b.numel(), dtype=b.dtype))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek"])
+def test_round_trip_keeps_the_logits_and_save_pretrained_loads_in_plain_transformers(kind, tmp_path):
+    model = _tiny_causal_lm(kind)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+    moelab.from_hf(model)
+    with torch.no_grad():
+        converted = model(ids).logits
+    assert (converted - expected).abs().max().item() < 1e-6  # float32 routers round
+    with torch.no_grad():  # a "fine-tuned" change must travel back too
+        from moelab.layer import moe_layers
+
+        moe_layers(model)[0].experts.w_out.mul_(1.5)
+        tuned = model(ids).logits
+    assert moelab.to_hf(model) is model and not moe_layers(model)
+    with torch.no_grad():
+        back = model(ids).logits
+    assert (back - tuned).abs().max().item() < 1e-6 and (back - expected).abs().max().item() > 1e-3
+    model.save_pretrained(tmp_path / "hf")
+    reloaded = (
+        type(model)
+        .from_pretrained(tmp_path / "hf", dtype=torch.float64, experts_implementation="eager")
+        .eval()
+    )
+    with torch.no_grad():
+        assert (reloaded(ids).logits - back).abs().max().item() < 1e-12  # nothing re-initialised
+
+
+def test_save_pretrained_refuses_while_moelab_layers_are_in_the_model(tmp_path):
+    model = moelab.from_hf(_tiny_causal_lm("mixtral"))
+    with pytest.raises(
+        ValueError, match=r"save_pretrained refused: the model holds 2 moelab MoE layers.*moelab.to_hf"
+    ):
+        model.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf" / "config.json").exists()
+
+
+def test_to_hf_refuses_a_method_transformers_cannot_express_naming_it_and_what_is_lost():
+    model = moelab.from_hf(_tiny_causal_lm("mixtral"))
+    moelab.set_method(model, "pcosine")
+    with pytest.raises(
+        ValueError,
+        match=r"method='pcosine'.*MixtralSparseMoeBlock has no counterpart.*cosine router's "
+        r"projection.*would be lost.*moelab.save",
+    ):
+        moelab.to_hf(model)
+    layer = from_hf(_block("qwen3"))
+    moelab.set_method(layer, "competesmoe")
+    with pytest.raises(ValueError, match=r"method='competesmoe'.*competition schedule.*would be lost"):
+        moelab.to_hf(layer)
+    with pytest.raises(ValueError, match=r"never was a transformers block|was never a transformers block"):
+        moelab.to_hf(moelab.MoE(8, 4, 2))
+    with pytest.raises(ValueError, match=r"holds no moelab MoE layer"):
+        moelab.to_hf(nn.Linear(2, 2))
+
+
+def test_set_method_smoe_keeps_deepseek_scale_and_normalisation_so_an_equivalent_rule_matches():
+    # K = 1, one group, zero bias: the normalised sigmoid and the renormalised softmax both give
+    # weight 1 to the same expert; only the routed scaling factor (2.5) tells them apart
+    block = _block("deepseek", n_group=1, topk_group=1, num_experts_per_tok=1)
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.zero_()
+    layer = from_hf(block)
+    x = torch.randn(4, 6, D, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = block(x.clone())
+    moelab.set_method(layer, "smoe")
+    assert layer.method == "smoe" and layer.router.scale == 2.5 and layer.router.renormalize
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_set_method_warns_naming_what_the_new_method_cannot_express():
+    layer = from_hf(_block("deepseek"))  # groups 4 → 2 and a non-zero selection bias
+    with pytest.warns(
+        UserWarning, match=r"drops what this method cannot express: num_groups=4.*selection_bias"
+    ):
+        moelab.set_method(layer, "smoe")
+    assert layer.router.scale == 2.5
+
+
+def test_from_hf_with_a_method_carries_the_block_rule_into_the_competition_base_router():
+    block = _block("deepseek")
+    layer = from_hf(block, method="competesmoe")
+    assert layer.method == "competesmoe"
+    base = layer.router.base
+    assert (base.scale, base.num_groups, base.topk_groups, base.normalize) == (2.5, 4, 2, True)
+    torch.testing.assert_close(base.selection_bias, torch.linspace(-0.2, 0.2, N))
+    torch.testing.assert_close(base.weight, block.gate.weight)
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # evaluation: the base router alone, i.e. the block's rule
+        torch.testing.assert_close(layer(x), block(x.clone()), rtol=1e-5, atol=1e-6)
+
+
+def test_set_method_refuses_bad_input_naming_it():
+    layer = from_hf(_block("qwen3"))
+    with pytest.raises(ValueError, match=r"method='nope' is not a moelab method"):
+        moelab.set_method(layer, "nope")
+    with pytest.raises(ValueError, match=r"option 'bogus' is not accepted by method='smoe'"):
+        moelab.set_method(layer, "smoe", bogus=1)
+    with pytest.raises(
+        ValueError, match=r"num_shared=2 is not allowed; set_method keeps the layer's shared experts"
+    ):
+        moelab.set_method(layer, "smoe", num_shared=2)
+    with pytest.raises(ValueError, match=r"holds no moelab MoE layer"):
+        moelab.set_method(nn.Linear(2, 2), "smoe")
+    with pytest.raises(ValueError, match=r"options \['scale'\] are not allowed without method="):
+        from_hf(_block("qwen3"), scale=2.0)
+
+
+def test_a_switched_model_saves_and_loads_with_moelab(tmp_path):
+    model = moelab.from_hf(_tiny_causal_lm("mixtral"), method="xmoe")
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    moelab.save(model, tmp_path / "m")
+    back = moelab.load(tmp_path / "m")
+    assert [m.method for m in moelab.layer.moe_layers(back)] == ["xmoe", "xmoe"]
+    with torch.no_grad():
+        torch.testing.assert_close(back.double()(ids).logits, model.eval()(ids).logits)

@@ -439,7 +439,14 @@ def test_every_method_router_is_registered():
 
 
 def test_router_options_lists_keyword_options():
-    assert router_options(ROUTERS["topk"]) == ["init_std", "frozen", "k_max", "renormalize", "eval_k"]
+    assert router_options(ROUTERS["topk"]) == [
+        "init_std",
+        "frozen",
+        "k_max",
+        "renormalize",
+        "eval_k",
+        "scale",
+    ]
 
 
 def test_build_router_rejects_unknown_router():

@@ -2,7 +2,7 @@
 
 from ._version import __version__
 from .experts import ExpertBank, ModuleExperts
-from .hf import from_hf, upcycle
+from .hf import from_hf, set_method, to_hf, upcycle
 from .io import load, save
 from .layer import MoE, attach, aux_loss
 from .methods import methods
@@ -24,5 +24,7 @@ __all__ = [
     "load",
     "methods",
     "save",
+    "set_method",
+    "to_hf",
     "upcycle",
 ]

@@ -1,63 +1,80 @@
 """Hugging Face transformers MoE blocks → :class:`moelab.MoE` layers with the same outputs.
 
-:func:`from_hf` converts one block, or every supported block inside a model (in place).  The
-weights are copied (transformers' experts already use moelab's stacked ``nn.Linear`` layout:
-``gate_up_proj (N, 2h, d)`` laid out ``[gate | up]`` = ``ExpertBank.w_in`` with ``swiglu``,
-``down_proj (N, d, h)`` = ``ExpertBank.w_out``); the router becomes the moelab router of the same
-rule:
+:func:`from_hf` converts one block, or every MoE block inside a model (in place), recognised by
+its parts, not by its class name, so any family built from the same parts converts:
 
-==========================  ==============  ===================================================
-transformers block          moelab method   router options
-==========================  ==============  ===================================================
-``MixtralSparseMoeBlock``   ``smoe``        softmax over the top-K (Mixtral renormalises)
-``Qwen3MoeSparseMoeBlock``  ``smoe``        ``renormalize = norm_topk_prob``
-``OlmoeSparseMoeBlock``     ``smoe``        ``renormalize = norm_topk_prob``
-``Qwen2MoeSparseMoeBlock``  ``sharede-v2``  ``renormalize = norm_topk_prob``; the shared expert
-                                            keeps its sigmoid gate (:class:`GatedSharedExpert`)
-``DeepseekV3MoE``           ``sharede-v3``  ``selection_bias`` ← ``e_score_correction_bias``,
-                                            ``num_groups`` / ``topk_groups`` (group-limited
-                                            routing), ``scale`` ← ``routed_scaling_factor``,
-                                            ``normalize`` ← ``norm_topk_prob``
-==========================  ==============  ===================================================
+* a router child ``gate`` holding one ``(N, d)`` weight (any name), optionally a selection bias
+  ``e_score_correction_bias`` (on the router or on the block), and the attributes that set its
+  rule: ``top_k``, ``norm_topk_prob``, ``routed_scaling_factor`` (on the router, or on the block
+  when the block scales the routed output), ``n_group`` / ``num_group`` and ``topk_group``;
+* ``experts``: stacked ``gate_up_proj (N, 2h, d)`` (``[gate | up]``) and ``down_proj (N, d, h)``
+  with a SiLU gate (moelab's ``swiglu`` :class:`moelab.ExpertBank` has the same layout), or a
+  ``ModuleList`` of ``gate_proj / up_proj / down_proj`` MLPs;
+* optionally shared experts ``shared_expert`` / ``shared_experts`` / ``shared_mlp`` (a SiLU
+  ``gate_proj / up_proj / down_proj`` MLP), added in full or through a sigmoid gate
+  ``shared_expert_gate`` (:class:`GatedSharedExpert`).
 
-Not supported (refused with a ``ValueError``, never silently changed): Mixtral's training-time
-``router_jitter_noise > 0``; experts with biases, a transposed or interleaved weight layout, no
-gate, or an activation other than SiLU (moelab's ``swiglu``).  Not carried over: transformers'
-router-logit recording (``output_router_logits``) — use ``layer.last_routing`` and
-``moelab.aux_loss(model)`` instead.  Differences to keep in mind: the converted layers take
-their aux-loss coefficients from the block's config (``router_aux_loss_coef`` → ``balance_coef``,
-no z-loss), and a converted ``sharede-v3`` layer updates its selection bias during training
-(DeepSeek-V3's aux-loss-free balancing, γ = 1e-3), which transformers does not do.  transformers
-computes the DeepSeek-V3 router in float32 whatever the model dtype; moelab in the model dtype.
+The router rule those parts propose — softmax top-K, renormalised over the K or not, or the
+DeepSeek-V3 sigmoid with a selection bias, group-limited top-K and normalisation — is then
+checked on random tokens against the block's own router (in float64, a copy of the router only)
+before anything is converted:
 
-Fine-tuning with the transformers ``Trainer`` (converted or upcycled models alike):
-:mod:`moelab.hf.trainer`.
+=======================================  ==============  ======================================
+router parts                             moelab method   router options
+=======================================  ==============  ======================================
+softmax top-K (Mixtral, Qwen, OLMoE...)  ``smoe``        ``renormalize`` ← ``norm_topk_prob``,
+                                                         ``scale`` ← ``routed_scaling_factor``
+same + shared experts                    ``sharede-v2``  the shared expert keeps its gate
+sigmoid + ``e_score_correction_bias``    ``sharede-v3``  ``selection_bias``, ``num_groups`` /
+(DeepSeek-V3, GLM-4.5, dots.llm1...)                     ``topk_groups``, ``scale``,
+                                                         ``normalize`` ← ``norm_topk_prob``
+=======================================  ==============  ======================================
+
+A module that has ``experts`` but not these parts, or whose router's rule is none of these, is
+refused with a ``ValueError`` naming the block, its class and why — nothing is converted then.
+The table of every MoE family of transformers and what happens to it is in docs/scaling.md.
+
+``from_hf(model, method=..., **options)`` switches the converted layers to another moelab method
+afterwards (:func:`set_method`), carrying the block's own options over.  :func:`moelab.to_hf` is
+the inverse (:mod:`moelab.hf.export`).
+
+Not carried over: transformers' router-logit recording (``output_router_logits``) — use
+``layer.last_routing`` and ``moelab.aux_loss(model)``.  The converted layers take their aux-loss
+coefficients from the config (``router_aux_loss_coef`` → ``balance_coef``, no z-loss), and a
+converted ``sharede-v3`` layer updates its selection bias during training (DeepSeek-V3's
+aux-loss-free balancing, γ = 1e-3), which transformers does not do.  Several transformers routers
+compute in float32 whatever the model dtype; moelab computes in the model dtype.
 """
 
 from __future__ import annotations
+
+import copy
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..experts import MLP
-from ..layer import MoE
+from ..layer import MoE, moe_layers
+from ..methods import get_method, method_router_options
 
-__all__ = ["SUPPORTED_BLOCKS", "GatedSharedExpert", "from_hf"]
+__all__ = ["GatedSharedExpert", "from_hf", "guard_save_pretrained", "set_method"]
 
-SUPPORTED_BLOCKS = (
-    "MixtralSparseMoeBlock",
-    "Qwen2MoeSparseMoeBlock",
-    "Qwen3MoeSparseMoeBlock",
-    "OlmoeSparseMoeBlock",
-    "DeepseekV3MoE",
-)
+_ROUTER_NAMES = ("gate", "router")
+_SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
+_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
+#: the router options of a conversion that set_method carries to another method
+_CARRIED = ("renormalize", "normalize", "scale", "num_groups", "topk_groups", "selection_bias")
 
 
 class GatedSharedExpert(nn.Module):
     """A shared expert scaled by a learned sigmoid gate: ``sigmoid(g·x) · MLP(x)`` (Qwen2-MoE).
 
-    Used as ``MoE.shared`` of a converted Qwen2-MoE block; moelab's own ``sharede-v2`` adds its
-    shared experts with weight 1.
+    Used as ``MoE.shared`` of a converted Qwen2-MoE-style block; moelab's own ``sharede-v2`` adds
+    its shared experts with weight 1.
     """
 
     def __init__(self, mlp: nn.Module, d_model: int) -> None:
@@ -69,26 +86,324 @@ class GatedSharedExpert(nn.Module):
         return torch.sigmoid(self.gate(x)) * self.mlp(x)
 
 
+class Unconvertible(ValueError):
+    """A block moelab cannot reproduce exactly (the message names it, its class and why)."""
+
+
+@dataclass
+class _Plan:
+    """How one transformers block becomes a moelab layer (and back, :mod:`moelab.hf.export`)."""
+
+    method: str
+    router_name: str
+    weight_name: str  # the router's (N, d) parameter
+    bias_owner: str | None  # "router" / "block" / None: where the selection bias lives
+    bias_name: str | None
+    options: dict[str, Any]
+    shared_name: str | None = None
+    shared_gate: bool = False
+    experts_stacked: bool = True
+    num_experts: int = 0
+    top_k: int = 0
+    d_model: int = 0
+    d_hidden: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
 def _name(module: nn.Module) -> str:
     return type(module).__name__
 
 
-def _check_experts(experts: nn.Module, block: str) -> None:
+def _refuse(path: str, block: nn.Module, why: str) -> Unconvertible:
+    where = f"{path} " if path else ""
+    return Unconvertible(f"{where}({_name(block)}) cannot be converted by moelab.from_hf: {why}")
+
+
+def _is_silu(module: nn.Module | None, config: Any) -> bool:
+    act = getattr(config, "hidden_act", None)
+    if act is not None:
+        return act == "silu"
+    if module is torch.nn.functional.silu:
+        return True
+    return _name(module) in ("SiLU", "SiLUActivation") if module is not None else False
+
+
+def _check_swiglu_mlp(mlp: nn.Module, what: str) -> str | None:
+    """``None`` when ``mlp`` is a bias-free SiLU ``gate_proj / up_proj / down_proj`` MLP, else why not."""
+    parts = {n for n, _ in mlp.named_children()}
+    if not {"gate_proj", "up_proj", "down_proj"} <= parts:
+        return f"{what} {_name(mlp)} is not a gate_proj/up_proj/down_proj MLP (has {sorted(parts)})"
+    extra = parts - {"gate_proj", "up_proj", "down_proj", "act_fn"}
+    if extra:
+        return f"{what} {_name(mlp)} has parts moelab does not reproduce: {sorted(extra)}"
+    for n in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(mlp, n)
+        if not isinstance(lin, nn.Linear) or lin.bias is not None:
+            return f"{what} {_name(mlp)}.{n} is not a bias-free nn.Linear"
+    if not _is_silu(getattr(mlp, "act_fn", None), getattr(mlp, "config", None)):
+        act = getattr(getattr(mlp, "config", None), "hidden_act", None) or _name(
+            getattr(mlp, "act_fn", nn.Identity())
+        )
+        return f"{what} {_name(mlp)} has activation {act!r} (only 'silu' maps to moelab's 'swiglu')"
+    return None
+
+
+def _check_experts(experts: nn.Module) -> tuple[bool, int, int, int] | str:
+    """``(stacked, N, d_model, d_hidden)`` for a supported expert bank, else why not."""
+    if isinstance(experts, nn.ModuleList):
+        if len(experts) == 0:
+            return "experts is an empty ModuleList"
+        for i, mlp in enumerate(experts):
+            why = _check_swiglu_mlp(mlp, f"expert {i}")
+            if why:
+                return why
+        d_hidden, d_model = experts[0].gate_proj.weight.shape
+        if any(m.gate_proj.weight.shape != (d_hidden, d_model) for m in experts):
+            return "experts of different widths"
+        return False, len(experts), d_model, d_hidden
     problems = []
-    if getattr(experts, "has_bias", False):
+    if getattr(experts, "has_bias", False) or any(n.endswith("bias") for n, _ in experts.named_parameters()):
         problems.append("expert biases")
     if getattr(experts, "is_transposed", False):
         problems.append("transposed expert weights")
-    if not getattr(experts, "has_gate", True) or not hasattr(experts, "gate_up_proj"):
-        problems.append("experts without a gate projection")
+    if not hasattr(experts, "gate_up_proj"):
+        names = sorted(n for n, _ in experts.named_parameters())
+        return f"experts {_name(experts)} store their weights in another layout ({names}; expected gate_up_proj, down_proj)"
+    if not getattr(experts, "has_gate", True):
+        problems.append("experts without a gate projection (non-gated MLP experts)")
     if not getattr(experts, "is_concatenated", True):
         problems.append("interleaved gate/up weights")
-    act = getattr(getattr(experts, "config", None), "hidden_act", None)
-    act_cls = _name(getattr(experts, "act_fn", nn.Identity()))
-    if (act is not None and act != "silu") or (act is None and act_cls not in ("SiLU", "SiLUActivation")):
-        problems.append(f"activation {act or act_cls!r} (only 'silu' maps to moelab's 'swiglu')")
+    for attr in ("swiglu_limit", "limit", "alpha"):
+        if getattr(experts, attr, None) is not None:
+            problems.append(f"a clamped SwiGLU ({attr}={getattr(experts, attr)!r})")
+    names = {n for n, _ in experts.named_parameters()}
+    if not problems and names != {"gate_up_proj", "down_proj"}:
+        problems.append(f"expert parameters {sorted(names)} (expected gate_up_proj, down_proj)")
+    if not problems and not _is_silu(getattr(experts, "act_fn", None), getattr(experts, "config", None)):
+        act = getattr(getattr(experts, "config", None), "hidden_act", None)
+        act = act or _name(getattr(experts, "act_fn", nn.Identity()))
+        problems.append(f"activation {act!r} (only 'silu' maps to moelab's 'swiglu')")
     if problems:
-        raise ValueError(f"{block} with {', '.join(problems)} is not supported by moelab.from_hf")
+        return f"experts {_name(experts)} with {', '.join(problems)}"
+    n, h2, d = experts.gate_up_proj.shape
+    if tuple(experts.down_proj.shape) != (n, d, h2 // 2) or h2 % 2:
+        return (
+            f"experts {_name(experts)} with gate_up_proj {tuple(experts.gate_up_proj.shape)} and down_proj "
+            f"{tuple(experts.down_proj.shape)} (expected (N, 2h, d) and (N, d, h): another layout)"
+        )
+    return True, n, d, h2 // 2
+
+
+def _attr(obj: Any, *names: str) -> Any:
+    for n in names:
+        value = getattr(obj, n, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _plan(block: nn.Module, path: str = "") -> _Plan:
+    """Recognise ``block`` by its parts; raise :class:`Unconvertible` naming what does not fit."""
+    router_name = next((n for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    if router_name is None:
+        raise _refuse(path, block, "it has experts but no router child 'gate'")
+    experts = block.experts
+    checked = _check_experts(experts)
+    if isinstance(checked, str):
+        raise _refuse(path, block, checked)
+    stacked, num_experts, d_model, d_hidden = checked
+    shared_name = next((n for n in _SHARED_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    has_shared_gate = isinstance(getattr(block, "shared_expert_gate", None), nn.Module)
+    known = {
+        router_name,
+        "experts",
+        *([shared_name] if shared_name else []),
+        *(["shared_expert_gate"] * has_shared_gate),
+    }
+    extra = [n for n, _ in block.named_children() if n not in known]
+    if extra:
+        what = ", ".join(f"{n} ({_name(getattr(block, n))})" for n in extra)
+        raise _refuse(path, block, f"parts moelab does not reproduce: {what}")
+    # the block's own tensors: only a selection bias handed to the router
+    own = [n for n, _ in block.named_parameters(recurse=False)] + [
+        n for n, _ in block.named_buffers(recurse=False)
+    ]
+    bias_owner = bias_name = None
+    for n in own:
+        if n in _BIAS_NAMES and bias_name is None:
+            bias_owner, bias_name = "block", n
+        else:
+            raise _refuse(path, block, f"block tensor {n!r} moelab does not reproduce")
+    if bias_owner and getattr(block, "use_expert_bias", True) is False:
+        bias_owner = bias_name = None
+    jitter = _attr(block, "jitter_noise", "input_jitter_noise")
+    if jitter:
+        raise _refuse(
+            path, block, f"input jitter noise {jitter} during training (moelab has none); set it to 0"
+        )
+    strategy = getattr(block, "shared_expert_combination_strategy", "sum")
+    if shared_name and getattr(block, "num_shared_experts", 1) and strategy != "sum":
+        raise _refuse(path, block, f"shared experts combined by {strategy!r} (moelab adds them)")
+    if shared_name:
+        why = _check_swiglu_mlp(getattr(block, shared_name), "shared expert")
+        if why:
+            raise _refuse(path, block, why)
+    if has_shared_gate:
+        g = block.shared_expert_gate
+        if not isinstance(g, nn.Linear) or g.bias is not None or g.out_features != 1:
+            raise _refuse(path, block, "shared_expert_gate is not a bias-free nn.Linear(d, 1)")
+
+    router = getattr(block, router_name)
+    params = list(router.named_parameters())
+    mats = [(n, p) for n, p in params if tuple(p.shape) == (num_experts, d_model)]
+    if len(mats) != 1:
+        raise _refuse(path, block, f"router {_name(router)} has no single ({num_experts}, {d_model}) weight")
+    weight_name = mats[0][0]
+    others = [n for n, _ in params if n != weight_name]
+    others = [n for n in others if n not in _BIAS_NAMES]
+    others += [n for n, b in router.named_buffers() if b is not None and n not in _BIAS_NAMES]
+    if others:
+        raise _refuse(path, block, f"router {_name(router)} has parameters moelab's routers lack: {others}")
+    tensors = [*router.named_parameters(), *router.named_buffers()]
+    router_bias = next((n for n, b in tensors if b is not None and n in _BIAS_NAMES), None)
+    if router_bias:
+        if bias_owner:
+            raise _refuse(path, block, "selection biases on both the router and the block")
+        bias_owner, bias_name = "router", router_bias
+    top_k = _attr(router, "top_k") or _attr(block, "top_k")
+    if not isinstance(top_k, int):
+        raise _refuse(path, block, f"router {_name(router)} has no integer top_k")
+    if _attr(router, "router_jitter_noise", "jitter_noise"):
+        raise _refuse(
+            path, block, f"router {_name(router)} adds jitter noise during training (moelab has none)"
+        )
+    if _attr(router, "topk_method") not in (None, "greedy", "noaux_tc"):
+        raise _refuse(path, block, f"router {_name(router)} with topk_method={router.topk_method!r}")
+    if _attr(router, "router_logit_softcapping"):
+        raise _refuse(
+            path, block, f"router {_name(router)} soft-caps its logits (tanh), which moelab's routers do not"
+        )
+    scale = _attr(router, "routed_scaling_factor", "route_scale")
+    block_scale = 1.0
+    if scale is None:  # a block that scales the routed output (the same: the experts are linear in w)
+        scale = block_scale = _attr(block, "routed_scaling_factor")
+    scale = 1.0 if scale is None else float(scale)
+    block_scale = 1.0 if block_scale is None else float(block_scale)
+    norm = _attr(router, "norm_topk_prob")
+    groups = int(_attr(router, "num_group", "n_group") or 1)
+    topk_groups = int(_attr(router, "topk_group") or groups)
+    candidates: list[tuple[str, dict]] = []
+    if bias_owner:  # the DeepSeek-V3 rule: sigmoid scores, the bias for the selection only
+        for normalize in [bool(norm)] if norm is not None else [True, False]:
+            opts = dict(normalize=normalize, selection_bias=True, scale=scale)
+            if groups > 1:
+                opts.update(num_groups=groups, topk_groups=topk_groups)
+            candidates.append(("sharede-v3", opts))
+    else:
+        for renorm in [bool(norm)] if norm is not None else [True, False]:
+            candidates.append(
+                ("smoe", dict(renormalize=renorm, **({"scale": scale} if scale != 1.0 else {})))
+            )
+        if groups == 1:  # a sigmoid router without a bias (LFM2 with use_expert_bias=False)
+            for normalize in [bool(norm)] if norm is not None else [True, False]:
+                candidates.append(
+                    ("sharede-v3", dict(normalize=normalize, selection_bias=False, scale=scale))
+                )
+    plan = None
+    for method, opts in candidates:
+        trial = _Plan(
+            method,
+            router_name,
+            weight_name,
+            bias_owner,
+            bias_name,
+            opts,
+            shared_name,
+            has_shared_gate,
+            stacked,
+            num_experts,
+            int(top_k),
+            d_model,
+            d_hidden,
+            extra={"block_scale": block_scale},
+        )
+        if _probe(block, trial):
+            plan = trial
+            break
+    if plan is None:
+        tried = "; ".join(f"{m} {o}" for m, o in candidates)
+        hint = ""
+        if groups > 1 and not bias_owner:
+            hint = (
+                " (group-limited top-K over softmax scores: moelab limits groups for the sigmoid rule only)"
+            )
+        raise _refuse(
+            path,
+            block,
+            f"router {_name(router)} picks or weighs experts by a rule none of moelab's routers "
+            f"reproduces{hint}; checked on random tokens against: {tried}",
+        )
+    if shared_name and plan.method == "smoe":
+        plan.method = "sharede-v2"
+    plan.options = dict(plan.options)
+    if plan.method == "sharede-v2":
+        plan.options.pop("selection_bias", None)
+    return plan
+
+
+def _router_call(block: nn.Module, plan: _Plan, router: nn.Module, x: Tensor, bias: Tensor | None):
+    if plan.bias_owner == "block":
+        return router(x, bias)
+    return router(x)
+
+
+def _probe(block: nn.Module, plan: _Plan, tokens: int = 256) -> bool:
+    """Whether the moelab router of ``plan`` picks the same experts with the same weights as the
+    block's router on random tokens (both in float64; the block's router is copied)."""
+    from ..methods import build_method_router
+
+    router = getattr(block, plan.router_name)
+    w = dict(router.named_parameters())[plan.weight_name]
+    if w.is_meta:
+        return False
+    hf = copy.deepcopy(router).to(torch.float64).eval()
+    bias = None
+    if plan.bias_owner == "block":
+        bias = getattr(block, plan.bias_name).detach().to(torch.float64)
+    elif plan.bias_owner == "router":
+        bias = getattr(router, plan.bias_name).detach().to(torch.float64)
+    method = "smoe" if plan.method == "sharede-v2" else plan.method
+    ml = build_method_router(method, plan.d_model, plan.num_experts, plan.top_k, **plan.options)
+    ml = ml.to(device=w.device, dtype=torch.float64).eval()
+    with torch.no_grad():
+        ml.weight.copy_(w)
+        if bias is not None and getattr(ml, "selection_bias", None) is not None:
+            ml.selection_bias.copy_(bias)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        scale = w.detach().double().norm(dim=1).mean().clamp_min(1e-6)
+        x = (torch.randn(tokens, plan.d_model, generator=g, dtype=torch.float64) / scale).to(w.device)
+        try:  # (T, d) as most blocks hand it over, else (1, T, d)
+            out = _router_call(block, plan, hf, x, bias)
+        except Exception:
+            try:
+                out = _router_call(block, plan, hf, x.unsqueeze(0), bias)
+            except Exception:  # a router that needs inputs the parts do not show
+                return False
+        if not isinstance(out, tuple) or len(out) < 3:
+            return False
+        hf_w, hf_i = out[1], out[2]
+        if not (isinstance(hf_w, Tensor) and isinstance(hf_i, Tensor)) or hf_i.dtype.is_floating_point:
+            return False
+        if hf_i.numel() != tokens * plan.top_k or hf_w.numel() != tokens * plan.top_k:
+            return False
+        hf_i, hf_w = hf_i.reshape(tokens, -1), hf_w.reshape(tokens, -1) * plan.extra.get("block_scale", 1.0)
+        r = ml(x)
+        # compare as sets per token: routers may order their K differently
+        oh, om = hf_i.argsort(-1), r.indices.argsort(-1)
+        same_idx = torch.equal(hf_i.gather(1, oh), r.indices.gather(1, om))
+        got, want = r.weights.gather(1, om).double(), hf_w.double().gather(1, oh)
+        # float32 routers: rounding of float32; float64 ones: much tighter
+        return same_idx and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-7))
 
 
 def _swiglu_mlp(hf_mlp: nn.Module, d_model: int) -> MLP:
@@ -103,92 +418,329 @@ def _swiglu_mlp(hf_mlp: nn.Module, d_model: int) -> MLP:
     return mlp
 
 
-def _coefs(config) -> dict[str, float]:
+def _coefs(block: nn.Module) -> dict[str, float]:
+    config = getattr(block, "config", None) or getattr(block.experts, "config", None)
     coef = getattr(config, "router_aux_loss_coef", None)
     out = {"z_coef": 0.0}
-    if coef is not None:
+    if isinstance(coef, (int, float)) and not isinstance(coef, bool):
         out["balance_coef"] = float(coef)
     return out
 
 
-def _convert_block(block: nn.Module) -> MoE:
-    name = _name(block)
-    gate, experts = block.gate, block.experts
-    _check_experts(experts, name)
-    config = getattr(experts, "config", None)
-    num_experts, h2, d_model = experts.gate_up_proj.shape
-    top_k = int(gate.top_k)
-    w = gate.weight
-    options: dict = {}
-    if name == "MixtralSparseMoeBlock":
-        if getattr(block, "jitter_noise", 0) > 0:
-            raise ValueError(
-                f"MixtralSparseMoeBlock with router_jitter_noise={block.jitter_noise} is not supported by "
-                "moelab.from_hf (moelab has no input jitter); set config.router_jitter_noise=0"
-            )
-        method = "smoe"
-        options.update(_coefs(config))
-    elif name in ("Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock"):
-        method = "sharede-v2" if name == "Qwen2MoeSparseMoeBlock" else "smoe"
-        options.update(_coefs(config), renormalize=bool(gate.norm_topk_prob))
-    else:  # DeepseekV3MoE
-        method = "sharede-v3"
-        options.update(
-            normalize=bool(gate.norm_topk_prob),
-            num_groups=int(gate.num_group),
-            topk_groups=int(gate.topk_group),
-            scale=float(gate.routed_scaling_factor),
+def _meta_skeleton(block: nn.Module) -> nn.Module:
+    """A copy of ``block`` whose tensors live on the meta device (no memory): what
+    :func:`moelab.to_hf` rebuilds the block from."""
+    memo: dict[int, Any] = {}
+    for t in [*block.parameters(), *block.buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = (
+            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
         )
-    layer = MoE(d_model, num_experts, top_k, d_hidden=h2 // 2, method=method, activation="swiglu", **options)
+    return copy.deepcopy(block, memo)
+
+
+def _convert_block(block: nn.Module, path: str = "") -> MoE:
+    plan = _plan(block, path)
+    router = getattr(block, plan.router_name)
+    w = dict(router.named_parameters())[plan.weight_name]
+    options = {**_coefs(block), **plan.options}
+    options["num_shared"] = 1 if plan.shared_name else 0  # the block's own shared expert, set below
+    layer = MoE(
+        plan.d_model,
+        plan.num_experts,
+        plan.top_k,
+        d_hidden=plan.d_hidden,
+        method=plan.method,
+        activation="swiglu",
+        **options,
+    )
     layer.to(device=w.device, dtype=w.dtype)
+    experts = block.experts
     with torch.no_grad():
         layer.router.weight.copy_(w)
-        layer.experts.w_in.copy_(experts.gate_up_proj)
-        layer.experts.w_out.copy_(experts.down_proj)
-        if name == "DeepseekV3MoE":
-            layer.router.selection_bias.copy_(gate.e_score_correction_bias)
-    if name == "Qwen2MoeSparseMoeBlock":
-        shared = GatedSharedExpert(_swiglu_mlp(block.shared_expert, d_model), d_model)
-        shared.gate.to(device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            shared.gate.weight.copy_(block.shared_expert_gate.weight)
-        layer.shared = shared
-    elif name == "DeepseekV3MoE":
-        layer.shared = _swiglu_mlp(block.shared_experts, d_model)
+        if plan.bias_owner:
+            owner = block if plan.bias_owner == "block" else router
+            layer.router.selection_bias.copy_(getattr(owner, plan.bias_name))
+        if plan.experts_stacked:
+            layer.experts.w_in.copy_(experts.gate_up_proj)
+            layer.experts.w_out.copy_(experts.down_proj)
+        else:
+            layer.experts.w_in.copy_(
+                torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
+            )
+            layer.experts.w_out.copy_(torch.stack([m.down_proj.weight for m in experts]))
+    if plan.shared_name:
+        mlp = _swiglu_mlp(getattr(block, plan.shared_name), plan.d_model)
+        if plan.shared_gate:
+            shared = GatedSharedExpert(mlp, plan.d_model).to(device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                shared.gate.weight.copy_(block.shared_expert_gate.weight)
+            mlp = shared
+        layer.shared = mlp
     layer.train(block.training)
+    # what moelab.to_hf needs to give the block back (not a submodule: nothing is saved twice)
+    object.__setattr__(layer, "_hf_block", _meta_skeleton(block))
+    object.__setattr__(layer, "_hf_plan", plan)
     return layer
 
 
-def from_hf(module: nn.Module) -> nn.Module:
+def _is_candidate(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "experts", None), nn.Module) and not isinstance(module, MoE)
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MoE blocks of ``model`` by their parts (a module with an ``experts`` child that is not
+    a moelab layer), outermost first; those inside another block are left to it."""
+    found: list[tuple[str, nn.Module]] = []
+    for path, m in model.named_modules():
+        if _is_candidate(m) and not any(path.startswith(p + ".") or p == "" for p, _ in found):
+            if not any(isinstance(a, MoE) for a in _ancestors(model, path)):
+                found.append((path, m))
+    return found
+
+
+def _ancestors(model: nn.Module, path: str) -> list[nn.Module]:
+    out, parts = [model], path.split(".") if path else []
+    for i in range(1, len(parts)):
+        out.append(model.get_submodule(".".join(parts[:i])))
+    return out
+
+
+def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.Module:
     """Convert transformers MoE blocks to :class:`moelab.MoE` layers with identical outputs.
 
     Args:
-        module: a supported block (see :data:`SUPPORTED_BLOCKS` and the module docstring), or a
-            model containing such blocks.
+        module: an MoE block (recognised by its parts, see the module docstring), or a model
+            containing such blocks.
+        method: if given, switch the converted layers to this moelab method afterwards
+            (:func:`set_method`), carrying the block's own options (scaling, normalisation,
+            group limits, selection bias) over.
+        **options: options of ``method`` (only with ``method``), overriding the carried ones.
 
     Returns:
-        the new :class:`moelab.MoE` for a block; for a model, the same model with every
-        supported block replaced in place (its other modules untouched).
+        the new :class:`moelab.MoE` for a block; for a model, the same model with every block
+        replaced in place (its other modules untouched).
 
     Raises:
-        ValueError: ``module`` is neither a supported block nor contains one, or a block uses a
-            feature moelab does not reproduce.
+        ValueError: ``module`` is not an ``nn.Module``, contains no MoE block, or a block (named
+            with its class and why) is not one moelab reproduces exactly; nothing is converted then.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module={module!r} is not allowed; expected a torch.nn.Module")
-    if _name(module) in SUPPORTED_BLOCKS:
-        return _convert_block(module)
-    targets = [(n, m) for n, m in module.named_modules() if _name(m) in SUPPORTED_BLOCKS]
+    if options and method is None:
+        raise ValueError(f"options {sorted(options)} are not allowed without method=; pass method='...' too")
+    if method is not None:
+        get_method(method)  # checked before anything changes
+    if _is_candidate(module):
+        layer = _convert_block(module)
+        if method is not None:
+            set_method(layer, method, **options)
+        return layer
+    targets = find_blocks(module)
     if not targets:
+        if moe_layers(module):
+            raise ValueError(
+                f"module of type {_name(module)} holds moelab MoE layers already and no transformers MoE block"
+            )
         raise ValueError(
-            f"module of type {_name(module)} is not a supported transformers MoE block and contains none; "
-            f"supported: {list(SUPPORTED_BLOCKS)}"
+            f"module of type {_name(module)} is not a transformers MoE block and contains none (no module "
+            "with an 'experts' child); moelab.upcycle turns a dense model's MLPs into MoE layers"
         )
-    converted = [(path, _convert_block(block)) for path, block in targets]  # all or nothing
+    converted = [(path, _convert_block(block, path)) for path, block in targets]  # all or nothing
     for path, layer in converted:
         parent_path, _, attr = path.rpartition(".")
         parent = module.get_submodule(parent_path) if parent_path else module
         setattr(parent, attr, layer)
     # what moelab.save records to rebuild the model offline (transformers config + this step)
     module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
+    guard_save_pretrained(module)
+    if method is not None:
+        set_method(module, method, **options)
     return module
+
+
+# ---------------------------------------------------------------- switching method
+
+
+def carried_options(layer: MoE) -> dict[str, Any]:
+    """The router options of ``layer`` that describe its block's rule (normalisation, scaling,
+    group limits, selection bias), read from its router (a competition router's base)."""
+    router = getattr(layer.router, "base", None) or layer.router
+    out: dict[str, Any] = {}
+    for key in _CARRIED:
+        if key == "selection_bias":
+            b = getattr(router, "selection_bias", None)
+            if b is not None:
+                out[key] = b.detach().clone()
+        elif hasattr(router, key):
+            out[key] = getattr(router, key)
+    return out
+
+
+def _neutral(key: str, value: Any, carried: dict[str, Any]) -> bool:
+    """Whether dropping option ``key`` changes nothing."""
+    if key == "scale":
+        return value == 1.0
+    if key in ("num_groups", "topk_groups"):
+        return carried.get("topk_groups") == carried.get("num_groups")
+    if key == "selection_bias":
+        return not bool(value.ne(0).any())
+    return False
+
+
+def _translate(carried: dict[str, Any], accepted: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``carried`` in the option names a router accepts; and what it cannot take."""
+    out: dict[str, Any] = {}
+    lost: list[str] = []
+    for key, value in carried.items():
+        target = key
+        if key not in accepted:
+            target = {"normalize": "renormalize", "renormalize": "normalize"}.get(key, key)
+        if target in out:
+            continue
+        if target in accepted:
+            out[target] = value
+        elif key in ("renormalize", "normalize"):
+            if not value:  # weights not normalised: a router that always normalises changes them
+                lost.append(f"{key}=False")
+        elif not _neutral(key, value, carried):
+            lost.append(f"{key}={'<per-expert bias>' if key == 'selection_bias' else value!r}")
+    return out, lost
+
+
+def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
+    """Switch one layer in place; returns what of its rule the new method could not take."""
+    carried = carried_options(layer)
+    accepted = method_router_options(method)
+    old_method = layer.method
+    lost: list[str] = []
+    if "base" in accepted and "base" not in options:
+        base = old_method if get_method(old_method).router in ("topk", "sigmoid") else "smoe"
+        if base == "sharede-v2":
+            base = "smoe"
+        base_opts, lost = _translate(carried, method_router_options(base))
+        router_opts = {"base": base, "base_options": {**base_opts, **options.pop("base_options", {})}}
+    else:
+        router_opts, lost = _translate(carried, accepted)
+    bias = router_opts.get("selection_bias")
+    base_bias = router_opts.get("base_options", {}).get("selection_bias")
+    for opts in (router_opts, router_opts.get("base_options", {})):
+        if isinstance(opts.get("selection_bias"), Tensor):
+            opts["selection_bias"] = True
+    coef_opts = {f"{k}_coef": v for k, v in layer.coefs.items()} if method == old_method else {}
+    num_shared = options.pop("num_shared", layer.num_shared)
+    if num_shared != layer.num_shared:
+        raise ValueError(
+            f"num_shared={num_shared!r} is not allowed; set_method keeps the layer's shared experts "
+            f"(num_shared={layer.num_shared})"
+        )
+    cfg = layer.init_config
+    new_opts = {**router_opts, **coef_opts, **options, "num_shared": layer.num_shared}
+    # validate and build on the meta device, then move the router over
+    with torch.device("meta"):
+        tmp = MoE(
+            cfg["d_model"],
+            cfg["num_experts"],
+            cfg["top_k"],
+            cfg["d_hidden"],
+            method=method,
+            activation=cfg["activation"],
+            bias=cfg["bias"],
+            impl=cfg["impl"],
+            check_finite=cfg["check_finite"],
+            **new_opts,
+        )
+    old = layer.router
+    w = next(iter(old.parameters()), None)
+    ref = w if w is not None else next(layer.experts.parameters())
+    router = tmp.router.to_empty(device=ref.device).to(dtype=ref.dtype)
+    router.reset_parameters()
+    for m in router.modules():
+        if m is not router and callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+    old_w = getattr(getattr(old, "base", None) or old, "weight", None)
+    new_base = getattr(router, "base", None) or router
+    with torch.no_grad():
+        if old_w is not None and isinstance(getattr(new_base, "weight", None), Tensor):
+            if new_base.weight.shape == old_w.shape:
+                new_base.weight.copy_(old_w)
+        sel = bias if isinstance(bias, Tensor) else base_bias
+        if isinstance(sel, Tensor) and getattr(new_base, "selection_bias", None) is not None:
+            new_base.selection_bias.copy_(sel)
+    router.train(old.training)
+    router.layer_index = old.layer_index
+    layer.router = router
+    layer.method = method
+    layer.coefs = tmp.coefs
+    layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
+    return lost
+
+
+def _json_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in options.items()}
+
+
+def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
+    """Switch every moelab MoE layer of ``model`` (``model`` itself if it is one) to ``method``.
+
+    The experts and shared experts are kept; the router becomes ``method``'s, its ``(N, d)``
+    weight copied over where the new router has one (the softmax and sigmoid routers, a
+    competition router's base) and freshly initialised otherwise (cosine routers).  The rule of
+    the old router is carried over: normalisation (``renormalize`` ↔ ``normalize``),
+    ``scale``, ``num_groups`` / ``topk_groups`` and the selection bias, as far as ``method``
+    takes them (a ``competesmoe``-family method gets the old rule as its base router:
+    ``base`` = the old method, ``base_options`` = its options).  Whatever ``method`` cannot take
+    is reported with a ``UserWarning`` naming it.  The loss coefficients become ``method``'s
+    preset (the layer's own are kept when the method stays the same).  ``options`` override all
+    of this; ``num_shared`` cannot change.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: ``method`` is not a moelab method, an option is not accepted by it, or
+            ``model`` holds no moelab MoE layer.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} is not allowed; expected a torch.nn.Module")
+    get_method(method)
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(
+            f"model of type {_name(model)} holds no moelab MoE layer; convert it first (moelab.from_hf)"
+        )
+    lost_all: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        for item in _switch(layer, method, dict(options)):
+            lost_all.setdefault(item, []).append(i)
+    if lost_all:
+        what = "; ".join(f"{k} (layers {v})" for k, v in lost_all.items())
+        warnings.warn(
+            f"set_method(method={method!r}) drops what this method cannot express: {what}", stacklevel=2
+        )
+    if not isinstance(model, MoE):
+        step = {"op": "set_method", "method": method, **_json_options(options)}
+        model._moelab_recipe = [*getattr(model, "_moelab_recipe", []), step]
+    return model
+
+
+# ---------------------------------------------------------------- save_pretrained guard
+
+
+def _guarded_save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    layers = moe_layers(self)
+    if layers:
+        raise ValueError(
+            f"save_pretrained refused: the model holds {len(layers)} moelab MoE layers, which transformers "
+            "would silently re-initialise on from_pretrained; call moelab.to_hf(model) first, or save with "
+            "moelab.save(model, path) and load with moelab.load(path)"
+        )
+    return type(self).save_pretrained(self, *args, **kwargs)
+
+
+def guard_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` raise while ``model`` holds moelab layers (a transformers
+    checkpoint of it would load with those blocks silently re-initialised); once :func:`to_hf`
+    has given the blocks back it saves as usual.  No-op for models without ``save_pretrained``."""
+    if callable(getattr(type(model), "save_pretrained", None)) and "save_pretrained" not in vars(model):
+        model.save_pretrained = types.MethodType(_guarded_save_pretrained, model)

@@ -462,7 +462,7 @@ def _build_transformers(config: dict[str, Any], file: Path) -> nn.Module:
             f"{str(file)!r} has model_class={config['model_class']!r}; expected a transformers model class"
         )
     model = cls(hf_config)
-    from ..hf.convert import from_hf
+    from ..hf.convert import from_hf, set_method
     from ..hf.upcycle import upcycle
 
     for step in config.get("recipe", []):
@@ -473,8 +473,12 @@ def _build_transformers(config: dict[str, Any], file: Path) -> nn.Module:
             upcycle(model, **step, **options)
         elif op == "from_hf":
             from_hf(model)
+        elif op == "set_method":
+            set_method(model, **step)
         else:
-            raise CheckpointError(f"{str(file)!r} has recipe step op={op!r}; expected 'upcycle' or 'from_hf'")
+            raise CheckpointError(
+                f"{str(file)!r} has recipe step op={op!r}; expected 'upcycle', 'from_hf' or 'set_method'"
+            )
     return model
 
 

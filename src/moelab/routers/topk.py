@@ -36,6 +36,8 @@ class TopKRouter(Router):
         renormalize: ``True`` (default): the softmax over the K chosen logits.  ``False``: the
             softmax over all N experts evaluated at the chosen K, weights summing to less than
             1 (Qwen2-MoE / Qwen3-MoE / OLMoE with ``norm_topk_prob=False``).
+        scale: multiplies the final weights (DeepSeek-V2's ``routed_scaling_factor``; kept when a
+            DeepSeek-V3 layer is switched to ``smoe`` by :func:`moelab.set_method`); default 1.
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class TopKRouter(Router):
         k_max: int | str | None = None,
         renormalize: bool = True,
         eval_k: int | None = None,
+        scale: float = 1.0,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
         std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
@@ -59,6 +62,7 @@ class TopKRouter(Router):
         self.eval_k = None if eval_k is None else _validate.int_in_range("eval_k", eval_k, 1, num_experts)
         self.frozen = bool(frozen)
         self.renormalize = bool(renormalize)
+        self.scale = _validate.positive("scale", scale)
         self.init_std = std
         weight = torch.empty(num_experts, d_model)
         if self.frozen:  # a buffer: no optimizer or requires_grad_(True) can unfreeze it
@@ -92,4 +96,6 @@ class TopKRouter(Router):
         probs = logits.softmax(dim=-1)
         if not self.renormalize:
             weights = probs.gather(1, indices)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
