@@ -43,6 +43,10 @@ from moelab.stats.studies import study_config
         (["--study", "cosine-vs-perturbed", "--beta1-bound", "0.5", "--out", "X"],
          "--beta1-bound: beta1_bound=0.5 is not allowed for this truth: its largest ‖β₁ᵢ‖ is"),
         (["--study", "misspecified", "--n-boot", "0", "--out", "X"], "--n-boot: n_boot=0 is not allowed"),
+        (["--study", "misspecified", "--eta-bound", "-2", "--out", "X"],
+         "--eta-bound: eta_bound=-2.0 is not allowed; expected a number > 0 (inf = unconstrained)"),
+        (["--study", "misspecified", "--eta-bound", "0.5", "--out", "X"],
+         "--eta-bound: eta_bound=0.5 is not allowed for this truth: its largest ‖ηᵢ‖ is"),
         (["--study", "misspecified", "--replicates", "0", "--out", "X"], "--replicates: replicates=0"),
         (["--study", "misspecified", "--sample-sizes", "500,x", "--out", "X"],
          "argument --sample-sizes: '500,x' is not allowed; expected comma-separated integers"),
@@ -69,7 +73,8 @@ def test_every_model_and_fit_flag_reaches_the_study_config():
 
     argv = ["simulate", "--study", "cosine-vs-perturbed", "--d", "3", "--k-true", "3", "--extra-experts", "2",
             "--noise-var", "0.04", "--tau", "0.5", "--init", "random", "--restarts", "2", "--max-iter", "7",
-            "--gtol", "1e-5", "--ftol", "1e-9", "--beta1-bound", "inf", "--n-boot", "99", "--out", "X"]  # fmt: skip
+            "--gtol", "1e-5", "--ftol", "1e-9", "--beta1-bound", "inf", "--eta-bound", "7", "--n-boot", "99",
+            "--out", "X"]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     assert (cfg.d, cfg.k_true, cfg.extra_experts, cfg.noise_var, cfg.tau) == (3, 3, 2, 0.04, 0.5)
     assert (cfg.init, cfg.restarts, cfg.steps, cfg.gtol, cfg.ftol, cfg.n_boot) == (
@@ -80,7 +85,7 @@ def test_every_model_and_fit_flag_reaches_the_study_config():
         1e-9,
         99,
     )
-    assert math.isinf(cfg.beta1_bound)
+    assert math.isinf(cfg.beta1_bound) and cfg.eta_bound == 7.0
 
 
 def test_the_default_bound_is_ten_times_the_expected_norm_of_a_true_embedding():
@@ -89,6 +94,10 @@ def test_the_default_bound_is_ten_times_the_expected_norm_of_a_true_embedding():
         10 * 0.5 * 2**0.5
     )
     assert study_config("misspecified", beta1_bound=3.0).beta1_bound == 3.0
+    assert study_config("misspecified").eta_bound == pytest.approx(
+        10 * 6**0.5
+    )  # q = d + 2 for a·tanh(bᵀx + c)
+    assert study_config("linear-vs-perturbed").eta_bound == pytest.approx(10 * 5**0.5)  # q = d + 1
 
 
 def test_unknown_setting_is_rejected():

@@ -269,3 +269,16 @@ def test_a_fit_reports_the_cap_and_stops_at_the_gradient_tolerance():
     assert capped.hit_cap_.all() and not capped.converged_.any() and (capped.n_iter_ == 2).all()
     loose = LeastSquaresMoE(2, steps=200, gtol=1e6, **kw).fit(X, Y, truth)  # the start already passes
     assert loose.converged_.all() and not loose.hit_cap_.any() and (loose.n_iter_ == 0).all()
+
+
+def test_eta_bound_keeps_the_experts_inside_their_ball():
+    truth, X, Y = _runaway_data()
+    kw = dict(gate="perturbed", tau=1.0, optimizer="lbfgs", lr=1.0, steps=300, init_noise=0.05, seed=1)
+    free = LeastSquaresMoE(3, beta1_bound=20.0, **kw).fit(X, Y, truth)  # η unconstrained (the default)
+    bounded = LeastSquaresMoE(3, beta1_bound=20.0, eta_bound=8.0, **kw).fit(X, Y, truth)
+    assert free.eta_.norm(dim=-1).max() > 20  # a tanh expert running away towards a step
+    assert (bounded.eta_.norm(dim=-1) <= 8.0).all() and (bounded.beta1_.norm(dim=-1) <= 20.0).all()
+    with pytest.raises(ValueError, match=r"eta_bound=0 is not allowed; expected a number > 0"):
+        LeastSquaresMoE(3, eta_bound=0, **kw).fit(X, Y, truth)
+    with pytest.raises(ValueError, match=r"eta_bound=1.0 is not allowed for this truth: its largest ‖ηᵢ‖ is"):
+        LeastSquaresMoE(3, eta_bound=1.0, **kw).fit(X, Y, truth)

@@ -52,7 +52,10 @@ inside the ball is a minimiser of the unconstrained problem, and fits that stay 
 equal the unconstrained ones (``tests/test_stats_fit.py``).  A fit that would run away instead
 approaches the sphere ‖β₁ᵢ‖ = B, where the gradient in u vanishes and the optimiser stops.
 ``beta1_bound=math.inf`` is the unconstrained estimator (β₁ = u exactly, the code path of
-earlier versions).  The default B = 10 is about 5× the norm of an N(0, I₄) embedding (the studies
+earlier versions).  :class:`LeastSquaresMoE` bounds each expert's parameter vector ηᵢ the same way
+(``eta_bound``, unconstrained by default): an over-specified one-unit tanh expert a·tanh(bᵀx + c)
+otherwise runs away too, towards a step function (measured ‖ηᵢ‖ ≈ 250 at n = 500 with ‖β₁ᵢ‖
+held at 20).  The default B = 10 is about 5× the norm of an N(0, I₄) embedding (the studies
 use 10 · router_std · √d, ten times the expected norm of a true embedding).
 
 Convergence (``optimizer="lbfgs"``): a replicate stops when the max-norm of its gradient is
@@ -121,9 +124,9 @@ def _into_ball(beta: Tensor, bound: float) -> Tensor:
     return torch.where(r > limit, beta * (limit / r.clamp_min(torch.finfo(beta.dtype).tiny)), beta)
 
 
-def _check_bound(value: object) -> float:
+def _check_bound(value: object, name: str = "beta1_bound") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"beta1_bound={value!r} is not allowed; expected a number > 0 (inf = unconstrained)")
+        raise ValueError(f"{name}={value!r} is not allowed; expected a number > 0 (inf = unconstrained)")
     return float(value)
 
 
@@ -512,6 +515,8 @@ class LeastSquaresMoE(_BatchedEstimator):
         n_experts: k, the number of fitted experts (k* exact-specified, > k* over-specified).
         gate, expert, degree, activation, expert_bias, top_k: the model (:class:`RegressionMoE`).
         tau: τ₁ = τ₂ of the perturbed gate (the perturbed cosine router (2024), §5.1, uses τ₁ = τ₂).
+        eta_bound: radius of the ball that holds every expert's parameter vector ηᵢ (module
+            docstring); ``math.inf`` (default) = unconstrained.
         optimizer, lr, steps, batch_size, init, init_noise, init_scale, restarts, beta1_bound, gtol,
             ftol, seed: the fit (shared with :class:`GaussianMoEMLE`; see ``_BatchedEstimator``).
 
@@ -536,6 +541,7 @@ class LeastSquaresMoE(_BatchedEstimator):
         activation: str = "tanh",
         expert_bias: bool = True,
         top_k: int | None = None,
+        eta_bound: float = math.inf,
         optimizer: str = "adam",
         lr: float = 1e-2,
         steps: int = 500,
@@ -571,9 +577,11 @@ class LeastSquaresMoE(_BatchedEstimator):
         self.activation = activation
         self.expert_bias = expert_bias
         self.top_k = top_k
+        self.eta_bound = eta_bound
 
     def _make_model(self) -> RegressionMoE:
         non_negative("tau", self.tau)
+        _check_bound(self.eta_bound, "eta_bound")
         return RegressionMoE(
             gate=self.gate,
             expert=self.expert,
@@ -623,12 +631,13 @@ class LeastSquaresMoE(_BatchedEstimator):
         Xr, Yr = X.contiguous().repeat(restarts, 1, 1), Y.repeat(restarts, 1)  # restart-major blocks
         Xtr = inputs_t(Xr)
         init = self._init(model, R * restarts, d, truth, gen, X.dtype)
-        bound = float(self.beta1_bound)
+        bound, eta_bound = float(self.beta1_bound), float(self.eta_bound)
         u = from_ball(_into_ball(init.beta1, bound), bound)  # β₁ = to_ball(u): the compact space
-        leaves = [t.detach().clone().requires_grad_(True) for t in (init.beta0, u, init.eta)]
+        v = from_ball(_into_ball(init.eta, eta_bound), eta_bound)  # η = to_ball(v)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (init.beta0, u, v)]
 
         def current() -> MoEParams:
-            return MoEParams(leaves[0], to_ball(leaves[1], bound), leaves[2])
+            return MoEParams(leaves[0], to_ball(leaves[1], bound), to_ball(leaves[2], eta_bound))
 
         def loss_fn(idx: Tensor | None) -> Tensor:
             xt, y = _take(Xtr, idx), _take(Yr, idx)
@@ -636,6 +645,15 @@ class LeastSquaresMoE(_BatchedEstimator):
             return ((y - model.mean_t(xt, current(), x)) ** 2).mean(dim=-1)
 
         return loss_fn, leaves, current
+
+    def _check_truth_in_ball(self, truth: MoEParams) -> None:
+        super()._check_truth_in_ball(truth)
+        largest = float(truth.eta.norm(dim=-1).max())
+        if not largest < self.eta_bound:
+            raise ValueError(
+                f"eta_bound={self.eta_bound!r} is not allowed for this truth: its largest ‖ηᵢ‖ is "
+                f"{largest:.4g}; expected a bound above it (inf = unconstrained)"
+            )
 
     def _set_fitted_params(self, params: MoEParams) -> None:
         self.beta0_, self.beta1_, self.eta_ = params.beta0, params.beta1, params.eta

@@ -53,7 +53,8 @@ curve (``--optimizer sgd`` runs the paper's choice).  Each replicate is its own 
 ``steps``; ``restarts`` starts per replicate (``init`` near the truth or random) keep the lowest
 training loss; and every gate embedding lies in the ball ‖β₁ᵢ‖ < ``beta1_bound`` (the compact
 parameter space the theory assumes; :mod:`moelab.stats.fit`), by default ten times the expected
-norm of a true embedding, 10 · router_std · √d.
+norm of a true embedding, 10 · router_std · √d, and every expert's parameters in ‖ηᵢ‖ <
+``eta_bound``, by default 10 · expert_std · √q (q parameters per expert).
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ class StudyConfig:
     ftol: float = 1e-12
     #: radius of the ball holding every β₁ᵢ; None = 10 · router_std · √d; inf = unconstrained
     beta1_bound: float | None = None
+    #: radius of the ball holding every expert's ηᵢ (regression studies); None = 10 · expert_std · √q
+    eta_bound: float | None = None
     reference_n: int = 128000
     reference_steps: int = 200
     n_boot: int = 2000
@@ -168,6 +171,11 @@ class StudyConfig:
         if self.beta1_bound is None:
             self.beta1_bound = 10.0 * self.router_std * self.d**0.5
         _check_bound(self.beta1_bound)
+        positive("expert_std", self.expert_std)
+        if self.eta_bound is None:
+            q = self.d + 2 if self.expert == "ffn" else self.d + 1
+            self.eta_bound = 10.0 * self.expert_std * q**0.5
+        _check_bound(self.eta_bound, "eta_bound")
         positive_int("n_boot", self.n_boot)
         if len(self.sample_sizes) < 2 or len(set(self.sample_sizes)) < 2:
             raise ValueError(
@@ -234,6 +242,7 @@ def _fit_options(cfg: StudyConfig, fit_gate: str, *, steps: int, init_noise: flo
         tau=cfg.tau if fit_gate == "perturbed" else 0.0,
         degree=cfg.degree,
         activation=cfg.activation,
+        eta_bound=cfg.eta_bound,
         **_optimiser_options(cfg, steps=steps, init_noise=init_noise),
     )
 
@@ -681,6 +690,7 @@ FLAGS: dict[str, str] = {
     "gtol": "--gtol",
     "ftol": "--ftol",
     "beta1_bound": "--beta1-bound",
+    "eta_bound": "--eta-bound",
     "sample_sizes": "--sample-sizes",
     "n_boot": "--n-boot",
 }
@@ -736,6 +746,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument(
         "--beta1-bound", type=float,
         help="radius of the ball holding every ‖β₁ᵢ‖ (compact parameter space; default 10·√d; inf = unconstrained)",
+    )  # fmt: skip
+    fit.add_argument(
+        "--eta-bound", type=float,
+        help="radius of the ball holding every expert's ‖ηᵢ‖ (regression studies; default 10·√q; inf = unconstrained)",
     )  # fmt: skip
     fit.add_argument("--n-boot", type=int, help="bootstrap resamples for the CIs (default 2000)")
     parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
