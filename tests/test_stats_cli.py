@@ -43,6 +43,9 @@ from moelab.stats.studies import study_config
         (["--study", "cosine-vs-perturbed", "--beta1-bound", "0.5", "--out", "X"],
          "--beta1-bound: beta1_bound=0.5 is not allowed for this truth: its largest ‖β₁ᵢ‖ is"),
         (["--study", "misspecified", "--n-boot", "0", "--out", "X"], "--n-boot: n_boot=0 is not allowed"),
+        (["--study", "misspecified", "--reference-n", "0", "--out", "X"], "--reference-n: reference_n=0 is not allowed"),
+        (["--study", "misspecified", "--reference-steps", "-3", "--out", "X"],
+         "--reference-steps: reference_steps=-3 is not allowed"),
         (["--study", "misspecified", "--eta-bound", "-2", "--out", "X"],
          "--eta-bound: eta_bound=-2.0 is not allowed; expected a number > 0 (inf = unconstrained)"),
         (["--study", "misspecified", "--eta-bound", "0.5", "--out", "X"],
@@ -74,7 +77,7 @@ def test_every_model_and_fit_flag_reaches_the_study_config():
     argv = ["simulate", "--study", "cosine-vs-perturbed", "--d", "3", "--k-true", "3", "--extra-experts", "2",
             "--noise-var", "0.04", "--tau", "0.5", "--init", "random", "--restarts", "2", "--max-iter", "7",
             "--gtol", "1e-5", "--ftol", "1e-9", "--beta1-bound", "inf", "--eta-bound", "7", "--n-boot", "99",
-            "--out", "X"]  # fmt: skip
+            "--reference-n", "5000", "--reference-steps", "300", "--out", "X"]  # fmt: skip
     cfg = config_from_args(build_parser().parse_args(argv))
     assert (cfg.d, cfg.k_true, cfg.extra_experts, cfg.noise_var, cfg.tau) == (3, 3, 2, 0.04, 0.5)
     assert (cfg.init, cfg.restarts, cfg.steps, cfg.gtol, cfg.ftol, cfg.n_boot) == (
@@ -86,6 +89,7 @@ def test_every_model_and_fit_flag_reaches_the_study_config():
         99,
     )
     assert math.isinf(cfg.beta1_bound) and cfg.eta_bound == 7.0
+    assert (cfg.reference_n, cfg.reference_steps) == (5000, 300)
 
 
 def test_the_default_bound_is_ten_times_the_expected_norm_of_a_true_embedding():

@@ -177,6 +177,8 @@ class StudyConfig:
             self.eta_bound = 10.0 * self.expert_std * q**0.5
         _check_bound(self.eta_bound, "eta_bound")
         positive_int("n_boot", self.n_boot)
+        positive_int("reference_n", self.reference_n)
+        positive_int("reference_steps", self.reference_steps)
         if len(self.sample_sizes) < 2 or len(set(self.sample_sizes)) < 2:
             raise ValueError(
                 f"sample_sizes={self.sample_sizes!r} is not allowed; expected >= 2 distinct sizes"
@@ -693,6 +695,8 @@ FLAGS: dict[str, str] = {
     "eta_bound": "--eta-bound",
     "sample_sizes": "--sample-sizes",
     "n_boot": "--n-boot",
+    "reference_n": "--reference-n",
+    "reference_steps": "--reference-steps",
 }
 
 
@@ -751,6 +755,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eta-bound", type=float,
         help="radius of the ball holding every expert's ‖ηᵢ‖ (regression studies; default 10·√q; inf = unconstrained)",
     )  # fmt: skip
+    fit.add_argument(
+        "--reference-n",
+        type=int,
+        help="sample size of the reference fit Ḡ of the misspecified studies (default 128000)",
+    )
+    fit.add_argument("--reference-steps", type=int, help="iteration cap of the reference fit Ḡ (default 200)")
     fit.add_argument("--n-boot", type=int, help="bootstrap resamples for the CIs (default 2000)")
     parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
 
