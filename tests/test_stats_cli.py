@@ -43,6 +43,10 @@ from moelab.stats.studies import study_config
         (["--study", "cosine-vs-perturbed", "--beta1-bound", "0.5", "--out", "X"],
          "--beta1-bound: beta1_bound=0.5 is not allowed for this truth: its largest ‖β₁ᵢ‖ is"),
         (["--study", "misspecified", "--n-boot", "0", "--out", "X"], "--n-boot: n_boot=0 is not allowed"),
+        (["--study", "softmax-vs-competition", "--nu-min", "-1", "--out", "X"],
+         "--nu-min: nu_min=-1.0 is not allowed; expected a number >= 0"),
+        (["--study", "softmax-vs-competition", "--nu-min", "0.5", "--out", "X"],
+         "--nu-min: nu_min=0.5 is not allowed for this truth: its smallest ν is"),
         (["--study", "misspecified", "--reference-n", "0", "--out", "X"], "--reference-n: reference_n=0 is not allowed"),
         (["--study", "misspecified", "--reference-steps", "-3", "--out", "X"],
          "--reference-steps: reference_steps=-3 is not allowed"),
@@ -101,6 +105,7 @@ def test_the_default_bound_is_ten_times_the_expected_norm_of_a_true_embedding():
     assert study_config("misspecified").eta_bound == pytest.approx(
         10 * 6**0.5
     )  # q = d + 2 for a·tanh(bᵀx + c)
+    assert study_config("softmax-vs-competition").nu_min == pytest.approx(0.05 / 5)
     assert study_config("linear-vs-perturbed").eta_bound == pytest.approx(10 * 5**0.5)  # q = d + 1
 
 

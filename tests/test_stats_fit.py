@@ -282,3 +282,19 @@ def test_eta_bound_keeps_the_experts_inside_their_ball():
         LeastSquaresMoE(3, eta_bound=0, **kw).fit(X, Y, truth)
     with pytest.raises(ValueError, match=r"eta_bound=1.0 is not allowed for this truth: its largest ‖ηᵢ‖ is"):
         LeastSquaresMoE(3, eta_bound=1.0, **kw).fit(X, Y, truth)
+
+
+def test_nu_min_floors_the_fitted_variances():
+    g = torch.Generator().manual_seed(0)
+    model = GaussianMoE(gating="softmax")
+    truth = gaussian_truth(2, 2, nu_range=(0.1, 0.1), generator=g)
+    X, Y = simulate_gaussian(model, truth, 300, 6, generator=g)
+    kw = dict(gating="softmax", optimizer="lbfgs", steps=100, init_noise=0.05)
+    free = GaussianMoEMLE(3, **kw).fit(X, Y, truth)
+    floored = GaussianMoEMLE(3, nu_min=0.095, **kw).fit(X, Y, truth)
+    assert free.nu_.min() < 0.095  # without the floor some variance goes below it
+    assert (floored.nu_ >= 0.095).all()
+    with pytest.raises(ValueError, match=r"nu_min=-0.1 is not allowed; expected a number >= 0"):
+        GaussianMoEMLE(3, nu_min=-0.1, **kw).fit(X, Y, truth)
+    with pytest.raises(ValueError, match=r"nu_min=0.2 is not allowed for this truth: its smallest ν is 0.1"):
+        GaussianMoEMLE(3, nu_min=0.2, **kw).fit(X, Y, truth)

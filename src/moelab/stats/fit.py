@@ -696,7 +696,12 @@ class GaussianMoEMLE(_BatchedEstimator):
         gate_bias: per-expert gate bias for competition gating (:class:`GaussianMoE`).
         optimizer, lr, steps, batch_size, init, init_noise, init_scale, restarts, beta1_bound, gtol,
             ftol, seed: the fit (shared with :class:`LeastSquaresMoE`).  Variances are optimised as
-            log ν; ``beta1_bound`` bounds the softmax gate's β₁ᵢ (competition gating has none).
+            log(ν − nu_min); ``beta1_bound`` bounds the softmax gate's β₁ᵢ (competition gating has none).
+        nu_min: floor of every variance, ν = nu_min + exp(·) (default 0: none).  The Gaussian
+            likelihood has no maximum without one — a component with ν → 0 on a few points raises
+            it without bound — and the rate theorems of Ho (2025) and CompeteSMoE (2025) assume a
+            compact parameter space with ν bounded away from 0; an over-specified fit run to
+            convergence finds that degenerate direction (measured: ν = 1e-5 with weight e^-19).
 
     Attributes (after ``fit``): ``params_`` (:class:`GaussianParams`), ``a_``, ``b_``, ``nu_``,
     ``beta0_``, ``beta1_``, ``loss_`` (``(R,)`` final mean negative log-likelihood),
@@ -714,6 +719,7 @@ class GaussianMoEMLE(_BatchedEstimator):
         gating: str = "softmax",
         top_k: int | None = None,
         gate_bias: bool = False,
+        nu_min: float = 0.0,
         optimizer: str = "adam",
         lr: float = 1e-2,
         steps: int = 500,
@@ -745,8 +751,10 @@ class GaussianMoEMLE(_BatchedEstimator):
         self.gating = gating
         self.top_k = top_k
         self.gate_bias = gate_bias
+        self.nu_min = nu_min
 
     def _make_model(self) -> GaussianMoE:
+        non_negative("nu_min", self.nu_min)
         return GaussianMoE(gating=self.gating, top_k=self.top_k, gate_bias=self.gate_bias)
 
     def _n_params(self, model: GaussianMoE, d: int) -> int:
@@ -764,7 +772,7 @@ class GaussianMoEMLE(_BatchedEstimator):
             parts = [beta0, *(_split_truth(t, k) for t in (truth.beta1, truth.a, truth.b))]
             c = model.gating == "softmax" or model.gate_bias  # translation-invariant gates
             parts = [self._noise(t, gen, centered=c and i < 2) for i, t in enumerate(parts)]
-            log_nu = self._noise(_split_truth(truth.nu, k).log(), gen)
+            log_nu = self._noise((_split_truth(truth.nu, k) - self.nu_min).log(), gen)
             return [*parts, log_nu]
         s = self.init_scale
         return [
@@ -787,7 +795,7 @@ class GaussianMoEMLE(_BatchedEstimator):
         R, _, d = X.shape
         Xr, Yr = inputs_t(X).repeat(restarts, 1, 1), Y.repeat(restarts, 1)
         init = self._init(model, R * restarts, d, truth, gen, X.dtype)
-        bound = float(self.beta1_bound)
+        bound, nu_min = float(self.beta1_bound), float(self.nu_min)
         init[1] = from_ball(_into_ball(init[1], bound), bound)  # β₁ = to_ball(u): the compact space
         leaves = [t.detach().clone().requires_grad_(True) for t in init]
         if model.gating == "competition":  # no gate parameters (CompeteSMoE (2025), eq. (13)) but a bias
@@ -796,13 +804,22 @@ class GaussianMoEMLE(_BatchedEstimator):
 
         def current() -> GaussianParams:
             beta0, u, a, b, log_nu = leaves
-            return GaussianParams(beta0, to_ball(u, bound), a, b, log_nu.exp())
+            return GaussianParams(beta0, to_ball(u, bound), a, b, nu_min + log_nu.exp())
 
         def loss_fn(idx: Tensor | None) -> Tensor:
             x, y = _take(Xr, idx), _take(Yr, idx)
             return -model.log_density_t(x, y, current()).mean(dim=-1)
 
         return loss_fn, [t for t in leaves if t.requires_grad], current
+
+    def _check_truth_in_ball(self, truth: GaussianParams) -> None:
+        super()._check_truth_in_ball(truth)
+        smallest = float(truth.nu.min())
+        if not smallest > self.nu_min:
+            raise ValueError(
+                f"nu_min={self.nu_min!r} is not allowed for this truth: its smallest ν is {smallest:.4g}; "
+                "expected a floor below it"
+            )
 
     def _set_fitted_params(self, params: GaussianParams) -> None:
         p = params

@@ -54,7 +54,9 @@ curve (``--optimizer sgd`` runs the paper's choice).  Each replicate is its own 
 training loss; and every gate embedding lies in the ball ‖β₁ᵢ‖ < ``beta1_bound`` (the compact
 parameter space the theory assumes; :mod:`moelab.stats.fit`), by default ten times the expected
 norm of a true embedding, 10 · router_std · √d, and every expert's parameters in ‖ηᵢ‖ <
-``eta_bound``, by default 10 · expert_std · √q (q parameters per expert).
+``eta_bound``, by default 10 · expert_std · √q (q parameters per expert); the Gaussian study
+floors the fitted variances at ``nu_min`` (default nu_range[0] / 5), without which the
+over-specified likelihood has no maximum.
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ class StudyConfig:
     beta1_bound: float | None = None
     #: radius of the ball holding every expert's ηᵢ (regression studies); None = 10 · expert_std · √q
     eta_bound: float | None = None
+    #: floor of the fitted variances (Gaussian study); None = nu_range[0] / 5
+    nu_min: float | None = None
     reference_n: int = 128000
     reference_steps: int = 200
     n_boot: int = 2000
@@ -176,6 +180,9 @@ class StudyConfig:
             q = self.d + 2 if self.expert == "ffn" else self.d + 1
             self.eta_bound = 10.0 * self.expert_std * q**0.5
         _check_bound(self.eta_bound, "eta_bound")
+        if self.nu_min is None:
+            self.nu_min = self.nu_range[0] / 5
+        non_negative("nu_min", self.nu_min)
         positive_int("n_boot", self.n_boot)
         positive_int("reference_n", self.reference_n)
         positive_int("reference_steps", self.reference_steps)
@@ -434,7 +441,7 @@ def _run_gaussian(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str,
             )
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
             est = GaussianMoEMLE(
-                spec["k"], gating=gating, gate_bias=bias, seed=seed,
+                spec["k"], gating=gating, gate_bias=bias, nu_min=cfg.nu_min, seed=seed,
                 **_optimiser_options(cfg, steps=cfg.steps, init_noise=cfg.init_noise),
             ).fit(X, Y, truth)  # fmt: skip
             args = (est.a_, est.b_, est.nu_, tgt.a, tgt.b, tgt.nu)
@@ -693,6 +700,7 @@ FLAGS: dict[str, str] = {
     "ftol": "--ftol",
     "beta1_bound": "--beta1-bound",
     "eta_bound": "--eta-bound",
+    "nu_min": "--nu-min",
     "sample_sizes": "--sample-sizes",
     "n_boot": "--n-boot",
     "reference_n": "--reference-n",
@@ -754,6 +762,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fit.add_argument(
         "--eta-bound", type=float,
         help="radius of the ball holding every expert's ‖ηᵢ‖ (regression studies; default 10·√q; inf = unconstrained)",
+    )  # fmt: skip
+    fit.add_argument(
+        "--nu-min", type=float,
+        help="floor of the fitted variances ν (softmax-vs-competition; default 1/5 of the smallest true ν's range)",
     )  # fmt: skip
     fit.add_argument(
         "--reference-n",
