@@ -298,3 +298,12 @@ def test_nu_min_floors_the_fitted_variances():
         GaussianMoEMLE(3, nu_min=-0.1, **kw).fit(X, Y, truth)
     with pytest.raises(ValueError, match=r"nu_min=0.2 is not allowed for this truth: its smallest ν is 0.1"):
         GaussianMoEMLE(3, nu_min=0.2, **kw).fit(X, Y, truth)
+
+
+def test_a_target_on_the_sphere_of_the_bound_is_a_valid_start():
+    # a reference fit Ḡ of a misspecified study can end on ‖β₁ᵢ‖ = B; fits started near it must run
+    _, truth, X, Y = _data(n=500, R=2)
+    norm = float(truth.beta1.norm(dim=-1).max())
+    est = LeastSquaresMoE(2, gate="linear", expert="linear", beta1_bound=norm, optimizer="lbfgs", steps=5)
+    est.fit(X, Y, truth)
+    assert (est.beta1_.norm(dim=-1) < norm).all()

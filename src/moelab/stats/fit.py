@@ -423,12 +423,15 @@ class _BatchedEstimator:
         return X, Y, unbatched
 
     def _check_truth_in_ball(self, truth: Any) -> None:
-        """The near-truth start needs the truth inside the compact parameter space."""
+        """The near-truth start needs the truth inside the compact parameter space (the closed ball:
+        a reference fit Ḡ may lie on its sphere; the start is pulled in to 0.99 of the radius)."""
         largest = float(truth.beta1.norm(dim=-1).max())
-        if not largest < self.beta1_bound:
+        if not largest <= self.beta1_bound * (
+            1 + 1e-9
+        ):  # the closed ball: a target fitted on its sphere is in
             raise ValueError(
                 f"beta1_bound={self.beta1_bound!r} is not allowed for this truth: its largest "
-                f"‖β₁ᵢ‖ is {largest:.4g}; expected a bound above it (inf = unconstrained)"
+                f"‖β₁ᵢ‖ is {largest:.4g}; expected a bound at or above it (inf = unconstrained)"
             )
 
     def _noise(self, t: Tensor, gen: torch.Generator, centered: bool = False) -> Tensor:
@@ -649,10 +652,10 @@ class LeastSquaresMoE(_BatchedEstimator):
     def _check_truth_in_ball(self, truth: MoEParams) -> None:
         super()._check_truth_in_ball(truth)
         largest = float(truth.eta.norm(dim=-1).max())
-        if not largest < self.eta_bound:
+        if not largest <= self.eta_bound * (1 + 1e-9):
             raise ValueError(
                 f"eta_bound={self.eta_bound!r} is not allowed for this truth: its largest ‖ηᵢ‖ is "
-                f"{largest:.4g}; expected a bound above it (inf = unconstrained)"
+                f"{largest:.4g}; expected a bound at or above it (inf = unconstrained)"
             )
 
     def _set_fitted_params(self, params: MoEParams) -> None:
