@@ -151,6 +151,9 @@ def test_to_ball_maps_onto_the_open_ball_and_from_ball_inverts_it():
     assert (beta.norm(dim=-1) < 7.0).all()
     torch.testing.assert_close(from_ball(beta[1:2], 7.0), u[1:2], rtol=1e-9, atol=1e-9)
     assert beta[0, 0].abs().max() == 0  # the origin is fixed, without a NaN
+    zero = torch.zeros(1, 2, 3, dtype=torch.float64, requires_grad=True)  # e.g. a pinned true atom, no noise
+    to_ball(zero, 7.0).sum().backward()
+    torch.testing.assert_close(zero.grad, torch.ones_like(zero))  # the Jacobian at 0 is the identity
     small = 1e-4 * u  # ‖u‖ ≤ 0.02: relative distortion ≤ ‖u‖²/(3B²) < 3e-6
     torch.testing.assert_close(to_ball(small, 7.0), small, rtol=3e-6, atol=0)  # identity near 0
     assert to_ball(u, math.inf) is u and from_ball(u, math.inf) is u
