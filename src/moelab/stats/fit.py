@@ -426,9 +426,7 @@ class _BatchedEstimator:
         """The near-truth start needs the truth inside the compact parameter space (the closed ball:
         a reference fit Ḡ may lie on its sphere; the start is pulled in to 0.99 of the radius)."""
         largest = float(truth.beta1.norm(dim=-1).max())
-        if not largest <= self.beta1_bound * (
-            1 + 1e-9
-        ):  # the closed ball: a target fitted on its sphere is in
+        if not largest <= self.beta1_bound * (1 + 1e-9):  # a target fitted onto the sphere is inside
             raise ValueError(
                 f"beta1_bound={self.beta1_bound!r} is not allowed for this truth: its largest "
                 f"‖β₁ᵢ‖ is {largest:.4g}; expected a bound at or above it (inf = unconstrained)"
