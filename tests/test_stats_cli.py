@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 
@@ -25,12 +26,87 @@ from moelab.stats.studies import study_config
         (["--study", "cosine-vs-perturbed", "--extra-experts", "0", "--out", "X"], "extra_experts=0"),
         (["--study", "cosine-vs-perturbed", "--optimizer", "rmsprop", "--out", "X"], "optimizer='rmsprop'"),
         (["--study", "cosine-vs-perturbed", "--sample-sizes", "500", "--out", "X"], "expected >= 2 distinct"),
+        (["--study", "misspecified", "--d", "0", "--out", "X"], "--d: d=0 is not allowed; expected a positive integer"),
+        (["--study", "misspecified", "--k-true", "0", "--out", "X"], "--k-true: k_true=0 is not allowed"),
+        (["--study", "misspecified", "--extra-experts", "0", "--out", "X"], "--extra-experts: extra_experts=0"),
+        (["--study", "misspecified", "--noise-var", "-1", "--out", "X"],
+         "--noise-var: noise_var=-1.0 is not allowed; expected a number >= 0"),
+        (["--study", "misspecified", "--tau", "-1", "--out", "X"], "--tau: tau=-1.0 is not allowed"),
+        (["--study", "misspecified", "--init", "zeros", "--out", "X"],
+         "--init: init='zeros' is not allowed; expected one of ['near', 'random']"),
+        (["--study", "misspecified", "--restarts", "0", "--out", "X"], "--restarts: restarts=0 is not allowed"),
+        (["--study", "misspecified", "--max-iter", "0", "--out", "X"], "--steps: steps=0 is not allowed"),
+        (["--study", "misspecified", "--gtol", "-1", "--out", "X"], "--gtol: gtol=-1.0 is not allowed"),
+        (["--study", "misspecified", "--ftol", "nan", "--out", "X"], "--ftol: ftol=nan is not allowed"),
+        (["--study", "misspecified", "--beta1-bound", "0", "--out", "X"],
+         "--beta1-bound: beta1_bound=0.0 is not allowed; expected a number > 0 (inf = unconstrained)"),
+        (["--study", "cosine-vs-perturbed", "--beta1-bound", "0.5", "--out", "X"],
+         "--beta1-bound: beta1_bound=0.5 is not allowed for this truth: its largest ‖β₁ᵢ‖ is"),
+        (["--study", "misspecified", "--n-boot", "0", "--out", "X"], "--n-boot: n_boot=0 is not allowed"),
+        (["--study", "softmax-vs-competition", "--nu-min", "-1", "--out", "X"],
+         "--nu-min: nu_min=-1.0 is not allowed; expected a number >= 0"),
+        (["--study", "softmax-vs-competition", "--nu-min", "0.5", "--out", "X"],
+         "--nu-min: nu_min=0.5 is not allowed for this truth: its smallest ν is"),
+        (["--study", "misspecified", "--reference-n", "0", "--out", "X"], "--reference-n: reference_n=0 is not allowed"),
+        (["--study", "misspecified", "--reference-steps", "-3", "--out", "X"],
+         "--reference-steps: reference_steps=-3 is not allowed"),
+        (["--study", "misspecified", "--eta-bound", "-2", "--out", "X"],
+         "--eta-bound: eta_bound=-2.0 is not allowed; expected a number > 0 (inf = unconstrained)"),
+        (["--study", "misspecified", "--eta-bound", "0.5", "--out", "X"],
+         "--eta-bound: eta_bound=0.5 is not allowed for this truth: its largest ‖ηᵢ‖ is"),
+        (["--study", "misspecified", "--replicates", "0", "--out", "X"], "--replicates: replicates=0"),
+        (["--study", "misspecified", "--sample-sizes", "500,x", "--out", "X"],
+         "argument --sample-sizes: '500,x' is not allowed; expected comma-separated integers"),
+        (["--study", "misspecified", "--d", "two", "--out", "X"], "argument --d: invalid int value: 'two'"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_exits_2_with_message(argv, message, tmp_path, capsys):
     argv = [str(tmp_path / a) if a == "X" else a for a in argv]
-    assert main(["simulate", *argv]) == 2
-    assert message in capsys.readouterr().err
+    try:
+        code = main(["simulate", *argv])
+    except SystemExit as exc:  # argparse's own errors (a flag's type) exit from the parser
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_every_model_and_fit_flag_reaches_the_study_config():
+    import math
+
+    from moelab.cli import build_parser
+    from moelab.stats.studies import config_from_args
+
+    argv = ["simulate", "--study", "cosine-vs-perturbed", "--d", "3", "--k-true", "3", "--extra-experts", "2",
+            "--noise-var", "0.04", "--tau", "0.5", "--init", "random", "--restarts", "2", "--max-iter", "7",
+            "--gtol", "1e-5", "--ftol", "1e-9", "--beta1-bound", "inf", "--eta-bound", "7", "--n-boot", "99",
+            "--reference-n", "5000", "--reference-steps", "300", "--out", "X"]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert (cfg.d, cfg.k_true, cfg.extra_experts, cfg.noise_var, cfg.tau) == (3, 3, 2, 0.04, 0.5)
+    assert (cfg.init, cfg.restarts, cfg.steps, cfg.gtol, cfg.ftol, cfg.n_boot) == (
+        "random",
+        2,
+        7,
+        1e-5,
+        1e-9,
+        99,
+    )
+    assert math.isinf(cfg.beta1_bound) and cfg.eta_bound == 7.0
+    assert (cfg.reference_n, cfg.reference_steps) == (5000, 300)
+
+
+def test_the_default_bound_is_ten_times_the_expected_norm_of_a_true_embedding():
+    assert study_config("misspecified").beta1_bound == pytest.approx(10 * 4**0.5)
+    assert study_config("softmax-vs-competition", router_std=0.5).beta1_bound == pytest.approx(
+        10 * 0.5 * 2**0.5
+    )
+    assert study_config("misspecified", beta1_bound=3.0).beta1_bound == 3.0
+    assert study_config("misspecified").eta_bound == pytest.approx(
+        10 * 6**0.5
+    )  # q = d + 2 for a·tanh(bᵀx + c)
+    assert study_config("softmax-vs-competition").nu_min == pytest.approx(0.05 / 5)
+    assert study_config("linear-vs-perturbed").eta_bound == pytest.approx(10 * 5**0.5)  # q = d + 1
 
 
 def test_unknown_setting_is_rejected():
@@ -57,7 +133,30 @@ def test_tiny_study_writes_config_metrics_csv_and_plot(study, tmp_path, capsys):
     assert len(lines) == 1 + len(metrics["rates"]) * 2 * 2  # header + series × sizes × replicates
     header = lines[0].split(",")
     assert "loss" in header and "value" in header  # the loss's name and its value, apart
+    assert {"n_iter", "grad_norm", "converged", "hit_cap", "beta1_max_norm"} <= set(header)
     assert {row.split(",")[header.index("loss")] for row in lines[1:]} <= {"expert", "voronoi"}
     assert (out / "rates.png").stat().st_size > 0
+    # the per-n table: printed and written
+    printed = capsys.readouterr().out
+    assert "95% CI of the mean" in printed and "slope(" in printed
+    table = (out / "table.csv").read_text().splitlines()
+    assert table[0].split(",")[:10] == ["router", "setting", "loss", "k", "n", "mean", "sd", "ci_low", "ci_high",
+                                        "replicates"]  # fmt: skip
+    assert len(table) == 1 + len(metrics["rates"]) * 2
+    for row in metrics["table"]:
+        assert row["ci_low"] <= row["mean"] <= row["ci_high"]
+    # slope differences between the routers of each panel, and theory slopes on the rates
+    assert metrics["differences"] and all(d["ci_low"] <= d["ci_high"] for d in metrics["differences"])
+    assert all(r["theory"] for r in metrics["rates"] if r["router"] == "perturbed" or r["loss"] == "voronoi")
+    # every replicate's estimates, readable without pickle
+    with np.load(out / "estimates.npz", allow_pickle=False) as z:
+        assert z["sample_sizes"].tolist() == [200, 400]
+        key = (
+            "softmax__over-specified__a"
+            if study == "softmax-vs-competition"
+            else "perturbed__over-specified__beta1"
+        )
+        assert z[key].shape[:2] == (2, 2)  # (sizes, replicates, k, d)
+        assert any(k.endswith("target_beta1") for k in z.files)
     assert main(argv) == 2  # a finished run is not overwritten
     assert "already holds a run" in capsys.readouterr().err

@@ -25,7 +25,7 @@ Example — 20 replicates of a perturbed-cosine MoE, fitted exact-specified, Vor
 
 from .fit import GaussianMoEMLE, LeastSquaresMoE, minimize
 from .models import GaussianMoE, GaussianParams, MoEParams, RegressionMoE
-from .rates import RateFit, fit_rate
+from .rates import RateDifference, RateFit, fit_rate, mean_table, slope_difference
 from .simulate import gaussian_truth, regression_truth, sample_inputs, simulate_gaussian, simulate_regression
 from .voronoi import block_voronoi_loss, gaussian_voronoi_loss, voronoi_cells, voronoi_loss
 
@@ -35,17 +35,20 @@ __all__ = [
     "GaussianParams",
     "LeastSquaresMoE",
     "MoEParams",
+    "RateDifference",
     "RateFit",
     "RegressionMoE",
     "block_voronoi_loss",
     "fit_rate",
     "gaussian_truth",
     "gaussian_voronoi_loss",
+    "mean_table",
     "minimize",
     "regression_truth",
     "sample_inputs",
     "simulate_gaussian",
     "simulate_regression",
+    "slope_difference",
     "voronoi_cells",
     "voronoi_loss",
 ]

@@ -26,12 +26,42 @@ Batched data ``X (R, n, d)``, ``Y (R, n)`` give per-replicate results (``predict
 ``score`` ``(R,)``); unbatched ``X (n, d)``, ``Y (n,)`` (tensors or NumPy arrays) are one
 replicate, and ``score`` then returns a float, as scikit-learn's model selection expects.
 
-Initialisation: ``init="truth"`` starts near the true parameters (perturbed cosine router (2024),
-App. E.1: "initialization ... adjusted to be near the true parameters"): truth + N(0, init_noise²).
-An over-specified fit (k > k*) splits true atoms: the extra atom k* + t copies true atom t mod k*,
-and the copies of atom j share its weight, β₀ = β*₀ⱼ − log(copies), so the initial function is the
-truth up to the noise.  ``init="random"`` draws β₁, η ~ N(0, init_scale²), β₀ = 0, runs
-``restarts`` fits per replicate (batched too) and keeps the one with the lowest training loss.
+Initialisation: ``init="near"`` (alias ``"truth"``) starts near the true parameters (perturbed
+cosine router (2024), App. E.1: "initialization ... adjusted to be near the true parameters"):
+truth + N(0, init_noise²).  An over-specified fit (k > k*) splits true atoms: the extra atom
+k* + t copies true atom t mod k*, and the copies of atom j share its weight,
+β₀ = β*₀ⱼ − log(copies), so the initial function is the truth up to the noise.
+``init="random"`` draws β₁, η ~ N(0, init_scale²), β₀ = 0.  Either way ``restarts`` starts per
+replicate (each its own draw) are fitted in the same batched optimisation and each replicate keeps
+the restart with the lowest training loss; ``restart_losses_`` holds them all.
+
+Compact parameter space (``beta1_bound`` = B): the rate theorems of the perturbed cosine router
+(2024) and Ho (2025) assume a compact parameter set, and the unconstrained least-squares estimator
+needs it — with τ = 1 the perturbed gate sees ‖β₁ᵢ‖ only through ‖β₁ᵢ‖/(‖β₁ᵢ‖ + τ), so a fit can
+lower its training error a little further by sending ‖β₁ᵢ‖ → ∞ (towards the cosine gate; measured
+‖β₁ᵢ‖ of 10²–10⁴ at n = 200–500).  Each embedding is therefore optimised through the smooth
+bijection of R^d onto the open ball of radius B (:func:`to_ball`)::
+
+    β₁ᵢ = B · tanh(‖uᵢ‖ / B) · uᵢ / ‖uᵢ‖
+
+rather than projected after each step: the objective in u stays smooth and unconstrained, so the
+per-replicate L-BFGS (its Armijo line search and curvature pairs, which a projection would
+invalidate), SGD and Adam run unchanged; and the map's Jacobian is invertible at every finite u,
+so a stationary point in u is a stationary point in β₁ and vice versa — every minimiser strictly
+inside the ball is a minimiser of the unconstrained problem, and fits that stay inside the bound
+equal the unconstrained ones (``tests/test_stats_fit.py``).  A fit that would run away instead
+approaches the sphere ‖β₁ᵢ‖ = B, where the gradient in u vanishes and the optimiser stops.
+``beta1_bound=math.inf`` is the unconstrained estimator (β₁ = u exactly, the code path of
+earlier versions).  :class:`LeastSquaresMoE` bounds each expert's parameter vector ηᵢ the same way
+(``eta_bound``, unconstrained by default): an over-specified one-unit tanh expert a·tanh(bᵀx + c)
+otherwise runs away too, towards a step function (measured ‖ηᵢ‖ ≈ 250 at n = 500 with ‖β₁ᵢ‖
+held at 20).  The default B = 10 is about 5× the norm of an N(0, I₄) embedding (the studies
+use 10 · router_std · √d, ten times the expected norm of a true embedding).
+
+Convergence (``optimizer="lbfgs"``): a replicate stops when the max-norm of its gradient is
+≤ ``gtol`` or its loss changes by at most ``ftol · max(1, |loss|)`` in one iteration (scipy's
+convention), else at the cap ``steps``; ``n_iter_``, ``grad_norm_``, ``converged_`` and ``hit_cap_``
+report it per replicate.
 
 Translation: a softmax gate over linear logits is invariant to adding the same (t₁, t₂) to every
 atom's (β₀, β₁) — the MoE is identifiable only up to this translation (Ho (2025),
@@ -58,10 +88,46 @@ from .._validate import non_negative, one_of, positive, positive_int
 from .lbfgs import LBFGSResult, batched_lbfgs
 from .models import GaussianMoE, GaussianParams, MoEParams, RegressionMoE, inputs_t
 
-__all__ = ["OPTIMIZERS", "GaussianMoEMLE", "LeastSquaresMoE", "minimize"]
+__all__ = ["INITS", "OPTIMIZERS", "GaussianMoEMLE", "LeastSquaresMoE", "from_ball", "minimize", "to_ball"]
 
 OPTIMIZERS = ("sgd", "adam", "lbfgs")
-INITS = ("truth", "random")
+INITS = ("near", "truth", "random")  # "truth" is the older name of "near"
+#: starting embeddings are shortened radially to at most this fraction of ``beta1_bound``
+_START_FRACTION = 0.99
+
+
+def to_ball(u: Tensor, bound: float) -> Tensor:
+    """``β = B · tanh(‖u‖/B) · u/‖u‖`` over the last dimension: a smooth bijection of R^d onto the
+    open ball ‖β‖ < B (the identity for ``bound = inf``).  Module docstring for why."""
+    if math.isinf(bound):
+        return u
+    tiny = torch.finfo(u.dtype).tiny
+    r = (u * u).sum(dim=-1, keepdim=True).clamp_min(tiny).sqrt()
+    return u * (bound * torch.tanh(r / bound) / r)
+
+
+def from_ball(beta: Tensor, bound: float) -> Tensor:
+    """The inverse of :func:`to_ball`: ``u = B · artanh(‖β‖/B) · β/‖β‖`` (needs ‖β‖ < B)."""
+    if math.isinf(bound):
+        return beta
+    tiny = torch.finfo(beta.dtype).tiny
+    r = (beta * beta).sum(dim=-1, keepdim=True).clamp_min(tiny).sqrt()
+    return beta * (bound * torch.atanh(r / bound) / r)
+
+
+def _into_ball(beta: Tensor, bound: float) -> Tensor:
+    """Starting embeddings shortened radially to at most ``_START_FRACTION · bound``."""
+    if math.isinf(bound):
+        return beta
+    r = beta.norm(dim=-1, keepdim=True)
+    limit = _START_FRACTION * bound
+    return torch.where(r > limit, beta * (limit / r.clamp_min(torch.finfo(beta.dtype).tiny)), beta)
+
+
+def _check_bound(value: object, name: str = "beta1_bound") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}={value!r} is not allowed; expected a number > 0 (inf = unconstrained)")
+    return float(value)
 
 
 def minimize(
@@ -75,6 +141,8 @@ def minimize(
     n: int | None = None,
     replicates: int = 1,
     generator: torch.Generator | None = None,
+    gtol: float = 1e-7,
+    ftol: float = 1e-12,
 ) -> LBFGSResult:
     """Minimise ``Σ_r loss_fn(idx)[r]`` over ``params`` (leaf tensors with ``requires_grad``).
 
@@ -82,7 +150,8 @@ def minimize(
     (``None`` = all samples).  ``sgd`` with ``batch_size`` runs ``steps`` epochs of mini-batch SGD
     (perturbed cosine router (2024), App. E.1: SGD over epochs), each replicate with its own shuffle; otherwise ``steps``
     full-batch iterations.  ``lbfgs`` runs :func:`moelab.stats.lbfgs.batched_lbfgs`: every replicate
-    its own L-BFGS, to convergence or ``steps`` iterations.  Returns the per-replicate iterations,
+    its own L-BFGS, to convergence (``gtol``, ``ftol``: :func:`~moelab.stats.lbfgs.batched_lbfgs`) or
+    ``steps`` iterations.  Returns the per-replicate iterations,
     final gradient max-norms and whether each converged before the cap (an
     :class:`~moelab.stats.lbfgs.LBFGSResult`; for sgd/adam every replicate ran every iteration and
     no convergence is tested).
@@ -91,7 +160,7 @@ def minimize(
     positive("lr", lr)
     positive_int("steps", steps)
     if optimizer == "lbfgs":  # per-replicate line search, curvature and stopping: independent fits
-        return batched_lbfgs(lambda: loss_fn(None), params, max_iter=steps, lr=lr)
+        return batched_lbfgs(lambda: loss_fn(None), params, max_iter=steps, lr=lr, gtol=gtol, ftol=ftol)
     opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.Adam(params, lr=lr)
     iters = 0
     minibatch = optimizer == "sgd" and batch_size is not None and n is not None and batch_size < n
@@ -165,6 +234,16 @@ def _copies(k_true: int, k: int) -> Tensor:
     return torch.bincount(src, minlength=k_true)[src]
 
 
+def _repeat(truth: Any, R: int, restarts: int) -> Any:
+    """``truth`` (1 or R parameter sets) as R · restarts sets, restart-major blocks of R."""
+    return type(truth)(
+        *(
+            t.expand(R, *t.shape[1:]).repeat(restarts, *([1] * (t.dim() - 1)))
+            for t in truth.tensors().values()
+        )
+    )
+
+
 class _BatchedEstimator:
     """What both estimators share: scikit-learn's parameter protocol (``get_params``,
     ``set_params``, ``clone``), the checks of the shared hyper-parameters and the fit driver
@@ -178,14 +257,22 @@ class _BatchedEstimator:
         n_experts: k, the number of fitted experts (k* exact-specified, > k* over-specified).
         optimizer: ``sgd`` (perturbed cosine router (2024), App. E.1), ``adam`` or ``lbfgs``.
         lr, steps, batch_size: optimiser settings (``steps`` = epochs for mini-batch SGD).
-        init: ``truth`` (near the true parameters; needs ``truth`` in :meth:`fit`) or ``random``.
+        init: ``near`` (alias ``truth``: near the true parameters; needs ``truth`` in :meth:`fit`)
+            or ``random``.
         init_noise: std of the perturbation of the true parameters.
-        init_scale, restarts: random initialisation scale and number of restarts (``init="random"``).
+        init_scale: std of the random initialisation (``init="random"``).
+        restarts: starts per replicate (each its own draw); the lowest training loss is kept.
+        beta1_bound: B, the radius of the ball that holds every gate embedding β₁ᵢ (the compact
+            parameter space; module docstring); ``math.inf`` = unconstrained.
+        gtol, ftol: L-BFGS stopping tolerances: gradient max-norm, and loss change per iteration
+            relative to max(1, |loss|).
         seed: seeds the initialisation and the SGD shuffles.
 
     Shared attributes (after ``fit``): ``model_``, ``params_``, ``loss_`` (``(R,)`` final training
-    loss of the kept restart), ``restart_losses_`` (``(restarts, R)``), ``n_iter_``,
-    ``n_features_in_``.
+    loss of the kept restart), ``restart_losses_`` (``(restarts, R)``), and per replicate, of the
+    kept restart: ``n_iter_`` (iterations), ``grad_norm_`` (final gradient max-norm, in the
+    optimised coordinates), ``converged_`` (the stopping test held), ``hit_cap_`` (stopped by the
+    cap ``steps`` without converging); ``n_features_in_``.
     """
 
     _estimator_type_tag: ClassVar[str | None] = None
@@ -202,6 +289,9 @@ class _BatchedEstimator:
         init_noise: float,
         init_scale: float,
         restarts: int,
+        beta1_bound: float,
+        gtol: float,
+        ftol: float,
         seed: int,
     ) -> None:
         self.n_experts = n_experts
@@ -213,6 +303,9 @@ class _BatchedEstimator:
         self.init_noise = init_noise
         self.init_scale = init_scale
         self.restarts = restarts
+        self.beta1_bound = beta1_bound
+        self.gtol = gtol
+        self.ftol = ftol
         self.seed = seed
 
     # ------------------------------------------------------------ scikit-learn parameter protocol
@@ -292,6 +385,9 @@ class _BatchedEstimator:
         non_negative("init_noise", self.init_noise)
         positive("init_scale", self.init_scale)
         positive_int("restarts", self.restarts)
+        _check_bound(self.beta1_bound)
+        non_negative("gtol", self.gtol)
+        non_negative("ftol", self.ftol)
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise ValueError(f"seed={self.seed!r} is not allowed; expected an integer")
 
@@ -326,6 +422,16 @@ class _BatchedEstimator:
         X, Y, _ = _batched(X[0] if unbatched else X, Y)
         return X, Y, unbatched
 
+    def _check_truth_in_ball(self, truth: Any) -> None:
+        """The near-truth start needs the truth inside the compact parameter space (the closed ball:
+        a reference fit Ḡ may lie on its sphere; the start is pulled in to 0.99 of the radius)."""
+        largest = float(truth.beta1.norm(dim=-1).max())
+        if not largest <= self.beta1_bound * (1 + 1e-9):  # a target fitted onto the sphere is inside
+            raise ValueError(
+                f"beta1_bound={self.beta1_bound!r} is not allowed for this truth: its largest "
+                f"‖β₁ᵢ‖ is {largest:.4g}; expected a bound at or above it (inf = unconstrained)"
+            )
+
     def _noise(self, t: Tensor, gen: torch.Generator, centered: bool = False) -> Tensor:
         """``t`` plus N(0, init_noise²); ``centered`` removes the noise's mean over the atoms (dim 1)."""
         noise = self.init_noise * torch.randn(t.shape, generator=gen, dtype=t.dtype)
@@ -358,14 +464,17 @@ class _BatchedEstimator:
         X, Y, _ = _batched(X, Y)
         model = self._make_model()
         R, n, d = X.shape
-        if self.init == "truth" and truth is None:
-            raise ValueError("init='truth' needs the true parameters: fit(X, Y, truth=...)")
+        near = self.init in ("near", "truth")
+        if near and truth is None:
+            raise ValueError(f"init={self.init!r} needs the true parameters: fit(X, Y, truth=...)")
         self._check_sizes(n, d, self._n_params(model, d), truth.num_experts if truth is not None else None)
         if truth is not None and truth.replicates not in (1, R):
             raise ValueError(f"truth has R={truth.replicates} parameter sets; expected 1 or {R}")
+        if near:
+            self._check_truth_in_ball(truth)
         gen = torch.Generator().manual_seed(int(self.seed))
-        restarts = self.restarts if self.init == "random" else 1
-        start = truth if self.init == "truth" else None
+        restarts = self.restarts
+        start = _repeat(truth, R, restarts) if near else None
         loss_fn, trainable, current = self._objective(model, X, Y, start, restarts, gen)
         result = minimize(
             loss_fn,
@@ -377,6 +486,8 @@ class _BatchedEstimator:
             n=n,
             replicates=R * restarts,
             generator=gen,
+            gtol=self.gtol,
+            ftol=self.ftol,
         )
         with torch.no_grad():
             final = loss_fn(None).view(restarts, R)
@@ -390,6 +501,7 @@ class _BatchedEstimator:
         self.n_iter_ = result.n_iter[pick]
         self.grad_norm_ = result.grad_norm[pick]
         self.converged_ = result.converged[pick]
+        self.hit_cap_ = ~self.converged_ & (self.n_iter_ >= self.steps)
         self.restart_losses_ = final
         self.loss_ = loss
         self.params_ = params
@@ -404,12 +516,15 @@ class LeastSquaresMoE(_BatchedEstimator):
         n_experts: k, the number of fitted experts (k* exact-specified, > k* over-specified).
         gate, expert, degree, activation, expert_bias, top_k: the model (:class:`RegressionMoE`).
         tau: τ₁ = τ₂ of the perturbed gate (the perturbed cosine router (2024), §5.1, uses τ₁ = τ₂).
-        optimizer, lr, steps, batch_size, init, init_noise, init_scale, restarts, seed: the fit
-            (shared with :class:`GaussianMoEMLE`; see ``_BatchedEstimator``).
+        eta_bound: radius of the ball that holds every expert's parameter vector ηᵢ (module
+            docstring); ``math.inf`` (default) = unconstrained.
+        optimizer, lr, steps, batch_size, init, init_noise, init_scale, restarts, beta1_bound, gtol,
+            ftol, seed: the fit (shared with :class:`GaussianMoEMLE`; see ``_BatchedEstimator``).
 
     Attributes (after ``fit``): ``params_`` (:class:`MoEParams`), ``beta0_``, ``beta1_``, ``eta_``,
     ``loss_`` (``(R,)`` final mean squared error), ``restart_losses_`` (``(restarts, R)``),
-    ``n_iter_``, ``n_features_in_``, ``model_`` (the :class:`RegressionMoE`).
+    ``n_iter_``, ``grad_norm_``, ``converged_``, ``hit_cap_``, ``n_features_in_``, ``model_`` (the
+    :class:`RegressionMoE`).
 
     ``score(X, Y)`` is scikit-learn's regressor score: R² = 1 − Σ(y − ŷ)² / Σ(y − ȳ)².
     """
@@ -427,6 +542,7 @@ class LeastSquaresMoE(_BatchedEstimator):
         activation: str = "tanh",
         expert_bias: bool = True,
         top_k: int | None = None,
+        eta_bound: float = math.inf,
         optimizer: str = "adam",
         lr: float = 1e-2,
         steps: int = 500,
@@ -435,6 +551,9 @@ class LeastSquaresMoE(_BatchedEstimator):
         init_noise: float = 0.1,
         init_scale: float = 1.0,
         restarts: int = 1,
+        beta1_bound: float = 10.0,
+        gtol: float = 1e-7,
+        ftol: float = 1e-12,
         seed: int = 0,
     ) -> None:
         super().__init__(
@@ -447,6 +566,9 @@ class LeastSquaresMoE(_BatchedEstimator):
             init_noise=init_noise,
             init_scale=init_scale,
             restarts=restarts,
+            beta1_bound=beta1_bound,
+            gtol=gtol,
+            ftol=ftol,
             seed=seed,
         )
         self.gate = gate
@@ -456,9 +578,11 @@ class LeastSquaresMoE(_BatchedEstimator):
         self.activation = activation
         self.expert_bias = expert_bias
         self.top_k = top_k
+        self.eta_bound = eta_bound
 
     def _make_model(self) -> RegressionMoE:
         non_negative("tau", self.tau)
+        _check_bound(self.eta_bound, "eta_bound")
         return RegressionMoE(
             gate=self.gate,
             expert=self.expert,
@@ -508,15 +632,29 @@ class LeastSquaresMoE(_BatchedEstimator):
         Xr, Yr = X.contiguous().repeat(restarts, 1, 1), Y.repeat(restarts, 1)  # restart-major blocks
         Xtr = inputs_t(Xr)
         init = self._init(model, R * restarts, d, truth, gen, X.dtype)
-        leaves = [t.detach().clone().requires_grad_(True) for t in init.tensors().values()]
-        params = MoEParams(*leaves)
+        bound, eta_bound = float(self.beta1_bound), float(self.eta_bound)
+        u = from_ball(_into_ball(init.beta1, bound), bound)  # β₁ = to_ball(u): the compact space
+        v = from_ball(_into_ball(init.eta, eta_bound), eta_bound)  # η = to_ball(v)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (init.beta0, u, v)]
+
+        def current() -> MoEParams:
+            return MoEParams(leaves[0], to_ball(leaves[1], bound), to_ball(leaves[2], eta_bound))
 
         def loss_fn(idx: Tensor | None) -> Tensor:
             xt, y = _take(Xtr, idx), _take(Yr, idx)
             x = Xr if idx is None else _take(Xr, idx, sample_dim=1)
-            return ((y - model.mean_t(xt, params, x)) ** 2).mean(dim=-1)
+            return ((y - model.mean_t(xt, current(), x)) ** 2).mean(dim=-1)
 
-        return loss_fn, leaves, lambda: params
+        return loss_fn, leaves, current
+
+    def _check_truth_in_ball(self, truth: MoEParams) -> None:
+        super()._check_truth_in_ball(truth)
+        largest = float(truth.eta.norm(dim=-1).max())
+        if not largest <= self.eta_bound * (1 + 1e-9):
+            raise ValueError(
+                f"eta_bound={self.eta_bound!r} is not allowed for this truth: its largest ‖ηᵢ‖ is "
+                f"{largest:.4g}; expected a bound at or above it (inf = unconstrained)"
+            )
 
     def _set_fitted_params(self, params: MoEParams) -> None:
         self.beta0_, self.beta1_, self.eta_ = params.beta0, params.beta1, params.eta
@@ -557,12 +695,19 @@ class GaussianMoEMLE(_BatchedEstimator):
         gating: ``softmax`` or ``competition`` (:class:`GaussianMoE`).
         top_k: optional sparse gate.
         gate_bias: per-expert gate bias for competition gating (:class:`GaussianMoE`).
-        optimizer, lr, steps, batch_size, init, init_noise, init_scale, restarts, seed: the fit
-            (shared with :class:`LeastSquaresMoE`).  Variances are optimised as log ν.
+        optimizer, lr, steps, batch_size, init, init_noise, init_scale, restarts, beta1_bound, gtol,
+            ftol, seed: the fit (shared with :class:`LeastSquaresMoE`).  Variances are optimised as
+            log(ν − nu_min); ``beta1_bound`` bounds the softmax gate's β₁ᵢ (competition gating has none).
+        nu_min: floor of every variance, ν = nu_min + exp(·) (default 0: none).  The Gaussian
+            likelihood has no maximum without one — a component with ν → 0 on a few points raises
+            it without bound — and the rate theorems of Ho (2025) and CompeteSMoE (2025) assume a
+            compact parameter space with ν bounded away from 0; an over-specified fit run to
+            convergence finds that degenerate direction (measured: ν = 1e-5 with weight e^-19).
 
     Attributes (after ``fit``): ``params_`` (:class:`GaussianParams`), ``a_``, ``b_``, ``nu_``,
     ``beta0_``, ``beta1_``, ``loss_`` (``(R,)`` final mean negative log-likelihood),
-    ``restart_losses_``, ``n_iter_``, ``n_features_in_``, ``model_`` (the :class:`GaussianMoE`).
+    ``restart_losses_``, ``n_iter_``, ``grad_norm_``, ``converged_``, ``hit_cap_``, ``n_features_in_``,
+    ``model_`` (the :class:`GaussianMoE`).
 
     ``predict(X)`` is the conditional mean ``E_Ĝ[Y | X] = Σᵢ πᵢ(X)(aᵢᵀX + bᵢ)``; ``score(X, Y)``
     is the mean log-likelihood ``(1/n) Σ log p_Ĝ(Yᵢ | Xᵢ)`` (as scikit-learn's density estimators).
@@ -575,6 +720,7 @@ class GaussianMoEMLE(_BatchedEstimator):
         gating: str = "softmax",
         top_k: int | None = None,
         gate_bias: bool = False,
+        nu_min: float = 0.0,
         optimizer: str = "adam",
         lr: float = 1e-2,
         steps: int = 500,
@@ -583,6 +729,9 @@ class GaussianMoEMLE(_BatchedEstimator):
         init_noise: float = 0.1,
         init_scale: float = 1.0,
         restarts: int = 1,
+        beta1_bound: float = 10.0,
+        gtol: float = 1e-7,
+        ftol: float = 1e-12,
         seed: int = 0,
     ) -> None:
         super().__init__(
@@ -595,13 +744,18 @@ class GaussianMoEMLE(_BatchedEstimator):
             init_noise=init_noise,
             init_scale=init_scale,
             restarts=restarts,
+            beta1_bound=beta1_bound,
+            gtol=gtol,
+            ftol=ftol,
             seed=seed,
         )
         self.gating = gating
         self.top_k = top_k
         self.gate_bias = gate_bias
+        self.nu_min = nu_min
 
     def _make_model(self) -> GaussianMoE:
+        non_negative("nu_min", self.nu_min)
         return GaussianMoE(gating=self.gating, top_k=self.top_k, gate_bias=self.gate_bias)
 
     def _n_params(self, model: GaussianMoE, d: int) -> int:
@@ -619,7 +773,7 @@ class GaussianMoEMLE(_BatchedEstimator):
             parts = [beta0, *(_split_truth(t, k) for t in (truth.beta1, truth.a, truth.b))]
             c = model.gating == "softmax" or model.gate_bias  # translation-invariant gates
             parts = [self._noise(t, gen, centered=c and i < 2) for i, t in enumerate(parts)]
-            log_nu = self._noise(_split_truth(truth.nu, k).log(), gen)
+            log_nu = self._noise((_split_truth(truth.nu, k) - self.nu_min).log(), gen)
             return [*parts, log_nu]
         s = self.init_scale
         return [
@@ -641,24 +795,32 @@ class GaussianMoEMLE(_BatchedEstimator):
     ) -> tuple[Callable[[Tensor | None], Tensor], list[Tensor], Callable[[], GaussianParams]]:
         R, _, d = X.shape
         Xr, Yr = inputs_t(X).repeat(restarts, 1, 1), Y.repeat(restarts, 1)
-        if truth is not None:
-            init = self._init(model, R, d, truth.expand(R) if truth.replicates == 1 else truth, gen, X.dtype)
-        else:
-            init = self._init(model, R * restarts, d, None, gen, X.dtype)
+        init = self._init(model, R * restarts, d, truth, gen, X.dtype)
+        bound, nu_min = float(self.beta1_bound), float(self.nu_min)
+        init[1] = from_ball(_into_ball(init[1], bound), bound)  # β₁ = to_ball(u): the compact space
         leaves = [t.detach().clone().requires_grad_(True) for t in init]
         if model.gating == "competition":  # no gate parameters (CompeteSMoE (2025), eq. (13)) but a bias
             leaves[0].requires_grad_(model.gate_bias)
             leaves[1].requires_grad_(False)
 
         def current() -> GaussianParams:
-            beta0, beta1, a, b, log_nu = leaves
-            return GaussianParams(beta0, beta1, a, b, log_nu.exp())
+            beta0, u, a, b, log_nu = leaves
+            return GaussianParams(beta0, to_ball(u, bound), a, b, nu_min + log_nu.exp())
 
         def loss_fn(idx: Tensor | None) -> Tensor:
             x, y = _take(Xr, idx), _take(Yr, idx)
             return -model.log_density_t(x, y, current()).mean(dim=-1)
 
         return loss_fn, [t for t in leaves if t.requires_grad], current
+
+    def _check_truth_in_ball(self, truth: GaussianParams) -> None:
+        super()._check_truth_in_ball(truth)
+        smallest = float(truth.nu.min())
+        if not smallest > self.nu_min:
+            raise ValueError(
+                f"nu_min={self.nu_min!r} is not allowed for this truth: its smallest ν is {smallest:.4g}; "
+                "expected a floor below it"
+            )
 
     def _set_fitted_params(self, params: GaussianParams) -> None:
         p = params

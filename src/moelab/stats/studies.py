@@ -4,12 +4,22 @@
 
 * ``config.yaml`` — every constant (d, k*, noise, τ, sample-size grid, optimiser settings, seed);
 * ``losses.csv`` — one row per (router, setting, loss, n, replicate): ``loss`` names the loss (expert
-  or voronoi), ``value`` is its value, ``train`` the training MSE/NLL;
+  or voronoi), ``value`` is its value, ``train`` the training MSE/NLL, and the fit's diagnostics
+  ``n_iter``, ``grad_norm``, ``converged``, ``hit_cap`` and ``beta1_max_norm`` (largest ‖β₁ᵢ‖);
+* ``table.csv`` — one row per (router, setting, loss, n): mean loss, sd over replicates, 95 %
+  bootstrap CI of the mean, and the fraction of replicates that converged, hit the iteration cap
+  or ended on the bound ‖β₁ᵢ‖ = B (also printed by the command);
+* ``estimates.npz`` — every replicate's estimates (NumPy arrays, no pickle): for each series
+  ``{router}__{setting}__{param}`` of shape ``(S, R, k, ...)`` (S sample sizes, R replicates), the
+  target it is measured against ``{router}__{setting}__target_{param}``, and ``sample_sizes``;
 * ``metrics.json`` — ``rates``: a list of ``{router, setting, loss, slope, ci_low, ci_high,
-  intercept}`` (``log mean loss = intercept + slope · log n``, 95 % bootstrap CI), ``means``
-  (mean loss per n), ``config`` (the constants again), ``wall_seconds``;
+  intercept, theory}`` (``log mean loss = intercept + slope · log n``, 95 % bootstrap CI;
+  ``theory`` the reference slopes of :data:`THEORY`), ``differences``: the slope differences
+  between the routers of each (setting, loss) with their bootstrap CI, ``table`` (as table.csv),
+  ``means``, ``config`` (the constants again), ``wall_seconds``;
 * ``rates.png`` — log-log mean loss against n with two-standard-deviation bars and the fitted
-  lines, one panel per setting (as perturbed cosine router (2024) Fig. 1 / Fig. 2).
+  lines (solid), the theory's reference slopes dashed, one panel per setting (as perturbed cosine
+  router (2024) Fig. 1 / Fig. 2).
 
 Studies:
 
@@ -38,7 +48,15 @@ The paper's constants (d, k*, ν, τ, grid, SGD settings) were not recoverable f
 ours are in :data:`STUDIES` and in every run's config.  The default optimiser is full-batch
 L-BFGS in float64 rather than the paper's SGD: a rate study measures the estimator, and SGD
 with a fixed budget stops short of the least-squares solution at large n, flattening the
-curve (``--optimizer sgd`` runs the paper's choice).
+curve (``--optimizer sgd`` runs the paper's choice).  Each replicate is its own L-BFGS run
+(:mod:`moelab.stats.lbfgs`), to a gradient max-norm ``gtol`` or a loss change ``ftol`` or the cap
+``steps``; ``restarts`` starts per replicate (``init`` near the truth or random) keep the lowest
+training loss; and every gate embedding lies in the ball ‖β₁ᵢ‖ < ``beta1_bound`` (the compact
+parameter space the theory assumes; :mod:`moelab.stats.fit`), by default ten times the expected
+norm of a true embedding, 10 · router_std · √d, and every expert's parameters in ‖ηᵢ‖ <
+``eta_bound``, by default 10 · expert_std · √q (q parameters per expert); the Gaussian study
+floors the fitted variances at ``nu_min`` (default nu_range[0] / 5), without which the
+over-specified likelihood has no maximum.
 """
 
 from __future__ import annotations
@@ -55,15 +73,42 @@ from tqdm import tqdm
 
 from .._validate import non_negative, one_of, positive, positive_int
 from ..io.rundir import RunDir
-from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE
+from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE, _check_bound
 from .models import GaussianMoE, MoEParams, RegressionMoE
-from .rates import fit_rate
+from .rates import fit_rate, mean_table, slope_difference
 from .simulate import gaussian_truth, regression_truth, simulate_gaussian, simulate_regression
 from .voronoi import gaussian_voronoi_loss, voronoi_loss
 
-__all__ = ["STUDIES", "StudyConfig", "add_arguments", "run", "run_study", "study_config"]
+__all__ = ["STUDIES", "THEORY", "StudyConfig", "add_arguments", "run", "run_study", "study_config"]
 
 STUDIES = ("cosine-vs-perturbed", "misspecified", "linear-vs-perturbed", "softmax-vs-competition")
+STUDY_INITS = ("near", "random")
+
+#: reference slopes drawn dashed on the plots and written next to each rate: (study, loss) or
+#: (study, setting, loss) → [(slope, label)].  Rates for D, the Voronoi loss of the perturbed
+#: cosine router (2024) eq. (11), and the expert loss of the Gaussian study (exponent 1 in every
+#: cell: its rate is the slowest parameter rate).  The cosine router (minimax slower than any
+#: polynomial) and misspecified fits have no polynomial rate to draw; n^-1/2 is drawn for scale.
+THEORY: dict[tuple[str, ...], list[tuple[float, str]]] = {
+    ("cosine-vs-perturbed", "exact-specified", "voronoi"): [
+        (-0.5, "n^-1/2: perturbed (perturbed cosine router (2024) Thm. 3)")
+    ],
+    ("cosine-vs-perturbed", "over-specified", "voronoi"): [
+        (-0.5, "n^-1/2: perturbed, D (perturbed cosine router (2024) Thm. 4)")
+    ],
+    ("misspecified", "voronoi"): [(-0.5, "n^-1/2 (parametric, for scale)")],
+    ("linear-vs-perturbed", "voronoi"): [(-0.5, "n^-1/2 (parametric, for scale)")],
+    ("softmax-vs-competition", "expert"): [
+        (-0.25, "n^-1/4: competition (CompeteSMoE (2025) Thm. 3.2)"),
+        (-0.5, "n^-1/2 (parametric)"),
+    ],
+    ("softmax-vs-competition", "voronoi"): [(-0.5, "n^-1/2: CompeteSMoE (2025) Thm. 3.2, App. J")],
+}
+
+
+def theory_slopes(study: str, setting: str, loss: str) -> list[tuple[float, str]]:
+    """The reference slopes of :data:`THEORY` for one panel (empty if none)."""
+    return THEORY.get((study, setting, loss), THEORY.get((study, loss), []))
 
 
 @dataclass
@@ -89,9 +134,20 @@ class StudyConfig:
     replicates: int = 20
     optimizer: str = "lbfgs"
     lr: float = 1.0
-    steps: int = 60
+    steps: int = 500
     batch_size: int | None = None
+    init: str = "near"
     init_noise: float = 0.05
+    init_scale: float = 1.0
+    restarts: int = 1
+    gtol: float = 1e-7
+    ftol: float = 1e-12
+    #: radius of the ball holding every β₁ᵢ; None = 10 · router_std · √d; inf = unconstrained
+    beta1_bound: float | None = None
+    #: radius of the ball holding every expert's ηᵢ (regression studies); None = 10 · expert_std · √q
+    eta_bound: float | None = None
+    #: floor of the fitted variances (Gaussian study); None = nu_range[0] / 5
+    nu_min: float | None = None
     reference_n: int = 128000
     reference_steps: int = 200
     n_boot: int = 2000
@@ -109,7 +165,27 @@ class StudyConfig:
         one_of("optimizer", self.optimizer, OPTIMIZERS)
         positive("lr", self.lr)
         positive_int("steps", self.steps)
+        one_of("init", self.init, STUDY_INITS)
         non_negative("init_noise", self.init_noise)
+        positive("init_scale", self.init_scale)
+        positive_int("restarts", self.restarts)
+        non_negative("gtol", self.gtol)
+        non_negative("ftol", self.ftol)
+        positive("router_std", self.router_std)
+        if self.beta1_bound is None:
+            self.beta1_bound = 10.0 * self.router_std * self.d**0.5
+        _check_bound(self.beta1_bound)
+        positive("expert_std", self.expert_std)
+        if self.eta_bound is None:
+            q = self.d + 2 if self.expert == "ffn" else self.d + 1
+            self.eta_bound = 10.0 * self.expert_std * q**0.5
+        _check_bound(self.eta_bound, "eta_bound")
+        if self.nu_min is None:
+            self.nu_min = self.nu_range[0] / 5
+        non_negative("nu_min", self.nu_min)
+        positive_int("n_boot", self.n_boot)
+        positive_int("reference_n", self.reference_n)
+        positive_int("reference_steps", self.reference_steps)
         if len(self.sample_sizes) < 2 or len(set(self.sample_sizes)) < 2:
             raise ValueError(
                 f"sample_sizes={self.sample_sizes!r} is not allowed; expected >= 2 distinct sizes"
@@ -168,26 +244,77 @@ def _expand(p: MoEParams, R: int) -> MoEParams:
 
 
 def _fit_options(cfg: StudyConfig, fit_gate: str, *, steps: int, init_noise: float) -> dict:
-    """The :class:`LeastSquaresMoE` options of a study's fits (initialised near the truth)."""
+    """The :class:`LeastSquaresMoE` options of a study's fits."""
     return dict(
         gate=fit_gate,
         expert=cfg.expert,
         tau=cfg.tau if fit_gate == "perturbed" else 0.0,
         degree=cfg.degree,
         activation=cfg.activation,
+        eta_bound=cfg.eta_bound,
+        **_optimiser_options(cfg, steps=steps, init_noise=init_noise),
+    )
+
+
+def _optimiser_options(cfg: StudyConfig, *, steps: int, init_noise: float) -> dict:
+    """The options both estimators share."""
+    return dict(
         optimizer=cfg.optimizer,
         lr=cfg.lr,
         steps=steps,
         batch_size=cfg.batch_size,
-        init="truth",
+        init=cfg.init,
         init_noise=init_noise,
+        init_scale=cfg.init_scale,
+        restarts=cfg.restarts,
+        beta1_bound=cfg.beta1_bound,
+        gtol=cfg.gtol,
+        ftol=cfg.ftol,
     )
 
 
+#: per-replicate fit diagnostics kept for losses.csv and table.csv
+DIAGNOSTICS = ("n_iter", "grad_norm", "converged", "hit_cap", "beta1_max_norm")
+
+
+class _Collector:
+    """Per sample size: losses, training losses, diagnostics and estimates of one series."""
+
+    def __init__(self) -> None:
+        self.train: list[list[float]] = []
+        self.diag: dict[str, list[list[float]]] = {name: [] for name in DIAGNOSTICS}
+        self.estimates: dict[str, list[np.ndarray]] = {}
+
+    def add(self, est: Any) -> None:
+        self.train.append(est.loss_.tolist())
+        self.diag["n_iter"].append(est.n_iter_.tolist())
+        self.diag["grad_norm"].append(est.grad_norm_.tolist())
+        self.diag["converged"].append(est.converged_.tolist())
+        self.diag["hit_cap"].append(est.hit_cap_.tolist())
+        self.diag["beta1_max_norm"].append(est.beta1_.norm(dim=-1).amax(dim=-1).tolist())
+        for name, t in est.params_.tensors().items():
+            self.estimates.setdefault(name, []).append(t.detach().cpu().numpy())
+        self.estimates.setdefault("restart_losses", []).append(est.restart_losses_.T.cpu().numpy())
+
+    def result(self, target: Any) -> dict[str, Any]:
+        """``train (S, R)``, ``diag`` name → ``(S, R)``, ``estimates`` name → ``(S, R, ...)``
+        (``target_*``: the parameters the loss is measured against)."""
+        estimates = {name: np.stack(v) for name, v in self.estimates.items()}
+        for name, t in target.tensors().items():
+            estimates[f"target_{name}"] = t.detach().cpu().numpy()
+        return {
+            "train": np.array(self.train),
+            "diag": {name: np.array(v, dtype=float) for name, v in self.diag.items()},
+            "estimates": estimates,
+        }
+
+
 def _regression_series(cfg: StudyConfig, *, data_model, truth, fit_gate, k, target, gen, bar) -> dict:
-    """Fit every sample size; return per-n Voronoi losses ``(S, R)`` and training MSEs."""
+    """Fit every sample size; return per-n Voronoi losses ``(S, R)``, training MSEs, diagnostics
+    and estimates."""
     fit_kwargs = _fit_options(cfg, fit_gate, steps=cfg.steps, init_noise=cfg.init_noise)
-    losses, mses = [], []
+    losses = []
+    collect = _Collector()
     R = cfg.replicates
     tgt = _expand(target, R)
     for n in cfg.sample_sizes:
@@ -205,9 +332,9 @@ def _regression_series(cfg: StudyConfig, *, data_model, truth, fit_gate, k, targ
         est = LeastSquaresMoE(k, seed=seed, **fit_kwargs).fit(X, Y, target)
         loss = voronoi_loss(est.beta0_, est.beta1_, est.eta_, tgt.beta0, tgt.beta1, tgt.eta)
         losses.append(loss.tolist())
-        mses.append(est.loss_.tolist())
+        collect.add(est)
         bar.update(1)
-    return {"loss": np.array(losses), "train": np.array(mses)}
+    return {"loss": np.array(losses), **collect.result(target)}
 
 
 def _reference_fit(cfg: StudyConfig, *, data_model, truth, fit_gate, k, init_from, gen) -> MoEParams:
@@ -222,9 +349,8 @@ def _reference_fit(cfg: StudyConfig, *, data_model, truth, fit_gate, k, init_fro
         bound=cfg.input_bound,
         generator=gen,
     )
-    est = LeastSquaresMoE(k, **_fit_options(cfg, fit_gate, steps=cfg.reference_steps, init_noise=0.0)).fit(
-        X, Y, init_from
-    )
+    options = {**_fit_options(cfg, fit_gate, steps=cfg.reference_steps, init_noise=0.0), "init": "near"}
+    est = LeastSquaresMoE(k, **{**options, "restarts": 1}).fit(X, Y, init_from)
     return est.params_
 
 
@@ -307,15 +433,16 @@ def _run_gaussian(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str,
             generator=torch.Generator().manual_seed(cfg.seed),
         )  # fmt: skip
         tgt = truth.expand(R)
-        expert_losses, vor_losses, nll = [], [], []
+        expert_losses, vor_losses = [], []
+        collect = _Collector()
         for n in cfg.sample_sizes:
             X, Y = simulate_gaussian(
                 model, truth, n, R, distribution=cfg.input_distribution, bound=cfg.input_bound, generator=gen
             )
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
             est = GaussianMoEMLE(
-                spec["k"], gating=gating, gate_bias=bias, optimizer=cfg.optimizer, lr=cfg.lr, steps=cfg.steps,
-                batch_size=cfg.batch_size, init="truth", init_noise=cfg.init_noise, seed=seed,
+                spec["k"], gating=gating, gate_bias=bias, nu_min=cfg.nu_min, seed=seed,
+                **_optimiser_options(cfg, steps=cfg.steps, init_noise=cfg.init_noise),
             ).fit(X, Y, truth)  # fmt: skip
             args = (est.a_, est.b_, est.nu_, tgt.a, tgt.b, tgt.nu)
             expert_losses.append(gaussian_voronoi_loss(*args, r_multi=1.0, mass_term=False).tolist())
@@ -324,11 +451,11 @@ def _run_gaussian(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str,
             else:  # no gate weights (CompeteSMoE (2025) eq. (13)): the mass term would be the constant Σ_j ||A_j| − 1|
                 vor = gaussian_voronoi_loss(*args, mass_term=False)
             vor_losses.append(vor.tolist())
-            nll.append(est.loss_.tolist())
+            collect.add(est)
             bar.update(1)
-        train = np.array(nll)
-        results.append({**spec, "loss_name": "expert", "loss": np.array(expert_losses), "train": train})
-        results.append({**spec, "loss_name": "voronoi", "loss": np.array(vor_losses), "train": train})
+        fitted = collect.result(truth)
+        results.append({**spec, "loss_name": "expert", "loss": np.array(expert_losses), **fitted})
+        results.append({**spec, "loss_name": "voronoi", "loss": np.array(vor_losses), **fitted})
     return results
 
 
@@ -343,16 +470,30 @@ def run_study(cfg: StudyConfig, rundir: RunDir | None = None, progress: bool = T
             results = _run_gaussian(cfg, gen, bar)
         else:
             results = _run_regression(cfg, gen, bar)
-    rates, means, rows = [], [], []
+    rates, means, rows, table, estimates = [], [], [], [], {"sample_sizes": np.array(cfg.sample_sizes)}
+    bound = float(cfg.beta1_bound)
     for res in results:
         loss = res["loss"]
-        fit = fit_rate(cfg.sample_sizes, np.maximum(loss, 1e-300), n_boot=cfg.n_boot, seed=cfg.seed)
+        positive_loss = np.maximum(loss, 1e-300)
+        fit = fit_rate(cfg.sample_sizes, positive_loss, n_boot=cfg.n_boot, seed=cfg.seed)
         key = {"router": res["router"], "setting": res["setting"], "loss": res["loss_name"]}
+        theory = [
+            {"slope": t, "label": label}
+            for t, label in theory_slopes(cfg.study, res["setting"], res["loss_name"])
+        ]
         rates.append({**key, "k": res["k"], "slope": fit.slope, "ci_low": fit.ci_low, "ci_high": fit.ci_high,
-                      "intercept": fit.intercept, "target": res.get("target", "truth")})  # fmt: skip
+                      "intercept": fit.intercept, "target": res.get("target", "truth"), "theory": theory})  # fmt: skip
         means.append(
             {**key, "n": list(cfg.sample_sizes), "mean": loss.mean(1).tolist(), "std": loss.std(1).tolist()}
         )
+        diag = res["diag"]
+        at_bound = diag["beta1_max_norm"] >= (1 - 1e-6) * bound
+        for s, row in enumerate(
+            mean_table(cfg.sample_sizes, positive_loss, n_boot=cfg.n_boot, seed=cfg.seed)
+        ):
+            table.append({**key, "k": res["k"], **row, "converged": float(diag["converged"][s].mean()),
+                          "hit_cap": float(diag["hit_cap"][s].mean()), "at_bound": float(at_bound[s].mean()),
+                          "median_iter": float(np.median(diag["n_iter"][s]))})  # fmt: skip
         for s, n in enumerate(cfg.sample_sizes):
             for r in range(loss.shape[1]):
                 rows.append(
@@ -363,21 +504,72 @@ def run_study(cfg: StudyConfig, rundir: RunDir | None = None, progress: bool = T
                         "replicate": r,
                         "value": loss[s, r],  # "loss" names which loss (expert or voronoi)
                         "train": res["train"][s, r],
+                        **{name: diag[name][s, r] for name in DIAGNOSTICS},
                     }
                 )
+        for name, array in res["estimates"].items():
+            estimates[f"{res['router']}__{res['setting']}__{name}"] = array
+    differences = _differences(cfg, results)
     wall = time.perf_counter() - start
     config = dataclasses.asdict(cfg)
-    metrics = {"study": cfg.study, "rates": rates, "means": means, "config": config, "wall_seconds": wall,
-               "torch_threads": torch.get_num_threads()}  # fmt: skip
+    metrics = {"study": cfg.study, "rates": rates, "differences": differences, "table": table, "means": means,
+               "config": config, "wall_seconds": wall, "torch_threads": torch.get_num_threads()}  # fmt: skip
     if rundir is not None:
         rundir.write_config(config)
-        _write_csv(rundir, rows)
+        _write_csv(rundir.file("losses.csv"), rows)
+        _write_csv(rundir.file("table.csv"), table)
+        _write_npz(rundir.file("estimates.npz"), estimates)
         _plot(rundir.file("rates.png"), cfg, means, rates)
         rundir.write_metrics(metrics)
     return metrics
 
 
-def _write_csv(rundir: RunDir, rows: list[dict[str, Any]]) -> None:
+def _differences(cfg: StudyConfig, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Slope of router a − slope of router b, with its bootstrap CI, for every pair of routers in
+    the same (setting, loss) panel (their data are independent samples)."""
+    out = []
+    panels = list(dict.fromkeys((r["setting"], r["loss_name"]) for r in results))
+    for setting, loss_name in panels:
+        series = [r for r in results if (r["setting"], r["loss_name"]) == (setting, loss_name)]
+        for i, a in enumerate(series):
+            for b in series[i + 1 :]:
+                diff = slope_difference(
+                    cfg.sample_sizes, np.maximum(a["loss"], 1e-300), np.maximum(b["loss"], 1e-300),
+                    n_boot=cfg.n_boot, seed=cfg.seed,
+                )  # fmt: skip
+                out.append({"setting": setting, "loss": loss_name, "router_a": a["router"],
+                            "router_b": b["router"], **diff.as_dict()})  # fmt: skip
+    return out
+
+
+def format_table(metrics: dict[str, Any]) -> str:
+    """The per-n table, the slopes and the slope differences of a study, as printed text."""
+    lines = [
+        f"{'router':>16} {'setting':<16} {'loss':<8} {'n':>6} {'mean':>10} {'sd':>10} "
+        f"{'95% CI of the mean':>23} {'conv':>5} {'cap':>5} {'bound':>5}"
+    ]
+    for t in metrics["table"]:
+        lines.append(
+            f"{t['router']:>16} {t['setting']:<16} {t['loss']:<8} {t['n']:>6} {t['mean']:>10.4g} "
+            f"{t['sd']:>10.3g} [{t['ci_low']:>10.4g}, {t['ci_high']:>10.4g}] {t['converged']:>5.2f} "
+            f"{t['hit_cap']:>5.2f} {t['at_bound']:>5.2f}"
+        )
+    lines.append("")
+    for r in metrics["rates"]:
+        ref = ", ".join(f"{t['slope']:+.3f}" for t in r["theory"]) or "none"
+        lines.append(
+            f"{r['router']:>16} {r['setting']:<16} {r['loss']:<8} slope {r['slope']:+.3f} "
+            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]  theory {ref}"
+        )
+    for d in metrics["differences"]:
+        lines.append(
+            f"{d['setting']:<16} {d['loss']:<8} slope({d['router_a']}) - slope({d['router_b']}) "
+            f"{d['difference']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+        )
+    return "\n".join(lines)
+
+
+def _write_csv(path, rows: list[dict[str, Any]]) -> None:
     import csv
     import io
 
@@ -387,11 +579,25 @@ def _write_csv(rundir: RunDir, rows: list[dict[str, Any]]) -> None:
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write_text(rundir.file("losses.csv"), buf.getvalue())
+    atomic_write_text(path, buf.getvalue())
+
+
+def _write_npz(path, arrays: dict[str, np.ndarray]) -> None:
+    """Plain NumPy arrays (``np.load(path)`` reads them with ``allow_pickle=False``), written
+    atomically."""
+    import io
+
+    from ..io.atomic import atomic_write_bytes
+
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _plot(path, cfg: StudyConfig, means: list[dict], rates: list[dict]) -> None:
-    """Log-log mean loss ± 2 sd with fitted lines, one panel per (setting, loss) — as the perturbed cosine router (2024), Fig. 1."""
+    """Log-log mean loss ± 2 sd with fitted lines (solid) and the reference slopes of
+    :data:`THEORY` (dashed, through the panel's first mean), one panel per (setting, loss) — as the
+    perturbed cosine router (2024), Fig. 1."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -408,8 +614,13 @@ def _plot(path, cfg: StudyConfig, means: list[dict], rates: list[dict]) -> None:
             lower = np.minimum(2 * std, mean * (1 - 1e-3))  # keep the bar on the log axis
             line = ax.errorbar(n, mean, yerr=[lower, 2 * std], fmt="o", capsize=3, label=None)
             color = line[0].get_color()
-            ax.plot(n, np.exp(r["intercept"]) * n ** r["slope"], "--", color=color,
+            ax.plot(n, np.exp(r["intercept"]) * n ** r["slope"], "-", color=color,
                     label=f"{r['router']}: n^{r['slope']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")  # fmt: skip
+        firsts = [m["mean"][0] for m in means if (m["setting"], m["loss"]) == (setting, loss_name)]
+        anchor = float(np.exp(np.mean(np.log(np.maximum(firsts, 1e-300)))))
+        n = np.array(cfg.sample_sizes, dtype=float)
+        for (slope, label), style in zip(theory_slopes(cfg.study, setting, loss_name), ("--", "-.", ":")):
+            ax.plot(n, anchor * (n / n[0]) ** slope, style, color="black", alpha=0.6, label=f"theory {label}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("sample size n")
@@ -472,6 +683,40 @@ def bench(
 # ------------------------------------------------------------------------------------------------ CLI
 
 
+#: study setting → its ``moelab simulate`` flag (errors in a setting name the flag)
+FLAGS: dict[str, str] = {
+    "replicates": "--replicates",
+    "optimizer": "--optimizer",
+    "lr": "--lr",
+    "steps": "--steps",
+    "tau": "--tau",
+    "d": "--d",
+    "k_true": "--k-true",
+    "extra_experts": "--extra-experts",
+    "noise_var": "--noise-var",
+    "init": "--init",
+    "restarts": "--restarts",
+    "gtol": "--gtol",
+    "ftol": "--ftol",
+    "beta1_bound": "--beta1-bound",
+    "eta_bound": "--eta-bound",
+    "nu_min": "--nu-min",
+    "sample_sizes": "--sample-sizes",
+    "n_boot": "--n-boot",
+    "reference_n": "--reference-n",
+    "reference_steps": "--reference-steps",
+}
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed; expected comma-separated integers, e.g. 500,1000,2000"
+        ) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", help=f"one of {list(STUDIES)}")
     parser.add_argument("--quick", action="store_true", help="small grid and few replicates (< 1 minute)")
@@ -479,17 +724,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="run directory")
     parser.add_argument("--force", action="store_true", help="overwrite a finished run in --out")
     parser.add_argument("--replicates", type=int, help="replicates per sample size (default 20)")
-    parser.add_argument("--optimizer", help=f"one of {list(OPTIMIZERS)} (default lbfgs)")
-    parser.add_argument("--lr", type=float, help="learning rate (default 1.0 for lbfgs)")
-    parser.add_argument("--steps", type=int, help="optimiser iterations (epochs for mini-batch sgd)")
-    parser.add_argument("--tau", type=float, help="perturbation τ₁ = τ₂ of the perturbed cosine router")
-    parser.add_argument(
-        "--extra-experts", type=int, help="over-specified fits use k* + this many experts (>= 1)"
+    parser.add_argument("--sample-sizes", type=_sizes, help="comma-separated grid of n")
+    model = parser.add_argument_group("model")
+    model.add_argument("--d", type=int, help="input dimension d (default 4; 2 for softmax-vs-competition)")
+    model.add_argument("--k-true", type=int, help="k*, the number of true experts (default 2)")
+    model.add_argument(
+        "--extra-experts", type=int, help="over-specified fits use k = k* + this many experts (default 1)"
     )
-    parser.add_argument(
-        "--sample-sizes", type=lambda s: [int(v) for v in s.split(",")], help="comma-separated grid of n"
+    model.add_argument(
+        "--noise-var", type=float, help="noise variance ν of the regression studies (default 0.01)"
     )
+    model.add_argument(
+        "--tau", type=float, help="perturbation τ₁ = τ₂ of the perturbed cosine router (default 1)"
+    )
+    fit = parser.add_argument_group("fit")
+    fit.add_argument("--optimizer", help=f"one of {list(OPTIMIZERS)} (default lbfgs)")
+    fit.add_argument("--lr", type=float, help="learning rate (default 1.0: lbfgs's first trial step)")
+    fit.add_argument(
+        "--steps", "--max-iter", dest="steps", type=int,
+        help="iteration cap per fit (epochs for mini-batch sgd; default 500)",
+    )  # fmt: skip
+    fit.add_argument("--gtol", type=float, help="lbfgs stops at a gradient max-norm <= this (default 1e-7)")
+    fit.add_argument(
+        "--ftol", type=float,
+        help="lbfgs stops when an iteration changes the loss by <= ftol·max(1,|loss|) (default 1e-12)",
+    )  # fmt: skip
+    fit.add_argument(
+        "--init", help=f"start {list(STUDY_INITS)}: near the truth + noise, or random (default near)"
+    )
+    fit.add_argument(
+        "--restarts", type=int, help="starts per replicate; the lowest training loss is kept (default 1)"
+    )
+    fit.add_argument(
+        "--beta1-bound", type=float,
+        help="radius of the ball holding every ‖β₁ᵢ‖ (compact parameter space; default 10·√d; inf = unconstrained)",
+    )  # fmt: skip
+    fit.add_argument(
+        "--eta-bound", type=float,
+        help="radius of the ball holding every expert's ‖ηᵢ‖ (regression studies; default 10·√q; inf = unconstrained)",
+    )  # fmt: skip
+    fit.add_argument(
+        "--nu-min", type=float,
+        help="floor of the fitted variances ν (softmax-vs-competition; default 1/5 of the smallest true ν's range)",
+    )  # fmt: skip
+    fit.add_argument(
+        "--reference-n",
+        type=int,
+        help="sample size of the reference fit Ḡ of the misspecified studies (default 128000)",
+    )
+    fit.add_argument("--reference-steps", type=int, help="iteration cap of the reference fit Ḡ (default 200)")
+    fit.add_argument("--n-boot", type=int, help="bootstrap resamples for the CIs (default 2000)")
     parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
+
+
+def _flag_error(exc: ValueError) -> ValueError:
+    """``exc`` with the flag of the setting it names in front, e.g. ``--d: d=0 is not allowed ...``."""
+    msg = str(exc)
+    for name, flag in FLAGS.items():
+        if msg.startswith((f"{name}=", f"{name}[")):
+            return ValueError(f"{flag}: {msg}")
+    return exc
+
+
+def config_from_args(args: argparse.Namespace) -> StudyConfig:
+    """The study configuration of parsed ``moelab simulate`` flags; a bad value raises a
+    ``ValueError`` that names its flag."""
+    try:
+        return study_config(
+            args.study, quick=args.quick, seed=args.seed, **{name: getattr(args, name) for name in FLAGS}
+        )
+    except ValueError as exc:
+        raise _flag_error(exc) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -504,24 +809,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--study {args.study!r} is not a study; choose one of {list(STUDIES)}")
     if args.out is None:
         raise ValueError("--out is required: the run directory to write")
-    cfg = study_config(
-        args.study,
-        quick=args.quick,
-        seed=args.seed,
-        replicates=args.replicates,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        steps=args.steps,
-        tau=args.tau,
-        extra_experts=args.extra_experts,
-        sample_sizes=args.sample_sizes,
-    )
+    cfg = config_from_args(args)
     rundir = RunDir(args.out, force=args.force)
-    metrics = run_study(cfg, rundir)
-    for r in metrics["rates"]:
-        print(
-            f"{r['router']:>12} {r['setting']:<16} {r['loss']:<8} slope {r['slope']:+.3f} "
-            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
-        )
+    try:
+        metrics = run_study(cfg, rundir)
+    except ValueError as exc:  # e.g. a --beta1-bound below the drawn truth's ‖β₁ᵢ‖
+        raise _flag_error(exc) from None
+    print(format_table(metrics))
     print(f"wrote {rundir.path} in {metrics['wall_seconds']:.1f} s")
     return 0
