@@ -111,7 +111,9 @@ def _trainer_classes() -> dict[str, type]:
                     continue
                 data_ptrs[v.data_ptr()] = k
                 unique[k] = v
-            safetensors.torch.save_file(unique, os.path.join(output_dir, "model.safetensors"), {"format": "pt"})
+            safetensors.torch.save_file(
+                unique, os.path.join(output_dir, "model.safetensors"), {"format": "pt"}
+            )
             save(model, os.path.join(output_dir, "moelab"))
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
             return None
