@@ -51,12 +51,12 @@ def run(args: argparse.Namespace) -> int:
                 f"--layers {args.layers!r} is not allowed; expected comma-separated integers"
             ) from None
     options = parse_key_values(args.option, "--option")
-    out = RunDir(args.out, force=args.force)
     torch.manual_seed(args.seed)
     model = load_hf_model(args.model).eval()
     num_dense = sum(p.numel() for p in model.parameters())
     names = find_mlps(model)
     upcycle(model, args.num_experts, args.top_k, args.method, layers, **options)
+    out = RunDir(args.out, force=args.force)  # after the upcycle: a refused model writes nothing
     info = {
         "model": str(args.model),
         "model_class": type(model).__name__,
