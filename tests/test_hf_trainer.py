@@ -110,6 +110,34 @@ def test_bad_schedule_options_and_mixed_schedules_are_refused(tmp_path):
         trainer.train()
 
 
+def test_a_competition_schedule_needs_the_planned_steps():
+    from moelab.hf.trainer import model_schedule
+
+    with pytest.raises(
+        ValueError, match=r"method 'competesmoe' needs the planned number of steps for its competition"
+    ):
+        model_schedule(_model(), None)
+    assert isinstance(model_schedule(_model("competesmoe-v1"), None), CoinFlipSchedule)  # coin flips do not
+
+
+def test_a_model_output_that_cannot_carry_the_aux_loss_is_refused(tmp_path):
+    class Bare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = moelab.MoE(8, 4, 2)
+
+        def forward(self, x):
+            return self.moe(x).sum()
+
+    model = Bare().train()
+    trainer = MoETrainer(model=model, args=_args(tmp_path), train_dataset=_data(4))
+    with pytest.raises(
+        ValueError,
+        match=r"a model output of type Tensor is not allowed under MoETrainer; expected a ModelOutput",
+    ):
+        trainer.compute_loss(model, {"x": torch.randn(3, 8)})
+
+
 # ------------------------------------------------------------------------- the aux loss in forward
 def test_the_aux_loss_is_part_of_the_forward_that_ddp_wraps(tmp_path):
     """DDP (find_unused_parameters, as the Trainer sets it) on a competition step: the aux loss read
