@@ -168,6 +168,15 @@ def test_the_aux_loss_is_part_of_the_forward_that_ddp_wraps(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_model_from_model_init_gets_the_aux_loss_too(tmp_path):
+    trainer = MoETrainer(
+        model_init=lambda: _model(), args=_args(tmp_path, max_steps=2), train_dataset=_data(8)
+    )
+    trainer.train()
+    assert all(log["aux_loss"] > 0 and log["aux_balance"] > 0 for log in _train_logs(trainer))
+    assert _ctx(trainer.model).step == 2
+
+
 def test_a_task_loss_computed_outside_the_model_still_gets_the_aux_loss(tmp_path):
     model = _model("smoe", balance_coef=0.5)
     trainer = MoETrainer(

@@ -141,7 +141,7 @@ def _collect_aux(layers: list[nn.Module]) -> tuple[Tensor | None, dict[str, Tens
 # ---------------------------------------------------------------------------------- transformers Trainer
 
 _TRAINER_CLASSES: dict[str, type] = {}
-#: the aux hooks on a model (one trainer's at a time)
+#: the aux hooks on a model: (the trainer owning them, their handles); one trainer at a time
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -245,16 +245,19 @@ def _trainer_classes() -> dict[str, type]:
                 callback.schedule_options = dict(schedule_options)
             super().__init__(*args, callbacks=callbacks, **kwargs)
             self._moe_callback = callback
-            check_router_logits(self.model)
+            if self.model is not None:
+                check_router_logits(self.model)
             self._aux_scale: float | None = None  # set while compute_loss runs the training forward
             self._aux_outside: Tensor | None = None  # the aux loss left for compute_loss to add
             self._aux_sums: dict[str, Tensor] = {}
             self._aux_count = 0
-            self._install_aux_hooks(self.model)
+            if self.model is not None:
+                self._install_aux_hooks(self.model)
 
         # -------------------------------------------------------------- the aux loss in forward
         def _install_aux_hooks(self, model: nn.Module) -> None:
-            for handle in _HOOKS.pop(model, []):  # a model trains under one MoETrainer at a time
+            _, handles = _HOOKS.pop(model, (None, []))
+            for handle in handles:  # a model trains under one MoETrainer at a time
                 handle.remove()
             ref = weakref.ref(self)
 
@@ -267,10 +270,13 @@ def _trainer_classes() -> dict[str, type]:
                     return None
                 return trainer._add_aux(module, kwargs, output)
 
-            _HOOKS[model] = [
-                model.register_forward_pre_hook(before, with_kwargs=True),
-                model.register_forward_hook(after, with_kwargs=True),
-            ]
+            _HOOKS[model] = (
+                ref,
+                [
+                    model.register_forward_pre_hook(before, with_kwargs=True),
+                    model.register_forward_hook(after, with_kwargs=True),
+                ],
+            )
 
         def _add_aux(self, model: nn.Module, kwargs: dict, output: Any) -> Any:
             total, terms = _collect_aux(moe_layers(model))
@@ -334,6 +340,9 @@ def _trainer_classes() -> dict[str, type]:
                     num_items_in_batch=num_items_in_batch,
                     **kwargs,
                 )
+            owner = _HOOKS.get(self.model, (None, []))[0]
+            if owner is None or owner() is not self:  # a model from model_init, or hooked by another trainer
+                self._install_aux_hooks(self.model)
             accumulation, world = self._aux_divisors(num_items_in_batch)
             self._aux_scale, self._aux_outside = 1.0 / (accumulation * world), None
             try:
