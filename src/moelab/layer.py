@@ -256,15 +256,23 @@ class MoE(nn.Module):
 
     def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
         total = x.new_zeros(())
+        for term in self._aux_terms(routing, x).values():
+            total = total + term
+        return total
+
+    def _aux_terms(self, routing: Routing, x: Tensor) -> dict[str, Tensor]:
+        """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
+        ``aux_loss``; :mod:`moelab.hf.trainer` logs them one by one)."""
+        terms: dict[str, Tensor] = {}
         if x.shape[0] == 0:  # no tokens: the means of the losses are undefined (NaN); nothing to balance
-            return total
+            return terms
         for name, coef in self.coefs.items():
             loss = routing.losses.get(name)
             if loss is None:
                 loss = self._standard_loss(name, routing)
             if loss is not None:
-                total = total + coef * loss
-        return total
+                terms[name] = coef * loss
+        return terms
 
     def _standard_loss(self, name: str, routing: Routing) -> Tensor | None:
         if name == "balance" and routing.probs is not None:

@@ -1,41 +1,174 @@
-"""The transformers ``Trainer`` with moelab's layers: a callback that keeps a
-:class:`moelab.RoutingContext` at the Trainer's step, and a ``Trainer`` whose training loss adds
-``moelab.aux_loss(model)``.  Both are created on first access so ``import moelab`` does not import
-transformers.
+"""The transformers ``Trainer`` with moelab's layers.
+
+:class:`MoETrainer` is a ``transformers.Trainer`` that
+
+* attaches a :class:`moelab.RoutingContext` whose step follows the Trainer's optimizer steps
+  (:class:`MoETrainerCallback`: the routers' step hooks, e.g. sharede-v3's selection bias, run
+  once per optimizer step) and holds the training schedule the layers' method declares
+  (``Method.schedule``: CompeteSMoE (2025)'s competition schedule for ``competesmoe`` /
+  ``densemoe``, CompeteSMoE (2024)'s coin flips for ``competesmoe-v1``), built once at train begin
+  from ``args.seed`` and ``max_steps``, identical on every rank;
+* adds the aux loss (``moelab.aux_loss(model)``) *inside the model's forward*: a forward hook on
+  the model adds it to ``outputs.loss`` (or, when the task loss is computed outside the model —
+  a label smoother, ``compute_loss_func`` — returns it as ``outputs["moelab_aux_loss"]``, added
+  by ``compute_loss``), so under ``torchrun`` the loss DDP sees from its forward holds every
+  parameter the aux losses use (read after the forward they make DDP's unused-parameter search
+  mark a parameter ready twice);
+* logs each weighted aux loss (``aux_balance``, ``aux_z``, ``aux_distill``, ...) and their sum
+  ``aux_loss`` through ``Trainer.log`` (so ``report_to`` — TensorBoard, W&B, ... — gets them),
+  the mean over the micro-batches since the last log and over the ranks; ``loss`` is the
+  Trainer's training loss, task + aux;
+* saves the routing context and the schedule in every checkpoint (``moelab_routing.pt``) and
+  restores them on ``train(resume_from_checkpoint=...)``: a resumed run ends with the weights of
+  an uninterrupted one.
+
+The aux loss follows the Trainer's gradient-accumulation scaling of the task loss, and is not
+multiplied by the world size when ``average_tokens_across_devices`` multiplies the task loss
+(each rank balances its own tokens, Switch/GShard style); evaluation losses stay the task loss.
+
+transformers' own load-balancing loss (``output_router_logits=True``, Mixtral / Qwen-MoE /
+OLMoE configs) reads router logits that moelab layers do not record: it is refused in one line
+(each converted layer already adds its balance loss, ``balance_coef`` from
+``router_aux_loss_coef``).
+
+Both classes are created on first access so ``import moelab`` does not import transformers.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
-from ..layer import attach, aux_loss, moe_layers
+from ..layer import attach, moe_layers
+from ..methods import get_method
 from ..routing import RoutingContext
+from ..schedules import SCHEDULE_OPTIONS, build_schedule
 
-__all__ = ["MoETrainer", "MoETrainerCallback"]  # noqa: F822  (created lazily by __getattr__)
+__all__ = ["ROUTING_FILE", "MoETrainer", "MoETrainerCallback", "check_router_logits", "model_schedule"]  # noqa: F822
+
+#: the file of a Trainer checkpoint folder holding the routing context and the schedule
+ROUTING_FILE = "moelab_routing.pt"
+
+#: the output key of the aux loss when the task loss is computed outside the model
+AUX_OUTPUT_KEY = "moelab_aux_loss"
+
+_ROUTER_LOGITS = (
+    "output_router_logits=True is not allowed on a model with moelab MoE layers: transformers' "
+    "load-balancing loss reads router logits these layers do not record; set "
+    "model.config.output_router_logits=False (each moelab layer adds its own balance loss, "
+    "balance_coef from router_aux_loss_coef, which MoETrainer trains on)"
+)
+
+
+def check_router_logits(model: nn.Module, requested: Any = None) -> None:
+    """Refuse ``output_router_logits`` (asked for by ``requested`` or ``model.config``) on a model
+    with moelab MoE layers: transformers' load-balancing loss would fail on them."""
+    flag = (
+        requested
+        if requested is not None
+        else getattr(getattr(model, "config", None), "output_router_logits", False)
+    )
+    if flag is True and moe_layers(model):
+        raise ValueError(_ROUTER_LOGITS)
+
+
+def model_schedule(
+    model: nn.Module, total_steps: int | None, seed: int = 0, options: dict[str, Any] | None = None
+) -> Any:
+    """The training schedule the MoE layers of ``model`` declare (``Method.schedule``), built by
+    :func:`moelab.schedules.build_schedule` for all of them (layers of other methods ignore it),
+    or ``None`` when no layer's method needs one.
+
+    Args:
+        model: the model.
+        total_steps: the planned optimizer steps (needed by the competition schedule).
+        seed: the seed of the schedule's draws.
+        options: schedule options, keys of :data:`moelab.schedules.SCHEDULE_OPTIONS` (``omega``,
+            ``a_max``, ``competition_warmup``, ``rate``).
+    """
+    options = dict(options or {})
+    bad = sorted(k for k in options if k not in SCHEDULE_OPTIONS)
+    if bad:
+        raise ValueError(f"schedule_options keys {bad} are not allowed; allowed: {list(SCHEDULE_OPTIONS)}")
+    layers = moe_layers(model)
+    scheduled = sorted({m.method for m in layers if get_method(m.method).schedule is not None})
+    if not scheduled:
+        return None
+    kinds = sorted({get_method(m).schedule for m in scheduled})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"the model's MoE layers use methods {scheduled}, which need different schedules {kinds}; "
+            "one model trains with one schedule"
+        )
+    if kinds == ["competition"] and total_steps is None:
+        raise ValueError(
+            f"method {scheduled[0]!r} needs the planned number of steps for its competition schedule; "
+            "set max_steps (or a dataset with a length)"
+        )
+    return build_schedule(scheduled[0], len(layers), total_steps, seed, **options)
+
+
+def _schedule_state(schedule: Any) -> dict[str, Any] | None:
+    try:
+        return None if schedule is None else schedule.state_dict()
+    except (AttributeError, ValueError):  # e.g. coin flips with a callable rate: rebuilt from the seed
+        return None
+
+
+def _collect_aux(layers: list[nn.Module]) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The aux loss of the forward that just ran (sum over the layers that ran) and its weighted
+    terms by name (detached, summed over the layers); each layer's ``aux_loss`` is settled."""
+    total: Tensor | None = None
+    terms: dict[str, Tensor] = {}
+    for layer in layers:
+        pending = layer._aux_pending
+        if pending is None:  # did not run in this forward
+            continue
+        layer_total = pending[1].new_zeros(())
+        for name, term in layer._aux_terms(*pending).items():
+            layer_total = layer_total + term
+            value = term.detach().float()
+            terms[name] = terms[name] + value if name in terms else value
+        layer.aux_loss = layer_total
+        total = layer_total if total is None else total + layer_total
+    return total, terms
+
 
 # ---------------------------------------------------------------------------------- transformers Trainer
 
 _TRAINER_CLASSES: dict[str, type] = {}
+#: the aux hooks on a model: (the trainer owning them, their handles); one trainer at a time
+_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _trainer_classes() -> dict[str, type]:
     if _TRAINER_CLASSES:
         return _TRAINER_CLASSES
     from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
     class MoETrainerCallback(TrainerCallback):
-        """Attach a :class:`moelab.RoutingContext` at train begin and keep ``ctx.step`` equal to
-        the Trainer's ``global_step`` (so a resumed run resumes its schedules too).
+        """Attach a :class:`moelab.RoutingContext` at train begin, holding the schedule the
+        layers' method declares, and keep ``ctx.step`` equal to the Trainer's ``global_step``
+        (the step hooks run once per optimizer step); save it into each checkpoint and restore
+        it on resume.
 
         Args:
             ctx: the context to attach; default the one already attached to the model, else a
-                new one with ``total_steps`` = the Trainer's ``max_steps``.
+                new one with ``total_steps`` = the Trainer's ``max_steps``.  A context that
+                already holds a schedule keeps it.
+            schedule_options: options of the schedule (:func:`model_schedule`).
         """
 
-        def __init__(self, ctx: RoutingContext | None = None) -> None:
+        def __init__(self, ctx: RoutingContext | None = None, schedule_options: dict | None = None) -> None:
             self.ctx = ctx
+            self.schedule_options = dict(schedule_options or {})
+            #: the checkpoint folder a resumed run starts from (set by MoETrainer.train)
+            self.resume_from: str | None = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if model is None:
@@ -44,56 +177,215 @@ def _trainer_classes() -> dict[str, type]:
             ctx = self.ctx or next((m.ctx for m in layers if m.ctx is not None), None) or RoutingContext()
             if ctx.total_steps is None and state.max_steps and state.max_steps > 0:
                 ctx.total_steps = int(state.max_steps)
+            if ctx.schedule is None:
+                ctx.schedule = model_schedule(model, ctx.total_steps, int(args.seed), self.schedule_options)
             ctx.step = int(state.global_step)
+            saved = os.path.join(self.resume_from, ROUTING_FILE) if self.resume_from else None
+            if saved is not None and os.path.isfile(saved):
+                self._restore(ctx, saved, int(state.global_step))
             attach(model, ctx)
             self.ctx = ctx
+
+        @staticmethod
+        def _restore(ctx: RoutingContext, path: str, global_step: int) -> None:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if int(state["ctx"]["step"]) != global_step:
+                raise ValueError(
+                    f"{path!r} holds the routing state of step {state['ctx']['step']} but the Trainer resumes "
+                    f"at step {global_step}; the checkpoint is inconsistent"
+                )
+            ctx.load_state_dict(state["ctx"])
+            if state.get("schedule") is not None and ctx.schedule is not None:
+                ctx.schedule.load_state_dict(state["schedule"])
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.ctx is not None:  # after the optimizer step: the step hooks, then the step
                 self.ctx.advance(max(0, int(state.global_step) - self.ctx.step))
 
-    class MoETrainer(Trainer):
-        """``transformers.Trainer`` whose training loss is ``task + moelab.aux_loss(model)``.
+        def on_save(self, args, state, control, **kwargs):
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            if self.ctx is None or not state.is_world_process_zero or not os.path.isdir(folder):
+                return
+            torch.save(
+                {"ctx": self.ctx.state_dict(), "schedule": _schedule_state(self.ctx.schedule)},
+                os.path.join(folder, ROUTING_FILE),
+            )
 
-        Installs a :class:`MoETrainerCallback` unless one is given.  The aux loss follows the
-        Trainer's gradient-accumulation scaling of the task loss; evaluation losses stay the
-        task loss alone.
+    class MoETrainer(Trainer):
+        """``transformers.Trainer`` whose training loss is ``task + moelab.aux_loss(model)``,
+        computed inside the model's forward (see :mod:`moelab.hf.trainer`).
+
+        Installs a :class:`MoETrainerCallback` unless one is given.
+
+        Args:
+            *args, **kwargs: those of ``transformers.Trainer``.
+            callbacks: as ``transformers.Trainer``.
+            schedule_options: options of the schedule the layers' method declares
+                (``omega``, ``a_max``, ``competition_warmup``, ``rate``).
+
+        Raises:
+            ValueError: ``output_router_logits=True`` on a model with moelab layers, or bad
+                schedule options.
         """
 
-        def __init__(self, *args: Any, callbacks: list | None = None, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            *args: Any,
+            callbacks: list | None = None,
+            schedule_options: dict[str, Any] | None = None,
+            **kwargs: Any,
+        ) -> None:
             callbacks = list(callbacks or [])
-            if not any(isinstance(c, MoETrainerCallback) for c in callbacks):
-                callbacks.append(MoETrainerCallback())
+            callback = next((c for c in callbacks if isinstance(c, MoETrainerCallback)), None)
+            if callback is None:
+                callback = MoETrainerCallback()
+                callbacks.append(callback)
+            if schedule_options is not None:
+                model_schedule(nn.Module(), None, 0, schedule_options)  # checks the keys
+                callback.schedule_options = dict(schedule_options)
             super().__init__(*args, callbacks=callbacks, **kwargs)
+            self._moe_callback = callback
+            if self.model is not None:
+                check_router_logits(self.model)
+            self._aux_scale: float | None = None  # set while compute_loss runs the training forward
+            self._aux_outside: Tensor | None = None  # the aux loss left for compute_loss to add
+            self._aux_sums: dict[str, Tensor] = {}
+            self._aux_count = 0
+            if self.model is not None:
+                self._install_aux_hooks(self.model)
+
+        # -------------------------------------------------------------- the aux loss in forward
+        def _install_aux_hooks(self, model: nn.Module) -> None:
+            _, handles = _HOOKS.pop(model, (None, []))
+            for handle in handles:  # a model trains under one MoETrainer at a time
+                handle.remove()
+            ref = weakref.ref(self)
+
+            def before(module, args, kwargs):
+                check_router_logits(module, kwargs.get("output_router_logits"))
+
+            def after(module, args, kwargs, output):
+                trainer = ref()
+                if trainer is None or trainer._aux_scale is None or not module.training:
+                    return None
+                return trainer._add_aux(module, kwargs, output)
+
+            _HOOKS[model] = (
+                ref,
+                [
+                    model.register_forward_pre_hook(before, with_kwargs=True),
+                    model.register_forward_hook(after, with_kwargs=True),
+                ],
+            )
+
+        def _add_aux(self, model: nn.Module, kwargs: dict, output: Any) -> Any:
+            total, terms = _collect_aux(moe_layers(model))
+            if total is None:
+                return None
+            for name, value in terms.items():
+                self._aux_sums[name] = self._aux_sums[name] + value if name in self._aux_sums else value
+            detached = total.detach().float()
+            self._aux_sums[""] = self._aux_sums[""] + detached if "" in self._aux_sums else detached
+            self._aux_count += 1
+            outside = self.label_smoother is not None or self.compute_loss_func is not None
+            if isinstance(output, dict):
+                if output.get("loss") is not None and not outside:
+                    output["loss"] = output["loss"] + total.to(output["loss"].device) * self._aux_scale
+                else:
+                    output[AUX_OUTPUT_KEY] = self._aux_outside = total
+                return output
+            if isinstance(output, tuple):
+                first = output[0] if output else None
+                if (
+                    kwargs.get("labels") is not None
+                    and torch.is_tensor(first)
+                    and first.dim() == 0
+                    and not outside
+                ):
+                    return (first + total.to(first.device) * self._aux_scale, *output[1:])
+                self._aux_outside = total
+                return (*output, total)
+            raise ValueError(
+                f"a model output of type {type(output).__name__} is not allowed under MoETrainer; expected a "
+                "ModelOutput, a dict or a tuple (to carry the aux loss out of the forward)"
+            )
+
+        def _aux_divisors(self, num_items_in_batch: Any) -> tuple[float, float]:
+            """``(gradient accumulation, world)``: what the Trainer will not divide the returned
+            loss by, and what compute_loss multiplies the model's loss by."""
+            scaled = getattr(self, "loss_is_scaled_for_ga", None)
+            if scaled is None:
+                scaled = (
+                    getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None
+                ) or self.compute_loss_func is not None
+            accumulation = float(getattr(self, "current_gradient_accumulation_steps", 1)) if scaled else 1.0
+            world = 1.0
+            if (
+                getattr(self.args, "average_tokens_across_devices", False)
+                and (getattr(self, "model_accepts_loss_kwargs", False) or self.compute_loss_func)
+                and num_items_in_batch is not None
+            ):
+                tp = self.get_tp_size() if hasattr(self, "get_tp_size") else 1
+                world = float(
+                    self.accelerator.num_processes // tp if self.args.n_gpu <= 1 else self.args.n_gpu
+                )
+            return accumulation, world
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
-            loss, outputs = super().compute_loss(
-                model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch, **kwargs
-            )
-            if model.training:
-                extra = aux_loss(model).to(loss.device)
-                scaled = getattr(self, "loss_is_scaled_for_ga", None)
-                if scaled is None:
-                    scaled = (
-                        getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None
-                    ) or getattr(self, "compute_loss_func", None) is not None
-                if scaled:  # the Trainer will not divide this loss by the accumulation steps
-                    extra = extra / getattr(self, "current_gradient_accumulation_steps", 1)
-                loss = loss + extra
+            if not model.training:
+                return super().compute_loss(
+                    model,
+                    inputs,
+                    return_outputs=return_outputs,
+                    num_items_in_batch=num_items_in_batch,
+                    **kwargs,
+                )
+            owner = _HOOKS.get(self.model, (None, []))[0]
+            if owner is None or owner() is not self:  # a model from model_init, or hooked by another trainer
+                self._install_aux_hooks(self.model)
+            accumulation, world = self._aux_divisors(num_items_in_batch)
+            self._aux_scale, self._aux_outside = 1.0 / (accumulation * world), None
+            try:
+                loss, outputs = super().compute_loss(
+                    model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch, **kwargs
+                )
+            finally:
+                self._aux_scale = None
+            if self._aux_outside is not None:  # the task loss came from outside the model
+                loss = loss + self._aux_outside.to(loss.device) / accumulation
+                self._aux_outside = None
             return (loss, outputs) if return_outputs else loss
+
+        # -------------------------------------------------------------- logging, resuming
+        def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            if "loss" in logs and self._aux_count:  # a training log, on every rank
+                names = sorted({n for m in moe_layers(self.model) for n in m.coefs} | {""})
+                device = next(iter(self._aux_sums.values())).device
+                zero = torch.zeros((), device=device)
+                values = torch.stack([self._aux_sums.get(n, zero) for n in names]) / self._aux_count
+                if self.accelerator.num_processes > 1:
+                    values = self.accelerator.reduce(values, reduction="mean")
+                for name, value in zip(names, values.tolist()):
+                    logs["aux_loss" if name == "" else f"aux_{name}"] = value
+                self._aux_sums, self._aux_count = {}, 0
+            super().log(logs, *args, **kwargs)
+
+        def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+            path = resume_from_checkpoint
+            if isinstance(path, bool):
+                path = get_last_checkpoint(self.args.output_dir) if path else None
+            self._moe_callback.resume_from = None if path is None else str(path)
+            self._aux_sums, self._aux_count = {}, 0
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
         def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
             """A model holding moelab layers is saved as its state dict (what the Trainer's resume
             reads) plus a ``moelab/`` folder (``moelab.load`` rebuilds it offline), never with
             ``save_pretrained``: transformers would re-initialise the MoE layers on load.  Call
             ``moelab.to_hf(model)`` after training for a plain transformers checkpoint."""
-            from ..layer import moe_layers
-
             model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
             if not moe_layers(model):
                 return super()._save(output_dir, state_dict)
-            import os
-
             import safetensors.torch
 
             from ..io.model import save
@@ -103,14 +395,12 @@ def _trainer_classes() -> dict[str, type]:
                 return None
             os.makedirs(output_dir, exist_ok=True)
             state = model.state_dict() if state_dict is None else state_dict
-            state = {k: v.contiguous() for k, v in state.items()}
-            data_ptrs: dict[int, str] = {}
-            unique = {}
-            for k, v in state.items():  # tied weights once (safetensors refuses shared storage)
-                if v.data_ptr() in data_ptrs:
-                    continue
-                data_ptrs[v.data_ptr()] = k
-                unique[k] = v
+            unique: dict[str, Tensor] = {}
+            seen: set[int] = set()
+            for key, value in state.items():  # tied weights once (safetensors refuses shared storage)
+                if value.data_ptr() not in seen:
+                    seen.add(value.data_ptr())
+                    unique[key] = value.contiguous()
             safetensors.torch.save_file(
                 unique, os.path.join(output_dir, "model.safetensors"), {"format": "pt"}
             )

@@ -11,25 +11,38 @@ and each shared expert copy ``W_in`` and carry ``W_out / (S + 1)`` (and ``b_out 
 which keeps the identity.  Methods whose weights do not sum to 1 (``sigma-moe``, ``smoe`` with
 ``renormalize=False``) change the output by the factor ``Σ_k w_k``.
 
-Recognised MLPs (``SUPPORTED_MLPS``):
+Recognised MLPs (``SUPPORTED_MLPS``).  A module is an MLP only if it holds 2 (or 3, gated)
+projections and an activation and nothing else (dropouts and identities aside: no attention, no
+norm, no parameters of its own), and its ``forward`` (read from its source) computes
+``out(act(in(x)))`` or ``down(act(gate(x)) * up(x))``:
 
 * GPT-2 style: ``c_fc`` / ``c_proj`` ``Conv1D`` (weights stored ``(in, out)``) and ``act``;
 * LLaMA style: ``gate_proj`` / ``up_proj`` / ``down_proj`` ``Linear`` with a SiLU ``act_fn``
   (SwiGLU; Mistral, Qwen, Gemma-with-SiLU, ...);
 * ViT / SigLIP / CLIP / timm style: ``fc1`` / ``fc2`` ``Linear`` with ``activation_fn``, ``act``
   or ``act_fn``;
-* moelab's own :class:`moelab.experts.MLP` (``fc_in`` / ``fc_out``);
-* ``nn.Sequential(Linear, activation, Linear)``.
+* GPT-J style and moelab's own :class:`moelab.experts.MLP` (``fc_in`` / ``fc_out``);
+* ``nn.Sequential(Linear, activation, Linear)``;
+* OPT / BART / Whisper style layers, whose ``fc1`` / ``fc2`` / ``activation_fn`` sit on the
+  decoder (or encoder) layer itself beside its attention and norms: only the MLP is upcycled —
+  ``fc1`` becomes the MoE layer, ``activation_fn`` and ``fc2`` identities — after checking that
+  the layer's ``forward`` computes ``fc2(activation_fn(fc1(h)))`` between them;
+  :func:`find_mlps` names it ``"<layer>.fc1+fc2"``.
 
-Activations map to moelab's: ReLU, GELU (exact or tanh), CLIP's quick GELU, SiLU; others are
-refused.  Dropout after the MLP (GPT-2's ``dropout``, timm's ``drop2``) is kept after the MoE
-layer; dropout between the two projections (timm's ``drop1``) is dropped (identical in eval
-mode).
+Anything else holding such projections (a norm between them, clamping, a scale, an activation
+after the output projection, a projection pair without activation, ...) is refused with a
+``ValueError`` before the model is changed.  Activations map to moelab's: ReLU, GELU (exact or
+tanh), CLIP's quick GELU, SiLU; others are refused.  Dropout after the MLP (GPT-2's
+``dropout``, timm's ``drop2``) is kept after the MoE layer; dropout between the two projections
+(timm's ``drop1``, BART's ``activation_dropout``, set to 0) is dropped (identical in eval mode).
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -49,8 +62,9 @@ SUPPORTED_MLPS = (
     "GPT-2 Conv1D MLP (c_fc, c_proj, act)",
     "LLaMA-style SwiGLU MLP (gate_proj, up_proj, down_proj, act_fn=silu)",
     "ViT/SigLIP/CLIP/timm MLP (fc1, fc2, activation_fn|act|act_fn)",
-    "moelab.experts.MLP (fc_in, fc_out)",
+    "GPT-J / moelab.experts.MLP (fc_in, fc_out)",
     "nn.Sequential(Linear, activation, Linear)",
+    "OPT/BART/Whisper layer's fc1, fc2, activation_fn (the MLP only)",
 )
 
 #: std of the upcycled router's N(0, 0.02²) init (CompeteSMoE (2025) App. H, VIT stage hyper-parameters)
@@ -110,14 +124,6 @@ def _dropout_p(module: nn.Module | None) -> float:
     return float(module.p) if isinstance(module, nn.Dropout) else 0.0
 
 
-def _act_of(module: nn.Module, names: Iterable[str]) -> tuple[str | None, Any]:
-    for n in names:
-        if hasattr(module, n):
-            act = getattr(module, n)
-            return _activation_name(act), act
-    return None, None
-
-
 def _refuse_activation(module: nn.Module, act: Any) -> None:
     raise ValueError(
         f"{type(module).__name__} uses activation {act!r}, which moelab experts do not have; "
@@ -125,74 +131,363 @@ def _refuse_activation(module: nn.Module, act: Any) -> None:
     )
 
 
-def _as_dense(module: nn.Module) -> _Dense | None:
-    """The dense weights of ``module`` if it is a recognised MLP, else ``None``."""
-    if all(hasattr(module, n) for n in ("c_fc", "c_proj", "act")) and type(module.c_fc).__name__ == "Conv1D":
-        name, act = _act_of(module, ("act",))
-        if name is None:
-            _refuse_activation(module, act)
-        c_fc, c_proj = module.c_fc, module.c_proj  # Conv1D: y = x @ W + b, W (in, out)
-        return _Dense(
-            c_fc.weight.T, c_fc.bias, c_proj.weight.T, c_proj.bias, name, _dropout_p(module.dropout)
+# ------------------------------------------------------------------------------------ recognition
+#: the projection layouts of a dense MLP: (input projections, output projection, activation names)
+_LAYOUTS = (
+    (("c_fc",), "c_proj", ("act",)),  # GPT-2 (Conv1D)
+    (("gate_proj", "up_proj"), "down_proj", ("act_fn", "act", "activation_fn")),  # LLaMA (SwiGLU)
+    (("fc1",), "fc2", ("activation_fn", "act", "act_fn")),  # OPT/BART/ViT/CLIP/SigLIP/timm
+    (("fc_in",), "fc_out", ("act", "activation_fn", "act_fn")),  # GPT-J, moelab.experts.MLP
+)
+
+
+def _is_projection(module: Any) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _layout(module: nn.Module) -> tuple[tuple[str, ...], str, str | None] | None:
+    """``(input projections, output projection, activation attribute)`` if ``module`` holds the
+    projections of a known MLP layout (the activation attribute ``None`` when it has none)."""
+    for ins, out, acts in _LAYOUTS:
+        if all(_is_projection(getattr(module, n, None)) for n in (*ins, out)):
+            return ins, out, next((a for a in acts if hasattr(module, a)), None)
+    return None
+
+
+def _extras(module: nn.Module, parts: Iterable[str]) -> list[str]:
+    """What ``module`` holds besides ``parts`` and parameter-free dropouts / identities: its
+    other child modules and its own parameters (an MLP holds nothing else)."""
+    parts = set(parts)
+    extra = [
+        n
+        for n, child in module.named_children()
+        if n not in parts and not isinstance(child, (nn.Dropout, nn.Identity))
+    ]
+    return extra + [n for n, _ in module.named_parameters(recurse=False)]
+
+
+# What a forward computes, read from its source: straight-line code (assignments then a return)
+# with the local variables substituted gives one expression tree of the input ``X``; the MLP
+# templates below are matched against it.  Trees: "X" (the input), ("call", attr, arg) for
+# ``self.attr(arg)``, ("dropout", p, arg) for functional dropout (p: the ``p=`` expression as
+# source text), ("mul", a, b), ("var", name) for a name defined elsewhere, ("other", text).
+
+
+def _forward_tree(cls: type) -> ast.FunctionDef | None:
+    try:
+        source = textwrap.dedent(inspect.getsource(cls.forward))
+        fn = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    return fn if isinstance(fn, ast.FunctionDef) else None
+
+
+def _self_attr(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def _expr(node: ast.expr, env: dict[str, Any]) -> Any:
+    """The tree of ``node`` with the names of ``env`` substituted."""
+    if isinstance(node, ast.Name):
+        return env.get(node.id, ("var", node.id))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return ("mul", _expr(node.left, env), _expr(node.right, env))
+    if isinstance(node, ast.Call) and len(node.args) == 1:
+        attr = _self_attr(node.func)
+        if attr is not None and not node.keywords:
+            return ("call", attr, _expr(node.args[0], env))
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "dropout" and attr is None:
+            p = next((ast.unparse(k.value) for k in node.keywords if k.arg == "p"), "0.5")
+            return ("dropout", p, _expr(node.args[0], env))
+    return ("other", ast.unparse(node))
+
+
+def _run(statements: list[ast.stmt], env: dict[str, Any]) -> Any:
+    """Execute straight-line ``statements`` symbolically; the returned tree, or ``None`` when
+    the code is not straight-line (or returns nothing)."""
+    for stmt in statements:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # a docstring
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            env[stmt.targets[0].id] = _expr(stmt.value, env)
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+            env[stmt.target.id] = _expr(stmt.value, env)
+        elif isinstance(stmt, ast.Return) and stmt.value is not None:
+            return _expr(stmt.value, env)
+        else:
+            return None
+    return None
+
+
+def _show(tree: Any) -> str:
+    if tree == "X":
+        return "x"
+    kind = tree[0]
+    if kind == "call":
+        return f"{tree[1]}({_show(tree[2])})"
+    if kind == "dropout":
+        return f"dropout({_show(tree[2])}, p={tree[1]})"
+    if kind == "mul":
+        return f"{_show(tree[1])} * {_show(tree[2])}"
+    return tree[1]
+
+
+def _p_value(module: nn.Module, p: str) -> float | None:
+    """The value of a dropout's ``p`` source text (a number or ``self.<attr>``), else ``None``."""
+    try:
+        return float(p)
+    except ValueError:
+        pass
+    if p.startswith("self.") and isinstance(getattr(module, p[5:], None), (int, float)):
+        return float(getattr(module, p[5:]))
+    return None
+
+
+def _strip_dropouts(module: nn.Module, tree: Any) -> tuple[Any, list[tuple[str | None, float | None]]]:
+    """``tree`` without its outer dropouts, and those dropouts as ``(attribute, p)`` (attribute:
+    the ``self.<attr>`` dropout module or the ``p=self.<attr>`` of a functional one)."""
+    found = []
+    while isinstance(tree, tuple):
+        if tree[0] == "dropout":
+            attr = tree[1][5:] if tree[1].startswith("self.") else None
+            found.append((attr, _p_value(module, tree[1])))
+            tree = tree[2]
+        elif tree[0] == "call" and isinstance(getattr(module, tree[1], None), (nn.Dropout, nn.Identity)):
+            found.append((tree[1], _dropout_p(getattr(module, tree[1]))))
+            tree = tree[2]
+        else:
+            break
+    return tree, found
+
+
+def _mlp_dropout(module: nn.Module, ins: tuple[str, ...], out: str, act: str) -> float:
+    """Check that ``module.forward`` computes ``out(act(in(x)))`` (or ``down(act(gate(x)) ·
+    up(x))``), dropouts aside; return the dropout probability after ``out`` (kept)."""
+    name = type(module).__name__
+    want = f"{out}({act}({ins[0]}(x)) * {ins[1]}(x))" if len(ins) == 2 else f"{out}({act}({ins[0]}(x)))"
+    fn = _forward_tree(type(module))
+    tree = None
+    if fn is not None and fn.args.args[1:]:
+        tree = _run(fn.body, {fn.args.args[1].arg: "X"})
+    if tree is None:
+        raise ValueError(
+            f"{name}.forward cannot be read as straight-line code, so moelab cannot check that it computes "
+            f"{want}; not upcycled"
         )
-    if all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-        name, act = _act_of(module, ("act_fn", "act", "activation_fn"))
+    core, after = _strip_dropouts(module, tree)
+    ok = isinstance(core, tuple) and core[0] == "call" and core[1] == out
+    if ok:
+        inner, _ = _strip_dropouts(module, core[2])  # dropout between the projections: dropped
+        if len(ins) == 1:
+            ok = inner == ("call", act, ("call", ins[0], "X"))
+        else:
+            gate, up = ("call", act, ("call", ins[0], "X")), ("call", ins[1], "X")
+            ok = inner in (("mul", gate, up), ("mul", up, gate))
+    if not ok:
+        raise ValueError(f"{name}.forward computes {_show(tree)}, not {want}; moelab upcycles only that MLP")
+    if len(after) > 1 or any(p is None for _, p in after):
+        raise ValueError(f"{name}.forward computes {_show(tree)}: more than one dropout after {out}")
+    return after[0][1] if after else 0.0
+
+
+def _pair_check(layer: nn.Module) -> list[str]:
+    """Check that ``layer.forward`` calls ``fc1`` and ``fc2`` once each and computes ``fc2(act(fc1(h)))``
+    between them (dropout aside) in straight-line code; return the dropout attributes to switch
+    off between the two (``activation_dropout``)."""
+    name = type(layer).__name__
+    want = "fc2(activation_fn(fc1(h)))"
+    fn = _forward_tree(type(layer))
+    if fn is None:
+        raise ValueError(f"{name}.forward cannot be read, so moelab cannot check that it computes {want}")
+    calls = {
+        attr: sum(1 for n in ast.walk(fn) if isinstance(n, ast.Call) and _self_attr(n.func) == attr)
+        for attr in ("fc1", "fc2", "activation_fn")
+    }
+    if calls != {"fc1": 1, "fc2": 1, "activation_fn": 1}:
+        raise ValueError(f"{name}.forward calls fc1, fc2, activation_fn {calls} times; expected once each")
+
+    def holds(stmt: ast.stmt, attr: str) -> bool:
+        return any(isinstance(n, ast.Call) and _self_attr(n.func) == attr for n in ast.walk(stmt))
+
+    def find(body: list[ast.stmt]) -> list[ast.stmt] | None:
+        """The statements from the one calling fc1 to the one calling fc2, in one block."""
+        first = next((i for i, s in enumerate(body) if holds(s, "fc1")), None)
+        if first is None:
+            return None
+        last = next((i for i, s in enumerate(body) if holds(s, "fc2")), None)
+        if last is not None:
+            return body[first : last + 1]
+        for block in ("body", "orelse", "finalbody"):  # both inside one nested block
+            found = find(getattr(body[first], block, []) or [])
+            if found is not None:
+                return found
+        return None
+
+    segment = find(fn.body)
+    tree = None
+    if segment is not None:
+        *head, tail = segment
+        env: dict[str, Any] = {}
+        if _run([*head, ast.Return(value=ast.Constant(None))], env) is not None:
+            call = next(n for n in ast.walk(tail) if isinstance(n, ast.Call) and _self_attr(n.func) == "fc2")
+            tree = _expr(call, env)
+    shown = "(not straight-line code)" if tree is None else _show(tree)
+    inner = None
+    if tree is not None and tree[0] == "call":
+        inner, between = _strip_dropouts(layer, tree[2])
+    if (
+        inner is None
+        or inner[0] != "call"
+        or inner[1] != "activation_fn"
+        or inner[2][0] != "call"
+        or (inner[2][1] != "fc1")
+    ):
+        raise ValueError(f"{name}.forward computes {shown} from fc1 to fc2, not {want}; not upcycled")
+    off = []
+    for attr, p in between:
+        if p == 0.0:
+            continue
+        if attr == "activation_dropout":  # switched off: the dropout inside the MLP is dropped
+            off.append(attr)
+            continue
+        raise ValueError(
+            f"{name}.forward applies dropout p={p} ({attr}) between fc1 and fc2, which upcycling cannot keep "
+            "or drop safely; set it to 0"
+        )
+    return off
+
+
+class _Found:
+    """A recognised dense MLP: a module (``kind="mlp"``) or a layer's fc1/fc2 pair (``"pair"``)."""
+
+    def __init__(self, path: str, kind: str, dense: _Dense, switch_off: list[str] | None = None) -> None:
+        self.path, self.kind, self.dense, self.switch_off = path, kind, dense, switch_off or []
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.path}.fc1+fc2"
+            if self.path and self.kind == "pair"
+            else self.path or ("fc1+fc2" if self.kind == "pair" else "")
+        )
+
+
+def _dense_of(module: nn.Module, ins: tuple[str, ...], out: str, act_attr: str, dropout: float) -> _Dense:
+    name, act = _activation_name(getattr(module, act_attr)), getattr(module, act_attr)
+    proj = [getattr(module, n) for n in (*ins, out)]
+    if len(ins) == 2:  # SwiGLU
         if name != "silu":
             _refuse_activation(module, act)
-        g, u, d = module.gate_proj, module.up_proj, module.down_proj
+        g, u, d = proj
         if (_bias(g) is None) != (_bias(u) is None):
             raise ValueError(
                 f"{type(module).__name__} with a bias on only one of gate_proj/up_proj is not supported"
             )
-        b_in = None if _bias(g) is None else torch.cat([g.bias, u.bias])
-        return _Dense(torch.cat([g.weight, u.weight]), b_in, d.weight, d.bias, "swiglu", 0.0)
-    for first, second in (("fc1", "fc2"), ("fc_in", "fc_out")):
-        if isinstance(getattr(module, first, None), nn.Linear) and isinstance(
-            getattr(module, second, None), nn.Linear
-        ):
-            name, act = _act_of(module, ("activation_fn", "act", "act_fn"))
-            if name is None:
-                _refuse_activation(module, act)
-            if getattr(module, "norm", None) is not None and not isinstance(module.norm, nn.Identity):
-                raise ValueError(
-                    f"{type(module).__name__} with a norm between {first} and {second} is not supported"
-                )
-            f1, f2 = getattr(module, first), getattr(module, second)
-            return _Dense(
-                f1.weight, f1.bias, f2.weight, f2.bias, name, _dropout_p(getattr(module, "drop2", None))
+        if g.out_features != u.out_features or g.out_features != d.in_features:
+            raise ValueError(
+                f"{type(module).__name__} has gate/up/down widths {g.out_features}/{u.out_features}/"
+                f"{d.in_features}; expected equal"
             )
-    if isinstance(module, nn.Sequential) and len(module) == 3:
-        f1, act, f2 = module
-        if isinstance(f1, nn.Linear) and isinstance(f2, nn.Linear) and f1.out_features == f2.in_features:
-            name = _activation_name(act)
-            if name is None and (
-                any(True for _ in act.parameters()) or isinstance(act, (nn.Identity, nn.Dropout))
-            ):
-                return None  # e.g. Linear, LayerNorm, Linear: not an MLP
-            if name is None:
-                _refuse_activation(module, act)
-            return _Dense(f1.weight, f1.bias, f2.weight, f2.bias, name, 0.0)
-    return None
+        b_in = None if _bias(g) is None else torch.cat([g.bias, u.bias])
+        return _Dense(torch.cat([g.weight, u.weight]), b_in, d.weight, d.bias, "swiglu", dropout)
+    if name is None:
+        _refuse_activation(module, act)
+    f1, f2 = proj
+    if type(f1).__name__ == "Conv1D":  # y = x @ W + b, W (in, out)
+        w_in, w_out = f1.weight.T, f2.weight.T
+    else:
+        w_in, w_out = f1.weight, f2.weight
+    swiglu_in = name == "swiglu" and w_in.shape[0] == 2 * w_out.shape[1]
+    if (w_in.shape[0] != w_out.shape[1] and not swiglu_in) or w_in.shape[1] != w_out.shape[0]:
+        raise ValueError(
+            f"{type(module).__name__}: {ins[0]} {tuple(w_in.shape[::-1])} and {out} {tuple(w_out.shape[::-1])} "
+            "(in, out) do not chain as d → h → d"
+        )
+    return _Dense(w_in, _bias(f1), w_out, _bias(f2), name, dropout)
+
+
+def _classify(module: nn.Module, path: str) -> _Found | None:
+    """``module`` as a recognised MLP or fc1/fc2 layer; ``None`` if it looks like neither;
+    ``ValueError`` (naming the module's path) if it holds an MLP's projections but is neither,
+    computes something else, or has an unsupported activation (never silently changed)."""
+    try:
+        return _recognise(module, path)
+    except ValueError as exc:
+        if not path:
+            raise
+        raise ValueError(f"{path!r}: {exc}") from None
+
+
+def _recognise(module: nn.Module, path: str) -> _Found | None:
+    if isinstance(module, nn.Sequential):
+        if len(module) == 3:
+            f1, act, f2 = module
+            if isinstance(f1, nn.Linear) and isinstance(f2, nn.Linear) and f1.out_features == f2.in_features:
+                name = _activation_name(act)
+                if name is None and (
+                    any(True for _ in act.parameters()) or isinstance(act, (nn.Identity, nn.Dropout))
+                ):
+                    return None  # e.g. Linear, LayerNorm, Linear: not an MLP
+                if name is None:
+                    _refuse_activation(module, act)
+                return _Found(path, "mlp", _Dense(f1.weight, f1.bias, f2.weight, f2.bias, name, 0.0))
+        return None
+    layout = _layout(module)
+    if layout is None:
+        return None
+    ins, out, act_attr = layout
+    extras = _extras(module, (*ins, out, act_attr or ""))
+    if act_attr is not None and not extras:  # a plain MLP: projections, an activation, nothing else
+        dropout = _mlp_dropout(module, ins, out, act_attr)
+        return _Found(path, "mlp", _dense_of(module, ins, out, act_attr, dropout))
+    if (ins, out, act_attr) == (("fc1",), "fc2", "activation_fn") and all(
+        isinstance(getattr(module, n), nn.Linear) for n in ("fc1", "fc2")
+    ):  # OPT / BART / Whisper: the MLP's parts sit on the decoder layer itself
+        off = _pair_check(module)
+        return _Found(path, "pair", _dense_of(module, ins, out, act_attr, 0.0), off)
+    held = ", ".join((*ins, out))
+    if act_attr is None:
+        reason = "no activation (activation_fn, act or act_fn)"
+    else:
+        reason = f"{', '.join(repr(e) for e in extras)} besides them"
+    raise ValueError(
+        f"{type(module).__name__} holds {held} but {reason}: not a plain MLP (2 or 3 Linear "
+        "projections and an activation, nothing else) nor an OPT/BART-style layer (fc1, fc2, activation_fn); "
+        "not upcycled"
+    )
+
+
+def _find(model: nn.Module) -> list[_Found]:
+    found: list[_Found] = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        if isinstance(module, MoE):
+            return  # already sparse (its shared experts are not dense MLPs to upcycle)
+        hit = _classify(module, path)
+        if hit is not None:
+            found.append(hit)
+            if hit.kind == "mlp":
+                return
+        for child_name, child in module.named_children():
+            visit(child, f"{path}.{child_name}" if path else child_name)
+
+    visit(model, "")
+    return found
 
 
 def find_mlps(model: nn.Module) -> list[str]:
     """The qualified names of the recognised dense MLPs of ``model``, in module order.
 
-    A recognised MLP's own submodules are not searched again; ``""`` is ``model`` itself.
+    A recognised MLP's own submodules are not searched again; ``""`` is ``model`` itself.  The
+    fc1/fc2 pair of an OPT/BART/Whisper-style layer is named ``"<layer>.fc1+fc2"``.
+
+    Raises:
+        ValueError: a module holds an MLP's projections but is neither a plain MLP nor an
+            fc1/fc2 layer, computes something else from them, or has an unsupported activation.
     """
-    found: list[str] = []
-
-    def visit(module: nn.Module, name: str) -> None:
-        if isinstance(module, MoE):
-            return  # already sparse (its shared experts are not dense MLPs to upcycle)
-        if _as_dense(module) is not None:
-            found.append(name)
-            return
-        for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name)
-
-    visit(model, "")
-    return found
+    return [f.name for f in _find(model)]
 
 
 def _router_kwargs(method: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -282,31 +577,40 @@ def upcycle(
         the dense weights' dtype and device, and the model's train/eval mode.
 
     Raises:
-        ValueError: no recognised MLP, an unsupported activation, or bad sizes / indices.
+        ValueError: no recognised MLP, a module holding an MLP's projections that is not one of
+            the recognised forms (see the module docstring), an unsupported activation, or bad
+            sizes / indices; the model is then unchanged.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model={model!r} is not allowed; expected a torch.nn.Module")
     _validate.positive_int("num_experts", num_experts)
     _validate.int_in_range("top_k", top_k, 1, num_experts)
     get_method(method)
-    names = find_mlps(model)
-    if not names:
+    found = _find(model)  # refuses anything it cannot upcycle exactly, before any change
+    if not found:
         raise ValueError(
             f"model of type {type(model).__name__} has no recognisable dense MLP; supported: {list(SUPPORTED_MLPS)}"
         )
     if layers is not None:
         layers = list(layers)
         for i in layers:
-            _validate.int_in_range("layers", i, 0, len(names) - 1)
-        names = [names[i] for i in sorted(set(layers))]
-    if names == [""]:
-        return _build_moe(_as_dense(model), num_experts, top_k, method, options).train(model.training)
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
+            _validate.int_in_range("layers", i, 0, len(found) - 1)
+        found = [found[i] for i in sorted(set(layers))]
+    built = []  # every new layer first: a bad option changes nothing
+    for hit in found:
+        owner = model.get_submodule(hit.path) if hit.path else model
+        new = _build_moe(hit.dense, num_experts, top_k, method, options)
+        built.append((hit, owner, new.train(owner.training)))
+    if len(built) == 1 and built[0][0].path == "" and built[0][0].kind == "mlp":
+        return built[0][2]  # a single MLP: the new layer
+    for hit, owner, new in built:
+        if hit.kind == "pair":  # the layer's fc1 → act → fc2 becomes MoE → identity → identity
+            owner.fc1, owner.activation_fn, owner.fc2 = new, nn.Identity(), nn.Identity()
+            for attr in hit.switch_off:  # dropout between fc1 and fc2 (inside the MLP): dropped
+                setattr(owner, attr, 0.0)
+            continue
+        parent_name, _, attr = hit.path.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        dense_module = getattr(parent, attr)
-        new = _build_moe(_as_dense(dense_module), num_experts, top_k, method, options)
-        new.train(dense_module.training)
         if isinstance(parent, nn.Sequential) or attr.isdigit():
             parent[int(attr)] = new
         else:

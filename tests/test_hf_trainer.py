@@ -1,0 +1,369 @@
+"""moelab.hf.trainer: the transformers Trainer with moelab layers — schedules, the aux loss inside
+the forward (DDP), per-loss logging (TensorBoard), exact resume, output_router_logits."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moelab
+from moelab.hf.upcycle import upcycle
+from moelab.schedules import CoinFlipSchedule, CompetitionSchedule, build_schedule
+
+transformers = pytest.importorskip("transformers")
+from moelab.hf.trainer import ROUTING_FILE, MoETrainer  # noqa: E402
+
+V = 40
+#: a competition schedule that competes on some steps of both halves of a 6-step run (seed 0)
+COMPETE = {"omega": 0.5, "competition_warmup": 0.0}
+
+
+def _model(method: str = "competesmoe", **options):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=V, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(cfg)
+    return upcycle(model, 4, 2, method=method, **options).train()
+
+
+def _data(n: int = 24):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": (ids := torch.randint(3, V, (8,), generator=g)), "labels": ids} for _ in range(n)]
+
+
+def _args(out, **overrides):
+    kw = dict(
+        output_dir=str(out), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-2, report_to=[],
+        save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    kw.update(overrides)
+    return transformers.TrainingArguments(**kw)
+
+
+def _ctx(model) -> moelab.RoutingContext:
+    return model.transformer.h[0].mlp.ctx
+
+
+def _train_logs(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+# ------------------------------------------------------------------------------------ schedules
+def test_competesmoe_builds_its_competition_schedule_and_competes_on_its_steps(tmp_path):
+    model = _model()
+    trainer = MoETrainer(model=model, args=_args(tmp_path), train_dataset=_data(), schedule_options=COMPETE)
+    trainer.train()
+    ctx = _ctx(model)
+    assert isinstance(ctx.schedule, CompetitionSchedule) and ctx.step == 6 and ctx.total_steps == 6
+    expected = build_schedule("competesmoe", 2, 6, seed=0, **COMPETE)
+    assert torch.equal(ctx.schedule.table, expected.table)  # the method's schedule, from args.seed
+    competing = ctx.schedule.table.any(dim=0).tolist()
+    assert any(competing[:3]) and any(competing[3:]) and not all(competing)
+    logs = _train_logs(trainer)
+    assert len(logs) == 6
+    for step, log in enumerate(logs):  # the distillation loss exists exactly on the competition steps
+        assert (log["aux_distill"] > 0) == competing[step], (step, log)
+        assert (log["aux_diversity"] != 0) == competing[step], (step, log)
+        parts = sum(v for k, v in log.items() if k.startswith("aux_") and k != "aux_loss")
+        assert parts == pytest.approx(log["aux_loss"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("method", "expected"),
+    [("competesmoe-v1", CoinFlipSchedule), ("densemoe", CompetitionSchedule), ("smoe", None)],
+)
+def test_the_trainer_builds_the_schedule_the_method_declares(tmp_path, method, expected):
+    model = _model(method)
+    options = {"rate": 0.2} if method == "competesmoe-v1" else None
+    trainer = MoETrainer(
+        model=model, args=_args(tmp_path, max_steps=1), train_dataset=_data(4), schedule_options=options
+    )
+    trainer.train()
+    schedule = _ctx(model).schedule
+    assert (schedule is None) if expected is None else isinstance(schedule, expected)
+    if method == "competesmoe-v1":
+        assert schedule.rate == 0.2 and schedule.num_layers == 2
+
+
+def test_bad_schedule_options_and_mixed_schedules_are_refused(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"schedule_options keys \['omgea'\] are not allowed; allowed: \['omega'"
+    ):
+        MoETrainer(
+            model=_model(), args=_args(tmp_path), train_dataset=_data(4), schedule_options={"omgea": 0.1}
+        )
+    mixed = _model("competesmoe-v1")
+    mixed.transformer.h[1].mlp = _model("competesmoe").transformer.h[1].mlp
+    trainer = MoETrainer(model=mixed, args=_args(tmp_path, max_steps=1), train_dataset=_data(4))
+    with pytest.raises(
+        ValueError, match=r"use methods \['competesmoe', 'competesmoe-v1'\], which need different "
+    ):
+        trainer.train()
+
+
+def test_a_competition_schedule_needs_the_planned_steps():
+    from moelab.hf.trainer import model_schedule
+
+    with pytest.raises(
+        ValueError, match=r"method 'competesmoe' needs the planned number of steps for its competition"
+    ):
+        model_schedule(_model(), None)
+    assert isinstance(model_schedule(_model("competesmoe-v1"), None), CoinFlipSchedule)  # coin flips do not
+
+
+def test_a_model_output_that_cannot_carry_the_aux_loss_is_refused(tmp_path):
+    class Bare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = moelab.MoE(8, 4, 2)
+
+        def forward(self, x):
+            return self.moe(x).sum()
+
+    model = Bare().train()
+    trainer = MoETrainer(model=model, args=_args(tmp_path), train_dataset=_data(4))
+    with pytest.raises(
+        ValueError,
+        match=r"a model output of type Tensor is not allowed under MoETrainer; expected a ModelOutput",
+    ):
+        trainer.compute_loss(model, {"x": torch.randn(3, 8)})
+
+
+# ------------------------------------------------------------------------- the aux loss in forward
+def test_the_aux_loss_is_part_of_the_forward_that_ddp_wraps(tmp_path):
+    """DDP (find_unused_parameters, as the Trainer sets it) on a competition step: the aux loss read
+    after the forward marks a parameter ready twice; computed inside the forward it trains."""
+    model = _model()
+    trainer = MoETrainer(model=model, args=_args(tmp_path), train_dataset=_data(4), schedule_options=COMPETE)
+    ctx = moelab.RoutingContext(
+        total_steps=6, schedule=build_schedule("competesmoe", 2, 6, omega=1.0, competition_warmup=0.0)
+    )
+    moelab.attach(model, ctx)
+    batch = {"input_ids": torch.stack([d["input_ids"] for d in _data(4)])}
+    batch["labels"] = batch["input_ids"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        loss = trainer.compute_loss(ddp, dict(batch))
+        aux = moelab.aux_loss(model)
+        assert model.transformer.h[0].mlp.last_routing.indices.shape[-1] == 2 and aux.item() > 0
+        loss.backward()  # no "Expected to mark a variable ready only once"
+        with torch.no_grad():
+            task = transformers.Trainer.compute_loss(trainer, model, dict(batch))
+        assert loss.item() == pytest.approx(task.item() + aux.item(), rel=1e-6)
+        assert model.transformer.h[0].mlp.router.base.weight.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_from_model_init_gets_the_aux_loss_too(tmp_path):
+    trainer = MoETrainer(
+        model_init=lambda: _model(), args=_args(tmp_path, max_steps=2), train_dataset=_data(8)
+    )
+    trainer.train()
+    assert all(log["aux_loss"] > 0 and log["aux_balance"] > 0 for log in _train_logs(trainer))
+    assert _ctx(trainer.model).step == 2
+
+
+def test_a_task_loss_computed_outside_the_model_still_gets_the_aux_loss(tmp_path):
+    model = _model("smoe", balance_coef=0.5)
+    trainer = MoETrainer(
+        model=model, args=_args(tmp_path, label_smoothing_factor=0.1), train_dataset=_data(4)
+    )
+    batch = {"input_ids": torch.stack([d["input_ids"] for d in _data(4)])}
+    batch["labels"] = batch["input_ids"]
+    loss, outputs = trainer.compute_loss(model, dict(batch), return_outputs=True)
+    aux = moelab.aux_loss(model)
+    assert outputs.loss is None and torch.equal(outputs["moelab_aux_loss"], aux)
+    task = transformers.Trainer.compute_loss(trainer, model, dict(batch))
+    assert aux.item() > 0.4 and loss.item() == pytest.approx(task.item() + aux.item(), rel=1e-6)
+    model.eval()
+    with torch.no_grad():  # evaluation: the task loss alone
+        assert "moelab_aux_loss" not in trainer.compute_loss(model, dict(batch), return_outputs=True)[1]
+
+
+# ------------------------------------------------------------------------------------- logging
+def test_each_aux_loss_is_logged_and_reaches_tensorboard(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = _model()
+    logdir = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))  # offline: event files only
+    args = _args(tmp_path, max_steps=4, report_to=["tensorboard"])
+    trainer = MoETrainer(model=model, args=args, train_dataset=_data(), schedule_options=COMPETE)
+    trainer.train()
+    events = list(logdir.rglob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    names = ["aux_loss", "aux_balance", "aux_z", "aux_distill", "aux_diversity", "aux_competition_balance"]
+    assert {f"train/{n}" for n in [*names, "loss"]} <= tags, tags
+    logs = _train_logs(trainer)
+    for name in names:
+        logged = [e.value for e in acc.Scalars(f"train/{name}")]
+        assert logged == pytest.approx([log[name] for log in logs], rel=1e-6)
+    assert logs[0]["aux_balance"] > 0 and logs[0]["aux_z"] > 0
+
+
+# -------------------------------------------------------------------------------------- resume
+class _StopAt(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resume_from_a_trainer_checkpoint_ends_with_the_uninterrupted_weights(tmp_path):
+    def run(out, resume=False, stop=None):
+        model = _model()
+        args = _args(out, save_strategy="steps", save_steps=3)
+        callbacks = [_StopAt(stop)] if stop else []
+        trainer = MoETrainer(
+            model=model, args=args, train_dataset=_data(), callbacks=callbacks, schedule_options=COMPETE
+        )
+        trainer.train(resume_from_checkpoint=resume or None)
+        return model, trainer
+
+    full, full_trainer = run(tmp_path / "full")
+    table = _ctx(full).schedule.table
+    assert table[:, :3].any() and table[:, 3:].any()  # competition before and after the interruption
+    _, stopped = run(tmp_path / "part", stop=3)
+    assert stopped.state.global_step == 3
+    saved = torch.load(tmp_path / "part" / "checkpoint-3" / ROUTING_FILE, weights_only=True)
+    assert saved["ctx"] == {"step": 3, "total_steps": 6} and torch.equal(saved["schedule"]["table"], table)
+    resumed, trainer = run(tmp_path / "part", resume=True)
+    assert trainer.state.global_step == 6 and _ctx(resumed).step == 6
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    keys = ("loss", "aux_loss", "aux_distill", "aux_balance")  # the log goes on as if never stopped
+    assert [[log[k] for k in keys] for log in _train_logs(trainer)] == [
+        [log[k] for k in keys] for log in _train_logs(full_trainer)
+    ]
+
+
+def test_a_resumed_run_takes_its_schedule_from_the_checkpoint(tmp_path):
+    args = _args(tmp_path, save_strategy="steps", save_steps=3)
+    MoETrainer(
+        model=_model(), args=args, train_dataset=_data(), callbacks=[_StopAt(3)], schedule_options=COMPETE
+    ).train()
+    path = tmp_path / "checkpoint-3" / ROUTING_FILE
+    state = torch.load(path, weights_only=True)
+    assert state["schedule"]["table"][:, 3:].any()
+    state["schedule"]["table"][:, 3:] = False  # no competition after the checkpoint
+    torch.save(state, path)
+    model = _model()
+    trainer = MoETrainer(model=model, args=args, train_dataset=_data(), schedule_options=COMPETE)
+    trainer.train(resume_from_checkpoint=True)
+    assert torch.equal(_ctx(model).schedule.table, state["schedule"]["table"])
+    assert [log["aux_distill"] for log in _train_logs(trainer)[3:]] == [0.0, 0.0, 0.0]
+
+
+def test_a_checkpoint_whose_routing_state_does_not_match_its_step_is_refused(tmp_path):
+    model = _model()
+    args = _args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    MoETrainer(model=model, args=args, train_dataset=_data(8), schedule_options=COMPETE).train()
+    path = tmp_path / "checkpoint-2" / ROUTING_FILE
+    state = torch.load(path, weights_only=True)
+    state["ctx"]["step"] = 1
+    torch.save(state, path)
+    trainer = MoETrainer(model=_model(), args=args, train_dataset=_data(8), schedule_options=COMPETE)
+    with pytest.raises(
+        ValueError,
+        match=r"holds the routing state of step 1 but the Trainer resumes at step 2; the checkpoint",
+    ):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
+# --------------------------------------------------------------------------- output_router_logits
+def test_output_router_logits_on_a_converted_model_is_refused_in_one_line(tmp_path):
+    cfg = transformers.MixtralConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    ids = torch.randint(0, V, (2, 6))
+    moelab.from_hf(model)
+    message = r"^output_router_logits=True is not allowed on a model with moelab MoE layers: transformers' "
+    with pytest.raises(ValueError, match=message + r".*set model.config.output_router_logits=False"):
+        MoETrainer(model=model, args=_args(tmp_path), train_dataset=_data(4))
+    model.config.output_router_logits = False
+    trainer = MoETrainer(model=model, args=_args(tmp_path), train_dataset=_data(4))
+    with pytest.raises(ValueError, match=message):  # asked for in the batch
+        trainer.compute_loss(model, {"input_ids": ids, "labels": ids, "output_router_logits": True})
+    model.config.output_router_logits = True  # switched on after the trainer was built
+    with pytest.raises(ValueError, match=message):
+        model(ids)
+    model.config.output_router_logits = False
+    loss = trainer.compute_loss(model.train(), {"input_ids": ids, "labels": ids})
+    assert torch.isfinite(loss) and moelab.aux_loss(model).item() > 0  # the layers' own balance loss
+
+
+# ------------------------------------------------------------------------------------- torchrun
+SCRIPT = """
+import json, os, sys
+import torch
+import transformers
+sys.path.insert(0, os.environ["TESTS"])
+from test_hf_trainer import COMPETE, _args, _ctx, _data, _model, _train_logs
+from moelab.hf.trainer import MoETrainer
+
+out = os.environ["OUT"]
+model = _model()
+args = _args(out, max_steps=6, per_device_train_batch_size=2, ddp_backend="gloo", save_strategy="steps", save_steps=3)
+trainer = MoETrainer(model=model, args=args, train_dataset=_data(), schedule_options=COMPETE)
+trainer.train()
+table = _ctx(model).schedule.table
+rank = int(os.environ["RANK"])
+torch.save(model.state_dict(), os.path.join(out, f"weights{rank}.pt"))
+json.dump({
+    "world": trainer.args.world_size,
+    "ddp": type(trainer.model_wrapped).__name__,
+    "step": _ctx(model).step,
+    "competing": table.any(dim=0).tolist(),
+    "logs": _train_logs(trainer),
+}, open(os.path.join(out, f"rank{rank}.json"), "w"))
+"""
+
+
+@pytest.mark.slow
+def test_competesmoe_trains_under_torchrun_ddp_through_its_competition_steps(tmp_path):
+    (tmp_path / "run.py").write_text(textwrap.dedent(SCRIPT))
+    src = str(Path(moelab.__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": src,
+        "TESTS": str(Path(__file__).resolve().parent),
+        "OUT": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "run.py"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["world"] == 2 and report["ddp"] == "DistributedDataParallel" and report["step"] == 6
+        assert any(report["competing"]) and len(report["logs"]) == 6
+        for step, log in enumerate(report["logs"]):  # passed every competition step
+            assert (log["aux_distill"] > 0) == report["competing"][step]
+    assert reports[0]["logs"] == reports[1]["logs"]  # the logged losses are the means over the ranks
+    w0, w1 = (torch.load(tmp_path / f"weights{r}.pt", weights_only=True) for r in range(2))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # DDP kept the ranks identical
+    assert (tmp_path / "checkpoint-6" / ROUTING_FILE).is_file()
