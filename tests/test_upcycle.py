@@ -304,3 +304,24 @@ def test_cli_refuses_a_model_it_cannot_build_before_writing_anything(tmp_path, c
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_trainer_checkpoints_of_a_model_with_moelab_layers_reload_and_save_pretrained_refuses(tmp_path):
+    from moelab.hf.trainer import MoETrainer
+
+    model = _gpt2().float().train()
+    upcycle(model, 4, 2)
+    with pytest.raises(ValueError, match="save_pretrained refused"):
+        model.save_pretrained(tmp_path / "refused")
+    torch.manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 40, (8,)), "labels": torch.randint(0, 40, (8,))} for _ in range(4)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "t"), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
+        report_to=[], save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    MoETrainer(model=model, args=args, train_dataset=data).train()
+    ckpt = tmp_path / "t" / "checkpoint-2"
+    assert (ckpt / "model.safetensors").is_file() and not (ckpt / "config.json").exists()
+    reloaded = moelab.load(ckpt / "moelab")  # rebuilt offline, the trained weights
+    a, b = model.state_dict(), reloaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
