@@ -360,3 +360,21 @@ def test_a_switched_model_saves_and_loads_with_moelab(tmp_path):
     assert [m.method for m in moelab.layer.moe_layers(back)] == ["xmoe", "xmoe"]
     with torch.no_grad():
         torch.testing.assert_close(back.double()(ids).logits, model.eval()(ids).logits)
+
+
+def test_output_router_logits_on_a_converted_model_called_directly_is_refused_in_one_line():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=50, hidden_size=D, intermediate_size=H, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = from_hf(MixtralForCausalLM(cfg))
+    ids = torch.randint(0, 50, (1, 5))
+    with pytest.raises(ValueError, match=r"^output_router_logits=True is not allowed on a model with moelab"):
+        model(ids, output_router_logits=True)
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits=True is not allowed"):
+        model(ids)
+    model.config.output_router_logits = False
+    assert model(ids).logits.shape == (1, 5, 50)

@@ -554,6 +554,9 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
     # what moelab.save records to rebuild the model offline (transformers config + this step)
     module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
     guard_save_pretrained(module)
+    if not getattr(module, "_moelab_router_logits_hook", False):  # called directly, not only by MoETrainer
+        module.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
+        module._moelab_router_logits_hook = True
     if method is not None:
         set_method(module, method, **options)
     return module
@@ -736,6 +739,30 @@ def _guarded_save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "moelab.save(model, path) and load with moelab.load(path)"
         )
     return type(self).save_pretrained(self, *args, **kwargs)
+
+
+_ROUTER_LOGITS = (
+    "output_router_logits=True is not allowed on a model with moelab MoE layers: transformers' "
+    "load-balancing loss reads router logits these layers do not record; set "
+    "model.config.output_router_logits=False (each moelab layer adds its own balance loss, "
+    "balance_coef from router_aux_loss_coef: moelab.aux_loss(model), which MoETrainer trains on)"
+)
+
+
+def check_router_logits(model: nn.Module, requested: Any = None) -> None:
+    """Refuse ``output_router_logits`` (asked for by ``requested`` or ``model.config``) on a model
+    with moelab MoE layers: transformers' load-balancing loss would fail on them."""
+    flag = (
+        requested
+        if requested is not None
+        else getattr(getattr(model, "config", None), "output_router_logits", False)
+    )
+    if flag is True and moe_layers(model):
+        raise ValueError(_ROUTER_LOGITS)
+
+
+def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    check_router_logits(module, kwargs.get("output_router_logits"))
 
 
 def guard_save_pretrained(model: nn.Module) -> None:

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layer import attach, moe_layers
+from .convert import check_router_logits
 from ..methods import get_method
 from ..routing import RoutingContext
 from ..schedules import SCHEDULE_OPTIONS, build_schedule
@@ -55,26 +56,6 @@ ROUTING_FILE = "moelab_routing.pt"
 
 #: the output key of the aux loss when the task loss is computed outside the model
 AUX_OUTPUT_KEY = "moelab_aux_loss"
-
-_ROUTER_LOGITS = (
-    "output_router_logits=True is not allowed on a model with moelab MoE layers: transformers' "
-    "load-balancing loss reads router logits these layers do not record; set "
-    "model.config.output_router_logits=False (each moelab layer adds its own balance loss, "
-    "balance_coef from router_aux_loss_coef, which MoETrainer trains on)"
-)
-
-
-def check_router_logits(model: nn.Module, requested: Any = None) -> None:
-    """Refuse ``output_router_logits`` (asked for by ``requested`` or ``model.config``) on a model
-    with moelab MoE layers: transformers' load-balancing loss would fail on them."""
-    flag = (
-        requested
-        if requested is not None
-        else getattr(getattr(model, "config", None), "output_router_logits", False)
-    )
-    if flag is True and moe_layers(model):
-        raise ValueError(_ROUTER_LOGITS)
-
 
 def model_schedule(
     model: nn.Module, total_steps: int | None, seed: int = 0, options: dict[str, Any] | None = None
