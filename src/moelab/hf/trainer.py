@@ -44,10 +44,10 @@ import torch
 from torch import Tensor, nn
 
 from ..layer import attach, moe_layers
-from .convert import check_router_logits
 from ..methods import get_method
 from ..routing import RoutingContext
 from ..schedules import SCHEDULE_OPTIONS, build_schedule
+from .convert import check_router_logits
 
 __all__ = ["ROUTING_FILE", "MoETrainer", "MoETrainerCallback", "check_router_logits", "model_schedule"]  # noqa: F822
 
@@ -56,6 +56,7 @@ ROUTING_FILE = "moelab_routing.pt"
 
 #: the output key of the aux loss when the task loss is computed outside the model
 AUX_OUTPUT_KEY = "moelab_aux_loss"
+
 
 def model_schedule(
     model: nn.Module, total_steps: int | None, seed: int = 0, options: dict[str, Any] | None = None
