@@ -2,6 +2,7 @@
 the forward (DDP), per-loss logging (TensorBoard), exact resume, output_router_logits."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -367,3 +368,18 @@ def test_competesmoe_trains_under_torchrun_ddp_through_its_competition_steps(tmp
     w0, w1 = (torch.load(tmp_path / f"weights{r}.pt", weights_only=True) for r in range(2))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)  # DDP kept the ranks identical
     assert (tmp_path / "checkpoint-6" / ROUTING_FILE).is_file()
+
+
+@pytest.mark.parametrize("method", moelab.methods())
+def test_the_trainer_trains_every_method(tmp_path, method):
+    model = _model(method)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = MoETrainer(
+        model=model, args=_args(tmp_path, max_steps=2), train_dataset=_data(8), schedule_options=None
+    )
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
+    assert _ctx(model).step == 2
+    changed = [k for k, v in model.state_dict().items() if "mlp" in k and not torch.equal(v, before[k])]
+    assert changed, f"{method}: no MoE parameter moved"
