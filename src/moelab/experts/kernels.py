@@ -16,6 +16,14 @@ autograd, torch threads; measured in docs/performance.md, ``moelab bench suite``
 - ``"stream"`` (CPU): expert after expert gathers its tokens, runs and adds its weighted output to
   them; no ``(T·K, d)`` buffer exists (at ``T·K ≤ N`` the slots are sorted on the host).  Made for
   inference; under autograd the stacked weights are unbound once.
+- ``"triton"`` (CUDA; the CPU under Triton's interpreter): grouped GEMMs that read the tokens by
+  index and add the weighted outputs into their tokens (:mod:`moelab.experts.triton_kernels`), in
+  one autograd node with Triton kernels for the backward; no ``(T·K, d)`` copy of the inputs.
+  Needs ``triton`` (imported at the first call); experts without biases.  ``"auto"`` does not
+  choose it (not yet measured on a GPU).
+
+``"grouped"`` is the ``torch._grouped_mm`` backend (``F.grouped_mm`` where torch has it): CPU
+float32 from torch 2.9, CUDA from compute capability 8.0 (:func:`grouped_mm_available`).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from .dispatch import dispatch, sort_slots, tracks_grad
 if TYPE_CHECKING:
     from .bank import ExpertBank
 
-__all__ = ["IMPLS", "KERNELS", "Kernel", "grouped", "grouped_mm_available", "loop", "stream"]
+__all__ = ["IMPLS", "KERNELS", "Kernel", "fused", "grouped", "grouped_mm_available", "loop", "stream"]
 
 #: ``kernel(bank, x (T, d), indices (T, K), weights (T, K)) -> (T, d)``: ``Σ_k w_k · expert_{i_k}(x)``
 Kernel = Callable[["ExpertBank", Tensor, Tensor, Tensor], Tensor]
@@ -118,8 +126,21 @@ def stream(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Ten
     return out
 
 
+def fused(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    """``"triton"``: the fused gather → grouped GEMM → weighted scatter kernels of
+    :mod:`moelab.experts.triton_kernels` (imported here, at the first call).
+
+    Raises:
+        ValueError: triton is not installed, the device or dtype is not supported, or the bank
+            has biases (:func:`moelab.experts.triton_kernels.unavailable_reason`).
+    """
+    from .triton_kernels import triton_experts
+
+    return triton_experts(bank, x, indices, weights)
+
+
 #: name → implementation of :meth:`ExpertBank.forward`; ``impl=name`` runs exactly ``KERNELS[name]``
-KERNELS: dict[str, Kernel] = {"loop": loop, "grouped": grouped, "stream": stream}
+KERNELS: dict[str, Kernel] = {"loop": loop, "grouped": grouped, "stream": stream, "triton": fused}
 
 #: the values of ``ExpertBank(impl=...)``: ``"auto"`` (:meth:`ExpertBank.resolved_impl`) and the kernels
 IMPLS = ("auto", *KERNELS)
