@@ -116,6 +116,7 @@ from ..experts.kernels import grouped_rows, loop_rows
 from ..functional import expert_counts
 from ..io.atomic import atomic_write_text
 from ..layer import MoE
+from .gpu import GPU_PEERS, GPU_TOKENS, MODELS, run_gpu
 from .harness import (
     CLOCKS,
     Candidate,
@@ -233,6 +234,16 @@ class Case:
 
 def parse_grid(args: argparse.Namespace) -> list[Case]:
     """Validate every option and return the cases, in run order (threads, d, shape, T, routing)."""
+    for flag, value in (("--models", args.models), ("--gpu-peers", args.gpu_peers)):
+        if value is not None:
+            raise ValueError(
+                f"{flag}={value!r} is not allowed with --device {args.device}; it is an option of --device cuda"
+            )
+    args.tokens = DEFAULTS["tokens"] if args.tokens is None else args.tokens
+    args.dtype = "float32" if args.dtype is None else args.dtype
+    _validate.one_of("--dtype", args.dtype, ("float32", "bfloat16"))
+    args.repeats = 30 if args.repeats is None else args.repeats
+    args.budget = 30.0 if args.budget is None else args.budget
     tokens = _ints("--tokens", args.tokens)
     shapes = _shapes(args.shapes)
     widths = _ints("--d-model", args.d_model)
@@ -786,7 +797,13 @@ def _best_peer(s: dict, phase: str) -> str:
 
 # ---------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", "-T", default=DEFAULTS["tokens"], help="token counts T (default %(default)s)")
+    p.add_argument(
+        "--tokens",
+        "-T",
+        default=None,
+        help=f"token counts T (default {DEFAULTS['tokens']}; with --device cuda "
+        f"{','.join(map(str, GPU_TOKENS))})",
+    )
     p.add_argument(
         "--shapes",
         default=DEFAULTS["shapes"],
@@ -800,20 +817,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peers", default=DEFAULTS["peers"], help=f"from {list(PEERS)}, or 'none' (default %(default)s)"
     )
-    p.add_argument("--repeats", type=int, default=30, help="timed rounds per case at most (default 30)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed rounds per case at most (default 30; --device cuda: 7)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument(
         "--budget",
         type=float,
-        default=30.0,
-        help="seconds of timed rounds per case after which no new round starts (at least 3 rounds; default 30)",
+        default=None,
+        help="seconds of timed rounds per case after which no new round starts (at least 3 rounds; "
+        "default 30, --device cuda: 15)",
     )
     p.add_argument(
         "--clock", choices=sorted(CLOCKS), default="wall", help="wall (default) or process CPU time"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default float32)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda: the GPU grid of production shapes (moelab.bench.gpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 (default) or bfloat16; with --device cuda a list (default bfloat16,float32)",
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        help=f"--device cuda: shapes from {list(MODELS)} (default all)",
+    )
+    p.add_argument(
+        "--gpu-peers",
+        default=None,
+        help=f"--device cuda: from {list(GPU_PEERS)} or 'none' (default all; each only if installed)",
+    )
+    p.add_argument(
+        "--fp32-max-tokens",
+        type=int,
+        default=4096,
+        help="--device cuda: float32 cases only up to this T (default 4096)",
+    )
     p.add_argument(
         "--peer-max-gib",
         type=float,
@@ -884,6 +931,8 @@ def _start_document(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.device == "cuda":
+        return run_gpu(args)
     cases = parse_grid(args)
     doc = _start_document(args)
     done = {c["key"] for c in doc["cases"]}

@@ -15,8 +15,9 @@ by tensor ops, no host sync) and
   weight and **added into its token's output row**.  With ``K ≤ 2`` by ``atomic_add`` into a
   zeroed float32 output: two additions onto zero commute exactly (``0 + a + b == 0 + b + a``), so
   the result is deterministic; with ``K = 1`` a plain store; with ``K > 2`` the weighted rows are
-  stored at their slot's place of a ``(T·K, d)`` float32 buffer summed over ``K`` afterwards
-  (deterministic, at the cost of that buffer);
+  stored at their slot's place of a ``(T·K, d)`` buffer (the input dtype) summed over ``K`` in
+  float32 afterwards (deterministic, at the cost of that buffer; atomics would be
+  nondeterministic in the order of more than two additions);
 * backward: :func:`_grad_h_kernel` gathers the output gradient by token, multiplies by
   ``W_out[e]`` and fuses the activation's backward, the routing-weight scaling and the gradient of
   the routing weights (``∂L/∂w_s = <g_t W_out[e], a_s>``, per column block, summed after);
@@ -201,8 +202,8 @@ if triton is not None:
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         """``y = a W[e]`` (``W[e][k, n]`` at ``k·stride_wk + n·stride_wn``) on one block of sorted
-        slots, times the slot weight (``SCALE``), into ``OUT`` (float32): ``MODE`` 0 stored at the
-        token row, 1 atomically added to it, 2 stored at the slot row ``DEST``."""
+        slots, times the slot weight (``SCALE``), into ``OUT``: ``MODE`` 0 stored at the token row,
+        1 atomically added to it (float32), 2 stored at the slot row ``DEST``."""
         e, row0, row_end = _block(BLK, nblk, tl.program_id(0))
         if e < 0:
             return
@@ -238,7 +239,7 @@ if triton is not None:
         if MODE == 1:
             tl.atomic_add(ptr, acc, mask=omask)
         else:
-            tl.store(ptr, acc, mask=omask)
+            tl.store(ptr, acc.to(OUT.dtype.element_ty), mask=omask)
 
     @triton.jit
     def _grad_h_kernel(
@@ -358,9 +359,11 @@ def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int]:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest" and not INTERPRET:
+    """``tl.dot``'s ``input_precision``: float32 as torch would (IEEE unless TF32 is allowed);
+    16-bit inputs take Triton's default, which does not apply to them."""
+    if dtype != torch.float32:
         return "tf32"
-    return "ieee"
+    return "tf32" if torch.get_float32_matmul_precision() != "highest" and not INTERPRET else "ieee"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -424,13 +427,14 @@ def _scatter_gemm(
     p: _Plan, a: Tensor, w: Tensor, trans: bool, scale: Tensor | None, out_rows: int, per_slot: bool = False
 ) -> Tensor:
     """``Σ_k (scale ·) a_s W[e]`` (``W[e]ᵀ`` with ``trans``) added into ``out_rows`` token rows,
-    float32 ``(out_rows, n)``; ``per_slot``: the unsummed ``(T·K, n)`` rows in slot order."""
+    float32 ``(out_rows, n)``; ``per_slot``: the unsummed ``(T·K, n)`` rows in slot order, in
+    ``a``'s dtype (as the ``K > 2`` rows before their float32 sum)."""
     if trans:  # W (N, n, k): W[e]ᵀ[k, n] = W[e, n, k]
         n_cols, k_dim, s_k, s_n = w.shape[1], w.shape[2], w.stride(2), w.stride(1)
     else:  # W (N, k, n)
         n_cols, k_dim, s_k, s_n = w.shape[2], w.shape[1], w.stride(1), w.stride(2)
     if per_slot or p.K > 2:
-        mode, out = 2, a.new_empty(p.S, n_cols, dtype=torch.float32)
+        mode, out = 2, a.new_empty(p.S, n_cols)
     elif p.K == 2:
         mode, out = 1, a.new_zeros(out_rows, n_cols, dtype=torch.float32)
     else:
@@ -444,7 +448,7 @@ def _scatter_gemm(
         BM=p.bm, BN=p.bn, BK=p.bk, num_warps=p.warps,
     )  # fmt: skip
     if mode == 2 and not per_slot:
-        out = out.view(p.T, p.K, n_cols).sum(1)
+        out = out.view(p.T, p.K, n_cols).sum(1, dtype=torch.float32)
     return out
 
 
