@@ -116,6 +116,14 @@ def test_gpu_suite_without_a_device_says_so_in_one_line(capsys):
     )
 
 
+def test_gpu_suite_refuses_to_overwrite_out_without_force(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    out.write_text("{}")
+    assert main([*GPU_ARGS, "--out", str(out)]) == 2
+    assert f"--out={str(out)!r} exists; pass --force to overwrite it" in capsys.readouterr().err
+    assert out.read_text() == "{}"
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--models", "olmoe"), ("--gpu-peers", "none")])
 def test_cpu_suite_refuses_gpu_only_options(capsys, flag, value):
     assert main(["bench", "suite", "--tokens", "4", flag, value]) == 2

@@ -717,10 +717,10 @@ def _write(doc: dict, out: Path | None) -> None:
 def run_gpu(args: argparse.Namespace) -> int:
     """``moelab bench suite --device cuda`` (module docstring)."""
     parse_gpu_grid(args)  # validate everything before looking for a device
-    if not torch.cuda.is_available():
-        raise ValueError("--device='cuda' is not allowed here: torch sees no CUDA device; use --device cpu")
     if args.out is not None and args.out.exists() and not args.force:
         raise ValueError(f"--out={str(args.out)!r} exists; pass --force to overwrite it")
+    if not torch.cuda.is_available():
+        raise ValueError("--device='cuda' is not allowed here: torch sees no CUDA device; use --device cpu")
     props = torch.cuda.get_device_properties(0)
     cases = parse_gpu_grid(args, memory=props.total_memory)
     gpu = torch.cuda.get_device_name(0)
