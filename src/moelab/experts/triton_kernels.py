@@ -93,6 +93,15 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 # ---------------------------------------------------------------------------------- kernels
 if triton is not None:
+    # Only builtins of triton.language and this module's own jit functions are called in the
+    # kernels (tl.full, not tl.zeros; tl.reduce with _add, not tl.sum): the jit functions of
+    # triton.language.standard are interpretable only when triton itself was imported with
+    # TRITON_INTERPRET=1, which a test process that imported torch's or transformers' triton
+    # integration first cannot guarantee.
+
+    @triton.jit
+    def _add(a, b):
+        return a + b
 
     @triton.jit
     def _sigmoid(v):
@@ -165,8 +174,8 @@ if triton is not None:
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         cmask = cols < n_cols
         cols64 = cols.to(tl.int64)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.full((BM, BN), 0.0, tl.float32)
+        acc_up = tl.full((BM, BN), 0.0, tl.float32)
         w_base = W + e * stride_we
         for k0 in range(0, k_dim, BK):
             ks = k0 + tl.arange(0, BK)
@@ -214,7 +223,7 @@ if triton is not None:
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         cmask = cols < n_cols
         cols64 = cols.to(tl.int64)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.full((BM, BN), 0.0, tl.float32)
         w_base = W + e * stride_we
         for k0 in range(0, k_dim, BK):
             ks = k0 + tl.arange(0, BK)
@@ -264,7 +273,7 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)
         cmask = cols < n_cols
         cols64 = cols.to(tl.int64)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.full((BM, BN), 0.0, tl.float32)
         w_base = W + e * stride_we
         for k0 in range(0, k_dim, BK):
             ks = k0 + tl.arange(0, BK)
@@ -287,12 +296,12 @@ if triton is not None:
             up = tl.load(h_ptr + n_cols, mask=omask, other=0.0).to(tl.float32)
             sg = _sigmoid(h)
             s = h * sg
-            gw = tl.sum(acc * s * up, axis=1)
+            gw = tl.reduce(acc * s * up, 1, _add)
             ga = acc * ws
             tl.store(gh_ptr, (ga * up * sg * (1.0 + h * (1.0 - sg))).to(GH.dtype.element_ty), mask=omask)
             tl.store(gh_ptr + n_cols, (ga * s).to(GH.dtype.element_ty), mask=omask)
         else:
-            gw = tl.sum(acc * _act(h, ACT), axis=1)
+            gw = tl.reduce(acc * _act(h, ACT), 1, _add)
             tl.store(gh_ptr, (acc * ws * _act_grad(h, ACT)).to(GH.dtype.element_ty), mask=omask)
         tl.store(GWP + rows64 * stride_gwp + pid_n, gw, mask=rmask)
 
@@ -317,7 +326,7 @@ if triton is not None:
         nmask = ns < n_dim
         ms64 = ms.to(tl.int64)
         ns64 = ns.to(tl.int64)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.full((BM, BN), 0.0, tl.float32)
         for r0 in range(start, end, BK):
             rs = r0 + tl.arange(0, BK)
             rmask = rs < end
