@@ -59,6 +59,8 @@ from ..experts import MLP
 from ..io.atomic import atomic_write_text
 from ..layer import MoE
 from .harness import machine_info
+from .workload import ROUTINGS, favourite_experts, load_stats, name_list, peak_memory_bytes, routed_inputs
+from .workload import int_list as _ints
 
 __all__ = [
     "GPU_TOKENS",
@@ -212,29 +214,15 @@ def build_gpu_cases(
     return cases
 
 
-def _names(flag: str, text: str, allowed: tuple[str, ...], empty_ok: bool = False) -> list[str]:
-    items = [s.strip() for s in str(text).split(",") if s.strip()]
-    if items == ["none"] and empty_ok:
-        return []
-    if not items:
-        raise ValueError(
-            f"{flag}={text!r} is not allowed; expected a comma-separated list from {list(allowed)}"
-        )
-    for item in items:
-        _validate.one_of(flag, item, allowed)
-    return list(dict.fromkeys(items))
-
-
 def parse_gpu_grid(args: argparse.Namespace, memory: int | None = None) -> list[GpuCase]:
     """Validate the GPU options (before any CUDA check, so that a CPU machine can test them) and
     return the cases; ``memory``: the device's bytes (``None``: no d_model scaling)."""
-    from .suite import ROUTINGS, _ints
 
-    models = _names("--models", args.models or ",".join(MODELS), tuple(MODELS))
+    models = name_list("--models", args.models or ",".join(MODELS), tuple(MODELS))
     tokens = _ints("--tokens", args.tokens or ",".join(map(str, GPU_TOKENS)))
-    dtypes = _names("--dtype", args.dtype or ",".join(GPU_DTYPES), GPU_DTYPES)
-    routings = _names("--routing", args.routing, ROUTINGS)
-    peers = _names("--gpu-peers", args.gpu_peers or ",".join(GPU_PEERS), GPU_PEERS, empty_ok=True)
+    dtypes = name_list("--dtype", args.dtype or ",".join(GPU_DTYPES), GPU_DTYPES)
+    routings = name_list("--routing", args.routing, ROUTINGS)
+    peers = name_list("--gpu-peers", args.gpu_peers or ",".join(GPU_PEERS), GPU_PEERS, empty_ok=True)
     fp32_max = _validate.positive_int("--fp32-max-tokens", args.fp32_max_tokens)
     if "float32" in dtypes and "bfloat16" not in dtypes and all(t > fp32_max for t in tokens):
         raise ValueError(
@@ -647,8 +635,6 @@ def run_case(
     case: GpuCase, group: _Group, args: argparse.Namespace, peak: float | None, device: torch.device
 ) -> dict:
     """Inputs, candidates, parity notes, timing and peak memory of one case: its JSON record."""
-    from .suite import favourite_experts, load_stats, peak_memory_bytes, routed_inputs
-
     dtype = getattr(torch, case.dtype)
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(args.seed + 1)
