@@ -19,7 +19,7 @@ autograd, torch threads; measured in docs/performance.md, ``moelab bench suite``
 - ``"triton"`` (CUDA; the CPU under Triton's interpreter): grouped GEMMs that read the tokens by
   index and add the weighted outputs into their tokens (:mod:`moelab.experts.triton_kernels`), in
   one autograd node with Triton kernels for the backward; no ``(T·K, d)`` copy of the inputs.
-  Needs ``triton`` (imported at the first call); experts without biases.  ``"auto"`` does not
+  Needs ``triton`` (imported at the first call).  ``"auto"`` does not
   choose it (not yet measured on a GPU).
 
 ``"grouped"`` is the ``torch._grouped_mm`` backend (``F.grouped_mm`` where torch has it): CPU
@@ -142,8 +142,8 @@ def fused(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tens
     :mod:`moelab.experts.triton_kernels` (imported here, at the first call).
 
     Raises:
-        ValueError: triton is not installed, the device or dtype is not supported, or the bank
-            has biases (:func:`moelab.experts.triton_kernels.unavailable_reason`).
+        ValueError: triton is not installed, or the device, dtype or activation is not
+            supported (:func:`moelab.experts.triton_kernels.unavailable_reason`).
     """
     from .triton_kernels import triton_experts
 

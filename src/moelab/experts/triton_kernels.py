@@ -33,8 +33,9 @@ table (tensor ops).  Saved for backward: the pre-activations ``h (T·K, h_in)`` 
 Runs on CUDA, and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 this module is imported; slow, for tests).  float32 matmuls follow
 ``torch.get_float32_matmul_precision()`` (``"highest"``: IEEE, else TF32); bfloat16 / float16
-accumulate in float32.  Experts without biases only; activations ``relu``, ``gelu``,
-``gelu_tanh``, ``quick_gelu``, ``silu``, ``swiglu``.
+accumulate in float32.  Expert biases are added in the GEMMs' epilogues (their gradients:
+per-expert row sums, :func:`_rowsum_kernel`); activations ``relu``, ``gelu``, ``gelu_tanh``,
+``quick_gelu``, ``silu``, ``swiglu``.
 """
 
 from __future__ import annotations
@@ -155,12 +156,12 @@ if triton is not None:
 
     @triton.jit
     def _in_kernel(
-        X, TOK, W, H, A, BLK, nblk, n_cols, k_dim,
-        stride_xm, stride_we, stride_wn, stride_hm, stride_am,
-        ACT: tl.constexpr, GATED: tl.constexpr, STORE_H: tl.constexpr, PREC: tl.constexpr,
+        X, TOK, W, BIAS, H, A, BLK, nblk, n_cols, k_dim,
+        stride_xm, stride_we, stride_wn, stride_be, stride_hm, stride_am,
+        ACT: tl.constexpr, GATED: tl.constexpr, STORE_H: tl.constexpr, HAS_B: tl.constexpr, PREC: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
-        """``h = x[tok] W[e]ᵀ`` on one block of sorted slots, ``a = act(h)`` (``GATED``: the up
+        """``h = x[tok] W[e]ᵀ (+ bias[e])`` on one block of sorted slots, ``a = act(h)`` (``GATED``: the up
         half at column offset ``n_cols`` of ``W``, ``a = silu(gate) · up``).  ``W``: ``(N, ·, k_dim)``
         with unit stride along ``k_dim``; ``X`` unit stride along its columns."""
         e, row0, row_end = _block(BLK, nblk, tl.program_id(0))
@@ -191,6 +192,11 @@ if triton is not None:
                     w_base + (cols64[None, :] + n_cols) * stride_wn + ks[:, None], mask=wmask, other=0.0
                 )
                 acc_up += tl.dot(x, w_up, input_precision=PREC)
+        if HAS_B:
+            b_ptr = BIAS + e * stride_be + cols64
+            acc += tl.load(b_ptr, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b_ptr + n_cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         omask = rmask[:, None] & cmask[None, :]
         if STORE_H:
             h_ptr = H + rows64[:, None] * stride_hm + cols64[None, :]
@@ -205,12 +211,12 @@ if triton is not None:
 
     @triton.jit
     def _out_kernel(
-        A, W, TOK, DEST, WS, OUT, BLK, nblk, n_cols, k_dim,
-        stride_am, stride_we, stride_wk, stride_wn, stride_om,
-        MODE: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+        A, W, BIAS, TOK, DEST, WS, OUT, BLK, nblk, n_cols, k_dim,
+        stride_am, stride_we, stride_wk, stride_wn, stride_be, stride_om,
+        MODE: tl.constexpr, SCALE: tl.constexpr, HAS_B: tl.constexpr, PREC: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
-        """``y = a W[e]`` (``W[e][k, n]`` at ``k·stride_wk + n·stride_wn``) on one block of sorted
+        """``y = a W[e] (+ bias[e])`` (``W[e][k, n]`` at ``k·stride_wk + n·stride_wn``) on one block of sorted
         slots, times the slot weight (``SCALE``), into ``OUT``: ``MODE`` 0 stored at the token row,
         1 atomically added to it (float32), 2 stored at the slot row ``DEST``."""
         e, row0, row_end = _block(BLK, nblk, tl.program_id(0))
@@ -237,6 +243,8 @@ if triton is not None:
                 other=0.0,
             )
             acc += tl.dot(a, w, input_precision=PREC)
+        if HAS_B:
+            acc += tl.load(BIAS + e * stride_be + cols64, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if SCALE:
             acc = acc * tl.load(WS + rows, mask=rmask, other=0.0)[:, None]
         if MODE == 2:
@@ -252,9 +260,9 @@ if triton is not None:
 
     @triton.jit
     def _grad_h_kernel(
-        G, TOK, WS, W, H, GH, GWP, BLK, nblk, n_cols, k_dim,
-        stride_gm, stride_we, stride_wk, stride_hm, stride_ghm, stride_gwp,
-        ACT: tl.constexpr, GATED: tl.constexpr, PREC: tl.constexpr,
+        G, TOK, WS, W, BIAS, H, GH, GWP, BLK, nblk, n_cols, k_dim,
+        stride_gm, stride_we, stride_wk, stride_be, stride_hm, stride_ghm, stride_gwp,
+        ACT: tl.constexpr, GATED: tl.constexpr, HAS_B: tl.constexpr, PREC: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         """``c = g[tok] W[e]`` (``W (N, k_dim, n_cols)``, unit stride along ``n_cols``) on one block
@@ -274,6 +282,7 @@ if triton is not None:
         cmask = cols < n_cols
         cols64 = cols.to(tl.int64)
         acc = tl.full((BM, BN), 0.0, tl.float32)
+        gb = tl.full((BM,), 0.0, tl.float32)
         w_base = W + e * stride_we
         for k0 in range(0, k_dim, BK):
             ks = k0 + tl.arange(0, BK)
@@ -281,6 +290,9 @@ if triton is not None:
             g = tl.load(
                 G + tok[:, None] * stride_gm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0
             )
+            if HAS_B:  # <g_t, b_out[e]>: the bias's share of ∂L/∂w_s, in column block 0 only
+                bo = tl.load(BIAS + e * stride_be + ks, mask=kmask & (pid_n == 0), other=0.0)
+                gb += tl.reduce(g.to(tl.float32) * bo.to(tl.float32)[None, :], 1, _add)
             w = tl.load(
                 w_base + ks.to(tl.int64)[:, None] * stride_wk + cols64[None, :],
                 mask=kmask[:, None] & cmask[None, :],
@@ -303,6 +315,8 @@ if triton is not None:
         else:
             gw = tl.reduce(acc * _act(h, ACT), 1, _add)
             tl.store(gh_ptr, (acc * ws * _act_grad(h, ACT)).to(GH.dtype.element_ty), mask=omask)
+        if HAS_B:
+            gw += gb
         tl.store(GWP + rows64 * stride_gwp + pid_n, gw, mask=rmask)
 
     @triton.jit
@@ -356,6 +370,35 @@ if triton is not None:
             acc += tl.dot(p, q, input_precision=PREC)
         ptr = DW + e.to(tl.int64) * stride_de + ms64[:, None] * stride_dm + ns64[None, :]
         tl.store(ptr, acc.to(DW.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _rowsum_kernel(
+        P, PTOK, WS, OUT, STARTS, ENDS, m_dim, stride_pm, stride_oe,
+        GATHER_P: tl.constexpr, SCALE_P: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        """``OUT[e] = Σ_s p_s`` over the sorted slots of expert ``e = pid_0`` (rows gathered and
+        weighted as in :func:`_wgrad_kernel`): the bias gradients.  Zeros for an idle expert."""
+        e = tl.program_id(0)
+        start = tl.load(STARTS + e)
+        end = tl.load(ENDS + e)
+        ms = tl.program_id(1) * BM + tl.arange(0, BM)
+        mmask = ms < m_dim
+        acc = tl.full((BM,), 0.0, tl.float32)
+        for r0 in range(start, end, BK):
+            rs = r0 + tl.arange(0, BK)
+            rmask = rs < end
+            if GATHER_P:
+                prow = tl.load(PTOK + rs, mask=rmask, other=0).to(tl.int64)
+            else:
+                prow = rs.to(tl.int64)
+            p = tl.load(
+                P + prow[:, None] * stride_pm + ms[None, :], mask=rmask[:, None] & mmask[None, :], other=0.0
+            )
+            p = p.to(tl.float32)
+            if SCALE_P:
+                p = p * tl.load(WS + rs, mask=rmask, other=0.0)[:, None]
+            acc += tl.reduce(p, 0, _add)
+        tl.store(OUT + e.to(tl.int64) * stride_oe + ms, acc.to(OUT.dtype.element_ty), mask=mmask)
 
 
 # ---------------------------------------------------------------------------------- launchers
@@ -415,7 +458,9 @@ class _Plan:
         self.starts = (ends - counts).to(torch.int32)
 
 
-def _first_gemm(p: _Plan, x: Tensor, w_in: Tensor, act: str, keep_h: bool) -> tuple[Tensor | None, Tensor]:
+def _first_gemm(
+    p: _Plan, x: Tensor, w_in: Tensor, b_in: Tensor | None, act: str, keep_h: bool
+) -> tuple[Tensor | None, Tensor]:
     """``(h, a)``: pre-activations ``(S, h_in)`` (``None`` unless ``keep_h``) and activations ``(S, h)``."""
     gated = act == "swiglu"
     h_in, d = w_in.shape[1], w_in.shape[2]
@@ -424,16 +469,23 @@ def _first_gemm(p: _Plan, x: Tensor, w_in: Tensor, act: str, keep_h: bool) -> tu
     h = x.new_empty(p.S, h_in) if keep_h else a
     grid = (p.nblk, _cdiv(n_cols, p.bn))
     _in_kernel[grid](
-        x, p.tokens, w_in, h, a, p.blocks, p.nblk, n_cols, d,
-        x.stride(0), w_in.stride(0), w_in.stride(1), h.stride(0), a.stride(0),
-        ACT=ACT_CODES[act], GATED=gated, STORE_H=keep_h, PREC=p.prec,
+        x, p.tokens, w_in, b_in if b_in is not None else w_in, h, a, p.blocks, p.nblk, n_cols, d,
+        x.stride(0), w_in.stride(0), w_in.stride(1), b_in.stride(0) if b_in is not None else 0, h.stride(0), a.stride(0),
+        ACT=ACT_CODES[act], GATED=gated, STORE_H=keep_h, HAS_B=b_in is not None, PREC=p.prec,
         BM=p.bm, BN=p.bn, BK=p.bk, num_warps=p.warps,
     )  # fmt: skip
     return (h if keep_h else None), a
 
 
 def _scatter_gemm(
-    p: _Plan, a: Tensor, w: Tensor, trans: bool, scale: Tensor | None, out_rows: int, per_slot: bool = False
+    p: _Plan,
+    a: Tensor,
+    w: Tensor,
+    trans: bool,
+    scale: Tensor | None,
+    out_rows: int,
+    per_slot: bool = False,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """``Σ_k (scale ·) a_s W[e]`` (``W[e]ᵀ`` with ``trans``) added into ``out_rows`` token rows,
     float32 ``(out_rows, n)``; ``per_slot``: the unsummed ``(T·K, n)`` rows in slot order, in
@@ -451,9 +503,10 @@ def _scatter_gemm(
         out = a.new_zeros(out_rows, n_cols, dtype=torch.float32)
     grid = (p.nblk, _cdiv(n_cols, p.bn))
     _out_kernel[grid](
-        a, w, p.tokens, p.order, scale if scale is not None else out, out, p.blocks, p.nblk, n_cols, k_dim,
-        a.stride(0), w.stride(0), s_k, s_n, out.stride(0),
-        MODE=mode, SCALE=scale is not None, PREC=p.prec,
+        a, w, bias if bias is not None else w, p.tokens, p.order, scale if scale is not None else out, out,
+        p.blocks, p.nblk, n_cols, k_dim,
+        a.stride(0), w.stride(0), s_k, s_n, bias.stride(0) if bias is not None else 0, out.stride(0),
+        MODE=mode, SCALE=scale is not None, HAS_B=bias is not None, PREC=p.prec,
         BM=p.bm, BN=p.bn, BK=p.bk, num_warps=p.warps,
     )  # fmt: skip
     if mode == 2 and not per_slot:
@@ -483,28 +536,39 @@ def _wgrad(
     return out
 
 
+def _rowsums(p: _Plan, pm: Tensor, out: Tensor, gather_p: bool, scale: Tensor | None) -> Tensor:
+    """Every expert's ``Σ_s p_s`` into ``out (N, m)`` (:func:`_rowsum_kernel`)."""
+    m_dim = out.shape[1]
+    _rowsum_kernel[(p.N, _cdiv(m_dim, p.bn))](
+        pm, p.tokens, scale if scale is not None else pm, out, p.starts, p.ends, m_dim, pm.stride(0), out.stride(0),
+        GATHER_P=gather_p, SCALE_P=scale is not None, BM=p.bn, BK=p.bk, num_warps=p.warps,
+    )  # fmt: skip
+    return out
+
+
 class _TritonMLP(torch.autograd.Function):
     """``Σ_k w_k · expert_{i_k}(x)`` by the fused kernels, one autograd node (module docstring).
     First-order only."""
 
     @staticmethod
-    def forward(ctx, x, w_in, w_out, weights, indices, act: str, keep: bool):
+    def forward(ctx, x, w_in, w_out, b_in, b_out, weights, indices, act: str, keep: bool):
         x = x.contiguous()
         p = _Plan(indices, w_in.shape[0], x.dtype)
         w_sorted = weights.reshape(-1).index_select(0, p.order).to(torch.float32).contiguous()
-        h, a = _first_gemm(p, x, w_in, act, keep)
-        out = _scatter_gemm(p, a, w_out, True, w_sorted, p.T).to(x.dtype)
+        h, a = _first_gemm(p, x, w_in, b_in, act, keep)
+        out = _scatter_gemm(p, a, w_out, True, w_sorted, p.T, bias=b_out).to(x.dtype)
         if keep:
-            ctx.save_for_backward(x, w_in, w_out, w_sorted, h)
+            ctx.save_for_backward(x, w_in, w_out, b_out, w_sorted, h)
             ctx.plan, ctx.act, ctx.weights_dtype = p, act, weights.dtype
+            ctx.has_b_in = b_in is not None
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        x, w_in, w_out, w_sorted, h = ctx.saved_tensors
+        x, w_in, w_out, b_out, w_sorted, h = ctx.saved_tensors
         p, act = ctx.plan, ctx.act
-        need_x, need_w_in, need_w_out, need_weights = ctx.needs_input_grad[:4]
+        need_x, need_w_in, need_w_out, need_b_in, need_b_out, need_weights = ctx.needs_input_grad[:6]
         grad = grad.contiguous().to(x.dtype)
         gated = act == "swiglu"
         n_cols = w_out.shape[2]  # h
@@ -513,12 +577,14 @@ class _TritonMLP(torch.autograd.Function):
         n_blocks = _cdiv(n_cols, p.bn)
         gwp = torch.empty(p.S, n_blocks, device=x.device, dtype=torch.float32)
         _grad_h_kernel[(p.nblk, n_blocks)](
-            grad, p.tokens, w_sorted, w_out, h, g_h, gwp, p.blocks, p.nblk, n_cols, d,
-            grad.stride(0), w_out.stride(0), w_out.stride(1), h.stride(0), g_h.stride(0), gwp.stride(0),
-            ACT=ACT_CODES[act], GATED=gated, PREC=p.prec,
+            grad, p.tokens, w_sorted, w_out, b_out if b_out is not None else w_out, h, g_h, gwp, p.blocks, p.nblk,
+            n_cols, d,
+            grad.stride(0), w_out.stride(0), w_out.stride(1), b_out.stride(0) if b_out is not None else 0,
+            h.stride(0), g_h.stride(0), gwp.stride(0),
+            ACT=ACT_CODES[act], GATED=gated, HAS_B=b_out is not None, PREC=p.prec,
             BM=p.bm, BN=p.bn, BK=p.bk, num_warps=p.warps,
         )  # fmt: skip
-        g_weights = g_x = g_w_in = g_w_out = None
+        g_weights = g_x = g_w_in = g_w_out = g_b_in = g_b_out = None
         if need_weights:
             g_sorted = gwp.sum(1)
             g_weights = torch.empty_like(g_sorted).index_copy_(0, p.order, g_sorted)
@@ -531,14 +597,16 @@ class _TritonMLP(torch.autograd.Function):
             g_w_in = _wgrad(p, g_h, x, out, False, None, True, -1)
         if need_x:  # Σ_k ∂h_s W_in[e]
             g_x = _scatter_gemm(p, g_h, w_in, False, None, p.T).to(x.dtype)
-        return g_x, g_w_in, g_w_out, g_weights, None, None, None
+        if need_b_out and b_out is not None:  # Σ_s w_s g_t
+            g_b_out = _rowsums(p, grad, torch.empty_like(b_out), True, w_sorted)
+        if need_b_in and ctx.has_b_in:  # Σ_s ∂h_s
+            g_b_in = _rowsums(p, g_h, g_h.new_empty(p.N, g_h.shape[1]), False, None)
+        return g_x, g_w_in, g_w_out, g_b_in, g_b_out, g_weights, None, None, None
 
 
 # ---------------------------------------------------------------------------------- entry points
 def _check(bank, x: Tensor) -> None:
     reason = unavailable_reason(x.device, x.dtype)
-    if reason is None and (bank.b_in is not None or bank.b_out is not None):
-        reason = "it runs experts without biases (bias=False)"
     if reason is None and bank.activation not in ACT_CODES:
         reason = f"it supports the activations {sorted(ACT_CODES)}"
     if reason is not None:
@@ -554,12 +622,13 @@ def triton_experts(bank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
     :data:`moelab.experts.KERNELS`.
 
     Raises:
-        ValueError: triton is missing, the device or dtype is not supported, the bank has
-            biases or an activation the kernels lack.
+        ValueError: triton is missing, the device or dtype is not supported, or the bank has an
+            activation the kernels lack.
     """
     _check(bank, x)
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, bank.w_in, bank.w_out))
-    return _TritonMLP.apply(x, bank.w_in, bank.w_out, weights, indices, bank.activation, keep)
+    params = (bank.w_in, bank.w_out, bank.b_in, bank.b_out)
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weights, *params))
+    return _TritonMLP.apply(x, *params, weights, indices, bank.activation, keep)
 
 
 @torch.no_grad()
@@ -575,8 +644,12 @@ def expert_outputs(bank, x: Tensor, indices: Tensor, keep_h: bool = False) -> tu
     x = x.contiguous()
     T, K = indices.shape
     p = _Plan(indices, bank.num_experts, x.dtype)
-    h, a = _first_gemm(p, x, bank.w_in, bank.activation, keep_h)
-    y = _scatter_gemm(p, a, bank.w_out, True, None, T, per_slot=True).to(x.dtype).view(T, K, -1)
+    h, a = _first_gemm(p, x, bank.w_in, bank.b_in, bank.activation, keep_h)
+    y = (
+        _scatter_gemm(p, a, bank.w_out, True, None, T, per_slot=True, bias=bank.b_out)
+        .to(x.dtype)
+        .view(T, K, -1)
+    )
     if h is not None:  # sorted-slot order back to (token, k) order
         h = torch.empty_like(h).index_copy_(0, p.order, h).view(T, K, -1)
     return h, y
