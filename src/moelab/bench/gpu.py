@@ -375,6 +375,10 @@ def _sonic(layer: MoE, dtype: torch.dtype) -> nn.Module:
     return _Batched(moe)
 
 
+#: what a peer's row must say whatever its output: its expert weights are its own
+PEER_NOTES = {"sonic-moe": "expert weights its own (layout not mapped from moelab's); router weight shared"}
+
+
 class _Batched(nn.Module):
     """``(T, d)`` → ``peer(x.view(1, T, d))`` (its first output if a tuple) → ``(T, d)``."""
 
@@ -454,8 +458,15 @@ class _Group:
                 continue
             flops = (k + (s if name == "torchtitan" else 0)) * _swiglu_flops(d, h)
             try:
-                note = "" if name == "torchtitan" or not s else "no shared expert: FLOPs differ from dense"
-                self.modules[name] = (adapter(self.layer, dtype), None, flops, note)
+                notes = [PEER_NOTES.get(name, "")]
+                if s and name != "torchtitan":
+                    notes.append("no shared expert: FLOPs differ from dense")
+                self.modules[name] = (
+                    adapter(self.layer, dtype),
+                    None,
+                    flops,
+                    "; ".join(n for n in notes if n),
+                )
             except Exception as exc:
                 self.notes.append(f"{name} skipped: {type(exc).__name__}: {exc}"[:300])
 
