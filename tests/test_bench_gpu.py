@@ -101,6 +101,18 @@ def test_gpu_suite_rejects_bad_values_in_one_line_before_looking_for_a_device(ca
     assert re.search(match, err), err
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [(["--shapes", "8x2x64"], "--shapes"), (["--clock", "cpu"], "--clock"), (["--resume"], "--resume")],
+)
+def test_gpu_suite_refuses_cpu_grid_options_naming_them(capsys, argv, flag):
+    assert main([*GPU_ARGS, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"moelab bench: error: {flag} is not allowed with --device cuda; it is an option of the CPU grid"
+    )
+
+
 def test_gpu_suite_refuses_float32_only_with_no_case_left(capsys):
     assert main([*GPU_ARGS, "--dtype", "float32", "--tokens", "8192", "--fp32-max-tokens", "4096"]) == 2
     assert "--fp32-max-tokens=4096 leaves no case" in capsys.readouterr().err

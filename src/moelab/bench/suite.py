@@ -210,6 +210,23 @@ class Case:
         )
 
 
+#: the flags of the CPU grid that ``--device cuda`` does not take, and their defaults
+CPU_ONLY = {
+    "--shapes": ("shapes", DEFAULTS["shapes"]),
+    "--d-model": ("d_model", DEFAULTS["d_model"]),
+    "--threads": ("threads", DEFAULTS["threads"]),
+    "--peers": ("peers", DEFAULTS["peers"]),
+    "--clock": ("clock", "wall"),
+    "--peer-max-gib": ("peer_max_gib", 4.0),
+    "--resume": ("resume", False),
+}
+
+
+def cpu_only_flags_set(args: argparse.Namespace) -> list[str]:
+    """The CPU-grid flags given other values than their defaults."""
+    return [flag for flag, (attr, default) in CPU_ONLY.items() if getattr(args, attr, default) != default]
+
+
 def parse_grid(args: argparse.Namespace) -> list[Case]:
     """Validate every option and return the cases, in run order (threads, d, shape, T, routing)."""
     for flag, value in (("--models", args.models), ("--gpu-peers", args.gpu_peers)):
@@ -815,6 +832,11 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.device == "cuda":
+        for flag in cpu_only_flags_set(args):
+            raise ValueError(
+                f"{flag} is not allowed with --device cuda; it is an option of the CPU grid "
+                "(the GPU grid: --models, --tokens, --dtype, --routing, --gpu-peers, --fp32-max-tokens)"
+            )
         return run_gpu(args)
     cases = parse_grid(args)
     doc = _start_document(args)
