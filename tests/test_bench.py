@@ -88,7 +88,7 @@ def test_bench_layer_prints_a_table_with_the_machine(capsys):
         (
             "--impl",
             "fast",
-            r"impl='fast' is not allowed; expected one of \['auto', 'loop', 'grouped', 'stream'\]",
+            r"impl='fast' is not allowed; expected one of \['auto', 'loop', 'grouped', 'stream', 'triton'\]",
         ),
         ("--repeats", "0", r"repeats=0 is not allowed; expected a positive integer"),
         ("--threads", "0", r"threads=0 is not allowed; expected a positive integer"),

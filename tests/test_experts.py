@@ -161,7 +161,7 @@ def test_dispatch_of_zero_tokens_is_empty(impl):
         ),
         (
             {"impl": "fast"},
-            r"impl='fast' is not allowed; expected one of \['auto', 'loop', 'grouped', 'stream'\]",
+            r"impl='fast' is not allowed; expected one of \['auto', 'loop', 'grouped', 'stream', 'triton'\]",
         ),
         ({"chunk_elements": 0}, r"chunk_elements=0 is not allowed"),
     ],

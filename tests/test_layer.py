@@ -187,7 +187,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ),
         (
             {"impl": "cuda"},
-            r"impl='cuda' is not allowed; expected one of \['auto', 'loop', 'grouped', 'stream'\]",
+            r"impl='cuda' is not allowed; expected one of \['auto', 'loop', 'grouped', 'stream', 'triton'\]",
         ),
         ({"balance_coef": -0.1}, r"balance_coef=-0.1 is not allowed; expected a number >= 0"),
         ({"z_coef": float("nan")}, r"z_coef=nan is not allowed; expected a number >= 0"),

@@ -49,6 +49,8 @@ class Config:
     seed: int = 0
     device: str = "cpu"
     threads: int = 1
+    impl: str = "auto"
+    all_pass: str = "einsum"
 
 
 class _Block(nn.Module):
@@ -58,10 +60,76 @@ class _Block(nn.Module):
 
         self.norm = nn.LayerNorm(cfg.d_model)
         options = {"grad_path": cfg.grad_path} if method == "competesmoe" else {}
-        self.moe = MoE(cfg.d_model, cfg.experts, cfg.top_k, cfg.d_hidden, method=method, **options)
+        self.moe = MoE(
+            cfg.d_model, cfg.experts, cfg.top_k, cfg.d_hidden, method=method, impl=cfg.impl, **options
+        )
+        if cfg.all_pass != "einsum":
+            grouped_competition_pass(self.moe.experts, cfg.all_pass)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.moe(self.norm(x))
+
+
+def grouped_competition_pass(bank, impl: str) -> None:
+    """Make ``bank``'s competition pass (every expert on every token without autograd, inside
+    :meth:`ExpertBank.forward_winners`) one grouped pass by ``impl``
+    (:func:`moelab.experts.kernels.all_experts`) instead of its two einsums.  Under autograd
+    (``grad_path="all"``'s differentiable ``forward_all``) the einsums still run."""
+    from ..experts.kernels import all_experts
+
+    einsums = bank._all_experts
+
+    def pass_(x: torch.Tensor):
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in bank.parameters())):
+            return einsums(x)
+        return all_experts(bank, x, impl)
+
+    bank._all_experts = pass_
+
+
+def _competition_pass_times(cfg: Config, repeats: int = 10) -> dict[str, float]:
+    """Median ms of the competition pass on ``--tokens`` tokens (every expert, no autograd) by
+    the einsums and by each grouped pass that runs here, interleaved."""
+    from ..experts import ExpertBank
+    from ..experts.kernels import ALL_PASSES, all_experts
+
+    torch.manual_seed(cfg.seed)
+    bank = ExpertBank(cfg.experts, cfg.d_model, cfg.d_hidden).to(cfg.device)
+    x = torch.randn(cfg.tokens, cfg.d_model, device=cfg.device)
+    fns = {"einsum": bank._all_experts}
+    for impl in ALL_PASSES:
+        if _pass_unavailable(impl, cfg) is None:
+            fns[impl] = lambda x, impl=impl: all_experts(bank, x, impl)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    with torch.no_grad():
+        for name in names:  # warm-up (Triton compiles here)
+            fns[name](x)
+        for r in range(repeats):
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                _sync(cfg.device)
+                t0 = time.perf_counter()
+                fns[name](x)
+                _sync(cfg.device)
+                times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def _pass_unavailable(impl: str, cfg: Config) -> str | None:
+    """Why the grouped competition pass ``impl`` cannot run for ``cfg`` (float32), or ``None``."""
+    device = torch.device(cfg.device)
+    if impl == "triton":
+        from ..experts.triton_kernels import unavailable_reason
+
+        return unavailable_reason(device, torch.float32)
+    from ..experts import grouped_mm_available
+
+    if not grouped_mm_available(device, torch.float32):
+        return f"grouped_mm cannot run for device={device.type}, float32 with torch {torch.__version__}"
+    if cfg.d_model % 4 or cfg.d_hidden % 4:
+        return "grouped_mm needs --d-model and --d-hidden to be multiples of 4 in float32"
+    return None
 
 
 class _Fixed:
@@ -241,6 +309,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device, help="cpu or cuda (%(default)s)")
     parser.add_argument("--threads", type=int, default=d.threads, help="CPU threads (%(default)s)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument(
+        "--impl",
+        default=d.impl,
+        help="experts kernel of every layer: auto, loop, grouped, stream or triton (%(default)s)",
+    )
+    parser.add_argument(
+        "--all-pass",
+        default=d.all_pass,
+        help="the competition's pass (every expert on every token, no autograd): einsum (the bank's own), "
+        "or one grouped pass by grouped (torch grouped_mm) or triton (fused kernels reading tokens by index) "
+        "(%(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -261,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         threads=args.threads,
+        impl=args.impl,
+        all_pass=args.all_pass,
     )
     for name in ("layers", "d_model", "d_hidden", "experts", "tokens", "steps", "threads"):
         _validate.positive_int(f"--{name.replace('_', '-')}", getattr(cfg, name))
@@ -268,13 +350,32 @@ def run(args: argparse.Namespace) -> int:
     CompetitionSchedule(cfg.layers, cfg.steps, omega=cfg.omega, a_max=cfg.a_max, warmup=0.0)  # validates
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device={cfg.device!r} is not available on this machine; use --device cpu")
+    from ..experts import IMPLS
+    from ..experts.kernels import ALL_PASSES
+
+    _validate.one_of("--impl", cfg.impl, IMPLS)
+    _validate.one_of("--all-pass", cfg.all_pass, ("einsum", *ALL_PASSES))
+    if cfg.all_pass != "einsum":
+        reason = _pass_unavailable(cfg.all_pass, cfg)
+        if reason is not None:
+            raise ValueError(f"--all-pass={cfg.all_pass!r} cannot run here: {reason}; use --all-pass einsum")
     torch.set_num_threads(cfg.threads)
 
     N, K = cfg.experts, cfg.top_k
     print(
         f"moelab bench compete: {cfg.layers} layers, d={cfg.d_model}, h={cfg.d_hidden}, N={N}, K={K}, "
         f"{cfg.tokens} tokens/step, {cfg.steps} steps, ω={cfg.omega}, A_max={cfg.a_max}, "
-        f"grad_path={cfg.grad_path}, device={cfg.device}, threads={cfg.threads}, torch {torch.__version__}"
+        f"grad_path={cfg.grad_path}, device={cfg.device}, threads={cfg.threads}, impl={cfg.impl}, "
+        f"competition pass {cfg.all_pass}, torch {torch.__version__}"
+    )
+    if cfg.all_pass != "einsum" and cfg.grad_path == "all":
+        print(
+            "  note: --grad-path all differentiates through the einsums; --all-pass applies to grad_path=winners"
+        )
+    passes = _competition_pass_times(cfg)
+    print(
+        f"  competition pass, every expert on {cfg.tokens} tokens without autograd (median ms): "
+        + ", ".join(f"{name} {ms:.2f}" for name, ms in passes.items())
     )
     res = _time_steps(cfg)
     t_s = statistics.fmean(res["times"]["smoe"])

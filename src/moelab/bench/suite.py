@@ -97,12 +97,11 @@ interrupted run keeps its finished cases, and ``--resume`` skips them)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +112,9 @@ from torch import Tensor, nn
 from .. import _validate
 from ..experts import MLP, ExpertBank, sort_slots
 from ..experts.kernels import grouped_rows, loop_rows
-from ..functional import expert_counts
 from ..io.atomic import atomic_write_text
 from ..layer import MoE
+from .gpu import GPU_PEERS, GPU_TOKENS, MODELS, run_gpu
 from .harness import (
     CLOCKS,
     Candidate,
@@ -137,6 +136,17 @@ from .peers import (
     mixtral_peers,
     stmoe_peer,
 )
+from .workload import (
+    ROUTINGS,
+    ZIPF_EXPONENT,
+    ZIPF_MARGIN,
+    favourite_experts,
+    load_stats,
+    peak_memory_bytes,
+    routed_inputs,
+)
+from .workload import int_list as _ints
+from .workload import name_list as _names
 
 __all__ = [
     "ROUTINGS",
@@ -150,9 +160,6 @@ __all__ = [
     "weights_read_bound",
 ]
 
-ROUTINGS = ("balanced", "zipf")
-ZIPF_EXPONENT = 1.0
-ZIPF_MARGIN = 0.5
 BOUND_MAX_TOKENS = 16
 DEFAULTS = {
     "tokens": "1,16,128,2048,8192",
@@ -168,21 +175,6 @@ PEER_GROUP = {"mixtral": "swiglu", "stmoe": "swiglu+bias", "lucidrains": "relu"}
 
 
 # ---------------------------------------------------------------------------------- the grid
-def _ints(flag: str, text: str) -> list[int]:
-    items = [s.strip() for s in str(text).split(",") if s.strip()]
-    try:
-        values = [int(s) for s in items]
-    except ValueError:
-        values = []
-    if not values:
-        raise ValueError(
-            f"{flag}={text!r} is not allowed; expected a comma-separated list of positive integers"
-        )
-    for v in values:
-        _validate.positive_int(flag, v)
-    return list(dict.fromkeys(values))
-
-
 def _shapes(text: str) -> list[tuple[int, int, int]]:
     shapes = []
     for item in [s.strip() for s in str(text).split(",") if s.strip()] or [""]:
@@ -198,19 +190,6 @@ def _shapes(text: str) -> list[tuple[int, int, int]]:
             )
         shapes.append((n, k, h))
     return list(dict.fromkeys(shapes))
-
-
-def _names(flag: str, text: str, allowed: tuple[str, ...], empty_ok: bool = False) -> list[str]:
-    items = [s.strip() for s in str(text).split(",") if s.strip()]
-    if items == ["none"] and empty_ok:
-        return []
-    if not items:
-        raise ValueError(
-            f"{flag}={text!r} is not allowed; expected a comma-separated list from {list(allowed)}"
-        )
-    for item in items:
-        _validate.one_of(flag, item, allowed)
-    return list(dict.fromkeys(items))
 
 
 @dataclass(frozen=True)
@@ -231,8 +210,35 @@ class Case:
         )
 
 
+#: the flags of the CPU grid that ``--device cuda`` does not take, and their defaults
+CPU_ONLY = {
+    "--shapes": ("shapes", DEFAULTS["shapes"]),
+    "--d-model": ("d_model", DEFAULTS["d_model"]),
+    "--threads": ("threads", DEFAULTS["threads"]),
+    "--peers": ("peers", DEFAULTS["peers"]),
+    "--clock": ("clock", "wall"),
+    "--peer-max-gib": ("peer_max_gib", 4.0),
+    "--resume": ("resume", False),
+}
+
+
+def cpu_only_flags_set(args: argparse.Namespace) -> list[str]:
+    """The CPU-grid flags given other values than their defaults."""
+    return [flag for flag, (attr, default) in CPU_ONLY.items() if getattr(args, attr, default) != default]
+
+
 def parse_grid(args: argparse.Namespace) -> list[Case]:
     """Validate every option and return the cases, in run order (threads, d, shape, T, routing)."""
+    for flag, value in (("--models", args.models), ("--gpu-peers", args.gpu_peers)):
+        if value is not None:
+            raise ValueError(
+                f"{flag}={value!r} is not allowed with --device {args.device}; it is an option of --device cuda"
+            )
+    args.tokens = DEFAULTS["tokens"] if args.tokens is None else args.tokens
+    args.dtype = "float32" if args.dtype is None else args.dtype
+    _validate.one_of("--dtype", args.dtype, ("float32", "bfloat16"))
+    args.repeats = 30 if args.repeats is None else args.repeats
+    args.budget = 30.0 if args.budget is None else args.budget
     tokens = _ints("--tokens", args.tokens)
     shapes = _shapes(args.shapes)
     widths = _ints("--d-model", args.d_model)
@@ -266,101 +272,6 @@ def parse_grid(args: argparse.Namespace) -> list[Case]:
 
 
 # ---------------------------------------------------------------------------------- routing
-def favourite_experts(tokens: int, num_experts: int, routing: str, gen: torch.Generator) -> Tensor:
-    """Each token's favourite expert ``(T,)``: in turn (``balanced``) or Zipf(s=1) (``zipf``)."""
-    if routing == "balanced":
-        offset = int(torch.randint(num_experts, (1,), generator=gen))
-        return (torch.randperm(tokens, generator=gen) + offset) % num_experts
-    if routing == "zipf":
-        p = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-ZIPF_EXPONENT)
-        return torch.multinomial(p / p.sum(), tokens, replacement=True, generator=gen)
-    raise ValueError(f"--routing={routing!r} is not allowed; expected one of {list(ROUTINGS)}")
-
-
-def routed_inputs(
-    router_weight: Tensor, favourites: Tensor, gen: torch.Generator, margin: float = ZIPF_MARGIN
-) -> Tensor:
-    """Tokens ``z_t + c_t W_{f_t}`` whose top-1 logit under ``router_weight (N, d)`` is ``f_t``
-    by ``margin`` (the smallest such ``c_t ≥ 0``; see the module docstring)."""
-    W = router_weight.detach().float().cpu()
-    z = torch.randn(favourites.numel(), W.shape[1], generator=gen)
-    logits = z @ W.t()  # (T, N)
-    gram = W @ W.t()  # (N, N)
-    f = favourites.long()
-    gap = margin - (logits.gather(1, f[:, None]) - logits)  # the rise each rival needs
-    denom = gram[f, f][:, None] - gram[f]  # ‖W_f‖² − W_e·W_f
-    need = torch.where(denom > 0, gap / denom.clamp_min(1e-12), torch.zeros_like(gap))
-    c = need.clamp_min(0).amax(dim=1)
-    return z + c[:, None] * W[f]
-
-
-def load_stats(indices: Tensor, num_experts: int, favourites: Tensor | None = None) -> dict:
-    """Realised load of a routing ``indices (T, K)``."""
-    counts = expert_counts(indices, num_experts).double()
-    slots = indices.numel()
-    out = {
-        "top_share": float(counts.max() / slots),
-        "max_over_mean": float(counts.max() * num_experts / slots),
-        "favourite_hit": None,
-        "experts_touched": int((counts > 0).sum()),
-    }
-    if favourites is not None:
-        out["favourite_hit"] = float((indices[:, 0].cpu() == favourites).double().mean())
-    return out
-
-
-# ---------------------------------------------------------------------------------- memory
-@contextlib.contextmanager
-def _quiet_fd2() -> Iterator[None]:
-    """Silence file descriptor 2 (the profiler's C++ start/stop lines), Python's stderr untouched."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int | None:
-    """Peak growth of allocated memory while ``fn()`` runs, in bytes (see the module docstring).
-
-    ``None`` where the CPU profiler's allocation records cannot be read.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    try:
-        events = prof.profiler.kineto_results.events()
-    except AttributeError:
-        return None
-    cpu = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
-    records = sorted(
-        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() in cpu
-    )
-    running = peak = 0
-    for _, nbytes in records:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
 # ---------------------------------------------------------------------------------- bound
 def weights_read_bound(bank: ExpertBank, x: Tensor, indices: Tensor) -> tuple[Callable[[], None], int, int]:
     """The weights-read bound of ``bank`` for tokens ``x (T, d)`` routed to ``indices (T, K)``.
@@ -786,7 +697,13 @@ def _best_peer(s: dict, phase: str) -> str:
 
 # ---------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", "-T", default=DEFAULTS["tokens"], help="token counts T (default %(default)s)")
+    p.add_argument(
+        "--tokens",
+        "-T",
+        default=None,
+        help=f"token counts T (default {DEFAULTS['tokens']}; with --device cuda "
+        f"{','.join(map(str, GPU_TOKENS))})",
+    )
     p.add_argument(
         "--shapes",
         default=DEFAULTS["shapes"],
@@ -800,20 +717,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peers", default=DEFAULTS["peers"], help=f"from {list(PEERS)}, or 'none' (default %(default)s)"
     )
-    p.add_argument("--repeats", type=int, default=30, help="timed rounds per case at most (default 30)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed rounds per case at most (default 30; --device cuda: 7)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument(
         "--budget",
         type=float,
-        default=30.0,
-        help="seconds of timed rounds per case after which no new round starts (at least 3 rounds; default 30)",
+        default=None,
+        help="seconds of timed rounds per case after which no new round starts (at least 3 rounds; "
+        "default 30, --device cuda: 15)",
     )
     p.add_argument(
         "--clock", choices=sorted(CLOCKS), default="wall", help="wall (default) or process CPU time"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default float32)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda: the GPU grid of production shapes (moelab.bench.gpu)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 (default) or bfloat16; with --device cuda a list (default bfloat16,float32)",
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        help=f"--device cuda: shapes from {list(MODELS)} (default all)",
+    )
+    p.add_argument(
+        "--gpu-peers",
+        default=None,
+        help=f"--device cuda: from {list(GPU_PEERS)} or 'none' (default all; each only if installed)",
+    )
+    p.add_argument(
+        "--fp32-max-tokens",
+        type=int,
+        default=4096,
+        help="--device cuda: float32 cases only up to this T (default 4096)",
+    )
     p.add_argument(
         "--peer-max-gib",
         type=float,
@@ -884,6 +831,13 @@ def _start_document(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.device == "cuda":
+        for flag in cpu_only_flags_set(args):
+            raise ValueError(
+                f"{flag} is not allowed with --device cuda; it is an option of the CPU grid "
+                "(the GPU grid: --models, --tokens, --dtype, --routing, --gpu-peers, --fp32-max-tokens)"
+            )
+        return run_gpu(args)
     cases = parse_grid(args)
     doc = _start_document(args)
     done = {c["key"] for c in doc["cases"]}

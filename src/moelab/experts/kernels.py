@@ -16,6 +16,14 @@ autograd, torch threads; measured in docs/performance.md, ``moelab bench suite``
 - ``"stream"`` (CPU): expert after expert gathers its tokens, runs and adds its weighted output to
   them; no ``(T·K, d)`` buffer exists (at ``T·K ≤ N`` the slots are sorted on the host).  Made for
   inference; under autograd the stacked weights are unbound once.
+- ``"triton"`` (CUDA; the CPU under Triton's interpreter): grouped GEMMs that read the tokens by
+  index and add the weighted outputs into their tokens (:mod:`moelab.experts.triton_kernels`), in
+  one autograd node with Triton kernels for the backward; no ``(T·K, d)`` copy of the inputs.
+  Needs ``triton`` (imported at the first call).  ``"auto"`` does not
+  choose it (not yet measured on a GPU).
+
+``"grouped"`` is the ``torch._grouped_mm`` backend (``F.grouped_mm`` where torch has it): CPU
+float32 from torch 2.9, CUDA from compute capability 8.0 (:func:`grouped_mm_available`).
 """
 
 from __future__ import annotations
@@ -33,7 +41,18 @@ from .dispatch import dispatch, sort_slots, tracks_grad
 if TYPE_CHECKING:
     from .bank import ExpertBank
 
-__all__ = ["IMPLS", "KERNELS", "Kernel", "grouped", "grouped_mm_available", "loop", "stream"]
+__all__ = [
+    "ALL_PASSES",
+    "IMPLS",
+    "KERNELS",
+    "Kernel",
+    "all_experts",
+    "fused",
+    "grouped",
+    "grouped_mm_available",
+    "loop",
+    "stream",
+]
 
 #: ``kernel(bank, x (T, d), indices (T, K), weights (T, K)) -> (T, d)``: ``Σ_k w_k · expert_{i_k}(x)``
 Kernel = Callable[["ExpertBank", Tensor, Tensor, Tensor], Tensor]
@@ -118,8 +137,59 @@ def stream(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Ten
     return out
 
 
+def fused(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    """``"triton"``: the fused gather → grouped GEMM → weighted scatter kernels of
+    :mod:`moelab.experts.triton_kernels` (imported here, at the first call).
+
+    Raises:
+        ValueError: triton is not installed, or the device, dtype or activation is not
+            supported (:func:`moelab.experts.triton_kernels.unavailable_reason`).
+    """
+    from .triton_kernels import triton_experts
+
+    return triton_experts(bank, x, indices, weights)
+
+
+#: the ways :func:`all_experts` runs every expert on every token as one grouped pass
+ALL_PASSES = ("grouped", "triton")
+
+
+@torch.no_grad()
+def all_experts(bank: ExpertBank, x: Tensor, impl: str) -> tuple[Tensor, Tensor]:
+    """Every expert of ``bank`` on every token ``x (t, d)`` as one grouped pass, without autograd:
+    pre-activations ``(t, N, h_in)`` and outputs ``(t, N, d)`` — what
+    :meth:`ExpertBank._all_experts` computes by two einsums, for the competition's pass
+    (CompeteSMoE (2024) §3.1).
+
+    ``impl="grouped"``: the ``t·N`` slots sorted by expert are the tokens repeated N times (one
+    ``(N·t, d)`` copy) through two ``grouped_mm``; ``impl="triton"``: the fused kernels with
+    ``indices = arange(N)`` for every token, which read the tokens by index (no copy;
+    :func:`moelab.experts.triton_kernels.expert_outputs`).
+
+    Raises:
+        ValueError: ``impl`` is not in :data:`ALL_PASSES`, or that kernel cannot run for ``x``.
+    """
+    t, n = x.shape[0], bank.num_experts
+    if impl == "triton":
+        from .triton_kernels import expert_outputs
+
+        return expert_outputs(bank, x, torch.arange(n, device=x.device).expand(t, n), keep_h=True)
+    if impl != "grouped":
+        raise ValueError(f"impl={impl!r} is not allowed; expected one of {list(ALL_PASSES)}")
+    _check_grouped(bank, x)
+    xs = x.repeat(n, 1)  # expert-major: expert e's rows are xs[e·t : (e+1)·t]
+    offs = torch.arange(1, n + 1, device=x.device, dtype=torch.int32) * t
+    experts = None
+    if bank.b_in is not None or bank.b_out is not None:
+        experts = torch.arange(n, device=x.device).repeat_interleave(t)
+    y, h, _ = _grouped_forward(
+        xs, bank.w_in, bank.w_out, bank.b_in, bank.b_out, offs, experts, bank.activation, bank.act
+    )
+    return h.view(n, t, -1).transpose(0, 1), y.view(n, t, -1).transpose(0, 1)
+
+
 #: name → implementation of :meth:`ExpertBank.forward`; ``impl=name`` runs exactly ``KERNELS[name]``
-KERNELS: dict[str, Kernel] = {"loop": loop, "grouped": grouped, "stream": stream}
+KERNELS: dict[str, Kernel] = {"loop": loop, "grouped": grouped, "stream": stream, "triton": fused}
 
 #: the values of ``ExpertBank(impl=...)``: ``"auto"`` (:meth:`ExpertBank.resolved_impl`) and the kernels
 IMPLS = ("auto", *KERNELS)
