@@ -291,7 +291,8 @@ if triton is not None:
                 G + tok[:, None] * stride_gm + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0
             )
             if HAS_B:  # <g_t, b_out[e]>: the bias's share of ∂L/∂w_s, in column block 0 only
-                bo = tl.load(BIAS + e * stride_be + ks, mask=kmask & (pid_n == 0), other=0.0)
+                # a block-shaped mask (a scalar bool in a mask fails in Triton 3.9's interpreter)
+                bo = tl.load(BIAS + e * stride_be + ks, mask=kmask & (ks * 0 + pid_n == 0), other=0.0)
                 gb += tl.reduce(g.to(tl.float32) * bo.to(tl.float32)[None, :], 1, _add)
             w = tl.load(
                 w_base + ks.to(tl.int64)[:, None] * stride_wk + cols64[None, :],
