@@ -8,10 +8,10 @@ TORCH   ?= torch==2.13.0
 
 .PHONY: test test-slow demo lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt "$(TORCH)"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 test: $(STAMP)
