@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples
 
 demo: $(STAMP)
-	$(BIN)/moelab compare --out runs/demo --resume
+	$(BIN)/moelab compare --size demo --out runs/demo --resume
 
 # the full benchmark grid of docs/performance.md (about an hour on 2 cores); an interrupted run continues where it stopped.
 # OpenMP threads sleep instead of spinning at barriers: see docs/performance.md (2-thread timings)

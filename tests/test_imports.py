@@ -107,3 +107,14 @@ def test_the_import_walker_sees_lazy_and_relative_imports(tmp_path):
     }
     (tmp_path / "b.py").write_text("def f():\n    from ..a import x\n    import moelab.pkg.b\n")
     assert _imports("moelab.pkg.b", tmp_path / "b.py", modules) == {"moelab.a"}
+
+
+def test_importing_moelab_leaves_torch_compile_unloaded():
+    # torch._dynamo costs ~1.3 s of every process's start (each `moelab compare` worker): moelab loads it
+    # only when something compiles or a competition router first runs
+    import subprocess
+    import sys
+
+    code = "import sys, moelab, moelab.experiments.lm, moelab.experiments.compare; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

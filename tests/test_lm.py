@@ -394,6 +394,30 @@ def test_shipped_configs_are_valid(path):
     assert config.data in ("default", "enwik8", "text8", "wikitext103")
 
 
+def _config_of(*flags):
+    import argparse
+
+    from moelab.experiments.lm import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return build_config(parser.parse_args(["--out", "x", *flags]))
+
+
+def test_each_size_brings_its_own_training_schedule():
+    demo = _config_of("--size", "demo")
+    assert demo.model["block_size"] == 32
+    t = demo.train
+    assert (t.steps, t.batch_size, t.lr, t.schedule, t.warmup) == (400, 32, 2e-3, "constant", 80)
+    assert _config_of("--size", "cpu").train.schedule == "inverse_sqrt"
+    assert _config_of("--size", "tiny").train.schedule == "inverse_sqrt"  # CompeteSMoE (2024)'s 1/√t
+
+
+def test_a_schedule_flag_overrides_the_size_default():
+    t = _config_of("--size", "demo", "--schedule", "inverse_sqrt", "--warmup", "10").train
+    assert (t.schedule, t.warmup) == ("inverse_sqrt", 10)
+
+
 def test_a_run_depends_on_its_seed_only(corpus, tmp_path):
     import argparse
 

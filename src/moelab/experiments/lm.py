@@ -69,7 +69,15 @@ METRIC_KEYS = (
 
 #: training defaults per preset: CompeteSMoE (2024) App. C.2 (Adam 7e-4, batch 48, sequence 512, 60k / 80k
 #: steps) for the paper sizes, and a CPU setting (a few hundred steps in well under a minute on an idle core)
-_PAPER = dict(lr=7e-4, warmup=None, batch_size=48, eval_every=1000, eval_tokens=500_000, ckpt_every=1000)
+_PAPER = dict(
+    lr=7e-4,
+    schedule="inverse_sqrt",
+    warmup=None,
+    batch_size=48,
+    eval_every=1000,
+    eval_tokens=500_000,
+    ckpt_every=1000,
+)
 SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {**_PAPER, "steps": 60000},
     "small": {**_PAPER, "steps": 60000},
@@ -78,11 +86,38 @@ SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
     # cpu: the paper's schedule, but a larger step and warm-up for a run this short (our choice:
     # 300 steps with lr 2e-3 / warm-up 30 reach a clearly lower BPC than 7e-4 / 15)
     "cpu": dict(
-        lr=2e-3, warmup=30, steps=300, batch_size=16, eval_every=50, eval_tokens=16384, ckpt_every=100
+        lr=2e-3,
+        schedule="inverse_sqrt",
+        warmup=30,
+        steps=300,
+        batch_size=16,
+        eval_every=50,
+        eval_tokens=16384,
+        ckpt_every=100,
+    ),
+    # demo: the main job, 15 runs in about a minute on 2 cores (our choice, docs/performance.md): 400
+    # steps of 32 × 32 bytes at a constant 2e-3 after an 80-step warm-up; the 1/√t decay halves the
+    # step size while the model is still learning fast and ends ~0.1-0.2 BPC higher at this budget
+    "demo": dict(
+        lr=2e-3,
+        schedule="constant",
+        warmup=80,
+        steps=400,
+        batch_size=32,
+        eval_every=100,
+        eval_tokens=16384,
+        ckpt_every=200,
     ),
     # mini: the cpu setting for runs of thousands of steps (docs/results.md's decisive comparison)
     "mini": dict(
-        lr=2e-3, warmup=100, steps=4000, batch_size=16, eval_every=250, eval_tokens=65536, ckpt_every=500
+        lr=2e-3,
+        schedule="inverse_sqrt",
+        warmup=100,
+        steps=4000,
+        batch_size=16,
+        eval_every=250,
+        eval_tokens=65536,
+        ckpt_every=500,
     ),
 }
 
@@ -270,7 +305,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         steps=pick("steps"),
         batch_size=pick("batch_size"),
         lr=pick("lr"),
-        schedule=args.schedule,
+        schedule=pick("schedule"),
         warmup=pick("warmup"),
         grad_clip=args.grad_clip,
         eval_every=pick("eval_every"),
@@ -448,10 +483,18 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, dest="top_k", help="experts per token (2)")
     p.add_argument("--dropout", type=float, help="dropout (preset default)")
     p.add_argument(
-        "--lr", type=float, help="Adam learning rate (7e-4 as CompeteSMoE (2024); the cpu preset 2e-3)"
+        "--lr",
+        type=float,
+        help="Adam learning rate (preset default: 7e-4 as CompeteSMoE (2024); cpu, demo and mini 2e-3)",
     )
-    p.add_argument("--schedule", default="inverse_sqrt", choices=list(LR_SCHEDULES), help="LR schedule")
-    p.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps; the cpu preset 30)")
+    p.add_argument(
+        "--schedule",
+        choices=list(LR_SCHEDULES),
+        help="LR schedule (preset default: inverse_sqrt as CompeteSMoE (2024); demo constant)",
+    )
+    p.add_argument(
+        "--warmup", type=int, help="warm-up steps (preset default: 5%% of --steps for the paper sizes)"
+    )
     p.add_argument(
         "--grad-clip", type=float, default=1.0, dest="grad_clip", help="max gradient norm (0: off)"
     )
@@ -466,7 +509,9 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
         help="a method option, repeatable, e.g. balance_coef=0 (VALUE: true/false, none, a number or text)",
     )
     p.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: 1 for --size cpu, else torch's choice)"
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: 1 for --size cpu, demo and mini, else torch's choice)",
     )
     p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar")
 
@@ -613,12 +658,12 @@ def _defaults() -> dict[str, Any]:
 
 
 def set_threads(args: argparse.Namespace) -> None:
-    """``--threads``; the ``cpu`` preset defaults to one thread: its small matrices are overhead-bound,
+    """``--threads``; the CPU presets (``cpu``, ``demo``, ``mini``) default to one thread: its small matrices are overhead-bound,
     and on a busy machine extra OpenMP threads spin and slow it down many times
     (docs/performance-lm.md)."""
     if args.threads is not None:
         torch.set_num_threads(_validate.positive_int("--threads", args.threads))
-    elif args.size in ("cpu", "mini"):
+    elif args.size in ("cpu", "demo", "mini"):
         torch.set_num_threads(1)
 
 

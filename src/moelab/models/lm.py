@@ -22,6 +22,8 @@ small         6       264      8      512    15.30M / 3.59M (CompeteSMoE (2024):
 medium        8       352      8      512    36.02M / 8.27M (CompeteSMoE (2024): "8 SMoE layers, 36M")
 wt103-small   3       128      8      256    CompeteSMoE (2024)'s WikiText-103 small (word level, dropout 0.7)
 cpu           2       64       4      128    0.32M / 0.09M (1000 steps in minutes on 2 cores)
+demo          2       64       4      32     0.32M / 0.09M (``make demo``: 15 runs in about a minute)
+mini          3       96       4      128    1.04M / 0.27M (thousands of CPU steps)
 ============  ======  =======  =====  =====  ==========================================
 
 ``moelab.models.lm.count_parameters`` computes them (tests pin them).
@@ -132,6 +134,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "wt103-small": dict(n_layer=3, d_model=128, n_head=8, block_size=256, dropout=0.7),
     # small enough that 1000 steps take minutes on 2 CPU cores; no dropout for short runs
     "cpu": dict(n_layer=2, d_model=64, n_head=4, block_size=128, dropout=0.0),
+    # the cpu model with a 32-byte context: the main job (`make demo`); at a budget of ~400k tokens a
+    # shorter context and more, smaller steps learn faster per token than block 128 (docs/performance.md)
+    "demo": dict(n_layer=2, d_model=64, n_head=4, block_size=32, dropout=0.0),
     # between cpu and tiny: a model that still learns after thousands of CPU steps (our choice)
     "mini": dict(n_layer=3, d_model=96, n_head=4, block_size=128, dropout=0.0),
 }

@@ -112,7 +112,9 @@ def _check_competition_options(kappa: str, reduce: str, weighting: str, grad_pat
     _validate.one_of("grad_path", grad_path, GRAD_PATHS)
 
 
-@torch.compiler.disable
+# torch.compiler.disable, with torch._dynamo imported at the first call rather than with moelab (1.3 s
+# of every process's start, docs/performance.md)
+@torch._disable_dynamo
 def _schedule_active(ctx: RoutingContext, layer: int) -> bool:
     """``ctx.schedule.active(layer, ctx.step)``, run outside torch.compile: the lookup is Python on a
     step that changes every call, so tracing it would recompile every step.  Under compile this is
