@@ -41,6 +41,12 @@ def test_compare_produces_the_table_with_every_method(corpus, tmp_path, capsys):
         for seed in (0, 1):
             assert (out / method / f"seed{seed}" / "metrics.json").exists()
     assert (out / "val_curves.png").stat().st_size > 1000
+    with open(out / "count_models.csv", newline="") as f:
+        counts = list(csv.DictReader(f))
+    assert [r["order"] for r in counts] == ["1", "2", "3"]
+    assert float(counts[2]["test_bpc"]) < float(counts[0]["test_bpc"])  # this text has structure
+    line = next(x for x in text.splitlines() if x.startswith("count models of the training split"))
+    assert f"trigram {float(counts[2]['test_bpc']):.4f}" in line
     with open(out / "runs.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 2 * len(ran)
 

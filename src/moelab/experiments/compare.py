@@ -6,6 +6,10 @@ Table 9): every method is trained with each seed by :func:`moelab.experiments.lm
 marked, p-value of each method against CompeteSMoE) and writes ``results.csv``, ``runs.csv`` and
 ``val_curves.png`` into ``OUT``.
 
+Beside the table it prints the test figure of n-gram count models of the same corpus (orders 1-3, add-k
+smoothing chosen on validation; :mod:`moelab.data.ngram`) and writes them to ``count_models.csv``: a
+trained model that does not beat them has not learned much.
+
 Defaults: the embedded corpus, the ``cpu`` preset (300 steps), methods smoe, smoe-fixed, xmoe,
 stablemoe, competesmoe (those registered in this moelab; the others are named in the output),
 3 seeds.  A finished run is reused with ``--resume`` (an interrupted one continues from its
@@ -164,15 +168,19 @@ def run(args: argparse.Namespace) -> int:
         tasks.append((method, seed, config, run_dir, resume))
     jobs = min(_jobs(args), max(1, len(tasks)))
     key = f"test_{data.metric}"
+    count_line = None
     for i, (method, seed, m) in enumerate(_train_all(tasks, jobs, args, data), 1):
         print(
             f"[{i}/{len(tasks)}] {method} seed {seed}: {key} {m[key]:.4f} "
             f"({time.perf_counter() - start:.0f}s elapsed{f', {jobs} jobs' if jobs > 1 else ''})"
         )
+        if jobs > 1 and count_line is None and len(tasks) - i < jobs:  # a worker's core is idle now
+            count_line = _count_model_line(data, out)
     runs = collect_runs(list(dict.fromkeys(out / name / f"seed{seed}" for name, seed, _ in configs)))
     print()
     table = write_report(runs, out, reference, header=losses_line)
     print(table)
+    print(count_line or _count_model_line(data, out))
     if paper is not None:
         ours = {}
         for name, _, _ in configs:
@@ -186,9 +194,24 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + side)
         atomic_write_text(out / "paper.txt", side + "\n")
     print(
-        f"\nwrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'val_curves.png'} ({time.perf_counter() - start:.0f}s)"
+        f"\nwrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'count_models.csv'}, "
+        f"{out / 'val_curves.png'} ({time.perf_counter() - start:.0f}s)"
     )
     return 0
+
+
+def _count_model_line(data, out: Path) -> str:
+    """Fit the order 1-3 count models of ``data``, write ``count_models.csv``, return the summary line."""
+    from ..data.ngram import count_models
+
+    models = count_models(data)
+    m = data.metric
+    rows = [f"order,k,val_{m},test_{m}"]
+    rows += [f"{c.order},{c.k:g},{c.value(m, 'valid'):.4f},{c.value(m, 'test'):.4f}" for c in models]
+    atomic_write_text(out / "count_models.csv", "\n".join(rows) + "\n")
+    names = {1: "unigram", 2: "bigram", 3: "trigram"}
+    figures = ", ".join(f"{names[c.order]} {c.value(m, 'test'):.4f}" for c in models)
+    return f"count models of the training split (add-k, k chosen on validation), test {m}: {figures}"
 
 
 def _jobs(args: argparse.Namespace) -> int:
