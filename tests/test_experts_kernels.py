@@ -81,12 +81,19 @@ def test_auto_uses_grouped_for_aligned_float32():
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
-def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert(threads):
     bank = ExpertBank(4, 8, 16)
-    rows = ExpertBank.LOOP_ROWS_PER_EXPERT
-    assert bank.resolved_impl(torch.randn(rows * 4 // 2 - 1, 8), top_k=2) == "grouped"
-    assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
-    assert ExpertBank(4, 8, 16, impl="grouped").resolved_impl(torch.randn(rows * 4, 8)) == "grouped"
+    rows = ExpertBank.LOOP_ROWS_PER_EXPERT_ONE_THREAD if threads == 1 else ExpertBank.LOOP_ROWS_PER_EXPERT
+    assert ExpertBank.LOOP_ROWS_PER_EXPERT_ONE_THREAD < ExpertBank.LOOP_ROWS_PER_EXPERT
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert bank.resolved_impl(torch.randn(rows * 4 // 2 - 1, 8), top_k=2) == "grouped"
+        assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
+        assert ExpertBank(4, 8, 16, impl="grouped").resolved_impl(torch.randn(rows * 4, 8)) == "grouped"
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")

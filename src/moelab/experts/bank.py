@@ -175,6 +175,10 @@ class ExpertBank(nn.Module):
     #: ``grouped_mm``'s one activation pass over all ``T·K`` rows; below it ``grouped_mm``'s C++
     #: loop over the experts beats the Python one (``moelab bench suite``, docs/performance.md)
     LOOP_ROWS_PER_EXPERT = 512
+    #: the same with one torch thread, where the loop is ahead from 256 slots per expert (T=2048,
+    #: 16 experts top-2: 1.11x dense against grouped_mm's 1.16x; ``moelab bench layer``,
+    #: docs/performance.md); with more threads ``grouped_mm`` stays ahead up to 512
+    LOOP_ROWS_PER_EXPERT_ONE_THREAD = 256
     #: on the CPU, ``"auto"`` infers with ``"stream"`` at ``T·K ≤ N`` (decoding) and, with one
     #: torch thread, from this many slots per expert on (no ``(T·K, d)`` buffers; below it
     #: ``grouped_mm`` wins).  With more threads its many small per-expert ops each pay a parallel
@@ -191,7 +195,8 @@ class ExpertBank(nn.Module):
         (``grad=False``) takes ``"stream"`` at ``T·K ≤ N`` and, with one thread, from
         :attr:`STREAM_ROWS_PER_EXPERT` slots per expert on, and wherever ``grouped_mm`` cannot run;
         training (and inference with more threads) takes ``"loop"`` from
-        :attr:`LOOP_ROWS_PER_EXPERT` slots per expert on; otherwise, and on other devices,
+        :attr:`LOOP_ROWS_PER_EXPERT` slots per expert on (:attr:`LOOP_ROWS_PER_EXPERT_ONE_THREAD` with
+        one thread); otherwise, and on other devices,
         ``"grouped"`` wherever :meth:`grouped_ok` (no host sync), else ``"loop"`` (float64,
         unaligned sizes, older torch).  While torch.compile traces, never ``"stream"`` (its host
         sync would break the graph).
@@ -206,7 +211,9 @@ class ExpertBank(nn.Module):
             large = slots >= self.STREAM_ROWS_PER_EXPERT * n and torch.get_num_threads() == 1
             if not grouped or decoding or large:
                 return "stream"
-        if not grouped or (cpu and slots >= self.LOOP_ROWS_PER_EXPERT * n):
+        one = torch.get_num_threads() == 1
+        loop_rows = self.LOOP_ROWS_PER_EXPERT_ONE_THREAD if one else self.LOOP_ROWS_PER_EXPERT
+        if not grouped or (cpu and slots >= loop_rows * n):
             return "loop"
         return "grouped"
 
