@@ -81,19 +81,26 @@ def test_auto_uses_grouped_for_aligned_float32():
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
-@pytest.mark.parametrize("threads", [1, 2])
-def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert(threads):
+def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert_with_one_thread():
     bank = ExpertBank(4, 8, 16)
-    rows = ExpertBank.LOOP_ROWS_PER_EXPERT_ONE_THREAD if threads == 1 else ExpertBank.LOOP_ROWS_PER_EXPERT
-    assert ExpertBank.LOOP_ROWS_PER_EXPERT_ONE_THREAD < ExpertBank.LOOP_ROWS_PER_EXPERT
-    before = torch.get_num_threads()
+    rows = ExpertBank.LOOP_ROWS_PER_EXPERT
+    assert bank.resolved_impl(torch.randn(rows * 4 // 2 - 1, 8), top_k=2) == "grouped"
+    assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
+    assert ExpertBank(4, 8, 16, impl="grouped").resolved_impl(torch.randn(rows * 4, 8)) == "grouped"
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_auto_takes_the_threaded_loop_with_several_threads_except_when_decoding():
+    bank = ExpertBank(4, 8, 16)
+    threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(threads)
-        assert bank.resolved_impl(torch.randn(rows * 4 // 2 - 1, 8), top_k=2) == "grouped"
-        assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
-        assert ExpertBank(4, 8, 16, impl="grouped").resolved_impl(torch.randn(rows * 4, 8)) == "grouped"
+        torch.set_num_threads(2)
+        for tokens in (3, 64, 4096):
+            assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2) == "loop"
+            assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2, grad=False) == "loop"
+        assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"  # T·K ≤ N
     finally:
-        torch.set_num_threads(before)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
@@ -108,7 +115,7 @@ def test_auto_inference_streams_when_decoding_and_from_enough_slots_per_expert()
     threads = torch.get_num_threads()
     try:  # with several threads, only decoding streams
         torch.set_num_threads(2)
-        assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) == "grouped"
+        assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) == "loop"
         assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"
     finally:
         torch.set_num_threads(threads)

@@ -170,19 +170,16 @@ class ExpertBank(nn.Module):
         """Whether the ``"grouped"`` implementation runs for ``x`` (device, dtype, alignment)."""
         return grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
 
-    #: on the CPU, ``"auto"`` trains with ``"loop"`` from this many token slots per expert on
-    #: (``T·K/N``): there the loop's activation on each expert's rows while they are in cache beats
-    #: ``grouped_mm``'s one activation pass over all ``T·K`` rows; below it ``grouped_mm``'s C++
-    #: loop over the experts beats the Python one (``moelab bench suite``, docs/performance.md)
-    LOOP_ROWS_PER_EXPERT = 512
-    #: the same with one torch thread, where the loop is ahead from 256 slots per expert (T=2048,
-    #: 16 experts top-2: 1.11x dense against grouped_mm's 1.16x; ``moelab bench layer``,
-    #: docs/performance.md); with more threads ``grouped_mm`` stays ahead up to 512
-    LOOP_ROWS_PER_EXPERT_ONE_THREAD = 256
-    #: on the CPU, ``"auto"`` infers with ``"stream"`` at ``T·K ≤ N`` (decoding) and, with one
-    #: torch thread, from this many slots per expert on (no ``(T·K, d)`` buffers; below it
-    #: ``grouped_mm`` wins).  With more threads its many small per-expert ops each pay a parallel
-    #: region (2 threads, T=2048: 2.3x dense against 1.5x for grouped_mm), so ``grouped``/``loop`` serve
+    #: on the CPU with one torch thread, ``"auto"`` trains with ``"loop"`` from this many token slots
+    #: per expert on (``T·K/N``): there the loop's activation on each expert's rows while they are in
+    #: cache beats ``grouped_mm``'s one activation pass over all ``T·K`` rows (T=2048, 16 experts
+    #: top-2: 1.11x dense against 1.16x); below it ``grouped_mm``'s C++ loop over the experts beats
+    #: the Python one.  With more threads the loop runs whole experts on each thread
+    #: (:mod:`moelab.experts.threads`) and is ahead at every size measured, T = 16 to 8192
+    #: (``moelab bench layer``, docs/performance.md)
+    LOOP_ROWS_PER_EXPERT = 256
+    #: on the CPU with one torch thread, ``"auto"`` infers with ``"stream"`` from this many slots
+    #: per expert on (no ``(T·K, d)`` buffers; below it ``grouped_mm`` wins)
     STREAM_ROWS_PER_EXPERT = 256
 
     def resolved_impl(self, x: Tensor, top_k: int = 1, grad: bool = True) -> str:
@@ -191,29 +188,27 @@ class ExpertBank(nn.Module):
 
         An explicit ``impl`` (``"loop"``, ``"grouped"``, ``"stream"``, any kernel of
         :data:`moelab.experts.KERNELS`) is returned as it is: that kernel always runs, and raises a
-        ``ValueError`` where it cannot.  ``"auto"`` follows this rule, on the CPU: inference
-        (``grad=False``) takes ``"stream"`` at ``T·K ≤ N`` and, with one thread, from
-        :attr:`STREAM_ROWS_PER_EXPERT` slots per expert on, and wherever ``grouped_mm`` cannot run;
-        training (and inference with more threads) takes ``"loop"`` from
-        :attr:`LOOP_ROWS_PER_EXPERT` slots per expert on (:attr:`LOOP_ROWS_PER_EXPERT_ONE_THREAD` with
-        one thread); otherwise, and on other devices,
+        ``ValueError`` where it cannot.  ``"auto"`` follows this rule, on the CPU: ``"stream"`` for
+        decoding-sized inference (``T·K ≤ N``) and wherever ``grouped_mm`` cannot run without
+        autograd; with several torch threads ``"loop"`` (experts spread over the threads); with one,
+        inference takes ``"stream"`` from :attr:`STREAM_ROWS_PER_EXPERT` slots per expert on and
+        training ``"loop"`` from :attr:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices,
         ``"grouped"`` wherever :meth:`grouped_ok` (no host sync), else ``"loop"`` (float64,
         unaligned sizes, older torch).  While torch.compile traces, never ``"stream"`` (its host
-        sync would break the graph).
+        sync would break the graph) and never the threaded loop (``"grouped"`` where it can run).
         """
         if self.impl != "auto":
             return self.impl
         cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
         slots, n = x.shape[0] * top_k, self.num_experts
         grouped = self.grouped_ok(x)
+        one = torch.get_num_threads() == 1
         if not grad and cpu:
             decoding = slots <= n
-            large = slots >= self.STREAM_ROWS_PER_EXPERT * n and torch.get_num_threads() == 1
+            large = slots >= self.STREAM_ROWS_PER_EXPERT * n and one
             if not grouped or decoding or large:
                 return "stream"
-        one = torch.get_num_threads() == 1
-        loop_rows = self.LOOP_ROWS_PER_EXPERT_ONE_THREAD if one else self.LOOP_ROWS_PER_EXPERT
-        if not grouped or (cpu and slots >= loop_rows * n):
+        if not grouped or (cpu and (not one or slots >= self.LOOP_ROWS_PER_EXPERT * n)):
             return "loop"
         return "grouped"
 

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .dispatch import dispatch, sort_slots, tracks_grad
+from .threads import over_experts
 
 if TYPE_CHECKING:
     from .bank import ExpertBank
@@ -288,7 +289,8 @@ def _activation_backward(name: str, act, h: Tensor, grad: Tensor) -> Tensor:
 
 def _loop_forward(xs, w_in, w_out, b_in, b_out, counts, act_name, act, keep: bool):
     """Every expert on its contiguous rows of ``xs``, the activation right after the first matmul
-    while the rows are in cache: ``(y, h, aux)``.
+    while the rows are in cache: ``(y, h, aux)``; the experts spread over the torch threads
+    (:func:`moelab.experts.threads.over_experts`).
 
     ``keep``: write the pre-activations into one ``(S, h_in)`` tensor ``h`` and collect ``aux``
     (:func:`_activation_forward`) for a backward; without it (inference) every expert's hidden
@@ -297,12 +299,9 @@ def _loop_forward(xs, w_in, w_out, b_in, b_out, counts, act_name, act, keep: boo
     """
     h = xs.new_empty(xs.shape[0], w_in.shape[1]) if keep else None
     y = xs.new_empty(xs.shape[0], w_out.shape[1])
-    aux = [] if keep else None  # per expert: silu(gate) for swiglu, act(h) otherwise
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        stop = start + c
+
+    def expert(item):  # returns silu(gate) for swiglu, act(h) otherwise
+        e, start, stop = item
         x_e, w_e = xs[start:stop], w_in[e].t()
         if keep:
             h_e = (
@@ -313,14 +312,25 @@ def _loop_forward(xs, w_in, w_out, b_in, b_out, counts, act_name, act, keep: boo
         else:
             h_e = torch.mm(x_e, w_e) if b_in is None else torch.addmm(b_in[e], x_e, w_e)
         a_e, aux_e = _activation_forward(h_e, act_name, act)
-        if keep:
-            aux.append(aux_e)
         if b_out is None:
             torch.mm(a_e, w_out[e].t(), out=y[start:stop])
         else:
             torch.addmm(b_out[e], a_e, w_out[e].t(), out=y[start:stop])
-        start = stop
-    return y, h, aux
+        return aux_e if keep else None
+
+    items = _expert_rows(counts)
+    aux = over_experts(items, [stop - start for _, start, stop in items], expert)
+    return y, h, (aux if keep else None)
+
+
+def _expert_rows(counts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(expert, start, stop)`` of every expert with rows, in expert order."""
+    items, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            items.append((e, start, start + c))
+            start += c
+    return items
 
 
 class _ExpertMLP(torch.autograd.Function):
@@ -404,21 +414,19 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
     g_w_out = torch.empty_like(w_out, memory_format=torch.contiguous_format) if need_w_out else None
     g_b_in = grad.new_empty(w_in.shape[:2]) if need_b_in and has_bias[0] else None
     g_b_out = grad.new_empty(w_out.shape[:2]) if need_b_out and has_bias[1] else None
-    start, i = 0, 0
     for e, c in enumerate(counts):
         if c == 0:
             for g in (g_w_in, g_w_out, g_b_in, g_b_out):
                 if g is not None:
                     g[e].zero_()
-            continue
-        stop = start + c
+
+    def expert(job):
+        (e, start, stop), aux_e = job
         g_y, h_e = grad[start:stop], h[start:stop]
-        if aux is not None:
-            aux_e = aux[i]
+        if aux_e is not None:
             a_e = aux_e * h_e.chunk(2, dim=-1)[1] if swiglu else aux_e
         else:
             a_e, aux_e = _activation_forward(h_e, act_name, act)
-        i += 1
         if g_w_out is not None:
             torch.mm(g_y.t(), a_e, out=g_w_out[e])
         if g_b_out is not None:
@@ -430,7 +438,10 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
             torch.sum(g_h, 0, out=g_b_in[e])
         if g_x is not None:
             torch.mm(g_h, w_in[e], out=g_x[start:stop])
-        start = stop
+
+    items = _expert_rows(counts)
+    jobs = list(zip(items, aux if aux is not None else [None] * len(items)))
+    over_experts(jobs, [stop - start for _, start, stop in items], expert)
     return g_x, g_w_in, g_w_out, g_b_in, g_b_out
 
 

@@ -1,0 +1,90 @@
+"""Independent per-expert work spread over the CPU's torch threads, one expert per thread at a time.
+
+With ``torch.get_num_threads() == n > 1`` every small per-expert GEMM split across ``n`` threads
+pays a fork/join and splits badly (T=2048, 16 experts of 256 rows: 1.22x one dense GEMM of the same
+FLOPs on 2 threads); ``n`` threads that each run whole experts on one thread are at 1.01x
+(docs/performance.md).  :func:`over_experts` runs ``fn(item)`` for every item (one expert's rows)
+that way: the items are cut into ``n`` contiguous groups of about equal rows, the caller's thread
+runs the first group and ``n - 1`` pool threads the others, all with one torch thread.  Each item
+writes only its own rows and its own expert's gradients, so the result does not depend on which
+thread ran it.
+
+torch's thread count is one process-wide setting: it is set to 1 for the section and given back
+before :func:`over_experts` returns (or raises).  The pool threads inherit the caller's grad mode
+and inference mode.  Sequential (the plain loop) with one torch thread, one item, under autocast
+(thread-local state the pool threads would not share), and while torch.compile traces.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import nullcontext
+from typing import TypeVar
+
+import torch
+
+__all__ = ["over_experts", "split_rows"]
+
+T = TypeVar("T")
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_lock = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="moelab-experts")
+        return _pools[workers]
+
+
+def split_rows(rows: Sequence[int], parts: int) -> list[range]:
+    """Cut items of ``rows`` rows into at most ``parts`` contiguous, non-empty groups of about equal
+    rows (each boundary where the running total first reaches its share)."""
+    total, n = sum(rows), len(rows)
+    groups, start, running = [], 0, 0
+    for i, r in enumerate(rows):
+        running += r
+        left = parts - len(groups) - 1  # groups still to cut after this one
+        if left and (running * parts >= total * (len(groups) + 1) or n - i - 1 == left):
+            groups.append(range(start, i + 1))
+            start = i + 1
+    if start < n:
+        groups.append(range(start, n))
+    return groups
+
+
+def _parallel() -> bool:
+    return (
+        torch.get_num_threads() > 1
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def over_experts(items: Sequence[T], rows: Sequence[int], fn: Callable[[T], object]) -> list:
+    """``[fn(item) for item in items]``, on the torch threads' cores when there are several (see the
+    module docstring); ``rows[i]`` is item ``i``'s row count, for the split."""
+    threads = torch.get_num_threads()
+    if len(items) < 2 or not _parallel():
+        return [fn(item) for item in items]
+    groups = split_rows(rows, threads)
+    mode = torch.inference_mode if torch.is_inference_mode_enabled() else None
+    grad = torch.is_grad_enabled()
+
+    def run(group: range) -> list:
+        torch.set_num_threads(1)  # this thread's GEMMs (and the process-wide setting) on one thread
+        with mode() if mode else nullcontext(), torch.set_grad_enabled(grad):
+            return [fn(items[i]) for i in group]
+
+    futures = [_pool(threads - 1).submit(run, g) for g in groups[1:]]
+    try:
+        out = run(groups[0])
+    finally:
+        wait(futures)  # every thread is done before the setting is given back
+        torch.set_num_threads(threads)
+    for f in futures:
+        out.extend(f.result())
+    return out
