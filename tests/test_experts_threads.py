@@ -30,12 +30,18 @@ def test_split_rows_cuts_contiguous_nonempty_groups_of_about_equal_rows(rows, pa
     groups = split_rows(rows, parts)
     assert [i for g in groups for i in g] == list(range(len(rows)))  # contiguous, in order, all
     assert all(len(g) for g in groups) and len(groups) == min(parts, len(rows))
-    sums = [sum(rows[i] for i in g) for g in groups]
-    # no group could give its last item to the next one and bring the two closer
-    for a, b, g in zip(sums, sums[1:], groups):
-        if len(g) > 1:
-            last = rows[g[-1]]
-            assert abs(a - b) <= abs((a - last) - (b + last)) or a - last <= 0
+    cuts = [g[0] for g in groups[1:]]
+    total = sum(rows)
+    for k, cut in enumerate(cuts, 1):  # no cut one item earlier or later comes closer to k/parts
+        before = sum(rows[:cut])
+        for other in (cut - 1, cut + 1):
+            if 0 < other < len(rows) and other not in cuts:
+                assert abs(before - total * k / parts) <= abs(sum(rows[:other]) - total * k / parts)
+
+
+def test_split_rows_balances_a_heavy_expert():
+    assert [list(g) for g in split_rows([10, 10, 10, 40, 10, 10, 10], 2)] == [[0, 1, 2], [3, 4, 5, 6]]
+    assert split_rows([], 2) == []
 
 
 @pytest.mark.parametrize("act", ACTS)

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
+from itertools import accumulate
 from typing import TypeVar
 
 import torch
@@ -41,19 +42,18 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def split_rows(rows: Sequence[int], parts: int) -> list[range]:
-    """Cut items of ``rows`` rows into at most ``parts`` contiguous, non-empty groups of about equal
-    rows (each boundary where the running total first reaches its share)."""
-    total, n = sum(rows), len(rows)
-    groups, start, running = [], 0, 0
-    for i, r in enumerate(rows):
-        running += r
-        left = parts - len(groups) - 1  # groups still to cut after this one
-        if left and (running * parts >= total * (len(groups) + 1) or n - i - 1 == left):
-            groups.append(range(start, i + 1))
-            start = i + 1
-    if start < n:
-        groups.append(range(start, n))
-    return groups
+    """Cut items of ``rows`` rows into ``min(parts, len(rows))`` contiguous, non-empty groups: the
+    ``k``-th cut where the rows before it come closest to ``k/parts`` of all."""
+    n = len(rows)
+    parts = min(parts, n)
+    prefix = list(accumulate(rows))  # prefix[j - 1]: the rows before a cut at j
+    total, cuts, lo = prefix[-1] if n else 0, [0], 1
+    for k in range(1, parts):
+        target = total * k / parts
+        cut = min(range(lo, n - (parts - k) + 1), key=lambda j: abs(prefix[j - 1] - target))
+        cuts.append(cut)
+        lo = cut + 1
+    return [range(a, b) for a, b in zip(cuts, [*cuts[1:], n])] if n else []
 
 
 def _parallel() -> bool:
