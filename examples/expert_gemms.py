@@ -62,7 +62,7 @@ def main() -> None:
             dense,
             lambda expert=expert: [expert(e) for e in range(N)],
             grouped,
-            lambda expert=expert: over_experts(list(range(N)), [c] * N, expert),
+            lambda expert=expert: over_experts(list(range(N)), [c] * N, expert, X.device),
         ]
         for f in candidates:
             f()

@@ -12,6 +12,8 @@ from experts_helpers import ACTS, random_routing, reference
 from moelab.experts import ExpertBank
 from moelab.experts.threads import over_experts, split_rows
 
+CPU = torch.device("cpu")
+
 
 @pytest.fixture
 def two_threads():
@@ -92,12 +94,12 @@ def test_over_experts_gives_the_thread_setting_back_after_an_error(two_threads):
             raise RuntimeError("expert 3 failed")
         return i
 
-    names = over_experts(list(range(4)), [1, 1, 1, 1], lambda i: (i, threading.current_thread().name))
+    names = over_experts(list(range(4)), [1] * 4, lambda i: (i, threading.current_thread().name), CPU)
     assert [i for i, _ in names] == [0, 1, 2, 3]  # in order, whichever thread ran each
     assert {n for _, n in names[:2]} == {threading.current_thread().name}  # the caller ran the first half
     assert all(n.startswith("moelab-experts") for _, n in names[2:])  # a pool thread the second
     with pytest.raises(RuntimeError, match="expert 3 failed"):
-        over_experts(list(range(4)), [1, 1, 1, 1], fn)
+        over_experts(list(range(4)), [1, 1, 1, 1], fn, CPU)
     assert set(seen) == {1}  # every item ran on one torch thread
     assert torch.get_num_threads() == 2
     later = []
@@ -111,7 +113,15 @@ def test_over_experts_runs_in_order_on_one_thread():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        names = over_experts([1, 2, 3], [1, 1, 1], lambda i: (i, threading.current_thread().name))
+        names = over_experts([1, 2, 3], [1, 1, 1], lambda i: (i, threading.current_thread().name), CPU)
     finally:
         torch.set_num_threads(before)
     assert [i for i, _ in names] == [1, 2, 3] and {n for _, n in names} == {threading.current_thread().name}
+
+
+def test_over_experts_keeps_gpu_work_on_the_calling_thread(two_threads):
+    # a CUDA stream is per thread: the experts' kernels must be issued where the caller issues its own
+    names = over_experts(
+        [1, 2, 3, 4], [1] * 4, lambda i: threading.current_thread().name, torch.device("meta")
+    )
+    assert set(names) == {threading.current_thread().name}

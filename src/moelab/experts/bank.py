@@ -202,7 +202,7 @@ class ExpertBank(nn.Module):
         cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
         slots, n = x.shape[0] * top_k, self.num_experts
         grouped = self.grouped_ok(x)
-        one = torch.get_num_threads() == 1
+        one = cpu and torch.get_num_threads() == 1  # not read while tracing: a graph break
         if not grad and cpu:
             decoding = slots <= n
             large = slots >= self.STREAM_ROWS_PER_EXPERT * n and one

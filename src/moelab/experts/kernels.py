@@ -319,7 +319,7 @@ def _loop_forward(xs, w_in, w_out, b_in, b_out, counts, act_name, act, keep: boo
         return aux_e if keep else None
 
     items = _expert_rows(counts)
-    aux = over_experts(items, [stop - start for _, start, stop in items], expert)
+    aux = over_experts(items, [stop - start for _, start, stop in items], expert, xs.device)
     return y, h, (aux if keep else None)
 
 
@@ -441,7 +441,7 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
 
     items = _expert_rows(counts)
     jobs = list(zip(items, aux if aux is not None else [None] * len(items)))
-    over_experts(jobs, [stop - start for _, start, stop in items], expert)
+    over_experts(jobs, [stop - start for _, start, stop in items], expert, xs.device)
     return g_x, g_w_in, g_w_out, g_b_in, g_b_out
 
 

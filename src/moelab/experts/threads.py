@@ -12,7 +12,8 @@ thread ran it.
 torch's thread count is one process-wide setting: it is set to 1 for the section and given back
 before :func:`over_experts` returns (or raises).  The pool threads inherit the caller's grad mode
 and inference mode.  Sequential (the plain loop) with one torch thread, one item, under autocast
-(thread-local state the pool threads would not share), and while torch.compile traces.
+(thread-local state the pool threads would not share), while torch.compile traces, and for work
+on a GPU.
 """
 
 from __future__ import annotations
@@ -58,18 +59,21 @@ def split_rows(rows: Sequence[int], parts: int) -> list[range]:
 
 def _parallel() -> bool:
     return (
-        torch.get_num_threads() > 1
-        and not torch.compiler.is_compiling()
+        not torch.compiler.is_compiling()  # first: reading the thread count breaks a traced graph
         and not torch.is_autocast_enabled("cpu")
+        and torch.get_num_threads() > 1
     )
 
 
-def over_experts(items: Sequence[T], rows: Sequence[int], fn: Callable[[T], object]) -> list:
-    """``[fn(item) for item in items]``, on the torch threads' cores when there are several (see the
-    module docstring); ``rows[i]`` is item ``i``'s row count, for the split."""
-    threads = torch.get_num_threads()
-    if len(items) < 2 or not _parallel():
+def over_experts(
+    items: Sequence[T], rows: Sequence[int], fn: Callable[[T], object], device: torch.device
+) -> list:
+    """``[fn(item) for item in items]``, on the torch threads' cores when there are several and the
+    work is on the CPU (see the module docstring; a GPU's work stays on the caller's thread, whose
+    current stream other threads do not share); ``rows[i]`` is item ``i``'s row count."""
+    if len(items) < 2 or device.type != "cpu" or not _parallel():
         return [fn(item) for item in items]
+    threads = torch.get_num_threads()
     groups = split_rows(rows, threads)
     mode = torch.inference_mode if torch.is_inference_mode_enabled() else None
     grad = torch.is_grad_enabled()
