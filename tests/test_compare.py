@@ -152,3 +152,18 @@ def test_welch_p_matches_the_formula():
     assert welch_p(a, b) == pytest.approx(2 * student.sf(abs(t), df))
     assert welch_p(a, b) < 0.05  # 000 App. C.4 reports p = 0.016 for these runs
     assert math.isnan(welch_p([1.0], b))
+
+
+def test_report_prints_a_comparisons_count_models_and_refuses_a_damaged_table(corpus, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(tiny(corpus, out, "--methods", "smoe", "--seeds", "1")) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("count models of"))
+    assert main(["report", str(out)]) == 0
+    assert line in capsys.readouterr().out.splitlines()  # the same line as compare printed
+    (out / "count_models.csv").write_text("order,k\n1,0.1\n")
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "count_models.csv is not a count-model table of moelab compare; delete it or re-run compare"
+    )
+    assert len(err.splitlines()) == 1

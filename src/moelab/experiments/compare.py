@@ -31,7 +31,7 @@ from ..methods import methods
 from .args import parse_sweep
 from .lm import add_lm_arguments, build_config, set_threads, train_lm
 from .papers import PAPERS, SAME_LOSSES, paper_table
-from .report import collect_runs, write_report
+from .report import COUNT_MODELS, collect_runs, count_model_line, write_report
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
 
@@ -208,10 +208,8 @@ def _count_model_line(data, out: Path) -> str:
     m = data.metric
     rows = [f"order,k,val_{m},test_{m}"]
     rows += [f"{c.order},{c.k:g},{c.value(m, 'valid'):.4f},{c.value(m, 'test'):.4f}" for c in models]
-    atomic_write_text(out / "count_models.csv", "\n".join(rows) + "\n")
-    names = {1: "unigram", 2: "bigram", 3: "trigram"}
-    figures = ", ".join(f"{names[c.order]} {c.value(m, 'test'):.4f}" for c in models)
-    return f"count models of the training split (add-k, k chosen on validation), test {m}: {figures}"
+    atomic_write_text(out / COUNT_MODELS, "\n".join(rows) + "\n")
+    return count_model_line([(c.order, c.value(m, "test")) for c in models], m)
 
 
 def _jobs(args: argparse.Namespace) -> int:

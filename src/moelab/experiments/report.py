@@ -27,7 +27,46 @@ import yaml
 
 from ..io.atomic import atomic_write_text
 
-__all__ = ["Group", "Run", "add_arguments", "collect_runs", "group_runs", "render", "run", "write_report"]
+__all__ = [
+    "COUNT_MODELS",
+    "Group",
+    "Run",
+    "add_arguments",
+    "collect_runs",
+    "count_model_line",
+    "group_runs",
+    "read_count_models",
+    "render",
+    "run",
+    "write_report",
+]
+
+#: the file ``moelab compare`` writes the corpus's n-gram count models into (order, k, val, test)
+COUNT_MODELS = "count_models.csv"
+_ORDERS = {1: "unigram", 2: "bigram", 3: "trigram"}
+
+
+def count_model_line(tests: list[tuple[int, float]], metric: str) -> str:
+    """The line under a comparison's table: each count model's ``(order, test figure)``."""
+    figures = ", ".join(f"{_ORDERS.get(order, f'{order}-gram')} {value:.4f}" for order, value in tests)
+    return f"count models of the training split (add-k, k chosen on validation), test {metric}: {figures}"
+
+
+def read_count_models(folder: str | Path) -> str | None:
+    """:func:`count_model_line` of ``folder``'s ``count_models.csv`` (``None`` where there is none)."""
+    path = Path(folder) / COUNT_MODELS
+    if not path.is_file():
+        return None
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        metric = next(k for k in rows[0] if k.startswith("test_"))[len("test_") :]
+        tests = [(int(r["order"]), float(r[f"test_{metric}"])) for r in rows]
+    except (IndexError, KeyError, StopIteration, TypeError, ValueError):
+        raise ValueError(
+            f"{path} is not a count-model table of moelab compare; delete it or re-run compare"
+        ) from None
+    return count_model_line(tests, metric)
 
 
 @dataclass
@@ -425,5 +464,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"reference {reference!r} has no runs here; p-values are against {first!r}")
         reference = first
     print(write_report(runs, out, reference))
+    for line in filter(None, map(read_count_models, dict.fromkeys(args.runs))):
+        print(line)
     print(f"wrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'val_curves.png'}")
     return 0
