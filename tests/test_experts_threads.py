@@ -125,3 +125,23 @@ def test_over_experts_keeps_gpu_work_on_the_calling_thread(two_threads):
         [1, 2, 3, 4], [1] * 4, lambda i: threading.current_thread().name, torch.device("meta")
     )
     assert set(names) == {threading.current_thread().name}
+
+
+def _threaded_sum_in_child(queue):
+    torch.set_num_threads(2)
+    queue.put(sum(over_experts(list(range(6)), [1] * 6, lambda i: i, CPU)))
+
+
+def test_a_forked_child_runs_the_threaded_loop_afresh(two_threads):
+    import multiprocessing
+
+    over_experts(list(range(4)), [1] * 4, lambda i: i, CPU)  # the parent's pool threads exist
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_threaded_sum_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung on the parent's pool")
+    assert child.exitcode == 0 and queue.get(timeout=5) == 15

@@ -11,13 +11,14 @@ thread ran it.
 
 torch's thread count is one process-wide setting: it is set to 1 for the section and given back
 before :func:`over_experts` returns (or raises).  The pool threads inherit the caller's grad mode
-and inference mode.  Sequential (the plain loop) with one torch thread, one item, under autocast
+and inference mode; a forked child starts its own pool.  Sequential (the plain loop) with one torch thread, one item, under autocast
 (thread-local state the pool threads would not share), while torch.compile traces, and for work
 on a GPU.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -33,6 +34,17 @@ T = TypeVar("T")
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
+
+
+def _forget_pools() -> None:
+    """In a forked child the pools' threads do not exist: start afresh (a task queued there would
+    wait forever)."""
+    global _lock
+    _pools.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
