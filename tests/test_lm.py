@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -416,6 +417,32 @@ def test_each_size_brings_its_own_training_schedule():
 def test_a_schedule_flag_overrides_the_size_default():
     t = _config_of("--size", "demo", "--schedule", "inverse_sqrt", "--warmup", "10").train
     assert (t.schedule, t.warmup) == ("inverse_sqrt", 10)
+
+
+def test_evaluation_batches_grow_for_short_blocks_but_never_their_logits():
+    from moelab.data.text import ByteTokenizer
+
+    tokens = torch.zeros(20_000, dtype=torch.int64)
+    byte = TextData("b", tokens, tokens, tokens, ByteTokenizer(), "bpc")
+    assert LMTask(byte, 32).eval_batch == 128  # 4,096 tokens a forward
+    assert LMTask(byte, 512).eval_batch == 16
+    words = TextData("w", tokens, tokens, tokens, types.SimpleNamespace(vocab_size=267_735), "ppl")
+    assert LMTask(words, 16).eval_batch == 16  # 4,096 × 267k logits would be 4.4 GB
+
+
+@pytest.mark.parametrize("block", [8, 32, 100])
+def test_evaluation_does_not_depend_on_its_batch(block):
+    from moelab.data.text import ByteTokenizer
+
+    g = torch.Generator().manual_seed(block)
+    tokens = torch.randint(0, 50, (3000,), generator=g)
+    data = TextData("b", tokens, tokens, tokens, ByteTokenizer(), "bpc")
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=256, **{**TINY, "block_size": block})).eval()
+    one, many = (LMTask(data, block, eval_batch=b).evaluate(model, "valid", None) for b in (1, 64))
+    assert one.keys() == many.keys()
+    for key in one:
+        assert one[key] == pytest.approx(many[key], rel=1e-6)
 
 
 def test_a_run_depends_on_its_seed_only(corpus, tmp_path):

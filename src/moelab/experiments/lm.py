@@ -131,14 +131,14 @@ class LMTask:
     ``max_tokens`` predicted tokens), each block with no context from the previous one, and
     reports the mean token loss, ``bpc = loss / ln 2`` or ``ppl = exp(loss)``
     (shared/REFERENCES.md).  ``eval_batch`` blocks go through the model at once (default: 16, or
-    as many as make 4,096 tokens for short blocks: a forward of a few hundred tokens is mostly
-    overhead); the figures do not depend on it.
+    for short blocks as many as make 4,096 tokens while their logits stay within 2**22 numbers: a
+    forward of a few hundred tokens is mostly overhead); the figures do not depend on it.
     """
 
     def __init__(self, data: TextData, block_size: int, eval_batch: int | None = None) -> None:
         _validate.positive_int("block_size", block_size)
         if eval_batch is None:
-            eval_batch = max(16, 4096 // block_size)
+            eval_batch = max(16, min(4096 // block_size, (1 << 22) // (block_size * data.vocab_size)))
         _validate.positive_int("eval_batch", eval_batch)
         data.check_block(block_size)
         self.data = data
