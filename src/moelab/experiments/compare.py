@@ -31,7 +31,7 @@ from ..methods import methods
 from .args import parse_sweep
 from .lm import add_lm_arguments, build_config, set_threads, train_lm
 from .papers import PAPERS, SAME_LOSSES, paper_table
-from .report import COUNT_MODELS, collect_runs, count_model_line, write_report
+from .report import COUNT_MODELS, collect_runs, write_count_models, write_report
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
 
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + side)
         atomic_write_text(out / "paper.txt", side + "\n")
     print(
-        f"\nwrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'count_models.csv'}, "
+        f"\nwrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / COUNT_MODELS}, "
         f"{out / 'val_curves.png'} ({time.perf_counter() - start:.0f}s)"
     )
     return 0
@@ -204,12 +204,7 @@ def _count_model_line(data, out: Path) -> str:
     """Fit the order 1-3 count models of ``data``, write ``count_models.csv``, return the summary line."""
     from ..data.ngram import count_models
 
-    models = count_models(data)
-    m = data.metric
-    rows = [f"order,k,val_{m},test_{m}"]
-    rows += [f"{c.order},{c.k:g},{c.value(m, 'valid'):.4f},{c.value(m, 'test'):.4f}" for c in models]
-    atomic_write_text(out / COUNT_MODELS, "\n".join(rows) + "\n")
-    return count_model_line([(c.order, c.value(m, "test")) for c in models], m)
+    return write_count_models(out, count_models(data), data.metric)
 
 
 def _jobs(args: argparse.Namespace) -> int:

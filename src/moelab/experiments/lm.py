@@ -662,9 +662,9 @@ def _defaults() -> dict[str, Any]:
 
 
 def set_threads(args: argparse.Namespace) -> None:
-    """``--threads``; the CPU presets (``cpu``, ``demo``, ``mini``) default to one thread: its small matrices are overhead-bound,
-    and on a busy machine extra OpenMP threads spin and slow it down many times
-    (docs/performance-lm.md)."""
+    """``--threads``; the CPU presets (``cpu``, ``demo``, ``mini``) default to one thread: their small
+    matrices are overhead-bound, and on a busy machine extra OpenMP threads spin and slow them down
+    many times (docs/performance-lm.md)."""
     if args.threads is not None:
         torch.set_num_threads(_validate.positive_int("--threads", args.threads))
     elif args.size in ("cpu", "demo", "mini"):

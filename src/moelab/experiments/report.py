@@ -38,6 +38,7 @@ __all__ = [
     "read_count_models",
     "render",
     "run",
+    "write_count_models",
     "write_report",
 ]
 
@@ -50,6 +51,17 @@ def count_model_line(tests: list[tuple[int, float]], metric: str) -> str:
     """The line under a comparison's table: each count model's ``(order, test figure)``."""
     figures = ", ".join(f"{_ORDERS.get(order, f'{order}-gram')} {value:.4f}" for order, value in tests)
     return f"count models of the training split (add-k, k chosen on validation), test {metric}: {figures}"
+
+
+def write_count_models(folder: str | Path, models: list[Any], metric: str) -> str:
+    """Write ``models`` (:class:`moelab.data.ngram.CountModel`) into ``folder``'s ``count_models.csv``
+    (order, k, validation and test figure in ``metric`` units) and return :func:`count_model_line`."""
+    rows = [f"order,k,val_{metric},test_{metric}"]
+    rows += [
+        f"{c.order},{c.k:g},{c.value(metric, 'valid'):.4f},{c.value(metric, 'test'):.4f}" for c in models
+    ]
+    atomic_write_text(Path(folder) / COUNT_MODELS, "\n".join(rows) + "\n")
+    return count_model_line([(c.order, c.value(metric, "test")) for c in models], metric)
 
 
 def read_count_models(folder: str | Path) -> str | None:
