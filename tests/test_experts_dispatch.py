@@ -134,3 +134,25 @@ def test_winners_by_rerun_equals_the_winners_of_a_differentiable_forward_all(bud
     for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
         torch.testing.assert_close(a, b)
     assert bank.forward_winners(x, choose)[0].equal(winners)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_slot_sums_into_tokens_are_the_same_bits_with_one_thread_and_several(top_k):
+    """One thread sums each token's slots by ``index_add``, several by gathers: the same bits."""
+    from moelab.experts.dispatch import _scatter_rows
+
+    g = torch.Generator().manual_seed(11)
+    idx, _ = random_routing(50, 6, top_k, g)
+    _, _, tokens, inverse = sort_slots(idx, 6)
+    rows = torch.randn(50 * top_k, 7, generator=g) * 1e3
+    rows[0] = -0.0  # a token whose first slot is -0.0 sums to +0.0 from zero, as index_add does
+    expected = torch.zeros(50, 7).index_add_(0, tokens, rows)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = _scatter_rows(rows, tokens, inverse, top_k)
+            assert torch.equal(got, expected)
+            assert torch.equal(got.signbit(), expected.signbit())
+    finally:
+        torch.set_num_threads(before)
