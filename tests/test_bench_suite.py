@@ -355,3 +355,23 @@ def test_suite_resume_refuses_other_settings(tmp_path, capsys):
     assert main(["bench", "suite", *args]) == 0
     assert main(["bench", "suite", *args, "--resume", "--seed", "3"]) == 2
     assert "--seed=3 differs from 0" in capsys.readouterr().err
+
+
+def test_suite_resume_refuses_a_file_timed_on_another_processor(tmp_path, capsys):
+    out = tmp_path / "suite.json"
+    args = _balanced_to(out, "4")
+    assert main(["bench", "suite", *args]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    other = "AVX512" if doc["machine"]["cpu_capability"] != "AVX512" else "AVX2"
+    doc["machine"]["cpu_capability"] = other
+    out.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["bench", "suite", *args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"this machine's cpu_capability {torch.backends.cpu.get_cpu_capability()!r} differs from {other!r}"
+        in err
+    )
+    assert "timings of two machines would mix" in err and "Traceback" not in err
+    assert json.loads(out.read_text()) == doc  # the file is left as it was

@@ -40,9 +40,14 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------- machine
 def machine_info() -> dict:
-    """Cores, threads, versions and load: printed with every table."""
+    """Cores, threads, versions and load: printed with every table.  ``cpu_id`` (vendor, family,
+    model, stepping) and ``cpu_capability`` (the vector instructions ATen dispatches to) tell
+    apart machines whose ``cpu`` name is the same: a VM's "AMD EPYC" may be one generation one day
+    and another the next, with other GEMM speeds and other floating-point bits."""
     info = {
         "cpu": _cpu_model(),
+        "cpu_id": _cpu_id(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -72,6 +77,26 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _cpu_id() -> str | None:
+    """``"vendor family/model/stepping"`` from ``/proc/cpuinfo`` (Linux), else ``None``."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return None
+    if "cpu family" not in fields:
+        return None
+    return (
+        f"{fields.get('vendor_id', '?')} {fields['cpu family']}/{fields.get('model', '?')}/"
+        f"{fields.get('stepping', '?')}"
+    )
 
 
 # ---------------------------------------------------------------------------------- timing

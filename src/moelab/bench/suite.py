@@ -775,6 +775,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _RESUME_KEYS = ("clock", "seed", "device", "dtype")
+#: what of the machine must match for ``--resume`` to add timings to a file: its cases' ratios
+#: are only comparable on the same processor, core count and software
+_RESUME_MACHINE_KEYS = (
+    "cpu",
+    "cpu_id",
+    "cpu_capability",
+    "cores",
+    "torch",
+    "transformers",
+    "OMP_WAIT_POLICY",
+)
 
 
 def _start_document(args: argparse.Namespace) -> dict:
@@ -824,6 +835,14 @@ def _start_document(args: argparse.Namespace) -> dict:
                 f"--resume: --{key}={config[key]!r} differs from {old_config.get(key)!r} in {str(out)!r}; "
                 "use the same settings or --force"
             )
+    old_machine = old.get("machine") if isinstance(old.get("machine"), dict) else {}
+    for key in _RESUME_MACHINE_KEYS:
+        if old_machine.get(key) != doc["machine"][key]:
+            raise ValueError(
+                f"--resume: this machine's {key} {doc['machine'][key]!r} differs from "
+                f"{old_machine.get(key)!r} in {str(out)!r} (timings of two machines would mix); "
+                "run on that machine, or use --force to start again"
+            )
     doc["cases"] = list(old_cases)
     return doc
 
@@ -847,7 +866,7 @@ def run(args: argparse.Namespace) -> int:
     show(
         f"moelab bench suite: {len(cases)} cases ({len(done & {c.key for c in cases})} already in --out), "
         f"{args.repeats} rounds at most ({args.budget:g} s budget) after {args.warmup} warm-up, {args.clock} clock, "
-        f"{args.device} {args.dtype}\nmachine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
+        f"{args.device} {args.dtype}\nmachine: {_cpu_text(machine)}, {machine['cores']} cores, torch {machine['torch']}, "
         f"transformers {machine['transformers']}, load {machine['loadavg_1min']:.1f}, "
         f"OMP_WAIT_POLICY={machine['OMP_WAIT_POLICY'] or 'unset'}"
     )
@@ -876,12 +895,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_text(machine: dict) -> str:
+    """``AMD EPYC (AuthenticAMD 25/1/1, AVX2)``: the processor's name, identity and vector level
+    (documents written before these were recorded give the name alone)."""
+    known = [machine[k] for k in ("cpu_id", "cpu_capability") if machine.get(k)]
+    return f"{machine['cpu']} ({', '.join(known)})" if known else machine["cpu"]
+
+
 # ---------------------------------------------------------------------------------- markdown
 def markdown_summary(doc: dict) -> str:
     """The summary of a suite document as a markdown table (docs/performance.md), with its machine."""
     m = doc["machine"]
     lines = [
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
+        f"Machine: {_cpu_text(m)}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}, "
         f"moelab {m['moelab']}, OMP_WAIT_POLICY={m['OMP_WAIT_POLICY'] or 'unset'}; "
         f"clock {doc['config']['clock']}, {doc['config']['repeats']} rounds at most, budget {doc['config']['budget']:g} s.",
         "",
