@@ -32,7 +32,8 @@ case "$part" in
     tests)
         versions | tee "$out/versions.txt"
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$out/versions.txt" || true
-        "$py" -m pytest -q -p no:cacheprovider -x --durations=15 2>&1 | tee "$out/tests.log"
+        # every failure in one call (no -x), stopped before the device tool's 10-minute limit
+        timeout 540 "$py" -m pytest -q -p no:cacheprovider -rfE --durations=15 2>&1 | tee "$out/tests.log"
         ;;
     suite-a | suite-b)
         models=$([ "$part" = suite-a ] && echo mixtral,olmoe || echo qwen3,deepseek-v3)
