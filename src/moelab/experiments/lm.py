@@ -95,7 +95,7 @@ SIZE_DEFAULTS: dict[str, dict[str, Any]] = {
         eval_tokens=16384,
         ckpt_every=100,
     ),
-    # demo: the main job, 15 runs in about a minute on 2 cores (our choice, docs/performance.md): 400
+    # demo: the main job, 15 runs in 75-100 s on 2 cores (our choice, docs/performance.md): 400
     # steps of 32 × 32 bytes at a constant 2e-3 after an 80-step warm-up; the 1/√t decay halves the
     # step size while the model is still learning fast and ends ~0.1-0.2 BPC higher at this budget
     "demo": dict(

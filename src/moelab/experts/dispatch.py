@@ -182,11 +182,10 @@ def _scatter_rows(rows: Tensor, tokens: Tensor, inverse: Tensor, top_k: int) -> 
     numbers in the same order from zero: the same bits at every thread count.
     """
     T = inverse.numel() // top_k
-    if torch.compiler.is_compiling() or torch.get_num_threads() == 1:
-        out = rows.new_zeros(T, rows.shape[-1])
-        if torch.compiler.is_compiling():
-            return out.index_add(0, tokens, rows)
-        return out.index_add_(0, tokens, rows)
+    if torch.compiler.is_compiling():  # the thread count is not read while tracing (a graph break)
+        return rows.new_zeros(T, rows.shape[-1]).index_add(0, tokens, rows)
+    if torch.get_num_threads() == 1:
+        return rows.new_zeros(T, rows.shape[-1]).index_add_(0, tokens, rows)
     ascending = inverse.view(T, top_k).sort(dim=1).values  # each token's slots in slot order
     slots = rows.index_select(0, ascending.reshape(-1)).view(T, top_k, rows.shape[-1])
     out = slots[:, 0] + 0.0  # from zero, as index_add: -0.0 becomes 0.0
@@ -234,8 +233,8 @@ def _combine_slots(
     CPU: ``ys`` scaled by each sorted slot's weight and summed into the ``(T, d)`` output in slot
     order (:func:`_scatter_rows`; with one thread an ``index_add`` that reads the large
     ``(T·K, d)`` rows in order, where a gather reads them at random and pays a TLB miss per row
-    once they outgrow the cache); ``kept`` is ``ys``.  Elsewhere: a gather back to ``(token, k)`` order and K fused
-    multiply-adds (no atomics); ``kept`` is the gathered ``(T, K, d)``.  ``w_sorted (T·K,)``: the
+    once they outgrow the cache); ``kept`` is ``ys``.  Elsewhere: a gather back to ``(token, k)``
+    order and K fused multiply-adds (no atomics); ``kept`` is the gathered ``(T, K, d)``.  ``w_sorted (T·K,)``: the
     weight of each sorted slot.
     """
     T, K = weights.shape
