@@ -128,7 +128,10 @@ def test_opt_values_reach_the_config_by_the_shared_rule():
     args = parser.parse_args(
         ["train", "--out", "x", "--opt", "balance_coef=0", "--opt", "omega=1e-3", "--opt", "frozen=true"]
     )
-    assert lm.build_config(args).opts == {"balance_coef": 0, "omega": 1e-3, "frozen": True}
+    from moelab.experiments import runner
+
+    given = runner.given_by_args(lm.TRAIN, args)
+    assert given["opts"] == {"balance_coef": 0, "omega": 1e-3, "frozen": True}
 
 
 @pytest.mark.parametrize(

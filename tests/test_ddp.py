@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 import moelab
 from moelab.cli import main
 from moelab.data.text import load_text
-from moelab.experiments.lm import LMTask, RunConfig, build_model
-from moelab.io.rundir import RunDir
+from moelab.experiments import runner
+from moelab.experiments.lm import LMTask, TrainRun, build_model
 
 
 def tiny_args(corpus, out, *extra):
@@ -120,7 +120,7 @@ def test_each_rank_adds_the_aux_loss_of_its_own_tokens(corpus, tmp_path):
     row = read_log(out)[0]
 
     # the first step by hand: same seed → same initial weights and the same global batch
-    config = RunConfig.from_dict(RunDir(out, resume=True).read_config())
+    config, _ = runner.read_run_config(TrainRun, out, "train")
     data = load_text(str(corpus))
     torch.manual_seed(0)
     model = build_model(config, data.vocab_size)
@@ -200,7 +200,7 @@ def test_expert_parallel_training_follows_the_data_parallel_curve(corpus, tmp_pa
     assert m_ep["params"] == m_dp["params"]  # the whole model, not one rank's block
     assert m_ep["test_bpc"] == pytest.approx(m_dp["test_bpc"], rel=1e-4)
     # the checkpoints hold the full model and optimizer: they load into a plain model
-    config = RunConfig.from_dict(RunDir(ep, resume=True).read_config())
+    config, _ = runner.read_run_config(TrainRun, ep, "train")
     model = build_model(config, load_text(str(corpus)).vocab_size)
     from moelab.train.checkpoint import load_checkpoint
 

@@ -123,7 +123,7 @@ def test_finetune_cli_reports_accuracy(pretrained, reviews, tmp_path, capsys):
     assert 0 <= metrics["test_acc"] <= 100 and "val_acc" in metrics and metrics["num_classes"] == 2
     assert "test accuracy" in capsys.readouterr().out
     config, tok = read_lm_run(pretrained)
-    assert config["task"] == "lm" and tok.vocab_size == 256
+    assert config.task == "lm" and tok.vocab_size == 256
 
 
 def test_finetune_cli_errors_exit_2(pretrained, reviews, tmp_path, capsys):

@@ -197,7 +197,7 @@ def test_a_runs_own_config_yaml_is_accepted_back_by_config(corpus, tmp_path):
         )
         == 0
     )
-    assert yaml.safe_load((third / "config.yaml").read_text())["train"]["seed"] == 5
+    assert yaml.safe_load((third / "config.yaml").read_text())["seed"] == 5
 
 
 def _one_line_error(capsys) -> str:
@@ -249,7 +249,7 @@ def test_resume_with_allow_changes_continues_with_the_new_steps(corpus, tmp_path
     assert main(tiny_args(corpus, out)) == 0
     assert main([*tiny_args(corpus, out, "--resume"), "--steps", "6", "--allow-changes"]) == 0
     assert json.loads((out / "metrics.json").read_text())["steps"] == 6
-    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["steps"] == 6
+    assert yaml.safe_load((out / "config.yaml").read_text())["steps"] == 6
 
 
 def test_resume_refuses_a_changed_data_file(corpus, tmp_path, capsys):
@@ -327,13 +327,13 @@ def test_a_damaged_run_config_is_refused_in_one_line(corpus, tmp_path, capsys):
     first = tmp_path / "first"
     assert main(tiny_args(corpus, first)) == 0
     config = yaml.safe_load((first / "config.yaml").read_text())
-    config["train"]["bogus"] = 1
+    config["bogus"] = 1
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(config))
     capsys.readouterr()
     assert main(["train", "--config", str(bad), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert "unknown train keys ['bogus']" in err and len(err.strip().splitlines()) == 1
+    assert "unknown keys ['bogus']" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(
@@ -383,39 +383,33 @@ def test_train_task_image_is_refused_with_a_pointer_to_specialize(tmp_path, caps
     "path", sorted(Path(__file__).parents[1].glob("configs/lm/*.yaml")), ids=lambda p: p.name
 )
 def test_shipped_configs_are_valid(path):
-    import argparse
-
-    from moelab.experiments.lm import _defaults, add_arguments, apply_config_file, build_config
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--config", str(path), "--out", "x"])
-    apply_config_file(args, _defaults())
-    config = build_config(args)
+    config = _config_of("--config", str(path))
     assert config.data in ("default", "enwik8", "text8", "wikitext103")
 
 
 def _config_of(*flags):
     import argparse
 
-    from moelab.experiments.lm import add_arguments, build_config
+    from moelab.experiments import runner
+    from moelab.experiments.lm import TRAIN, add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return build_config(parser.parse_args(["--out", "x", *flags]))
+    args = parser.parse_args(["--out", "x", *flags])
+    return runner.resolve_config(TRAIN, runner.given_by_args(TRAIN, args), out=None)[0]
 
 
 def test_each_size_brings_its_own_training_schedule():
     demo = _config_of("--size", "demo")
-    assert demo.model["block_size"] == 32
-    t = demo.train
+    assert demo.block_size == 32
+    t = demo.train_config()
     assert (t.steps, t.batch_size, t.lr, t.schedule, t.warmup) == (400, 32, 2e-3, "constant", 80)
-    assert _config_of("--size", "cpu").train.schedule == "inverse_sqrt"
-    assert _config_of("--size", "tiny").train.schedule == "inverse_sqrt"  # CompeteSMoE (2024)'s 1/√t
+    assert _config_of("--size", "cpu").schedule == "inverse_sqrt"
+    assert _config_of("--size", "tiny").schedule == "inverse_sqrt"  # CompeteSMoE (2024)'s 1/√t
 
 
 def test_a_schedule_flag_overrides_the_size_default():
-    t = _config_of("--size", "demo", "--schedule", "inverse_sqrt", "--warmup", "10").train
+    t = _config_of("--size", "demo", "--schedule", "inverse_sqrt", "--warmup", "10")
     assert (t.schedule, t.warmup) == ("inverse_sqrt", 10)
 
 
@@ -446,17 +440,15 @@ def test_evaluation_does_not_depend_on_its_batch(block):
 
 
 def test_a_run_depends_on_its_seed_only(corpus, tmp_path):
-    import argparse
+    from dataclasses import replace
 
-    from moelab.experiments.lm import add_arguments, build_config, train_lm
+    from moelab.experiments.lm import train_lm
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
     results = []
+    base = _config_of(*tiny_args(corpus, tmp_path / "unused")[1:], "--no-progress")
     for i, seed in enumerate([0, 0, 1]):
         torch.rand(i + 1)  # whatever ran before in this process must not matter
-        args = parser.parse_args([*tiny_args(corpus, tmp_path / f"r{i}")[1:], "--seed", str(seed)])
-        results.append(train_lm(build_config(args), args.out, progress=False)["test_bpc"])
+        results.append(train_lm(replace(base, seed=seed), tmp_path / f"r{i}")["test_bpc"])
     assert results[0] == results[1] != results[2]
 
 
@@ -511,7 +503,7 @@ def finished_run(corpus, tmp_path_factory):
 
 
 _DAMAGED_CONFIGS = {
-    "truncated": (lambda good: good[: len(good) // 2], "is not valid YAML"),
+    "truncated": (lambda good: good[: len(good) // 2], "is not allowed; expected"),
     "a list": (lambda good: "- 1\n- 2\n", "must hold a mapping"),
     "a scalar": (lambda good: "42\n", "must hold a mapping"),
     "bad syntax": (lambda good: "task: lm\n  bad: [\n", "is not valid YAML"),

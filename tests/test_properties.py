@@ -213,11 +213,13 @@ _YAML_VALUES = st.recursive(
 def train_config_text(draw):
     """A YAML document: mostly a mapping of real ``moelab train`` flag names (``-`` or ``_``) to
     random values, sometimes arbitrary YAML or text."""
+    from dataclasses import fields
+
     import yaml
 
-    from moelab.experiments.lm import _defaults
+    from moelab.experiments.lm import TrainRun
 
-    names = sorted(_defaults())
+    names = sorted({f.name for f in fields(TrainRun)} | {"opt", "layers", "heads", "no_progress"})
     kind = draw(st.sampled_from(["flags", "flags", "flags", "any", "text"]))
     if kind == "text":
         return draw(st.text(max_size=60))

@@ -21,17 +21,19 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .. import _validate
 from ..data.text import load_text
 from ..io.atomic import atomic_write_text, read_json
 from ..io.rundir import RUN_ENTRIES
 from ..methods import methods
+from . import lm, runner
 from .args import parse_sweep
-from .lm import add_lm_arguments, build_config, set_threads, train_lm
+from .lm import TrainRun, set_threads, train_lm
 from .papers import PAPERS, SAME_LOSSES, paper_table
 from .report import COUNT_MODELS, collect_runs, write_count_models, write_report
+from .runner import Interval, Options, setting
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
 
@@ -39,65 +41,69 @@ __all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
 DEFAULT_METHODS = ("smoe", "smoe-fixed", "xmoe", "stablemoe", "competesmoe")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--methods",
-        default=",".join(DEFAULT_METHODS),
-        help="comma-separated methods (default: %(default)s; unavailable ones are skipped and named)",
+@dataclass
+class CompareConfig:
+    """The settings of ``moelab compare``: which methods and seeds, how their losses are set, and
+    the settings of every run (``run``: a :class:`moelab.experiments.lm.TrainRun` whose method and
+    seed the comparison sets)."""
+
+    methods: str = setting(
+        ",".join(DEFAULT_METHODS),
+        help="comma-separated methods (unavailable ones are skipped and named)",
     )
-    p.add_argument("--seeds", type=int, default=3, help="seeds per method, 0..N-1 (default 3)")
-    p.add_argument("--seed-offset", type=int, default=0, dest="seed_offset", help="first seed")
-    p.add_argument(
-        "--jobs",
-        type=int,
+    seeds: int = setting(3, help="seeds per method, from --seed-offset on", allowed=Interval(int, 1))
+    seed_offset: int = setting(0, help="first seed", allowed=Interval(int, 0, 2**63 - 1))
+    jobs: int | None = setting(
+        None,
         help="trainings at once, in worker processes of one thread each (default: the cores; 1: in this "
         "process, with progress bars)",
+        allowed=(Interval(int, 1), None),
     )
-    p.add_argument("--reference", default="competesmoe", help="method the p-values compare against")
-    p.add_argument(
-        "--paper",
-        choices=sorted(PAPERS),
+    reference: str = setting("competesmoe", help="method the p-values compare against")
+    paper: str | None = setting(
+        None,
         help="run the methods and loss settings of CompeteSMoE (2024) or (2025) Table 2 and print the "
         "paper's numbers beside ours",
+        allowed=(Options(tuple(sorted(PAPERS))), None),
     )
-    p.add_argument(
-        "--losses",
-        choices=["same", "preset"],
-        default="same",
-        help="same (default): every method gets balance 0.01 and z 0.001 (the paper's with --paper); "
+    losses: str = setting(
+        "same",
+        help="same: every method gets balance 0.01 and z 0.001 (the paper's with --paper); "
         "preset: each method's own preset coefficients",
+        allowed=Options(("same", "preset")),
     )
-    p.add_argument(
-        "--sweep",
+    sweep: str | None = setting(
+        None,
         metavar="KEY=V1,V2,...",
-        help="also vary one method option (CompeteSMoE (2024) Tables 4-5), e.g. omega=0.01,0.03,0.05; report prints the sensitivity table",
+        help="also vary one method option (CompeteSMoE (2024) Tables 4-5), e.g. omega=0.01,0.03,0.05; "
+        "report prints the sensitivity table",
     )
-    p.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
-    p.add_argument(
-        "--resume", action="store_true", help="reuse finished runs in --out, continue unfinished ones"
-    )
-    p.add_argument("--force", action="store_true", help="re-run everything in --out")
-    p.add_argument(
-        "--allow-changes",
-        action="store_true",
-        dest="allow_changes",
-        help="with --resume: continue unfinished runs even though flags or data differ from theirs",
-    )
-    add_lm_arguments(p)
+    run: TrainRun = field(default_factory=TrainRun)
+
+
+#: the run settings a comparison decides itself
+_SET_BY_COMPARE = ("run.method", "run.seed", "run.expert_parallel")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    runner.add_arguments(p, CompareConfig, exclude=_SET_BY_COMPARE, out_default="runs/compare")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
 
-    paper = PAPERS[args.paper] if args.paper else None
-    if paper is not None:
-        if args.methods == ",".join(DEFAULT_METHODS):  # the paper's methods unless chosen
-            args.methods = ",".join(paper.methods)
-        if args.reference == "competesmoe":
-            args.reference = paper.reference
-    requested = [m.strip() for m in str(args.methods).split(",") if m.strip()]
+    given = runner.given_by_args(CompareConfig, args)
+    config = runner.validate(runner.build(CompareConfig, given))
+    paper = PAPERS[config.paper] if config.paper else None
+    if paper is not None:  # the paper's methods and reference unless chosen
+        config = replace(
+            config,
+            methods=config.methods if "methods" in given else ",".join(paper.methods),
+            reference=config.reference if "reference" in given else paper.reference,
+        )
+    requested = [m.strip() for m in config.methods.split(",") if m.strip()]
     if not requested:
-        raise UsageError(f"--methods {args.methods!r} names no method")
+        raise UsageError(f"--methods {config.methods!r} names no method")
     known = set(methods())
     unknown_default = [m for m in requested if m not in known and m in DEFAULT_METHODS]
     unknown = [m for m in requested if m not in known and m not in DEFAULT_METHODS]
@@ -106,22 +112,25 @@ def run(args: argparse.Namespace) -> int:
     chosen = [m for m in requested if m in known]
     if not chosen:
         raise UsageError(f"none of --methods {requested} is available in this moelab")
-    _validate.positive_int("--seeds", args.seeds)
-    _jobs(args)  # a bad --jobs fails before anything runs
+    if args.resume and args.force:
+        raise ValueError(
+            "--resume and --force are not allowed together; --resume continues the run in --out, "
+            "--force starts it afresh"
+        )
     out = Path(args.out)
     if (out / "results.csv").exists() and not (args.resume or args.force):
         raise FileExistsError(f"--out {out} already holds a comparison; pass --resume to reuse it or --force")
-    set_threads(args)
+    set_threads(config.run)
     if unknown_default:
         print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
-    reference = args.reference if args.reference in chosen else chosen[0]
-    if reference != args.reference:
+    reference = config.reference if config.reference in chosen else chosen[0]
+    if reference != config.reference:
         print(
-            f"reference {args.reference!r} is not among the methods run; p-values are against {reference!r}"
+            f"reference {config.reference!r} is not among the methods run; p-values are against {reference!r}"
         )
 
-    seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
-    shared = {} if args.losses == "preset" else dict(paper.losses if paper else SAME_LOSSES)
+    seeds = list(range(config.seed_offset, config.seed_offset + config.seeds))
+    shared = {} if config.losses == "preset" else dict(paper.losses if paper else SAME_LOSSES)
     losses_line = (
         "aux losses: each method's preset coefficients"
         if not shared
@@ -131,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         + (f", as {paper.citation}" if paper else "")
     )
     print(losses_line)
-    sweep = parse_sweep(args.sweep)
+    sweep = parse_sweep(config.sweep)
     configs = []
     points = list(zip(sweep.values, sweep.labels)) if sweep else [(None, None)]
     for method in chosen:
@@ -140,33 +149,34 @@ def run(args: argparse.Namespace) -> int:
             # --out)
             name = method if sweep is None else f"{method}-{sweep.key}{label}"
             for seed in seeds:
-                ns = argparse.Namespace(**vars(args))
-                ns.method, ns.seed = method, seed
-                config = build_config(ns)  # validates every flag before training
+                opts = dict(config.run.opts)
                 if shared:  # like with like: the same auxiliary losses (a flag's --opt wins)
-                    config.opts = {**shared, **config.opts}
+                    opts = {**shared, **opts}
                 if sweep is not None:
-                    config.opts = {**config.opts, sweep.key: value}
-                configs.append((name, seed, config))
+                    opts[sweep.key] = value
+                one = replace(config.run, method=method, seed=seed, opts=opts)
+                configs.append((name, seed, runner.validate(lm.resolve(runner.validate(one)))))
     data = load_text(configs[0][2].data, level=configs[0][2].level)
     print(
         f"compare: {len(chosen)} methods × {len(seeds)} seeds on {data.name} "
-        f"({data.train.numel():,} training tokens), size {args.size}, {configs[0][2].train.steps} steps"
+        f"({data.train.numel():,} training tokens), size {config.run.size}, {configs[0][2].steps} steps"
     )
     start = time.perf_counter()
     # seed-major: a busy phase of the machine falls on every method alike
     order = sorted(configs, key=lambda c: c[1])  # stable: the methods keep their order within a seed
     tasks = []
-    for method, seed, config in order:
+    for method, seed, one in order:
         run_dir = out / method / f"seed{seed}"  # method: the method, with the swept value if any
         if args.resume and (run_dir / "metrics.json").exists():
+            # reused only if it was made with these settings on this data: else refused in one line
+            lm.check_finished(one, run_dir, data, allow_changes=args.allow_changes)
             print(f"{method} seed {seed}: finished, reused")
             continue
         # any run entry, not only config.yaml: a kill between tokenizer.json and config.yaml leaves a
         # folder that only --resume may continue
         resume = args.resume and any((run_dir / name).exists() for name in RUN_ENTRIES)
-        tasks.append((method, seed, config, run_dir, resume))
-    jobs = min(_jobs(args), max(1, len(tasks)))
+        tasks.append((method, seed, one, run_dir, resume))
+    jobs = min(_jobs(config), max(1, len(tasks)))
     key = f"test_{data.metric}"
     count_line = None
     for i, (method, seed, m) in enumerate(_train_all(tasks, jobs, args, data), 1):
@@ -207,10 +217,8 @@ def _count_model_line(data, out: Path) -> str:
     return write_count_models(out, count_models(data), data.metric)
 
 
-def _jobs(args: argparse.Namespace) -> int:
-    if args.jobs is None:
-        return os.cpu_count() or 1
-    return _validate.positive_int("--jobs", args.jobs)
+def _jobs(config: CompareConfig) -> int:
+    return config.jobs or os.cpu_count() or 1
 
 
 def _train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
@@ -219,7 +227,7 @@ def _train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
     options = {"force": args.force, "allow_changes": args.allow_changes}
     if jobs == 1:
         for method, seed, config, run_dir, resume in tasks:
-            m = train_lm(config, run_dir, resume=resume, progress=not args.no_progress, data=data, **options)
+            m = train_lm(config, run_dir, resume=resume, data=data, **options)
             yield method, seed, m
         return
     import multiprocessing
@@ -245,4 +253,4 @@ def _train_in_worker(config, run_dir: Path, resume: bool, options: dict) -> dict
     import torch
 
     torch.set_num_threads(1)  # the jobs share the cores: one thread each
-    return train_lm(config, run_dir, resume=resume, progress=False, **options)
+    return train_lm(replace(config, progress=False), run_dir, resume=resume, **options)

@@ -36,7 +36,9 @@ from .. import _validate, metrics
 from ..data.text import load_text
 from ..io.atomic import atomic_write_text
 from ..io.model import list_checkpoints, load
-from .lm import LMTask, RunConfig
+from ..train.tasks import LMTask
+from . import runner
+from .lm import TrainRun
 
 __all__ = ["SCALARS", "add_arguments", "diagnose_run", "run"]
 
@@ -74,9 +76,7 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a moelab train run (no config.yaml)")
-    import yaml
-
-    config = RunConfig.from_dict(yaml.safe_load(config_file.read_text()), str(config_file))
+    config, _ = runner.read_run_config(TrainRun, path, "train")
     if config.arch == "dense":
         raise ValueError(f"{path} is a dense model: it has no MoE layer to diagnose")
     data = load_text(config.data, level=config.level)

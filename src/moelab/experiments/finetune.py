@@ -20,20 +20,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-import yaml
-from torch import Tensor, nn
-
 from .. import _validate
-from ..data.classification import TASKS, ClassificationData, load_classification
+from ..data.classification import TASKS, load_classification
 from ..data.text import tokenizer_from_state
 from ..io.atomic import read_json
 from ..io.model import load
 from ..io.rundir import RunDir
 from ..models.classifier import LMClassifier, freeze_routers
 from ..models.lm import TransformerLM
+from ..train.tasks import ClassificationTask, encode_texts
 from ..train.trainer import TrainConfig, Trainer, TrainingError
+from . import runner
+from .lm import TrainRun
 
 __all__ = ["ClassificationTask", "add_arguments", "encode_texts", "read_lm_run", "run"]
 
@@ -42,78 +40,17 @@ EPOCHS = {"banking77": 50}
 BATCH = {"imdb": 4}
 
 
-def encode_texts(tokenizer: Any, texts: list[str], block_size: int) -> tuple[Tensor, Tensor]:
-    """Token ids ``(n, block_size)`` right-padded with 0 and the mask of real tokens."""
-    ids = torch.zeros(len(texts), block_size, dtype=torch.int64)
-    mask = torch.zeros(len(texts), block_size, dtype=torch.bool)
-    for i, text in enumerate(texts):
-        if tokenizer.level == "char":  # text8's alphabet: lower case, other characters → space
-            text = "".join(c if c in tokenizer.alphabet else " " for c in text.lower())
-        tokens = tokenizer.encode(text)
-        if tokenizer.level == "word" and tokens.numel() and tokens[-1] == tokenizer.index[tokenizer.EOS]:
-            tokens = tokens[:-1]
-        tokens = tokens[:block_size]
-        if tokens.numel() == 0:
-            tokens = torch.zeros(1, dtype=torch.int64)
-        ids[i, : tokens.numel()] = tokens
-        mask[i, : tokens.numel()] = True
-    return ids, mask
-
-
-class ClassificationTask:
-    """The :class:`moelab.train.Task` of fine-tuning: cross-entropy, accuracy (higher is better)."""
-
-    metric = "acc"
-    lower_is_better = False
-
-    def __init__(
-        self, data: ClassificationData, tokenizer: Any, block_size: int, eval_batch: int = 32
-    ) -> None:
-        _validate.positive_int("block_size", block_size)
-        self.data = data
-        self.eval_batch = _validate.positive_int("eval_batch", eval_batch)
-        self.encoded = {
-            s: (*encode_texts(tokenizer, data.texts[s], block_size), torch.tensor(data.labels[s]))
-            for s in ("train", "valid", "test")
-        }
-
-    def sample(self, generator: torch.Generator, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
-        ids, mask, labels = self.encoded["train"]
-        ix = torch.randint(ids.shape[0], (batch_size,), generator=generator)
-        return ids[ix], mask[ix], labels[ix]
-
-    @staticmethod
-    def shard(batch: tuple[Tensor, ...], rank: int, world: int) -> tuple[Tensor, ...]:
-        return tuple(t[rank::world] for t in batch)
-
-    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, int]:
-        ids, mask, labels = batch
-        return F.cross_entropy(model(ids, mask), labels), int(mask.sum())
-
-    def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]:
-        ids, mask, labels = self.encoded["valid" if split == "valid" else split]
-        total, correct = 0.0, 0
-        for i in range(0, ids.shape[0], self.eval_batch):
-            logits = model(ids[i : i + self.eval_batch], mask[i : i + self.eval_batch])
-            y = labels[i : i + self.eval_batch]
-            total += F.cross_entropy(logits, y, reduction="sum").item()
-            correct += int((logits.argmax(-1) == y).sum())
-        n = ids.shape[0]
-        return {"loss": total / n, "acc": 100.0 * correct / n}
-
-
-def read_lm_run(run_dir: str | Path) -> tuple[dict[str, Any], Any]:
+def read_lm_run(run_dir: str | Path) -> tuple[TrainRun, Any]:
     """The configuration and tokenizer of a ``moelab train`` language-model run (its model:
     ``moelab.load(run_dir)``, the best-validation weights)."""
     run_dir = Path(run_dir)
     config_path = run_dir / "config.yaml"
     if not config_path.exists():
         raise FileNotFoundError(f"--from {str(run_dir)!r} holds no moelab run (no config.yaml)")
-    config = yaml.safe_load(config_path.read_text())
-    if config.get("task") != "lm":
-        raise ValueError(
-            f"--from {str(run_dir)!r} is a {config.get('task')!r} run; expected a language-model run"
-        )
+    try:
+        config, _ = runner.read_run_config(TrainRun, run_dir, "train")
+    except ValueError as exc:
+        raise ValueError(f"--from {str(run_dir)!r}: {exc}; expected a language-model run") from None
     tok_path = run_dir / "tokenizer.json"
     if not tok_path.exists():
         raise FileNotFoundError(f"--from {str(run_dir)!r} has no tokenizer.json")
@@ -176,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             "num_classes": data.num_classes,
             "labels": data.label_names,
             "frozen_router_params": frozen,
-            "method": lm_config.get("method"),
+            "method": lm_config.method,
             "train": vars(config),
         }
     )
@@ -188,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir,
         method=None,  # fine-tuning never competes: the routers are frozen
         progress=not args.no_progress,
-        extra_metrics={"method": lm_config.get("method"), "task": name, "num_classes": data.num_classes},
+        extra_metrics={"method": lm_config.method, "task": name, "num_classes": data.num_classes},
     )
     try:
         metrics = trainer.fit(resume=args.resume)

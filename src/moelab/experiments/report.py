@@ -89,7 +89,7 @@ class Run:
 
     @property
     def metric(self) -> str:
-        m = self.config.get("metric")
+        m = (self.config.get("recorded") or {}).get("metric")
         if m:
             return m
         for key in ("bpc", "ppl", "acc"):

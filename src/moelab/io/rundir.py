@@ -157,9 +157,12 @@ class RunDir:
         return data
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> None:
-        atomic_write_text(
-            self.file("metrics.json"), json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n"
-        )
+        """Write ``metrics.json`` (nothing is written when the file already holds exactly these)."""
+        text = json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n"
+        path = self.file("metrics.json")
+        if path.is_file() and path.read_text(encoding="utf-8", errors="replace") == text:
+            return
+        atomic_write_text(path, text)
 
     def read_metrics(self) -> dict[str, Any]:
         return read_json(self.file("metrics.json"))

@@ -1,0 +1,143 @@
+"""The run lifecycle every command shares: flags derived from a config dataclass, --config, the
+--resume checks and their one sentence, validation naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from moelab.experiments import runner
+from moelab.experiments.runner import Interval, Options, setting
+
+
+@dataclass
+class Inner:
+    steps: int = setting(10, help="steps", allowed=Interval(int, 1))
+    lr: float = setting(0.1, help="rate", allowed=Interval(float, 0, closed="neither"))
+
+
+@dataclass
+class Toy:
+    name: str = setting("a", help="a name", allowed=Options(("a", "b")))
+    layers: int | None = setting(None, flag="--depth", help="depth", allowed=(Interval(int, 1), None))
+    opts: dict = setting(default_factory=dict, flag="--opt", help="options")
+    sizes: tuple[int, ...] = setting((1, 2), help="sizes")
+    quiet: bool = setting(False, help="quiet", input=False)
+    inner: Inner = field(default_factory=Inner)
+
+
+def _record(config, run):
+    run.write_config()
+    return {"name": config.name, "steps": config.inner.steps}
+
+
+TOY = runner.Command("toy", Toy, _record)
+
+
+def _parse(*argv):
+    p = argparse.ArgumentParser()
+    runner.add_arguments(p, Toy)
+    return p.parse_args(list(argv))
+
+
+def test_flags_come_from_the_fields_and_only_given_flags_are_set():
+    args = _parse("--depth", "3", "--opt", "k=1", "--sizes", "4,5", "--steps", "7", "--quiet")
+    given = runner.given_by_args(TOY, args)
+    assert given == {"layers": 3, "opts": {"k": 1}, "sizes": [4, 5], "inner.steps": 7, "quiet": True}
+    config = runner.validate(runner.build(Toy, given))
+    assert (config.layers, config.sizes, config.inner.steps, config.inner.lr) == (3, (4, 5), 7, 0.1)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--name", "c"], "--name='c' is not allowed; expected one of ['a', 'b']"),
+        (["--depth", "0"], "--depth=0 is not allowed; expected a positive integer"),
+        (["--lr", "0"], "--lr=0.0 is not allowed; expected a number > 0"),
+        (["--lr", "inf"], "--lr=inf is not allowed; expected a number > 0"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_flag_the_value_and_what_is_allowed(argv, message):
+    with pytest.raises(ValueError) as info:
+        runner.validate(runner.build(Toy, runner.given_by_args(TOY, _parse(*argv))))
+    assert str(info.value) == message
+
+
+def test_a_config_file_fills_what_the_command_line_leaves_and_names_itself_in_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: b\ndepth: 4\ninner: {steps: 3}\n")
+    given = runner.given_by_args(TOY, _parse("--config", str(path), "--depth", "5"))
+    assert given == {"name": "b", "layers": 5, "inner.steps": 3}
+    path.write_text("steps: 0\n")
+    with pytest.raises(ValueError, match=r"^--config '.*c.yaml': --steps=0 is not allowed"):
+        runner.given_by_args(TOY, _parse("--config", str(path)))
+    path.write_text("nope: 1\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['nope'\]; allowed: "):
+        runner.given_by_args(TOY, _parse("--config", str(path)))
+
+
+def test_a_run_records_its_config_and_resume_refuses_a_changed_input_in_the_one_sentence(tmp_path):
+    out = tmp_path / "run"
+    assert runner.execute(TOY, {"inner.steps": 4}, out=out) == {"name": "a", "steps": 4}
+    stored = yaml.safe_load((out / "config.yaml").read_text())
+    assert stored["command"] == "toy" and stored["inner"] == {"steps": 4, "lr": 0.1}
+    # a run's own config.yaml is accepted back
+    config, _ = runner.read_run_config(Toy, out, "toy")
+    assert config.inner.steps == 4
+    # not given: the run's own; how it runs (input=False) may change
+    assert runner.execute(TOY, {"quiet": True}, out=out, resume=True)["steps"] == 4
+    with pytest.raises(ValueError) as info:
+        runner.execute(TOY, {"inner.steps": 5}, out=out, resume=True)
+    assert str(info.value) == runner.refuse_change("--steps", 5, 4, out / "config.yaml").args[0]
+    assert str(info.value).startswith(f"--resume: --steps=5 differs from 4 recorded in {out / 'config.yaml'}")
+    # --allow-changes continues with the new settings and records them
+    assert runner.execute(TOY, {"inner.steps": 5}, out=out, resume=True, allow_changes=True)["steps"] == 5
+    assert yaml.safe_load((out / "config.yaml").read_text())["inner"]["steps"] == 5
+
+
+def test_a_whole_config_counts_as_given_so_resume_compares_every_input(tmp_path):
+    out = tmp_path / "run"
+    runner.execute(TOY, Toy(), out=out)
+    with pytest.raises(ValueError, match="--resume: --name='b' differs from 'a'"):
+        runner.execute(TOY, Toy(name="b"), out=out, resume=True)
+
+
+def test_resume_of_another_commands_run_and_contradictory_flags_are_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("command: train\n")
+    with pytest.raises(ValueError, match=r"is not the config of a moelab toy run \(command='train'\)"):
+        runner.execute(TOY, {}, out=out, resume=True)
+    with pytest.raises(ValueError, match="--resume and --force are not allowed together"):
+        runner.execute(TOY, {}, out=out, resume=True, force=True)
+    with pytest.raises(ValueError, match="--allow-changes is not allowed without --resume"):
+        runner.execute(TOY, {}, out=out, allow_changes=True)
+
+
+def test_resume_refuses_other_data_in_the_one_sentence(tmp_path):
+    out = tmp_path / "run"
+
+    def fingerprinted(digest):
+        def execute(config, run):
+            run.check_fingerprint("--data", "x.txt", digest)
+            run.write_config()
+            return {"ok": 1}
+
+        return runner.Command("toy", Toy, execute)
+
+    runner.execute(fingerprinted("a" * 64), {}, out=out)
+    with pytest.raises(ValueError) as info:
+        runner.execute(fingerprinted("b" * 64), {}, out=out, resume=True)
+    assert str(info.value) == runner.refuse_other_data("--data", "x.txt", "b" * 64, "a" * 64, out).args[0]
+    assert runner.execute(fingerprinted("b" * 64), {}, out=out, resume=True, allow_changes=True) == {"ok": 1}
+
+
+def test_metrics_json_is_written_by_the_lifecycle(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    runner.execute(TOY, {"name": "b"}, out=out)
+    assert json.loads((out / "metrics.json").read_text()) == {"name": "b", "steps": 10}
