@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import csv
-import math
 
 import pytest
 
 import moelab
 from moelab.cli import main
-from moelab.experiments.report import welch_p
+from moelab.experiments.papers import PAPERS, paper_table
 
 
 @pytest.fixture(scope="module")
@@ -140,18 +139,9 @@ def test_compare_refuses_a_bad_jobs_count(corpus, tmp_path, capsys):
     )
 
 
-def test_welch_p_matches_the_formula():
-    a, b = [1.303, 1.303, 1.307, 1.315, 1.304], [1.333, 1.322, 1.315, 1.320, 1.310]  # 000 Table 9
-    ma, mb = sum(a) / 5, sum(b) / 5
-    va = sum((x - ma) ** 2 for x in a) / 4
-    vb = sum((x - mb) ** 2 for x in b) / 4
-    t = (ma - mb) / math.sqrt(va / 5 + vb / 5)
-    df = (va / 5 + vb / 5) ** 2 / ((va / 5) ** 2 / 4 + (vb / 5) ** 2 / 4)
-    from scipy.stats import t as student
-
-    assert welch_p(a, b) == pytest.approx(2 * student.sf(abs(t), df))
-    assert welch_p(a, b) < 0.05  # 000 App. C.4 reports p = 0.016 for these runs
-    assert math.isnan(welch_p([1.0], b))
+def test_paper_table_prints_a_dash_for_the_sd_of_one_seed():
+    table = paper_table(PAPERS["2024"], {"smoe": (1.30, None, 1), "xmoe": (1.31, 0.01, 3)}, "BPC")
+    assert "1.3000 ± — (1)" in table and "1.3100 ± 0.0100 (3)" in table and "nan" not in table
 
 
 def test_report_prints_a_comparisons_count_models_and_refuses_a_damaged_table(corpus, tmp_path, capsys):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 
 import pytest
 import yaml
@@ -50,8 +49,25 @@ def test_groups_by_method_with_mean_std_and_best(tmp_path):
     assert g.mean == pytest.approx(1.31) and g.std == pytest.approx(0.01)
     text, rows = render(groups, "competesmoe")
     assert rows[0]["best"] and not rows[1]["best"]
-    assert math.isnan(rows[0]["p_value"]) and 0 < rows[1]["p_value"] < 0.05
+    assert rows[0]["p_value"] is None and 0 < rows[1]["p_value"] < 0.05
     assert "1.2200 ± 0.0200 *" in text and "p vs competesmoe" in text
+
+
+def test_one_run_and_no_spread_print_a_dash_never_nan(tmp_path, capsys):
+    for i, v in enumerate([1.30, 1.32]):
+        fake_run(tmp_path / "runs" / f"c{i}", "competesmoe", i, v)
+        (tmp_path / "runs" / f"c{i}" / "diagnostics.json").write_text(json.dumps({"load_cv_mean": 0.5}))
+    fake_run(tmp_path / "runs" / "s0", "smoe", 0, 1.25)
+    (tmp_path / "runs" / "s0" / "diagnostics.json").write_text(json.dumps({"load_cv_mean": 0.4}))
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out
+    smoe = next(line for line in out.splitlines() if line.startswith("smoe "))
+    assert "1.2500 ± — *" in smoe and smoe.split()[-3] == "—"  # no sd of one run, no p-value
+    assert "0.4000 ± — (n=1)  p=—" in out and "0.5000 ± 0.0000 (n=2)  p=—" in out
+    with open(tmp_path / "rep" / "results.csv", newline="") as f:
+        row = next(r for r in csv.DictReader(f) if r["group"] == "smoe")
+    assert row["test_bpc_std"] == "" and row["p_value"] == ""
 
 
 def test_sweep_gives_the_sensitivity_table(tmp_path):

@@ -38,7 +38,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "turn a dense model's MLPs into MoE layers (safetensors checkpoint)",
     ),
     "bench": ("moelab.bench", "benchmarks: medians and ratios to the dense limit and to peers"),
-    "simulate": ("moelab.stats.studies", "convergence-rate studies of regression / Gaussian MoE estimators"),
+    "simulate": (
+        "moelab.experiments.simulate",
+        "convergence-rate studies of regression / Gaussian MoE estimators",
+    ),
     "specialize": (
         "moelab.experiments.specialization",
         "the expert-specialization lab of Krishnamurthy et al. (2023) on image MoEs",

@@ -34,6 +34,7 @@ from .lm import TrainRun, set_threads, train_lm
 from .papers import PAPERS, SAME_LOSSES, paper_table
 from .report import COUNT_MODELS, collect_runs, write_count_models, write_report
 from .runner import Interval, Options, setting
+from .summary import mean_sd
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
 
@@ -197,9 +198,7 @@ def run(args: argparse.Namespace) -> int:
             values = [
                 read_json(out / name / f"seed{s}" / "metrics.json")[f"test_{data.metric}"] for s in seeds
             ]
-            mean = sum(values) / len(values)
-            sd = (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5
-            ours[name] = (mean, sd, len(values))
+            ours[name] = (*mean_sd(values), len(values))
         side = paper_table(paper, ours, data.metric.upper())
         print("\n" + side)
         atomic_write_text(out / "paper.txt", side + "\n")

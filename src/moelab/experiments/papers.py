@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .summary import format_mean_sd
+
 __all__ = ["PAPERS", "SAME_LOSSES", "Paper", "paper_table"]
 
 #: the auxiliary losses every method gets in a comparison by default (CompeteSMoE (2025) Table 20)
@@ -78,8 +80,9 @@ def _rank(values: dict[str, float], lower_is_better: bool) -> dict[str, int]:
     return {m: i + 1 for i, m in enumerate(order)}
 
 
-def paper_table(paper: Paper, ours: dict[str, tuple[float, float, int]], metric: str) -> str:
-    """Our ``mean ± sd (n)`` per method beside the paper's number and both ranks."""
+def paper_table(paper: Paper, ours: dict[str, tuple[float, float | None, int]], metric: str) -> str:
+    """Our ``mean ± sd (n)`` per method beside the paper's number and both ranks (the sd of one
+    seed is undefined: ``—``)."""
     mine = {m: v[0] for m, v in ours.items() if m in paper.numbers}
     theirs = {m: paper.numbers[m] for m in mine}
     our_rank = _rank(mine, lower_is_better=True)
@@ -91,7 +94,6 @@ def paper_table(paper: Paper, ours: dict[str, tuple[float, float, int]], metric:
     ]
     for m in sorted(mine, key=our_rank.__getitem__):
         mean, sd, n = ours[m]
-        lines.append(
-            f"{m:<16} {f'{mean:.4f} ± {sd:.4f} ({n})':>20} {our_rank[m]:>5} {paper.numbers[m]:>10.3f} {their_rank[m]:>5}"
-        )
+        cell = f"{format_mean_sd(mean, sd, missing='—')} ({n})"
+        lines.append(f"{m:<16} {cell:>20} {our_rank[m]:>5} {paper.numbers[m]:>10.3f} {their_rank[m]:>5}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from ..io.atomic import atomic_write_text
+from . import summary
 
 __all__ = [
     "COUNT_MODELS",
@@ -128,15 +129,12 @@ class Group:
 
     @property
     def mean(self) -> float:
-        return sum(self.values) / len(self.values)
+        return summary.mean(self.values)
 
     @property
-    def std(self) -> float:
-        v = self.values
-        if len(v) < 2:
-            return float("nan")
-        m = self.mean
-        return math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+    def std(self) -> float | None:
+        """The sample standard deviation over the seeds; ``None`` for one run."""
+        return summary.sd(self.values)
 
 
 def collect_runs(paths: list[str | Path]) -> list[Run]:
@@ -183,20 +181,13 @@ def group_runs(runs: list[Run]) -> list[Group]:
     return list(groups.values())
 
 
-def welch_p(a: list[float], b: list[float]) -> float:
-    """Two-sided Welch t-test p-value (NaN when a group has fewer than 2 runs or no variance)."""
-    if len(a) < 2 or len(b) < 2:
-        return float("nan")
-    from scipy import stats
-
-    with __import__("warnings").catch_warnings():
-        __import__("warnings").simplefilter("ignore")
-        p = stats.ttest_ind(a, b, equal_var=False).pvalue
-    return float(p)
+#: what the tables print for a statistic the runs leave undefined (the sd of one run, a p-value
+#: without two runs a side)
+MISSING = "—"
 
 
-def _fmt(x: float, digits: int = 4) -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+def _fmt(x: float | None, digits: int = 4) -> str:
+    return MISSING if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
 def render(groups: list[Group], reference: str | None = None) -> tuple[str, list[dict[str, Any]]]:
@@ -207,7 +198,7 @@ def render(groups: list[Group], reference: str | None = None) -> tuple[str, list
     best = (min if lower else max)(groups, key=lambda g: g.mean)
     rows = []
     for g in groups:
-        p = welch_p(g.values, ref.values) if ref is not None and g is not ref else float("nan")
+        p = summary.welch(g.values, ref.values).p if ref is not None and g is not ref else None
         m = g.runs[0].metrics
         tps = [r.metrics.get("tokens_per_s") for r in g.runs if r.metrics.get("tokens_per_s")]
         rows.append(
@@ -253,9 +244,9 @@ def _short(n: Any) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
 
-def _mean(values: list[Any]) -> float:
+def _mean(values: list[Any]) -> float | None:
     vals = [float(v) for v in values if v is not None]
-    return sum(vals) / len(vals) if vals else float("nan")
+    return summary.mean(vals) if vals else None
 
 
 def _sensitivity(groups: list[Group], metric: str) -> str:
@@ -281,21 +272,20 @@ def _sensitivity(groups: list[Group], metric: str) -> str:
     return f"test {metric} by {key} (mean over seeds)\n" + "\n".join(lines)
 
 
-def curve_stats(group: Group) -> tuple[list[int], list[float], list[float], int]:
+def curve_stats(group: Group) -> tuple[list[int], list[float], list[float | None], int]:
     """The group's validation curve over its seeds: ``(steps, mean, sd, n_runs)`` at the steps every
-    run with a curve has (sd is the sample standard deviation; NaN for one run)."""
+    run with a curve has (sd is the sample standard deviation; ``None`` for one run)."""
     curves = [c for c in (r.curve() for r in group.runs) if c[0]]
     if not curves:
         return [], [], [], 0
     common = sorted(set.intersection(*(set(c[0]) for c in curves)))
     by_step = [dict(zip(*c)) for c in curves]
-    mean, sd = [], []
+    means, sds = [], []
     for step in common:
-        vals = [c[step] for c in by_step]
-        m = sum(vals) / len(vals)
-        mean.append(m)
-        sd.append(math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else math.nan)
-    return common, mean, sd, len(curves)
+        m, s = summary.mean_sd([c[step] for c in by_step])
+        means.append(m)
+        sds.append(s)
+    return common, means, sds, len(curves)
 
 
 def curve_table(groups: list[Group]) -> tuple[str, list[dict[str, Any]]]:
@@ -316,8 +306,9 @@ def curve_table(groups: list[Group]) -> tuple[str, list[dict[str, Any]]]:
         r = cells.get((label, step))
         if r is None:
             return ""
-        sd = r[f"val_{metric}_sd"]
-        return _fmt(r[f"val_{metric}_mean"]) + ("" if math.isnan(sd) else f" ± {_fmt(sd)}")
+        spread = r[f"val_{metric}_sd"]
+        undefined = spread is None or math.isnan(spread)
+        return _fmt(r[f"val_{metric}_mean"]) + ("" if undefined else f" ± {_fmt(spread)}")
 
     table = [["step", *labels]] + [[str(step), *(cell(lab, step) for lab in labels)] for step in all_steps]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
@@ -449,11 +440,11 @@ def diagnostics_table(groups: list[Group], reference: str | None) -> tuple[str, 
             v = values(g, key)
             if not v:
                 continue
-            mean = sum(v) / len(v)
-            sd = (sum((x - mean) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else float("nan")
-            p = welch_p(v, values(ref, key)) if ref is not None and g is not ref else float("nan")
-            lines.append(f"    {g.label:<28} {mean:10.4f} ± {sd:.4f} (n={len(v)})  p={p:.3g}")
-            rows.append({"diagnostic": key, "group": g.label, "mean": mean, "sd": sd, "n": len(v), "p": p})
+            m, s = summary.mean_sd(v)
+            p = summary.welch(v, values(ref, key)).p if ref is not None and g is not ref else None
+            p_text = MISSING if p is None or math.isnan(p) else f"{p:.3g}"
+            lines.append(f"    {g.label:<28} {_fmt(m):>10} ± {_fmt(s)} (n={len(v)})  p={p_text}")
+            rows.append({"diagnostic": key, "group": g.label, "mean": m, "sd": s, "n": len(v), "p": p})
     return "\n".join(lines), rows
 
 

@@ -69,6 +69,7 @@ from ..io.rundir import RUN_ENTRIES, RunDir
 from ..losses import importance_loss, sample_similarity_loss
 from ..metrics import plot_selection_table, selection_table, specialization
 from ..models.vision import ImageMoE, MoEOutput, SingleModel, distill_gate, vision_config
+from .summary import format_interval, format_mean_sd, mean, sd, seed_summary, welch
 
 __all__ = [
     "GRIDS",
@@ -592,45 +593,6 @@ RUN_COLUMNS = (
 SUMMARY_METRICS = ("test_error", "H_s", "H_u", "I_EY", "I_EY_pred")
 
 
-def seed_summary(values: list[float], level: float = 0.95) -> dict[str, Any]:
-    """Mean, sample sd and the two-sided Student-t confidence interval of the mean over seeds.
-
-    One value has no spread: ``sd`` and the interval are then ``None``."""
-    from scipy import stats
-
-    v = [float(x) for x in values]
-    n = len(v)
-    mean = math.fsum(v) / n
-    if n < 2:
-        return {"n": n, "mean": mean, "sd": None, "ci_low": None, "ci_high": None}
-    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in v) / (n - 1))
-    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
-    return {"n": n, "mean": mean, "sd": sd, "ci_low": mean - half, "ci_high": mean + half}
-
-
-def welch(a: list[float], b: list[float]) -> dict[str, Any]:
-    """Welch's unequal-variance t-test of ``mean(a) = mean(b)`` (two-sided): ``t``, ``df``, ``p``.
-
-    ``None`` entries when either side has fewer than two values or both have zero spread."""
-    from scipy import stats
-
-    out: dict[str, Any] = {
-        "n_a": len(a),
-        "n_b": len(b),
-        "mean_a": math.fsum(a) / len(a),
-        "mean_b": math.fsum(b) / len(b),
-    }
-    out["diff"] = out["mean_a"] - out["mean_b"]
-    va = sum((x - out["mean_a"]) ** 2 for x in a) / (len(a) - 1) if len(a) > 1 else 0.0
-    vb = sum((x - out["mean_b"]) ** 2 for x in b) / (len(b) - 1) if len(b) > 1 else 0.0
-    if len(a) < 2 or len(b) < 2 or va + vb == 0:
-        return {**out, "t": None, "df": None, "p": None}
-    se2 = va / len(a) + vb / len(b)
-    df = se2**2 / ((va / len(a)) ** 2 / (len(a) - 1) + (vb / len(b)) ** 2 / (len(b) - 1))
-    t = out["diff"] / math.sqrt(se2)
-    return {**out, "t": t, "df": df, "p": float(2 * stats.t.sf(abs(t), df))}
-
-
 def _run_row(tag: str, cfg: SpecConfig, metrics: dict[str, Any]) -> dict[str, Any]:
     values = {
         "row": tag,
@@ -670,14 +632,9 @@ def sweep(
                 best = (c, m, trained)
     c, m, trained = best
     same = [r[1] for r in results if _setting(r[0]) == _setting(c)]
-    std = (
-        float(torch.tensor([r["test_error"] for r in same], dtype=torch.float64).std())
-        if len(same) > 1
-        else 0.0
-    )
     summary = {
         **m,
-        "test_error_std": std,
+        "test_error_std": sd([r["test_error"] for r in same]),
         "selected": {**_setting(c), "seed": c.seed},
         "num_runs": len(results),
         "seeds": {
@@ -741,12 +698,13 @@ def _mean_sd(m: dict[str, Any], k: str) -> str:
     s = (m.get("over_seeds") or {}).get(k)
     if s is None:
         return "NA" if m.get(k) is None else f"{m[k]:.3f}"
-    return f"{s['mean']:.3f}" if s["sd"] is None else f"{s['mean']:.3f} ± {s['sd']:.3f}"
+    return f"{s['mean']:.3f}" if s["sd"] is None else format_mean_sd(s["mean"], s["sd"], 3)
 
 
 def _ci(m: dict[str, Any], k: str) -> str:
     s = (m.get("over_seeds") or {}).get(k)
-    return "NA" if s is None or s["sd"] is None else f"[{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
+    interval = None if s is None or s["sd"] is None else (s["ci_low"], s["ci_high"])
+    return format_interval(interval, 3, missing="NA")
 
 
 def format_table(rows: dict[str, dict[str, Any]]) -> str:
@@ -782,7 +740,7 @@ def welch_tests(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             for k in SUMMARY_METRICS:
                 va, vb = rows[a].get("seeds", {}).get(k), rows[b].get("seeds", {}).get(k)
                 if va and vb:
-                    out.append({"row_a": a, "row_b": b, "metric": k, **welch(va, vb)})
+                    out.append({"row_a": a, "row_b": b, "metric": k, **asdict(welch(va, vb))})
     return out
 
 
@@ -914,12 +872,11 @@ def run_partition(cfg: SpecConfig, data: ImageData, runs: int, rundir: RunDir) -
                 )
     summary = {}
     for arm, ms in results.items():
-        te = torch.tensor([m["test_error"] for m in ms], dtype=torch.float64)
-        tl = torch.tensor([m["train_loss"] for m in ms], dtype=torch.float64)
+        te = [m["test_error"] for m in ms]
         summary[arm] = {
-            "test_error": float(te.mean()),
-            "train_loss": float(tl.mean()),
-            "test_error_std": float(te.std()) if len(ms) > 1 else 0.0,
+            "test_error": mean(te),
+            "train_loss": mean([m["train_loss"] for m in ms]),
+            "test_error_std": sd(te),
             "runs": len(ms),
         }
     return {"partition": summary, "pairs": [list(p) for p in pairs], "data": cfg.data}

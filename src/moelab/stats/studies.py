@@ -1,25 +1,8 @@
-"""Convergence-rate studies and the ``moelab simulate`` command.
-
-``moelab simulate --study NAME [--quick] --seed S --out DIR`` runs one study and writes into DIR:
-
-* ``config.yaml`` — every constant (d, k*, noise, τ, sample-size grid, optimiser settings, seed);
-* ``losses.csv`` — one row per (router, setting, loss, n, replicate): ``loss`` names the loss (expert
-  or voronoi), ``value`` is its value, ``train`` the training MSE/NLL, and the fit's diagnostics
-  ``n_iter``, ``grad_norm``, ``converged``, ``hit_cap`` and ``beta1_max_norm`` (largest ‖β₁ᵢ‖);
-* ``table.csv`` — one row per (router, setting, loss, n): mean loss, sd over replicates, 95 %
-  bootstrap CI of the mean, and the fraction of replicates that converged, hit the iteration cap
-  or ended on the bound ‖β₁ᵢ‖ = B (also printed by the command);
-* ``estimates.npz`` — every replicate's estimates (NumPy arrays, no pickle): for each series
-  ``{router}__{setting}__{param}`` of shape ``(S, R, k, ...)`` (S sample sizes, R replicates), the
-  target it is measured against ``{router}__{setting}__target_{param}``, and ``sample_sizes``;
-* ``metrics.json`` — ``rates``: a list of ``{router, setting, loss, slope, ci_low, ci_high,
-  intercept, theory}`` (``log mean loss = intercept + slope · log n``, 95 % bootstrap CI;
-  ``theory`` the reference slopes of :data:`THEORY`), ``differences``: the slope differences
-  between the routers of each (setting, loss) with their bootstrap CI, ``table`` (as table.csv),
-  ``means``, ``config`` (the constants again), ``wall_seconds``;
-* ``rates.png`` — log-log mean loss against n with two-standard-deviation bars and the fitted
-  lines (solid), the theory's reference slopes dashed, one panel per setting (as perturbed cosine
-  router (2024) Fig. 1 / Fig. 2).
+"""Convergence-rate studies of the MoE estimators: :func:`run_study` simulates data from a known
+mixing measure at every sample size of a grid, fits each router's estimator on many replicates at
+once, measures the losses against the truth (or against the best approximating measure) and fits
+their rates in n.  ``moelab simulate`` (:mod:`moelab.experiments.simulate`) runs a study into a run
+directory.
 
 Studies:
 
@@ -45,10 +28,10 @@ Studies:
   competition model cannot represent the truth (every atom's gate numerator 1 + e^{μ} ≥ 1).
 
 The paper's constants (d, k*, ν, τ, grid, SGD settings) were not recoverable from the text;
-ours are in :data:`STUDIES` and in every run's config.  The default optimiser is full-batch
+ours are in :class:`StudyConfig` and :data:`STUDY_DEFAULTS` and in every run's config.  The default optimiser is full-batch
 L-BFGS in float64 rather than the paper's SGD: a rate study measures the estimator, and SGD
 with a fixed budget stops short of the least-squares solution at large n, flattening the
-curve (``--optimizer sgd`` runs the paper's choice).  Each replicate is its own L-BFGS run
+curve (``optimizer="sgd"`` runs the paper's choice).  Each replicate is its own L-BFGS run
 (:mod:`moelab.stats.lbfgs`), to a gradient max-norm ``gtol`` or a loss change ``ftol`` or the cap
 ``steps``; ``restarts`` starts per replicate (``init`` near the truth or random) keep the lowest
 training loss; and every gate embedding lies in the ball ‖β₁ᵢ‖ < ``beta1_bound`` (the compact
@@ -61,7 +44,6 @@ over-specified likelihood has no maximum.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -72,14 +54,13 @@ import torch
 from tqdm import tqdm
 
 from .._validate import non_negative, one_of, positive, positive_int
-from ..io.rundir import RunDir
 from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE, _check_bound
 from .models import GaussianMoE, MoEParams, RegressionMoE
 from .rates import fit_rate, mean_table, slope_difference
 from .simulate import gaussian_truth, regression_truth, simulate_gaussian, simulate_regression
 from .voronoi import gaussian_voronoi_loss, voronoi_loss
 
-__all__ = ["STUDIES", "THEORY", "StudyConfig", "add_arguments", "run", "run_study", "study_config"]
+__all__ = ["STUDIES", "THEORY", "StudyConfig", "StudyResult", "bench", "run_study", "study_config"]
 
 STUDIES = ("cosine-vs-perturbed", "misspecified", "linear-vs-perturbed", "softmax-vs-competition")
 STUDY_INITS = ("near", "random")
@@ -459,8 +440,19 @@ def _run_gaussian(cfg: StudyConfig, gen: torch.Generator, bar) -> list[dict[str,
     return results
 
 
-def run_study(cfg: StudyConfig, rundir: RunDir | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run ``cfg``; write the run directory when given; return the metrics dict."""
+@dataclass
+class StudyResult:
+    """What a study measured: ``metrics`` (the rates, their differences, the per-n table, the
+    means and the constants), ``losses`` (one row per series, n and replicate, with the fit's
+    diagnostics) and ``estimates`` (every replicate's estimates and their targets, as arrays)."""
+
+    metrics: dict[str, Any]
+    losses: list[dict[str, Any]]
+    estimates: dict[str, np.ndarray]
+
+
+def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
+    """Run the study ``cfg`` (a progress bar unless ``progress`` is false)."""
     cfg.validate()
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -514,14 +506,7 @@ def run_study(cfg: StudyConfig, rundir: RunDir | None = None, progress: bool = T
     config = dataclasses.asdict(cfg)
     metrics = {"study": cfg.study, "rates": rates, "differences": differences, "table": table, "means": means,
                "config": config, "wall_seconds": wall, "torch_threads": torch.get_num_threads()}  # fmt: skip
-    if rundir is not None:
-        rundir.write_config(config)
-        _write_csv(rundir.file("losses.csv"), rows)
-        _write_csv(rundir.file("table.csv"), table)
-        _write_npz(rundir.file("estimates.npz"), estimates)
-        _plot(rundir.file("rates.png"), cfg, means, rates)
-        rundir.write_metrics(metrics)
-    return metrics
+    return StudyResult(metrics, rows, estimates)
 
 
 def _differences(cfg: StudyConfig, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -540,97 +525,6 @@ def _differences(cfg: StudyConfig, results: list[dict[str, Any]]) -> list[dict[s
                 out.append({"setting": setting, "loss": loss_name, "router_a": a["router"],
                             "router_b": b["router"], **diff.as_dict()})  # fmt: skip
     return out
-
-
-def format_table(metrics: dict[str, Any]) -> str:
-    """The per-n table, the slopes and the slope differences of a study, as printed text."""
-    lines = [
-        f"{'router':>16} {'setting':<16} {'loss':<8} {'n':>6} {'mean':>10} {'sd':>10} "
-        f"{'95% CI of the mean':>23} {'conv':>5} {'cap':>5} {'bound':>5}"
-    ]
-    for t in metrics["table"]:
-        lines.append(
-            f"{t['router']:>16} {t['setting']:<16} {t['loss']:<8} {t['n']:>6} {t['mean']:>10.4g} "
-            f"{t['sd']:>10.3g} [{t['ci_low']:>10.4g}, {t['ci_high']:>10.4g}] {t['converged']:>5.2f} "
-            f"{t['hit_cap']:>5.2f} {t['at_bound']:>5.2f}"
-        )
-    lines.append("")
-    for r in metrics["rates"]:
-        ref = ", ".join(f"{t['slope']:+.3f}" for t in r["theory"]) or "none"
-        lines.append(
-            f"{r['router']:>16} {r['setting']:<16} {r['loss']:<8} slope {r['slope']:+.3f} "
-            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]  theory {ref}"
-        )
-    for d in metrics["differences"]:
-        lines.append(
-            f"{d['setting']:<16} {d['loss']:<8} slope({d['router_a']}) - slope({d['router_b']}) "
-            f"{d['difference']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
-        )
-    return "\n".join(lines)
-
-
-def _write_csv(path, rows: list[dict[str, Any]]) -> None:
-    import csv
-    import io
-
-    from ..io.atomic import atomic_write_text
-
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
-
-
-def _write_npz(path, arrays: dict[str, np.ndarray]) -> None:
-    """Plain NumPy arrays (``np.load(path)`` reads them with ``allow_pickle=False``), written
-    atomically."""
-    import io
-
-    from ..io.atomic import atomic_write_bytes
-
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def _plot(path, cfg: StudyConfig, means: list[dict], rates: list[dict]) -> None:
-    """Log-log mean loss ± 2 sd with fitted lines (solid) and the reference slopes of
-    :data:`THEORY` (dashed, through the panel's first mean), one panel per (setting, loss) — as the
-    perturbed cosine router (2024), Fig. 1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = list(dict.fromkeys((m["setting"], m["loss"]) for m in means))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
-    for ax, (setting, loss_name) in zip(axes[0], panels):
-        for m, r in zip(means, rates):
-            if (m["setting"], m["loss"]) != (setting, loss_name):
-                continue
-            n = np.array(m["n"], dtype=float)
-            mean, std = np.array(m["mean"]), np.array(m["std"])
-            lower = np.minimum(2 * std, mean * (1 - 1e-3))  # keep the bar on the log axis
-            line = ax.errorbar(n, mean, yerr=[lower, 2 * std], fmt="o", capsize=3, label=None)
-            color = line[0].get_color()
-            ax.plot(n, np.exp(r["intercept"]) * n ** r["slope"], "-", color=color,
-                    label=f"{r['router']}: n^{r['slope']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")  # fmt: skip
-        firsts = [m["mean"][0] for m in means if (m["setting"], m["loss"]) == (setting, loss_name)]
-        anchor = float(np.exp(np.mean(np.log(np.maximum(firsts, 1e-300)))))
-        n = np.array(cfg.sample_sizes, dtype=float)
-        for (slope, label), style in zip(theory_slopes(cfg.study, setting, loss_name), ("--", "-.", ":")):
-            ax.plot(n, anchor * (n / n[0]) ** slope, style, color="black", alpha=0.6, label=f"theory {label}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("sample size n")
-        ax.set_ylabel(f"{loss_name} loss")
-        ax.set_title(f"{cfg.study}: {setting}")
-        ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------ benchmark
@@ -678,143 +572,3 @@ def bench(
         "speedup": times["loop"] / times["batched"],
         "torch_threads": torch.get_num_threads(),
     }
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-#: study setting → its ``moelab simulate`` flag (errors in a setting name the flag)
-FLAGS: dict[str, str] = {
-    "replicates": "--replicates",
-    "optimizer": "--optimizer",
-    "lr": "--lr",
-    "steps": "--steps",
-    "tau": "--tau",
-    "d": "--d",
-    "k_true": "--k-true",
-    "extra_experts": "--extra-experts",
-    "noise_var": "--noise-var",
-    "init": "--init",
-    "restarts": "--restarts",
-    "gtol": "--gtol",
-    "ftol": "--ftol",
-    "beta1_bound": "--beta1-bound",
-    "eta_bound": "--eta-bound",
-    "nu_min": "--nu-min",
-    "sample_sizes": "--sample-sizes",
-    "n_boot": "--n-boot",
-    "reference_n": "--reference-n",
-    "reference_steps": "--reference-steps",
-}
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not allowed; expected comma-separated integers, e.g. 500,1000,2000"
-        ) from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--study", help=f"one of {list(STUDIES)}")
-    parser.add_argument("--quick", action="store_true", help="small grid and few replicates (< 1 minute)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the truth, the data and the fits")
-    parser.add_argument("--out", help="run directory")
-    parser.add_argument("--force", action="store_true", help="overwrite a finished run in --out")
-    parser.add_argument("--replicates", type=int, help="replicates per sample size (default 20)")
-    parser.add_argument("--sample-sizes", type=_sizes, help="comma-separated grid of n")
-    model = parser.add_argument_group("model")
-    model.add_argument("--d", type=int, help="input dimension d (default 4; 2 for softmax-vs-competition)")
-    model.add_argument("--k-true", type=int, help="k*, the number of true experts (default 2)")
-    model.add_argument(
-        "--extra-experts", type=int, help="over-specified fits use k = k* + this many experts (default 1)"
-    )
-    model.add_argument(
-        "--noise-var", type=float, help="noise variance ν of the regression studies (default 0.01)"
-    )
-    model.add_argument(
-        "--tau", type=float, help="perturbation τ₁ = τ₂ of the perturbed cosine router (default 1)"
-    )
-    fit = parser.add_argument_group("fit")
-    fit.add_argument("--optimizer", help=f"one of {list(OPTIMIZERS)} (default lbfgs)")
-    fit.add_argument("--lr", type=float, help="learning rate (default 1.0: lbfgs's first trial step)")
-    fit.add_argument(
-        "--steps", "--max-iter", dest="steps", type=int,
-        help="iteration cap per fit (epochs for mini-batch sgd; default 500)",
-    )  # fmt: skip
-    fit.add_argument("--gtol", type=float, help="lbfgs stops at a gradient max-norm <= this (default 1e-7)")
-    fit.add_argument(
-        "--ftol", type=float,
-        help="lbfgs stops when an iteration changes the loss by <= ftol·max(1,|loss|) (default 1e-12)",
-    )  # fmt: skip
-    fit.add_argument(
-        "--init", help=f"start {list(STUDY_INITS)}: near the truth + noise, or random (default near)"
-    )
-    fit.add_argument(
-        "--restarts", type=int, help="starts per replicate; the lowest training loss is kept (default 1)"
-    )
-    fit.add_argument(
-        "--beta1-bound", type=float,
-        help="radius of the ball holding every ‖β₁ᵢ‖ (compact parameter space; default 10·√d; inf = unconstrained)",
-    )  # fmt: skip
-    fit.add_argument(
-        "--eta-bound", type=float,
-        help="radius of the ball holding every expert's ‖ηᵢ‖ (regression studies; default 10·√q; inf = unconstrained)",
-    )  # fmt: skip
-    fit.add_argument(
-        "--nu-min", type=float,
-        help="floor of the fitted variances ν (softmax-vs-competition; default 1/5 of the smallest true ν's range)",
-    )  # fmt: skip
-    fit.add_argument(
-        "--reference-n",
-        type=int,
-        help="sample size of the reference fit Ḡ of the misspecified studies (default 128000)",
-    )
-    fit.add_argument("--reference-steps", type=int, help="iteration cap of the reference fit Ḡ (default 200)")
-    fit.add_argument("--n-boot", type=int, help="bootstrap resamples for the CIs (default 2000)")
-    parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
-
-
-def _flag_error(exc: ValueError) -> ValueError:
-    """``exc`` with the flag of the setting it names in front, e.g. ``--d: d=0 is not allowed ...``."""
-    msg = str(exc)
-    for name, flag in FLAGS.items():
-        if msg.startswith((f"{name}=", f"{name}[")):
-            return ValueError(f"{flag}: {msg}")
-    return exc
-
-
-def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    """The study configuration of parsed ``moelab simulate`` flags; a bad value raises a
-    ``ValueError`` that names its flag."""
-    try:
-        return study_config(
-            args.study, quick=args.quick, seed=args.seed, **{name: getattr(args, name) for name in FLAGS}
-        )
-    except ValueError as exc:
-        raise _flag_error(exc) from None
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.bench:
-        result = bench()
-        for key, value in result.items():
-            print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
-        return 0
-    if args.study is None:
-        raise ValueError(f"--study is required; choose one of {list(STUDIES)}")
-    if args.study not in STUDIES:
-        raise ValueError(f"--study {args.study!r} is not a study; choose one of {list(STUDIES)}")
-    if args.out is None:
-        raise ValueError("--out is required: the run directory to write")
-    cfg = config_from_args(args)
-    rundir = RunDir(args.out, force=args.force)
-    try:
-        metrics = run_study(cfg, rundir)
-    except ValueError as exc:  # e.g. a --beta1-bound below the drawn truth's ‖β₁ᵢ‖
-        raise _flag_error(exc) from None
-    print(format_table(metrics))
-    print(f"wrote {rundir.path} in {metrics['wall_seconds']:.1f} s")
-    return 0

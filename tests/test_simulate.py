@@ -1,4 +1,5 @@
-"""``moelab simulate``: error paths exit 2 with a message; a tiny study writes its run directory."""
+"""``moelab simulate``: error paths exit 2 with a message naming the flag; a tiny study writes its run
+directory."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 import yaml
 
 from moelab.cli import main
-from moelab.stats.studies import study_config
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_every_model_and_fit_flag_reaches_the_study_config():
     import math
 
     from moelab.cli import build_parser
-    from moelab.stats.studies import config_from_args
+    from moelab.experiments.simulate import config_from_args
 
     argv = ["simulate", "--study", "cosine-vs-perturbed", "--d", "3", "--k-true", "3", "--extra-experts", "2",
             "--noise-var", "0.04", "--tau", "0.5", "--init", "random", "--restarts", "2", "--max-iter", "7",
@@ -94,24 +94,6 @@ def test_every_model_and_fit_flag_reaches_the_study_config():
     )
     assert math.isinf(cfg.beta1_bound) and cfg.eta_bound == 7.0
     assert (cfg.reference_n, cfg.reference_steps) == (5000, 300)
-
-
-def test_the_default_bound_is_ten_times_the_expected_norm_of_a_true_embedding():
-    assert study_config("misspecified").beta1_bound == pytest.approx(10 * 4**0.5)
-    assert study_config("softmax-vs-competition", router_std=0.5).beta1_bound == pytest.approx(
-        10 * 0.5 * 2**0.5
-    )
-    assert study_config("misspecified", beta1_bound=3.0).beta1_bound == 3.0
-    assert study_config("misspecified").eta_bound == pytest.approx(
-        10 * 6**0.5
-    )  # q = d + 2 for a·tanh(bᵀx + c)
-    assert study_config("softmax-vs-competition").nu_min == pytest.approx(0.05 / 5)
-    assert study_config("linear-vs-perturbed").eta_bound == pytest.approx(10 * 5**0.5)  # q = d + 1
-
-
-def test_unknown_setting_is_rejected():
-    with pytest.raises(ValueError, match=r"unknown study settings \['depth'\]"):
-        study_config("misspecified", depth=3)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,128 @@
+"""Summary statistics over seeds: mean ± sample standard deviation, the Student-t interval of the
+mean and Welch's unequal-variance t-test, shared by ``moelab report``, ``compare`` and
+``specialize``.
+
+A statistic the values leave undefined (the spread of one value, a test without two values a side
+or without any spread) is ``None``, never NaN, and the formatters print it as a placeholder, so no
+table shows ``nan``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Welch",
+    "format_interval",
+    "format_mean_sd",
+    "mean",
+    "mean_sd",
+    "sd",
+    "seed_summary",
+    "t_interval",
+    "welch",
+]
+
+
+def mean(values: Sequence[float]) -> float:
+    """The arithmetic mean, computed exactly and rounded once (:func:`statistics.mean`), so equal
+    values have themselves as their mean; NaN or ±inf where the values hold one (a diverged run)."""
+    if len(values) == 0:
+        raise ValueError("values=[] is not allowed; expected at least one value")
+    v = [float(x) for x in values]
+    if not all(map(math.isfinite, v)):
+        return sum(v) / len(v)
+    return statistics.mean(v)
+
+
+def sd(values: Sequence[float]) -> float | None:
+    """The sample standard deviation (divisor n − 1, :func:`statistics.stdev`: exact sums, so
+    equal values have sd 0); ``None`` for fewer than two values, NaN where a value is not finite."""
+    if len(values) < 2:
+        return None
+    v = [float(x) for x in values]
+    if not all(map(math.isfinite, v)):
+        return math.nan
+    return statistics.stdev(v)
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float | None]:
+    """``(mean, sample sd)``; the sd is ``None`` for one value."""
+    return mean(values), sd(values)
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The two-sided Student-t confidence interval of the mean at ``level``:
+    ``mean ± t_{n-1}((1 + level) / 2) · sd / √n``; ``None`` for fewer than two values."""
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise ValueError(f"level={level!r} is not allowed; expected a number in (0, 1)")
+    s = sd(values)
+    if s is None:
+        return None
+    from scipy import stats
+
+    m, n = mean(values), len(values)
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * s / math.sqrt(n)
+    return m - half, m + half
+
+
+def seed_summary(values: Sequence[float], level: float = 0.95) -> dict[str, float | int | None]:
+    """``n``, ``mean``, sample ``sd`` and the t-interval ``ci_low`` / ``ci_high`` of the mean over
+    seeds (the keys written to ``metrics.json``); one value has no spread: ``sd`` and the interval
+    are then ``None``."""
+    interval = t_interval(values, level)
+    low, high = interval if interval is not None else (None, None)
+    return {"n": len(values), "mean": mean(values), "sd": sd(values), "ci_low": low, "ci_high": high}
+
+
+@dataclass(frozen=True)
+class Welch:
+    """Welch's two-sided t-test of ``mean(a) = mean(b)``: the sizes and means of both samples,
+    ``diff = mean_a − mean_b``, and ``t``, ``df`` (Welch–Satterthwaite) and ``p``, which are
+    ``None`` when a side has fewer than two values or neither has any spread."""
+
+    n_a: int
+    n_b: int
+    mean_a: float | None
+    mean_b: float | None
+    diff: float | None
+    t: float | None
+    df: float | None
+    p: float | None
+
+
+def welch(a: Sequence[float], b: Sequence[float]) -> Welch:
+    """Welch's unequal-variance t-test (``scipy.stats.ttest_ind(a, b, equal_var=False)``)."""
+    mean_a = mean(a) if len(a) else None
+    mean_b = mean(b) if len(b) else None
+    diff = mean_a - mean_b if mean_a is not None and mean_b is not None else None
+    sizes = dict(n_a=len(a), n_b=len(b), mean_a=mean_a, mean_b=mean_b, diff=diff)
+    # identical values on both sides leave t = 0/0: tested exactly, since the two variances
+    # computed in floating point need not come out as exact zeros
+    if len(a) < 2 or len(b) < 2 or (len(set(a)) == 1 and len(set(b)) == 1):
+        return Welch(**sizes, t=None, df=None, p=None)
+    from scipy import stats
+
+    with warnings.catch_warnings():
+        # scipy warns of "catastrophic cancellation" when one side's values are all equal (its
+        # variance is then rounding noise around 0), which is a valid case of the test
+        warnings.filterwarnings("ignore", "Precision loss occurred", RuntimeWarning)
+        result = stats.ttest_ind(list(a), list(b), equal_var=False)
+    return Welch(**sizes, t=float(result.statistic), df=float(result.df), p=float(result.pvalue))
+
+
+def format_mean_sd(mean: float, sd: float | None, digits: int = 4, missing: str = "n/a") -> str:
+    """``"mean ± sd"`` with ``digits`` decimals; ``missing`` in place of an undefined sd."""
+    spread = missing if sd is None else f"{sd:.{digits}f}"
+    return f"{mean:.{digits}f} ± {spread}"
+
+
+def format_interval(interval: tuple[float, float] | None, digits: int = 3, missing: str = "n/a") -> str:
+    """``"[low, high]"`` with ``digits`` decimals; ``missing`` for an undefined interval."""
+    if interval is None:
+        return missing
+    return f"[{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"

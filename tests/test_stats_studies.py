@@ -1,0 +1,67 @@
+"""The convergence-rate studies as a library: their configurations, a study run without a run
+directory, and a toolkit that carries no command."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+from moelab.stats.studies import StudyResult, run_study, study_config
+
+STATS = pathlib.Path(__file__).resolve().parents[1] / "src" / "moelab" / "stats"
+
+
+def test_the_default_bound_is_ten_times_the_expected_norm_of_a_true_embedding():
+    assert study_config("misspecified").beta1_bound == pytest.approx(10 * 4**0.5)
+    assert study_config("softmax-vs-competition", router_std=0.5).beta1_bound == pytest.approx(
+        10 * 0.5 * 2**0.5
+    )
+    assert study_config("misspecified", beta1_bound=3.0).beta1_bound == 3.0
+    assert study_config("misspecified").eta_bound == pytest.approx(
+        10 * 6**0.5
+    )  # q = d + 2 for a·tanh(bᵀx + c)
+    assert study_config("softmax-vs-competition").nu_min == pytest.approx(0.05 / 5)
+    assert study_config("linear-vs-perturbed").eta_bound == pytest.approx(10 * 5**0.5)  # q = d + 1
+
+
+def test_unknown_setting_is_rejected():
+    with pytest.raises(ValueError, match=r"unknown study settings \['depth'\]"):
+        study_config("misspecified", depth=3)
+
+
+def test_a_study_returns_its_measurements_and_writes_no_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = study_config("softmax-vs-competition", quick=True, replicates=2, steps=2, sample_sizes=[200, 400])
+    result = run_study(cfg, progress=False)
+    assert isinstance(result, StudyResult) and list(tmp_path.iterdir()) == []
+    series = len(result.metrics["rates"])  # 3 routers × (expert, voronoi) losses
+    assert series == 6 and len(result.metrics["table"]) == series * 2
+    assert len(result.losses) == series * 2 * 2  # series × sizes × replicates
+    assert {"value", "train", "n_iter", "converged", "beta1_max_norm"} <= set(result.losses[0])
+    assert result.estimates["sample_sizes"].tolist() == [200, 400]
+    assert result.estimates["softmax__over-specified__a"].shape[:2] == (2, 2)
+    assert result.metrics["config"]["sample_sizes"] == [200, 400]
+    assert all(np.isfinite(r["slope"]) for r in result.metrics["rates"])
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The modules a file of ``moelab.stats`` imports, relative imports resolved."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ["moelab", "stats"][: 3 - node.level] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.update(f"{module}.{a.name}" for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(STATS.glob("*.py")), ids=lambda p: p.name)
+def test_the_stats_toolkit_imports_no_command_machinery(path):
+    banned = ("argparse", "moelab.cli", "moelab.experiments", "moelab.bench", "moelab.io.rundir")
+    used = [m for m in _imports(path) if m.split(".")[0] == "argparse" or m.startswith(banned[1:])]
+    assert used == [], f"{path.name} imports {used}"
