@@ -31,7 +31,7 @@ from ..data.text import TextData, load_text
 from ..io.rundir import RUN_ENTRIES, RunDir, atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
-from ..schedules import LR_SCHEDULES, build_competition_schedule, split_schedule_options
+from ..schedules import LR_SCHEDULES, split_schedule_options
 from ..train.parallel import process_group
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from .args import format_value, parse_key_values
@@ -742,67 +742,3 @@ def _train_and_report(args: argparse.Namespace, config: RunConfig, rank: int, wo
         f"({metrics['active_params']:,} active) -> {args.out}"
     )
     return 0
-
-
-# ------------------------------------------------------------------------------ benchmark
-def benchmark_throughput(
-    size: str = "cpu", methods: tuple[str, ...] = ("smoe", "competesmoe"), rounds: int = 5, steps: int = 20
-) -> list[tuple[str, float]]:
-    """Training tokens/s (forward + backward + Adam step) of ``size`` with each method and with the
-    dense FFN of equal active width (``arch="dense"``); the median over ``rounds`` rounds of
-    ``steps`` steps, the models interleaved round by round so that load drift hits them alike."""
-    import statistics
-    import time
-
-    from ..layer import attach, aux_loss
-    from ..methods import methods as registered
-    from ..routing import RoutingContext
-
-    names = [m for m in methods if m in registered()] + ["dense"]
-    cfg = lm_config(size, 256)
-    B = SIZE_DEFAULTS.get(size, {}).get("batch_size", 16)
-    x = torch.randint(256, (B, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
-    runs = {}
-    for name in names:
-        torch.manual_seed(0)
-        arch, method = ("dense", "smoe") if name == "dense" else ("switch", name)
-        model = TransformerLM(lm_config(size, 256, arch=arch, method=method))
-        total = (rounds + 1) * steps
-        ctx = RoutingContext(total_steps=total)
-        attach(model, ctx)
-        if arch != "dense":  # CompeteSMoE's schedule, as in training (~ω of the steps compete)
-            ctx.schedule = build_competition_schedule(model, method, total, 0)
-        runs[name] = (model, ctx, torch.optim.Adam(model.parameters(), lr=7e-4))
-
-    def step(model, ctx, opt):
-        logits = model(x[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1)) + aux_loss(model)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        ctx.advance()
-
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds + 1):
-        for name in names:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step(*runs[name])
-            if r > 0:  # round 0 warms up
-                times[name].append(B * cfg.block_size * steps / (time.perf_counter() - t0))
-    return [(n, statistics.median(times[n])) for n in names]
-
-
-if __name__ == "__main__":  # python -m moelab.experiments.lm [size] [threads]
-    import sys
-
-    size = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
-    results = benchmark_throughput(size)
-    dense = dict(results)["dense"]
-    print(
-        f"{size} preset, batch {SIZE_DEFAULTS[size]['batch_size']} x block {PRESETS[size]['block_size']}, "
-        f"{torch.get_num_threads()} thread(s), torch {torch.__version__}"
-    )
-    for name, tps in results:
-        print(f"{name:<14} {tps:>10.0f} tokens/s   ratio to dense {tps / dense:.2f}")
