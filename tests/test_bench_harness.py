@@ -4,6 +4,8 @@ tables, the CPU peak-memory probe and the machine record."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def _logged(log: list[str], name: str, phase: str = "train") -> Candidate:
 
 
 def test_interleaved_rotates_the_order_each_round_and_resets_before_every_call():
-    log: list[str] = []
+    log: ClassVar[list[str]] = []
     cands = [_logged(log, n) for n in ("a", "b", "c")]
     rounds = interleaved(cands, repeats=3, warmup=1, progress=False)
     assert rounds == 3
@@ -116,7 +118,7 @@ def test_cpu_peak_memory_probe_sees_a_known_allocation():
 
 
 def test_measure_peak_memory_resets_around_the_call_and_notes_a_failure():
-    log: list[str] = []
+    log: ClassVar[list[str]] = []
     good = _logged(log, "dense")
     bad = Candidate("peer", "infer", _failing(after=0))
     notes: list[str] = []
@@ -133,3 +135,52 @@ def test_machine_record_on_the_cpu_names_the_processor_and_versions_but_no_gpu()
     assert info["torch"] == torch.__version__ and info["cores"] >= 1
     assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert "gpu" not in info and "peak_bf16_tflops" not in info
+
+
+class _FakeEvent:
+    """Stands for ``torch.cuda.Event``: its clock is the count of records so far, in milliseconds."""
+
+    log: ClassVar[list[str]] = []
+    ticks = 0
+
+    def __init__(self, enable_timing: bool) -> None:
+        assert enable_timing
+        self.at = None
+
+    def record(self) -> None:
+        _FakeEvent.ticks += 1
+        self.at = _FakeEvent.ticks * 250.0
+        _FakeEvent.log.append("record")
+
+    def synchronize(self) -> None:
+        _FakeEvent.log.append("synchronize")
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.at - self.at
+
+
+def test_cuda_clock_times_a_call_between_two_events(monkeypatch):
+    monkeypatch.setattr(harness.torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.log.clear()
+    cand = Candidate("a", "train", lambda: _FakeEvent.log.append("call"))
+    assert interleaved([cand], repeats=2, warmup=0, clock="cuda", progress=False) == 2
+    assert _FakeEvent.log == ["record", "call", "record", "synchronize"] * 2
+    assert cand.times == [0.25, 0.25]  # 250 ms between the events, in seconds
+
+
+def test_machine_record_on_a_cuda_device_adds_the_gpu_and_its_datasheet_peaks(monkeypatch):
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(harness.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(harness.torch.cuda, "get_device_properties", lambda device=None: Props())
+    info = harness.machine_info("cuda")
+    tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+    assert info["gpu"] == "NVIDIA H100 80GB HBM3" and info["gpu_memory_gib"] == 80.0
+    fp32 = 494.7 if tf32 else 66.9
+    assert (info["peak_name"], info["peak_bf16_tflops"], info["peak_fp32_tflops"]) == (
+        "H100 SXM",
+        989.4,
+        fp32,
+    )
+    assert info["allow_tf32"] is tf32 and info["cuda"] == torch.version.cuda
