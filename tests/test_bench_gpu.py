@@ -1,5 +1,5 @@
 """``moelab bench suite --device cuda`` without a GPU: the case list, the d_model scaling, the
-peak table, argument validation in one line, and one tiny case end to end on the CPU (the same
+argument validation in one line, and one tiny case end to end on the CPU (the same
 code path with ``perf_counter`` in place of CUDA events; no timing is asserted)."""
 
 from __future__ import annotations
@@ -50,23 +50,40 @@ def test_d_model_is_halved_only_where_memory_needs_it():
     assert gpu.memory_estimate(ds, 3584, 32768, "bfloat16") < gpu.memory_estimate(ds, 7168, 32768, "bfloat16")
 
 
-@pytest.mark.parametrize(
-    ("name", "dtype", "tf32", "expected"),
-    [
-        ("NVIDIA H100 80GB HBM3", "bfloat16", False, ("H100 SXM", 989.4)),
-        ("NVIDIA H100 80GB HBM3", "float32", False, ("H100 SXM", 66.9)),
-        ("NVIDIA H100 80GB HBM3", "float32", True, ("H100 SXM", 494.7)),
-        ("NVIDIA H100 PCIe", "bfloat16", False, ("H100 PCIe", 756.0)),
-        ("NVIDIA H200", "bfloat16", False, ("H200 SXM", 989.4)),
-        ("NVIDIA A100-SXM4-80GB", "bfloat16", False, ("A100", 312.0)),
-        ("Some Future GPU", "bfloat16", False, (None, None)),
-    ],
-)
-def test_peak_table_by_device_name(name, dtype, tf32, expected):
-    assert gpu.device_peak_tflops(name, dtype, tf32) == expected
-
-
 GPU_ARGS = ["bench", "suite", "--device", "cuda"]
+#: the documented keys of a GPU case record and of its rows (docs/performance.md, "The GPU grid")
+CASE_KEYS = {
+    "model",
+    "tokens",
+    "dtype",
+    "routing",
+    "d_model",
+    "d_hidden",
+    "num_experts",
+    "top_k",
+    "shared",
+    "d_model_preset",
+    "key",
+    "load",
+    "rounds",
+    "seconds",
+    "notes",
+    "rows",
+}
+ROW_KEYS = {
+    "name",
+    "phase",
+    "median_ms",
+    "min_ms",
+    "max_ms",
+    "rounds",
+    "ratio_to_dense",
+    "flops_per_token",
+    "tflops",
+    "peak_fraction",
+    "peak_mib",
+    "note",
+}
 
 
 @pytest.mark.parametrize(
@@ -158,9 +175,10 @@ def test_parse_gpu_grid_fills_the_gpu_defaults():
 
 def test_one_gpu_case_runs_end_to_end_on_the_cpu():
     case = gpu.GpuCase("olmoe", 48, "float32", "zipf", 16, 8, 4, 2, 0, 16)
-    args = argparse.Namespace(seed=0, repeats=3, warmup=1, budget=30.0, memory=False)
+    args = argparse.Namespace(seed=0, repeats=3, warmup=1, budget=30.0, memory=True)
     group = gpu._Group(case, ["transformers", "megablocks"], torch.device("cpu"), 0)
     record = gpu.run_case(case, group, args, 989.4, torch.device("cpu"))
+    assert set(record) == CASE_KEYS
     names = {r["name"] for r in record["rows"]}
     assert {"dense", "moelab grouped"} <= names
     if importlib.util.find_spec("transformers") is not None:
@@ -170,6 +188,8 @@ def test_one_gpu_case_runs_end_to_end_on_the_cpu():
     if importlib.util.find_spec("megablocks") is None:
         assert "megablocks skipped: not installed" in group.notes
     for r in record["rows"]:
+        assert set(r) == ROW_KEYS
+        assert r["peak_mib"] is not None and r["peak_mib"] >= 0
         assert r["phase"] in ("fwd", "fwd+bwd") and r["rounds"] == record["rounds"] >= 3
         assert r["flops_per_token"] == 2 * 2 * 3 * 16 * 8  # K=2 SwiGLU experts of d=16, h=8
         factor = 3 if r["phase"] == "fwd+bwd" else 1

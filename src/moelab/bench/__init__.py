@@ -2,8 +2,9 @@
 
 ``layer`` (:mod:`moelab.bench.layer`) times one layer against a dense FFN and transformers'
 Mixtral block; ``compete`` (:mod:`moelab.bench.compete`) the competition's cost; ``suite``
-(:mod:`moelab.bench.suite`) the whole grid against every peer (:mod:`moelab.bench.peers`).
-The timing method is :mod:`moelab.bench.harness`.
+(:mod:`moelab.bench.suite`; ``--device cuda``: :mod:`moelab.bench.gpu`) the whole grid against
+every peer (:mod:`moelab.bench.peers`); ``lm`` (:mod:`moelab.bench.lm`) a language model's
+training throughput.  The timing method is :mod:`moelab.bench.harness`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "moelab.bench.suite",
         "the grid: moelab, dense and peers over T, shapes, routing, threads",
     ),
+    "lm": ("moelab.bench.lm", "LM training tokens/s per method vs the dense model of equal active width"),
 }
 
 

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from .harness import Candidate, interleaved, peak_memory_bytes
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -100,20 +102,10 @@ def _competition_pass_times(cfg: Config, repeats: int = 10) -> dict[str, float]:
     for impl in ALL_PASSES:
         if _pass_unavailable(impl, cfg) is None:
             fns[impl] = lambda x, impl=impl: all_experts(bank, x, impl)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    with torch.no_grad():
-        for name in names:  # warm-up (Triton compiles here)
-            fns[name](x)
-        for r in range(repeats):
-            for i in range(len(names)):
-                name = names[(r + i) % len(names)]
-                _sync(cfg.device)
-                t0 = time.perf_counter()
-                fns[name](x)
-                _sync(cfg.device)
-                times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+    cands = [Candidate(name, "pass", lambda fn=fn: fn(x)) for name, fn in fns.items()]
+    with torch.no_grad():  # the warm-up round compiles Triton
+        interleaved(cands, repeats, warmup=1, device=cfg.device, progress=False)
+    return {c.name: 1e3 * statistics.median(c.times) for c in cands}
 
 
 def _pass_unavailable(impl: str, cfg: Config) -> str | None:
@@ -276,12 +268,7 @@ def _peak_memory(cfg: Config, method: str, active: set[int]) -> int:
         model, _ = _model(cfg, method, _Fixed(cfg.layers, active))
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         x = torch.randn(cfg.tokens, cfg.d_model, device=cfg.device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        _step(model, opt, x)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return peak_memory_bytes(lambda: _step(model, opt, x), cfg.device)
     spec = json.dumps({"config": asdict(cfg), "method": method, "active": sorted(active)})
     code = f"from moelab.bench.compete import _rss_probe; _rss_probe({spec!r})"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

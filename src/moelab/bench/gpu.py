@@ -20,19 +20,21 @@ the DeepSeek-V3-like shape on an 80 GB device), once per model and dtype, and re
 * ``transformers grouped_mm``: transformers' ``MixtralSparseMoeBlock`` with its ``grouped_mm``
   experts, holding the very parameters of the moelab layer (no copy; it has no shared expert, so
   its FLOPs differ where the model has one, and the row says so);
-* peers, when installed (import-guarded; each checked against moelab's output before timing, a
-  difference is reported in the row's note): megablocks' ``dMoE`` (dropless, grouped GLU),
+* peers (:data:`moelab.bench.peers.GPU_PEER_ADAPTERS`), when installed (import-guarded; each
+  checked against moelab's output before timing, a difference is reported in the row's note): megablocks' ``dMoE`` (dropless, grouped GLU),
   torchtitan's ``MoE`` (grouped experts), sonic-moe's ``MoE``.  Their versions are recorded.
 
-**Timing**: one process; per case every candidate runs ``--warmup`` untimed rounds, then up to
-``--repeats`` rounds interleaved (round-robin, the order rotating each round), cut short after
-``--budget`` seconds (never fewer than 3 rounds); each call is timed by CUDA events around it;
-medians; ``ratio_to_dense`` = the median over rounds of ``t / t_dense`` within the round.  The
-expert FLOPs per token (2 per multiply-add, router excluded; backward counted as twice the
-forward) give ``tflops`` and ``peak_fraction``: the share of the device's dense peak for the
-dtype (:data:`PEAKS`, vendor datasheets, without sparsity; float32: the TF32 tensor-core peak
-when ``torch.backends.cuda.matmul.allow_tf32`` is on, else the FP32 peak).  ``peak_mib``: the
-growth of ``torch.cuda.max_memory_allocated`` over one untimed call, gradients freed before it.
+**Timing** (:func:`moelab.bench.harness.interleaved`): one process; per case every candidate
+runs ``--warmup`` untimed rounds, then up to ``--repeats`` rounds interleaved (round-robin, the
+order rotating each round), cut short after ``--budget`` seconds (never fewer than 3 rounds);
+each call is timed by CUDA events around it, its gradients freed before it; medians;
+``ratio_to_dense`` = the median over rounds of ``t / t_dense`` within the round.  The expert
+FLOPs per token (2 per multiply-add, router excluded; backward counted as twice the forward) give
+``tflops`` and ``peak_fraction``: the share of the device's dense peak for the dtype
+(:data:`moelab.bench.harness.PEAKS`, vendor datasheets, without sparsity; float32: the TF32
+tensor-core peak when ``torch.backends.cuda.matmul.allow_tf32`` is on, else the FP32 peak).
+``peak_mib``: the growth of ``torch.cuda.max_memory_allocated`` over one untimed call, gradients
+freed before it.
 
 A candidate that fails (out of memory, a peer's error) is dropped from its case with a note; the
 run goes on.  ``--out FILE`` writes the JSON document after every case and the markdown table
@@ -42,40 +44,46 @@ run goes on.  ``--out FILE`` writes the JSON document after every case and the m
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .. import _validate
 from ..experts import MLP
-from ..io.atomic import atomic_write_text
 from ..layer import MoE
-from .harness import machine_info
-from .workload import ROUTINGS, favourite_experts, load_stats, name_list, peak_memory_bytes, routed_inputs
-from .workload import int_list as _ints
+from .harness import (
+    Candidate,
+    device_peak_tflops,
+    fmt,
+    free_grads,
+    infer_step,
+    interleaved,
+    machine_info,
+    measure_peak_memory,
+    package_version,
+    summarize,
+    train_step,
+    write_document,
+)
+from .peers import GPU_PEER_ADAPTERS, Batched, mixtral_block
+from .workload import ROUTINGS, favourite_experts, int_list, load_stats, name_list, routed_inputs
 
 __all__ = [
+    "GPU_PEERS",
     "GPU_TOKENS",
     "MODELS",
-    "PEAKS",
     "GpuCase",
     "build_gpu_cases",
-    "device_peak_tflops",
     "fit_d_model",
     "markdown_table",
     "memory_estimate",
     "parse_gpu_grid",
     "run_case",
     "run_gpu",
-    "time_rounds",
 ]
 
 
@@ -101,30 +109,6 @@ GPU_DTYPES = ("bfloat16", "float32")
 GPU_PEERS = ("transformers", "megablocks", "torchtitan", "sonic-moe")
 #: share of the device memory the estimate may fill before d_model is halved
 MEMORY_FRACTION = 0.8
-
-#: dense (no sparsity) tensor-core peaks in TFLOP/s from the vendor datasheets, by a substring of
-#: ``torch.cuda.get_device_name()`` (first match): ``(name, bf16, tf32, fp32)``.  "H100 80GB HBM3"
-#: is the H100 SXM.
-PEAKS: list[tuple[str, str, float, float, float]] = [
-    ("H100 PCIe", "H100 PCIe", 756.0, 378.0, 51.2),
-    ("H100 NVL", "H100 NVL", 835.0, 417.5, 60.0),
-    ("H100", "H100 SXM", 989.4, 494.7, 66.9),
-    ("GH200", "GH200", 989.4, 494.7, 66.9),
-    ("H200", "H200 SXM", 989.4, 494.7, 66.9),
-    ("A100", "A100", 312.0, 156.0, 19.5),
-    ("L40S", "L40S", 362.1, 183.0, 91.6),
-    ("L4", "L4", 121.0, 60.0, 30.3),
-]
-
-
-def device_peak_tflops(name: str, dtype: str, tf32: bool) -> tuple[str | None, float | None]:
-    """``(datasheet name, peak TFLOP/s)`` of the device called ``name`` for ``dtype``, or ``(None, None)``."""
-    for key, label, bf16, tf32_peak, fp32 in PEAKS:
-        if key in name:
-            if dtype in ("bfloat16", "float16"):
-                return label, bf16
-            return label, tf32_peak if tf32 else fp32
-    return None, None
 
 
 # ---------------------------------------------------------------------------------- cases
@@ -219,7 +203,7 @@ def parse_gpu_grid(args: argparse.Namespace, memory: int | None = None) -> list[
     return the cases; ``memory``: the device's bytes (``None``: no d_model scaling)."""
 
     models = name_list("--models", args.models or ",".join(MODELS), tuple(MODELS))
-    tokens = _ints("--tokens", args.tokens or ",".join(map(str, GPU_TOKENS)))
+    tokens = int_list("--tokens", args.tokens or ",".join(map(str, GPU_TOKENS)))
     dtypes = name_list("--dtype", args.dtype or ",".join(GPU_DTYPES), GPU_DTYPES)
     routings = name_list("--routing", args.routing, ROUTINGS)
     peers = name_list("--gpu-peers", args.gpu_peers or ",".join(GPU_PEERS), GPU_PEERS, empty_ok=True)
@@ -243,174 +227,29 @@ def parse_gpu_grid(args: argparse.Namespace, memory: int | None = None) -> list[
 
 
 # ---------------------------------------------------------------------------------- candidates
-@dataclass
-class GpuCandidate:
-    name: str
-    phase: str  # "fwd" or "fwd+bwd"
-    fn: Callable[[], None]
-    reset: Callable[[], None]
-    flops_per_token: int  # forward expert FLOPs
-    note: str = ""
-    times: list[float] = field(default_factory=list)
-    peak_mib: float | None = None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
+# ---------------------------------------------------------------------------------- candidates
 def _swiglu_flops(d: int, h: int) -> int:
     return 2 * 3 * d * h
 
 
-def _mixtral_sharing(layer: MoE) -> nn.Module:
-    """transformers' ``MixtralSparseMoeBlock`` (``grouped_mm`` experts) holding ``layer``'s parameters."""
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+class _WithImpl(nn.Module):
+    """``layer`` run by the experts kernel ``impl``: both moelab rows share one layer."""
 
-    bank = layer.experts
-    config = MixtralConfig(
-        hidden_size=bank.d_model,
-        intermediate_size=bank.d_hidden,
-        num_local_experts=bank.num_experts,
-        num_experts_per_tok=layer.top_k,
-        hidden_act="silu",
-        router_jitter_noise=0.0,
-    )
-    config._experts_implementation = "grouped_mm"
-    with torch.device("meta"):
-        block = MixtralSparseMoeBlock(config)
-    block.gate.weight = layer.router.weight
-    block.experts.gate_up_proj = bank.w_in
-    block.experts.down_proj = bank.w_out
-    left = [n for n, p in block.named_parameters() if p.is_meta] + [
-        n for n, b in block.named_buffers() if b.is_meta
-    ]
-    if left:
-        raise RuntimeError(f"parameters not shared with moelab: {left}")
-    return block
-
-
-def _megablocks(layer: MoE, dtype: torch.dtype) -> nn.Module:
-    from megablocks.layers.arguments import Arguments
-    from megablocks.layers.dmoe import dMoE
-
-    bank, d, h, n = layer.experts, layer.d_model, layer.experts.d_hidden, layer.num_experts
-    device = bank.w_in.device
-    margs = Arguments(
-        hidden_size=d,
-        ffn_hidden_size=h,
-        moe_num_experts=n,
-        moe_top_k=layer.top_k,
-        mlp_type="glu",
-        mlp_impl="grouped",
-        activation_fn=torch.nn.functional.silu,
-        bf16=dtype == torch.bfloat16,
-        fp16=False,
-        device=device,
-        moe_normalize_expert_weights=1.0,
-        return_bias=False,
-    )
-    moe = dMoE(margs)
-    with torch.no_grad():
-        moe.router.layer.weight.copy_(layer.router.weight)
-        moe.experts.mlp.w1.copy_(bank.w_in[:, :h].reshape(n * h, d))
-        moe.experts.mlp.v1.copy_(bank.w_in[:, h:].reshape(n * h, d))
-        moe.experts.mlp.w2.copy_(bank.w_out.transpose(1, 2).reshape(n * h, d))
-    return _SeqFirst(moe.to(dtype))
-
-
-def _torchtitan(layer: MoE, dtype: torch.dtype) -> nn.Module:
-    try:
-        from torchtitan.models.moe import MoE as TitanMoE
-        from torchtitan.models.moe import MoEArgs
-    except ImportError:
-        from torchtitan.models.moe.moe import MoE as TitanMoE
-        from torchtitan.models.moe.moe import MoEArgs
-    bank, h = layer.experts, layer.experts.d_hidden
-    margs = MoEArgs(
-        num_experts=layer.num_experts,
-        num_shared_experts=layer.num_shared,
-        top_k=layer.top_k,
-        score_func="softmax",
-        route_norm=True,
-        score_before_experts=False,
-        use_grouped_mm=True,
-        load_balance_coeff=None,
-    )
-    with torch.device(bank.w_in.device):
-        moe = TitanMoE(margs, dim=layer.d_model, hidden_dim=h)
-    with torch.no_grad():
-        moe.router.gate.weight.copy_(layer.router.weight)
-        moe.experts.w1.copy_(bank.w_in[:, :h])
-        moe.experts.w3.copy_(bank.w_in[:, h:])
-        moe.experts.w2.copy_(bank.w_out)
-        if layer.shared is not None:
-            sh = layer.num_shared * h
-            moe.shared_experts.w1.weight.copy_(layer.shared.fc_in.weight[:sh])
-            moe.shared_experts.w3.weight.copy_(layer.shared.fc_in.weight[sh:])
-            moe.shared_experts.w2.weight.copy_(layer.shared.fc_out.weight)
-    return _Batched(moe.to(dtype))
-
-
-def _sonic(layer: MoE, dtype: torch.dtype) -> nn.Module:
-    from sonicmoe import MoE as SonicMoE
-    from sonicmoe.enums import ActivationType
-
-    bank = layer.experts
-    moe = SonicMoE(
-        num_experts=layer.num_experts,
-        num_experts_per_tok=layer.top_k,
-        hidden_size=layer.d_model,
-        intermediate_size=bank.d_hidden,
-        activation_function=ActivationType.SWIGLU,
-        add_bias=False,
-        std=0.02,
-    ).to(device=bank.w_in.device, dtype=dtype)
-    with torch.no_grad():
-        moe.router.weight.copy_(layer.router.weight)
-    return _Batched(moe)
-
-
-#: what a peer's row must say whatever its output: its expert weights are its own
-PEER_NOTES = {"sonic-moe": "expert weights its own (layout not mapped from moelab's); router weight shared"}
-
-
-class _Batched(nn.Module):
-    """``(T, d)`` → ``peer(x.view(1, T, d))`` (its first output if a tuple) → ``(T, d)``."""
-
-    def __init__(self, peer: nn.Module) -> None:
+    def __init__(self, layer: MoE, impl: str) -> None:
         super().__init__()
-        self.peer = peer
+        self.layer, self.impl = layer, impl
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.peer(x.unsqueeze(0))
-        return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
-
-
-class _SeqFirst(_Batched):
-    """``(T, d)`` → ``peer(x.view(T, 1, d))`` (megablocks: sequence first)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.peer(x.unsqueeze(1))
-        return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
-
-
-#: peer name → (distribution whose version is recorded, adapter)
-PEER_ADAPTERS: dict[str, tuple[str, Callable[[MoE, torch.dtype], nn.Module]]] = {
-    "megablocks": ("megablocks", _megablocks),
-    "torchtitan": ("torchtitan", _torchtitan),
-    "sonic-moe": ("sonic-moe", _sonic),
-}
+        self.layer.experts.impl = self.impl
+        return self.layer(x)
 
 
 class _Group:
     """The modules of one (model, dtype, d_model): built once, reused for every T and routing."""
 
     def __init__(self, case: GpuCase, peers: list[str], device: torch.device, seed: int) -> None:
+        from ..experts.triton_kernels import unavailable_reason
+
         dtype = getattr(torch, case.dtype)
         self.notes: list[str] = []
         self.versions: dict[str, str | None] = {}
@@ -427,46 +266,38 @@ class _Group:
         finally:
             torch.set_default_dtype(saved)
         moe_flops = (k + s) * _swiglu_flops(d, h)
-        #: name → (module, moelab impl or None, forward FLOPs per token, note)
-        self.modules: dict[str, tuple[nn.Module, str | None, int, str]] = {
-            "dense": (self.dense, None, moe_flops, ""),
-            "moelab grouped": (self.layer, "grouped", moe_flops, ""),
+        #: name → (module, forward FLOPs per token, note)
+        self.modules: dict[str, tuple[nn.Module, int, str]] = {
+            "dense": (self.dense, moe_flops, ""),
+            "moelab grouped": (_WithImpl(self.layer, "grouped"), moe_flops, ""),
         }
-        from ..experts.triton_kernels import unavailable_reason
-
         reason = unavailable_reason(device, dtype)
         if reason is None:
-            self.modules["moelab triton"] = (self.layer, "triton", moe_flops, "")
+            self.modules["moelab triton"] = (_WithImpl(self.layer, "triton"), moe_flops, "")
         else:
             self.notes.append(f"moelab triton skipped: {reason}")
-        self.versions["triton"] = _version("triton")
+        self.versions["triton"] = package_version("triton")
+        no_shared = "no shared expert: FLOPs differ from dense" if s else ""
         if "transformers" in peers:
-            self.versions["transformers"] = _version("transformers")
+            self.versions["transformers"] = package_version("transformers")
             try:
-                block = _Batched(_mixtral_sharing(self.layer))
-                note = "no shared expert: FLOPs differ from dense" if s else ""
-                self.modules["transformers grouped_mm"] = (block, None, k * _swiglu_flops(d, h), note)
+                block = Batched(mixtral_block(self.layer, "grouped_mm", share=True))
+                self.modules["transformers grouped_mm"] = (block, k * _swiglu_flops(d, h), no_shared)
             except Exception as exc:  # an API change, a missing kernel: noted, not fatal
                 self.notes.append(f"transformers grouped_mm skipped: {type(exc).__name__}: {exc}"[:300])
         for name in peers:
-            if name not in PEER_ADAPTERS:
+            if name not in GPU_PEER_ADAPTERS:
                 continue
-            dist, adapter = PEER_ADAPTERS[name]
-            self.versions[name] = _version(dist)
+            dist, adapter, peer_note = GPU_PEER_ADAPTERS[name]
+            self.versions[name] = package_version(dist)
             if self.versions[name] is None:
                 self.notes.append(f"{name} skipped: not installed")
                 continue
-            flops = (k + (s if name == "torchtitan" else 0)) * _swiglu_flops(d, h)
+            with_shared = name == "torchtitan"  # the one peer with shared experts
+            flops = (k + (s if with_shared else 0)) * _swiglu_flops(d, h)
+            note = "; ".join(x for x in (peer_note, "" if with_shared else no_shared) if x)
             try:
-                notes = [PEER_NOTES.get(name, "")]
-                if s and name != "torchtitan":
-                    notes.append("no shared expert: FLOPs differ from dense")
-                self.modules[name] = (
-                    adapter(self.layer, dtype),
-                    None,
-                    flops,
-                    "; ".join(n for n in notes if n),
-                )
+                self.modules[name] = (adapter(self.layer, dtype), flops, note)
             except Exception as exc:
                 self.notes.append(f"{name} skipped: {type(exc).__name__}: {exc}"[:300])
 
@@ -477,162 +308,54 @@ class _Group:
             torch.cuda.empty_cache()
 
 
-def _impl_call(module: nn.Module, impl: str | None, layer: MoE) -> Callable[[Tensor], Tensor]:
-    if impl not in ("grouped", "triton"):
-        return module
-
-    def call(x: Tensor) -> Tensor:
-        layer.experts.impl = impl
-        return module(x)
-
-    return call
-
-
-def _case_candidates(group: _Group, x: Tensor, grad: Tensor) -> tuple[list[GpuCandidate], list[str]]:
+def _case_candidates(group: _Group, x: Tensor, grad: Tensor) -> tuple[list[Candidate], list[str]]:
     """Both phases of every module of ``group``, after a parity check against moelab grouped."""
     notes = []
     tol = 1e-3 if x.dtype == torch.float32 else 3e-2
-    calls = {}
+    dense_flops = group.modules["dense"][1]
+    ran = []
     with torch.inference_mode():
         ref = None
-        for name, (module, impl, _, _) in group.modules.items():
-            call = _impl_call(module, impl, group.layer)
+        for name, (module, flops, _) in group.modules.items():
             try:
                 module.eval()
-                y = call(x)
+                y = module(x)
             except Exception as exc:
                 notes.append(f"{name} dropped: {type(exc).__name__}: {exc}"[:300])
                 continue
-            calls[name] = call
+            ran.append(name)
             if name == "moelab grouped":
                 ref = y
-            elif ref is not None and name != "dense" and group.modules[name][2] != group.modules["dense"][2]:
+            elif ref is None or name == "dense":
+                continue
+            elif flops != dense_flops:
                 notes.append(f"{name}: output not compared (other FLOPs: no shared expert)")
-            elif ref is not None and name != "dense":
+            else:
                 diff = float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
                 if diff > tol:
                     notes.append(f"{name}: output differs from moelab grouped by {diff:.1e} (relative)")
     cands = []
     for phase in ("fwd", "fwd+bwd"):
-        for name, call in calls.items():
-            module, _, flops, note = group.modules[name]
+        for name in ran:
+            module, flops, note = group.modules[name]
             xin = x.detach().clone().requires_grad_(phase == "fwd+bwd")
-            params = list(module.parameters())
-
-            def reset(params=params, xin=xin) -> None:
-                xin.grad = None
-                for p in params:
-                    p.grad = None
-
-            if phase == "fwd":
-
-                def fn(call=call, module=module, xin=xin) -> None:
-                    module.eval()
-                    with torch.inference_mode():
-                        call(xin)
-
-            else:
-
-                def fn(call=call, module=module, xin=xin) -> None:
-                    module.train()
-                    call(xin).backward(grad)
-
-            cands.append(GpuCandidate(name, phase, fn, reset, flops, note))
+            fn = infer_step(module, xin) if phase == "fwd" else train_step(module, xin, grad)
+            cands.append(Candidate(name, phase, fn, flops, note, reset=free_grads(module, xin)))
     return cands, notes
 
 
-class _Clock:
-    """Times one call: CUDA events around it on a CUDA device, ``perf_counter`` elsewhere (tests)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.ev0, self.ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        if self.cuda:
-            self.ev0.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if self.cuda:
-            self.ev1.record()
-            self.ev1.synchronize()
-            return self.ev0.elapsed_time(self.ev1) / 1e3
-        return time.perf_counter() - self.t0
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def empty_cache(self) -> None:
-        if self.cuda:
-            torch.cuda.empty_cache()
-
-
-def time_rounds(
-    cands: list[GpuCandidate], repeats: int, warmup: int, budget: float, device: torch.device
-) -> tuple[int, list[str]]:
-    """Interleaved rounds, each call timed by CUDA events (module docstring); drops a candidate
-    that raises.  Returns the rounds timed and notes."""
-    notes = []
-    clock = _Clock(device)
-
-    def guarded(c: GpuCandidate) -> bool:
-        try:
-            c.fn()
-            return True
-        except Exception as exc:  # out of memory above all
-            notes.append(f"{c.name} {c.phase} dropped: {type(exc).__name__}: {exc}"[:300])
-            c.reset()
-            clock.empty_cache()
-            return False
-
-    for _ in range(warmup):
-        for c in list(cands):
-            c.reset()
-            if not guarded(c):
-                cands.remove(c)
-    clock.sync()
-    start_t = time.perf_counter()
-    rounds = 0
-    for r in range(repeats):
-        n = len(cands)
-        for i in range(n):
-            c = cands[(r + i) % n]
-            c.reset()
-            clock.start()
-            ok = guarded(c)
-            seconds = clock.stop()
-            if ok:
-                c.times.append(seconds)
-        cands[:] = [c for c in cands if len(c.times) == r + 1]
-        rounds += 1
-        if rounds >= min(3, repeats) and time.perf_counter() - start_t > budget:
-            break
-    return rounds, notes
-
-
-def _rows(cands: list[GpuCandidate], tokens: int, peak: float | None) -> list[dict]:
-    dense = {c.phase: c for c in cands if c.name == "dense"}
+def _rows(cands: list[Candidate], tokens: int, peak: float | None) -> list[dict]:
+    """The rows of one case: timing (:func:`moelab.bench.harness.summarize`) and throughput; the
+    backward counts twice the forward's FLOPs."""
     rows = []
-    for c in cands:
-        med = statistics.median(c.times)
-        b = dense.get(c.phase)
-        ratios = sorted(t / tb for t, tb in zip(c.times, b.times)) if b is not None else []
-        flops = c.flops_per_token * tokens * (3 if c.phase == "fwd+bwd" else 1)
-        tflops = flops / med / 1e12
+    for c, r in zip(cands, summarize(cands)):
+        flops = c.flops * tokens * (3 if c.phase == "fwd+bwd" else 1)
+        tflops = flops / (r["median_ms"] / 1e3) / 1e12
         rows.append(
             {
-                "name": c.name,
-                "phase": c.phase,
-                "median_ms": 1e3 * med,
-                "min_ms": 1e3 * min(c.times),
-                "max_ms": 1e3 * max(c.times),
-                "rounds": len(c.times),
-                "ratio_to_dense": statistics.median(ratios) if ratios else None,
-                "flops_per_token": c.flops_per_token,
+                **{k: r[k] for k in ("name", "phase", "median_ms", "min_ms", "max_ms", "rounds")},
+                "ratio_to_dense": r["ratio_to_dense"],
+                "flops_per_token": c.flops,
                 "tflops": tflops,
                 "peak_fraction": tflops / peak if peak else None,
                 "peak_mib": c.peak_mib,
@@ -645,7 +368,8 @@ def _rows(cands: list[GpuCandidate], tokens: int, peak: float | None) -> list[di
 def run_case(
     case: GpuCase, group: _Group, args: argparse.Namespace, peak: float | None, device: torch.device
 ) -> dict:
-    """Inputs, candidates, parity notes, timing and peak memory of one case: its JSON record."""
+    """Inputs, candidates, parity notes, timing and peak memory of one case: its JSON record.
+    CUDA events time the calls on a CUDA device, the wall clock elsewhere (tests)."""
     dtype = getattr(torch, case.dtype)
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -654,16 +378,19 @@ def run_case(
     grad = torch.randn(case.tokens, case.d_model, generator=gen).to(device, dtype)
     cands, notes = _case_candidates(group, x, grad)
     load = load_stats(group.layer.last_routing.indices, case.num_experts, favourites)
-    rounds, more = time_rounds(cands, args.repeats, args.warmup, args.budget, device)
-    notes += more
+    clock = "cuda" if device.type == "cuda" else "wall"
+    rounds = interleaved(
+        cands,
+        args.repeats,
+        args.warmup,
+        clock,
+        device=device,
+        budget=args.budget,
+        progress=False,
+        notes=notes,
+    )
     if args.memory:
-        for c in cands:
-            c.reset()
-            try:
-                c.peak_mib = peak_memory_bytes(c.fn, device) / 2**20
-            except Exception as exc:
-                notes.append(f"{c.name} {c.phase} peak memory not measured: {type(exc).__name__}"[:300])
-            c.reset()
+        measure_peak_memory(cands, device, notes)
     return {
         **asdict(case),
         "key": case.key,
@@ -676,15 +403,11 @@ def run_case(
 
 
 # ---------------------------------------------------------------------------------- output
-def _fmt(v: float | None, spec: str = ".2f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def markdown_table(doc: dict) -> str:
     """The GPU suite document as markdown: the machine, then one row per case × candidate × phase."""
     m, cfg = doc["machine"], doc["config"]
     lines = [
-        f"Device: {m.get('gpu')} ({m.get('peak_name') or 'peak unknown'}: bf16 {_fmt(m.get('peak_bf16_tflops'), '.0f')} "
+        f"Device: {m.get('gpu')} ({m.get('peak_name') or 'peak unknown'}: bf16 {fmt(m.get('peak_bf16_tflops'), '.0f')} "
         f"TFLOP/s dense), torch {m['torch']}, CUDA {m.get('cuda')}; versions {m.get('versions')}; "
         f"{cfg['repeats']} rounds at most after {cfg['warmup']} warm-up, {cfg['budget']:g} s budget per case, CUDA events, medians.",
         "",
@@ -696,19 +419,12 @@ def markdown_table(doc: dict) -> str:
             frac = None if r["peak_fraction"] is None else 100 * r["peak_fraction"]
             lines.append(
                 f"| {case['model']} | {case['tokens']} | {case['dtype']} | {case['routing']} | {case['d_model']} "
-                f"| {r['name']} | {r['phase']} | {r['median_ms']:.2f} | {_fmt(r['ratio_to_dense'])} "
-                f"| {r['tflops']:.0f} | {_fmt(frac, '.0f')} | {_fmt(r['peak_mib'], '.0f')} | {r['note']} |"
+                f"| {r['name']} | {r['phase']} | {r['median_ms']:.2f} | {fmt(r['ratio_to_dense'])} "
+                f"| {r['tflops']:.0f} | {fmt(frac, '.0f')} | {fmt(r['peak_mib'], '.0f')} | {r['note']} |"
             )
         for note in case["notes"]:
             lines.append(f"|  |  |  |  |  | note: {note} |  |  |  |  |  |  |  |")
     return "\n".join(lines)
-
-
-def _write(doc: dict, out: Path | None) -> None:
-    if out is None:
-        return
-    atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
-    atomic_write_text(out.with_suffix(".md"), markdown_table(doc) + "\n")
 
 
 def run_gpu(args: argparse.Namespace) -> int:
@@ -718,22 +434,9 @@ def run_gpu(args: argparse.Namespace) -> int:
         raise ValueError(f"--out={str(args.out)!r} exists; pass --force to overwrite it")
     if not torch.cuda.is_available():
         raise ValueError("--device='cuda' is not allowed here: torch sees no CUDA device; use --device cpu")
-    props = torch.cuda.get_device_properties(0)
-    cases = parse_gpu_grid(args, memory=props.total_memory)
-    gpu = torch.cuda.get_device_name(0)
-    tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
-    peak_name, bf16_peak = device_peak_tflops(gpu, "bfloat16", tf32)
-    machine = {
-        **machine_info(),
-        "gpu": gpu,
-        "gpu_memory_gib": props.total_memory / 2**30,
-        "cuda": torch.version.cuda,
-        "peak_name": peak_name,
-        "peak_bf16_tflops": bf16_peak,
-        "peak_fp32_tflops": device_peak_tflops(gpu, "float32", tf32)[1],
-        "allow_tf32": tf32,
-        "versions": {},
-    }
+    device = torch.device("cuda")
+    machine = {**machine_info(device), "versions": {}}
+    cases = parse_gpu_grid(args, memory=torch.cuda.get_device_properties(device).total_memory)
     doc = {
         "bench": "suite-gpu",
         "schema": 1,
@@ -750,31 +453,32 @@ def run_gpu(args: argparse.Namespace) -> int:
         "cases": [],
     }
     print(
-        f"moelab bench suite --device cuda: {len(cases)} cases on {gpu} ({props.total_memory / 2**30:.0f} GiB), "
-        f"torch {torch.__version__}, peak bf16 {_fmt(bf16_peak, '.0f')} TFLOP/s",
+        f"moelab bench suite --device cuda: {len(cases)} cases on {machine['gpu']} "
+        f"({machine['gpu_memory_gib']:.0f} GiB), torch {torch.__version__}, "
+        f"peak bf16 {fmt(machine['peak_bf16_tflops'], '.0f')} TFLOP/s",
         flush=True,
     )
     group, group_key = None, None
     t0 = time.perf_counter()
     for i, case in enumerate(cases):
         key = (case.model, case.dtype, case.d_model)
+        group_notes = []
         if key != group_key:
             if group is not None:
                 group.close()
                 group = None
-            group = _Group(case, args.gpu_grid["peers"], torch.device("cuda"), args.seed)
+            group = _Group(case, args.gpu_grid["peers"], device, args.seed)
             machine["versions"].update(group.versions)
             group_key = key
             group_notes = list(group.notes)
-        else:
-            group_notes = []
-        peak = device_peak_tflops(gpu, case.dtype, tf32)[1]
-        record = run_case(case, group, args, peak, torch.device("cuda"))
+        peak = device_peak_tflops(machine["gpu"], case.dtype, machine["allow_tf32"])[1]
+        record = run_case(case, group, args, peak, device)
         record["notes"] = group_notes + record["notes"]
         doc["cases"].append(record)
-        _write(doc, args.out)
+        if args.out is not None:
+            write_document(args.out, doc, markdown_table(doc))
         best = {r["name"]: r for r in record["rows"] if r["phase"] == "fwd+bwd"}
-        summary = ", ".join(f"{n} {_fmt(r['ratio_to_dense'])}x" for n, r in best.items())
+        summary = ", ".join(f"{n} {fmt(r['ratio_to_dense'])}x" for n, r in best.items())
         print(
             f"[{i + 1}/{len(cases)} {time.perf_counter() - t0:.0f} s] {case.key}: fwd+bwd vs dense: {summary}",
             flush=True,

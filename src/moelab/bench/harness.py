@@ -1,49 +1,91 @@
-"""What every ``moelab bench`` kind shares: machine information, interleaved timing with medians
-and ratios, FLOP accounting, and the table.
+"""What every ``moelab bench`` kind shares: the machine record, interleaved timing with medians and
+ratios, peak memory, FLOP accounting and the table.
 
 Method: every candidate lives in one process; repetitions are interleaved round-robin (the order
 rotates each round), so slow phases of a shared machine hit every candidate alike; a table gives
 medians, the interquartile range, and each candidate's ratio to the baseline as the median over
-rounds of ``t_candidate / t_baseline`` within the same round.
+rounds of ``t_candidate / t_baseline`` within the same round.  A call is timed by a host clock
+(``wall``: ``perf_counter``; ``cpu``: the process's CPU time), which waits for a CUDA device to
+finish, or by CUDA events recorded around it (``cuda``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from .._version import __version__
 from ..experts import MLP, ExpertBank
+from ..io.atomic import atomic_write_text
 from ..layer import MoE
 
 __all__ = [
     "CLOCKS",
+    "PEAKS",
     "Candidate",
+    "device_peak_tflops",
     "expert_flops_per_token",
     "flag_flops",
+    "fmt",
     "format_table",
+    "free_grads",
     "infer_step",
     "interleaved",
     "machine_info",
+    "measure_peak_memory",
+    "package_version",
+    "peak_memory_bytes",
+    "ratio_stats",
     "summarize",
     "train_step",
+    "write_document",
 ]
 
 
 # ---------------------------------------------------------------------------------- machine
-def machine_info() -> dict:
+#: dense (no sparsity) tensor-core peaks in TFLOP/s from the vendor datasheets, by a substring of
+#: ``torch.cuda.get_device_name()`` (first match): ``(name, bf16, tf32, fp32)``.  "H100 80GB HBM3"
+#: is the H100 SXM.
+PEAKS: list[tuple[str, str, float, float, float]] = [
+    ("H100 PCIe", "H100 PCIe", 756.0, 378.0, 51.2),
+    ("H100 NVL", "H100 NVL", 835.0, 417.5, 60.0),
+    ("H100", "H100 SXM", 989.4, 494.7, 66.9),
+    ("GH200", "GH200", 989.4, 494.7, 66.9),
+    ("H200", "H200 SXM", 989.4, 494.7, 66.9),
+    ("A100", "A100", 312.0, 156.0, 19.5),
+    ("L40S", "L40S", 362.1, 183.0, 91.6),
+    ("L4", "L4", 121.0, 60.0, 30.3),
+]
+
+
+def device_peak_tflops(name: str, dtype: str, tf32: bool) -> tuple[str | None, float | None]:
+    """``(datasheet name, peak TFLOP/s)`` of the device called ``name`` for ``dtype``, or ``(None, None)``."""
+    for key, label, bf16, tf32_peak, fp32 in PEAKS:
+        if key in name:
+            if dtype in ("bfloat16", "float16"):
+                return label, bf16
+            return label, tf32_peak if tf32 else fp32
+    return None, None
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict:
     """Cores, threads, versions and load: printed with every table.  ``cpu_id`` (vendor, family,
     model, stepping) and ``cpu_capability`` (the vector instructions ATen dispatches to) tell
     apart machines whose ``cpu`` name is the same: a VM's "AMD EPYC" may be one generation one day
-    and another the next, with other GEMM speeds and other floating-point bits."""
+    and another the next, with other GEMM speeds and other floating-point bits.  On a CUDA
+    ``device`` also the GPU, its memory, the CUDA version and its datasheet peaks."""
     info = {
         "cpu": _cpu_model(),
         "cpu_id": _cpu_id(),
@@ -65,7 +107,28 @@ def machine_info() -> dict:
         info["transformers"] = transformers.__version__
     except ImportError:
         info["transformers"] = None
+    if torch.device(device).type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+        peak_name, bf16_peak = device_peak_tflops(gpu, "bfloat16", tf32)
+        info.update(
+            gpu=gpu,
+            gpu_memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30,
+            cuda=torch.version.cuda,
+            peak_name=peak_name,
+            peak_bf16_tflops=bf16_peak,
+            peak_fp32_tflops=device_peak_tflops(gpu, "float32", tf32)[1],
+            allow_tf32=tf32,
+        )
     return info
+
+
+def package_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` (a peer's package), ``None`` if not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:
@@ -102,17 +165,52 @@ def _cpu_id() -> str | None:
 # ---------------------------------------------------------------------------------- timing
 @dataclass
 class Candidate:
-    """One timed callable.  ``flops`` is the expert (or dense FFN) multiply-add FLOPs per token."""
+    """One timed callable.  ``flops``: the expert (or dense FFN) multiply-add FLOPs per token;
+    ``reset``: frees what the previous call left (gradients), run untimed before every call."""
 
     name: str
-    phase: str  # "train" (forward + backward) or "infer" (inference-mode forward)
+    phase: str  # e.g. "train" (forward + backward) or "infer" (inference-mode forward)
     fn: Callable[[], None]
     flops: int | None = None
     note: str = ""
     times: list[float] = field(default_factory=list)
+    reset: Callable[[], None] | None = None
+    peak_mib: float | None = None
 
 
+#: the host clocks a user picks from; ``interleaved`` also takes ``"cuda"`` (CUDA events)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+class _Timer:
+    """Seconds of one call: CUDA events around it, or a host clock that waits for the device."""
+
+    def __init__(self, clock: str, device: torch.device) -> None:
+        if clock not in (*CLOCKS, "cuda"):
+            raise ValueError(f"clock={clock!r} is not allowed; expected one of {[*CLOCKS, 'cuda']}")
+        self.events = clock == "cuda"
+        self.cuda = device.type == "cuda"
+        if self.events:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+        else:
+            self.now = CLOCKS[clock]
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        if self.events:
+            self.start.record()
+            fn()
+            self.end.record()
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        t0 = self.now()
+        fn()
+        self.sync()
+        return self.now() - t0
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
 
 def interleaved(
@@ -121,36 +219,59 @@ def interleaved(
     warmup: int,
     clock: str = "wall",
     *,
+    device: torch.device | str = "cpu",
     budget: float | None = None,
     min_repeats: int = 3,
     progress: bool | None = None,
+    notes: list[str] | None = None,
 ) -> int:
-    """Time every candidate ``repeats`` times, round-robin, rotating the order each round.
+    """Time every candidate ``repeats`` times, round-robin, rotating the order each round, after
+    ``warmup`` untimed rounds; each call follows its candidate's ``reset``.
 
-    ``clock="cpu"`` measures the process's CPU time (all threads) instead of wall time: on a
-    shared, oversubscribed machine with one torch thread it counts the work done rather than the
-    time spent waiting for a core (with several threads it also counts OpenMP spin-waiting).
+    ``clock``: ``"wall"``, ``"cpu"`` (the process's CPU time, all threads: on a shared,
+    oversubscribed machine with one torch thread it counts the work done rather than the time
+    spent waiting for a core; with several threads it also counts OpenMP spin-waiting) or
+    ``"cuda"`` (CUDA events around each call).
 
     ``budget`` (seconds): stop after the first complete round at which the timed rounds have
     taken longer, but never before ``min(min_repeats, repeats)`` rounds.  ``progress``: print the
-    round on stderr (default: when stderr is a terminal).  Returns the rounds timed.
+    round on stderr (default: when stderr is a terminal).  ``notes``: where a call raises (out of
+    memory above all), its candidate is removed from ``candidates`` with a note in this list and
+    the others go on; without it the error propagates.  Returns the rounds timed.
     """
-    now = CLOCKS[clock]
+    timer = _Timer(clock, torch.device(device))
+
+    def call(c: Candidate, timed: bool) -> bool:
+        if c.reset is not None:
+            c.reset()
+        try:
+            if timed:
+                c.times.append(timer(c.fn))
+            else:
+                c.fn()
+        except Exception as exc:
+            if notes is None:
+                raise
+            notes.append(f"{c.name} {c.phase} dropped: {type(exc).__name__}: {exc}"[:300])
+            if c.reset is not None:
+                c.reset()
+            if timer.cuda:
+                torch.cuda.empty_cache()
+            return False
+        return True
+
     for _ in range(warmup):
-        for c in candidates:
-            c.fn()
-    n = len(candidates)
+        candidates[:] = [c for c in list(candidates) if call(c, timed=False)]
+    timer.sync()
     progress = sys.stderr.isatty() if progress is None else progress
     start = time.perf_counter()
     rounds = 0
     for r in range(repeats):
         if progress:
             print(f"\rround {r + 1}/{repeats}", end="", file=sys.stderr, flush=True)
-        for i in range(n):
-            c = candidates[(r + i) % n]
-            t0 = now()
-            c.fn()
-            c.times.append(now() - t0)
+        n = len(candidates)
+        kept = {id(c) for c in [candidates[(r + i) % n] for i in range(n)] if call(c, timed=True)}
+        candidates[:] = [c for c in candidates if id(c) in kept]
         rounds += 1
         if (
             budget is not None
@@ -171,13 +292,22 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(candidates: list[Candidate], baseline: str = "dense") -> list[dict]:
-    """Medians, quartiles and per-round ratios to the ``baseline`` of the same phase."""
-    base = {c.phase: c for c in candidates if c.name == baseline}
+def ratio_stats(times: list[float], baseline: list[float]) -> tuple[float | None, float | None, float | None]:
+    """Median, 25th and 75th percentiles over rounds of ``t / t_baseline`` within the same round
+    (``None`` without a baseline)."""
+    ratios = [t / tb for t, tb in zip(times, baseline)]
+    if not ratios:
+        return None, None, None
+    return statistics.median(ratios), _quantile(ratios, 0.25), _quantile(ratios, 0.75)
+
+
+def summarize(candidates: list[Candidate]) -> list[dict]:
+    """Medians, quartiles and per-round ratios to the ``dense`` candidate of the same phase."""
+    base = {c.phase: c for c in candidates if c.name == "dense"}
     rows = []
     for c in candidates:
         b = base.get(c.phase)
-        ratios = [t / tb for t, tb in zip(c.times, b.times)] if b is not None else []
+        ratio, ratio_p25, ratio_p75 = ratio_stats(c.times, b.times if b is not None else [])
         rows.append(
             {
                 "name": c.name,
@@ -186,14 +316,92 @@ def summarize(candidates: list[Candidate], baseline: str = "dense") -> list[dict
                 "p25_ms": 1e3 * _quantile(c.times, 0.25),
                 "p75_ms": 1e3 * _quantile(c.times, 0.75),
                 "min_ms": 1e3 * min(c.times),
-                "ratio_to_dense": statistics.median(ratios) if ratios else None,
-                "ratio_p25": _quantile(ratios, 0.25) if ratios else None,
-                "ratio_p75": _quantile(ratios, 0.75) if ratios else None,
+                "max_ms": 1e3 * max(c.times),
+                "rounds": len(c.times),
+                "ratio_to_dense": ratio,
+                "ratio_p25": ratio_p25,
+                "ratio_p75": ratio_p75,
                 "flops_per_token": c.flops,
+                "peak_mib": c.peak_mib,
                 "note": c.note,
             }
         )
     return rows
+
+
+# ---------------------------------------------------------------------------------- memory
+@contextlib.contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """Silence file descriptor 2 (the profiler's C++ start/stop lines), Python's stderr untouched."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int | None:
+    """Peak growth of allocated memory while ``fn()`` runs, over what was allocated before, in bytes.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.  CPU:
+    ``torch.profiler`` with ``profile_memory=True``; the allocation and free records are summed in
+    time order and the running maximum is the peak (``None`` where they cannot be read).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:
+        return None
+    cpu = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
+    records = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() in cpu
+    )
+    running = peak = 0
+    for _, nbytes in records:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def measure_peak_memory(
+    candidates: list[Candidate], device: torch.device | str, notes: list[str] | None = None
+) -> None:
+    """Set each candidate's ``peak_mib`` from one untimed call between two ``reset``s, so that
+    the weights and inputs are not counted and a training step's gradients are.  ``notes``: where
+    a call raises, a note instead of the error (``peak_mib`` stays ``None``)."""
+    for c in candidates:
+        if c.reset is not None:
+            c.reset()
+        try:
+            peak = peak_memory_bytes(c.fn, device)
+        except Exception as exc:
+            if notes is None:
+                raise
+            notes.append(f"{c.name} {c.phase} peak memory not measured: {type(exc).__name__}"[:300])
+            peak = None
+        c.peak_mib = None if peak is None else peak / 2**20
+        if c.reset is not None:
+            c.reset()
 
 
 # ---------------------------------------------------------------------------------- FLOPs
@@ -203,7 +411,6 @@ def expert_flops_per_token(module: nn.Module, top_k: int) -> int:
     moelab ``ExpertBank`` and transformers' ``MixtralExperts``: ``K · 2·(d·h_in + h·d)``;
     :class:`MLP`: ``2·(d·h_in + h·d)`` of its own width.  Router FLOPs are not counted.
     """
-    module = getattr(module, "_orig_mod", module)  # a torch.compile'd module: its original
     if isinstance(module, MoE):
         module = module.experts
     if isinstance(module, ExpertBank):
@@ -230,6 +437,11 @@ def flag_flops(candidates: list[Candidate], reference: int | None, label: str = 
 
 
 # ---------------------------------------------------------------------------------- output
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    """``value`` formatted by ``spec``, ``-`` for ``None``."""
+    return "-" if value is None else format(value, spec)
+
+
 def format_table(rows: list[dict]) -> str:
     head = f"{'candidate':<24} {'phase':<6} {'median ms':>10} {'IQR ms':>17} {'min ms':>9} {'x dense':>8} {'ratio IQR':>13}"
     lines = [head, "-" * len(head)]
@@ -244,8 +456,16 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_document(path: Path, doc: dict, markdown: str | None = None) -> None:
+    """Write a bench's JSON document atomically (and its ``markdown`` beside it, ``path`` with ``.md``)."""
+    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+    if markdown is not None:
+        atomic_write_text(path.with_suffix(".md"), markdown + "\n")
+
+
 # ---------------------------------------------------------------------------------- steps
 def train_step(module: nn.Module, x: Tensor, grad: Tensor) -> Callable[[], None]:
+    """Forward and backward of ``grad`` in training mode, the gradients of the last step freed first."""
     params = list(module.parameters())
 
     def step() -> None:
@@ -254,18 +474,26 @@ def train_step(module: nn.Module, x: Tensor, grad: Tensor) -> Callable[[], None]
         for p in params:
             p.grad = None
         module(x).backward(grad)
-        if x.is_cuda:
-            torch.cuda.synchronize()
 
     return step
 
 
 def infer_step(module: nn.Module, x: Tensor) -> Callable[[], None]:
+    """Forward under ``torch.inference_mode`` in evaluation mode."""
+
     def step() -> None:
         module.eval()
         with torch.inference_mode():
             module(x)
-        if x.is_cuda:
-            torch.cuda.synchronize()
 
     return step
+
+
+def free_grads(module: nn.Module, x: Tensor) -> Callable[[], None]:
+    """A candidate's ``reset``: the gradients of ``module`` and of its input ``x`` freed."""
+
+    def reset() -> None:
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return reset

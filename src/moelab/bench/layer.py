@@ -3,8 +3,8 @@ inference: forward under ``torch.inference_mode``) against the limit, a dense FF
 active width ``K·d_hidden`` (:class:`moelab.experts.MLP`, the same arithmetic with no routing), and
 against transformers' ``MixtralSparseMoeBlock`` in its ``eager`` and ``grouped_mm`` experts
 implementations when transformers is installed — the same widths, SwiGLU (``silu``) experts and
-the very same weights, so routing and FLOPs are identical (checked before timing).  Timing as
-:mod:`moelab.bench.harness` describes.
+the very same weights (:func:`moelab.bench.peers.mixtral_block`), so routing and FLOPs are
+identical (checked before timing).  Timing as :mod:`moelab.bench.harness` describes.
 """
 
 from __future__ import annotations
@@ -31,46 +31,21 @@ from .harness import (
     summarize,
     train_step,
 )
+from .peers import mixtral_peers
 
 __all__ = ["add_arguments", "build_layer_candidates", "run"]
 
 
 # ---------------------------------------------------------------------------------- candidates
-def _mixtral_blocks(layer: MoE, impls: list[str]) -> tuple[dict[str, nn.Module], str]:
-    """transformers' Mixtral sparse block per experts implementation, holding ``layer``'s weights."""
-    try:
-        from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    except ImportError:
-        return {}, "transformers is not installed: Mixtral rows skipped"
-    bank = layer.experts
-    blocks = {}
-    for impl in impls:
-        config = MixtralConfig(
-            hidden_size=bank.d_model,
-            intermediate_size=bank.d_hidden,
-            num_local_experts=bank.num_experts,
-            num_experts_per_tok=layer.top_k,
-            hidden_act="silu",
-            router_jitter_noise=0.0,
-        )
-        config._experts_implementation = impl  # read by MixtralExperts.forward at every call
-        block = MixtralSparseMoeBlock(config)
-        with torch.no_grad():
-            block.gate.weight.copy_(layer.router.weight)
-            block.experts.gate_up_proj.copy_(bank.w_in)  # [gate | up], nn.Linear layout: same as moelab
-            block.experts.down_proj.copy_(bank.w_out)
-        blocks[impl] = block
-    return blocks, ""
-
-
 def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], list[str]]:
     """The candidates of ``bench layer`` (both phases) and notes for skipped ones."""
     torch.manual_seed(args.seed)
     T, d, h, N, K = args.tokens, args.d_model, args.d_hidden, args.num_experts, args.top_k
     notes: list[str] = []
     probe = torch.empty(1, d, device=args.device, dtype=getattr(torch, args.dtype))
-    modules: dict[str, nn.Module] = {"dense": MLP(d, K * h, activation=args.activation)}
+    dense = MLP(d, K * h, activation=args.activation)
+    #: name → (module taking tokens (T, d), expert FLOPs per token)
+    modules: dict[str, tuple[nn.Module, int]] = {"dense": (dense, expert_flops_per_token(dense, K))}
     ref = None
     for impl in args.impl:
         layer = MoE(d, N, K, d_hidden=h, method=args.method, activation=args.activation, impl=impl)
@@ -86,44 +61,42 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
             continue
         resolved = layer.experts.resolved_impl(probe.expand(T, d), K)
         label = f"moelab {impl}" + (f" (={resolved})" if impl == "auto" else "")
-        modules[label] = layer
+        modules[label] = (layer, expert_flops_per_token(layer, K))
     if args.hf and ref is not None:
         if args.activation != "swiglu" or args.method not in ("smoe",):
             notes.append("Mixtral rows skipped: they need --activation swiglu and --method smoe")
         else:
-            blocks, note = _mixtral_blocks(ref, ["eager", "grouped_mm"])
+            peers, note = mixtral_peers(ref)
             if note:
                 notes.append(note)
-            for impl, block in blocks.items():
-                modules[f"mixtral {impl}"] = block
+            for peer in peers:
+                modules[peer.name] = (peer.module, peer.flops)
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    for m in modules.values():
+    for m, _ in modules.values():
         m.to(device, dtype)
     if getattr(args, "compile", None):
         # compiled twins of dense and of each moelab implementation, sharing their weights; the
         # warm-up rounds pay the compilation (train and infer are compiled separately)
         for name in [n for n in modules if n == "dense" or n.startswith("moelab")]:
-            modules[f"compiled {name}"] = torch.compile(modules[name], mode=args.compile, dynamic=False)
-    x2 = torch.randn(T, d).to(device, dtype)
-    x3 = x2.view(1, T, d)  # Mixtral's block wants (batch, seq, d)
+            m, flops = modules[name]
+            modules[f"compiled {name}"] = (torch.compile(m, mode=args.compile, dynamic=False), flops)
+    x = torch.randn(T, d).to(device, dtype)
     grad = torch.randn(T, d).to(device, dtype)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     if ref is not None:  # same weights, same routing: outputs must agree (a parity check, not timing)
         with torch.no_grad():
-            y_ref = ref(x2)
-            for name, m in modules.items():
+            y_ref = ref(x)
+            for name, (m, _) in modules.items():
                 if name.startswith("mixtral"):
-                    y = m(x3).view(T, d)
+                    y = m(x)
                     if not torch.allclose(y, y_ref, atol=tol, rtol=tol):
                         notes.append(f"{name}: output differs from moelab by {(y - y_ref).abs().max():.2e}")
     candidates = []
     for phase in ("train", "infer"):
-        for name, m in modules.items():
-            xin = (x3 if name.startswith("mixtral") else x2).detach().clone().requires_grad_(phase == "train")
-            g = grad.view_as(xin)
-            fn = train_step(m, xin, g) if phase == "train" else infer_step(m, xin)
-            flops = expert_flops_per_token(m, K)
+        for name, (m, flops) in modules.items():
+            xin = x.detach().clone().requires_grad_(phase == "train")
+            fn = train_step(m, xin, grad) if phase == "train" else infer_step(m, xin)
             candidates.append(Candidate(name, phase, fn, flops))
     flag_flops(candidates, candidates[0].flops)
     return candidates, notes
@@ -153,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda; CUDA steps end with a synchronize")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda; the clock waits for the device")
     p.add_argument(
         "--dtype",
         default="float32",
@@ -204,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     candidates, notes = build_layer_candidates(args)
     before = machine_info()
-    interleaved(candidates, args.repeats, args.warmup, args.clock)
+    interleaved(candidates, args.repeats, args.warmup, args.clock, device=args.device)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows = summarize(candidates)
     config = {

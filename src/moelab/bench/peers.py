@@ -1,4 +1,4 @@
-"""Peers of ``moelab bench suite``: other MoE layers built with moelab's router weights.
+"""Peers of ``moelab bench``: other MoE layers built with moelab's router weights.
 
 Each adapter returns a :class:`Peer`: a module mapping tokens ``(T, d)`` to ``(T, d)`` (the peer
 itself wants ``(batch, seq, d)`` and may return a tuple), its expert FLOPs per token computed from
@@ -6,7 +6,7 @@ its weights, and what it does differently from moelab.
 
 * ``mixtral``: transformers' ``MixtralSparseMoeBlock`` in its ``eager`` and ``grouped_mm``
   experts implementations, holding the very weights of a moelab SwiGLU layer
-  (:func:`moelab.bench.layer._mixtral_blocks`).  Same routing, same arithmetic, no token dropped.
+  (:func:`mixtral_block`).  Same routing, same arithmetic, no token dropped.
 * ``stmoe``: ``st_moe_pytorch.MoE`` (``st-moe-pytorch==0.1.8``, after ST-MoE, Zoph et al. 2022).
   Experts are GEGLU FFNs with biases and a learned multiplicative bias:
   ``W2 (gelu(gate) · up · m) + b2`` with ``[up | gate] = W1 x + b1``.  Its gate is top-``n``
@@ -25,11 +25,16 @@ eval; note: ``T``, not ``K·T``, so with ``K ≥ 2`` slots are dropped even unde
 balance), slots over capacity are dropped, and dispatch and combine are dense one-hot einsums
 over a ``(T, N, C)`` tensor.  Every expert runs on its ``C`` buffer rows whether filled or not:
 :func:`capacity_stats` measures ``C`` and the kept slots from the gate's combine tensor.
+
+The GPU grid (``--device cuda``, :mod:`moelab.bench.gpu`) takes the dropless peers of
+:data:`GPU_PEER_ADAPTERS` (megablocks' ``dMoE``, torchtitan's ``MoE``, sonic-moe's ``MoE``), each
+built from a moelab SwiGLU layer's weights when its package is installed.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,14 +42,16 @@ from torch import Tensor, nn
 
 from ..layer import MoE
 from .harness import expert_flops_per_token
-from .layer import _mixtral_blocks
 
 __all__ = [
+    "GPU_PEER_ADAPTERS",
     "PEERS",
+    "Batched",
     "Peer",
     "capacity_stats",
     "default_policy_skip",
     "lucidrains_peer",
+    "mixtral_block",
     "mixtral_peers",
     "stmoe_peer",
 ]
@@ -66,9 +73,15 @@ class Batched(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.peer(x.unsqueeze(0))
-        if isinstance(out, tuple):
-            out = out[0]
-        return out.view(x.shape)
+        return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
+
+
+class SeqFirst(Batched):
+    """Tokens ``(T, d)`` → ``peer(x.view(T, 1, d))`` → ``(T, d)`` (megablocks: sequence first)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.peer(x.unsqueeze(1))
+        return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
 
 
 @dataclass
@@ -85,9 +98,46 @@ class Peer:
     note: str = ""
 
 
+def mixtral_block(layer: MoE, impl: str, *, share: bool = False) -> nn.Module:
+    """transformers' ``MixtralSparseMoeBlock`` with the ``impl`` experts implementation
+    (``"eager"``, ``"grouped_mm"``) computing ``layer``'s function (a moelab SwiGLU ``smoe``
+    layer): its router and expert weights copied, or with ``share=True`` its very parameters
+    (nothing allocated: the GPU grid's weights take gigabytes).  Mixtral's ``gate_up_proj`` is
+    ``[gate | up]`` in ``nn.Linear`` layout, as moelab's ``w_in``.  ``ImportError`` without
+    transformers."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    bank = layer.experts
+    config = MixtralConfig(
+        hidden_size=bank.d_model,
+        intermediate_size=bank.d_hidden,
+        num_local_experts=bank.num_experts,
+        num_experts_per_tok=layer.top_k,
+        hidden_act="silu",
+        router_jitter_noise=0.0,
+    )
+    config._experts_implementation = impl  # read by MixtralExperts.forward at every call
+    with torch.device("meta"):
+        block = MixtralSparseMoeBlock(config)
+    take = (lambda p: p) if share else (lambda p: nn.Parameter(p.detach().clone()))
+    block.gate.weight = take(layer.router.weight)
+    block.experts.gate_up_proj = take(bank.w_in)
+    block.experts.down_proj = take(bank.w_out)
+    left = [n for n, p in block.named_parameters() if p.is_meta] + [
+        n for n, b in block.named_buffers() if b.is_meta
+    ]
+    if left:
+        raise RuntimeError(f"Mixtral parameters not taken from moelab: {left}")
+    return block
+
+
 def mixtral_peers(layer: MoE) -> tuple[list[Peer], str]:
-    """transformers' Mixtral block, ``eager`` and ``grouped_mm``, holding ``layer``'s weights."""
-    blocks, note = _mixtral_blocks(layer, ["eager", "grouped_mm"])
+    """transformers' Mixtral block, ``eager`` and ``grouped_mm``, holding copies of ``layer``'s weights."""
+    try:
+        blocks = {impl: mixtral_block(layer, impl) for impl in ("eager", "grouped_mm")}
+    except ImportError:
+        return [], "transformers is not installed: Mixtral rows skipped"
     peers = [
         Peer(
             f"mixtral {impl}",
@@ -98,7 +148,7 @@ def mixtral_peers(layer: MoE) -> tuple[list[Peer], str]:
         )
         for impl, block in blocks.items()
     ]
-    return peers, note
+    return peers, ""
 
 
 def stmoe_peer(router_weight: Tensor, top_k: int, d_hidden: int) -> tuple[Peer | None, str]:
@@ -208,3 +258,97 @@ def default_policy_skip(weights: Tensor) -> float:
     if rest.numel() == 0:
         return 0.0
     return float((1 - rest / DEFAULT_THRESHOLD).clamp_min(0).mean())
+
+
+# ---------------------------------------------------------------------------------- GPU peers
+def _megablocks(layer: MoE, dtype: torch.dtype) -> nn.Module:
+    from megablocks.layers.arguments import Arguments
+    from megablocks.layers.dmoe import dMoE
+
+    bank, d, h, n = layer.experts, layer.d_model, layer.experts.d_hidden, layer.num_experts
+    margs = Arguments(
+        hidden_size=d,
+        ffn_hidden_size=h,
+        moe_num_experts=n,
+        moe_top_k=layer.top_k,
+        mlp_type="glu",
+        mlp_impl="grouped",
+        activation_fn=torch.nn.functional.silu,
+        bf16=dtype == torch.bfloat16,
+        fp16=False,
+        device=bank.w_in.device,
+        moe_normalize_expert_weights=1.0,
+        return_bias=False,
+    )
+    moe = dMoE(margs)
+    with torch.no_grad():
+        moe.router.layer.weight.copy_(layer.router.weight)
+        moe.experts.mlp.w1.copy_(bank.w_in[:, :h].reshape(n * h, d))
+        moe.experts.mlp.v1.copy_(bank.w_in[:, h:].reshape(n * h, d))
+        moe.experts.mlp.w2.copy_(bank.w_out.transpose(1, 2).reshape(n * h, d))
+    return SeqFirst(moe.to(dtype))
+
+
+def _torchtitan(layer: MoE, dtype: torch.dtype) -> nn.Module:
+    try:
+        from torchtitan.models.moe import MoE as TitanMoE
+        from torchtitan.models.moe import MoEArgs
+    except ImportError:
+        from torchtitan.models.moe.moe import MoE as TitanMoE
+        from torchtitan.models.moe.moe import MoEArgs
+    bank, h = layer.experts, layer.experts.d_hidden
+    margs = MoEArgs(
+        num_experts=layer.num_experts,
+        num_shared_experts=layer.num_shared,
+        top_k=layer.top_k,
+        score_func="softmax",
+        route_norm=True,
+        score_before_experts=False,
+        use_grouped_mm=True,
+        load_balance_coeff=None,
+    )
+    with torch.device(bank.w_in.device):
+        moe = TitanMoE(margs, dim=layer.d_model, hidden_dim=h)
+    with torch.no_grad():
+        moe.router.gate.weight.copy_(layer.router.weight)
+        moe.experts.w1.copy_(bank.w_in[:, :h])
+        moe.experts.w3.copy_(bank.w_in[:, h:])
+        moe.experts.w2.copy_(bank.w_out)
+        if layer.shared is not None:
+            sh = layer.num_shared * h
+            moe.shared_experts.w1.weight.copy_(layer.shared.fc_in.weight[:sh])
+            moe.shared_experts.w3.weight.copy_(layer.shared.fc_in.weight[sh:])
+            moe.shared_experts.w2.weight.copy_(layer.shared.fc_out.weight)
+    return Batched(moe.to(dtype))
+
+
+def _sonic(layer: MoE, dtype: torch.dtype) -> nn.Module:
+    from sonicmoe import MoE as SonicMoE
+    from sonicmoe.enums import ActivationType
+
+    bank = layer.experts
+    moe = SonicMoE(
+        num_experts=layer.num_experts,
+        num_experts_per_tok=layer.top_k,
+        hidden_size=layer.d_model,
+        intermediate_size=bank.d_hidden,
+        activation_function=ActivationType.SWIGLU,
+        add_bias=False,
+        std=0.02,
+    ).to(device=bank.w_in.device, dtype=dtype)
+    with torch.no_grad():
+        moe.router.weight.copy_(layer.router.weight)
+    return Batched(moe)
+
+
+#: GPU peer name → (distribution whose version is recorded, adapter from a moelab SwiGLU layer and
+#: a dtype to a ``(T, d) → (T, d)`` module, what its row must say whatever its output)
+GPU_PEER_ADAPTERS: dict[str, tuple[str, Callable[[MoE, torch.dtype], nn.Module], str]] = {
+    "megablocks": ("megablocks", _megablocks, ""),
+    "torchtitan": ("torchtitan", _torchtitan, ""),
+    "sonic-moe": (
+        "sonic-moe",
+        _sonic,
+        "expert weights its own (layout not mapped from moelab's); router weight shared",
+    ),
+}

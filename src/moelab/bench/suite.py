@@ -60,9 +60,9 @@ of ``T·K/N`` rows instead of one of ``T``, over ``N/K`` times the weights.
 
 **Peak memory** (``peak_mib``): the peak growth of allocated memory during one call, over what was
 allocated before it, from a state without gradients (weights and inputs are not counted; a
-training step's activations, temporaries and gradients are).  CUDA: ``torch.cuda.max_memory_allocated``
-after ``reset_peak_memory_stats``.  CPU: ``torch.profiler`` with ``profile_memory=True``; the
-allocation and free records are summed in time order and the running maximum is the peak.
+training step's activations, temporaries and gradients are): ``torch.profiler`` with
+``profile_memory=True``, the allocation and free records summed in time order, the running maximum
+the peak (:func:`moelab.bench.harness.peak_memory_bytes`).
 
 **Budget.**  ``--repeats`` rounds per case, cut short once the timed rounds of the case have taken
 ``--budget`` seconds (never fewer than 3 rounds); ``rounds`` records how many ran.
@@ -112,7 +112,6 @@ from torch import Tensor, nn
 from .. import _validate
 from ..experts import MLP, ExpertBank, sort_slots
 from ..experts.kernels import grouped_rows, loop_rows
-from ..io.atomic import atomic_write_text
 from ..layer import MoE
 from .gpu import GPU_PEERS, GPU_TOKENS, MODELS, run_gpu
 from .harness import (
@@ -120,11 +119,16 @@ from .harness import (
     Candidate,
     expert_flops_per_token,
     flag_flops,
+    fmt,
+    free_grads,
     infer_step,
     interleaved,
     machine_info,
+    measure_peak_memory,
+    ratio_stats,
     summarize,
     train_step,
+    write_document,
 )
 from .peers import (
     PEERS,
@@ -141,21 +145,17 @@ from .workload import (
     ZIPF_EXPONENT,
     ZIPF_MARGIN,
     favourite_experts,
+    int_list,
     load_stats,
-    peak_memory_bytes,
+    name_list,
     routed_inputs,
 )
-from .workload import int_list as _ints
-from .workload import name_list as _names
 
 __all__ = [
-    "ROUTINGS",
     "Case",
     "add_arguments",
-    "favourite_experts",
-    "load_stats",
-    "peak_memory_bytes",
-    "routed_inputs",
+    "experts_only",
+    "markdown_summary",
     "run",
     "weights_read_bound",
 ]
@@ -239,12 +239,12 @@ def parse_grid(args: argparse.Namespace) -> list[Case]:
     _validate.one_of("--dtype", args.dtype, ("float32", "bfloat16"))
     args.repeats = 30 if args.repeats is None else args.repeats
     args.budget = 30.0 if args.budget is None else args.budget
-    tokens = _ints("--tokens", args.tokens)
+    tokens = int_list("--tokens", args.tokens)
     shapes = _shapes(args.shapes)
-    widths = _ints("--d-model", args.d_model)
-    routings = _names("--routing", args.routing, ROUTINGS)
-    threads = _ints("--threads", args.threads)
-    args.peer_list = _names("--peers", args.peers, PEERS, empty_ok=True)
+    widths = int_list("--d-model", args.d_model)
+    routings = name_list("--routing", args.routing, ROUTINGS)
+    threads = int_list("--threads", args.threads)
+    args.peer_list = name_list("--peers", args.peers, PEERS, empty_ok=True)
     _validate.positive_int("--repeats", args.repeats)
     _validate.int_in_range("--warmup", args.warmup, 0, 1 << 20)
     _validate.positive("--budget", args.budget)
@@ -257,10 +257,8 @@ def parse_grid(args: argparse.Namespace) -> list[Case]:
         "threads": threads,
         "peers": args.peer_list,
     }
-    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
-        raise ValueError(
-            f"--device={args.device!r} is not allowed; expected 'cpu' or 'cuda' (with a CUDA device)"
-        )
+    if args.device != "cpu":  # "cuda" is the GPU grid (moelab.bench.gpu), run before this
+        raise ValueError(f"--device={args.device!r} is not allowed; expected 'cpu' or 'cuda'")
     return [
         Case(t, n, k, h, d, r, th)
         for th in threads
@@ -271,7 +269,6 @@ def parse_grid(args: argparse.Namespace) -> list[Case]:
     ]
 
 
-# ---------------------------------------------------------------------------------- routing
 # ---------------------------------------------------------------------------------- bound
 def weights_read_bound(bank: ExpertBank, x: Tensor, indices: Tensor) -> tuple[Callable[[], None], int, int]:
     """The weights-read bound of ``bank`` for tokens ``x (T, d)`` routed to ``indices (T, K)``.
@@ -289,14 +286,12 @@ def weights_read_bound(bank: ExpertBank, x: Tensor, indices: Tensor) -> tuple[Ca
             b_out = None if bank.b_out is None else bank.b_out[e].contiguous()
             work.append((x.index_select(0, rows).contiguous(), w_in, b_in, w_out, b_out))
             nbytes += sum(t.numel() * t.element_size() for t in (w_in, w_out, b_in, b_out) if t is not None)
-    act, cuda = bank.act, x.is_cuda
+    act = bank.act
 
     def step() -> None:
         with torch.inference_mode():
             for xs, w_in, b_in, w_out, b_out in work:
                 F.linear(act(F.linear(xs, w_in, b_in)), w_out, b_out)
-        if cuda:
-            torch.cuda.synchronize()
 
     return step, len(work), nbytes
 
@@ -308,8 +303,6 @@ class SuiteCandidate(Candidate):
     computed_flops: int | None = None  # FLOPs/token a capacity peer actually computes in this phase
     drops_tokens: bool = False
     dropped_fraction: float | None = None
-    peak_mib: float | None = None
-    reset: Callable[[], None] | None = None  # frees the gradients of the previous step
 
 
 def experts_only(
@@ -337,7 +330,6 @@ def experts_only(
         )
 
     xs_train = xs.clone().requires_grad_()
-    cuda = x.is_cuda
 
     def train() -> None:
         bank.train()
@@ -345,24 +337,12 @@ def experts_only(
         for p in bank.parameters():
             p.grad = None
         run(xs_train).backward(g)
-        if cuda:
-            torch.cuda.synchronize()
 
     def infer() -> None:
         with torch.inference_mode():
             run(xs)
-        if cuda:
-            torch.cuda.synchronize()
 
-    return [("train", train, _free_grads(bank, xs_train)), ("infer", infer, None)]
-
-
-def _free_grads(module: nn.Module, x: Tensor) -> Callable[[], None]:
-    def reset() -> None:
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-
-    return reset
+    return [("train", train, free_grads(bank, xs_train)), ("infer", infer, None)]
 
 
 def _capacity_estimate_gib(peer_name: str, case: Case) -> float:
@@ -512,7 +492,7 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
                     flops,
                     note=p.note if p is not None else "",
                     group=gname,
-                    reset=_free_grads(m, xin),
+                    reset=free_grads(m, xin),
                 )
                 if p is not None and p.capacity:
                     c.drops_tokens = True
@@ -538,34 +518,23 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
 
 
 def _rows(candidates: list[SuiteCandidate]) -> list[dict]:
-    """One row per candidate: :func:`moelab.bench.harness.summarize` per group, plus the suite's columns."""
+    """One row per candidate: :func:`moelab.bench.harness.summarize` per group, plus the suite's
+    columns (the ratios to the group's ``bound`` and ``experts`` of the same phase)."""
     rows = []
     for gname in dict.fromkeys(c.group for c in candidates):
         members = [c for c in candidates if c.group == gname]
-        by_bound = {}
-        if any(c.name == "bound" for c in members):
-            infer = [c for c in members if c.phase == "infer"]
-            by_bound = {r["name"]: r for r in summarize(infer, baseline="bound")}
-        by_experts = {}
-        if any(c.name == "experts" for c in members):
-            by_experts = {(r["name"], r["phase"]): r for r in summarize(members, baseline="experts")}
+        units = {(c.name, c.phase): c for c in members if c.name in ("bound", "experts")}
         for c, r in zip(members, summarize(members)):
-            b = by_bound.get(c.name) if c.phase == "infer" else None
-            ex = by_experts.get((c.name, c.phase))
+            bound, experts = units.get(("bound", c.phase)), units.get(("experts", c.phase))
             rows.append(
                 {
                     "name": r["name"],
                     "group": gname,
                     "phase": r["phase"],
-                    "median_ms": r["median_ms"],
-                    "p25_ms": r["p25_ms"],
-                    "p75_ms": r["p75_ms"],
-                    "min_ms": r["min_ms"],
-                    "ratio_to_dense": r["ratio_to_dense"],
-                    "ratio_p25": r["ratio_p25"],
-                    "ratio_p75": r["ratio_p75"],
-                    "ratio_to_bound": b["ratio_to_dense"] if b is not None else None,
-                    "ratio_to_experts": ex["ratio_to_dense"] if ex is not None else None,
+                    **{k: r[k] for k in ("median_ms", "p25_ms", "p75_ms", "min_ms")},
+                    **{k: r[k] for k in ("ratio_to_dense", "ratio_p25", "ratio_p75")},
+                    "ratio_to_bound": ratio_stats(c.times, bound.times)[0] if bound else None,
+                    "ratio_to_experts": ratio_stats(c.times, experts.times)[0] if experts else None,
                     "flops_per_token": c.flops,
                     "computed_flops_per_token": c.computed_flops if c.computed_flops is not None else c.flops,
                     "drops_tokens": c.drops_tokens,
@@ -586,11 +555,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
         candidates, args.repeats, args.warmup, args.clock, budget=args.budget, progress=False
     )
     if args.memory:
-        for c in candidates:
-            if c.reset is not None:
-                c.reset()
-            peak = peak_memory_bytes(c.fn, args.device)
-            c.peak_mib = None if peak is None else peak / 2**20
+        measure_peak_memory(candidates, args.device)
     return {
         "key": case.key,
         "tokens": case.tokens,
@@ -639,10 +604,6 @@ def summary_row(case: dict) -> dict:
     return out
 
 
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def format_case(case: dict) -> str:
     load = case["load"]
     lines = [
@@ -653,13 +614,13 @@ def format_case(case: dict) -> str:
     ]
     lines.append("-" * len(lines[-1]))
     for r in case["rows"]:
-        riqr = f"{_fmt(r['ratio_p25'])}-{_fmt(r['ratio_p75'])}" if r["ratio_p25"] is not None else "-"
+        riqr = f"{fmt(r['ratio_p25'])}-{fmt(r['ratio_p75'])}" if r["ratio_p25"] is not None else "-"
         lines.append(
             f"{r['name']:<20} {r['group']:<11} {r['phase']:<5} {r['median_ms']:>10.3f} "
-            f"{r['p25_ms']:>8.3f}-{r['p75_ms']:<8.3f} {_fmt(r['ratio_to_dense']):>7} {riqr:>11} "
-            f"{_fmt(r['ratio_to_bound']):>7} {_fmt(r.get('ratio_to_experts')):>9} {r['flops_per_token'] / 1e6:>9.3f} "
-            f"{r['computed_flops_per_token'] / 1e6:>9.3f} {_fmt(r['dropped_fraction'], '.1%'):>7} "
-            f"{_fmt(r['peak_mib'], '.1f'):>8}" + (f"  {r['note']}" if r["note"] else "")
+            f"{r['p25_ms']:>8.3f}-{r['p75_ms']:<8.3f} {fmt(r['ratio_to_dense']):>7} {riqr:>11} "
+            f"{fmt(r['ratio_to_bound']):>7} {fmt(r.get('ratio_to_experts')):>9} {r['flops_per_token'] / 1e6:>9.3f} "
+            f"{r['computed_flops_per_token'] / 1e6:>9.3f} {fmt(r['dropped_fraction'], '.1%'):>7} "
+            f"{fmt(r['peak_mib'], '.1f'):>8}" + (f"  {r['note']}" if r["note"] else "")
         )
     lines += [f"note: {n}" for n in case["notes"]]
     return "\n".join(lines)
@@ -678,11 +639,11 @@ def format_summary(summary: list[dict]) -> str:
     ]
     for s in summary:
         lines.append(
-            f"{s['key']:<52} {s['top_share']:>5.2f} {_fmt(s['moelab_dense_train']):>6} "
-            f"{_fmt(s['moelab_dense_infer']):>6} {_best_peer(s, 'train'):>30} {_best_peer(s, 'infer'):>30} "
-            f"{_fmt(s['moelab_bound']):>12} {_fmt(s.get('moelab_experts_train')):>6} "
-            f"{_fmt(s.get('moelab_experts_infer')):>7} {_fmt(s.get('experts_dense_train')):>6} "
-            f"{_fmt(s.get('experts_dense_infer')):>7}"
+            f"{s['key']:<52} {s['top_share']:>5.2f} {fmt(s['moelab_dense_train']):>6} "
+            f"{fmt(s['moelab_dense_infer']):>6} {_best_peer(s, 'train'):>30} {_best_peer(s, 'infer'):>30} "
+            f"{fmt(s['moelab_bound']):>12} {fmt(s.get('moelab_experts_train')):>6} "
+            f"{fmt(s.get('moelab_experts_infer')):>7} {fmt(s.get('experts_dense_train')):>6} "
+            f"{fmt(s.get('experts_dense_infer')):>7}"
         )
     return "\n".join(lines)
 
@@ -880,7 +841,7 @@ def run(args: argparse.Namespace) -> int:
             doc["cases"].append(record)
             doc["summary"] = [summary_row(c) for c in doc["cases"]]
             if args.out is not None:
-                atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
+                write_document(args.out, doc)
             show(format_case(record) + "\n")
     finally:
         torch.set_num_threads(threads)
@@ -918,10 +879,10 @@ def markdown_summary(doc: dict) -> str:
     for case, s in zip(doc["cases"], doc["summary"]):
         lines.append(
             f"| {case['tokens']} | {case['num_experts']}×{case['top_k']}×{case['d_hidden']} | {case['d_model']} "
-            f"| {case['routing']} | {case['threads']} | {s['top_share']:.2f} | {_fmt(s['moelab_dense_train'])} "
-            f"| {_fmt(s['moelab_dense_infer'])} | {_fmt(s.get('moelab_experts_train'))} "
-            f"| {_fmt(s.get('moelab_experts_infer'))} | {_fmt(s.get('experts_dense_train'))} "
-            f"| {_fmt(s.get('experts_dense_infer'))} | {_fmt(s['moelab_bound'])} | {_best_peer(s, 'train')} "
+            f"| {case['routing']} | {case['threads']} | {s['top_share']:.2f} | {fmt(s['moelab_dense_train'])} "
+            f"| {fmt(s['moelab_dense_infer'])} | {fmt(s.get('moelab_experts_train'))} "
+            f"| {fmt(s.get('moelab_experts_infer'))} | {fmt(s.get('experts_dense_train'))} "
+            f"| {fmt(s.get('experts_dense_infer'))} | {fmt(s['moelab_bound'])} | {_best_peer(s, 'train')} "
             f"| {_best_peer(s, 'infer')} |"
         )
     return "\n".join(lines)

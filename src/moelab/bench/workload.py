@@ -1,14 +1,9 @@
 """Workloads shared by the ``moelab bench suite`` grids (CPU: :mod:`moelab.bench.suite`; GPU:
 :mod:`moelab.bench.gpu`): list parsing of the grid flags, the routings (``balanced``, ``zipf``)
-imposed through the inputs, the realised load, and the peak-memory probe.  See
-:mod:`moelab.bench.suite` for what each means."""
+imposed through the inputs, and the realised load.  See :mod:`moelab.bench.suite` for what each
+means."""
 
 from __future__ import annotations
-
-import contextlib
-import os
-import sys
-from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -24,7 +19,6 @@ __all__ = [
     "int_list",
     "load_stats",
     "name_list",
-    "peak_memory_bytes",
     "routed_inputs",
 ]
 
@@ -102,55 +96,3 @@ def load_stats(indices: Tensor, num_experts: int, favourites: Tensor | None = No
     if favourites is not None:
         out["favourite_hit"] = float((indices[:, 0].cpu() == favourites).double().mean())
     return out
-
-
-# ---------------------------------------------------------------------------------- memory
-@contextlib.contextmanager
-def _quiet_fd2() -> Iterator[None]:
-    """Silence file descriptor 2 (the profiler's C++ start/stop lines), Python's stderr untouched."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int | None:
-    """Peak growth of allocated memory while ``fn()`` runs, in bytes (see the module docstring).
-
-    ``None`` where the CPU profiler's allocation records cannot be read.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    try:
-        events = prof.profiler.kineto_results.events()
-    except AttributeError:
-        return None
-    cpu = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
-    records = sorted(
-        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() in cpu
-    )
-    running = peak = 0
-    for _, nbytes in records:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
