@@ -200,6 +200,18 @@ def test_a_runs_own_config_yaml_is_accepted_back_by_config(corpus, tmp_path):
     assert yaml.safe_load((third / "config.yaml").read_text())["train"]["seed"] == 5
 
 
+def test_the_optimizer_flags_reach_config_yaml_and_come_back_from_it(corpus, tmp_path):
+    import yaml
+
+    first, again = tmp_path / "first", tmp_path / "again"
+    assert main([*tiny_args(corpus, first), "--weight-decay", "0.05"]) == 0
+    train = yaml.safe_load((first / "config.yaml").read_text())["train"]
+    assert (train["optimizer"], train["weight_decay"]) == ("adamw", 0.05)
+    assert main(["train", "--config", str(first / "config.yaml"), "--out", str(again), "--no-progress"]) == 0
+    assert yaml.safe_load((again / "config.yaml").read_text())["train"] == train
+    assert _config_of("--optimizer", "adam").train.optimizer == "adam"
+
+
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("moelab train: error:"), err
@@ -221,7 +233,8 @@ def test_force_leaves_nothing_of_the_old_run_for_resume_to_continue(corpus, tmp_
     "change,flag",
     [(["--steps", "6"], "--steps=6"), (["--lr", "0.01"], "--lr=0.01"), (["--seed", "3"], "--seed=3"),
      (["--method", "xmoe"], "--method='xmoe'"), (["--layers", "1"], "--layers=1"),
-     (["--d-hidden", "8"], "--d-hidden=8")],
+     (["--d-hidden", "8"], "--d-hidden=8"), (["--weight-decay", "0.1"], "--weight-decay=0.1"),
+     (["--optimizer", "adam"], "--optimizer='adam'")],
 )  # fmt: skip
 def test_resume_refuses_changed_flags_in_one_line(corpus, tmp_path, capsys, change, flag):
     out = tmp_path / "run"

@@ -31,6 +31,7 @@ from ..data.text import TextData, load_text
 from ..io.rundir import RUN_ENTRIES, RunDir, atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TransformerLM, count_parameters, lm_config
+from ..optim import OPTIMIZERS
 from ..schedules import LR_SCHEDULES, build_competition_schedule, split_schedule_options
 from ..train.parallel import process_group
 from ..train.trainer import TrainConfig, Trainer, TrainingError
@@ -317,6 +318,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         test_tokens=getattr(args, "test_tokens", None),
         ckpt_every=pick("ckpt_every"),
         seed=args.seed,
+        weight_decay=args.weight_decay,
+        optimizer=args.optimizer,
     )
     return RunConfig(
         data=args.data,
@@ -489,7 +492,7 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lr",
         type=float,
-        help="Adam learning rate (preset default: 7e-4 as CompeteSMoE (2024); cpu, demo and mini 2e-3)",
+        help="learning rate (preset default: 7e-4 as CompeteSMoE (2024); cpu, demo and mini 2e-3)",
     )
     p.add_argument(
         "--schedule",
@@ -501,6 +504,19 @@ def add_lm_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grad-clip", type=float, default=1.0, dest="grad_clip", help="max gradient norm (0: off)"
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=list(OPTIMIZERS),
+        help="adamw (decoupled weight decay on the weight matrices only) or adam (no weight decay)",
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        dest="weight_decay",
+        help="AdamW's weight decay on the matrices (default 0: CompeteSMoE (2024) trains without)",
     )
     p.add_argument("--eval-every", type=int, dest="eval_every", help="validate every N steps")
     p.add_argument("--eval-tokens", type=int, dest="eval_tokens", help="validation tokens per evaluation")
@@ -616,7 +632,7 @@ def _flags_of(config: RunConfig, path: str) -> dict[str, Any]:
 #: the TrainConfig fields a flag sets
 _TRAIN_FLAGS = (
     "steps", "batch_size", "lr", "schedule", "warmup", "grad_clip", "eval_every", "eval_tokens",
-    "test_tokens", "ckpt_every", "seed",
+    "test_tokens", "ckpt_every", "seed", "weight_decay", "optimizer",
 )  # fmt: skip
 
 
