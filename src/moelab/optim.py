@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 #: ``adam``: torch.optim.Adam without weight decay; ``adamw``: torch.optim.AdamW (Loshchilov &
-#: Hutter, decoupled weight decay), the decay on the matrices only
+#: Hutter 2019, decoupled weight decay), the decay on the matrices only
 OPTIMIZERS = ("adam", "adamw")
 
 
