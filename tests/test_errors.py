@@ -109,6 +109,12 @@ def test_missing_config_file(capsys, tmp_path):
         (["--ckpt-every", "-1"], "--ckpt-every=-1 is not allowed; expected an integer in [0,"),
         (["--warmup", "-3"], "warmup=-3 is not allowed; expected an integer in [0,"),
         (["--seed", "-1"], "seed=-1 is not allowed; expected an integer in [0,"),
+        (["--weight-decay", "-1"], "--weight-decay=-1.0 is not allowed; expected a number >= 0"),
+        (["--weight-decay", "inf"], "--weight-decay=inf is not allowed; expected a number >= 0"),
+        (
+            ["--optimizer", "adam", "--weight-decay", "0.1"],
+            "optimizer='adam' with weight_decay=0.1 is not allowed; expected weight_decay=0 with adam",
+        ),
     ],
 )
 def test_bad_train_flags_fail_before_the_data_is_read(capsys, tmp_path, argv, message):

@@ -126,6 +126,22 @@ def test_finetune_cli_reports_accuracy(pretrained, reviews, tmp_path, capsys):
     assert config.task == "lm" and tok.vocab_size == 256
 
 
+def test_finetune_records_its_optimizer_and_refuses_adam_with_a_decay(pretrained, reviews, tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "ft"
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--steps", "2", "--no-progress"]
+    assert main([*base, "--out", str(out), "--weight-decay", "0.01"]) == 0
+    train = yaml.safe_load((out / "config.yaml").read_text())["train"]
+    assert (train["optimizer"], train["weight_decay"]) == ("adamw", 0.01)
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "o"), "--optimizer", "adam", "--weight-decay", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "optimizer='adam' with weight_decay=0.01 is not allowed" in err and len(err.strip().splitlines()) == 1
+    )
+
+
 def test_finetune_cli_errors_exit_2(pretrained, reviews, tmp_path, capsys):
     assert (
         main(

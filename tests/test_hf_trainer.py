@@ -58,6 +58,28 @@ def _train_logs(trainer) -> list[dict]:
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
+# ------------------------------------------------------------------------------------ weight decay
+def test_weight_decay_skips_moelabs_temperatures_and_expert_bias_stacks(tmp_path):
+    model = _model("xmoe")
+    trainer = MoETrainer(model=model, args=_args(tmp_path, weight_decay=0.1), train_dataset=_data())
+    by_transformers = set(transformers.Trainer.get_decay_parameter_names(trainer, model))
+    ours = set(trainer.get_decay_parameter_names(model))
+    vectors = {
+        n for n in by_transformers if n.endswith(("router.temperature", "experts.b_in", "experts.b_out"))
+    }
+    assert (
+        len(vectors) == 3 * 2
+    )  # two MoE layers; transformers alone would decay them (their names say nothing)
+    assert ours == by_transformers - vectors
+    assert any(n.endswith("experts.w_in") for n in ours) and any(
+        n.endswith("router.embeddings") for n in ours
+    )
+    optimizer = trainer.create_optimizer()
+    shapes = {id(p): (n, p.dim()) for n, p in model.named_parameters()}
+    decayed = [shapes[id(p)] for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]]
+    assert decayed and all(dim >= 2 and name not in vectors for name, dim in decayed)
+
+
 # ------------------------------------------------------------------------------------ schedules
 def test_competesmoe_builds_its_competition_schedule_and_competes_on_its_steps(tmp_path):
     model = _model()

@@ -200,6 +200,21 @@ def test_a_runs_own_config_yaml_is_accepted_back_by_config(corpus, tmp_path):
     assert yaml.safe_load((third / "config.yaml").read_text())["seed"] == 5
 
 
+def test_the_optimizer_flags_reach_config_yaml_and_come_back_from_it(corpus, tmp_path):
+    import yaml
+
+    first, again = tmp_path / "first", tmp_path / "again"
+    assert main([*tiny_args(corpus, first), "--weight-decay", "0.05"]) == 0
+    train = yaml.safe_load((first / "config.yaml").read_text())
+    assert (train["optimizer"], train["weight_decay"]) == ("adamw", 0.05)
+    assert main(["train", "--config", str(first / "config.yaml"), "--out", str(again), "--no-progress"]) == 0
+    again_config = yaml.safe_load((again / "config.yaml").read_text())
+    assert {k: again_config[k] for k in ("optimizer", "weight_decay", "steps", "lr")} == {
+        k: train[k] for k in ("optimizer", "weight_decay", "steps", "lr")
+    }
+    assert _config_of("--optimizer", "adam").optimizer == "adam"
+
+
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("moelab train: error:"), err
@@ -221,7 +236,8 @@ def test_force_leaves_nothing_of_the_old_run_for_resume_to_continue(corpus, tmp_
     "change,flag",
     [(["--steps", "6"], "--steps=6"), (["--lr", "0.01"], "--lr=0.01"), (["--seed", "3"], "--seed=3"),
      (["--method", "xmoe"], "--method='xmoe'"), (["--layers", "1"], "--layers=1"),
-     (["--d-hidden", "8"], "--d-hidden=8")],
+     (["--d-hidden", "8"], "--d-hidden=8"), (["--weight-decay", "0.1"], "--weight-decay=0.1"),
+     (["--optimizer", "adam"], "--optimizer='adam'")],
 )  # fmt: skip
 def test_resume_refuses_changed_flags_in_one_line(corpus, tmp_path, capsys, change, flag):
     out = tmp_path / "run"
@@ -503,7 +519,7 @@ def finished_run(corpus, tmp_path_factory):
 
 
 _DAMAGED_CONFIGS = {
-    "truncated": (lambda good: good[: len(good) // 2], "is not allowed; expected"),
+    "truncated": (lambda good: good[: len(good) // 2], "config.yaml'"),
     "a list": (lambda good: "- 1\n- 2\n", "must hold a mapping"),
     "a scalar": (lambda good: "42\n", "must hold a mapping"),
     "bad syntax": (lambda good: "task: lm\n  bad: [\n", "is not valid YAML"),

@@ -50,11 +50,31 @@ def test_lr_factor_matches_the_formulas():
         (dict(lr=0.0), "lr=0.0 is not allowed"),
         (dict(schedule="step"), "schedule='step' is not allowed"),
         (dict(grad_clip=-1.0), "grad_clip=-1.0 is not allowed"),
+        (dict(optimizer="sgd"), r"optimizer='sgd' is not allowed; expected one of \['adam', 'adamw'\]"),
+        (dict(weight_decay=-0.1), "weight_decay=-0.1 is not allowed; expected a number >= 0"),
+        (
+            dict(optimizer="adam", weight_decay=0.1),
+            "optimizer='adam' with weight_decay=0.1 is not allowed; expected weight_decay=0 with adam",
+        ),
     ],
 )
 def test_train_config_validates(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{"steps": 10, "batch_size": 4, **kwargs})
+
+
+def test_the_trainer_optimizes_the_models_groups_with_adamw_by_default(data, tmp_path):
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=256, method="xmoe", **TINY))
+    cfg = TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=64, weight_decay=0.3)
+    assert cfg.optimizer == "adamw"
+    Trainer(model, LMTask(data, 16), cfg, RunDir(tmp_path / "r"), progress=False).fit()
+    saved = torch.load(tmp_path / "r" / "ckpt" / "step-00000002" / "state.pt", weights_only=True)
+    groups = saved["optimizer"]["param_groups"]
+    decayed, rest = model.param_groups(0.3)
+    assert [g["weight_decay"] for g in groups] == [0.3, 0.0]
+    assert all(g["decoupled_weight_decay"] for g in groups)  # AdamW
+    assert [len(g["params"]) for g in groups] == [len(decayed["params"]), len(rest["params"])]
 
 
 def run_training(data, out, steps=12, resume=False, stop_at=None, method="smoe"):

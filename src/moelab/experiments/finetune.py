@@ -28,6 +28,7 @@ from ..io.model import load
 from ..io.rundir import RunDir
 from ..models.classifier import LMClassifier, freeze_routers
 from ..models.lm import TransformerLM
+from ..optim import OPTIMIZERS
 from ..train.tasks import ClassificationTask, encode_texts
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
@@ -66,7 +67,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=float, help="epochs (CompeteSMoE (2024): 5; BANKING77 50)")
     p.add_argument("--steps", type=int, help="optimisation steps (overrides --epochs)")
     p.add_argument("--batch-size", type=int, dest="batch_size", help="batch (CompeteSMoE (2024): 16; IMDB 4)")
-    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (1e-4, CompeteSMoE (2024))")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate (1e-4, CompeteSMoE (2024))")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=list(OPTIMIZERS),
+        help="adamw (decoupled weight decay on the weight matrices only) or adam (no weight decay)",
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        dest="weight_decay",
+        help="AdamW's weight decay on the matrices (default 0: CompeteSMoE (2024) trains without)",
+    )
     p.add_argument(
         "--eval-every", type=int, dest="eval_every", help="validate every N steps (default: each epoch)"
     )
@@ -103,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         warmup=0,
         eval_every=args.eval_every or min(per_epoch, steps),
         seed=args.seed,
+        weight_decay=args.weight_decay,
+        optimizer=args.optimizer,
     )
     run_dir = RunDir(args.out, resume=args.resume, force=args.force)
     run_dir.write_config(

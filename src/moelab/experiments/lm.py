@@ -28,6 +28,7 @@ from ..errors import UsageError
 from ..io.rundir import atomic_write_text
 from ..methods import get_method
 from ..models.lm import ARCHS, PRESETS, TRAINING, TransformerLM, count_parameters, lm_config
+from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
 from ..train.tasks import LMTask
 from ..train.trainer import TrainConfig, Trainer, TrainingError
@@ -132,6 +133,14 @@ class TrainRun:
         help="warm-up steps (preset default: 5%% of --steps for the paper sizes)",
         allowed=(Interval(int, 0, 1 << 40), None),
     )
+    optimizer: str = setting(
+        "adamw",
+        help="adamw (decoupled weight decay on matrices only) or adam (no weight decay)",
+        allowed=Options(OPTIMIZERS),
+    )
+    weight_decay: float = setting(
+        0.0, help="AdamW weight decay of the matrices (0 as CompeteSMoE (2024))", allowed=Interval(float, 0)
+    )
     grad_clip: float = setting(1.0, help="max gradient norm (0: off)", allowed=Interval(float, 0))
     eval_every: int | None = setting(None, help="validate every N steps", allowed=_POSITIVE)
     eval_tokens: int | None = setting(None, help="validation tokens per evaluation", allowed=_POSITIVE)
@@ -159,6 +168,7 @@ class TrainRun:
     )
 
     def check(self) -> None:
+        check_optimizer(self.optimizer, self.weight_decay)
         if self.lr is not None and self.lr > _MAX_LR:
             raise ValueError(
                 f"--lr={self.lr!r} is not allowed; expected a number > 0 and <= {_MAX_LR:.3g} (float32's largest)"
@@ -181,8 +191,8 @@ class TrainRun:
 
 _MODEL_FIELDS = ("block_size", "d_model", "n_layer", "n_head", "d_hidden", "num_experts", "top_k", "dropout")
 _TRAIN_FIELDS = (
-    "steps", "batch_size", "lr", "schedule", "warmup", "grad_clip", "eval_every", "eval_tokens",
-    "test_tokens", "ckpt_every", "seed",
+    "steps", "batch_size", "lr", "schedule", "warmup", "optimizer", "weight_decay", "grad_clip",
+    "eval_every", "eval_tokens", "test_tokens", "ckpt_every", "seed",
 )  # fmt: skip
 
 

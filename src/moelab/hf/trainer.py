@@ -18,6 +18,8 @@
   ``aux_loss`` through ``Trainer.log`` (so ``report_to`` — TensorBoard, W&B, ... — gets them),
   the mean over the micro-batches since the last log and over the ranks; ``loss`` is the
   Trainer's training loss, task + aux;
+* decays only the parameters both transformers (no biases, no norms) and moelab
+  (:func:`moelab.optim.decayed_parameter_names`: matrices only) would decay;
 * saves the routing context and the schedule in every checkpoint (``moelab_routing.pt``) and
   restores them on ``train(resume_from_checkpoint=...)``: a resumed run ends with the weights of
   an uninterrupted one.
@@ -45,6 +47,7 @@ from torch import Tensor, nn
 
 from ..layer import attach, moe_layers
 from ..methods import get_method
+from ..optim import decayed_parameter_names
 from ..routing import RoutingContext
 from ..schedules import SCHEDULE_OPTIONS, build_schedule
 from .convert import check_router_logits
@@ -235,6 +238,14 @@ def _trainer_classes() -> dict[str, type]:
             self._aux_count = 0
             if self.model is not None:
                 self._install_aux_hooks(self.model)
+
+        def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+            """transformers' choice (no biases, no LayerNorm or ``*norm*`` weights) less what moelab's
+            rule leaves undecayed (:func:`moelab.optim.decayed_parameter_names`): the learned
+            temperatures, router biases and expert-bank bias stacks whose names transformers does
+            not recognise."""
+            matrices = set(decayed_parameter_names(model))
+            return [name for name in super().get_decay_parameter_names(model) if name in matrices]
 
         # -------------------------------------------------------------- the aux loss in forward
         def _install_aux_hooks(self, model: nn.Module) -> None:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..io.model import Persistent
 from ..layer import moe_layers
+from ..optim import param_groups
 from .lm import TransformerLM
 
 __all__ = ["LMClassifier", "freeze_routers"]
@@ -63,3 +64,7 @@ class LMClassifier(Persistent, nn.Module):
         from .lm import LMConfig
 
         return cls(TransformerLM(LMConfig.from_dict(config["lm"])), config["num_classes"], config["dropout"])
+
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """The optimizer groups: weight decay on the matrices only (:func:`moelab.optim.param_groups`)."""
+        return param_groups(self, weight_decay)

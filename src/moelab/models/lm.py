@@ -43,6 +43,7 @@ from .. import _validate
 from ..experts import MLP, Experts
 from ..io.model import Persistent
 from ..layer import MoE, moe_layers
+from ..optim import param_groups
 
 __all__ = ["ARCHS", "PRESETS", "TRAINING", "LMConfig", "TransformerLM", "count_parameters", "lm_config"]
 
@@ -321,6 +322,10 @@ class TransformerLM(Persistent, nn.Module):
     @classmethod
     def from_moelab_config(cls, config: dict[str, Any]) -> TransformerLM:
         return cls(LMConfig.from_dict(config))
+
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """The optimizer groups: weight decay on the matrices only (:func:`moelab.optim.param_groups`)."""
+        return param_groups(self, weight_decay)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -45,6 +45,7 @@ from .. import _validate
 from ..experts import ModuleExperts, combine
 from ..experts.dispatch import Slots
 from ..io.model import Persistent
+from ..optim import param_groups
 from ..routing import Routing, RoutingContext
 
 __all__ = [
@@ -421,6 +422,10 @@ class ImageMoE(Persistent, nn.Module):
     def from_moelab_config(cls, config: dict[str, Any]) -> ImageMoE:
         return cls(_vision_config_from(config["vision"]), config["gate"], config["batched"])
 
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """The optimizer groups: weight decay on the matrices only (:func:`moelab.optim.param_groups`)."""
+        return param_groups(self, weight_decay)
+
     def forward(self, x: Tensor, top_k: int | None = None) -> MoEOutput:
         """Dense mixture when ``top_k`` is ``None`` (training), else the top-K experts' mixture with
         renormalised weights (conditional computation: with the original gate only the chosen
@@ -465,6 +470,10 @@ class SingleModel(Persistent, nn.Module):
     @classmethod
     def from_moelab_config(cls, config: dict[str, Any]) -> SingleModel:
         return cls(_vision_config_from(config["vision"]))
+
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """The optimizer groups: weight decay on the matrices only (:func:`moelab.optim.param_groups`)."""
+        return param_groups(self, weight_decay)
 
     def forward(self, x: Tensor, top_k: int | None = None) -> MoEOutput:
         probs = self.net(x)[..., : self.cfg.num_classes]
