@@ -458,7 +458,7 @@ def config_from_mapping(cls: type, data: Mapping[str, Any], source: str) -> Any:
         raise ValueError(f"{source}: {exc}") from None
 
 
-def _filevalues(cls: type, path: str, flag: str) -> dict[str, Any]:
+def _file_values(cls: type, path: str, flag: str) -> dict[str, Any]:
     source = f"{flag} {path!r}"
     data = _read_yaml(Path(path), source, empty=True, what="flag names to values")
     data = {k: v for k, v in data.items() if k not in ("command", "recorded")}
@@ -671,7 +671,7 @@ def given_by_args(command: Command | type, args: argparse.Namespace) -> dict[str
     cls = command.config if isinstance(command, Command) else command
     given = _given(args, cls)
     if getattr(args, "config", None):
-        given = {**_filevalues(cls, args.config, "--config"), **given}
+        given = {**_file_values(cls, args.config, "--config"), **given}
     return given
 
 
