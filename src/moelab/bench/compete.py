@@ -82,7 +82,7 @@ def grouped_competition_pass(bank, impl: str) -> None:
     def pass_(x: torch.Tensor):
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in bank.parameters())):
             return einsums(x)
-        return all_experts(bank, x, impl)
+        return all_experts(x, bank.expert_weights, impl)
 
     bank._all_experts = pass_
 
@@ -99,7 +99,7 @@ def _competition_pass_times(cfg: Config, repeats: int = 10) -> dict[str, float]:
     fns = {"einsum": bank._all_experts}
     for impl in ALL_PASSES:
         if _pass_unavailable(impl, cfg) is None:
-            fns[impl] = lambda x, impl=impl: all_experts(bank, x, impl)
+            fns[impl] = lambda x, impl=impl: all_experts(x, bank.expert_weights, impl)
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     with torch.no_grad():
