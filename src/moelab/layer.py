@@ -12,7 +12,7 @@ from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
 from .methods import build_method_router, get_method, method_router_options
-from .routers import ROUTERS
+from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
@@ -90,7 +90,7 @@ class MoE(nn.Module):
 
         router_cls = ROUTERS[preset.router]
         allowed_router = method_router_options(method)
-        loss_names = LOSS_NAMES + tuple(getattr(router_cls, "loss_names", ()))
+        loss_names = LOSS_NAMES + router_cls.loss_names
         allowed = sorted([*allowed_router, *(f"{n}_coef" for n in loss_names), *_LAYER_OPTIONS])
         r_opts: dict = {}
         coefs = dict(preset.coefs)
@@ -243,7 +243,7 @@ class MoE(nn.Module):
             router.top_k = k
         keep = [j for j in range(k + 1) if j != self.swap_rank]  # the (K+1)-th replaces rank swap_rank
         weights = r.weights[:, keep]
-        if getattr(router, "weights_sum_to_one", True):
+        if router.weights_sum_to_one:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(
             indices=r.indices[:, keep],
@@ -306,9 +306,10 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
     """Give every MoE layer of ``model`` the shared context and its index (module order).
 
-    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  Every router
-    module with an ``on_step(ctx)`` method (state updated once per optimizer step, e.g. sharede-v3's
-    selection bias) is registered as a step hook of ``ctx`` (:meth:`RoutingContext.advance`).  If the context
+    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  Every router's
+    ``on_step(ctx)`` (state updated once per optimizer step, e.g. sharede-v3's selection bias; a
+    composed router's base too) is registered as a step hook of ``ctx``
+    (:meth:`RoutingContext.advance`).  If the context
     holds a schedule with a ``num_layers`` attribute it must match the model's MoE layer count.
     """
     if not isinstance(ctx, RoutingContext):
@@ -323,7 +324,6 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
         layer.ctx = ctx
         layer.layer_index = i
         for module in layer.router.modules():  # a composed router's base router too
-            on_step = getattr(module, "on_step", None)
-            if callable(on_step):
-                ctx.add_step_hook(on_step)
+            if isinstance(module, Router):
+                ctx.add_step_hook(module.on_step)
     return layers
