@@ -126,10 +126,6 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
-        #: top-(K+1) swap evaluation (CompeteSMoE (2025) Table 3; :func:`moelab.metrics.swap_top1`):
-        #: route with K+1 experts and drop the one of rank ``swap_rank`` (0: the top-1; K-1: the K-th)
-        self.swap_top1 = False
-        self.swap_rank = 0
         self._aux: Tensor | None = torch.zeros(())
         self._aux_pending: tuple[Routing, Tensor] | None = None
         self.last_routing: Routing | None = None
@@ -200,7 +196,7 @@ class MoE(nn.Module):
             )
         shape = x.shape
         flat = x.reshape(-1, self.d_model)  # (T, d)
-        routing = self._route_swapped(flat) if self.swap_top1 else self.router(flat, self.experts, self.ctx)
+        routing = self.router(flat, self.experts, self.ctx)
         if self.check_finite:
             # the router's logits, or the routing weights of a router without logits (competition)
             scores = routing.logits if routing.logits is not None else routing.weights
@@ -225,34 +221,6 @@ class MoE(nn.Module):
         self._aux_pending = (routing, flat)  # the aux loss, computed when read (``aux_loss``)
         self.last_routing = routing.detach()
         return y.reshape(shape)
-
-    def _route_swapped(self, x: Tensor) -> Routing:
-        """The router's choice with its top-1 expert replaced by its (K+1)-th (CompeteSMoE (2025)
-        Table 3): route with K+1 experts, drop column 0 (routers sort their choice by decreasing
-        score) and, for routers whose weights sum to one, renormalise the K left."""
-        router = self.router
-        k = router.top_k
-        if k >= self.num_experts:
-            raise ValueError(
-                f"swap_top1 needs top_k < num_experts; got top_k={k}, num_experts={self.num_experts}"
-            )
-        router.top_k = k + 1
-        try:
-            r = router(x, self.experts, self.ctx)
-        finally:
-            router.top_k = k
-        keep = [j for j in range(k + 1) if j != self.swap_rank]  # the (K+1)-th replaces rank swap_rank
-        weights = r.weights[:, keep]
-        if router.weights_sum_to_one:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(
-            indices=r.indices[:, keep],
-            weights=weights,
-            probs=r.probs,
-            logits=r.logits,
-            losses=r.losses,
-            outputs=None if r.outputs is None else r.outputs[:, keep],
-        )
 
     def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
         total = x.new_zeros(())
