@@ -64,7 +64,7 @@ def main() -> None:
         "dense": lambda: step(dense, x),
         "layer": lambda: step(layer, x),
         "dispatch": lambda: step(bank, x, indices, weights),
-        "experts": lambda: step(lambda t: loop_rows(bank, t, counts), xs, grad=g_slots),
+        "experts": lambda: step(lambda t: loop_rows(t, counts, bank.expert_weights), xs, grad=g_slots),
         "router": router,
     }
     for f in candidates.values():

@@ -75,7 +75,7 @@ def test_swap_of_the_kth_expert_keeps_the_top_ones_and_takes_the_next():
     with torch.no_grad(), metrics.swap_top1(layer, rank=2):
         layer(x)
     assert torch.equal(layer.last_routing.indices, ranked[:, [0, 1, 3]])
-    assert layer.swap_top1 is False and layer.swap_rank == 0
+    assert not isinstance(layer.router, metrics.SwappedRouter) and layer.router.top_k == 3
     with pytest.raises(ValueError, match=r"rank=3 is not allowed; expected an integer in \[0, 2\]"):
         with metrics.swap_top1(layer, rank=3):
             pass

@@ -375,10 +375,10 @@ def test_save_refuses_non_tensor_state(tmp_path):
 
 
 def test_a_router_name_cannot_be_registered_twice():
-    from moelab.routers import register
+    from moelab.routers import Router, register
 
     with pytest.raises(ValueError, match=r"router 'topk' is already registered"):
-        register("topk")(type("Again", (), {}))
+        register("topk")(type("Again", (Router,), {}))
 
 
 def test_the_batch_must_split_over_the_processes(monkeypatch):

@@ -8,6 +8,7 @@ import torch
 
 from experts_helpers import ACTS, GROUPED, IMPLS, random_routing, reference
 from moelab.experts import KERNELS, ExpertBank
+from moelab.experts.kernels import LOOP_ROWS_PER_EXPERT, STREAM_ROWS_PER_EXPERT
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm not available in this torch")
@@ -83,7 +84,7 @@ def test_auto_uses_grouped_for_aligned_float32():
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
 def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert_with_one_thread():
     bank = ExpertBank(4, 8, 16)
-    rows = ExpertBank.LOOP_ROWS_PER_EXPERT
+    rows = LOOP_ROWS_PER_EXPERT
     assert bank.resolved_impl(torch.randn(rows * 4 // 2 - 1, 8), top_k=2) == "grouped"
     assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
     assert ExpertBank(4, 8, 16, impl="grouped").resolved_impl(torch.randn(rows * 4, 8)) == "grouped"
@@ -106,7 +107,7 @@ def test_auto_takes_the_threaded_loop_with_several_threads_except_when_decoding(
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
 def test_auto_inference_streams_when_decoding_and_from_enough_slots_per_expert():
     bank = ExpertBank(4, 8, 16)
-    rows = ExpertBank.STREAM_ROWS_PER_EXPERT
+    rows = STREAM_ROWS_PER_EXPERT
     assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"  # T·K ≤ N
     assert bank.resolved_impl(torch.randn(3, 8), top_k=2, grad=False) == "grouped"
     assert bank.resolved_impl(torch.randn(rows * 2 - 1, 8), top_k=2, grad=False) == "grouped"
@@ -260,3 +261,33 @@ def test_inference_dispatch_without_autograd_equals_the_autograd_path(impl, bias
         plain = bank(x, idx, w)
     assert plain.grad_fn is None
     torch.testing.assert_close(plain, tracked.detach(), rtol=0, atol=0)
+
+
+def test_choose_kernel_needs_only_the_weight_tensors():
+    """``impl="auto"``'s rule reads the tokens and the experts' weight tensors, no bank."""
+    from moelab.experts import ExpertWeights, choose_kernel
+
+    bank = ExpertBank(4, 8, 16, activation="swiglu")
+    weights = ExpertWeights(torch.zeros(4, 32, 8), torch.zeros(4, 8, 16), None, None, "swiglu")
+    for tokens, grad in ((2, False), (3, True), (600, True), (600, False)):
+        x = torch.randn(tokens, 8)
+        assert choose_kernel(x, 2, weights, grad) == bank.resolved_impl(x, 2, grad)
+    unaligned = ExpertWeights(torch.zeros(4, 10, 6), torch.zeros(4, 6, 10), None, None, "relu")
+    assert choose_kernel(torch.randn(3, 6), 2, unaligned, True) == "loop"
+
+
+def test_a_kernel_registered_as_one_entry_runs_by_its_name(monkeypatch):
+    calls = []
+
+    def mine(x, indices, weights, experts):
+        calls.append(experts)
+        return KERNELS["loop"](x, indices, weights, experts)
+
+    monkeypatch.setitem(KERNELS, "mine", mine)
+    bank = ExpertBank(4, 8, 8, impl="mine")
+    idx, w = random_routing(5, 4, 2, torch.Generator().manual_seed(0))
+    x = torch.randn(5, 8)
+    y = bank(x, idx, w)
+    (experts,) = calls
+    assert experts.w_in is bank.w_in and experts.w_out is bank.w_out and experts.activation == "relu"
+    torch.testing.assert_close(y, reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)

@@ -251,12 +251,12 @@ class Plain(nn.Module):  # a plain MLP defined here: recognised, as the others a
 @pytest.mark.parametrize(
     ("module", "message"),
     [
-        (NormBetween, r"NormBetween.forward computes fc2\(ffn_layernorm\(activation_fn\(fc1\(x\)\)\)\) from fc1 "
-                      r"to fc2, not fc2\(activation_fn\(fc1\(h\)\)\); not upcycled"),
-        (ActAfter, r"ActAfter.forward computes activation_fn\(fc2\(activation_fn\(fc1\(x\)\)\)\), not "
-                   r"fc2\(activation_fn\(fc1\(x\)\)\); moelab upcycles only that MLP"),
-        (Clamped, r"Clamped.forward computes down_proj\(act_fn\(self.gate_proj\(x\).clamp\(max=7.0\)\) \* "
-                  r"up_proj\(x\)\), not down_proj\(act_fn\(gate_proj\(x\)\) \* up_proj\(x\)\)"),
+        (NormBetween, r"NormBetween.forward does not compute fc2\(activation_fn\(fc1\(h\)\)\) between fc1 and fc2 "
+                      r"\(with that MLP in their place it raises RuntimeError: .*normalized_shape.*\); not upcycled$"),
+        (ActAfter, r"ActAfter.forward does not compute fc2\(activation_fn\(fc1\(x\)\)\) \(on random inputs they "
+                   r"differ by up to .* times the output's largest entry\); moelab upcycles only that MLP$"),
+        (Clamped, r"Clamped.forward does not compute down_proj\(act_fn\(gate_proj\(x\)\) \* up_proj\(x\)\) \(on "
+                  r"random inputs they differ by up to .*\); moelab upcycles only that MLP$"),
         (WithNorm, r"WithNorm holds fc1, fc2 but 'norm' besides them: not a plain MLP \(2 or 3 Linear "
                    r"projections and an activation, nothing else\) nor an OPT/BART-style layer"),
         (NoActivation, r"NoActivation holds fc1, fc2 but no activation \(activation_fn, act or act_fn\)"),
@@ -290,15 +290,83 @@ def test_dropout_between_fc1_and_fc2_that_is_not_activation_dropout_is_refused()
             h = nn.functional.dropout(h, p=self.dropout, training=self.training)
             return x + self.fc2(h)
 
-    with pytest.raises(ValueError, match=r"applies dropout p=0.1 \(dropout\) between fc1 and fc2"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Layer.forward applies a dropout between fc1 and fc2 in training mode other than "
+        r"activation_dropout, which upcycling cannot keep or drop safely; set it to 0$",
+    ):
         upcycle(Layer(), 4, 2)
     layer = Layer()
     layer.dropout = 0.0
     assert isinstance(upcycle(layer, 4, 2).fc1, moelab.MoE)  # p = 0: nothing to keep or drop
 
 
+class Branching(nn.Module):  # an MLP whose forward is no straight-line code: judged by what it computes
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        if x.dim() == 3:
+            return torch.stack([self.forward(row) for row in x])
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        for _ in range(1):
+            gate = self.act_fn(gate)
+        return self.down_proj(gate * up)
+
+
+def test_an_mlp_is_recognised_by_what_it_computes_not_by_how_its_forward_is_written():
+    torch.manual_seed(0)
+    mlp = Branching()
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        dense = mlp(x)
+        layer = upcycle(mlp, 4, 2)
+        torch.testing.assert_close(layer(x), dense, rtol=1e-5, atol=1e-6)
+    assert isinstance(layer, moelab.MoE) and layer.experts.activation == "swiglu"
+
+
+def test_checking_an_mlp_leaves_the_model_and_the_random_stream_as_they_were():
+    model = _bart(activation_dropout=0.3).train()
+    model.model.encoder.eval()
+    torch.manual_seed(5)
+    find_mlps(model)  # runs every candidate in evaluation and training mode
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(3))
+    assert model.training and model.model.decoder.training and not model.model.encoder.training
+    assert not any(m.training for m in model.model.encoder.modules())
+    assert model.model.encoder.layers[0].activation_dropout == 0.3
+
+
+def test_an_mlp_with_a_functional_dropout_is_refused():
+    class FunctionalDropout(Plain):
+        def forward(self, x):
+            return nn.functional.dropout(self.fc2(self.act(self.fc1(x))), p=0.1, training=self.training)
+
+    with pytest.raises(
+        ValueError,
+        match=r"^FunctionalDropout.forward computes something else in training mode, besides its dropout "
+        r"modules \(a functional dropout\?\), which upcycling cannot keep; not upcycled$",
+    ):
+        upcycle(FunctionalDropout(), 4, 2)
+
+
+def test_an_mlp_on_the_meta_device_is_refused_as_it_cannot_be_checked():
+    with torch.device("meta"):
+        mlp = Plain()
+    with pytest.raises(
+        ValueError,
+        match=r"^Plain has its weights on the meta device; moelab checks by running it that it computes "
+        r"fc2\(act\(fc1\(x\)\)\) before upcycling it: load or initialise the weights first$",
+    ):
+        upcycle(mlp, 4, 2)
+
+
 def test_the_cli_refuses_a_model_it_cannot_upcycle_and_writes_nothing(tmp_path, capsys):
-    # Moonshine's decoder MLP is gated (fc1 → chunk → act(gate) · x → fc2): not fc2(act(fc1(x)))
+    # Moonshine's decoder MLP is gated (fc1 → chunk → act(gate) · x → fc2): its fc1 is twice as wide as
+    # fc2 takes, not fc2(act(fc1(x)))
     cfg = transformers.MoonshineConfig(
         vocab_size=V, hidden_size=16, intermediate_size=24, encoder_num_hidden_layers=1,
         decoder_num_hidden_layers=1, encoder_num_attention_heads=2, decoder_num_attention_heads=2,
@@ -322,7 +390,7 @@ def test_the_cli_refuses_a_model_it_cannot_upcycle_and_writes_nothing(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert (
-        "'model.decoder.layers.0.mlp': MoonshineDecoderMLP.forward cannot be read as straight-line code"
+        "'model.decoder.layers.0.mlp': MoonshineDecoderMLP: fc1 (16, 48) and fc2 (24, 16) (in, out) do not chain"
         in err
     )
     assert not out.exists()

@@ -1,5 +1,7 @@
-"""The package's import graph: no circle (at any depth, lazy imports included) and no upward
-import (library code never imports the command line, the experiments or the benchmarks)."""
+"""The package's import graph: no circle (at any depth, lazy and type-only imports included),
+neither between modules nor between packages, no ``TYPE_CHECKING`` import (an import that exists
+only for the type checker is how a circle hides), and no upward import (library code never
+imports the command line, the experiments or the benchmarks)."""
 
 from __future__ import annotations
 
@@ -29,13 +31,20 @@ def _resolve(name: str, modules: dict[str, pathlib.Path]) -> str | None:
     return name or None
 
 
+def _type_checking_blocks(tree: ast.AST) -> list[ast.If]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    ]
+
+
 def _imports(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """Every moelab module that ``module`` imports: at the top, inside functions, and under
+    ``if TYPE_CHECKING:`` (a type-only import is an arrow too)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
     tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            node.body = []  # typing-only imports do not run
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -62,9 +71,8 @@ def _graph() -> dict[str, set[str]]:
     return {m: _imports(m, p, modules) for m, p in modules.items()}
 
 
-def test_the_package_has_no_import_circle():
-    graph = _graph()
-    edges = graph
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The circles a depth-first walk of ``edges`` closes (empty when the graph has none)."""
     state: dict[str, int] = {}
     stack: list[str] = []
     circles: list[list[str]] = []
@@ -83,7 +91,46 @@ def test_the_package_has_no_import_circle():
     for m in sorted(edges):
         if m not in state:
             visit(m)
+    return circles
+
+
+def _unit(module: str) -> str:
+    """The part of the package ``module`` belongs to: its subpackage (``moelab.io.model`` →
+    ``moelab.io``), or itself for a module directly under ``moelab`` (``moelab.layer``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package ``A`` → package ``B`` when a module of ``A`` imports one of ``B``; the root
+    package's ``__init__`` (the public API, which imports everything and is imported by nothing
+    of the library) is left out."""
+    edges: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        if m == "moelab":
+            continue
+        for t in targets:
+            if _unit(t) != _unit(m):
+                edges.setdefault(_unit(m), set()).add(_unit(t))
+    return edges
+
+
+def test_the_package_has_no_import_circle():
+    circles = _circles(_graph())
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_no_two_packages_import_each_other():
+    """A circle between packages (io's modules importing hf's while hf's import io's) is a
+    circle in the design even when no two modules close one."""
+    circles = _circles(_package_graph(_graph()))
+    assert not circles, "package circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_library_has_no_type_checking_import():
+    """An import kept only for the type checker is how a circle hides from the interpreter; the
+    graph above counts such imports as arrows, and there are none to count."""
+    found = {m: len(_type_checking_blocks(ast.parse(p.read_text()))) for m, p in _modules().items()}
+    assert {m: n for m, n in found.items() if n} == {}
 
 
 @pytest.mark.parametrize("layer", TOP)
@@ -107,6 +154,25 @@ def test_the_import_walker_sees_lazy_and_relative_imports(tmp_path):
     }
     (tmp_path / "b.py").write_text("def f():\n    from ..a import x\n    import moelab.pkg.b\n")
     assert _imports("moelab.pkg.b", tmp_path / "b.py", modules) == {"moelab.a"}
+
+
+def test_the_import_walker_sees_type_checking_imports_and_package_circles(tmp_path):
+    modules = {
+        "moelab": SRC / "__init__.py",
+        "moelab.io.model": tmp_path / "model.py",
+        "moelab.hf.kind": tmp_path / "kind.py",
+        "moelab.hf.convert": tmp_path / "convert.py",
+    }
+    (tmp_path / "model.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..hf.convert import from_hf\n"
+    )
+    (tmp_path / "kind.py").write_text("from ..io.model import save\n")
+    (tmp_path / "convert.py").write_text("x = 1\n")
+    graph = {m: _imports(m, p, modules) for m, p in modules.items() if m != "moelab"}
+    assert graph["moelab.io.model"] == {"moelab.hf.convert"}
+    assert len(_type_checking_blocks(ast.parse((tmp_path / "model.py").read_text()))) == 1
+    assert _circles(graph) == []  # no two modules close a circle ...
+    assert _circles(_package_graph(graph)) == [["moelab.hf", "moelab.io", "moelab.hf"]]  # ... two packages do
 
 
 def test_importing_moelab_leaves_torch_compile_unloaded():

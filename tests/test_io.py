@@ -271,3 +271,42 @@ def test_crafted_metadata_is_refused_before_any_file_is_read(tmp_path, case, mes
     with pytest.raises(CheckpointError) as info:
         moelab.load(tmp_path / "m")
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_every_kind_of_the_fixed_table_is_registered_by_its_module():
+    from moelab.io import model as io_model
+
+    assert set(io_model._kinds()) == set(io_model._KIND_MODULES)
+    assert set(io_model.KINDS) == {*io_model._KIND_MODULES, "MoE"}
+
+
+def test_a_kind_outside_the_fixed_table_is_refused_naming_the_allowed_kinds():
+    from moelab.io.model import Kind, register_kind
+
+    kind = Kind(describe=lambda model: None, build=lambda config, file: nn.Linear(1, 1))
+    with pytest.raises(ValueError, match=r"^kind='mine' is not allowed; expected one of \['TransformerLM', "):
+        register_kind("mine", kind)
+
+
+def test_load_imports_the_module_of_a_kind_from_the_fixed_table(tmp_path):
+    """A transformers-kind folder loads in a process where the kind was not registered yet: load
+    imports the kind's module from io's own table, never a name read from the file."""
+    transformers = pytest.importorskip("transformers")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import moelab
+        from moelab.io import model as io_model
+        io_model._KINDS.pop("transformers")
+        del sys.modules["moelab.hf.kind"]
+        m = moelab.load({str(tmp_path / "mixtral")!r})
+        print(type(m).__name__, "transformers" in io_model._KINDS)
+        """
+    )
+    cfg = transformers.MixtralConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, num_local_experts=4)  # fmt: skip
+    moelab.save(moelab.from_hf(transformers.MixtralForCausalLM(cfg)), tmp_path / "mixtral")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["MixtralForCausalLM", "True"]

@@ -132,10 +132,12 @@ def test_metrics_refuse_models_without_moe_layers():
 def test_swap_top1_smoe_uses_ranks_2_to_k_plus_1():
     model = stack("smoe", layers=1).eval()
     layer = model[0]
+    router = layer.router
     x = torch.randn(T, D)
     with torch.no_grad():
         normal = model(x)
         with metrics.swap_top1(model):
+            assert isinstance(layer.router, metrics.SwappedRouter) and layer.router.router is router
             swapped = model(x)
             idx = layer.last_routing.indices
         h = F.linear(x, layer.router.weight)
@@ -144,7 +146,7 @@ def test_swap_top1_smoe_uses_ranks_2_to_k_plus_1():
         out = all_outputs(layer.experts, x).gather(1, order[:, 1:].unsqueeze(-1).expand(-1, -1, D))
     assert torch.equal(idx, order[:, 1:])
     assert torch.allclose(swapped, (w.unsqueeze(-1) * out).sum(1), atol=1e-5)
-    assert layer.swap_top1 is False and layer.router.top_k == K
+    assert layer.router is router and layer.router.top_k == K
     with torch.no_grad():
         assert torch.equal(model(x), normal)
 
@@ -177,10 +179,35 @@ def test_swap_top1_competesmoe_and_competition():
 
 def test_swap_top1_needs_a_spare_expert():
     model = nn.Sequential(moelab.MoE(D, 3, 3))
+    router = model[0].router
     with pytest.raises(ValueError, match=r"swap_top1 needs top_k < num_experts; got top_k=3, num_experts=3"):
         with metrics.swap_top1(model):
             model(torch.randn(2, D))
-    assert model[0].swap_top1 is False
+    assert model[0].router is router and router.top_k == 3
+
+
+def test_swap_top1_puts_every_router_back_when_the_block_raises():
+    model = stack("competesmoe", layers=2).eval()
+    routers = [layer.router for layer in model]
+    with pytest.raises(RuntimeError, match="inside"):
+        with metrics.swap_top1(model):
+            assert all(isinstance(layer.router, metrics.SwappedRouter) for layer in model)
+            assert all(r.top_k == K + 1 and r.base.top_k == K + 1 for r in routers)
+            raise RuntimeError("inside")
+    assert [layer.router for layer in model] == routers
+    assert all(r.top_k == K and r.base.top_k == K for r in routers)
+
+
+def test_swap_top1_does_not_nest():
+    model = stack("smoe", layers=1).eval()
+    router = model[0].router
+    with metrics.swap_top1(model):
+        with pytest.raises(
+            ValueError, match=r"^swap_top1 is already active on MoE layer 0; it does not nest$"
+        ):
+            with metrics.swap_top1(model, 1):
+                pass
+    assert model[0].router is router
 
 
 # ---------------------------------------------------------------- the cheap per-step summary

@@ -545,3 +545,33 @@ def test_smoe_dropout_k_at_each_step_of_a_short_run():
     router = moelab.MoE(6, 8, 2, method="smoe-dropout").router
     ks = [router.current_k(RoutingContext(step=s, total_steps=6)) for s in range(8)]
     assert ks == [2, 3, 4, 5, 6, 7, 8, 8]  # K = 2 + 6 · step / 6, then stays at N
+
+
+def test_the_registry_refuses_a_class_that_is_not_a_router():
+    from torch import nn
+
+    from moelab.routers import register
+
+    with pytest.raises(
+        ValueError,
+        match=r"^router 'mine' of type 'Linear' is not allowed; expected a subclass of moelab\.routers\.Router$",
+    ):
+        register("mine")(nn.Linear)
+    assert "mine" not in ROUTERS
+
+
+def test_every_router_has_every_hook_with_its_default():
+    """Callers never probe a router: the base class gives each optional hook a default."""
+    from moelab.routers import Router
+
+    class Plain(Router):
+        def forward(self, x, experts=None, ctx=None):
+            raise NotImplementedError
+
+    r = Plain(4, 3, 1)
+    assert r.loss_names == () and r.weights_sum_to_one is True
+    assert r.on_step(RoutingContext()) is None and r.base_router is r and r.rule_options() == {}
+    assert all(issubclass(cls, Router) for cls in ROUTERS.values())
+    compete = moelab.MoE(4, 3, 1, method="competesmoe").router
+    assert compete.base_router is compete.base
+    assert moelab.MoE(4, 3, 2, method="sigma-moe").router.rule_options()["selection_bias"] is None

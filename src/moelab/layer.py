@@ -12,7 +12,7 @@ from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
 from .methods import build_method_router, get_method, method_router_options
-from .routers import ROUTERS
+from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
@@ -90,7 +90,7 @@ class MoE(nn.Module):
 
         router_cls = ROUTERS[preset.router]
         allowed_router = method_router_options(method)
-        loss_names = LOSS_NAMES + tuple(getattr(router_cls, "loss_names", ()))
+        loss_names = LOSS_NAMES + router_cls.loss_names
         allowed = sorted([*allowed_router, *(f"{n}_coef" for n in loss_names), *_LAYER_OPTIONS])
         r_opts: dict = {}
         coefs = dict(preset.coefs)
@@ -126,10 +126,6 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
-        #: top-(K+1) swap evaluation (CompeteSMoE (2025) Table 3; :func:`moelab.metrics.swap_top1`):
-        #: route with K+1 experts and drop the one of rank ``swap_rank`` (0: the top-1; K-1: the K-th)
-        self.swap_top1 = False
-        self.swap_rank = 0
         self._aux: Tensor | None = torch.zeros(())
         self._aux_pending: tuple[Routing, Tensor] | None = None
         self.last_routing: Routing | None = None
@@ -200,7 +196,7 @@ class MoE(nn.Module):
             )
         shape = x.shape
         flat = x.reshape(-1, self.d_model)  # (T, d)
-        routing = self._route_swapped(flat) if self.swap_top1 else self.router(flat, self.experts, self.ctx)
+        routing = self.router(flat, self.experts, self.ctx)
         if self.check_finite:
             # the router's logits, or the routing weights of a router without logits (competition)
             scores = routing.logits if routing.logits is not None else routing.weights
@@ -225,34 +221,6 @@ class MoE(nn.Module):
         self._aux_pending = (routing, flat)  # the aux loss, computed when read (``aux_loss``)
         self.last_routing = routing.detach()
         return y.reshape(shape)
-
-    def _route_swapped(self, x: Tensor) -> Routing:
-        """The router's choice with its top-1 expert replaced by its (K+1)-th (CompeteSMoE (2025)
-        Table 3): route with K+1 experts, drop column 0 (routers sort their choice by decreasing
-        score) and, for routers whose weights sum to one, renormalise the K left."""
-        router = self.router
-        k = router.top_k
-        if k >= self.num_experts:
-            raise ValueError(
-                f"swap_top1 needs top_k < num_experts; got top_k={k}, num_experts={self.num_experts}"
-            )
-        router.top_k = k + 1
-        try:
-            r = router(x, self.experts, self.ctx)
-        finally:
-            router.top_k = k
-        keep = [j for j in range(k + 1) if j != self.swap_rank]  # the (K+1)-th replaces rank swap_rank
-        weights = r.weights[:, keep]
-        if getattr(router, "weights_sum_to_one", True):
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(
-            indices=r.indices[:, keep],
-            weights=weights,
-            probs=r.probs,
-            logits=r.logits,
-            losses=r.losses,
-            outputs=None if r.outputs is None else r.outputs[:, keep],
-        )
 
     def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
         total = x.new_zeros(())
@@ -306,9 +274,10 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
     """Give every MoE layer of ``model`` the shared context and its index (module order).
 
-    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  Every router
-    module with an ``on_step(ctx)`` method (state updated once per optimizer step, e.g. sharede-v3's
-    selection bias) is registered as a step hook of ``ctx`` (:meth:`RoutingContext.advance`).  If the context
+    Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  Every router's
+    ``on_step(ctx)`` (state updated once per optimizer step, e.g. sharede-v3's selection bias; a
+    composed router's base too) is registered as a step hook of ``ctx``
+    (:meth:`RoutingContext.advance`).  If the context
     holds a schedule with a ``num_layers`` attribute it must match the model's MoE layer count.
     """
     if not isinstance(ctx, RoutingContext):
@@ -323,7 +292,6 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
         layer.ctx = ctx
         layer.layer_index = i
         for module in layer.router.modules():  # a composed router's base router too
-            on_step = getattr(module, "on_step", None)
-            if callable(on_step):
-                ctx.add_step_hook(on_step)
+            if isinstance(module, Router):
+                ctx.add_step_hook(module.on_step)
     return layers

@@ -40,8 +40,11 @@ from torch import Tensor, nn
 
 from . import _validate
 from .functional import competition_affinity
+from .routers import Router
+from .routing import Routing, RoutingContext
 
 __all__ = [
+    "SwappedRouter",
     "assignment_change_rate",
     "competition_overlap",
     "expert_change_rate",
@@ -253,6 +256,48 @@ def expert_change_rate(
     return bad / total if total else 0.0
 
 
+class SwappedRouter(Router):
+    """The choice of ``router`` with its expert of rank ``rank`` replaced by its (K+1)-th
+    (CompeteSMoE (2025) Table 3): the wrapped router, set to route with K+1 experts, chooses; the
+    column of rank ``rank`` is dropped (routers sort their choice by decreasing score) and, for
+    routers whose weights sum to one, the K left are renormalised.  Installed by
+    :func:`swap_top1` for its duration, which sets the wrapped router's ``top_k`` to K+1 and back.
+    """
+
+    def __init__(self, router: Router, rank: int) -> None:
+        super().__init__(router.d_model, router.num_experts, router.top_k)
+        self.router = router
+        self.rank = _validate.int_in_range("rank", rank, 0, router.top_k - 1)
+        self.layer_index = router.layer_index
+        self.train(router.training)
+
+    @property
+    def weights_sum_to_one(self) -> bool:
+        return self.router.weights_sum_to_one
+
+    @property
+    def base_router(self) -> Router:
+        return self.router.base_router
+
+    def rule_options(self) -> dict[str, Any]:
+        return self.router.rule_options()
+
+    def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
+        r = self.router(x, experts, ctx)  # K+1 experts, by decreasing score
+        keep = [j for j in range(self.top_k + 1) if j != self.rank]  # the (K+1)-th replaces rank ``rank``
+        weights = r.weights[:, keep]
+        if self.router.weights_sum_to_one:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(
+            indices=r.indices[:, keep],
+            weights=weights,
+            probs=r.probs,
+            logits=r.logits,
+            losses=r.losses,
+            outputs=None if r.outputs is None else r.outputs[:, keep],
+        )
+
+
 @contextlib.contextmanager
 def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
     """Within the block every MoE layer of ``model`` replaces its expert of rank ``rank`` (0: the
@@ -261,20 +306,36 @@ def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
     renormalised over it, σ-MoE's raw scores kept). Meant for evaluation; needs
     ``top_k < num_experts``.
 
+    Each layer's router is wrapped in a :class:`SwappedRouter` on entry and put back on exit,
+    also when the block raises.
+
     >>> with moelab.metrics.swap_top1(model):
     ...     loss = evaluate(model)
     """
     layers = _layers(model)
     for layer in layers:
         _validate.int_in_range("rank", rank, 0, layer.top_k - 1)
-    previous = [(layer.swap_top1, layer.swap_rank) for layer in layers]
-    for layer in layers:
-        layer.swap_top1, layer.swap_rank = True, rank
+        if isinstance(layer.router, SwappedRouter):
+            raise ValueError(
+                f"swap_top1 is already active on MoE layer {layer.layer_index}; it does not nest"
+            )
+        k = layer.router.top_k
+        if k >= layer.num_experts:
+            raise ValueError(
+                f"swap_top1 needs top_k < num_experts; got top_k={k}, num_experts={layer.num_experts}"
+            )
+    installed: list[tuple[nn.Module, Router, int]] = []
     try:
+        for layer in layers:
+            router = layer.router
+            layer.router = SwappedRouter(router, rank)
+            installed.append((layer, router, router.top_k))
+            router.top_k += 1
         yield model
     finally:
-        for layer, (on, r) in zip(layers, previous):
-            layer.swap_top1, layer.swap_rank = on, r
+        for layer, router, k in reversed(installed):
+            router.top_k = k
+            layer.router = router
 
 
 def load_cv(

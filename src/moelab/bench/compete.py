@@ -84,7 +84,7 @@ def grouped_competition_pass(bank, impl: str) -> None:
     def pass_(x: torch.Tensor):
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in bank.parameters())):
             return einsums(x)
-        return all_experts(bank, x, impl)
+        return all_experts(x, bank.expert_weights, impl)
 
     bank._all_experts = pass_
 
@@ -101,7 +101,7 @@ def _competition_pass_times(cfg: Config, repeats: int = 10) -> dict[str, float]:
     fns = {"einsum": bank._all_experts}
     for impl in ALL_PASSES:
         if _pass_unavailable(impl, cfg) is None:
-            fns[impl] = lambda x, impl=impl: all_experts(bank, x, impl)
+            fns[impl] = lambda x, impl=impl: all_experts(x, bank.expert_weights, impl)
     cands = [Candidate(name, "pass", lambda fn=fn: fn(x)) for name, fn in fns.items()]
     with torch.no_grad():  # the warm-up round compiles Triton
         interleaved(cands, repeats, warmup=1, device=cfg.device, progress=False)

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import _validate
 from ..experts import IMPLS, MLP
+from ..experts.kernels import grouped_ok
 from ..layer import MoE
 from .harness import (
     CLOCKS,
@@ -53,7 +54,7 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
             ref = layer
         else:
             layer.load_state_dict(ref.state_dict())
-        if impl == "grouped" and not layer.experts.grouped_ok(probe):
+        if impl == "grouped" and not grouped_ok(probe, layer.experts.expert_weights):
             notes.append(
                 f"moelab grouped skipped: grouped_mm cannot run here (torch {torch.__version__}, "
                 f"d_model={d}, d_hidden={h}: float32 rows must be 16-byte aligned)"

@@ -324,9 +324,9 @@ def experts_only(
 
     def run(rows: Tensor) -> Tensor:
         return (
-            grouped_rows(bank, rows, counts, order, indices)
+            grouped_rows(rows, counts, order, indices, bank.expert_weights)
             if impl == "grouped"
-            else loop_rows(bank, rows, counts_list)
+            else loop_rows(rows, counts_list, bank.expert_weights)
         )
 
     xs_train = xs.clone().requires_grad_()

@@ -3,7 +3,8 @@
 - :mod:`~moelab.experts.protocol`: :class:`Experts`, what every bank implements.
 - :mod:`~moelab.experts.dispatch`: sort → gather → run → combine, written once
   (:func:`moelab.experts.dispatch.dispatch`; not re-exported, ``moelab.experts.dispatch`` is the module).
-- :mod:`~moelab.experts.kernels`: :class:`ExpertBank`'s implementations by name (:data:`KERNELS`).
+- :mod:`~moelab.experts.kernels`: the kernels by name (:data:`KERNELS`), functions of the experts'
+  weight tensors (:class:`ExpertWeights`), and ``impl="auto"``'s rule (:func:`choose_kernel`).
 - :mod:`~moelab.experts.bank`: :class:`ExpertBank` (stacked-weight MLP experts) and :class:`MLP`.
 - :mod:`~moelab.experts.modules`: :class:`ModuleExperts` (arbitrary modules, e.g. CNN experts).
 - :mod:`~moelab.experts.parallel`: :class:`ExpertParallelBank` (experts across a process group).
@@ -11,7 +12,7 @@
 
 from .bank import MLP, ExpertBank
 from .dispatch import Slots, combine, sort_slots
-from .kernels import IMPLS, KERNELS, grouped_mm_available
+from .kernels import IMPLS, KERNELS, ExpertWeights, choose_kernel, grouped_mm_available
 from .modules import ModuleExperts
 from .parallel import ExpertParallelBank
 from .protocol import Experts
@@ -22,9 +23,11 @@ __all__ = [
     "MLP",
     "ExpertBank",
     "ExpertParallelBank",
+    "ExpertWeights",
     "Experts",
     "ModuleExperts",
     "Slots",
+    "choose_kernel",
     "combine",
     "grouped_mm_available",
     "sort_slots",

@@ -12,7 +12,7 @@ from .. import _validate
 from ..functional import ACTIVATIONS
 from ..functional import activation as get_activation
 from .dispatch import tracks_grad
-from .kernels import KERNELS, _WinnerMLP, expert_mlp, grouped_mm_available
+from .kernels import KERNELS, ExpertWeights, _WinnerMLP, choose_kernel, expert_mlp
 
 __all__ = ["MLP", "ExpertBank"]
 
@@ -32,9 +32,10 @@ class ExpertBank(nn.Module):
         d_hidden: hidden width h of each expert.
         activation: ``relu``, ``gelu``, ``silu`` or ``swiglu``.
         bias: whether the experts have biases.
-        impl: the kernel of :meth:`forward`: ``"auto"`` (chosen per call by :meth:`resolved_impl`)
-            or a name of :data:`moelab.experts.KERNELS` (``"loop"``, ``"grouped"``, ``"stream"``),
-            which then always runs.
+        impl: the kernel of :meth:`forward`: ``"auto"`` (chosen per call by
+            :func:`moelab.experts.kernels.choose_kernel`) or a name of
+            :data:`moelab.experts.KERNELS` (``"loop"``, ``"grouped"``, ``"stream"``, ``"triton"``,
+            or one a user added), which then always runs.
         chunk_elements: bound on the hidden activations (elements) that :meth:`forward_all`
             materialises at once.
     """
@@ -77,7 +78,12 @@ class ExpertBank(nn.Module):
             ``(T, d)``.
         """
         impl = self.resolved_impl(x, indices.shape[1], tracks_grad(self, x, weights))
-        return KERNELS[impl](self, x, indices, weights)
+        return KERNELS[impl](x, indices, weights, self.expert_weights)
+
+    @property
+    def expert_weights(self) -> ExpertWeights:
+        """The weight tensors and activation the kernels run (:mod:`moelab.experts.kernels`)."""
+        return ExpertWeights(self.w_in, self.w_out, self.b_in, self.b_out, self.activation)
 
     @property
     def out_features(self) -> int:
@@ -159,58 +165,14 @@ class ExpertBank(nn.Module):
             )
         return winners, y_w, extra
 
-    # ------------------------------------------------------------------ choosing the kernel
-    def grouped_aligned(self, dtype: torch.dtype) -> bool:
-        """Whether ``d_model`` and ``d_hidden`` give ``grouped_mm`` the 16-byte aligned row strides
-        it requires (multiples of 4 in float32, of 8 in bfloat16 / float16)."""
-        per = 16 // torch.empty((), dtype=dtype).element_size()
-        return self.d_model % per == 0 and self.d_hidden % per == 0
-
-    def grouped_ok(self, x: Tensor) -> bool:
-        """Whether the ``"grouped"`` implementation runs for ``x`` (device, dtype, alignment)."""
-        return grouped_mm_available(x.device, x.dtype) and self.grouped_aligned(x.dtype)
-
-    #: on the CPU with one torch thread, ``"auto"`` trains with ``"loop"`` from this many token slots
-    #: per expert on (``T·K/N``): there the loop's activation on each expert's rows while they are in
-    #: cache beats ``grouped_mm``'s one activation pass over all ``T·K`` rows (T=2048, 16 experts
-    #: top-2: 1.11x dense against 1.16x); below it ``grouped_mm``'s C++ loop over the experts beats
-    #: the Python one.  With more threads the loop runs whole experts on each thread
-    #: (:mod:`moelab.experts.threads`) and is ahead at every size measured, T = 16 to 8192
-    #: (``moelab bench layer``, docs/performance.md)
-    LOOP_ROWS_PER_EXPERT = 256
-    #: on the CPU with one torch thread, ``"auto"`` infers with ``"stream"`` from this many slots
-    #: per expert on (no ``(T·K, d)`` buffers; below it ``grouped_mm`` wins)
-    STREAM_ROWS_PER_EXPERT = 256
-
     def resolved_impl(self, x: Tensor, top_k: int = 1, grad: bool = True) -> str:
-        """The implementation ``forward`` uses for ``x (T, d)`` routed to ``top_k`` experts per token,
-        with (``grad``) or without autograd.
-
-        An explicit ``impl`` (``"loop"``, ``"grouped"``, ``"stream"``, any kernel of
-        :data:`moelab.experts.KERNELS`) is returned as it is: that kernel always runs, and raises a
-        ``ValueError`` where it cannot.  ``"auto"`` follows this rule, on the CPU: ``"stream"`` for
-        decoding-sized inference (``T·K ≤ N``) and wherever ``grouped_mm`` cannot run without
-        autograd; with several torch threads ``"loop"`` (experts spread over the threads); with one,
-        inference takes ``"stream"`` from :attr:`STREAM_ROWS_PER_EXPERT` slots per expert on and
-        training ``"loop"`` from :attr:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices,
-        ``"grouped"`` wherever :meth:`grouped_ok` (no host sync), else ``"loop"`` (float64,
-        unaligned sizes, older torch).  While torch.compile traces, never ``"stream"`` (its host
-        sync would break the graph) and never the threaded loop (``"grouped"`` where it can run).
-        """
+        """The kernel :meth:`forward` runs for ``x (T, d)`` routed to ``top_k`` experts per token,
+        with (``grad``) or without autograd: an explicit ``impl`` as it is (that kernel always
+        runs, and raises a ``ValueError`` where it cannot), ``"auto"`` by
+        :func:`moelab.experts.kernels.choose_kernel`."""
         if self.impl != "auto":
             return self.impl
-        cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        slots, n = x.shape[0] * top_k, self.num_experts
-        grouped = self.grouped_ok(x)
-        one = cpu and torch.get_num_threads() == 1  # not read while tracing: a graph break
-        if not grad and cpu:
-            decoding = slots <= n
-            large = slots >= self.STREAM_ROWS_PER_EXPERT * n and one
-            if not grouped or decoding or large:
-                return "stream"
-        if not grouped or (cpu and (not one or slots >= self.LOOP_ROWS_PER_EXPERT * n)):
-            return "loop"
-        return "grouped"
+        return choose_kernel(x, top_k, self.expert_weights, grad)
 
 
 class MLP(nn.Module):

@@ -14,16 +14,14 @@ the same bits), on other devices a gather (no atomics), so results are determini
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from ..functional import expert_counts
-
-if TYPE_CHECKING:
-    from .protocol import Experts
+from .protocol import Experts
 
 __all__ = [
     "Slots",

@@ -1,10 +1,13 @@
-"""The implementations of :class:`ExpertBank`'s forward, by name: ``KERNELS[impl](bank, x, indices, weights)``.
+"""The kernels of :class:`moelab.ExpertBank`'s forward, by name, and the rule that picks one.
 
 Like the experts interface of Hugging Face transformers, every backend is one function of the same
-signature in one name → function mapping; ``ExpertBank(impl=name)`` runs exactly that function and
-``impl="auto"`` picks one by :meth:`ExpertBank.resolved_impl` (device, slots per expert ``T·K/N``,
-autograd, torch threads; measured in docs/performance.md, ``moelab bench suite``).  A new kernel
-(Triton, a vendor library) is one more entry of :data:`KERNELS`.
+signature in one name → function mapping, :data:`KERNELS`; like torchtitan's, a kernel is a plain
+function of the tokens, the routing and the experts' weight tensors
+(:class:`ExpertWeights`), so nothing here knows the bank: ``KERNELS[impl](x, indices, weights,
+experts)``.  ``ExpertBank(impl=name)`` runs exactly ``KERNELS[name]``; ``impl="auto"`` runs the one
+:func:`choose_kernel` names (device, slots per expert ``T·K/N``, autograd, torch threads; measured
+in docs/performance.md, ``moelab bench suite``).  A new kernel (Triton, a vendor library) is one
+more entry of :data:`KERNELS`.
 
 - ``"loop"``: the shared dispatch (:func:`moelab.experts.dispatch.dispatch`) with one custom
   autograd node (:class:`_ExpertMLP`) running every expert on its slice — matmul, activation while
@@ -29,59 +32,96 @@ float32 from torch 2.9, CUDA from compute capability 8.0 (:func:`grouped_mm_avai
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .dispatch import dispatch, sort_slots, tracks_grad
+from ..functional import activation as get_activation
+from .dispatch import dispatch, sort_slots
 from .threads import over_experts
-
-if TYPE_CHECKING:
-    from .bank import ExpertBank
 
 __all__ = [
     "ALL_PASSES",
     "IMPLS",
     "KERNELS",
+    "LOOP_ROWS_PER_EXPERT",
+    "STREAM_ROWS_PER_EXPERT",
+    "ExpertWeights",
     "Kernel",
     "all_experts",
+    "choose_kernel",
     "fused",
     "grouped",
     "grouped_mm_available",
+    "grouped_ok",
     "loop",
     "stream",
 ]
 
-#: ``kernel(bank, x (T, d), indices (T, K), weights (T, K)) -> (T, d)``: ``Σ_k w_k · expert_{i_k}(x)``
-Kernel = Callable[["ExpertBank", Tensor, Tensor, Tensor], Tensor]
+
+class ExpertWeights(NamedTuple):
+    """The weight tensors of N MLP experts, expert ``e`` computing
+    ``W_out[e] · act(W_in[e] x + b_in[e]) + b_out[e]`` (the ``nn.Linear`` layout per expert)."""
+
+    w_in: Tensor  #: ``(N, h_in, d)``; ``h_in = 2h`` laid out ``[gate | up]`` for ``swiglu``, else ``h``
+    w_out: Tensor  #: ``(N, d, h)``
+    b_in: Tensor | None  #: ``(N, h_in)`` or ``None``
+    b_out: Tensor | None  #: ``(N, d)`` or ``None``
+    activation: str  #: a name of :data:`moelab.functional.ACTIVATIONS`
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_in.shape[0]
+
+    @property
+    def d_model(self) -> int:
+        return self.w_in.shape[2]
+
+    @property
+    def d_hidden(self) -> int:
+        return self.w_out.shape[2]
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The weights and the biases there are."""
+        return tuple(t for t in (self.w_in, self.w_out, self.b_in, self.b_out) if t is not None)
 
 
-def loop(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+#: ``kernel(x (T, d), indices (T, K), weights (T, K), experts) -> (T, d)``: ``Σ_k w_k · expert_{i_k}(x)``
+Kernel = Callable[[Tensor, Tensor, Tensor, ExpertWeights], Tensor]
+
+
+def _tracks_grad(*tensors: Tensor) -> bool:
+    """Whether a call on ``tensors`` records autograd: grad mode on and one of them requiring it."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def loop(x: Tensor, indices: Tensor, weights: Tensor, experts: ExpertWeights) -> Tensor:
     """``"loop"``: sort once, gather, every expert on its rows in one autograd node
     (:func:`loop_rows`), combine.  Runs everywhere (any device and dtype)."""
-    track = tracks_grad(bank, x, weights)
-    run = lambda xs, slots: loop_rows(bank, xs, slots.counts.tolist())  # the one host sync
-    return dispatch(x, indices, weights, bank.num_experts, run, track)
+    track = _tracks_grad(x, weights, *experts.tensors)
+    run = lambda xs, slots: loop_rows(xs, slots.counts.tolist(), experts)  # the one host sync
+    return dispatch(x, indices, weights, experts.num_experts, run, track)
 
 
-def grouped(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+def grouped(x: Tensor, indices: Tensor, weights: Tensor, experts: ExpertWeights) -> Tensor:
     """``"grouped"``: sort once, gather, the experts by ``grouped_mm`` (:func:`grouped_rows`, no
     host sync), combine.
 
     Raises:
         ValueError: ``grouped_mm`` cannot run for ``x``'s device and dtype, or the widths are not
-            16-byte aligned (:meth:`ExpertBank.grouped_ok`).
+            16-byte aligned (:func:`grouped_ok`).
     """
-    _check_grouped(bank, x)
-    track = tracks_grad(bank, x, weights)
-    run = lambda xs, slots: grouped_rows(bank, xs, slots.counts, slots.order, indices)
-    return dispatch(x, indices, weights, bank.num_experts, run, track)
+    _check_grouped(x, experts)
+    track = _tracks_grad(x, weights, *experts.tensors)
+    run = lambda xs, slots: grouped_rows(xs, slots.counts, slots.order, indices, experts)
+    return dispatch(x, indices, weights, experts.num_experts, run, track)
 
 
-def stream(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+def stream(x: Tensor, indices: Tensor, weights: Tensor, experts: ExpertWeights) -> Tensor:
     """``"stream"`` (CPU): each expert gathers its tokens, runs, and adds its weighted output to them.
 
     No ``(T·K, d)`` tensor exists: every expert's rows, hidden activations and outputs are
@@ -91,7 +131,7 @@ def stream(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Ten
     ops), else by :func:`sort_slots` — and the outputs are summed into the tokens by
     ``index_add_`` expert after expert, in slot order: deterministic on the CPU.  At a few tokens
     each touched expert reads its weights once: the bound (``moelab bench suite``).  Without
-    autograd each expert runs by :meth:`ExpertBank.expert_forward`; with it, on the stacked
+    autograd each expert runs on its slices of the stacked weights; with it, on the stacked
     weights unbound once.
 
     Raises:
@@ -103,7 +143,7 @@ def stream(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Ten
             "(index_add_ would add with atomics, nondeterministically); use impl='loop', 'grouped' or 'auto'"
         )
     T, K = indices.shape
-    N = bank.num_experts
+    N = experts.num_experts
     if indices.numel() <= N:
         flat = indices.reshape(-1).tolist()  # the one host sync
         order_list = sorted(range(len(flat)), key=flat.__getitem__)  # stable
@@ -116,29 +156,26 @@ def stream(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Ten
         counts = counts_t.tolist()  # the one host sync
     tokens = order // K
     w_sorted = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(-1)
-    track = tracks_grad(bank, x, weights)
-    expert = bank.expert_forward
+    track = _tracks_grad(x, weights, *experts.tensors)
+    act = get_activation(experts.activation)
+    params = (experts.w_in, experts.w_out, experts.b_in, experts.b_out)
     if track:  # never index a stacked weight per expert under autograd: unbind once
-        params = [
-            p.unbind(0) if p is not None else [None] * N
-            for p in (bank.w_in, bank.w_out, bank.b_in, bank.b_out)
-        ]
-        expert = lambda x_e, e: expert_mlp(x_e, *(p[e] for p in params), bank.act)
-    out = x.new_zeros(T, bank.d_model)
+        params = tuple(p.unbind(0) if p is not None else [None] * N for p in params)
+    out = x.new_zeros(T, experts.d_model)
     start = 0
     for e, c in enumerate(counts):
         if c == 0:
             continue
         stop = start + c
         rows = tokens[start:stop]
-        y = expert(x.index_select(0, rows), e)
+        y = expert_mlp(x.index_select(0, rows), *(None if p is None else p[e] for p in params), act)
         y = y * w_sorted[start:stop] if track else y.mul_(w_sorted[start:stop])
         out.index_add_(0, rows, y)
         start = stop
     return out
 
 
-def fused(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+def fused(x: Tensor, indices: Tensor, weights: Tensor, experts: ExpertWeights) -> Tensor:
     """``"triton"``: the fused gather → grouped GEMM → weighted scatter kernels of
     :mod:`moelab.experts.triton_kernels` (imported here, at the first call).
 
@@ -148,7 +185,7 @@ def fused(bank: ExpertBank, x: Tensor, indices: Tensor, weights: Tensor) -> Tens
     """
     from .triton_kernels import triton_experts
 
-    return triton_experts(bank, x, indices, weights)
+    return triton_experts(x, indices, weights, *experts)
 
 
 #: the ways :func:`all_experts` runs every expert on every token as one grouped pass
@@ -156,8 +193,8 @@ ALL_PASSES = ("grouped", "triton")
 
 
 @torch.no_grad()
-def all_experts(bank: ExpertBank, x: Tensor, impl: str) -> tuple[Tensor, Tensor]:
-    """Every expert of ``bank`` on every token ``x (t, d)`` as one grouped pass, without autograd:
+def all_experts(x: Tensor, experts: ExpertWeights, impl: str) -> tuple[Tensor, Tensor]:
+    """Every expert on every token ``x (t, d)`` as one grouped pass, without autograd:
     pre-activations ``(t, N, h_in)`` and outputs ``(t, N, d)`` — what
     :meth:`ExpertBank._all_experts` computes by two einsums, for the competition's pass
     (CompeteSMoE (2024) §3.1).
@@ -170,32 +207,86 @@ def all_experts(bank: ExpertBank, x: Tensor, impl: str) -> tuple[Tensor, Tensor]
     Raises:
         ValueError: ``impl`` is not in :data:`ALL_PASSES`, or that kernel cannot run for ``x``.
     """
-    t, n = x.shape[0], bank.num_experts
+    t, n = x.shape[0], experts.num_experts
     if impl == "triton":
         from .triton_kernels import expert_outputs
 
-        return expert_outputs(bank, x, torch.arange(n, device=x.device).expand(t, n), keep_h=True)
+        return expert_outputs(x, torch.arange(n, device=x.device).expand(t, n), *experts, keep_h=True)
     if impl != "grouped":
         raise ValueError(f"impl={impl!r} is not allowed; expected one of {list(ALL_PASSES)}")
-    _check_grouped(bank, x)
+    _check_grouped(x, experts)
     xs = x.repeat(n, 1)  # expert-major: expert e's rows are xs[e·t : (e+1)·t]
     offs = torch.arange(1, n + 1, device=x.device, dtype=torch.int32) * t
-    experts = None
-    if bank.b_in is not None or bank.b_out is not None:
-        experts = torch.arange(n, device=x.device).repeat_interleave(t)
-    y, h, _ = _grouped_forward(
-        xs, bank.w_in, bank.w_out, bank.b_in, bank.b_out, offs, experts, bank.activation, bank.act
-    )
+    ids = None
+    if experts.b_in is not None or experts.b_out is not None:
+        ids = torch.arange(n, device=x.device).repeat_interleave(t)
+    w_in, w_out, b_in, b_out, name = experts
+    y, h, _ = _grouped_forward(xs, w_in, w_out, b_in, b_out, offs, ids, name, get_activation(name))
     return h.view(n, t, -1).transpose(0, 1), y.view(n, t, -1).transpose(0, 1)
 
 
 #: name → implementation of :meth:`ExpertBank.forward`; ``impl=name`` runs exactly ``KERNELS[name]``
 KERNELS: dict[str, Kernel] = {"loop": loop, "grouped": grouped, "stream": stream, "triton": fused}
 
-#: the values of ``ExpertBank(impl=...)``: ``"auto"`` (:meth:`ExpertBank.resolved_impl`) and the kernels
+#: the values of ``ExpertBank(impl=...)``: ``"auto"`` (:func:`choose_kernel`) and the kernels
 IMPLS = ("auto", *KERNELS)
 
 
+# ------------------------------------------------------------------ choosing the kernel
+#: on the CPU with one torch thread, ``"auto"`` trains with ``"loop"`` from this many token slots
+#: per expert on (``T·K/N``): there the loop's activation on each expert's rows while they are in
+#: cache beats ``grouped_mm``'s one activation pass over all ``T·K`` rows; below it
+#: ``grouped_mm``'s C++ loop over the experts beats the Python one.  With more threads the loop runs
+#: whole experts on each thread (:mod:`moelab.experts.threads`) and is ahead at every size
+#: measured (``moelab bench layer``, docs/performance.md)
+LOOP_ROWS_PER_EXPERT = 256
+#: on the CPU with one torch thread, ``"auto"`` infers with ``"stream"`` from this many slots
+#: per expert on (no ``(T·K, d)`` buffers; below it ``grouped_mm`` wins)
+STREAM_ROWS_PER_EXPERT = 256
+
+
+def choose_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
+    """The kernel ``impl="auto"`` runs for ``x (T, d)`` routed to ``top_k`` of the ``experts``,
+    with (``grad``) or without autograd.
+
+    On the CPU: ``"stream"`` for decoding-sized inference (``T·K ≤ N``) and wherever
+    ``grouped_mm`` cannot run without autograd; with several torch threads ``"loop"`` (experts
+    spread over the threads); with one, inference takes ``"stream"`` from
+    :data:`STREAM_ROWS_PER_EXPERT` slots per expert on and training ``"loop"`` from
+    :data:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices, ``"grouped"`` wherever
+    :func:`grouped_ok` (no host sync), else ``"loop"`` (float64, unaligned sizes, older torch).
+    While torch.compile traces, never ``"stream"`` (its host sync would break the graph) and never
+    the threaded loop (``"grouped"`` where it can run).
+    """
+    cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    slots, n = x.shape[0] * top_k, experts.num_experts
+    grouped_runs = grouped_ok(x, experts)
+    one = cpu and torch.get_num_threads() == 1  # not read while tracing: a graph break
+    if not grad and cpu:
+        decoding = slots <= n
+        large = slots >= STREAM_ROWS_PER_EXPERT * n and one
+        if not grouped_runs or decoding or large:
+            return "stream"
+    if not grouped_runs or (cpu and (not one or slots >= LOOP_ROWS_PER_EXPERT * n)):
+        return "loop"
+    return "grouped"
+
+
+def grouped_aligned(dtype: torch.dtype, *widths: int) -> bool:
+    """Whether the ``widths`` (``d_model``, ``d_hidden``) give ``grouped_mm`` the 16-byte aligned
+    row strides it requires (multiples of 4 in float32, of 8 in bfloat16 / float16)."""
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    return all(w % per == 0 for w in widths)
+
+
+def grouped_ok(x: Tensor, experts: ExpertWeights) -> bool:
+    """Whether the ``"grouped"`` kernel runs for ``x`` and ``experts`` (device, dtype, alignment)."""
+    return grouped_mm_available(x.device, x.dtype) and grouped_aligned(
+        x.dtype, experts.d_model, experts.d_hidden
+    )
+
+
+# ------------------------------------------------------------------ the experts on sorted rows
 def expert_mlp(
     x: Tensor, w_in: Tensor, w_out: Tensor, b_in: Tensor | None, b_out: Tensor | None, act
 ) -> Tensor:
@@ -203,48 +294,53 @@ def expert_mlp(
     return F.linear(act(F.linear(x, w_in, b_in)), w_out, b_out)
 
 
-def loop_rows(bank: ExpertBank, xs: Tensor, counts: Sequence[int]) -> Tensor:
+def loop_rows(xs: Tensor, counts: Sequence[int], experts: ExpertWeights) -> Tensor:
     """Every expert on its contiguous rows of the expert-sorted tokens ``xs (S, d)`` → ``(S, d)``
     (:class:`_ExpertMLP`; the plain forward without autograd)."""
-    args = (bank.b_in, bank.b_out, list(counts), bank.activation, bank.act)
-    if tracks_grad(bank, xs):
-        return _ExpertMLP.apply(xs, bank.w_in, bank.w_out, *args)  # (S, d)
-    return _loop_forward(xs, bank.w_in, bank.w_out, *args, keep=False)[0]
+    w_in, w_out, b_in, b_out, name = experts
+    args = (b_in, b_out, list(counts), name, get_activation(name))
+    if _tracks_grad(xs, *experts.tensors):
+        return _ExpertMLP.apply(xs, w_in, w_out, *args)  # (S, d)
+    return _loop_forward(xs, w_in, w_out, *args, keep=False)[0]
 
 
-def grouped_rows(bank: ExpertBank, xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor) -> Tensor:
+def grouped_rows(
+    xs: Tensor, counts: Tensor, order: Tensor, indices: Tensor, experts: ExpertWeights
+) -> Tensor:
     """Every expert on its contiguous rows of ``xs (S, d)`` by ``grouped_mm`` → ``(S, d)``:
     :class:`_GroupedMLP` eagerly, the traceable custom ops while torch.compile traces."""
+    w_in, w_out, b_in, b_out, name = experts
+    act = get_activation(name)
     offs = counts.cumsum(0).to(torch.int32)
-    experts = None
-    if bank.b_in is not None or bank.b_out is not None:
-        experts = indices.reshape(-1).index_select(0, order)  # expert of each sorted slot
+    ids = None
+    if b_in is not None or b_out is not None:
+        ids = indices.reshape(-1).index_select(0, order)  # expert of each sorted slot
     if not torch.compiler.is_compiling():
-        args = (bank.b_in, bank.b_out, offs, experts, bank.activation, bank.act)
-        if not tracks_grad(bank, xs):
-            return _grouped_forward(xs, bank.w_in, bank.w_out, *args)[0]
-        return _GroupedMLP.apply(xs, bank.w_in, bank.w_out, *args)
+        args = (b_in, b_out, offs, ids, name, act)
+        if not _tracks_grad(xs, *experts.tensors):
+            return _grouped_forward(xs, w_in, w_out, *args)[0]
+        return _GroupedMLP.apply(xs, w_in, w_out, *args)
     # traced: composed of the custom ops, which inductor fuses with the activation
-    h = _grouped_mm_nt(xs, bank.w_in, offs)  # (S, h_in)
-    if bank.b_in is not None:
-        h = h + bank.b_in.index_select(0, experts)
-    y = _grouped_mm_nt(bank.act(h), bank.w_out, offs)  # (S, d)
-    if bank.b_out is not None:
-        y = y + bank.b_out.index_select(0, experts)
+    h = _grouped_mm_nt(xs, w_in, offs)  # (S, h_in)
+    if b_in is not None:
+        h = h + b_in.index_select(0, ids)
+    y = _grouped_mm_nt(act(h), w_out, offs)  # (S, d)
+    if b_out is not None:
+        y = y + b_out.index_select(0, ids)
     return _ContiguousGrad.apply(y)
 
 
-def _check_grouped(bank: ExpertBank, x: Tensor) -> None:
+def _check_grouped(x: Tensor, experts: ExpertWeights) -> None:
     if not grouped_mm_available(x.device, x.dtype):
         raise ValueError(
             f"impl='grouped' is not available for device={x.device.type}, dtype={x.dtype} with "
             f"torch {torch.__version__}; use impl='loop' or 'auto'"
         )
-    if not bank.grouped_aligned(x.dtype):
+    if not grouped_aligned(x.dtype, experts.d_model, experts.d_hidden):
         raise ValueError(
             f"impl='grouped' needs d_model and d_hidden to be multiples of "
             f"{16 // x.element_size()} for dtype={x.dtype} (16-byte aligned strides); got "
-            f"d_model={bank.d_model}, d_hidden={bank.d_hidden}; use impl='loop' or 'auto'"
+            f"d_model={experts.d_model}, d_hidden={experts.d_hidden}; use impl='loop' or 'auto'"
         )
 
 

@@ -1,4 +1,4 @@
-"""The ``"triton"`` kernel of :class:`moelab.experts.ExpertBank`: expert MLPs whose gather and
+"""The ``"triton"`` kernel of :mod:`moelab.experts.kernels`: expert MLPs whose gather and
 weighted scatter are fused into grouped GEMMs (after ScatterMoE, Tan et al. 2024, written from
 scratch here).
 
@@ -606,34 +606,53 @@ class _TritonMLP(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------- entry points
-def _check(bank, x: Tensor) -> None:
+def _check(x: Tensor, activation: str, bias: bool) -> None:
     reason = unavailable_reason(x.device, x.dtype)
-    if reason is None and bank.activation not in ACT_CODES:
+    if reason is None and activation not in ACT_CODES:
         reason = f"it supports the activations {sorted(ACT_CODES)}"
     if reason is not None:
         raise ValueError(
             f"impl='triton' is not available for device={x.device.type}, dtype={x.dtype}, "
-            f"activation={bank.activation!r}, bias={bank.b_in is not None}: {reason}; use impl='loop', 'grouped' or 'auto'"
+            f"activation={activation!r}, bias={bias}: {reason}; use impl='loop', 'grouped' or 'auto'"
         )
 
 
-def triton_experts(bank, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+def triton_experts(
+    x: Tensor,
+    indices: Tensor,
+    weights: Tensor,
+    w_in: Tensor,
+    w_out: Tensor,
+    b_in: Tensor | None,
+    b_out: Tensor | None,
+    activation: str,
+) -> Tensor:
     """``Σ_k w_k · expert_{i_k}(x)`` for ``x (T, d)``, ``indices (T, K)``, ``weights (T, K)`` by
-    the fused Triton kernels (module docstring); the ``"triton"`` entry of
-    :data:`moelab.experts.KERNELS`.
+    the fused Triton kernels (module docstring), the experts' weights ``w_in (N, h_in, d)``,
+    ``w_out (N, d, h)`` and biases ``(N, ·)`` as :class:`moelab.experts.kernels.ExpertWeights`
+    holds them; the ``"triton"`` entry of :data:`moelab.experts.KERNELS`.
 
     Raises:
-        ValueError: triton is missing, the device or dtype is not supported, or the bank has an
-            activation the kernels lack.
+        ValueError: triton is missing, the device or dtype is not supported, or the activation
+            is one the kernels lack.
     """
-    _check(bank, x)
-    params = (bank.w_in, bank.w_out, bank.b_in, bank.b_out)
+    _check(x, activation, b_in is not None)
+    params = (w_in, w_out, b_in, b_out)
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weights, *params))
-    return _TritonMLP.apply(x, *params, weights, indices, bank.activation, keep)
+    return _TritonMLP.apply(x, *params, weights, indices, activation, keep)
 
 
 @torch.no_grad()
-def expert_outputs(bank, x: Tensor, indices: Tensor, keep_h: bool = False) -> tuple[Tensor | None, Tensor]:
+def expert_outputs(
+    x: Tensor,
+    indices: Tensor,
+    w_in: Tensor,
+    w_out: Tensor,
+    b_in: Tensor | None,
+    b_out: Tensor | None,
+    activation: str,
+    keep_h: bool = False,
+) -> tuple[Tensor | None, Tensor]:
     """Each chosen expert's own output, without autograd: ``(h, y)`` with ``y (T, K, d)`` the
     unweighted ``expert_{i_k}(x_t)`` and ``h`` (``keep_h``) the pre-activations ``(T, K, h_in)``.
 
@@ -641,16 +660,12 @@ def expert_outputs(bank, x: Tensor, indices: Tensor, keep_h: bool = False) -> tu
     every token, CompeteSMoE (2024) §3.1) as one grouped pass over the ``T·N`` slots: the tokens
     are read by index, not copied ``N`` times.
     """
-    _check(bank, x)
+    _check(x, activation, b_in is not None)
     x = x.contiguous()
     T, K = indices.shape
-    p = _Plan(indices, bank.num_experts, x.dtype)
-    h, a = _first_gemm(p, x, bank.w_in, bank.b_in, bank.activation, keep_h)
-    y = (
-        _scatter_gemm(p, a, bank.w_out, True, None, T, per_slot=True, bias=bank.b_out)
-        .to(x.dtype)
-        .view(T, K, -1)
-    )
+    p = _Plan(indices, w_in.shape[0], x.dtype)
+    h, a = _first_gemm(p, x, w_in, b_in, activation, keep_h)
+    y = _scatter_gemm(p, a, w_out, True, None, T, per_slot=True, bias=b_out).to(x.dtype).view(T, K, -1)
     if h is not None:  # sorted-slot order back to (token, k) order
         h = torch.empty_like(h).index_copy_(0, p.order, h).view(T, K, -1)
     return h, y

@@ -568,15 +568,14 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
 def carried_options(layer: MoE) -> dict[str, Any]:
     """The router options of ``layer`` that describe its block's rule (normalisation, scaling,
     group limits, selection bias), read from its router (a competition router's base)."""
-    router = getattr(layer.router, "base", None) or layer.router
+    rule = layer.router.base_router.rule_options()
     out: dict[str, Any] = {}
     for key in _CARRIED:
         if key == "selection_bias":
-            b = getattr(router, "selection_bias", None)
-            if b is not None:
-                out[key] = b.detach().clone()
-        elif hasattr(router, key):
-            out[key] = getattr(router, key)
+            if rule.get(key) is not None:
+                out[key] = rule[key].detach().clone()
+        elif key in rule:
+            out[key] = rule[key]
     return out
 
 
@@ -661,15 +660,16 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
     for m in router.modules():
         if m is not router and callable(getattr(m, "reset_parameters", None)):
             m.reset_parameters()
-    old_w = getattr(getattr(old, "base", None) or old, "weight", None)
-    new_base = getattr(router, "base", None) or router
+    old_w = _own_tensor(old.base_router, "weight")
+    new_base = router.base_router
+    new_w = _own_tensor(new_base, "weight")
+    new_bias = new_base.rule_options().get("selection_bias")
     with torch.no_grad():
-        if old_w is not None and isinstance(getattr(new_base, "weight", None), Tensor):
-            if new_base.weight.shape == old_w.shape:
-                new_base.weight.copy_(old_w)
+        if old_w is not None and new_w is not None and new_w.shape == old_w.shape:
+            new_w.copy_(old_w)
         sel = bias if isinstance(bias, Tensor) else base_bias
-        if isinstance(sel, Tensor) and getattr(new_base, "selection_bias", None) is not None:
-            new_base.selection_bias.copy_(sel)
+        if isinstance(sel, Tensor) and new_bias is not None:
+            new_bias.copy_(sel)
     router.train(old.training)
     router.layer_index = old.layer_index
     layer.router = router
@@ -677,6 +677,13 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
     layer.coefs = tmp.coefs
     layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
     return lost
+
+
+def _own_tensor(module: nn.Module, name: str) -> Tensor | None:
+    """``module``'s own parameter or buffer ``name`` (a router's ``(N, d)`` weight), or ``None``."""
+    return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}.get(
+        name
+    )
 
 
 def _json_options(options: dict[str, Any]) -> dict[str, Any]:

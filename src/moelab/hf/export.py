@@ -40,22 +40,10 @@ _LOST = {
 
 
 def _router_options(layer: MoE) -> dict[str, Any]:
-    r = layer.router
-    out: dict[str, Any] = {}
-    for key in (
-        "renormalize",
-        "normalize",
-        "scale",
-        "num_groups",
-        "topk_groups",
-        "frozen",
-        "k_max",
-        "eval_k",
-    ):
-        if hasattr(r, key):
-            out[key] = getattr(r, key)
-    out["selection_bias"] = getattr(r, "selection_bias", None) is not None
-    out["expert_dropout"] = getattr(r, "expert_dropout", 0.0)
+    rule = layer.router.rule_options()
+    out = {k: v for k, v in rule.items() if k not in ("selection_bias", "expert_dropout")}
+    out["selection_bias"] = rule.get("selection_bias") is not None
+    out["expert_dropout"] = rule.get("expert_dropout", 0.0)
     return out
 
 

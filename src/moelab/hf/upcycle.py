@@ -13,8 +13,10 @@ which keeps the identity.  Methods whose weights do not sum to 1 (``sigma-moe``,
 
 Recognised MLPs (``SUPPORTED_MLPS``).  A module is an MLP only if it holds 2 (or 3, gated)
 projections and an activation and nothing else (dropouts and identities aside: no attention, no
-norm, no parameters of its own), and its ``forward`` (read from its source) computes
-``out(act(in(x)))`` or ``down(act(gate(x)) * up(x))``:
+norm, no parameters of its own), and it computes ``out(act(in(x)))`` or
+``down(act(gate(x)) * up(x))`` — checked numerically, as :func:`moelab.from_hf` checks a router:
+the module and the MLP rebuilt from its weights run on random inputs of several scales and must
+agree up to the rounding of the weights' dtype:
 
 * GPT-2 style: ``c_fc`` / ``c_proj`` ``Conv1D`` (weights stored ``(in, out)``) and ``act``;
 * LLaMA style: ``gate_proj`` / ``up_proj`` / ``down_proj`` ``Linear`` with a SiLU ``act_fn``
@@ -26,24 +28,27 @@ norm, no parameters of its own), and its ``forward`` (read from its source) comp
 * OPT / BART / Whisper style layers, whose ``fc1`` / ``fc2`` / ``activation_fn`` sit on the
   decoder (or encoder) layer itself beside its attention and norms: only the MLP is upcycled —
   ``fc1`` becomes the MoE layer, ``activation_fn`` and ``fc2`` identities — after checking that
-  the layer's ``forward`` computes ``fc2(activation_fn(fc1(h)))`` between them;
+  the layer computes ``fc2(activation_fn(fc1(h)))`` between them (run on random hidden states, its
+  output is the same with the three replaced by the rebuilt MLP);
   :func:`find_mlps` names it ``"<layer>.fc1+fc2"``.
 
 Anything else holding such projections (a norm between them, clamping, a scale, an activation
 after the output projection, a projection pair without activation, ...) is refused with a
 ``ValueError`` before the model is changed.  Activations map to moelab's: ReLU, GELU (exact or
 tanh), CLIP's quick GELU, SiLU; others are refused.  Dropout after the MLP (GPT-2's
-``dropout``, timm's ``drop2``) is kept after the MoE layer; dropout between the two projections
-(timm's ``drop1``, BART's ``activation_dropout``, set to 0) is dropped (identical in eval mode).
+``dropout``, timm's ``drop2``: the dropout module called after the output projection) is kept after
+the MoE layer; dropout between the two projections (timm's ``drop1``, BART's
+``activation_dropout``, set to 0) is dropped (identical in eval mode); anything else that changes
+in training mode (a functional dropout) is refused.  The checks run the model's modules without
+changing them: their modes, buffers and the random number generators are restored.
 """
 
 from __future__ import annotations
 
-import ast
+import contextlib
 import inspect
 import json
-import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..functional import activation as activation_fn
 from ..layer import MoE
 from ..methods import get_method
 from ..routers import ROUTERS, router_options
@@ -166,197 +172,211 @@ def _extras(module: nn.Module, parts: Iterable[str]) -> list[str]:
     return extra + [n for n, _ in module.named_parameters(recurse=False)]
 
 
-# What a forward computes, read from its source: straight-line code (assignments then a return)
-# with the local variables substituted gives one expression tree of the input ``X``; the MLP
-# templates below are matched against it.  Trees: "X" (the input), ("call", attr, arg) for
-# ``self.attr(arg)``, ("dropout", p, arg) for functional dropout (p: the ``p=`` expression as
-# source text), ("mul", a, b), ("var", name) for a name defined elsewhere, ("other", text).
+# ---------------------------------------------------------------------------- the numeric check
+# Whether a module computes the MLP rebuilt from its weights is checked as moelab.from_hf checks a
+# router: by running both on random inputs and comparing.  The inputs span four orders of
+# magnitude, so that a clamp, a norm or a scale between the projections shows; the comparison
+# allows the rounding of the weights' dtype, relative to each row's largest output.  Nothing of the
+# model changes: modes, buffers and the random number generators are restored afterwards.
+
+#: the largest difference allowed, relative to a row's largest output, by dtype (else 3e-2)
+_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-def _forward_tree(cls: type) -> ast.FunctionDef | None:
+@contextlib.contextmanager
+def _probing(module: nn.Module, weight: Tensor) -> Iterator[None]:
+    """Run probes of ``module`` without gradients and leave it as it was: its and its
+    submodules' train/eval modes, its buffers, and the random number generators."""
+    modes = [(m, m.training) for m in module.modules()]
+    buffers = [(b, b.clone()) for b in module.buffers()]
+    cuda = [weight.device.index or 0] if weight.device.type == "cuda" else []
     try:
-        source = textwrap.dedent(inspect.getsource(cls.forward))
-        fn = ast.parse(source).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    return fn if isinstance(fn, ast.FunctionDef) else None
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
 
 
-def _self_attr(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-        return node.attr
+def _probe_inputs(dense: _Dense) -> Tensor:
+    """``(1, 16, d)`` random inputs in the weights' dtype and device, four rows per scale."""
+    w = dense.w_in
+    scales = (0.1, 1.0, 10.0) if w.dtype == torch.float16 else (0.1, 1.0, 10.0, 100.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4, dense.d_model, generator=g, dtype=torch.float64) * s for s in scales])
+    return x.to(device=w.device, dtype=w.dtype).unsqueeze(0)
+
+
+def _mismatch(got: Any, want: Tensor) -> str | None:
+    """Why ``got`` is not ``want`` up to the rounding of its dtype, or ``None`` when it is."""
+    if not isinstance(got, Tensor) or got.shape != want.shape:
+        shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+        return f"an output of shape {shape} where {tuple(want.shape)} was expected"
+    diff = (got - want).abs().amax(-1).double()
+    scale = want.abs().amax(-1).double()
+    slack = _RTOL.get(want.dtype, 3e-2) * (scale + 1e-6 * scale.max())
+    if not bool(torch.isfinite(got).all()) or bool((diff > slack).any()):
+        worst = (diff / scale.clamp_min(torch.finfo(torch.float64).tiny)).max().item()
+        return f"on random inputs they differ by up to {worst:.2g} times the output's largest entry"
     return None
 
 
-def _expr(node: ast.expr, env: dict[str, Any]) -> Any:
-    """The tree of ``node`` with the names of ``env`` substituted."""
-    if isinstance(node, ast.Name):
-        return env.get(node.id, ("var", node.id))
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-        return ("mul", _expr(node.left, env), _expr(node.right, env))
-    if isinstance(node, ast.Call) and len(node.args) == 1:
-        attr = _self_attr(node.func)
-        if attr is not None and not node.keywords:
-            return ("call", attr, _expr(node.args[0], env))
-        if isinstance(node.func, ast.Attribute) and node.func.attr == "dropout" and attr is None:
-            p = next((ast.unparse(k.value) for k in node.keywords if k.arg == "p"), "0.5")
-            return ("dropout", p, _expr(node.args[0], env))
-    return ("other", ast.unparse(node))
+class _Candidate(nn.Module):
+    """The MLP rebuilt from a dense MLP's weights, as the upcycled experts compute it."""
+
+    def __init__(self, dense: _Dense) -> None:
+        super().__init__()
+        self.dense = dense
+        self.act = activation_fn(dense.activation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        d = self.dense
+        return F.linear(self.act(F.linear(x, d.w_in, d.b_in)), d.w_out, d.b_out)
 
 
-def _run(statements: list[ast.stmt], env: dict[str, Any]) -> Any:
-    """Execute straight-line ``statements`` symbolically; the returned tree, or ``None`` when
-    the code is not straight-line (or returns nothing)."""
-    for stmt in statements:
-        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
-            continue  # a docstring
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-            env[stmt.targets[0].id] = _expr(stmt.value, env)
-        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
-            env[stmt.target.id] = _expr(stmt.value, env)
-        elif isinstance(stmt, ast.Return) and stmt.value is not None:
-            return _expr(stmt.value, env)
-        else:
-            return None
-    return None
+def _refuse_meta(module: nn.Module, want: str) -> None:
+    raise ValueError(
+        f"{type(module).__name__} has its weights on the meta device; moelab checks by running it that it "
+        f"computes {want} before upcycling it: load or initialise the weights first"
+    )
 
 
-def _show(tree: Any) -> str:
-    if tree == "X":
-        return "x"
-    kind = tree[0]
-    if kind == "call":
-        return f"{tree[1]}({_show(tree[2])})"
-    if kind == "dropout":
-        return f"dropout({_show(tree[2])}, p={tree[1]})"
-    if kind == "mul":
-        return f"{_show(tree[1])} * {_show(tree[2])}"
-    return tree[1]
+def _check_mlp(module: nn.Module, dense: _Dense, out: str, want: str) -> float:
+    """Check numerically that ``module`` computes ``want`` (the MLP of ``dense``); return the
+    dropout probability of the dropout module it applies after ``out`` (kept after the MoE layer;
+    dropout modules before it, inside the MLP, are dropped: the same in evaluation mode).
 
-
-def _p_value(module: nn.Module, p: str) -> float | None:
-    """The value of a dropout's ``p`` source text (a number or ``self.<attr>``), else ``None``."""
-    try:
-        return float(p)
-    except ValueError:
-        pass
-    if p.startswith("self.") and isinstance(getattr(module, p[5:], None), (int, float)):
-        return float(getattr(module, p[5:]))
-    return None
-
-
-def _strip_dropouts(module: nn.Module, tree: Any) -> tuple[Any, list[tuple[str | None, float | None]]]:
-    """``tree`` without its outer dropouts, and those dropouts as ``(attribute, p)`` (attribute:
-    the ``self.<attr>`` dropout module or the ``p=self.<attr>`` of a functional one)."""
-    found = []
-    while isinstance(tree, tuple):
-        if tree[0] == "dropout":
-            attr = tree[1][5:] if tree[1].startswith("self.") else None
-            found.append((attr, _p_value(module, tree[1])))
-            tree = tree[2]
-        elif tree[0] == "call" and isinstance(getattr(module, tree[1], None), (nn.Dropout, nn.Identity)):
-            found.append((tree[1], _dropout_p(getattr(module, tree[1]))))
-            tree = tree[2]
-        else:
-            break
-    return tree, found
-
-
-def _mlp_dropout(module: nn.Module, ins: tuple[str, ...], out: str, act: str) -> float:
-    """Check that ``module.forward`` computes ``out(act(in(x)))`` (or ``down(act(gate(x)) ·
-    up(x))``), dropouts aside; return the dropout probability after ``out`` (kept)."""
+    Raises:
+        ValueError: it computes something else in evaluation mode, or in training mode something
+            else than its dropout modules change, or it applies more than one dropout after ``out``.
+    """
     name = type(module).__name__
-    want = f"{out}({act}({ins[0]}(x)) * {ins[1]}(x))" if len(ins) == 2 else f"{out}({act}({ins[0]}(x)))"
-    fn = _forward_tree(type(module))
-    tree = None
-    if fn is not None and fn.args.args[1:]:
-        tree = _run(fn.body, {fn.args.args[1].arg: "X"})
-    if tree is None:
-        raise ValueError(
-            f"{name}.forward cannot be read as straight-line code, so moelab cannot check that it computes "
-            f"{want}; not upcycled"
-        )
-    core, after = _strip_dropouts(module, tree)
-    ok = isinstance(core, tuple) and core[0] == "call" and core[1] == out
-    if ok:
-        inner, _ = _strip_dropouts(module, core[2])  # dropout between the projections: dropped
-        if len(ins) == 1:
-            ok = inner == ("call", act, ("call", ins[0], "X"))
-        else:
-            gate, up = ("call", act, ("call", ins[0], "X")), ("call", ins[1], "X")
-            ok = inner in (("mul", gate, up), ("mul", up, gate))
-    if not ok:
-        raise ValueError(f"{name}.forward computes {_show(tree)}, not {want}; moelab upcycles only that MLP")
-    if len(after) > 1 or any(p is None for _, p in after):
-        raise ValueError(f"{name}.forward computes {_show(tree)}: more than one dropout after {out}")
-    return after[0][1] if after else 0.0
+    if dense.w_in.is_meta:
+        _refuse_meta(module, want)
+    x = _probe_inputs(dense)
+    with _probing(module, dense.w_in):
+        order: list[str] = []
+        hooks = [
+            c.register_forward_hook(lambda m, a, o, n=n: order.append(n)) for n, c in module.named_children()
+        ]
+        try:
+            got = module.eval()(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        why = _mismatch(got, _Candidate(dense)(x))
+        if why is not None:
+            raise ValueError(f"{name}.forward does not compute {want} ({why}); moelab upcycles only that MLP")
+        last = max((i for i, n in enumerate(order) if n == out), default=len(order))
+        after = [n for n in order[last + 1 :] if isinstance(module.get_submodule(n), nn.Dropout)]
+        after = [n for n in after if module.get_submodule(n).p > 0]
+        if len(after) > 1:
+            raise ValueError(f"{name}.forward applies the dropouts {after} after {out}; expected at most one")
+        dropouts = [c for c in module.children() if isinstance(c, nn.Dropout)]
+        hooks = [c.register_forward_hook(lambda m, a, o: a[0]) for c in dropouts]  # identities
+        try:
+            trained = module.train()(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        if not (isinstance(trained, Tensor) and torch.equal(trained, got)):
+            raise ValueError(
+                f"{name}.forward computes something else in training mode, besides its dropout modules (a "
+                "functional dropout?), which upcycling cannot keep; not upcycled"
+            )
+    return module.get_submodule(after[0]).p if after else 0.0
 
 
-def _pair_check(layer: nn.Module) -> list[str]:
-    """Check that ``layer.forward`` calls ``fc1`` and ``fc2`` once each and computes ``fc2(act(fc1(h)))``
-    between them (dropout aside) in straight-line code; return the dropout attributes to switch
-    off between the two (``activation_dropout``)."""
-    name = type(layer).__name__
-    want = "fc2(activation_fn(fc1(h)))"
-    fn = _forward_tree(type(layer))
-    if fn is None:
-        raise ValueError(f"{name}.forward cannot be read, so moelab cannot check that it computes {want}")
-    calls = {
-        attr: sum(1 for n in ast.walk(fn) if isinstance(n, ast.Call) and _self_attr(n.func) == attr)
-        for attr in ("fc1", "fc2", "activation_fn")
-    }
-    if calls != {"fc1": 1, "fc2": 1, "activation_fn": 1}:
-        raise ValueError(f"{name}.forward calls fc1, fc2, activation_fn {calls} times; expected once each")
+def _check_pair(layer: nn.Module, dense: _Dense) -> list[str]:
+    """Check numerically that ``layer`` (an OPT/BART/Whisper-style layer) computes
+    ``fc2(activation_fn(fc1(h)))`` between ``fc1`` and ``fc2``: its output on random hidden states
+    is the same with the three replaced by the MLP rebuilt from their weights.  Return the dropout
+    attributes to switch off between the two (``activation_dropout``).
 
-    def holds(stmt: ast.stmt, attr: str) -> bool:
-        return any(isinstance(n, ast.Call) and _self_attr(n.func) == attr for n in ast.walk(stmt))
+    Raises:
+        ValueError: the layer cannot be run on hidden states alone, calls ``fc1``, ``fc2`` or
+            ``activation_fn`` other than once, computes something else between them, or applies
+            a dropout between them in training mode other than ``activation_dropout``.
+    """
+    name, want = type(layer).__name__, "fc2(activation_fn(fc1(h)))"
+    if dense.w_in.is_meta:
+        _refuse_meta(layer, want)
+    x = _probe_inputs(dense)
+    params = list(inspect.signature(layer.forward).parameters.values())[1:]
+    others = {
+        p.name: None
+        for p in params
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }  # the layer's other required inputs (attention masks): None
 
-    def find(body: list[ast.stmt]) -> list[ast.stmt] | None:
-        """The statements from the one calling fc1 to the one calling fc2, in one block."""
-        first = next((i for i, s in enumerate(body) if holds(s, "fc1")), None)
-        if first is None:
-            return None
-        last = next((i for i, s in enumerate(body) if holds(s, "fc2")), None)
-        if last is not None:
-            return body[first : last + 1]
-        for block in ("body", "orelse", "finalbody"):  # both inside one nested block
-            found = find(getattr(body[first], block, []) or [])
-            if found is not None:
-                return found
-        return None
+    def run() -> Any:
+        out = layer(x, **others)
+        return out if isinstance(out, Tensor) else out[0]  # the hidden states of a tuple or model output
 
-    segment = find(fn.body)
-    tree = None
-    if segment is not None:
-        *head, tail = segment
-        env: dict[str, Any] = {}
-        if _run([*head, ast.Return(value=ast.Constant(None))], env) is not None:
-            call = next(n for n in ast.walk(tail) if isinstance(n, ast.Call) and _self_attr(n.func) == "fc2")
-            tree = _expr(call, env)
-    shown = "(not straight-line code)" if tree is None else _show(tree)
-    inner = None
-    if tree is not None and tree[0] == "call":
-        inner, between = _strip_dropouts(layer, tree[2])
-    if (
-        inner is None
-        or inner[0] != "call"
-        or inner[1] != "activation_fn"
-        or inner[2][0] != "call"
-        or (inner[2][1] != "fc1")
-    ):
-        raise ValueError(f"{name}.forward computes {shown} from fc1 to fc2, not {want}; not upcycled")
-    off = []
-    for attr, p in between:
-        if p == 0.0:
-            continue
-        if attr == "activation_dropout":  # switched off: the dropout inside the MLP is dropped
-            off.append(attr)
-            continue
-        raise ValueError(
-            f"{name}.forward applies dropout p={p} ({attr}) between fc1 and fc2, which upcycling cannot keep "
-            "or drop safely; set it to 0"
-        )
-    return off
+    parts = {n: layer.get_submodule(n) for n in ("fc1", "activation_fn", "fc2")}
+    seen: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in parts}
+
+    def traced() -> Any:
+        for calls in seen.values():
+            calls.clear()
+        hooks = [
+            m.register_forward_hook(lambda m, a, o, n=n: seen[n].append((a[0], o))) for n, m in parts.items()
+        ]
+        try:
+            return run()
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def between_is_plain() -> bool:  # what enters fc2 is what activation_fn returned
+        traced()
+        return torch.equal(seen["fc2"][0][0], seen["activation_fn"][0][1])
+
+    with _probing(layer, dense.w_in):
+        layer.eval()
+        try:
+            reference = traced()
+        except Exception as exc:  # a layer that needs inputs random hidden states do not give
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise ValueError(
+                f"{name}.forward cannot be run on random hidden states ({first}), so moelab cannot check that it "
+                f"computes {want} between fc1 and fc2; not upcycled"
+            ) from None
+        counts = {n: len(calls) for n, calls in seen.items()}
+        if counts != {"fc1": 1, "activation_fn": 1, "fc2": 1}:
+            raise ValueError(
+                f"{name}.forward calls fc1, activation_fn, fc2 {counts} times; expected once each"
+            )
+        layer.fc1, layer.activation_fn, layer.fc2 = _Candidate(dense), nn.Identity(), nn.Identity()
+        try:
+            candidate = run()
+            why = _mismatch(candidate, reference)
+        except Exception as exc:
+            why = f"with that MLP in their place it raises {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        finally:
+            layer.fc1, layer.activation_fn, layer.fc2 = parts["fc1"], parts["activation_fn"], parts["fc2"]
+        if why is not None:
+            raise ValueError(
+                f"{name}.forward does not compute {want} between fc1 and fc2 ({why}); not upcycled"
+            )
+        layer.train()
+        if between_is_plain():
+            return []
+        rate = getattr(layer, "activation_dropout", None)
+        if isinstance(rate, float) and rate > 0:  # the dropout inside the MLP: switched off
+            layer.activation_dropout = 0.0
+            try:
+                if between_is_plain():
+                    return ["activation_dropout"]
+            finally:
+                layer.activation_dropout = rate
+    raise ValueError(
+        f"{name}.forward applies a dropout between fc1 and fc2 in training mode other than activation_dropout, "
+        "which upcycling cannot keep or drop safely; set it to 0"
+    )
 
 
 class _Found:
@@ -432,7 +452,9 @@ def _recognise(module: nn.Module, path: str) -> _Found | None:
                     return None  # e.g. Linear, LayerNorm, Linear: not an MLP
                 if name is None:
                     _refuse_activation(module, act)
-                return _Found(path, "mlp", _Dense(f1.weight, f1.bias, f2.weight, f2.bias, name, 0.0))
+                dense = _Dense(f1.weight, f1.bias, f2.weight, f2.bias, name, 0.0)
+                dense.dropout = _check_mlp(module, dense, "2", "Sequential(Linear, activation, Linear)")
+                return _Found(path, "mlp", dense)
         return None
     layout = _layout(module)
     if layout is None:
@@ -440,13 +462,19 @@ def _recognise(module: nn.Module, path: str) -> _Found | None:
     ins, out, act_attr = layout
     extras = _extras(module, (*ins, out, act_attr or ""))
     if act_attr is not None and not extras:  # a plain MLP: projections, an activation, nothing else
-        dropout = _mlp_dropout(module, ins, out, act_attr)
-        return _Found(path, "mlp", _dense_of(module, ins, out, act_attr, dropout))
+        dense = _dense_of(module, ins, out, act_attr, 0.0)
+        want = (
+            f"{out}({act_attr}({ins[0]}(x)) * {ins[1]}(x))"
+            if len(ins) == 2
+            else f"{out}({act_attr}({ins[0]}(x)))"
+        )
+        dense.dropout = _check_mlp(module, dense, out, want)
+        return _Found(path, "mlp", dense)
     if (ins, out, act_attr) == (("fc1",), "fc2", "activation_fn") and all(
         isinstance(getattr(module, n), nn.Linear) for n in ("fc1", "fc2")
     ):  # OPT / BART / Whisper: the MLP's parts sit on the decoder layer itself
-        off = _pair_check(module)
-        return _Found(path, "pair", _dense_of(module, ins, out, act_attr, 0.0), off)
+        dense = _dense_of(module, ins, out, act_attr, 0.0)
+        return _Found(path, "pair", dense, _check_pair(module, dense))
     held = ", ".join((*ins, out))
     if act_attr is None:
         reason = "no activation (activation_fn, act or act_fn)"

@@ -11,8 +11,9 @@ the code that made it and without unpickling anything:
   ``config`` (a fixed table of kinds: :class:`moelab.models.lm.TransformerLM`,
   :class:`moelab.models.classifier.LMClassifier`, :class:`moelab.models.vision.ImageMoE`,
   :class:`moelab.models.vision.SingleModel`, a bare :class:`moelab.MoE`, or a transformers
-  model with the moelab steps applied to it — ``upcycle`` / ``from_hf``; any other module is
-  saved as kind ``"module"``, whose weights :func:`load_weights` loads into a model you build);
+  model with the moelab steps applied to it — ``upcycle`` / ``from_hf``, registered by
+  :mod:`moelab.hf.kind` through :func:`register_kind`; any other module is saved as kind
+  ``"module"``, whose weights :func:`load_weights` loads into a model you build);
   ``moe_layers``: the method, sizes and options of every MoE layer (checked against the rebuilt
   model); ``routing_context``: :meth:`moelab.RoutingContext.state_dict` (the step decides
   StableMoE's stage and SMoE-Dropout's K) and the competition schedule's arguments; ``files``: the
@@ -34,6 +35,7 @@ import os
 import stat
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +49,13 @@ __all__ = [
     "CONFIG_NAME",
     "FORMAT",
     "FORMAT_VERSION",
+    "KINDS",
     "WEIGHTS_NAME",
+    "Kind",
     "load",
     "load_weights",
     "read_config",
+    "register_kind",
     "resolve",
     "save",
 ]
@@ -60,20 +65,50 @@ FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
-#: the kinds :func:`load` rebuilds (a fixed table: nothing named in a file is imported)
-KINDS = ("TransformerLM", "LMClassifier", "ImageMoE", "SingleModel", "MoE", "transformers")
-
-
 # ----------------------------------------------------------------------------- what a model is
-#: kind → the module defining it: a fixed table (nothing named in a file is imported); the class
-#: registers itself under its kind when that module is imported (:class:`Persistent`)
+#: kind → the module that registers it when imported (a :class:`Persistent` subclass defined there,
+#: or :func:`register_kind`): a fixed table, so that loading imports nothing named in a file
 _KIND_MODULES = {
     "TransformerLM": "moelab.models.lm",
     "LMClassifier": "moelab.models.classifier",
     "ImageMoE": "moelab.models.vision",
     "SingleModel": "moelab.models.vision",
+    "transformers": "moelab.hf.kind",
 }
-_KIND_CLASSES: dict[str, type] = {}
+#: the kinds :func:`load` rebuilds: the table's and a bare :class:`moelab.MoE`
+KINDS = (*_KIND_MODULES, "MoE")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How :func:`save` describes a model of one kind and :func:`load` rebuilds it.
+
+    Attributes:
+        describe: ``model -> config``: the JSON-ready constructor config of a model of this kind,
+            ``None`` for a model of another kind.
+        build: ``(config, file) -> model``: the model rebuilt from that config, with random
+            weights (``file``, the ``config.json`` being read, names it in error messages).
+    """
+
+    describe: Callable[[nn.Module], dict[str, Any] | None]
+    build: Callable[[dict[str, Any], Path], nn.Module]
+
+
+_KINDS: dict[str, Kind] = {}
+
+
+def register_kind(name: str, kind: Kind) -> None:
+    """Make ``name`` a kind that :func:`save` records and :func:`load` rebuilds.
+
+    Only the names of the fixed table of kind modules are allowed: :func:`load` imports the
+    module of a kind it has not seen registered, and nothing named in a file.
+
+    Raises:
+        ValueError: ``name`` is not in the table.
+    """
+    if name not in _KIND_MODULES:
+        raise ValueError(f"kind={name!r} is not allowed; expected one of {list(_KIND_MODULES)}")
+    _KINDS[name] = kind
 
 
 class Persistent:
@@ -87,7 +122,13 @@ class Persistent:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.__name__ in _KIND_MODULES and cls.__module__ == _KIND_MODULES[cls.__name__]:
-            _KIND_CLASSES[cls.__name__] = cls
+            register_kind(
+                cls.__name__,
+                Kind(
+                    describe=lambda model: model.moelab_config() if type(model) is cls else None,
+                    build=lambda config, file: cls.from_moelab_config(config),
+                ),
+            )
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """:func:`moelab.save` of this model (``config.json`` + ``model.safetensors``)."""
@@ -105,15 +146,11 @@ class Persistent:
         return model
 
 
-def _model_classes() -> dict[str, type]:
+def _kinds() -> dict[str, Kind]:
+    """Every kind of the table, its module imported (a fixed name, never one read from a file)."""
     for module in _KIND_MODULES.values():
         importlib.import_module(module)
-    return _KIND_CLASSES
-
-
-def _is_transformers_model(model: nn.Module) -> bool:
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
-               for c in type(model).__mro__)  # fmt: skip
+    return _KINDS
 
 
 def _json_ready(value: Any, what: str) -> Any:
@@ -130,18 +167,13 @@ def describe(model: nn.Module) -> tuple[str, dict[str, Any] | None]:
     cannot rebuild."""
     from ..layer import MoE
 
-    for kind, cls in _model_classes().items():
-        if type(model) is cls:
-            return kind, model.moelab_config()
     if type(model) is MoE and not model.init_config["custom_experts"]:
         config = {k: v for k, v in model.init_config.items() if k != "custom_experts"}
         return "MoE", _json_ready(config, "MoE options")
-    if _is_transformers_model(model):
-        return "transformers", {
-            "model_class": type(model).__name__,
-            "transformers_config": json.loads(model.config.to_json_string(use_diff=False)),
-            "recipe": _json_ready(list(getattr(model, "_moelab_recipe", [])), "recipe"),
-        }
+    for name, kind in _kinds().items():
+        config = kind.describe(model)
+        if config is not None:
+            return name, _json_ready(config, f"{name} config")
     return "module", None
 
 
@@ -426,60 +458,19 @@ def load_weights(path: str | os.PathLike, model: nn.Module, *, strict: bool = Tr
 
 
 def _build(kind: str, config: dict[str, Any], file: Path) -> nn.Module:
-    if kind in _model_classes():
-        return _model_classes()[kind].from_moelab_config(config)
     if kind == "MoE":
         from ..layer import MoE
 
         c = dict(config)
         return MoE(**{k: v for k, v in c.items() if k != "options"}, **c.get("options", {}))
-    if kind == "transformers":
-        return _build_transformers(config, file)
     if kind == "module":
         raise CheckpointError(
             f"{str(file)!r} holds kind='module' (a module moelab cannot rebuild); build the model and "
             "load the weights with moelab.io.load_weights(path, model)"
         )
-    raise CheckpointError(f"{str(file)!r} has kind={kind!r}; expected one of {list(KINDS)} or 'module'")
-
-
-def _build_transformers(config: dict[str, Any], file: Path) -> nn.Module:
-    """A transformers model from its config (offline, random init), then the recorded moelab steps."""
-    try:
-        import transformers
-    except ImportError:  # pragma: no cover
-        raise CheckpointError(f"{str(file)!r} holds a transformers model; pip install transformers") from None
-    raw = dict(config["transformers_config"])
-    model_type = raw.pop("model_type", None)
-    if not model_type:
-        raise CheckpointError(
-            f"{str(file)!r} has no transformers_config.model_type; cannot rebuild the model"
-        )
-    hf_config = transformers.AutoConfig.for_model(model_type, **raw)
-    cls = getattr(transformers, str(config["model_class"]), None)
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise CheckpointError(
-            f"{str(file)!r} has model_class={config['model_class']!r}; expected a transformers model class"
-        )
-    model = cls(hf_config)
-    from ..hf.convert import from_hf, set_method
-    from ..hf.upcycle import upcycle
-
-    for step in config.get("recipe", []):
-        step = dict(step)
-        op = step.pop("op", None)
-        if op == "upcycle":
-            options = step.pop("options", {})
-            upcycle(model, **step, **options)
-        elif op == "from_hf":
-            from_hf(model)
-        elif op == "set_method":
-            set_method(model, **step)
-        else:
-            raise CheckpointError(
-                f"{str(file)!r} has recipe step op={op!r}; expected 'upcycle', 'from_hf' or 'set_method'"
-            )
-    return model
+    if kind not in _KIND_MODULES:
+        raise CheckpointError(f"{str(file)!r} has kind={kind!r}; expected one of {list(KINDS)} or 'module'")
+    return _kinds()[kind].build(config, file)
 
 
 def load(path: str | os.PathLike) -> nn.Module:

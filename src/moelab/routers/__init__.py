@@ -1,6 +1,7 @@
 """Routers, one file per family; each registers its names with :func:`register`.
 
-A router is an ``nn.Module`` built as ``cls(d_model, num_experts, top_k, **options)`` whose
+A router is a :class:`Router` subclass (the registry refuses anything else; the base gives every
+optional hook a default) built as ``cls(d_model, num_experts, top_k, **options)`` whose
 ``forward(x, experts, ctx)`` maps tokens ``x (T, d)`` to a :class:`moelab.Routing`.  ``experts``
 is the layer's expert bank (competition runs it); ``ctx`` the shared
 :class:`moelab.RoutingContext` or ``None``.  ``layer_index`` is set by :func:`moelab.attach`.

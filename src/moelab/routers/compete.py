@@ -292,7 +292,7 @@ class CompeteSMoERouter(Router):
         """The base router's (the competition has no parameters)."""
         self.base.reset_parameters()
 
-    # ``top_k`` and ``layer_index`` are the base router's (the top-(K+1) swap changes ``top_k``).
+    # ``top_k`` is the base router's (the top-(K+1) swap of moelab.metrics.swap_top1 changes it).
     @property
     def top_k(self) -> int:
         return self.base.top_k if "base" in self._modules else self.__dict__["_top_k"]
@@ -305,7 +305,11 @@ class CompeteSMoERouter(Router):
 
     @property
     def weights_sum_to_one(self) -> bool:
-        return getattr(self.base, "weights_sum_to_one", True)
+        return self.base.weights_sum_to_one
+
+    @property
+    def base_router(self) -> Router:
+        return self.base
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, base={self.base_method!r}, mode={self.mode!r}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,11 @@ class SigmoidRouter(Router):
     @property
     def weights_sum_to_one(self) -> bool:  # σ-MoE keeps the raw sigmoid scores
         return self.normalize
+
+    def rule_options(self) -> dict[str, Any]:
+        return {"normalize": self.normalize, "scale": self.scale, "num_groups": self.num_groups,
+                "topk_groups": self.topk_groups, "selection_bias": self.selection_bias,
+                "expert_dropout": self.expert_dropout}  # fmt: skip
 
     @torch.no_grad()
     def on_step(self, ctx: RoutingContext | None = None) -> None:

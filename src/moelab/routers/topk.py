@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,10 @@ class TopKRouter(Router):
         """``W ~ N(0, init_std²)`` (also after ``to_empty`` from the meta device)."""
         with torch.no_grad():
             self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
+
+    def rule_options(self) -> dict[str, Any]:
+        return {"renormalize": self.renormalize, "scale": self.scale, "frozen": self.frozen,
+                "k_max": self.k_max, "eval_k": self.eval_k}  # fmt: skip
 
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
