@@ -3,9 +3,9 @@ every file-system write event, resumed with ``--resume``, and compared bit for b
 run.
 
 Each command is first run once uninterrupted (the reference); then, for ``N = 1, 2, ...``, it is run
-with ``MOELAB_KILL_AT_WRITE=N`` (the test hook of :mod:`moelab.io.atomic`: the process SIGKILLs itself
-at its Nth write event — an atomic write after its temporary file is complete and before the rename,
-a folder's rename, a ``log.csv`` append), then once more with ``--resume`` and no hook, until a run
+with a write hook (:func:`moelab.io.atomic.set_write_hook`, installed by this harness in the child
+process) that SIGKILLs the process at its Nth write event — an atomic write after its temporary file
+is complete and before the rename, a folder's rename, a ``log.csv`` append, then once more with ``--resume`` and no hook, until a run
 with the hook finishes without being killed (the command has ``N - 1`` write events).  A resumed run
 is *identical* when every ``metrics.json`` (timing keys aside), every ``*.safetensors`` tensor and
 every CSV row (timing columns aside) equals the reference's bit for bit, and the two runs hold the
@@ -62,7 +62,28 @@ def write_corpus(path: Path) -> Path:
     return path
 
 
-_SERVER = r"""
+#: a child process: the write hook that SIGKILLs at the ``kill_at``-th write event, then ``moelab argv``
+_CHILD = r"""
+def run_moelab(argv, kill_at):
+    import os, signal
+    import moelab.cli
+    from moelab.io import atomic
+
+    if kill_at is not None:
+        events = [0]
+
+        def kill_at_nth():
+            events[0] += 1
+            if events[0] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        atomic.set_write_hook(kill_at_nth)
+    return moelab.cli.main(argv)
+"""
+
+_SERVER = (
+    _CHILD
+    + r"""
 import json, os, sys, traceback
 import moelab.cli
 moelab.cli.build_parser()  # imports every subcommand once; each run is a fork of this process
@@ -72,12 +93,10 @@ for line in sys.stdin:
     if pid == 0:
         code = 1
         try:
-            os.environ.pop("MOELAB_KILL_AT_WRITE", None)
-            os.environ.update(job["env"])
             fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            code = moelab.cli.main(job["argv"])
+            code = run_moelab(job["argv"], job["kill_at"])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:
@@ -90,6 +109,15 @@ for line in sys.stdin:
     rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
     print(json.dumps({"rc": rc}), flush=True)
 """
+)
+
+_FRESH = (
+    _CHILD
+    + r"""
+import json, sys
+sys.exit(run_moelab(json.loads(sys.argv[1]), json.loads(sys.argv[2])))
+"""
+)
 
 
 class Runner:
@@ -100,7 +128,6 @@ class Runner:
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [_SRC, os.environ.get("PYTHONPATH")])),
         }
-        self.env.pop("MOELAB_KILL_AT_WRITE", None)
         self.server = None
         if fork:
             self.server = subprocess.Popen(
@@ -112,14 +139,16 @@ class Runner:
             )
 
     def __call__(self, argv: list[str], log: Path, kill_at: int | None = None) -> int:
-        env = {} if kill_at is None else {"MOELAB_KILL_AT_WRITE": str(kill_at)}
         if self.server is not None:
-            self.server.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n")
+            self.server.stdin.write(json.dumps({"argv": argv, "kill_at": kill_at, "log": str(log)}) + "\n")
             self.server.stdin.flush()
             return json.loads(self.server.stdout.readline())["rc"]
         with open(log, "w") as f:
             return subprocess.run(
-                [sys.executable, "-m", "moelab", *argv], env={**self.env, **env}, stdout=f, stderr=f
+                [sys.executable, "-c", _FRESH, json.dumps(argv), json.dumps(kill_at)],
+                env=self.env,
+                stdout=f,
+                stderr=f,
             ).returncode
 
     def close(self) -> None:

@@ -14,9 +14,8 @@ import io
 import json
 import os
 import shutil
-import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,18 +27,17 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_torch",
     "read_json",
+    "set_write_hook",
     "sha256_file",
     "write_event",
 ]
 
-#: Test hook of the crash harness (tests/test_crash_harness.py), not a user setting: with
-#: ``MOELAB_KILL_AT_WRITE=N`` in the environment, the process SIGKILLs itself at its Nth write event
-#: (1-based): an :func:`atomic_write_bytes` after its temporary file is complete and before the
-#: rename (the target keeps its old content, a stray ``.tmp`` file is left), an
-#: :func:`atomic_directory` before the folder's rename, a ``log.csv`` append
-#: (:meth:`moelab.io.rundir.RunDir.append_log`) before the row is written.  Unset: no effect.
-KILL_AT_WRITE_ENV = "MOELAB_KILL_AT_WRITE"
-_write_events = 0
+#: The write-event hook, ``None`` in production: called at each write event of this process (an
+#: :func:`atomic_write_bytes` after its temporary file is complete and before the rename, an
+#: :func:`atomic_directory` before the folder's rename, a ``log.csv`` append before the row is
+#: written).  The crash harness (tests/test_crash_harness.py) installs one with
+#: :func:`set_write_hook` that kills the process at a chosen event.
+_write_hook: Callable[[], None] | None = None
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -56,16 +54,16 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def set_write_hook(hook: Callable[[], None] | None) -> None:
+    """Install ``hook`` to run at every write event (``None``: remove it); for tests only."""
+    global _write_hook
+    _write_hook = hook
+
+
 def write_event() -> None:
-    """Count one file-system write event of this process; the crash harness's kill point
-    (:data:`KILL_AT_WRITE_ENV`, a test hook)."""
-    global _write_events
-    at = os.environ.get(KILL_AT_WRITE_ENV)
-    if not at:
-        return
-    _write_events += 1
-    if _write_events == int(at):
-        os.kill(os.getpid(), signal.SIGKILL)
+    """One file-system write event of this process: where the crash harness's hook runs."""
+    if _write_hook is not None:
+        _write_hook()
 
 
 def _sync(fd: int, path: Path) -> None:
