@@ -23,7 +23,8 @@ import moelab
 from moelab.cli import main
 from moelab.data.text import load_text
 from moelab.experiments import runner
-from moelab.experiments.lm import LMTask, TrainRun, build_model
+from moelab.experiments.lm import TrainRun, build_model
+from moelab.train.tasks import LMTask
 
 
 def tiny_args(corpus, out, *extra):
@@ -247,7 +248,7 @@ def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) ->
         model = TransformerLM(cfg)
         trainer = Trainer(
             model, LMTask(data, 16), TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=32),
-            progress=False, method="smoe", expert_parallel=True,
+            progress=False, expert_parallel=True,
         )  # fmt: skip
         metrics = trainer.fit()
         banks = [layer.experts for layer in moe_layers(model)]

@@ -12,7 +12,7 @@ from moelab import metrics
 from moelab.cli import main
 from moelab.data.text import load_text
 from moelab.experiments.diagnose import _batches
-from moelab.experiments.lm import LMTask
+from moelab.train.tasks import LMTask
 
 
 @pytest.fixture(scope="module")

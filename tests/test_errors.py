@@ -321,14 +321,17 @@ def test_glam_needs_two_layers():
 
 
 def test_schedule_state_is_checked():
-    import torch
+    from moelab import RoutingContext
+    from moelab.schedules import CoinFlipSchedule, CompetitionSchedule, schedule_from_state
 
-    from moelab.schedules import CoinFlipSchedule, CompetitionSchedule
-
-    s = CompetitionSchedule(2, 10, seed=0)
-    state = {**s.state_dict(), "table": torch.zeros(3, 10, dtype=torch.bool)}
-    with pytest.raises(ValueError, match=r"state\['table'\] has shape \(3, 10\); expected \(2, 10\)"):
-        s.load_state_dict(state)
+    ctx = RoutingContext(total_steps=10, schedule=CompetitionSchedule(2, 10, seed=0))
+    other = RoutingContext(total_steps=10, schedule=CompetitionSchedule(2, 10, seed=1))
+    with pytest.raises(
+        ValueError, match=r"the saved routing state has schedule .*; expected the same schedule"
+    ):
+        ctx.load_state_dict(other.state_dict())
+    with pytest.raises(ValueError, match=r"schedule state of type 'table' is not allowed"):
+        schedule_from_state({"type": "table"})
     with pytest.raises(ValueError, match="a CoinFlipSchedule with a callable rate has no state_dict"):
         CoinFlipSchedule(2, rate=lambda step: 0.1).state_dict()
 
@@ -483,9 +486,9 @@ def test_tasks_models_and_the_trainer_validate_their_constructor_arguments(tmp_p
     from moelab.data.classification import ClassificationData
     from moelab.data.text import ByteTokenizer, load_text
     from moelab.experiments.finetune import ClassificationTask
-    from moelab.experiments.lm import LMTask
     from moelab.models.classifier import LMClassifier
     from moelab.train import Trainer
+    from moelab.train.tasks import LMTask
 
     path = tmp_path / "t.txt"
     path.write_text("".join(f"line {i}\n" for i in range(100)))

@@ -112,8 +112,8 @@ def test_every_writer_round_trips_bit_exactly_in_a_fresh_process(corpus, tmp_pat
     for (name, model), got in zip(written.items(), fresh):
         _same_state(model.state_dict(), got["state"])
         assert got["training"] is False, name
-    assert fresh[0]["ctx"] == {"step": 3, "total_steps": 9}
-    assert fresh[list(written).index("run")]["ctx"] == {"step": 6, "total_steps": 6}
+    assert fresh[0]["ctx"] == {"step": 3, "total_steps": 9, "schedule": None}
+    assert fresh[list(written).index("run")]["ctx"] == {"step": 6, "total_steps": 6, "schedule": None}
     # the upcycled model computes what the rebuilt one does, its options kept
     ids = torch.randint(0, 40, (2, 5))
     again = moelab.load(tmp_path / "upcycled")
@@ -124,7 +124,7 @@ def test_every_writer_round_trips_bit_exactly_in_a_fresh_process(corpus, tmp_pat
 
 def test_a_stablemoe_run_loads_into_the_routing_its_test_bpc_was_computed_with(corpus, tmp_path):
     from moelab.data.text import load_text
-    from moelab.experiments.lm import LMTask
+    from moelab.train.tasks import LMTask
 
     out = tmp_path / "stable"
     assert main(train_args(corpus, out, "--method", "stablemoe", "--test-tokens", "400")) == 0

@@ -12,10 +12,10 @@ import torch
 import moelab
 from moelab.cli import main
 from moelab.data.text import TextData, load_text
-from moelab.experiments.lm import LMTask
 from moelab.layer import moe_layers
 from moelab.models.lm import PRESETS, LMConfig, TransformerLM, count_parameters, lm_config
 from moelab.train import TrainConfig, Trainer
+from moelab.train.tasks import LMTask
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.0)
 
@@ -98,7 +98,7 @@ def test_twenty_steps_on_a_tiny_text_lower_the_loss(corpus, method):
     task = LMTask(data, 16)
     before = task.evaluate(model.eval(), "valid", None)["loss"]
     cfg = TrainConfig(steps=20, batch_size=8, lr=3e-3, schedule="constant", warmup=0, eval_every=20)
-    metrics = Trainer(model, task, cfg, None, method=method, progress=False).fit()
+    metrics = Trainer(model, task, cfg, None, progress=False).fit()
     assert metrics["val_bpc"] * 0.6931 < before - 0.5  # well below the initial loss
     assert metrics["test_bpc"] > 0 and metrics["world_size"] == 1 and metrics["method"] == method
 

@@ -15,7 +15,6 @@ import torch
 
 import moelab
 from moelab.data.text import load_text
-from moelab.experiments.lm import LMTask
 from moelab.functional import COMPETITION_ACTIVATIONS, competition_affinity, normalized_weights
 from moelab.io import atomic as A
 from moelab.io.rundir import RunDir
@@ -23,6 +22,7 @@ from moelab.models.lm import LMConfig, TransformerLM
 from moelab.train import TrainConfig, Trainer, TrainingError
 from moelab.train import checkpoint as C
 from moelab.train import trainer as T
+from moelab.train.tasks import LMTask
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.1)
 KEYS = ["step", "lr", "loss", "aux_loss", "grad_norm", "tokens", "val_loss", "val_bpc"]
@@ -36,7 +36,7 @@ def data(tmp_path_factory):
     return load_text(str(path))
 
 
-def train(data, out, *, steps=12, resume=False, method="smoe", keep=2, loss=None, grad_clip=1.0):
+def train(data, out, *, steps=12, resume=False, method="smoe", keep=2, loss=None, grad_clip=1.0, seed=5):
     torch.manual_seed(123)
     model = TransformerLM(LMConfig(vocab_size=256, method=method, **TINY))
     task = LMTask(data, 16)
@@ -44,13 +44,13 @@ def train(data, out, *, steps=12, resume=False, method="smoe", keep=2, loss=None
         real = task.loss
         task.loss = lambda m, b: loss(real, m, b)
     cfg = TrainConfig(
-        steps=steps, batch_size=4, eval_every=3, ckpt_every=4, eval_tokens=64, test_tokens=64, seed=5,
+        steps=steps, batch_size=4, eval_every=3, ckpt_every=4, eval_tokens=64, test_tokens=64, seed=seed,
         keep_ckpts=keep, grad_clip=grad_clip,
     )  # fmt: skip
     run = RunDir(out, resume=resume)
     if not resume:
         run.write_config({"test": True})
-    trainer = Trainer(model, task, cfg, run, method=method, progress=False)
+    trainer = Trainer(model, task, cfg, run, progress=False)
     return trainer, trainer.fit(resume=resume)
 
 
@@ -177,9 +177,10 @@ def test_a_checkpoint_holds_every_rng_state_the_context_step_and_the_schedule(da
     trainer, _ = train(data, tmp_path, steps=8, method="competesmoe")
     model = TransformerLM(LMConfig(vocab_size=256, method="competesmoe", **TINY))
     saved = C.load_checkpoint(tmp_path / "ckpt" / "step-00000004", model)
-    assert saved["step"] == 4 and saved["ctx"] == {"step": 4, "total_steps": 8}
+    schedule = trainer.ctx.schedule.state_dict()
+    assert saved["step"] == 4 and saved["ctx"] == {"step": 4, "total_steps": 8, "schedule": schedule}
     assert set(saved["rng"]) == {"python", "numpy", "torch", "cuda", "data"}
-    assert torch.equal(saved["schedule"]["table"], trainer.ctx.schedule.table)
+    assert schedule["type"] == "competition" and schedule["seed"] == 5
     assert set(saved) >= {"optimizer", "scheduler", "trainer"}
 
     # restoring the RNG states replays every stream: python, numpy, torch and the data order
@@ -192,23 +193,25 @@ def test_a_checkpoint_holds_every_rng_state_the_context_step_and_the_schedule(da
     assert first[:2] == again[:2] and torch.equal(first[2], again[2]) and torch.equal(first[3], again[3])
 
 
-def test_resume_restores_the_saved_competition_schedule(data, tmp_path, monkeypatch):
+def test_resume_refuses_a_checkpoint_with_another_competition_schedule(data, tmp_path):
     trainer, _ = train(data, tmp_path, steps=8, method="competesmoe")
-    original = trainer.ctx.schedule.table.clone()
+    saved = trainer.ctx.schedule.state_dict()
     (tmp_path / "metrics.json").unlink()
     for p in C.list_checkpoints(tmp_path / "ckpt")[1:]:  # resume from step 4
         import shutil
 
         shutil.rmtree(p)
-    real = T.build_competition_schedule
-    monkeypatch.setattr(  # a rebuild that would differ (another seed): the checkpoint must win
-        T,
-        "build_competition_schedule",
-        lambda model, method, steps, seed, opts: real(model, method, steps, seed + 1, opts),
-    )
     resumed, _ = train(data, tmp_path, steps=8, method="competesmoe", resume=True)
-    assert not torch.equal(real(resumed.model, "competesmoe", 8, 6, {}).table, original)
-    assert torch.equal(resumed.ctx.schedule.table, original)
+    assert resumed.ctx.schedule.state_dict() == saved  # the same competitions, rebuilt from the seed
+    (tmp_path / "metrics.json").unlink()
+    for p in C.list_checkpoints(tmp_path / "ckpt")[1:]:
+        import shutil
+
+        shutil.rmtree(p)
+    with pytest.raises(
+        ValueError, match=r"the saved routing state has schedule .*'seed': 5.*this context .*'seed': 6"
+    ):
+        train(data, tmp_path, steps=8, method="competesmoe", resume=True, seed=6)
 
 
 def _nan_at(step: int):
@@ -379,16 +382,17 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_ones(data, tmp
     assert {k: resumed[k] for k in STABLE_METRICS} == {k: metrics[k] for k in STABLE_METRICS}
 
 
-def test_a_schedule_without_a_state_is_rebuilt_rather_than_saved():
-    from moelab.schedules import CoinFlipSchedule
+def test_a_schedule_state_is_its_arguments_and_rebuilds_it():
+    from moelab.schedules import CoinFlipSchedule, CompetitionSchedule, schedule_from_state
 
-    assert T._schedule_state(None) is None
-    assert T._schedule_state(CoinFlipSchedule(2, rate=lambda step: 0.1)) is None
-    assert T._schedule_state(CoinFlipSchedule(2, rate=0.1, seed=3)) == {
-        "num_layers": 2,
-        "rate": 0.1,
-        "seed": 3,
-    }
+    coin = CoinFlipSchedule(2, rate=0.1, seed=3)
+    assert coin.state_dict() == {"type": "coin-flip", "num_layers": 2, "rate": 0.1, "seed": 3}
+    comp = CompetitionSchedule(3, 40, omega=0.3, seed=2)
+    rebuilt = schedule_from_state(comp.state_dict())
+    assert torch.equal(rebuilt.table, comp.table) and rebuilt.state_dict() == comp.state_dict()
+    assert schedule_from_state(None) is None
+    with pytest.raises(ValueError, match=r"schedule state of type 'x' is not allowed; expected one of"):
+        schedule_from_state({"type": "x"})
 
 
 def test_cuda_rng_states_are_saved_and_restored_when_there_is_a_gpu(monkeypatch):
@@ -443,7 +447,9 @@ def test_a_non_finite_validation_stops_before_that_step_is_saved(data, tmp_path,
 
 
 def test_an_update_that_overflows_stops_naming_the_last_good_checkpoint(data, tmp_path, monkeypatch):
-    real, calls = torch.optim.Adam.step, {"n": 0}
+    # the optimizer the trainer builds (AdamW by default); torch wraps each optimizer class's step
+    # once, on that class, when its first instance is built: patch that class, not its base
+    real, calls = torch.optim.AdamW.step, {"n": 0}
 
     def step(self, *args, **kwargs):
         calls["n"] += 1
@@ -451,7 +457,7 @@ def test_an_update_that_overflows_stops_naming_the_last_good_checkpoint(data, tm
             raise RuntimeError("value cannot be converted to type float without overflow")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
     with pytest.raises(TrainingError, match=r"the update at step 6 overflowed .*step-00000004.*Lower --lr"):
         train(data, tmp_path)
 

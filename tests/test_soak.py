@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from moelab.data.text import load_text
-from moelab.experiments.lm import LMTask
 from moelab.io.rundir import RunDir
 from moelab.models.lm import LMConfig, TransformerLM
 from moelab.train import TrainConfig, Trainer
+from moelab.train.tasks import LMTask
 
 
 def rss_mib() -> float:
@@ -69,7 +69,7 @@ def test_a_long_run_does_not_grow_in_memory(tmp_path):
     )  # fmt: skip
     run = RunDir(tmp_path / "run")
     run.write_config({"soak": True})
-    trainer = Trainer(model, task, cfg, run, method="competesmoe", progress=False, on_eval=on_eval)
+    trainer = Trainer(model, task, cfg, run, progress=False, on_eval=on_eval)
     with pytest.raises(_Done):
         trainer.fit()
     assert len(samples) >= 8, f"only {len(samples)} samples in {seconds:.0f} s: the machine is too slow"

@@ -11,11 +11,12 @@ import torch
 
 import moelab
 from moelab.data.text import load_text
-from moelab.experiments.lm import LMTask
 from moelab.io.rundir import RunDir
+from moelab.layer import moe_layers
 from moelab.models.lm import LMConfig, TransformerLM
-from moelab.schedules import build_competition_schedule, lr_factor, split_schedule_options
+from moelab.schedules import lr_factor, model_schedule, routing_context, split_schedule_options
 from moelab.train import TrainConfig, Trainer, TrainingError
+from moelab.train.tasks import LMTask
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.1)
 
@@ -96,7 +97,7 @@ def run_training(data, out, steps=12, resume=False, stop_at=None, method="smoe")
     run = RunDir(out, resume=resume)
     if not resume:
         run.write_config({"test": True})
-    return Trainer(model, task, cfg, run, method=method, progress=False).fit(resume=resume)
+    return Trainer(model, task, cfg, run, progress=False).fit(resume=resume)
 
 
 def read_log(path):
@@ -181,16 +182,28 @@ def test_batches_shard_by_rank_into_the_global_batch(data):
 
 
 def test_competition_schedule_is_built_only_for_methods_that_need_one():
-    model = TransformerLM(LMConfig(vocab_size=10, **{**TINY, "dropout": 0.0}))
-    assert build_competition_schedule(model, "smoe", 100, 0) is None
-    options = {"omega": 0.1, "a_max": 6, "competition_warmup": 0.2, "balance_coef": 0.0}
-    schedule = build_competition_schedule(model, "competesmoe", 100, 7, options)
+    def model(method):
+        return TransformerLM(LMConfig(vocab_size=10, **{**TINY, "dropout": 0.0, "method": method}))
+
+    assert model_schedule(model("smoe"), 100, 0) is None
+    options = {"omega": 0.1, "a_max": 6, "competition_warmup": 0.2}
+    schedule = model_schedule(model("competesmoe"), 100, 7, options)
     assert isinstance(schedule, moelab.CompetitionSchedule)
-    # a_max is capped at the model's 2 MoE layers; layer options are not passed on
+    # a_max is capped at the model's 2 MoE layers
     assert (schedule.num_layers, schedule.total_steps, schedule.seed) == (2, 100, 7)
     assert (schedule.omega, schedule.a_max, schedule.warmup) == (0.1, 2, 0.2)
-    coin = build_competition_schedule(model, "competesmoe-v1", 100, 7, {"rate": 0.03})
+    coin = model_schedule(model("competesmoe-v1"), 100, 7, {"rate": 0.03})
     assert isinstance(coin, moelab.CoinFlipSchedule) and coin.num_layers == 2
+    with pytest.raises(ValueError, match=r"schedule_options keys \['balance_coef'\] are not allowed"):
+        model_schedule(model("competesmoe"), 100, 7, {"balance_coef": 0.0})
+
+
+def test_routing_context_holds_the_models_schedule_and_is_attached_once():
+    m = TransformerLM(LMConfig(vocab_size=10, **{**TINY, "dropout": 0.0, "method": "competesmoe"}))
+    ctx = routing_context(m, 50, 3, omega=0.2)
+    assert all(layer.ctx is ctx for layer in moe_layers(m))
+    assert ctx.state_dict()["schedule"] == {**ctx.schedule.state_dict(), "type": "competition"}
+    assert (ctx.schedule.seed, ctx.schedule.omega, ctx.total_steps) == (3, 0.2, 50)
 
 
 def test_schedule_options_are_kept_out_of_the_layers():
@@ -203,7 +216,7 @@ def test_competesmoe_trains_with_its_schedule(data):
     model = TransformerLM(LMConfig(vocab_size=256, method="competesmoe", **TINY))
     trainer = Trainer(
         model, LMTask(data, 16), TrainConfig(steps=4, batch_size=2, eval_every=4), None,
-        method="competesmoe", progress=False,
+        progress=False,
     )  # fmt: skip
     metrics = trainer.fit()
     assert trainer.ctx.schedule is not None and math.isfinite(metrics["test_bpc"])

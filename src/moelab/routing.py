@@ -117,9 +117,23 @@ class RoutingContext:
         self.step += steps
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "total_steps": self.total_steps}
+        """The step, the planned steps and the schedule's ``state_dict`` (its arguments): the one
+        serialisation of the context, used by checkpoints and by ``moelab.save``."""
+        schedule = None if self.schedule is None else self.schedule.state_dict()
+        return {"step": self.step, "total_steps": self.total_steps, "schedule": schedule}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``.  The schedule is not rebuilt here: this context must already
+        hold the saved one (:func:`moelab.schedules.routing_context` builds it from the model, the
+        steps, the seed and the options; :func:`moelab.schedules.schedule_from_state` from a saved
+        state); a different one is refused, since the run would compete at other steps."""
+        saved = state.get("schedule")
+        current = None if self.schedule is None else self.schedule.state_dict()
+        if saved != current:
+            raise ValueError(
+                f"the saved routing state has schedule {saved}, this context {current}; "
+                "expected the same schedule (same model, steps, seed and schedule options)"
+            )
         self.step = int(state["step"])
         self.total_steps = state.get("total_steps", self.total_steps)
 

@@ -24,18 +24,21 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _validate
-from .layer import moe_layers
+from .layer import attach, moe_layers
 from .methods import get_method
+from .routing import RoutingContext
 
 __all__ = [
     "LR_SCHEDULES",
     "SCHEDULE_OPTIONS",
     "CoinFlipSchedule",
     "CompetitionSchedule",
-    "build_competition_schedule",
     "build_schedule",
     "default_a_max",
     "lr_factor",
+    "model_schedule",
+    "routing_context",
+    "schedule_from_state",
     "split_schedule_options",
 ]
 
@@ -175,31 +178,10 @@ class CompetitionSchedule:
         return self.table.sum(dim=0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "num_layers": self.num_layers,
-            "total_steps": self.total_steps,
-            "omega": self.omega,
-            "a_max": self.a_max,
-            "warmup": self.warmup,
-            "seed": self.seed,
-            "table": self.table.clone(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        table = torch.as_tensor(state["table"]).bool()
-        if table.shape != (state["num_layers"], state["total_steps"]):
-            raise ValueError(
-                f"state['table'] has shape {tuple(table.shape)}; expected "
-                f"({state['num_layers']}, {state['total_steps']})"
-            )
-        self.num_layers = int(state["num_layers"])
-        self.total_steps = int(state["total_steps"])
-        self.omega = float(state["omega"])
-        self.a_max = int(state["a_max"])
-        self.warmup = float(state["warmup"])
-        self.seed = int(state["seed"])
-        self.warmup_steps = int(self.warmup * self.total_steps)
-        self.table = table
+        """The schedule's arguments (its table is a function of them): :func:`schedule_from_state`
+        rebuilds it."""
+        keys = ("num_layers", "total_steps", "omega", "a_max", "warmup", "seed")
+        return {"type": "competition", **{k: getattr(self, k) for k in keys}}
 
     def __repr__(self) -> str:
         return (
@@ -253,14 +235,10 @@ class CoinFlipSchedule:
         return torch.tensor([[self.active(i, t) for t in range(total_steps)] for i in range(self.num_layers)])
 
     def state_dict(self) -> dict[str, Any]:
+        """The schedule's arguments: :func:`schedule_from_state` rebuilds it."""
         if callable(self.rate):
             raise ValueError("a CoinFlipSchedule with a callable rate has no state_dict; rebuild it instead")
-        return {"num_layers": self.num_layers, "rate": self.rate, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_layers = int(state["num_layers"])
-        self.rate = float(state["rate"])
-        self.seed = int(state["seed"])
+        return {"type": "coin-flip", "num_layers": self.num_layers, "rate": self.rate, "seed": self.seed}
 
     def __repr__(self) -> str:
         return f"CoinFlipSchedule(num_layers={self.num_layers}, rate={self.rate!r}, seed={self.seed})"
@@ -282,11 +260,72 @@ def build_schedule(method: str, num_layers: int, total_steps: int, seed: int = 0
     if kind == "coin-flip":
         return CoinFlipSchedule(num_layers, rate=options.get("rate", 0.05), seed=seed)
     kwargs: dict[str, Any] = {k: options[k] for k in ("omega", "a_max") if k in options}
-    if "a_max" in kwargs:  # the cap cannot exceed the model's depth (shared/REFERENCES.md: scale it)
+    if "a_max" in kwargs:  # the cap cannot exceed the model's depth (docs/references.md: scaled with depth)
         kwargs["a_max"] = min(int(kwargs["a_max"]), num_layers)
     if "competition_warmup" in options:
         kwargs["warmup"] = options["competition_warmup"]
     return CompetitionSchedule(num_layers=num_layers, total_steps=total_steps, seed=seed, **kwargs)
+
+
+def schedule_from_state(state: dict[str, Any] | None) -> Any:
+    """The schedule whose :meth:`state_dict` is ``state`` (``None`` for none): the one way a saved
+    schedule comes back, in checkpoints, ``moelab.save`` folders and the transformers Trainer's."""
+    if state is None:
+        return None
+    kinds = {"competition": CompetitionSchedule, "coin-flip": CoinFlipSchedule}
+    kind = state.get("type") if isinstance(state, dict) else None
+    if kind not in kinds:
+        raise ValueError(f"schedule state of type {kind!r} is not allowed; expected one of {list(kinds)}")
+    return kinds[kind](**{k: v for k, v in state.items() if k != "type"})
+
+
+def model_schedule(
+    model: nn.Module, total_steps: int | None, seed: int = 0, options: dict[str, Any] | None = None
+) -> Any:
+    """The training schedule the MoE layers of ``model`` declare (``Method.schedule``), built by
+    :func:`build_schedule` for all of them (layers of other methods ignore it), or ``None`` when no
+    layer's method needs one.
+
+    Args:
+        model: the model.
+        total_steps: the planned optimizer steps (needed by the competition schedule).
+        seed: the seed of the schedule's draws.
+        options: schedule options, keys of :data:`SCHEDULE_OPTIONS` (``omega``, ``a_max``,
+            ``competition_warmup``, ``rate``).
+    """
+    options = dict(options or {})
+    bad = sorted(k for k in options if k not in SCHEDULE_OPTIONS)
+    if bad:
+        raise ValueError(f"schedule_options keys {bad} are not allowed; allowed: {list(SCHEDULE_OPTIONS)}")
+    layers = moe_layers(model)
+    scheduled = sorted({m.method for m in layers if get_method(m.method).schedule is not None})
+    if not scheduled:
+        return None
+    kinds = sorted({get_method(m).schedule for m in scheduled})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"the model's MoE layers use methods {scheduled}, which need different schedules {kinds}; "
+            "one model trains with one schedule"
+        )
+    if kinds == ["competition"] and total_steps is None:
+        raise ValueError(
+            f"method {scheduled[0]!r} needs the planned number of steps for its competition schedule; "
+            "set max_steps (or a dataset with a length)"
+        )
+    return build_schedule(scheduled[0], len(layers), total_steps, seed, **options)
+
+
+def routing_context(
+    model: nn.Module, total_steps: int | None = None, seed: int = 0, **schedule_options: Any
+) -> RoutingContext:
+    """A :class:`moelab.RoutingContext` for training ``model``, attached to its MoE layers, holding
+    the schedule its layers' method declares (:func:`model_schedule`): built once, from the seed,
+    identical on every rank and after a resume."""
+    ctx = RoutingContext(
+        total_steps=total_steps, schedule=model_schedule(model, total_steps, seed, schedule_options)
+    )
+    attach(model, ctx)
+    return ctx
 
 
 # ---------------------------------------------------------------------------------- learning rate
@@ -325,13 +364,3 @@ def split_schedule_options(options: dict[str, Any]) -> tuple[dict[str, Any], dic
     layer = {k: v for k, v in options.items() if k not in SCHEDULE_OPTIONS}
     schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
     return layer, schedule
-
-
-def build_competition_schedule(
-    model: nn.Module, method: str, total_steps: int, seed: int, options: dict[str, Any] | None = None
-) -> Any:
-    """The competition schedule of ``model`` for ``method`` (``None`` if it needs none): built once
-    before training from the seed, identical on every rank and after a resume
-    (:func:`moelab.schedules.build_schedule`).  ``options`` are the run's ``--opt`` values; the
-    schedule reads :data:`SCHEDULE_OPTIONS`."""
-    return build_schedule(method, len(moe_layers(model)), total_steps, seed, **dict(options or {}))

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _validate
-from ..layer import attach, aux_loss
+from ..layer import aux_loss
 from ..methods import methods as registered_methods
 from ..models.lm import PRESETS, TRAINING, TransformerLM, lm_config
 from ..routing import RoutingContext
-from ..schedules import build_competition_schedule
+from ..schedules import routing_context
 from .harness import Candidate, interleaved
 from .workload import name_list
 
@@ -47,10 +47,7 @@ def benchmark_throughput(
         arch, method = ("dense", "smoe") if name == "dense" else ("switch", name)
         model = TransformerLM(lm_config(size, VOCAB, arch=arch, method=method))
         total = (rounds + 1) * steps
-        ctx = RoutingContext(total_steps=total)
-        attach(model, ctx)
-        if arch != "dense":  # CompeteSMoE's schedule, as in training (~ω of the steps compete)
-            ctx.schedule = build_competition_schedule(model, method, total, 0)
+        ctx = routing_context(model, total)  # CompeteSMoE's schedule, as in training
         opt = torch.optim.Adam(model.parameters(), lr=7e-4)
         candidates.append(Candidate(name, "train", _training_steps(model, ctx, opt, x, steps)))
     interleaved(candidates, rounds, warmup=1, progress=False)

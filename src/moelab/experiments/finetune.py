@@ -29,6 +29,7 @@ from ..io.rundir import RunDir
 from ..models.classifier import LMClassifier, freeze_routers
 from ..models.lm import TransformerLM
 from ..optim import OPTIMIZERS
+from ..routing import RoutingContext
 from ..train.tasks import ClassificationTask, encode_texts
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         task,
         config,
         run_dir,
-        method=None,  # fine-tuning never competes: the routers are frozen
+        ctx=RoutingContext(total_steps=steps),  # no schedule: the routers are frozen, nothing competes
         progress=not args.no_progress,
         extra_metrics={"method": lm_config.method, "task": name, "num_classes": data.num_classes},
     )

@@ -281,8 +281,7 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
         task,
         config.train_config(),
         run.dir,
-        method=None if config.arch == "dense" else config.method,
-        method_options=config.opts,
+        schedule_options=split_schedule_options(dict(config.opts))[1],
         progress=config.progress,
         extra_metrics={
             "method": config.method,

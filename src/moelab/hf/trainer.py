@@ -46,62 +46,18 @@ import torch
 from torch import Tensor, nn
 
 from ..layer import attach, moe_layers
-from ..methods import get_method
 from ..optim import decayed_parameter_names
 from ..routing import RoutingContext
-from ..schedules import SCHEDULE_OPTIONS, build_schedule
+from ..schedules import model_schedule
 from .convert import check_router_logits
 
-__all__ = ["ROUTING_FILE", "MoETrainer", "MoETrainerCallback", "check_router_logits", "model_schedule"]  # noqa: F822
+__all__ = ["ROUTING_FILE", "MoETrainer", "MoETrainerCallback", "check_router_logits"]  # noqa: F822
 
 #: the file of a Trainer checkpoint folder holding the routing context and the schedule
 ROUTING_FILE = "moelab_routing.pt"
 
 #: the output key of the aux loss when the task loss is computed outside the model
 AUX_OUTPUT_KEY = "moelab_aux_loss"
-
-
-def model_schedule(
-    model: nn.Module, total_steps: int | None, seed: int = 0, options: dict[str, Any] | None = None
-) -> Any:
-    """The training schedule the MoE layers of ``model`` declare (``Method.schedule``), built by
-    :func:`moelab.schedules.build_schedule` for all of them (layers of other methods ignore it),
-    or ``None`` when no layer's method needs one.
-
-    Args:
-        model: the model.
-        total_steps: the planned optimizer steps (needed by the competition schedule).
-        seed: the seed of the schedule's draws.
-        options: schedule options, keys of :data:`moelab.schedules.SCHEDULE_OPTIONS` (``omega``,
-            ``a_max``, ``competition_warmup``, ``rate``).
-    """
-    options = dict(options or {})
-    bad = sorted(k for k in options if k not in SCHEDULE_OPTIONS)
-    if bad:
-        raise ValueError(f"schedule_options keys {bad} are not allowed; allowed: {list(SCHEDULE_OPTIONS)}")
-    layers = moe_layers(model)
-    scheduled = sorted({m.method for m in layers if get_method(m.method).schedule is not None})
-    if not scheduled:
-        return None
-    kinds = sorted({get_method(m).schedule for m in scheduled})
-    if len(kinds) > 1:
-        raise ValueError(
-            f"the model's MoE layers use methods {scheduled}, which need different schedules {kinds}; "
-            "one model trains with one schedule"
-        )
-    if kinds == ["competition"] and total_steps is None:
-        raise ValueError(
-            f"method {scheduled[0]!r} needs the planned number of steps for its competition schedule; "
-            "set max_steps (or a dataset with a length)"
-        )
-    return build_schedule(scheduled[0], len(layers), total_steps, seed, **options)
-
-
-def _schedule_state(schedule: Any) -> dict[str, Any] | None:
-    try:
-        return None if schedule is None else schedule.state_dict()
-    except (AttributeError, ValueError):  # e.g. coin flips with a callable rate: rebuilt from the seed
-        return None
 
 
 def _collect_aux(layers: list[nn.Module]) -> tuple[Tensor | None, dict[str, Tensor]]:
@@ -180,8 +136,6 @@ def _trainer_classes() -> dict[str, type]:
                     f"at step {global_step}; the checkpoint is inconsistent"
                 )
             ctx.load_state_dict(state["ctx"])
-            if state.get("schedule") is not None and ctx.schedule is not None:
-                ctx.schedule.load_state_dict(state["schedule"])
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.ctx is not None:  # after the optimizer step: the step hooks, then the step
@@ -192,7 +146,7 @@ def _trainer_classes() -> dict[str, type]:
             if self.ctx is None or not state.is_world_process_zero or not os.path.isdir(folder):
                 return
             torch.save(
-                {"ctx": self.ctx.state_dict(), "schedule": _schedule_state(self.ctx.schedule)},
+                {"ctx": self.ctx.state_dict()},
                 os.path.join(folder, ROUTING_FILE),
             )
 

@@ -16,7 +16,7 @@ the code that made it and without unpickling anything:
   ``"module"``, whose weights :func:`load_weights` loads into a model you build);
   ``moe_layers``: the method, sizes and options of every MoE layer (checked against the rebuilt
   model); ``routing_context``: :meth:`moelab.RoutingContext.state_dict` (the step decides
-  StableMoE's stage and SMoE-Dropout's K) and the competition schedule's arguments; ``files``: the
+  StableMoE's stage and SMoE-Dropout's K; the competition schedule's arguments); ``files``: the
   sha256 of every other file of the folder; ``sha256``: the digest of ``config.json``'s own
   content (every key but this one, canonical JSON); ``metadata``: the caller's (step, metric).
 
@@ -195,28 +195,6 @@ def _context_of(model: nn.Module) -> Any:
     return next((layer.ctx for layer in moe_layers(model) if layer.ctx is not None), None)
 
 
-def _schedule_record(schedule: Any) -> dict[str, Any] | None:
-    """The competition schedule as its constructor arguments (its table is a function of them)."""
-    from ..schedules import CoinFlipSchedule, CompetitionSchedule
-
-    if isinstance(schedule, CompetitionSchedule):
-        keys = ("num_layers", "total_steps", "omega", "a_max", "warmup", "seed")
-        return {"type": "CompetitionSchedule", "args": {k: getattr(schedule, k) for k in keys}}
-    if isinstance(schedule, CoinFlipSchedule) and not callable(schedule.rate):
-        return {"type": "CoinFlipSchedule",
-                "args": {"num_layers": schedule.num_layers, "rate": schedule.rate, "seed": schedule.seed}}  # fmt: skip
-    return None
-
-
-def _build_schedule(record: dict[str, Any] | None) -> Any:
-    from ..schedules import CoinFlipSchedule, CompetitionSchedule
-
-    if record is None:
-        return None
-    cls = {"CompetitionSchedule": CompetitionSchedule, "CoinFlipSchedule": CoinFlipSchedule}[record["type"]]
-    return cls(**record["args"])
-
-
 # ----------------------------------------------------------------------------- tensors
 def _tensors(model_or_state: nn.Module | Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The tensors to store and the tied keys (``alias -> source``).  The one rule for tied
@@ -296,9 +274,7 @@ def save(
         "config": config,
         "dtype": str(floating[0]).removeprefix("torch.") if floating else None,
         "moe_layers": _layer_records(module),
-        "routing_context": None
-        if ctx is None
-        else {**ctx.state_dict(), "schedule": _schedule_record(getattr(ctx, "schedule", None))},
+        "routing_context": None if ctx is None else ctx.state_dict(),
         "tied": tied,
         "metadata": _json_ready(dict(metadata or {}), "metadata"),
     }
@@ -484,6 +460,7 @@ def load(path: str | os.PathLike) -> nn.Module:
     """
     from ..layer import attach, moe_layers
     from ..routing import RoutingContext
+    from ..schedules import schedule_from_state
 
     config = read_config(path)
     directory = Path(config["directory"])
@@ -505,7 +482,12 @@ def load(path: str | os.PathLike) -> nn.Module:
     load_weights(directory, model)
     state = config.get("routing_context")
     if state is not None and moe_layers(model):
-        ctx = RoutingContext(step=int(state["step"]), total_steps=state.get("total_steps"))
-        ctx.schedule = _build_schedule(state.get("schedule"))
+        try:
+            ctx = RoutingContext(
+                total_steps=state.get("total_steps"), schedule=schedule_from_state(state.get("schedule"))
+            )
+            ctx.load_state_dict(state)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{str(file)!r} has a routing_context that does not rebuild: {e}") from None
         attach(model, ctx)
     return model.eval()

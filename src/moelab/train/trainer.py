@@ -1,33 +1,8 @@
-"""The training loop shared by the language-modelling and fine-tuning experiments.
-
-Flow (shared/DESIGN.md, "Training"): set ``ctx.step`` → forward → loss = task loss +
-``moelab.aux_loss(model)`` → backward → gradient clipping → AdamW → LR schedule → log → evaluate
-every ``eval_every`` steps (keeping the best-validation weights, which the final test uses, as
-CompeteSMoE (2024) §6.1 does) → atomic checkpoint every ``ckpt_every`` steps.
-
-What a task provides (:class:`Task`): ``sample(generator, batch_size)`` a global batch,
-``shard(batch, rank, world)`` a rank's part, ``loss(model, batch) -> (loss, tokens)``,
-``evaluate(model, split, max_tokens) -> {"loss": ..., metric: ...}``, and ``metric`` /
-``lower_is_better``.
-
-Data parallel (docs/scaling.md): the rank and world size come from ``torch.distributed`` when it
-is initialised (``moelab train`` under ``torchrun``); the model is then wrapped in
-``DistributedDataParallel``, which averages the gradients over the ranks.  Every rank draws the
-same global batch from the same generator and keeps rows ``rank::world``, so 2 ranks × half a
-batch train as 1 rank × the full batch (the task loss is a mean over equal shards); each rank adds
-the aux losses of its own tokens before ``backward`` (per-device balancing, as Switch/GShard) and
-advances the routing context; the competition schedule is identical everywhere (built from the
-seed, broadcast from rank 0).  The logged loss and aux loss are the means over the ranks; only
-rank 0 writes logs, metrics and checkpoints; a resume loads the same checkpoint on every rank;
-``metrics.json`` records ``world_size``.  Evaluation runs on every rank over the whole split
-(identical weights, identical results).  The parallel layout is a strategy handed to the trainer
-(:mod:`moelab.train.parallel`); ``expert_parallel=True`` spreads the experts over the
-ranks (:mod:`moelab.train.distributed`); checkpoints then still hold the full model.
-
-Resume: a checkpoint holds the weights, optimizer, scheduler, the routing-context step, the
-competition schedule, every RNG state and the trainer's counters; ``resume=True`` loads the
-newest good one, drops the ``log.csv`` rows written after it, and continues the same curve
-(bit-exactly on CPU).
+"""The one training loop: every command that trains (``train``, ``compare``, ``finetune``,
+``specialize``) runs its task through :class:`Trainer`, which writes checkpoints in one format
+(:mod:`moelab.train.checkpoint`, opened by :func:`moelab.load`) and resumes them exactly.  The flow
+of a step, what a :class:`Task` provides, data parallelism and what a checkpoint holds are in
+docs/architecture.md ("The training loop") and docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -52,7 +27,7 @@ from ..layer import attach, moe_layers
 from ..metrics import routing_summary
 from ..optim import build_optimizer, check_optimizer
 from ..routing import RoutingContext
-from ..schedules import LR_SCHEDULES, build_competition_schedule, lr_factor
+from ..schedules import LR_SCHEDULES, lr_factor, routing_context
 from . import checkpoint as ckpt
 from .parallel import Parallel, choose
 
@@ -163,15 +138,6 @@ def _flatten_py_state(state: tuple) -> tuple:
     return version, torch.tensor(internal, dtype=torch.int64), gauss
 
 
-def _schedule_state(schedule: Any) -> dict[str, Any] | None:
-    """The competition schedule's state for a checkpoint (``None``: none, or one that cannot be
-    saved, e.g. coin flips with a callable rate, which resume rebuilds from the seed)."""
-    try:
-        return None if schedule is None else schedule.state_dict()
-    except (AttributeError, ValueError):
-        return None
-
-
 def _set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(int(v) for v in internal.tolist()), gauss))
@@ -192,8 +158,12 @@ class Trainer:
         task: the :class:`Task`.
         config: :class:`TrainConfig`.
         run: the run directory, or ``None`` to write nothing (tests, notebooks).
-        method: the MoE method name (builds the competition schedule if it needs one).
-        method_options: options given to the method (schedule options are read from them).
+        schedule_options: options of the schedule the layers' method declares
+            (:data:`moelab.schedules.SCHEDULE_OPTIONS`; :func:`moelab.schedules.routing_context`).
+        ctx: the routing context to train with, attached here; default the one
+            :func:`moelab.schedules.routing_context` builds from the model, ``config.steps``,
+            ``config.seed`` and ``schedule_options`` (fine-tuning passes one without a schedule:
+            its routers are frozen, so no layer competes).
         progress: show a tqdm bar.
         extra_metrics: added to ``metrics.json``.
         on_eval: called with ``(step, validation results)`` after each evaluation.
@@ -211,8 +181,8 @@ class Trainer:
         config: TrainConfig,
         run: RunDir | None = None,
         *,
-        method: str | None = None,
-        method_options: dict[str, Any] | None = None,
+        schedule_options: dict[str, Any] | None = None,
+        ctx: RoutingContext | None = None,
         progress: bool = True,
         extra_metrics: dict[str, Any] | None = None,
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
@@ -225,8 +195,6 @@ class Trainer:
         self.task = task
         self.config = config
         self.run = run
-        self.method = method
-        self.method_options = dict(method_options or {})
         self.progress = progress
         self.extra_metrics = dict(extra_metrics or {})
         self.on_eval = on_eval
@@ -237,8 +205,11 @@ class Trainer:
                 f"batch_size={config.batch_size} is not allowed with {self.world_size} processes; "
                 "expected a multiple of the world size"
             )
-        self.ctx = RoutingContext(step=0, total_steps=config.steps)
-        attach(model, self.ctx)
+        if ctx is None:
+            ctx = routing_context(model, config.steps, config.seed, **dict(schedule_options or {}))
+        else:
+            attach(model, ctx)
+        self.ctx = ctx
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -277,12 +248,6 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
         generator = torch.Generator().manual_seed(cfg.seed + 1)
-        self.ctx.schedule = (
-            build_competition_schedule(self.model, self.method, cfg.steps, cfg.seed, self.method_options)
-            if self.method
-            else None
-        )
-        attach(self.model, self.ctx)
         saved = self._latest_checkpoint() if resume else None
         self.parallel.apply(self.model)  # after a resume has loaded the full weights
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -338,9 +303,7 @@ class Trainer:
         if saved is not None:
             self.parallel.load_optimizer_state(optimizer, self.model, saved["optimizer"])
             scheduler.load_state_dict(saved["scheduler"])
-            self.ctx.load_state_dict(saved["ctx"])
-            if saved.get("schedule") is not None and self.ctx.schedule is not None:
-                self.ctx.schedule.load_state_dict(saved["schedule"])  # the same competitions
+            self.ctx.load_state_dict(saved["ctx"])  # refuses another competition schedule
             _set_rng_state(saved["rng"], generator)
             state.update(saved["trainer"])
             start = int(saved["step"])
@@ -448,7 +411,6 @@ class Trainer:
                     "optimizer": optimizer_state,
                     "scheduler": scheduler.state_dict(),
                     "ctx": self.ctx.state_dict(),
-                    "schedule": _schedule_state(self.ctx.schedule),
                     "rng": _rng_state(generator),
                     "trainer": state,
                     "log": log_text,  # log.csv up to this step: resume rewrites it exactly
@@ -507,7 +469,7 @@ class Trainer:
             "active_params": active,
             "world_size": self.world_size,
             "seed": cfg.seed,
-            "method": self.method,
+            "method": "+".join(sorted({layer.method for layer in moe_layers(self.model)})) or None,
             **self.extra_metrics,
         }
         if self.is_main and self.run is not None:
