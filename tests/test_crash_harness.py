@@ -251,8 +251,9 @@ def test_a_run_killed_at_any_write_resumes_bit_identically(name, tmp_path):
 
 
 def test_compare_resumes_a_run_killed_between_its_tokenizer_and_its_config(tmp_path, monkeypatch, capsys):
-    """The harness's finding in ``moelab compare``: a run folder holding only ``tokenizer.json`` was
-    refused by ``--resume`` ("already holds a run; pass --resume"); it now continues."""
+    """A ``moelab compare`` run killed after its ``tokenizer.json`` and before its ``config.yaml``
+    holds no run yet, so ``--resume`` continues it rather than refusing the folder as an existing
+    run: the crash harness can stop a run at any write."""
     from moelab import cli
     from moelab.io.rundir import RunDir
 

@@ -1,4 +1,4 @@
-"""Reliability (issue 10): a kill during a checkpoint write, corrupted checkpoints, last-K,
+"""Reliability: a kill during a checkpoint write, corrupted checkpoints, last-K,
 every RNG state and the competition schedule in checkpoints, non-finite stops that keep the last
 good checkpoint, finite competition affinities for large expert outputs."""
 

@@ -1,4 +1,4 @@
-"""Soak test (issue 10 item 7; slow, not in CI): a long training run — logging every step,
+"""Soak test (slow, not in CI): a long training run — logging every step,
 validating, writing the best weights and atomic checkpoints with last-K pruning — with the
 process's resident memory sampled over time; it must not grow.
 

@@ -1,7 +1,7 @@
 """Pure tensor math shared by the routers, the losses and the statistics toolkit.
 
 One source of truth for each formula: a router, a loss and ``moelab.stats`` call the
-functions here, never a private copy.  Notation follows shared/REFERENCES.md: ``T``
+functions here, never a private copy.  Notation follows docs/methods.md: ``T``
 tokens, ``N`` experts, ``K`` experts per token, logits ``h`` of shape ``(T, N)``.
 """
 

@@ -1,7 +1,7 @@
 """Auxiliary losses of the routers, one function per formula.
 
 Each returns an unweighted 0-dim tensor; a layer multiplies it by its coefficient
-(``balance_coef``, ``z_coef``, ...).  Formulas: shared/REFERENCES.md, "Losses".
+(``balance_coef``, ``z_coef``, ...).  Formulas: docs/methods.md, "Losses".
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def sample_similarity_loss(probs: Tensor, x: Tensor, beta_s: float, beta_d: floa
     ``D = β_d/(M²−M) Σ_{e≠e'} p(e|x) p(e'|x') ‖x−x'‖²`` (dissimilar samples to different ones).
     Pairs ``x = x'`` contribute 0 (zero distance).  The authors' code divides the distances by
     their maximum and, by an operator-precedence slip, divides only the D term by B² (a defect,
-    shared/REFERENCES.md): not copied here; distances are raw squared Euclidean distances.
+    docs/methods.md): not copied here; distances are raw squared Euclidean distances.
 
     Args:
         probs: ``(N, M)`` gate distribution.

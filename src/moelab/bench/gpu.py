@@ -1,44 +1,15 @@
 """``moelab bench suite --device cuda``: the GPU grid — production MoE shapes at training batch sizes.
 
-**Cases** (:func:`build_gpu_cases`): the shapes of four released models (:data:`MODELS`; "-like":
-their expert widths, counts and top-K, not their routers) × tokens ``T`` (default 4096, 8192,
-16384, 32768) × dtype (bfloat16 and float32; float32 only up to ``--fp32-max-tokens``, default
-4096: without TF32 it runs at a fifteenth of the bfloat16 rate) × routing (``balanced`` and the
-skewed ``zipf`` of :mod:`moelab.bench.suite`: the same inputs steer every candidate's router).
-Where the weights, their gradients and a step's activations (:func:`memory_estimate`) would not
-fit in 80 % of the device's memory, ``d_model`` is halved until they do (:func:`fit_d_model`;
-the DeepSeek-V3-like shape on an 80 GB device), once per model and dtype, and recorded.
-
-**Candidates**, each in both phases (``fwd``: forward under ``torch.inference_mode``;
-``fwd+bwd``: forward and backward of a fixed random output gradient):
-
-* ``dense``: :class:`moelab.experts.MLP`, SwiGLU of width ``(K + shared)·h`` — the same active
-  expert FLOPs without routing, the limit every ratio is taken to;
-* ``moelab grouped`` / ``moelab triton``: one :class:`moelab.MoE` (``smoe``, SwiGLU,
-  ``check_finite=False``) run with ``impl="grouped"`` (``torch._grouped_mm``) and ``impl="triton"``
-  (:mod:`moelab.experts.triton_kernels`; when triton is installed);
-* ``transformers grouped_mm``: transformers' ``MixtralSparseMoeBlock`` with its ``grouped_mm``
-  experts, holding the very parameters of the moelab layer (no copy; it has no shared expert, so
-  its FLOPs differ where the model has one, and the row says so);
-* peers (:data:`moelab.bench.peers.GPU_PEER_ADAPTERS`), when installed (import-guarded; each
-  checked against moelab's output before timing, a difference is reported in the row's note): megablocks' ``dMoE`` (dropless, grouped GLU),
-  torchtitan's ``MoE`` (grouped experts), sonic-moe's ``MoE``.  Their versions are recorded.
-
-**Timing** (:func:`moelab.bench.harness.interleaved`): one process; per case every candidate
-runs ``--warmup`` untimed rounds, then up to ``--repeats`` rounds interleaved (round-robin, the
-order rotating each round), cut short after ``--budget`` seconds (never fewer than 3 rounds);
-each call is timed by CUDA events around it, its gradients freed before it; medians;
-``ratio_to_dense`` = the median over rounds of ``t / t_dense`` within the round.  The expert
-FLOPs per token (2 per multiply-add, router excluded; backward counted as twice the forward) give
-``tflops`` and ``peak_fraction``: the share of the device's dense peak for the dtype
-(:data:`moelab.bench.harness.PEAKS`, vendor datasheets, without sparsity; float32: the TF32
-tensor-core peak when ``torch.backends.cuda.matmul.allow_tf32`` is on, else the FP32 peak).
-``peak_mib``: the growth of ``torch.cuda.max_memory_allocated`` over one untimed call, gradients
-freed before it.
-
-A candidate that fails (out of memory, a peer's error) is dropped from its case with a note; the
-run goes on.  ``--out FILE`` writes the JSON document after every case and the markdown table
-(:func:`markdown_table`) beside it (``FILE`` with ``.md``).
+The shapes of four released models (:data:`MODELS`) × tokens × dtype × routing
+(:func:`build_gpu_cases`; ``d_model`` halved where a case would not fit, :func:`fit_d_model`),
+each timed in both phases for a dense SwiGLU FFN of the same active FLOPs (the limit every ratio
+is taken to), moelab's ``grouped`` and ``triton`` kernels, transformers' Mixtral block holding
+moelab's parameters and the installed GPU peers, by the one harness
+(:func:`moelab.bench.harness.interleaved`, CUDA events, medians, ratios per round).  A candidate
+that fails is dropped from its case with a note and the run goes on; ``--out FILE`` writes the
+JSON after every case and the markdown table (:func:`markdown_table`) beside it.
+docs/performance.md ("The GPU grid") describes the cases, candidates, timing, FLOP accounting and
+record keys.
 """
 
 from __future__ import annotations

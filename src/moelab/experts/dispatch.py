@@ -113,8 +113,8 @@ def combine_slots(ys: Tensor, weights: Tensor, slots: Slots, track: bool) -> Ten
 
 def combine(outputs: Tensor, weights: Tensor) -> Tensor:
     """``Σ_k w_k · out_k``: ``(T, K, d)`` outputs and ``(T, K)`` weights to ``(T, d)``."""
-    # an elementwise product and a sum over K: ``bmm`` with T batches of (1, K) x (K, d) is
-    # several times slower on the CPU, in its backward above all (one copy per token).
+    # an elementwise product and a sum over K, not ``bmm`` with T batches of (1, K) x (K, d), whose
+    # backward makes one copy per token on the CPU (docs/performance.md)
     return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
 
 
@@ -175,9 +175,10 @@ def _scatter_rows(rows: Tensor, tokens: Tensor, inverse: Tensor, top_k: int) -> 
     With one torch thread an ``index_add`` (it adds in index order: deterministic; on the GPU it
     would use atomics, so CUDA gathers instead), out of place while torch.compile traces (see
     :class:`_CombineSlots`).  With several, ATen's row scatter-add first sorts its index in
-    parallel regions: at T=2048, K=2, d=256 on 2 threads it took 1.6 ms where gathering each
-    token's K rows (``inverse``, in slot order) and adding them took 0.5 ms.  Both add the same
-    numbers in the same order from zero: the same bits at every thread count.
+    parallel regions, each waking the worker threads, so each token's K rows are gathered
+    (``inverse``, in slot order) and added instead (timed in docs/performance.md, "Slot sums with
+    several threads").  Both add the same numbers in the same order from zero: the same bits at
+    every thread count.
     """
     T = inverse.numel() // top_k
     if torch.compiler.is_compiling():  # the thread count is not read while tracing (a graph break)
@@ -194,8 +195,8 @@ def _scatter_rows(rows: Tensor, tokens: Tensor, inverse: Tensor, top_k: int) -> 
 
 def _row_dots(a: Tensor, b: Tensor) -> Tensor:
     """``(S,)``: ``<a_i, b_i>`` per row, as a batched matrix product (no ``a * b`` temporary).
-    ``linalg.vecdot`` is faster on the CPU (S=4096, d=256: 0.26 against 0.89 ms) but not the same
-    bits: every documented training run would move in its last digits."""
+    ``linalg.vecdot`` is faster on the CPU (docs/performance.md) but does not give the same bits:
+    every documented training run would move in its last digits."""
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 

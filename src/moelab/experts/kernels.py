@@ -23,7 +23,7 @@ more entry of :data:`KERNELS`.
   index and add the weighted outputs into their tokens (:mod:`moelab.experts.triton_kernels`), in
   one autograd node with Triton kernels for the backward; no ``(T·K, d)`` copy of the inputs.
   Needs ``triton`` (imported at the first call).  ``"auto"`` does not
-  choose it (not yet measured on a GPU).
+  choose it (it has no thresholds, which GPU timings would set); ``impl="triton"`` runs it.
 
 ``"grouped"`` is the ``torch._grouped_mm`` backend (``F.grouped_mm`` where torch has it): CPU
 float32 from torch 2.9, CUDA from compute capability 8.0 (:func:`grouped_mm_available`).
@@ -644,8 +644,8 @@ class _WinnerMLP(torch.autograd.Function):
 # runs float32: tracing ``impl="grouped"`` in float32 fails inside torch.compile.  Under compile the
 # two grouped GEMMs therefore go through these opaque custom ops (shape functions below); eager code
 # calls ``_GROUPED_MM`` directly.  The stacked weight enters in its stored layout and is transposed
-# inside the op (a transposed view as an op input is materialised by inductor: a 16 MB copy per
-# GEMM at the bench's sizes).  Backward: ``∂a = g bᵀ`` (a grouped GEMM) and, per group,
+# inside the op (a transposed view as an op input is materialised by inductor: a copy of the
+# whole stacked weight per GEMM).  Backward: ``∂a = g bᵀ`` (a grouped GEMM) and, per group,
 # ``∂b_e = a_eᵀ g_e`` (``grouped_mm`` of two 2-D operands, one ``(N, ·, ·)`` result).
 
 

@@ -1,49 +1,14 @@
 """Hugging Face transformers MoE blocks → :class:`moelab.MoE` layers with the same outputs.
 
 :func:`from_hf` converts one block, or every MoE block inside a model (in place), recognised by
-its parts, not by its class name, so any family built from the same parts converts:
-
-* a router child ``gate`` holding one ``(N, d)`` weight (any name), optionally a selection bias
-  ``e_score_correction_bias`` (on the router or on the block), and the attributes that set its
-  rule: ``top_k``, ``norm_topk_prob``, ``routed_scaling_factor`` (on the router, or on the block
-  when the block scales the routed output), ``n_group`` / ``num_group`` and ``topk_group``;
-* ``experts``: stacked ``gate_up_proj (N, 2h, d)`` (``[gate | up]``) and ``down_proj (N, d, h)``
-  with a SiLU gate (moelab's ``swiglu`` :class:`moelab.ExpertBank` has the same layout), or a
-  ``ModuleList`` of ``gate_proj / up_proj / down_proj`` MLPs;
-* optionally shared experts ``shared_expert`` / ``shared_experts`` / ``shared_mlp`` (a SiLU
-  ``gate_proj / up_proj / down_proj`` MLP), added in full or through a sigmoid gate
-  ``shared_expert_gate`` (:class:`GatedSharedExpert`).
-
-The router rule those parts propose — softmax top-K, renormalised over the K or not, or the
-DeepSeek-V3 sigmoid with a selection bias, group-limited top-K and normalisation — is then
-checked on random tokens against the block's own router (in float64, a copy of the router only)
-before anything is converted:
-
-=======================================  ==============  ======================================
-router parts                             moelab method   router options
-=======================================  ==============  ======================================
-softmax top-K (Mixtral, Qwen, OLMoE...)  ``smoe``        ``renormalize`` ← ``norm_topk_prob``,
-                                                         ``scale`` ← ``routed_scaling_factor``
-same + shared experts                    ``sharede-v2``  the shared expert keeps its gate
-sigmoid + ``e_score_correction_bias``    ``sharede-v3``  ``selection_bias``, ``num_groups`` /
-(DeepSeek-V3, GLM-4.5, dots.llm1...)                     ``topk_groups``, ``scale``,
-                                                         ``normalize`` ← ``norm_topk_prob``
-=======================================  ==============  ======================================
-
-A module that has ``experts`` but not these parts, or whose router's rule is none of these, is
-refused with a ``ValueError`` naming the block, its class and why — nothing is converted then.
-The table of every MoE family of transformers and what happens to it is in docs/scaling.md.
-
-``from_hf(model, method=..., **options)`` switches the converted layers to another moelab method
-afterwards (:func:`set_method`), carrying the block's own options over.  :func:`moelab.to_hf` is
-the inverse (:mod:`moelab.hf.export`).
-
-Not carried over: transformers' router-logit recording (``output_router_logits``) — use
-``layer.last_routing`` and ``moelab.aux_loss(model)``.  The converted layers take their aux-loss
-coefficients from the config (``router_aux_loss_coef`` → ``balance_coef``, no z-loss), and a
-converted ``sharede-v3`` layer updates its selection bias during training (DeepSeek-V3's
-aux-loss-free balancing, γ = 1e-3), which transformers does not do.  Several transformers routers
-compute in float32 whatever the model dtype; moelab computes in the model dtype.
+its parts (a router ``gate`` with one ``(N, d)`` weight and the attributes that set its rule,
+stacked or listed SiLU experts, optional shared experts), not by its class name; the rule those
+parts propose (softmax top-K → ``smoe`` / ``sharede-v2``, the DeepSeek-V3 sigmoid with a selection
+bias → ``sharede-v3``) is checked on random tokens against the block's own router before anything
+is converted, and a block that does not fit is refused with a ``ValueError`` naming it, its class
+and why.  :func:`set_method` switches converted layers to another method; :func:`moelab.to_hf` is
+the inverse.  docs/scaling.md ("from_hf, to_hf, set_method") has the parts, the table of methods
+and options, what is not carried over, and every transformers family.
 """
 
 from __future__ import annotations

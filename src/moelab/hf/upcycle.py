@@ -1,46 +1,12 @@
 """Sparse upcycling: replace the dense MLPs of a model by MoE layers whose experts copy them.
 
-Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of CompeteSMoE (2025) (§5.1 "Tasks" and App. H,
-"Visual Instruction Tuning"): "each expert is initialized from its corresponding pretrained MLP,
-while the Top-K router is learned from scratch", the router "initialized ... using Gaussian noise
-N(0, 0.02), following ... GPT-2" (std 0.02; CompeteSMoE (2025) uses N_E = 4 experts, K = 2 there).  Since
-all experts are equal, ``Σ_k w_k · FFN(x) = FFN(x)`` whenever the routing weights sum to 1, so
-the upcycled model computes exactly what the dense one did until training moves the experts
-apart.  For methods with ``S`` shared experts (``sharede-v2``, ``sharede-v3``) the routed experts
-and each shared expert copy ``W_in`` and carry ``W_out / (S + 1)`` (and ``b_out / (S + 1)``),
-which keeps the identity.  Methods whose weights do not sum to 1 (``sigma-moe``, ``smoe`` with
-``renormalize=False``) change the output by the factor ``Σ_k w_k``.
-
-Recognised MLPs (``SUPPORTED_MLPS``).  A module is an MLP only if it holds 2 (or 3, gated)
-projections and an activation and nothing else (dropouts and identities aside: no attention, no
-norm, no parameters of its own), and it computes ``out(act(in(x)))`` or
-``down(act(gate(x)) * up(x))`` — checked numerically, as :func:`moelab.from_hf` checks a router:
-the module and the MLP rebuilt from its weights run on random inputs of several scales and must
-agree up to the rounding of the weights' dtype:
-
-* GPT-2 style: ``c_fc`` / ``c_proj`` ``Conv1D`` (weights stored ``(in, out)``) and ``act``;
-* LLaMA style: ``gate_proj`` / ``up_proj`` / ``down_proj`` ``Linear`` with a SiLU ``act_fn``
-  (SwiGLU; Mistral, Qwen, Gemma-with-SiLU, ...);
-* ViT / SigLIP / CLIP / timm style: ``fc1`` / ``fc2`` ``Linear`` with ``activation_fn``, ``act``
-  or ``act_fn``;
-* GPT-J style and moelab's own :class:`moelab.experts.MLP` (``fc_in`` / ``fc_out``);
-* ``nn.Sequential(Linear, activation, Linear)``;
-* OPT / BART / Whisper style layers, whose ``fc1`` / ``fc2`` / ``activation_fn`` sit on the
-  decoder (or encoder) layer itself beside its attention and norms: only the MLP is upcycled —
-  ``fc1`` becomes the MoE layer, ``activation_fn`` and ``fc2`` identities — after checking that
-  the layer computes ``fc2(activation_fn(fc1(h)))`` between them (run on random hidden states, its
-  output is the same with the three replaced by the rebuilt MLP);
-  :func:`find_mlps` names it ``"<layer>.fc1+fc2"``.
-
-Anything else holding such projections (a norm between them, clamping, a scale, an activation
-after the output projection, a projection pair without activation, ...) is refused with a
-``ValueError`` before the model is changed.  Activations map to moelab's: ReLU, GELU (exact or
-tanh), CLIP's quick GELU, SiLU; others are refused.  Dropout after the MLP (GPT-2's
-``dropout``, timm's ``drop2``: the dropout module called after the output projection) is kept after
-the MoE layer; dropout between the two projections (timm's ``drop1``, BART's
-``activation_dropout``, set to 0) is dropped (identical in eval mode); anything else that changes
-in training mode (a functional dropout) is refused.  The checks run the model's modules without
-changing them: their modes, buffers and the random number generators are restored.
+Komatsuzaki et al. 2023 ("Sparse Upcycling"), the VIT setting of CompeteSMoE (2025): every expert
+copies its pretrained MLP and the top-K router is learned from scratch (N(0, 0.02)), so the
+upcycled model computes what the dense one did while the routing weights sum to 1.  A module is
+upcycled only if it is an MLP, which is checked numerically, as :func:`moelab.from_hf` checks a
+router: the module and the MLP rebuilt from its weights must agree on random inputs; anything
+else is refused with a ``ValueError`` before the model changes.  docs/scaling.md ("What upcycling
+replaces") lists the recognised MLPs, the shared-expert split, the activations and the dropouts.
 """
 
 from __future__ import annotations

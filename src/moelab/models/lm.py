@@ -1,7 +1,7 @@
 """Decoder-only Transformer language models whose FFNs are MoE layers of any method.
 
 The setting of CompeteSMoE (2024) §6.1 ("Architecture") and App. C.2, from its reference code (Sandwich
-Transformer based; shared/REFERENCES.md, "Model configs"):
+Transformer based; docs/methods.md, "Language models"):
 
 * ``switch``: every FFN is an MoE layer (Switch Transformer, Fedus et al. 2022).
 * ``glam``: MoE and dense FFN alternate, MoE in the odd blocks (GLaM, Du et al. 2022), so a
@@ -136,7 +136,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # small enough that 1000 steps take minutes on 2 CPU cores; no dropout for short runs
     "cpu": dict(n_layer=2, d_model=64, n_head=4, block_size=128, dropout=0.0),
     # the cpu model with a 32-byte context: the main job (`make demo`); at a budget of ~400k tokens a
-    # shorter context and more, smaller steps learn faster per token than block 128 (docs/performance.md)
+    # shorter context and more, smaller steps learn more per token than block 128 (docs/results.md)
     "demo": dict(n_layer=2, d_model=64, n_head=4, block_size=32, dropout=0.0),
     # between cpu and tiny: a model that still learns after thousands of CPU steps (our choice)
     "mini": dict(n_layer=3, d_model=96, n_head=4, block_size=128, dropout=0.0),
@@ -171,9 +171,10 @@ TRAINING: dict[str, dict[str, Any]] = {
         eval_tokens=16384,
         ckpt_every=100,
     ),
-    # demo: the main job, 15 runs in 75-100 s on 2 cores (our choice, docs/performance.md): 400
-    # steps of 32 × 32 bytes at a constant 2e-3 after an 80-step warm-up; the 1/√t decay halves the
-    # step size while the model is still learning fast and ends ~0.1-0.2 BPC higher at this budget
+    # demo: the main job, 15 runs that fit a CPU minute or two (our choice; timed in
+    # docs/performance.md): 400 steps of 32 × 32 bytes at a constant 2e-3 after an 80-step warm-up;
+    # the 1/√t decay halves the step size while the model is still learning fast and ends higher at
+    # this budget (docs/results.md, the CPU-scale comparison)
     "demo": dict(
         lr=2e-3,
         schedule="constant",

@@ -9,7 +9,7 @@
   gate's hidden vector ``G``, keys ``K_i = E_i W_k`` from the experts' hidden vectors,
   ``p(e|x) = softmax(Q Kᵀ/√h)``.
 * The *original MoE* output is the dense mixture ``Σ_e p(e|x) y_e(x)`` of the experts' class
-  distributions; its loss is the NLL of ``log(output + 1e-7)`` (shared/REFERENCES.md, "Expert
+  distributions; its loss is the NLL of ``log(output + 1e-7)`` (docs/methods.md, "Expert
   specialization models").  At inference any gate can be made sparse: the top-K experts by
   ``p(e|x)`` with renormalised weights (conditional computation, Krishnamurthy et al. (2023) §5.1).
 
@@ -20,10 +20,10 @@ bank implementing :class:`moelab.experts.Experts` (:class:`moelab.experts.Module
 over experts).
 
 Output-layer ReLU: Appendix B lists the class layer (and the gate's expert layer) "with ReLU
-activation" before the softmax, while the authors' model as summarised in shared/REFERENCES.md
-applies the softmax to the plain linear output.  A ReLU on the logits clips every negative logit
-to 0, and on digits it doubles the error (0.217 vs 0.111 for the vanilla MoE, 0.314 vs 0.219 for
-the single model; docs/results.md).  We read "with ReLU activation" as describing the hidden
+activation" before the softmax, while the authors' code (docs/methods.md, "Expert specialization
+models") applies the softmax to the plain linear output.  A ReLU on the logits clips every negative logit
+to 0, and on digits it about doubles the error of the vanilla MoE and of the single model
+(docs/results.md).  We read "with ReLU activation" as describing the hidden
 layers and default to ``output_relu=False``; the literal reading is ``output_relu=True``
 (``--output-relu`` on the command line).
 """

@@ -226,7 +226,7 @@ class CompeteSMoERouter(Router):
             the winners' experts through their affinities) and sends no gradient to the router — on a competition step the router learns from the
             distillation alone (its balance and z terms are not applied there);
             ``"router"``: the router's probabilities with the winners' load under
-            ``balance_coef`` (moelab before; it pushes the router away from the experts the
+            ``balance_coef``, an ablation (it pushes the router away from the experts the
             competition chose, against the distillation); ``"off"``: no balance term and no
             router term but the distillation on competition steps.
 

@@ -20,7 +20,7 @@ class HyperRouter(Router):
 
     Options:
         hyper_dim: ``h`` (64, the enwik8 setting).
-        embed_dim: ``d_e``; default ``d_model`` (shared/REFERENCES.md).
+        embed_dim: ``d_e``; default ``d_model`` (docs/methods.md, ``hyperrouter``).
         embed_std: std of the N(0, σ²) init of ``e`` (1.0).
 
     ``H`` is kept as buffers (``h1_*``, ``h2_*``): checkpoints carry it and nothing can train it.

@@ -26,7 +26,7 @@ class StableRouter(Router):
     Differences from the paper, on purpose: the paper's light router reads the token's word
     embedding (dim 50); a layer sees only hidden states, so here it is a 50-dim projection of the
     layer input.  The paper's top-1 output ``σ(s)·E(h)`` becomes, for top-K, the standard
-    ``softmax(TopK(h))`` weighted sum (shared/REFERENCES.md).
+    ``softmax(TopK(h))`` weighted sum (docs/methods.md, ``stablemoe``).
 
     Options:
         distill_dim: width of the light router (50).

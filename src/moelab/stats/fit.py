@@ -1,76 +1,11 @@
-"""Batched estimators in scikit-learn's shape: least squares for regression MoE, maximum
-likelihood for Gaussian MoE.
-
-R replicates are fitted in ONE optimisation: every replicate's loss depends only on its own
-parameters, so minimising the sum ``Σ_r L_r`` moves each replicate exactly as its own fit would
-under SGD and Adam (both act coordinate-wise).  L-BFGS shares its line search and curvature
-pairs across the sum; it reaches the same minimisers but along a different path than R separate
-runs (it is not bit-identical to a loop).
-
-Estimators follow scikit-learn's conventions: ``__init__`` stores the hyper-parameters and
-nothing else (they are validated by ``fit``); ``fit`` returns ``self`` and creates the learned
-attributes with a trailing underscore; ``get_params``/``set_params`` read the ``__init__``
-signature, so ``sklearn.base.clone`` works; ``predict`` raises ``NotFittedError`` (scikit-learn's,
-a ``ValueError``, when scikit-learn is installed; a plain ``ValueError`` otherwise) before ``fit``.
-They do not subclass ``sklearn.base.BaseEstimator``: scikit-learn is a development dependency
-only, and ``moelab`` imports without it.
-
-* :class:`LeastSquaresMoE` — the least-squares estimator of the perturbed cosine router (2024),
-  eq. (3)/(9): ``Ĝ_n ∈ argmin (1/n) Σ (Y_i − f_G(X_i))²``.  ``predict`` is ``f_Ĝ(X)``; ``score``
-  is scikit-learn's regressor score, the coefficient of determination R².
-* :class:`GaussianMoEMLE` — the MLE of Ho (2025) and CompeteSMoE (2025), eq. (4):
-  ``argmax (1/n) Σ log p_G(Y_i | X_i)``.  ``predict`` is the conditional mean ``E_Ĝ[Y | X]``;
-  ``score`` is the mean log-likelihood (as ``sklearn.mixture.GaussianMixture.score``).
-
-Batched data ``X (R, n, d)``, ``Y (R, n)`` give per-replicate results (``predict`` ``(R, n)``,
-``score`` ``(R,)``); unbatched ``X (n, d)``, ``Y (n,)`` (tensors or NumPy arrays) are one
-replicate, and ``score`` then returns a float, as scikit-learn's model selection expects.
-
-Initialisation: ``init="near"`` (alias ``"truth"``) starts near the true parameters (perturbed
-cosine router (2024), App. E.1: "initialization ... adjusted to be near the true parameters"):
-truth + N(0, init_noise²).  An over-specified fit (k > k*) splits true atoms: the extra atom
-k* + t copies true atom t mod k*, and the copies of atom j share its weight,
-β₀ = β*₀ⱼ − log(copies), so the initial function is the truth up to the noise.
-``init="random"`` draws β₁, η ~ N(0, init_scale²), β₀ = 0.  Either way ``restarts`` starts per
-replicate (each its own draw) are fitted in the same batched optimisation and each replicate keeps
-the restart with the lowest training loss; ``restart_losses_`` holds them all.
-
-Compact parameter space (``beta1_bound`` = B): the rate theorems of the perturbed cosine router
-(2024) and Ho (2025) assume a compact parameter set, and the unconstrained least-squares estimator
-needs it — with τ = 1 the perturbed gate sees ‖β₁ᵢ‖ only through ‖β₁ᵢ‖/(‖β₁ᵢ‖ + τ), so a fit can
-lower its training error a little further by sending ‖β₁ᵢ‖ → ∞ (towards the cosine gate; measured
-‖β₁ᵢ‖ of 10²–10⁴ at n = 200–500).  Each embedding is therefore optimised through the smooth
-bijection of R^d onto the open ball of radius B (:func:`to_ball`)::
-
-    β₁ᵢ = B · tanh(‖uᵢ‖ / B) · uᵢ / ‖uᵢ‖
-
-rather than projected after each step: the objective in u stays smooth and unconstrained, so the
-per-replicate L-BFGS (its Armijo line search and curvature pairs, which a projection would
-invalidate), SGD and Adam run unchanged; and the map's Jacobian is invertible at every finite u,
-so a stationary point in u is a stationary point in β₁ and vice versa — every minimiser strictly
-inside the ball is a minimiser of the unconstrained problem, and fits that stay inside the bound
-equal the unconstrained ones (``tests/test_stats_fit.py``).  A fit that would run away instead
-approaches the sphere ‖β₁ᵢ‖ = B, where the gradient in u vanishes and the optimiser stops.
-``beta1_bound=math.inf`` is the unconstrained estimator (β₁ = u exactly, the code path of
-earlier versions).  :class:`LeastSquaresMoE` bounds each expert's parameter vector ηᵢ the same way
-(``eta_bound``, unconstrained by default): an over-specified one-unit tanh expert a·tanh(bᵀx + c)
-otherwise runs away too, towards a step function (measured ‖ηᵢ‖ ≈ 250 at n = 500 with ‖β₁ᵢ‖
-held at 20).  The default B = 10 is about 5× the norm of an N(0, I₄) embedding (the studies
-use 10 · router_std · √d, ten times the expected norm of a true embedding).
-
-Convergence (``optimizer="lbfgs"``): a replicate stops when the max-norm of its gradient is
-≤ ``gtol`` or its loss changes by at most ``ftol · max(1, |loss|)`` in one iteration (scipy's
-convention), else at the cap ``steps``; ``n_iter_``, ``grad_norm_``, ``converged_`` and ``hit_cap_``
-report it per replicate.
-
-Translation: a softmax gate over linear logits is invariant to adding the same (t₁, t₂) to every
-atom's (β₀, β₁) — the MoE is identifiable only up to this translation (Ho (2025),
-"Identifiability up to translation"; the perturbed cosine router (2024) pins the last true atom
-to 0).  Gradient steps are orthogonal to that flat direction, so SGD, full-batch GD and L-BFGS
-conserve Σᵢ β₁ᵢ and Σᵢ β₀ᵢ.  For the linear gate (and softmax-gated Gaussian MoE) the near-truth
-initial noise of the gate is therefore centred over the atoms: the fit keeps the truth's
-translation and parameters can be compared with it directly.  Adam rescales coordinates and does
-not conserve it.
+"""Batched estimators in scikit-learn's shape: least squares for regression MoE
+(:class:`LeastSquaresMoE`, the perturbed cosine router (2024) eq. 3/9) and maximum likelihood for
+Gaussian MoE (:class:`GaussianMoEMLE`, Ho (2025) and CompeteSMoE (2025) eq. 4).  R replicates are
+fitted in one batched optimisation, each with its own line search and stopping test; embeddings
+live in a ball of radius ``beta1_bound`` through a smooth bijection.  docs/methods.md ("The
+estimators of moelab.stats") states the conventions, the initialisation, the bound, the
+convergence test and the translation invariance; docs/results.md ("Statistical convergence")
+shows them at work.
 """
 
 from __future__ import annotations
@@ -702,7 +637,7 @@ class GaussianMoEMLE(_BatchedEstimator):
             likelihood has no maximum without one — a component with ν → 0 on a few points raises
             it without bound — and the rate theorems of Ho (2025) and CompeteSMoE (2025) assume a
             compact parameter space with ν bounded away from 0; an over-specified fit run to
-            convergence finds that degenerate direction (measured: ν = 1e-5 with weight e^-19).
+            convergence finds that degenerate direction (docs/results.md, "The estimator").
 
     Attributes (after ``fit``): ``params_`` (:class:`GaussianParams`), ``a_``, ``b_``, ``nu_``,
     ``beta0_``, ``beta1_``, ``loss_`` (``(R,)`` final mean negative log-likelihood),

@@ -164,8 +164,8 @@ def inputs_t(x: Tensor) -> Tensor:
     """``x (R, n, d)`` → the expert-major layout ``(R, d, n)`` used internally.
 
     Every internal tensor is laid out ``(R, k, n)``: with k and d tiny, reductions and softmaxes
-    over a middle axis of a contiguous ``(R, k, n)`` tensor are 5-25x faster on CPU than over the
-    last axis of ``(R, n, k)`` (measured; docs/performance-stats.md).  Estimators transpose the data
+    over a middle axis of a contiguous ``(R, k, n)`` tensor vectorise on the CPU, where the same ops
+    over the last axis of ``(R, n, k)`` do not (timed in docs/performance-stats.md, "Layout").  Estimators transpose the data
     once per fit and call the ``*_t`` methods.
     """
     _check_x(x)
