@@ -15,9 +15,9 @@ import torch
 
 import moelab.bench.suite as suite
 import moelab.bench.workload as workload
-from moelab.experiments import runner
 from moelab import MoE
 from moelab.cli import main
+from moelab.experiments import runner
 from moelab.experts import MLP
 
 TINY = ["--shapes", "4x2x16", "--d-model", "16", "--repeats", "2", "--warmup", "0", "--threads", "1"]

@@ -363,7 +363,8 @@ def _list_of(flag: str, item: Any) -> Callable[[str], list[Any]]:
             return [item(p) for p in parts if p]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a comma-separated list of {_type_name(item)}s"
+                f"{text!r} is not a comma-separated list of "
+                + {int: "integers", float: "numbers"}.get(item, _type_name(item))
             ) from None
 
     return parse
