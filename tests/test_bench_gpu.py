@@ -161,11 +161,10 @@ def test_cpu_suite_refuses_gpu_only_options(capsys, flag, value):
 
 
 def test_parse_gpu_grid_fills_the_gpu_defaults():
-    from moelab.bench.suite import add_arguments
+    from moelab.bench.suite import SUITE, namespace
+    from moelab.experiments import runner
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    args = p.parse_args(["--device", "cuda"])
+    args = namespace(runner.new_config(SUITE, {"device": "cuda"}))
     cases = gpu.parse_gpu_grid(args)
     assert args.repeats == 7 and args.budget == 15.0
     assert args.gpu_grid["models"] == list(gpu.MODELS) and args.gpu_grid["tokens"] == list(gpu.GPU_TOKENS)

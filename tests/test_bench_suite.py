@@ -17,6 +17,7 @@ import moelab.bench.suite as suite
 import moelab.bench.workload as workload
 from moelab import MoE
 from moelab.cli import main
+from moelab.experiments import runner
 from moelab.experts import MLP
 
 TINY = ["--shapes", "4x2x16", "--d-model", "16", "--repeats", "2", "--warmup", "0", "--threads", "1"]
@@ -118,8 +119,9 @@ def _rows(case: dict, **match) -> list[dict]:
 
 def test_suite_json_has_the_documented_keys(tiny_json):
     doc = tiny_json
-    assert set(doc) == {"bench", "schema", "config", "machine", "cases", "summary"}
-    assert doc["bench"] == "suite" and doc["schema"] == 1
+    assert set(doc) == {"bench", "schema", "settings", "config", "machine", "cases", "summary"}
+    assert doc["bench"] == "suite" and doc["schema"] == 2
+    assert doc["settings"]["command"] == "bench suite" and doc["settings"]["tokens"] == "16"
     assert doc["config"]["tokens"] == [16] and doc["config"]["shapes"] == ["4x2x16"]
     assert doc["config"]["zipf_exponent"] == 1.0 and doc["config"]["bound_max_tokens"] == 16
     assert doc["machine"]["torch"] == torch.__version__
@@ -341,8 +343,30 @@ def test_suite_resume_refuses_other_settings(tmp_path, capsys):
     out = tmp_path / "suite.json"
     args = _balanced_to(out, "4")
     assert main(["bench", "suite", *args]) == 0
+    capsys.readouterr()
     assert main(["bench", "suite", *args, "--resume", "--seed", "3"]) == 2
-    assert "--seed=3 differs from 0" in capsys.readouterr().err
+    sentence = runner.refuse_change("--seed", 3, 0, out).args[0]
+    assert capsys.readouterr().err == f"moelab bench: error: {sentence}\n"
+
+
+def test_suite_resume_continues_with_the_recorded_settings_and_a_larger_grid(tmp_path, capsys):
+    """The grid is not an input: a resumed document gains the cases of a larger grid, and the
+    settings not given take their recorded values."""
+    out = tmp_path / "suite.json"
+    assert main(["bench", "suite", *_balanced_to(out, "4"), "--seed", "2"]) == 0
+    assert main(["bench", "suite", "--out", str(out), "--resume", "--tokens", "4,8"]) == 0
+    doc = json.loads(out.read_text())
+    assert [c["tokens"] for c in doc["cases"]] == [4, 8]
+    assert doc["settings"]["seed"] == 2 and doc["settings"]["shapes"] == "4x2x16"
+    assert doc["settings"]["tokens"] == "4,8"
+
+
+def test_suite_resume_with_allow_changes_continues_with_the_new_settings(tmp_path):
+    out = tmp_path / "suite.json"
+    args = _balanced_to(out, "4")
+    assert main(["bench", "suite", *args]) == 0
+    assert main(["bench", "suite", *args, "--resume", "--allow-changes", "--seed", "3"]) == 0
+    assert json.loads(out.read_text())["settings"]["seed"] == 3
 
 
 def test_suite_resume_refuses_a_file_timed_on_another_processor(tmp_path, capsys):

@@ -267,7 +267,7 @@ def test_upcycle_model_source_is_validated(capsys, tmp_path, kind, message):
 def test_upcycle_layers_are_validated(capsys, tmp_path):
     argv = ["upcycle", "--model", "m", "--num-experts", "4", "--top-k", "2", "--out", str(tmp_path / "o")]
     err = error_of(capsys, [*argv, "--layers", "1,x"])
-    assert "--layers '1,x' is not allowed; expected comma-separated integers" in err
+    assert "argument --layers: '1,x' is not a comma-separated list of integers" in err
 
 
 # ------------------------------------------------------------------------------ library checks

@@ -132,8 +132,11 @@ def test_finetune_records_its_optimizer_and_refuses_adam_with_a_decay(pretrained
     out = tmp_path / "ft"
     base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--steps", "2", "--no-progress"]
     assert main([*base, "--out", str(out), "--weight-decay", "0.01"]) == 0
-    train = yaml.safe_load((out / "config.yaml").read_text())["train"]
-    assert (train["optimizer"], train["weight_decay"]) == ("adamw", 0.01)
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["command"] == "finetune"
+    assert (config["optimizer"], config["weight_decay"]) == ("adamw", 0.01)
+    assert config["batch_size"] == 16 and config["epochs"] == 5.0  # the task's values, recorded
+    assert config["recorded"]["steps"] == 2 and config["recorded"]["num_classes"] == 2
     capsys.readouterr()
     assert main([*base, "--out", str(tmp_path / "o"), "--optimizer", "adam", "--weight-decay", "0.01"]) == 2
     err = capsys.readouterr().err
@@ -170,8 +173,22 @@ def test_finetune_cli_errors_exit_2(pretrained, reviews, tmp_path, capsys):
         assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--out",
                      str(tmp_path / "o"), "--epochs", bad]) == 2  # fmt: skip
         err = capsys.readouterr().err
-        assert f"--epochs={bad} is not allowed; expected a finite number > 0" in err
+        assert f"--epochs={bad} is not allowed; expected a number > 0" in err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_finetune_resumed_with_a_changed_flag_is_refused_in_the_lifecycles_sentence(
+    pretrained, reviews, tmp_path, capsys
+):
+    from moelab.experiments import runner
+
+    out = tmp_path / "ft"
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--steps", "2", "--no-progress"]
+    assert main([*base, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main([*base, "--out", str(out), "--resume", "--lr", "0.001"]) == 2
+    sentence = runner.refuse_change("--lr", 0.001, 1e-4, out / "config.yaml").args[0]
+    assert capsys.readouterr().err == f"moelab finetune: error: {sentence}\n"
 
 
 def test_a_damaged_tokenizer_file_is_named_in_one_line(pretrained, tmp_path):

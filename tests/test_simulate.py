@@ -10,53 +10,58 @@ import pytest
 import yaml
 
 from moelab.cli import main
+from moelab.experiments import runner
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--study", "nope", "--out", "X"], "--study 'nope' is not a study"),
+        (["--study", "nope", "--out", "X"],
+         "--study='nope' is not allowed; expected one of ['cosine-vs-perturbed', 'misspecified', "
+         "'linear-vs-perturbed', 'softmax-vs-competition']"),
         (["--out", "X"], "--study is required"),
         (["--study", "misspecified"], "--out is required"),
-        (["--study", "cosine-vs-perturbed", "--tau", "-1", "--out", "X"], "tau=-1.0 is not allowed"),
+        (["--study", "cosine-vs-perturbed", "--tau", "-1", "--out", "X"], "--tau=-1.0 is not allowed"),
         (
             ["--study", "cosine-vs-perturbed", "--sample-sizes", "10,20", "--out", "X"],
-            "below the number of parameters",
+            "--sample-sizes=[10, 20]: the smallest n=10 is below the number of parameters",
         ),
-        (["--study", "cosine-vs-perturbed", "--extra-experts", "0", "--out", "X"], "extra_experts=0"),
-        (["--study", "cosine-vs-perturbed", "--optimizer", "rmsprop", "--out", "X"], "optimizer='rmsprop'"),
-        (["--study", "cosine-vs-perturbed", "--sample-sizes", "500", "--out", "X"], "expected >= 2 distinct"),
-        (["--study", "misspecified", "--d", "0", "--out", "X"], "--d: d=0 is not allowed; expected a positive integer"),
-        (["--study", "misspecified", "--k-true", "0", "--out", "X"], "--k-true: k_true=0 is not allowed"),
-        (["--study", "misspecified", "--extra-experts", "0", "--out", "X"], "--extra-experts: extra_experts=0"),
+        (["--study", "cosine-vs-perturbed", "--extra-experts", "0", "--out", "X"], "--extra-experts=0"),
+        (["--study", "cosine-vs-perturbed", "--optimizer", "rmsprop", "--out", "X"],
+         "--optimizer='rmsprop' is not allowed; expected one of"),
+        (["--study", "cosine-vs-perturbed", "--sample-sizes", "500", "--out", "X"],
+         "--sample-sizes=[500] is not allowed; expected >= 2 distinct"),
+        (["--study", "misspecified", "--d", "0", "--out", "X"], "--d=0 is not allowed; expected a positive integer"),
+        (["--study", "misspecified", "--k-true", "0", "--out", "X"], "--k-true=0 is not allowed"),
+        (["--study", "misspecified", "--extra-experts", "0", "--out", "X"], "--extra-experts=0"),
         (["--study", "misspecified", "--noise-var", "-1", "--out", "X"],
-         "--noise-var: noise_var=-1.0 is not allowed; expected a number >= 0"),
-        (["--study", "misspecified", "--tau", "-1", "--out", "X"], "--tau: tau=-1.0 is not allowed"),
+         "--noise-var=-1.0 is not allowed; expected a number >= 0"),
+        (["--study", "misspecified", "--tau", "-1", "--out", "X"], "--tau=-1.0 is not allowed"),
         (["--study", "misspecified", "--init", "zeros", "--out", "X"],
-         "--init: init='zeros' is not allowed; expected one of ['near', 'random']"),
-        (["--study", "misspecified", "--restarts", "0", "--out", "X"], "--restarts: restarts=0 is not allowed"),
-        (["--study", "misspecified", "--max-iter", "0", "--out", "X"], "--steps: steps=0 is not allowed"),
-        (["--study", "misspecified", "--gtol", "-1", "--out", "X"], "--gtol: gtol=-1.0 is not allowed"),
-        (["--study", "misspecified", "--ftol", "nan", "--out", "X"], "--ftol: ftol=nan is not allowed"),
+         "--init='zeros' is not allowed; expected one of ['near', 'random']"),
+        (["--study", "misspecified", "--restarts", "0", "--out", "X"], "--restarts=0 is not allowed"),
+        (["--study", "misspecified", "--max-iter", "0", "--out", "X"], "--steps=0 is not allowed"),
+        (["--study", "misspecified", "--gtol", "-1", "--out", "X"], "--gtol=-1.0 is not allowed"),
+        (["--study", "misspecified", "--ftol", "nan", "--out", "X"], "--ftol=nan is not allowed"),
         (["--study", "misspecified", "--beta1-bound", "0", "--out", "X"],
-         "--beta1-bound: beta1_bound=0.0 is not allowed; expected a number > 0 (inf = unconstrained)"),
+         "--beta1-bound=0.0 is not allowed; expected a number > 0 or one of [inf]"),
         (["--study", "cosine-vs-perturbed", "--beta1-bound", "0.5", "--out", "X"],
-         "--beta1-bound: beta1_bound=0.5 is not allowed for this truth: its largest ‖β₁ᵢ‖ is"),
-        (["--study", "misspecified", "--n-boot", "0", "--out", "X"], "--n-boot: n_boot=0 is not allowed"),
+         "--beta1-bound=0.5 is not allowed for this truth: its largest ‖β₁ᵢ‖ is"),
+        (["--study", "misspecified", "--n-boot", "0", "--out", "X"], "--n-boot=0 is not allowed"),
         (["--study", "softmax-vs-competition", "--nu-min", "-1", "--out", "X"],
-         "--nu-min: nu_min=-1.0 is not allowed; expected a number >= 0"),
+         "--nu-min=-1.0 is not allowed; expected a number >= 0"),
         (["--study", "softmax-vs-competition", "--nu-min", "0.5", "--out", "X"],
-         "--nu-min: nu_min=0.5 is not allowed for this truth: its smallest ν is"),
-        (["--study", "misspecified", "--reference-n", "0", "--out", "X"], "--reference-n: reference_n=0 is not allowed"),
+         "--nu-min=0.5 is not allowed for this truth: its smallest ν is"),
+        (["--study", "misspecified", "--reference-n", "0", "--out", "X"], "--reference-n=0 is not allowed"),
         (["--study", "misspecified", "--reference-steps", "-3", "--out", "X"],
-         "--reference-steps: reference_steps=-3 is not allowed"),
+         "--reference-steps=-3 is not allowed"),
         (["--study", "misspecified", "--eta-bound", "-2", "--out", "X"],
-         "--eta-bound: eta_bound=-2.0 is not allowed; expected a number > 0 (inf = unconstrained)"),
+         "--eta-bound=-2.0 is not allowed; expected a number > 0 or one of [inf]"),
         (["--study", "misspecified", "--eta-bound", "0.5", "--out", "X"],
-         "--eta-bound: eta_bound=0.5 is not allowed for this truth: its largest ‖ηᵢ‖ is"),
-        (["--study", "misspecified", "--replicates", "0", "--out", "X"], "--replicates: replicates=0"),
+         "--eta-bound=0.5 is not allowed for this truth: its largest ‖ηᵢ‖ is"),
+        (["--study", "misspecified", "--replicates", "0", "--out", "X"], "--replicates=0"),
         (["--study", "misspecified", "--sample-sizes", "500,x", "--out", "X"],
-         "argument --sample-sizes: '500,x' is not allowed; expected comma-separated integers"),
+         "argument --sample-sizes: '500,x' is not a comma-separated list of integers"),
         (["--study", "misspecified", "--d", "two", "--out", "X"], "argument --d: invalid int value: 'two'"),
     ],
 )  # fmt: skip
@@ -76,13 +81,15 @@ def test_every_model_and_fit_flag_reaches_the_study_config():
     import math
 
     from moelab.cli import build_parser
-    from moelab.experiments.simulate import config_from_args
+    from moelab.experiments import runner
+    from moelab.experiments.simulate import SIMULATE, study_of
 
     argv = ["simulate", "--study", "cosine-vs-perturbed", "--d", "3", "--k-true", "3", "--extra-experts", "2",
             "--noise-var", "0.04", "--tau", "0.5", "--init", "random", "--restarts", "2", "--max-iter", "7",
             "--gtol", "1e-5", "--ftol", "1e-9", "--beta1-bound", "inf", "--eta-bound", "7", "--n-boot", "99",
             "--reference-n", "5000", "--reference-steps", "300", "--out", "X"]  # fmt: skip
-    cfg = config_from_args(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    cfg = study_of(runner.new_config(SIMULATE, runner.given_by_args(SIMULATE, args)))
     assert (cfg.d, cfg.k_true, cfg.extra_experts, cfg.noise_var, cfg.tau) == (3, 3, 2, 0.04, 0.5)
     assert (cfg.init, cfg.restarts, cfg.steps, cfg.gtol, cfg.ftol, cfg.n_boot) == (
         "random",
@@ -142,3 +149,8 @@ def test_tiny_study_writes_config_metrics_csv_and_plot(study, tmp_path, capsys):
         assert any(k.endswith("target_beta1") for k in z.files)
     assert main(argv) == 2  # a finished run is not overwritten
     assert "already holds a run" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0  # ... and --resume of it is the finished study
+    assert json.loads((out / "metrics.json").read_text()) == metrics
+    assert main([*argv, "--resume", "--seed", "1"]) == 2  # the lifecycle's one sentence
+    sentence = runner.refuse_change("--seed", 1, 0, out / "config.yaml").args[0]
+    assert capsys.readouterr().err.endswith(sentence + "\n")

@@ -68,9 +68,10 @@ the peak (:func:`moelab.bench.harness.peak_memory_bytes`).
 ``--budget`` seconds (never fewer than 3 rounds); ``rounds`` records how many ran.
 
 **JSON** (``--json`` prints it; ``--out FILE`` writes it atomically after every case, so an
-interrupted run keeps its finished cases, and ``--resume`` skips them)::
+interrupted run keeps its finished cases, and ``--resume`` skips them; ``settings`` are the
+flags, which ``--resume`` compares as every command's run lifecycle does)::
 
-    {"bench": "suite", "schema": 1,
+    {"bench": "suite", "schema": 2, "settings": {"command": "bench suite", <SuiteConfig's fields>},
      "config": {"tokens", "shapes", "d_model", "routing", "threads", "peers" (the grid lists),
                 "repeats", "warmup", "budget", "clock", "seed", "device", "dtype",
                 "zipf_exponent", "zipf_margin", "bound_max_tokens", "peer_max_gib", "memory"},
@@ -102,7 +103,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -110,10 +111,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experiments import runner
+from ..experiments.runner import Interval, Options, setting
 from ..experts import MLP, ExpertBank, sort_slots
 from ..experts.kernels import grouped_rows, loop_rows
 from ..layer import MoE
-from .gpu import GPU_PEERS, GPU_TOKENS, MODELS, run_gpu
+from .gpu import GPU_DTYPES, GPU_PEERS, GPU_TOKENS, MODELS, run_gpu
 from .harness import (
     CLOCKS,
     Candidate,
@@ -152,10 +155,15 @@ from .workload import (
 )
 
 __all__ = [
+    "SUITE",
     "Case",
+    "SuiteConfig",
     "add_arguments",
     "experts_only",
     "markdown_summary",
+    "namespace",
+    "parse_grid",
+    "resolve",
     "run",
     "weights_read_bound",
 ]
@@ -210,45 +218,20 @@ class Case:
         )
 
 
-#: the flags of the CPU grid that ``--device cuda`` does not take, and their defaults
-CPU_ONLY = {
-    "--shapes": ("shapes", DEFAULTS["shapes"]),
-    "--d-model": ("d_model", DEFAULTS["d_model"]),
-    "--threads": ("threads", DEFAULTS["threads"]),
-    "--peers": ("peers", DEFAULTS["peers"]),
-    "--clock": ("clock", "wall"),
-    "--peer-max-gib": ("peer_max_gib", 4.0),
-    "--resume": ("resume", False),
-}
-
-
-def cpu_only_flags_set(args: argparse.Namespace) -> list[str]:
-    """The CPU-grid flags given other values than their defaults."""
-    return [flag for flag, (attr, default) in CPU_ONLY.items() if getattr(args, attr, default) != default]
-
-
 def parse_grid(args: argparse.Namespace) -> list[Case]:
-    """Validate every option and return the cases, in run order (threads, d, shape, T, routing)."""
+    """Validate the grid of the CPU suite's settings (:func:`namespace`) and return the cases, in run order (threads, d, shape, T, routing)."""
     for flag, value in (("--models", args.models), ("--gpu-peers", args.gpu_peers)):
         if value is not None:
             raise ValueError(
                 f"{flag}={value!r} is not allowed with --device {args.device}; it is an option of --device cuda"
             )
-    args.tokens = DEFAULTS["tokens"] if args.tokens is None else args.tokens
-    args.dtype = "float32" if args.dtype is None else args.dtype
     _validate.one_of("--dtype", args.dtype, ("float32", "bfloat16"))
-    args.repeats = 30 if args.repeats is None else args.repeats
-    args.budget = 30.0 if args.budget is None else args.budget
     tokens = int_list("--tokens", args.tokens)
     shapes = _shapes(args.shapes)
     widths = int_list("--d-model", args.d_model)
     routings = name_list("--routing", args.routing, ROUTINGS)
     threads = int_list("--threads", args.threads)
     args.peer_list = name_list("--peers", args.peers, PEERS, empty_ok=True)
-    _validate.positive_int("--repeats", args.repeats)
-    _validate.int_in_range("--warmup", args.warmup, 0, 1 << 20)
-    _validate.positive("--budget", args.budget)
-    _validate.positive("--peer-max-gib", args.peer_max_gib)
     args.grid = {
         "tokens": tokens,
         "shapes": [f"{n}x{k}x{h}" for n, k, h in shapes],
@@ -257,8 +240,6 @@ def parse_grid(args: argparse.Namespace) -> list[Case]:
         "threads": threads,
         "peers": args.peer_list,
     }
-    if args.device != "cpu":  # "cuda" is the GPU grid (moelab.bench.gpu), run before this
-        raise ValueError(f"--device={args.device!r} is not allowed; expected 'cpu' or 'cuda'")
     return [
         Case(t, n, k, h, d, r, th)
         for th in threads
@@ -656,86 +637,114 @@ def _best_peer(s: dict, phase: str) -> str:
     return f"{s[f'best_peer_dense_{phase}']:.2f} ({name}{drops})"
 
 
-# ---------------------------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tokens",
-        "-T",
-        default=None,
-        help=f"token counts T (default {DEFAULTS['tokens']}; with --device cuda "
-        f"{','.join(map(str, GPU_TOKENS))})",
+# ---------------------------------------------------------------------------------- the settings
+@dataclass
+class SuiteConfig:
+    """The settings of ``moelab bench suite``, as its JSON document records them (``settings``).
+
+    Only the settings that change what a case's timings mean (``clock``, ``seed``, ``device``,
+    ``dtype``) are inputs that ``--resume`` compares: every case records its own grid point, so a
+    resumed document may gain the cases of a larger grid or of other round counts."""
+
+    tokens: str | None = setting(
+        None,
+        aliases=("-T",),
+        input=False,
+        help=f"token counts T (default {DEFAULTS['tokens']}; with --device cuda {','.join(map(str, GPU_TOKENS))})",
     )
-    p.add_argument(
-        "--shapes",
-        default=DEFAULTS["shapes"],
-        help="NxKxH: experts x top-k x expert width (default %(default)s)",
-    )
-    p.add_argument("--d-model", default=DEFAULTS["d_model"], help="token widths d (default %(default)s)")
-    p.add_argument(
-        "--routing", default=DEFAULTS["routing"], help=f"from {list(ROUTINGS)} (default %(default)s)"
-    )
-    p.add_argument("--threads", default=DEFAULTS["threads"], help="torch thread counts (default %(default)s)")
-    p.add_argument(
-        "--peers", default=DEFAULTS["peers"], help=f"from {list(PEERS)}, or 'none' (default %(default)s)"
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
+    shapes: str = setting(DEFAULTS["shapes"], input=False, help="NxKxH: experts x top-k x expert width")
+    d_model: str = setting(DEFAULTS["d_model"], input=False, help="token widths d")
+    routing: str = setting(DEFAULTS["routing"], input=False, help=f"from {list(ROUTINGS)}")
+    threads: str = setting(DEFAULTS["threads"], input=False, help="torch thread counts")
+    peers: str = setting(DEFAULTS["peers"], input=False, help=f"from {list(PEERS)}, or 'none'")
+    repeats: int | None = setting(
+        None,
+        input=False,
+        allowed=(Interval(int, 1), None),
         help="timed rounds per case at most (default 30; --device cuda: 7)",
     )
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    p.add_argument(
-        "--budget",
-        type=float,
-        default=None,
+    warmup: int = setting(1, input=False, allowed=Interval(int, 0, 1 << 20), help="untimed rounds first")
+    budget: float | None = setting(
+        None,
+        input=False,
+        allowed=(Interval(float, 0, closed="neither"), None),
         help="seconds of timed rounds per case after which no new round starts (at least 3 rounds; "
         "default 30, --device cuda: 15)",
     )
-    p.add_argument(
-        "--clock", choices=sorted(CLOCKS), default="wall", help="wall (default) or process CPU time"
+    clock: str = setting("wall", allowed=Options(tuple(sorted(CLOCKS))), help="wall or process CPU time")
+    seed: int = setting(0, allowed=Interval(int, 0, 2**63 - 1), help="seed of weights and inputs")
+    device: str = setting(
+        "cpu",
+        allowed=Options(("cpu", "cuda")),
+        help="cpu or cuda: the GPU grid of production shapes (moelab.bench.gpu)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu (default) or cuda: the GPU grid of production shapes (moelab.bench.gpu)",
+    dtype: str | None = setting(
+        None, help="float32 (default) or bfloat16; with --device cuda a list (default bfloat16,float32)"
     )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="float32 (default) or bfloat16; with --device cuda a list (default bfloat16,float32)",
+    models: str | None = setting(
+        None, input=False, help=f"--device cuda: shapes from {list(MODELS)} (default all)"
     )
-    p.add_argument(
-        "--models",
-        default=None,
-        help=f"--device cuda: shapes from {list(MODELS)} (default all)",
-    )
-    p.add_argument(
-        "--gpu-peers",
-        default=None,
+    gpu_peers: str | None = setting(
+        None,
+        input=False,
         help=f"--device cuda: from {list(GPU_PEERS)} or 'none' (default all; each only if installed)",
     )
-    p.add_argument(
-        "--fp32-max-tokens",
-        type=int,
-        default=4096,
-        help="--device cuda: float32 cases only up to this T (default 4096)",
+    fp32_max_tokens: int = setting(
+        4096, input=False, allowed=Interval(int, 1), help="--device cuda: float32 cases only up to this T"
     )
-    p.add_argument(
-        "--peer-max-gib",
-        type=float,
-        default=4.0,
-        help="skip a capacity peer whose one-hot dispatch would need more GiB (default 4)",
+    peer_max_gib: float = setting(
+        4.0,
+        input=False,
+        allowed=Interval(float, 0, closed="neither"),
+        help="skip a capacity peer whose one-hot dispatch would need more GiB",
     )
-    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory calls")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON here, after every case")
-    p.add_argument("--resume", action="store_true", help="keep the cases already in --out and run the rest")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    memory: bool = setting(True, input=False, flag="--no-memory", help="skip the peak-memory calls")
+    json: bool = setting(False, input=False, help="print one JSON document instead of the tables")
 
 
-_RESUME_KEYS = ("clock", "seed", "device", "dtype")
+def resolve(config: SuiteConfig) -> SuiteConfig:
+    """``config`` with its device's defaults where it left ``None`` (recorded resolved)."""
+    cuda = config.device == "cuda"
+    defaults = {
+        "tokens": ",".join(map(str, GPU_TOKENS)) if cuda else DEFAULTS["tokens"],
+        "dtype": ",".join(GPU_DTYPES) if cuda else "float32",
+        "repeats": 7 if cuda else 30,
+        "budget": 15.0 if cuda else 30.0,
+    }
+    return replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) is None})
+
+
+#: ``moelab bench suite`` as the run lifecycle sees it: its ``--out`` is one JSON document (the
+#: file ``make bench`` resumes), so the suite records its settings in that document
+#: (``settings``) rather than in a run directory's ``config.yaml``
+SUITE = runner.Command(
+    "bench suite", SuiteConfig, lambda config, run: {}, resolve=resolve, out_required=False
+)
+
+#: the settings of the CPU grid that ``--device cuda`` does not take
+CPU_ONLY = ("shapes", "d_model", "threads", "peers", "clock", "peer_max_gib")
+
+
+def namespace(config: SuiteConfig, out: Path | None = None, *, force: bool = False) -> argparse.Namespace:
+    """``config`` as the attributes the grid functions read (:func:`parse_grid`,
+    :func:`moelab.bench.gpu.run_gpu`), with ``out`` and ``force``."""
+    return argparse.Namespace(**runner.plain(config), out=out, force=force)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    runner.add_arguments(p, SuiteConfig, out_help="also write the JSON document here, after every case")
+
+
+def _refuse_cpu_only(config: SuiteConfig, resume: bool) -> None:
+    defaults = SuiteConfig()
+    flags = [runner.flag_of(SuiteConfig, k) for k in CPU_ONLY if getattr(config, k) != getattr(defaults, k)]
+    for flag in flags + (["--resume"] if resume else []):
+        raise ValueError(
+            f"{flag} is not allowed with --device cuda; it is an option of the CPU grid "
+            "(the GPU grid: --models, --tokens, --dtype, --routing, --gpu-peers, --fp32-max-tokens)"
+        )
+
+
 #: what of the machine must match for ``--resume`` to add timings to a file: its cases' ratios
 #: are only comparable on the same processor, core count and software
 _RESUME_MACHINE_KEYS = (
@@ -749,53 +758,64 @@ _RESUME_MACHINE_KEYS = (
 )
 
 
-def _start_document(args: argparse.Namespace) -> dict:
-    config = {
-        **args.grid,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "budget": args.budget,
-        "clock": args.clock,
-        "seed": args.seed,
-        "device": args.device,
-        "dtype": args.dtype,
-        "zipf_exponent": ZIPF_EXPONENT,
-        "zipf_margin": ZIPF_MARGIN,
-        "bound_max_tokens": BOUND_MAX_TOKENS,
-        "peer_max_gib": args.peer_max_gib,
-        "memory": args.memory,
-    }
+def _read_document(out: Path) -> dict:
+    try:
+        old = json.loads(out.read_text())
+        if not isinstance(old["cases"], list) or not isinstance(old["settings"], dict):
+            raise TypeError("cases or settings of the wrong type")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"--out={str(out)!r} is not a suite JSON document with its settings ({exc}); "
+            "use --force to overwrite it"
+        ) from None
+    return old
+
+
+def _start(given: dict, out: Path | None, *, resume: bool, force: bool, allow_changes: bool):
+    """``(config, document)``: a new document, or with ``resume`` the one in ``out`` (its cases
+    kept; a changed input refused in the lifecycle's sentence, :func:`moelab.experiments.runner.resume_config`)."""
+    runner.check_run_flags(resume=resume, force=force, allow_changes=allow_changes)
+    if resume and out is None:
+        raise ValueError("--resume needs --out FILE (the file whose cases to keep)")
+    old = None
+    if out is not None and out.exists() and not force:
+        if not resume:
+            raise ValueError(
+                f"--out={str(out)!r} exists; pass --resume to keep its cases and run the rest, or --force to overwrite it"
+            )
+        old = _read_document(out)
+        config = runner.resume_config(SUITE, given, old["settings"], out, allow_changes=allow_changes)
+    else:
+        config = runner.new_config(SUITE, given)
+    return config, old
+
+
+def _document(config: SuiteConfig, grid: dict, old: dict | None, out: Path | None) -> dict:
     doc = {
         "bench": "suite",
-        "schema": 1,
-        "config": config,
+        "schema": 2,
+        "settings": {"command": SUITE.name, **runner.plain(config)},
+        "config": {
+            **grid,
+            "repeats": config.repeats,
+            "warmup": config.warmup,
+            "budget": config.budget,
+            "clock": config.clock,
+            "seed": config.seed,
+            "device": config.device,
+            "dtype": config.dtype,
+            "zipf_exponent": ZIPF_EXPONENT,
+            "zipf_margin": ZIPF_MARGIN,
+            "bound_max_tokens": BOUND_MAX_TOKENS,
+            "peer_max_gib": config.peer_max_gib,
+            "memory": config.memory,
+        },
         "machine": machine_info(),
         "cases": [],
         "summary": [],
     }
-    out = args.out
-    if out is None or not out.exists() or args.force:
-        if args.resume and out is None:
-            raise ValueError("--resume needs --out FILE (the file whose cases to keep)")
+    if old is None:
         return doc
-    if not args.resume:
-        raise ValueError(
-            f"--out={str(out)!r} exists; pass --resume to keep its cases and run the rest, or --force to overwrite it"
-        )
-    try:
-        old = json.loads(out.read_text())
-        old_cases = old["cases"]
-        old_config = old["config"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(
-            f"--out={str(out)!r} is not a suite JSON document ({exc}); use --force to overwrite it"
-        ) from None
-    for key in _RESUME_KEYS:
-        if old_config.get(key) != config[key]:
-            raise ValueError(
-                f"--resume: --{key}={config[key]!r} differs from {old_config.get(key)!r} in {str(out)!r}; "
-                "use the same settings or --force"
-            )
     old_machine = old.get("machine") if isinstance(old.get("machine"), dict) else {}
     for key in _RESUME_MACHINE_KEYS:
         if old_machine.get(key) != doc["machine"][key]:
@@ -804,32 +824,34 @@ def _start_document(args: argparse.Namespace) -> dict:
                 f"{old_machine.get(key)!r} in {str(out)!r} (timings of two machines would mix); "
                 "run on that machine, or use --force to start again"
             )
-    doc["cases"] = list(old_cases)
+    doc["cases"] = list(old["cases"])
     return doc
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    if args.device == "cuda":
-        for flag in cpu_only_flags_set(args):
-            raise ValueError(
-                f"{flag} is not allowed with --device cuda; it is an option of the CPU grid "
-                "(the GPU grid: --models, --tokens, --dtype, --routing, --gpu-peers, --fp32-max-tokens)"
-            )
-        return run_gpu(args)
-    cases = parse_grid(args)
-    doc = _start_document(args)
+    given = runner.given_by_args(SUITE, args)
+    out = None if args.out is None else Path(args.out)
+    resume, force = bool(args.resume), bool(args.force)
+    fresh = runner.new_config(SUITE, given)
+    if fresh.device == "cuda":  # the GPU grid writes a new document each time
+        _refuse_cpu_only(fresh, resume)
+        return run_gpu(namespace(fresh, out, force=force))
+    config, old = _start(given, out, resume=resume, force=force, allow_changes=bool(args.allow_changes))
+    settings = namespace(config, out, force=force)
+    cases = parse_grid(settings)
+    doc = _document(config, settings.grid, old, out)
     done = {c["key"] for c in doc["cases"]}
     threads = torch.get_num_threads()
-    show = (lambda text: None) if args.json else (lambda text: tqdm.write(text, file=sys.stdout))
+    show = (lambda text: None) if config.json else (lambda text: tqdm.write(text, file=sys.stdout))
     machine = doc["machine"]
     show(
         f"moelab bench suite: {len(cases)} cases ({len(done & {c.key for c in cases})} already in --out), "
-        f"{args.repeats} rounds at most ({args.budget:g} s budget) after {args.warmup} warm-up, {args.clock} clock, "
-        f"{args.device} {args.dtype}\nmachine: {_cpu_text(machine)}, {machine['cores']} cores, torch {machine['torch']}, "
-        f"transformers {machine['transformers']}, load {machine['loadavg_1min']:.1f}, "
-        f"OMP_WAIT_POLICY={machine['OMP_WAIT_POLICY'] or 'unset'}"
+        f"{config.repeats} rounds at most ({config.budget:g} s budget) after {config.warmup} warm-up, "
+        f"{config.clock} clock, {config.device} {config.dtype}\nmachine: {_cpu_text(machine)}, "
+        f"{machine['cores']} cores, torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"load {machine['loadavg_1min']:.1f}, OMP_WAIT_POLICY={machine['OMP_WAIT_POLICY'] or 'unset'}"
     )
     try:
         bar = tqdm(cases, desc="bench suite", unit="case", file=sys.stderr, dynamic_ncols=True)
@@ -837,16 +859,18 @@ def run(args: argparse.Namespace) -> int:
             if case.key in done:
                 continue
             bar.set_postfix_str(case.key)
-            record = run_case(case, args)
+            record = run_case(case, settings)
             doc["cases"].append(record)
             doc["summary"] = [summary_row(c) for c in doc["cases"]]
-            if args.out is not None:
-                write_document(args.out, doc)
+            if out is not None:
+                write_document(out, doc)
             show(format_case(record) + "\n")
     finally:
         torch.set_num_threads(threads)
     doc["summary"] = [summary_row(c) for c in doc["cases"]]
-    if args.json:
+    if out is not None:  # the settings of a resumed run, even when every case was already there
+        write_document(out, doc)
+    if config.json:
         print(json.dumps(doc))
     else:
         show(

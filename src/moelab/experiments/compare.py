@@ -113,11 +113,7 @@ def run(args: argparse.Namespace) -> int:
     chosen = [m for m in requested if m in known]
     if not chosen:
         raise UsageError(f"none of --methods {requested} is available in this moelab")
-    if args.resume and args.force:
-        raise ValueError(
-            "--resume and --force are not allowed together; --resume continues the run in --out, "
-            "--force starts it afresh"
-        )
+    runner.check_run_flags(resume=args.resume, force=args.force, allow_changes=args.allow_changes)
     out = Path(args.out)
     if (out / "results.csv").exists() and not (args.resume or args.force):
         raise FileExistsError(f"--out {out} already holds a comparison; pass --resume to reuse it or --force")

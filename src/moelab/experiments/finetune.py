@@ -6,6 +6,8 @@ head; two new fully connected layers classify the mean-pooled final states; the 
 frozen (:mod:`moelab.models.classifier`).  CompeteSMoE (2024) App. C.3: Adam, lr 1e-4, batch 16 (IMDB 4),
 5 epochs (BANKING77 50); inputs truncated to the LM's block size.  The best-validation weights
 give the test accuracy; ``metrics.json`` holds ``val_acc``, ``test_acc`` and the trainer's keys.
+The run lifecycle (flags, ``--config``, ``--resume``, ``--force``) is
+:mod:`moelab.experiments.runner`'s; docs/architecture.md ("An experiment").
 
 Example::
 
@@ -17,25 +19,35 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .. import _validate
 from ..data.classification import TASKS, load_classification
 from ..data.text import tokenizer_from_state
 from ..io.atomic import read_json
 from ..io.model import load
-from ..io.rundir import RunDir
 from ..models.classifier import LMClassifier, freeze_routers
 from ..models.lm import TransformerLM
-from ..optim import OPTIMIZERS
+from ..optim import OPTIMIZERS, check_optimizer
 from ..routing import RoutingContext
 from ..train.tasks import ClassificationTask, encode_texts
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
 from .lm import TrainRun
+from .runner import Interval, Options, setting
 
-__all__ = ["ClassificationTask", "add_arguments", "encode_texts", "read_lm_run", "run"]
+__all__ = [
+    "FINETUNE",
+    "ClassificationTask",
+    "FinetuneConfig",
+    "add_arguments",
+    "encode_texts",
+    "read_lm_run",
+    "run",
+]
+
+_POSITIVE = (Interval(int, 1), None)
 
 #: CompeteSMoE (2024) App. C.3 (Table 8)
 EPOCHS = {"banking77": 50}
@@ -59,98 +71,126 @@ def read_lm_run(run_dir: str | Path) -> tuple[TrainRun, Any]:
     return config, tokenizer_from_state(read_json(tok_path))
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--task", required=True, help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)"
+@dataclass
+class FinetuneConfig:
+    """The settings of a ``moelab finetune`` run, as its ``config.yaml`` holds them; ``epochs`` and
+    ``batch_size`` left ``None`` take CompeteSMoE (2024) App. C.3's value for the task (recorded
+    resolved), ``steps`` left ``None`` follows from the epochs and the training set."""
+
+    task: str = setting(help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)")
+    source: str = setting(flag="--from", metavar="RUN_DIR", help="a `moelab train` run")
+    epochs: float | None = setting(
+        None,
+        help="epochs (CompeteSMoE (2024): 5; BANKING77 50)",
+        allowed=(Interval(float, 0, closed="neither"), None),
     )
-    p.add_argument("--from", dest="source", required=True, metavar="RUN_DIR", help="a `moelab train` run")
-    p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--epochs", type=float, help="epochs (CompeteSMoE (2024): 5; BANKING77 50)")
-    p.add_argument("--steps", type=int, help="optimisation steps (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, dest="batch_size", help="batch (CompeteSMoE (2024): 16; IMDB 4)")
-    p.add_argument("--lr", type=float, default=1e-4, help="learning rate (1e-4, CompeteSMoE (2024))")
-    p.add_argument(
-        "--optimizer",
-        default="adamw",
-        choices=list(OPTIMIZERS),
+    steps: int | None = setting(None, help="optimisation steps (overrides --epochs)", allowed=_POSITIVE)
+    batch_size: int | None = setting(None, help="batch (CompeteSMoE (2024): 16; IMDB 4)", allowed=_POSITIVE)
+    lr: float = setting(
+        1e-4, help="learning rate (CompeteSMoE (2024))", allowed=Interval(float, 0, closed="neither")
+    )
+    optimizer: str = setting(
+        "adamw",
         help="adamw (decoupled weight decay on the weight matrices only) or adam (no weight decay)",
+        allowed=Options(OPTIMIZERS),
     )
-    p.add_argument(
-        "--weight-decay",
-        type=float,
-        default=0.0,
-        dest="weight_decay",
-        help="AdamW's weight decay on the matrices (default 0: CompeteSMoE (2024) trains without)",
+    weight_decay: float = setting(
+        0.0,
+        help="AdamW's weight decay on the matrices (CompeteSMoE (2024) trains without)",
+        allowed=Interval(float, 0),
     )
-    p.add_argument(
-        "--eval-every", type=int, dest="eval_every", help="validate every N steps (default: each epoch)"
+    eval_every: int | None = setting(
+        None, help="validate every N steps (default: each epoch)", allowed=_POSITIVE
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--force", action="store_true")
-    p.add_argument("--no-progress", action="store_true", dest="no_progress")
+    seed: int = setting(
+        0, help="seed of the new head and the data order", allowed=Interval(int, 0, 2**63 - 1)
+    )
+    progress: bool = setting(True, input=False, flag="--no-progress", help="no progress bar")
+
+    def check(self) -> None:
+        check_optimizer(self.optimizer, self.weight_decay)
+
+    @property
+    def task_name(self) -> str:
+        """The named task, or ``local`` for a file."""
+        return self.task if self.task in TASKS else "local"
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
+def resolve(config: FinetuneConfig) -> FinetuneConfig:
+    """``config`` with the task's epochs and batch where it left ``None``."""
+    name = config.task_name
+    return replace(
+        config,
+        epochs=config.epochs if config.epochs is not None else float(EPOCHS.get(name, 5)),
+        batch_size=config.batch_size if config.batch_size is not None else BATCH.get(name, 16),
+    )
 
-    lm_config, tokenizer = read_lm_run(args.source)
-    lm = load(args.source)  # the best-validation weights (moelab.io.model.resolve)
+
+def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
+    lm_config, tokenizer = read_lm_run(config.source)
+    lm = load(config.source)  # the best-validation weights (moelab.io.model.resolve)
     if not isinstance(lm, TransformerLM):
-        raise ValueError(f"--from {str(args.source)!r} holds a {type(lm).__name__}; expected a TransformerLM")
-    data = load_classification(args.task)
-    name = args.task if args.task in TASKS else "local"
-    batch = args.batch_size if args.batch_size is not None else BATCH.get(name, 16)
-    _validate.positive_int("--batch-size", batch)
-    epochs = args.epochs if args.epochs is not None else EPOCHS.get(name, 5)
-    if not (isinstance(epochs, (int, float)) and 0 < epochs < math.inf):  # NaN fails too
-        raise UsageError(f"--epochs={epochs!r} is not allowed; expected a finite number > 0")
-    per_epoch = math.ceil(len(data.labels["train"]) / batch)
-    steps = args.steps if args.steps is not None else max(1, round(epochs * per_epoch))
-    _validate.positive_int("--steps", steps)
+        raise ValueError(f"--from {config.source!r} holds a {type(lm).__name__}; expected a TransformerLM")
+    data = load_classification(config.task)
+    per_epoch = math.ceil(len(data.labels["train"]) / config.batch_size)
+    steps = config.steps if config.steps is not None else max(1, round(config.epochs * per_epoch))
     model = LMClassifier(lm, data.num_classes)
     frozen = freeze_routers(model)
-    config = TrainConfig(
+    train = TrainConfig(
         steps=steps,
-        batch_size=batch,
-        lr=args.lr,
+        batch_size=config.batch_size,
+        lr=config.lr,
         schedule="constant",
         warmup=0,
-        eval_every=args.eval_every or min(per_epoch, steps),
-        seed=args.seed,
-        weight_decay=args.weight_decay,
-        optimizer=args.optimizer,
+        eval_every=config.eval_every or min(per_epoch, steps),
+        seed=config.seed,
+        weight_decay=config.weight_decay,
+        optimizer=config.optimizer,
     )
-    run_dir = RunDir(args.out, resume=args.resume, force=args.force)
-    run_dir.write_config(
-        {
-            "task": "finetune",
-            "data": args.task,
-            "from": str(args.source),
-            "num_classes": data.num_classes,
-            "labels": data.label_names,
-            "frozen_router_params": frozen,
-            "method": lm_config.method,
-            "train": vars(config),
-        }
+    run.record(
+        steps=train.steps,
+        eval_every=train.eval_every,
+        num_classes=data.num_classes,
+        labels=data.label_names,
+        frozen_router_params=frozen,
+        method=lm_config.method,
     )
+    run.write_config()
     task = ClassificationTask(data, tokenizer, lm.cfg.block_size)
     trainer = Trainer(
         model,
         task,
-        config,
-        run_dir,
-        ctx=RoutingContext(total_steps=steps),  # no schedule: the routers are frozen, nothing competes
-        progress=not args.no_progress,
-        extra_metrics={"method": lm_config.method, "task": name, "num_classes": data.num_classes},
+        train,
+        run.dir,
+        ctx=RoutingContext(total_steps=train.steps),  # no schedule: the routers are frozen, nothing competes
+        progress=config.progress,
+        extra_metrics={"method": lm_config.method, "task": config.task_name, "num_classes": data.num_classes},
     )
+    metrics = trainer.fit(resume=run.resume)
+    print(
+        f"{metrics['method']} fine-tuned on {data.name}: test accuracy {metrics['test_acc']:.1f}% "
+        f"(val {metrics['val_acc']:.1f}%, {data.num_classes} classes) -> {run.path}"
+    )
+    return metrics
+
+
+def _prepare(config: FinetuneConfig, world: int) -> None:
+    """Before the run directory opens: ``--from`` must be a language-model run."""
+    read_lm_run(config.source)
+
+
+#: ``moelab finetune`` as the run lifecycle sees it
+FINETUNE = runner.Command("finetune", FinetuneConfig, _execute, resolve=resolve, prepare=_prepare)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    runner.add_arguments(p, FinetuneConfig)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        metrics = trainer.fit(resume=args.resume)
+        runner.run_command(FINETUNE, args)
     except TrainingError as exc:
         print(f"moelab finetune: {exc}")
         return 1
-    print(
-        f"{metrics['method']} fine-tuned on {data.name}: test accuracy {metrics['test_acc']:.1f}% "
-        f"(val {metrics['val_acc']:.1f}%, {data.num_classes} classes) -> {args.out}"
-    )
     return 0

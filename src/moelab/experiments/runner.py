@@ -37,14 +37,18 @@ __all__ = [
     "add_arguments",
     "build",
     "changed_input",
+    "check_run_flags",
     "config_from_mapping",
     "execute",
     "flag_of",
     "given_by_args",
+    "new_config",
+    "plain",
     "read_run_config",
     "refuse_change",
     "refuse_other_data",
     "resolve_config",
+    "resume_config",
     "run_command",
     "setting",
     "validate",
@@ -120,6 +124,7 @@ class Setting:
     allowed: tuple[Any, ...] = ()
     input: bool = True
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()
 
 
 def setting(
@@ -130,6 +135,7 @@ def setting(
     allowed: tuple[Any, ...] | Any = (),
     input: bool = True,
     metavar: str | None = None,
+    aliases: tuple[str, ...] = (),
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
 ) -> Any:
     """A config field with its flag.
@@ -145,10 +151,15 @@ def setting(
             how a run is executed rather than what it computes: threads, progress bars, where the
             data lies when its fingerprint decides).
         metavar: the flag's metavar in ``--help``.
+        aliases: other spellings of the flag (``-T`` beside ``--tokens``).
     """
     if not isinstance(allowed, tuple):
         allowed = (allowed,)
-    meta = {_META: Setting(help=help, flag=flag, allowed=allowed, input=input, metavar=metavar)}
+    meta = {
+        _META: Setting(
+            help=help, flag=flag, allowed=allowed, input=input, metavar=metavar, aliases=tuple(aliases)
+        )
+    }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -273,11 +284,13 @@ def add_arguments(
     run: bool = True,
     exclude: tuple[str, ...] = (),
     out_default: str | None = None,
+    out_help: str = "run directory",
 ) -> None:
     """The flags of every field of ``cls`` (defaults shown in ``--help``; a flag not given leaves no
     attribute, so the config file, the recorded run or the dataclass default decides), plus
     ``--config`` and, with ``run``, ``--out``, ``--resume``, ``--force`` and ``--allow-changes``.
-    ``exclude``: fields (by path) the command sets itself, which get no flag."""
+    ``exclude``: fields (by path) the command sets itself, which get no flag; ``out_help``: what
+    ``--out`` names."""
     for path, f, hint in _items(cls):
         if path in exclude:
             continue
@@ -311,7 +324,7 @@ def add_arguments(
             if options and all(isinstance(v, str) for v in options[0].values) and s.metavar is None:
                 # shown, not enforced by argparse: validation refuses a bad value in the house's words
                 kw.update(metavar="{" + ",".join(options[0].values) + "}")
-        parser.add_argument(flag, **kw)
+        parser.add_argument(flag, *s.aliases, **kw)
     parser.add_argument(
         "--config",
         metavar="FILE",
@@ -321,7 +334,7 @@ def add_arguments(
         parser.add_argument(
             "--out",
             default=out_default,
-            help="run directory" + (f" (default: {out_default})" if out_default else ""),
+            help=out_help + (f" (default: {out_default})" if out_default else ""),
         )
         parser.add_argument("--resume", action="store_true", help="continue the run in --out")
         parser.add_argument(
@@ -350,7 +363,8 @@ def _list_of(flag: str, item: Any) -> Callable[[str], list[Any]]:
             return [item(p) for p in parts if p]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a comma-separated list of {_type_name(item)}s"
+                f"{text!r} is not a comma-separated list of "
+                + {int: "integers", float: "numbers"}.get(item, _type_name(item))
             ) from None
 
     return parse
@@ -520,7 +534,8 @@ def values(config: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _plain(config: Any) -> dict[str, Any]:
+def plain(config: Any) -> dict[str, Any]:
+    """``config`` as the nested mapping ``config.yaml`` records."""
     return dataclasses.asdict(config)
 
 
@@ -606,9 +621,7 @@ class Run:
         """Write ``config.yaml`` when :attr:`writes_config`."""
         if not self.writes_config:
             return
-        self.dir.write_config(
-            {"command": self.command.name, **_plain(self.config), "recorded": self.recorded}
-        )
+        self.dir.write_config({"command": self.command.name, **plain(self.config), "recorded": self.recorded})
 
 
 def read_run_config(cls: type, path: str | Path, command: str | None = None) -> tuple[Any, dict[str, Any]]:
@@ -623,6 +636,52 @@ def read_run_config(cls: type, path: str | Path, command: str | None = None) -> 
     return config_from_mapping(cls, data, repr(str(file))), dict(data.get("recorded") or {})
 
 
+def check_run_flags(*, resume: bool, force: bool, allow_changes: bool) -> None:
+    """Refuse ``--resume`` with ``--force``, and ``--allow-changes`` without ``--resume``."""
+    if resume and force:
+        raise ValueError(
+            "--resume and --force are not allowed together; --resume continues the run in --out, "
+            "--force starts it afresh"
+        )
+    if allow_changes and not resume:
+        raise ValueError("--allow-changes is not allowed without --resume; it lets --resume continue a run")
+
+
+def resume_config(
+    command: Command,
+    given: Mapping[str, Any],
+    stored: Mapping[str, Any],
+    where: Any,
+    *,
+    allow_changes: bool = False,
+) -> Any:
+    """The config of a resumed run: the settings ``given`` (by field path) over the ``stored``
+    ones (the run's recorded mapping, read from ``where``); a given input that differs from the
+    recorded value is refused (:func:`refuse_change`) unless ``allow_changes``."""
+    cls = command.config
+    source = f"--resume: the run's {str(where)!r}"
+    if stored.get("command") != command.name:
+        raise ValueError(
+            f"--resume: {where} is not the config of a moelab {command.name} run "
+            f"(command={stored.get('command')!r}); choose another --out or pass --force to start afresh"
+        )
+    old = values(config_from_mapping(cls, stored, source))
+    candidate = validate(build(cls, {**old, **given}))
+    if command.resolve is not None:
+        candidate = validate(command.resolve(candidate))
+    new = {p: v for p, v in values(candidate).items() if p in given}
+    changed = changed_input(cls, new, old)
+    if changed is not None and not allow_changes:
+        raise refuse_change(*changed, where)
+    return candidate
+
+
+def new_config(command: Command, given: Mapping[str, Any]) -> Any:
+    """The config of a new run from the settings ``given`` (by field path), validated and resolved."""
+    config = validate(build(command.config, given))
+    return validate(command.resolve(config)) if command.resolve else config
+
+
 def resolve_config(
     command: Command,
     given: Mapping[str, Any],
@@ -633,37 +692,14 @@ def resolve_config(
     allow_changes: bool = False,
 ) -> tuple[Any, dict[str, Any] | None]:
     """The command's config from the settings ``given`` (by field path) and, with ``resume``, the
-    run's own ``config.yaml`` in ``out``: settings not given take the recorded values; a given one
-    that differs is refused (:func:`refuse_change`) unless ``allow_changes``.  Returns
-    ``(config, stored config.yaml mapping or None)``."""
-    cls = command.config
-    if resume and force:
-        raise ValueError(
-            "--resume and --force are not allowed together; --resume continues the run in --out, "
-            "--force starts it afresh"
-        )
-    if allow_changes and not resume:
-        raise ValueError("--allow-changes is not allowed without --resume; it lets --resume continue a run")
+    run's own ``config.yaml`` in ``out`` (:func:`resume_config`).  Returns ``(config, stored
+    config.yaml mapping or None)``."""
+    check_run_flags(resume=resume, force=force, allow_changes=allow_changes)
     file = None if out is None else Path(out) / "config.yaml"
     if not (resume and file is not None and file.is_file()):
-        config = validate(build(cls, given))
-        return (validate(command.resolve(config)) if command.resolve else config), None
-    source = f"--resume: the run's {str(file)!r}"
-    stored = _read_yaml(file, source)
-    if stored.get("command") != command.name:
-        raise ValueError(
-            f"--resume: {file} is not the config of a moelab {command.name} run "
-            f"(command={stored.get('command')!r}); choose another --out or pass --force to start afresh"
-        )
-    old = values(config_from_mapping(cls, stored, source))
-    candidate = validate(build(cls, {**old, **given}))
-    if command.resolve is not None:
-        candidate = validate(command.resolve(candidate))
-    new = {p: v for p, v in values(candidate).items() if p in given}
-    changed = changed_input(cls, new, old)
-    if changed is not None and not allow_changes:
-        raise refuse_change(*changed, file)
-    return candidate, stored
+        return new_config(command, given), None
+    stored = _read_yaml(file, f"--resume: the run's {str(file)!r}")
+    return resume_config(command, given, stored, file, allow_changes=allow_changes), stored
 
 
 def given_by_args(command: Command | type, args: argparse.Namespace) -> dict[str, Any]:

@@ -1,35 +1,23 @@
-"""``moelab simulate``: run one convergence-rate study of :mod:`moelab.stats.studies` into a run
-directory.
+"""``moelab simulate``: one convergence-rate study of :mod:`moelab.stats.studies` run into a run
+directory through the run lifecycle (:mod:`moelab.experiments.runner`): :class:`SimulateConfig`
+holds the flags, a ``None`` left to the study's own value and recorded resolved in
+``config.yaml``; the run writes ``losses.csv``, ``table.csv``, ``estimates.npz``, ``rates.png``
+and ``metrics.json`` (rates, slope differences, every constant of the study).  What each file
+holds: docs/results.md ("What a simulate run writes").
 
-``moelab simulate --study NAME [--quick] --seed S --out DIR`` runs one study and writes into DIR:
+Example::
 
-* ``config.yaml`` — every constant (d, k*, noise, τ, sample-size grid, optimiser settings, seed);
-* ``losses.csv`` — one row per (router, setting, loss, n, replicate): ``loss`` names the loss (expert
-  or voronoi), ``value`` is its value, ``train`` the training MSE/NLL, and the fit's diagnostics
-  ``n_iter``, ``grad_norm``, ``converged``, ``hit_cap`` and ``beta1_max_norm`` (largest ‖β₁ᵢ‖);
-* ``table.csv`` — one row per (router, setting, loss, n): mean loss, sd over replicates, 95 %
-  bootstrap CI of the mean, and the fraction of replicates that converged, hit the iteration cap
-  or ended on the bound ‖β₁ᵢ‖ = B (also printed by the command);
-* ``estimates.npz`` — every replicate's estimates (NumPy arrays, no pickle): for each series
-  ``{router}__{setting}__{param}`` of shape ``(S, R, k, ...)`` (S sample sizes, R replicates), the
-  target it is measured against ``{router}__{setting}__target_{param}``, and ``sample_sizes``;
-* ``metrics.json`` — ``rates``: a list of ``{router, setting, loss, slope, ci_low, ci_high,
-  intercept, theory}`` (``log mean loss = intercept + slope · log n``, 95 % bootstrap CI;
-  ``theory`` the reference slopes of :data:`moelab.stats.studies.THEORY`), ``differences``: the slope differences
-  between the routers of each (setting, loss) with their bootstrap CI, ``table`` (as table.csv),
-  ``means``, ``config`` (the constants again), ``wall_seconds``;
-* ``rates.png`` — log-log mean loss against n with two-standard-deviation bars and the fitted
-  lines (solid), the theory's reference slopes dashed, one panel per setting (as perturbed cosine
-  router (2024) Fig. 1 / Fig. 2).
-
-The studies, their constants and the estimators' settings: :mod:`moelab.stats.studies`.
+    moelab simulate --study cosine-vs-perturbed --quick --out runs/sim
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,122 +36,162 @@ from ..stats.studies import (
     study_config,
     theory_slopes,
 )
+from . import runner
+from .runner import Interval, Options, setting
 
-__all__ = ["FLAGS", "add_arguments", "config_from_args", "format_table", "run", "write_study"]
+__all__ = ["SIMULATE", "SimulateConfig", "add_arguments", "format_table", "run", "study_of", "write_study"]
 
-
-#: study setting → its ``moelab simulate`` flag (errors in a setting name the flag)
-FLAGS: dict[str, str] = {
-    "replicates": "--replicates",
-    "optimizer": "--optimizer",
-    "lr": "--lr",
-    "steps": "--steps",
-    "tau": "--tau",
-    "d": "--d",
-    "k_true": "--k-true",
-    "extra_experts": "--extra-experts",
-    "noise_var": "--noise-var",
-    "init": "--init",
-    "restarts": "--restarts",
-    "gtol": "--gtol",
-    "ftol": "--ftol",
-    "beta1_bound": "--beta1-bound",
-    "eta_bound": "--eta-bound",
-    "nu_min": "--nu-min",
-    "sample_sizes": "--sample-sizes",
-    "n_boot": "--n-boot",
-    "reference_n": "--reference-n",
-    "reference_steps": "--reference-steps",
-}
+_POSITIVE = (Interval(int, 1), None)
+_NON_NEGATIVE = (Interval(float, 0), None)
+#: a ball's radius: a number > 0, or inf (unconstrained)
+_RADIUS = (Interval(float, 0, closed="neither"), Options((math.inf,)), None)
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not allowed; expected comma-separated integers, e.g. 500,1000,2000"
-        ) from None
+@dataclass
+class SimulateConfig:
+    """The settings of ``moelab simulate``: a study and the constants its flags set.  A field left
+    ``None`` takes the study's value (:func:`moelab.stats.studies.study_config`, after the
+    ``--quick`` reductions); the run records the values decided."""
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--study", help=f"one of {list(STUDIES)}")
-    parser.add_argument("--quick", action="store_true", help="small grid and few replicates (< 1 minute)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the truth, the data and the fits")
-    parser.add_argument("--out", help="run directory")
-    parser.add_argument("--force", action="store_true", help="overwrite a finished run in --out")
-    parser.add_argument("--replicates", type=int, help="replicates per sample size (default 20)")
-    parser.add_argument("--sample-sizes", type=_sizes, help="comma-separated grid of n")
-    model = parser.add_argument_group("model")
-    model.add_argument("--d", type=int, help="input dimension d (default 4; 2 for softmax-vs-competition)")
-    model.add_argument("--k-true", type=int, help="k*, the number of true experts (default 2)")
-    model.add_argument(
-        "--extra-experts", type=int, help="over-specified fits use k = k* + this many experts (default 1)"
+    study: str = setting(help="the study", allowed=Options(STUDIES))
+    quick: bool = setting(False, help="small grid and few replicates (< 1 minute)")
+    seed: int = setting(
+        0, help="seed of the truth, the data and the fits", allowed=Interval(int, 0, 2**63 - 1)
     )
-    model.add_argument(
-        "--noise-var", type=float, help="noise variance ν of the regression studies (default 0.01)"
+    replicates: int | None = setting(None, help="replicates per sample size (default 20)", allowed=_POSITIVE)
+    sample_sizes: tuple[int, ...] | None = setting(
+        None, help="grid of n, e.g. 500,1000,2000", metavar="N1,N2,..."
     )
-    model.add_argument(
-        "--tau", type=float, help="perturbation τ₁ = τ₂ of the perturbed cosine router (default 1)"
+    # the model
+    d: int | None = setting(
+        None, help="input dimension d (default 4; 2 for softmax-vs-competition)", allowed=_POSITIVE
     )
-    fit = parser.add_argument_group("fit")
-    fit.add_argument("--optimizer", help=f"one of {list(OPTIMIZERS)} (default lbfgs)")
-    fit.add_argument("--lr", type=float, help="learning rate (default 1.0: lbfgs's first trial step)")
-    fit.add_argument(
-        "--steps", "--max-iter", dest="steps", type=int,
+    k_true: int | None = setting(None, help="k*, the number of true experts (default 2)", allowed=_POSITIVE)
+    extra_experts: int | None = setting(
+        None, help="over-specified fits use k = k* + this many experts (default 1)", allowed=_POSITIVE
+    )
+    noise_var: float | None = setting(
+        None, help="noise variance ν of the regression studies (default 0.01)", allowed=_NON_NEGATIVE
+    )
+    tau: float | None = setting(
+        None, help="perturbation τ₁ = τ₂ of the perturbed cosine router (default 1)", allowed=_NON_NEGATIVE
+    )
+    # the fit
+    optimizer: str | None = setting(
+        None, help="optimizer (default lbfgs)", allowed=(Options(OPTIMIZERS), None)
+    )
+    lr: float | None = setting(
+        None,
+        help="learning rate (default 1.0: lbfgs's first trial step)",
+        allowed=(Interval(float, 0, closed="neither"), None),
+    )
+    steps: int | None = setting(
+        None,
+        aliases=("--max-iter",),
         help="iteration cap per fit (epochs for mini-batch sgd; default 500)",
-    )  # fmt: skip
-    fit.add_argument("--gtol", type=float, help="lbfgs stops at a gradient max-norm <= this (default 1e-7)")
-    fit.add_argument(
-        "--ftol", type=float,
+        allowed=_POSITIVE,
+    )
+    gtol: float | None = setting(
+        None, help="lbfgs stops at a gradient max-norm <= this (default 1e-7)", allowed=_NON_NEGATIVE
+    )
+    ftol: float | None = setting(
+        None,
         help="lbfgs stops when an iteration changes the loss by <= ftol·max(1,|loss|) (default 1e-12)",
-    )  # fmt: skip
-    fit.add_argument(
-        "--init", help=f"start {list(STUDY_INITS)}: near the truth + noise, or random (default near)"
+        allowed=_NON_NEGATIVE,
     )
-    fit.add_argument(
-        "--restarts", type=int, help="starts per replicate; the lowest training loss is kept (default 1)"
+    init: str | None = setting(
+        None,
+        help="start near the truth + noise, or random (default near)",
+        allowed=(Options(STUDY_INITS), None),
     )
-    fit.add_argument(
-        "--beta1-bound", type=float,
+    restarts: int | None = setting(
+        None, help="starts per replicate; the lowest training loss is kept (default 1)", allowed=_POSITIVE
+    )
+    beta1_bound: float | None = setting(
+        None,
         help="radius of the ball holding every ‖β₁ᵢ‖ (compact parameter space; default 10·√d; inf = unconstrained)",
-    )  # fmt: skip
-    fit.add_argument(
-        "--eta-bound", type=float,
-        help="radius of the ball holding every expert's ‖ηᵢ‖ (regression studies; default 10·√q; inf = unconstrained)",
-    )  # fmt: skip
-    fit.add_argument(
-        "--nu-min", type=float,
-        help="floor of the fitted variances ν (softmax-vs-competition; default 1/5 of the smallest true ν's range)",
-    )  # fmt: skip
-    fit.add_argument(
-        "--reference-n",
-        type=int,
-        help="sample size of the reference fit Ḡ of the misspecified studies (default 128000)",
+        allowed=_RADIUS,
     )
-    fit.add_argument("--reference-steps", type=int, help="iteration cap of the reference fit Ḡ (default 200)")
-    fit.add_argument("--n-boot", type=int, help="bootstrap resamples for the CIs (default 2000)")
-    parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
+    eta_bound: float | None = setting(
+        None,
+        help="radius of the ball holding every expert's ‖ηᵢ‖ (regression studies; default 10·√q; inf = unconstrained)",
+        allowed=_RADIUS,
+    )
+    nu_min: float | None = setting(
+        None,
+        help="floor of the fitted variances ν (softmax-vs-competition; default 1/5 of the smallest true ν's range)",
+        allowed=_NON_NEGATIVE,
+    )
+    reference_n: int | None = setting(
+        None,
+        help="sample size of the reference fit Ḡ of the misspecified studies (default 128000)",
+        allowed=_POSITIVE,
+    )
+    reference_steps: int | None = setting(
+        None, help="iteration cap of the reference fit Ḡ (default 200)", allowed=_POSITIVE
+    )
+    n_boot: int | None = setting(
+        None, help="bootstrap resamples for the CIs (default 2000)", allowed=_POSITIVE
+    )
+
+
+#: the settings a flag sets (every field but the study's name, ``--quick`` and the seed)
+_STUDY_FIELDS = tuple(f.name for f in dataclasses.fields(SimulateConfig))[3:]
 
 
 def _flag_error(exc: ValueError) -> ValueError:
-    """``exc`` with the flag of the setting it names in front, e.g. ``--d: d=0 is not allowed ...``."""
+    """A study's ``ValueError`` naming a setting (``d=0 is not allowed ...``) in the flag's words
+    (``--d=0 is not allowed ...``); setting names are the config's field names."""
     msg = str(exc)
-    for name, flag in FLAGS.items():
+    for name in _STUDY_FIELDS:
         if msg.startswith((f"{name}=", f"{name}[")):
-            return ValueError(f"{flag}: {msg}")
+            return ValueError(runner.flag_of(SimulateConfig, name) + msg[len(name) :])
     return exc
 
 
-def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    """The study configuration of parsed ``moelab simulate`` flags; a bad value raises a
-    ``ValueError`` that names its flag."""
+def study_of(config: SimulateConfig) -> StudyConfig:
+    """The study ``config`` describes (every constant); a bad value raises a ``ValueError``
+    naming its flag."""
+    overrides = {name: getattr(config, name) for name in _STUDY_FIELDS}
+    if overrides["sample_sizes"] is not None:
+        overrides["sample_sizes"] = list(overrides["sample_sizes"])
     try:
-        return study_config(
-            args.study, quick=args.quick, seed=args.seed, **{name: getattr(args, name) for name in FLAGS}
-        )
+        return study_config(config.study, quick=config.quick, seed=config.seed, **overrides)
     except ValueError as exc:
         raise _flag_error(exc) from None
+
+
+def resolve(config: SimulateConfig) -> SimulateConfig:
+    """``config`` with the study's values where it left ``None``."""
+    study = study_of(config)
+    values = {name: getattr(study, name) for name in _STUDY_FIELDS}
+    values["sample_sizes"] = tuple(values["sample_sizes"])
+    return dataclasses.replace(config, **values)
+
+
+def _execute(config: SimulateConfig, run: runner.Run) -> dict[str, Any]:
+    if run.resume and run.dir.file("metrics.json").is_file():  # a finished study: its seed fixes it
+        print(f"{run.path} holds this study, finished")
+        return run.dir.read_metrics()
+    cfg = study_of(config)
+    run.write_config()
+    try:
+        result = run_study(cfg)
+    except ValueError as exc:  # e.g. a --beta1-bound below the drawn truth's ‖β₁ᵢ‖
+        raise _flag_error(exc) from None
+    write_study(run.dir, cfg, result)
+    print(format_table(result.metrics))
+    print(f"wrote {run.path} in {result.metrics['wall_seconds']:.1f} s")
+    return result.metrics
+
+
+#: ``moelab simulate`` as the run lifecycle sees it
+SIMULATE = runner.Command("simulate", SimulateConfig, _execute, resolve=resolve)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    runner.add_arguments(parser, SimulateConfig)
+    parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,32 +200,17 @@ def run(args: argparse.Namespace) -> int:
         for key, value in result.items():
             print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
         return 0
-    if args.study is None:
-        raise ValueError(f"--study is required; choose one of {list(STUDIES)}")
-    if args.study not in STUDIES:
-        raise ValueError(f"--study {args.study!r} is not a study; choose one of {list(STUDIES)}")
-    if args.out is None:
-        raise ValueError("--out is required: the run directory to write")
-    cfg = config_from_args(args)
-    rundir = RunDir(args.out, force=args.force)
-    try:
-        result = run_study(cfg)
-    except ValueError as exc:  # e.g. a --beta1-bound below the drawn truth's ‖β₁ᵢ‖
-        raise _flag_error(exc) from None
-    write_study(rundir, cfg, result)
-    print(format_table(result.metrics))
-    print(f"wrote {rundir.path} in {result.metrics['wall_seconds']:.1f} s")
+    runner.run_command(SIMULATE, args)
     return 0
 
 
 def write_study(rundir: RunDir, cfg: StudyConfig, result: StudyResult) -> None:
-    """Write a study's files into ``rundir``; ``metrics.json``, last, marks the run finished."""
-    rundir.write_config(result.metrics["config"])
+    """Write a study's files into ``rundir`` (``metrics.json``, which marks the run finished, is
+    the run lifecycle's)."""
     _write_csv(rundir.file("losses.csv"), result.losses)
     _write_csv(rundir.file("table.csv"), result.metrics["table"])
     _write_npz(rundir.file("estimates.npz"), result.estimates)
     _plot(rundir.file("rates.png"), cfg, result.metrics["means"], result.metrics["rates"])
-    rundir.write_metrics(result.metrics)
 
 
 def format_table(metrics: dict[str, Any]) -> str:
@@ -254,9 +267,9 @@ def _plot(path: Path, cfg: StudyConfig, means: list[dict], rates: list[dict]) ->
 
     panels = list(dict.fromkeys((m["setting"], m["loss"]) for m in means))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
-    for ax, (setting, loss_name) in zip(axes[0], panels):
+    for ax, (panel, loss_name) in zip(axes[0], panels):
         for m, r in zip(means, rates):
-            if (m["setting"], m["loss"]) != (setting, loss_name):
+            if (m["setting"], m["loss"]) != (panel, loss_name):
                 continue
             n = np.array(m["n"], dtype=float)
             mean, std = np.array(m["mean"]), np.array(m["std"])
@@ -265,16 +278,16 @@ def _plot(path: Path, cfg: StudyConfig, means: list[dict], rates: list[dict]) ->
             color = line[0].get_color()
             ax.plot(n, np.exp(r["intercept"]) * n ** r["slope"], "-", color=color,
                     label=f"{r['router']}: n^{r['slope']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")  # fmt: skip
-        firsts = [m["mean"][0] for m in means if (m["setting"], m["loss"]) == (setting, loss_name)]
+        firsts = [m["mean"][0] for m in means if (m["setting"], m["loss"]) == (panel, loss_name)]
         anchor = float(np.exp(np.mean(np.log(np.maximum(firsts, 1e-300)))))
         n = np.array(cfg.sample_sizes, dtype=float)
-        for (slope, label), style in zip(theory_slopes(cfg.study, setting, loss_name), ("--", "-.", ":")):
+        for (slope, label), style in zip(theory_slopes(cfg.study, panel, loss_name), ("--", "-.", ":")):
             ax.plot(n, anchor * (n / n[0]) ** slope, style, color="black", alpha=0.6, label=f"theory {label}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("sample size n")
         ax.set_ylabel(f"{loss_name} loss")
-        ax.set_title(f"{cfg.study}: {setting}")
+        ax.set_title(f"{cfg.study}: {panel}")
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -1,87 +1,101 @@
 """``moelab upcycle``: turn a local transformers model's MLPs into MoE layers
 (:func:`moelab.upcycle`) and write it with :func:`moelab.save`, so ``moelab.load(out)`` rebuilds it
-offline."""
+offline.  The run lifecycle (flags, ``--config``, ``--force``, ``config.yaml``, ``metrics.json``)
+is :mod:`moelab.experiments.runner`'s; docs/architecture.md ("An experiment").
+"""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from ..hf.upcycle import find_mlps, load_hf_model, upcycle
 from ..io.model import save
-from ..io.rundir import RunDir
-from .args import parse_key_values
+from . import runner
+from .runner import Interval, setting
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["UPCYCLE", "UpcycleConfig", "add_arguments", "run"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        required=True,
+@dataclass
+class UpcycleConfig:
+    """The settings of ``moelab upcycle``, as its ``config.yaml`` holds them."""
+
+    model: str = setting(
         help="a local transformers model directory (save_pretrained: config.json + weights) or a "
-        "config.json (random init under --seed); no hub access",
+        "config.json (random init under --seed); no hub access"
     )
-    parser.add_argument("--num-experts", type=int, required=True, help="experts per MoE layer")
-    parser.add_argument("--top-k", type=int, required=True, help="experts per token")
-    parser.add_argument("--method", default="smoe", help="a moelab method (default smoe)")
-    parser.add_argument(
-        "--layers", default=None, help="comma-separated MLP indices to upcycle (default: all)"
-    )
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
+    num_experts: int = setting(help="experts per MoE layer", allowed=Interval(int, 1))
+    top_k: int = setting(help="experts per token", allowed=Interval(int, 1))
+    method: str = setting("smoe", help="a moelab method")
+    layers: tuple[int, ...] | None = setting(None, help="MLP indices to upcycle (default: all)")
+    options: dict[str, Any] = setting(
+        default_factory=dict,
+        flag="--option",
         help="a method option, repeatable, e.g. balance_coef=0.02 (VALUE: true/false, none, a number or text)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the router init (default 0)")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    seed: int = setting(0, help="seed of the router init", allowed=Interval(int, 0, 2**63 - 1))
 
 
-def run(args: argparse.Namespace) -> int:
-    layers = None
-    if args.layers:
-        try:
-            layers = [int(v) for v in args.layers.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"--layers {args.layers!r} is not allowed; expected comma-separated integers"
-            ) from None
-    options = parse_key_values(args.option, "--option")
-    if Path(args.out, "config.yaml").exists() and not args.force:
-        RunDir(args.out)  # refuses an existing run in one line, before the model is read
-    torch.manual_seed(args.seed)
-    model = load_hf_model(args.model).eval()
+def _upcycled(config: UpcycleConfig) -> tuple[nn.Module, dict[str, Any]]:
+    """The upcycled model and its counts."""
+    torch.manual_seed(config.seed)
+    model = load_hf_model(config.model).eval()
     num_dense = sum(p.numel() for p in model.parameters())
     names = find_mlps(model)
-    upcycle(model, args.num_experts, args.top_k, args.method, layers, **options)
-    out = RunDir(args.out, force=args.force)  # only now: a refused model leaves no folder behind
-    info = {
-        "model": str(args.model),
-        "model_class": type(model).__name__,
-        "num_experts": args.num_experts,
-        "top_k": args.top_k,
-        "method": args.method,
-        "layers": layers,
-        "options": options,
-        "seed": args.seed,
-    }
-    out.write_config(info)
-    save(model, out.path, metadata={"upcycle": info})  # moelab.load(out) rebuilds it offline
-    metrics = {
+    layers = None if config.layers is None else list(config.layers)
+    upcycle(model, config.num_experts, config.top_k, config.method, layers, **config.options)
+    return model, {
         "num_mlps": len(names),
         "num_moe_layers": len(layers) if layers is not None else len(names),
         "num_parameters_dense": num_dense,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
-    out.write_metrics(metrics)
+
+
+def _execute(
+    config: UpcycleConfig, run: runner.Run, built: tuple[nn.Module, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    model, metrics = built or _upcycled(config)
+    run.record(model_class=type(model).__name__)
+    run.write_config()
+    info = {**runner.plain(config), "model_class": type(model).__name__}
+    save(model, run.path, metadata={"upcycle": info})  # moelab.load(out) rebuilds it offline
     print(
-        f"upcycled {metrics['num_moe_layers']} of {len(names)} MLPs of {type(model).__name__} to {args.num_experts} "
-        f"experts (top-{args.top_k}, {args.method}): {metrics['num_parameters_dense']:,} → "
-        f"{metrics['num_parameters']:,} parameters; wrote {out.path / 'model.safetensors'}"
+        f"upcycled {metrics['num_moe_layers']} of {metrics['num_mlps']} MLPs of {type(model).__name__} to "
+        f"{config.num_experts} experts (top-{config.top_k}, {config.method}): "
+        f"{metrics['num_parameters_dense']:,} → {metrics['num_parameters']:,} parameters; "
+        f"wrote {run.path / 'model.safetensors'}"
     )
+    return metrics
+
+
+#: ``moelab upcycle`` as the run lifecycle sees it
+UPCYCLE = runner.Command("upcycle", UpcycleConfig, _execute)
+
+
+def _command() -> runner.Command:
+    """:data:`UPCYCLE` with the model built in ``prepare``, before the run directory opens, so
+    that a refused model leaves no folder behind."""
+    built: dict[str, Any] = {}
+
+    def prepare(config: UpcycleConfig, world: int) -> None:
+        built["result"] = _upcycled(config)
+
+    return dataclasses.replace(
+        UPCYCLE, execute=lambda config, run: _execute(config, run, built.get("result")), prepare=prepare
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    runner.add_arguments(parser, UpcycleConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    runner.run_command(_command(), args)
     return 0

@@ -7,7 +7,7 @@ follow scikit-learn's conventions — hyper-parameters in ``__init__``, ``fit`` 
 and creating the ``attr_`` results, ``get_params``/``set_params``/``sklearn.base.clone``,
 ``predict`` and ``score`` (R² for least squares, mean log-likelihood for the Gaussian MLE) —
 without depending on scikit-learn.  The convergence-rate studies are :mod:`moelab.stats.studies`
-(run into a folder by ``moelab simulate --study NAME``).
+(run into a folder by ``moelab simulate``, :mod:`moelab.experiments.simulate`).
 
 Example — 20 replicates of a perturbed-cosine MoE, fitted exact-specified, Voronoi loss per replicate::
 

@@ -204,7 +204,7 @@ QUICK: dict[str, Any] = {
 
 
 def study_config(study: str, quick: bool = False, seed: int = 0, **overrides: Any) -> StudyConfig:
-    """The configuration of ``study`` (its defaults, the ``--quick`` reductions, then ``overrides``)."""
+    """The configuration of ``study`` (its defaults, the ``quick`` reductions, then ``overrides``)."""
     one_of("study", study, STUDIES)
     values: dict[str, Any] = dict(STUDY_DEFAULTS[study])
     if quick:
