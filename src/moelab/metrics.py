@@ -1,30 +1,9 @@
-"""Routing diagnostics.
-
-CompeteSMoE diagnostics (CompeteSMoE (2024) App. C.5; CompeteSMoE (2025) §5.2.2, App. C.5, D.1), usable on any
-model that contains ``moelab.MoE`` layers, whatever its method:
-
-* :func:`router_entropy` — mean entropy of the router softmax, per layer (CompeteSMoE (2024) Table 10);
-* :func:`competition_overlap` — mean ``|TopK(router) ∩ TopK(competition)|`` per token, per layer,
-  the competition computed on demand from the layer's input (CompeteSMoE (2025) App. C.5, "level learning");
-* :func:`expert_change_rate` — fraction of (token, layer, slot) assignments that differ between two
-  checkpoints on the same data (CompeteSMoE (2025) §5.2.2 b, Fig. 3);
-* :func:`expert_output_norms` — mean ‖g_i(x)‖₂ of every expert on the layer's tokens, per layer
-  (CompeteSMoE (2025) App. D.1, Fig. 6);
-* :func:`swap_top1` — context manager: every layer replaces its top-1 expert by its (K+1)-th
-  (CompeteSMoE (2025) §5.2.2 a, Table 3);
-* :func:`routing_summary` — the cheap ones (router entropy, load CV, router/competition overlap on
-  competition steps) from the routings of the last forward pass, with no extra computation: what the
-  trainer logs in ``log.csv`` at every step.
-
-The tensor-level functions (:func:`routing_entropy`, :func:`topk_overlap`,
-:func:`assignment_change_rate`) take routings directly; the model-level ones run the model in
-evaluation mode without gradients over ``batches`` (an iterable of inputs; a tuple or list is
-unpacked into the call, or pass ``forward(model, batch)``) and read each MoE layer's input and
-``last_routing`` through forward hooks.
-
-Expert specialization (Krishnamurthy et al. (2023) §3 and Appendix A): :func:`specialization` (``H_s``,
-``H_u``, ``I_EY``), :func:`selection_table` and :func:`plot_selection_table` (the expert × class table of
-Krishnamurthy et al. (2023) Fig. 2, 3, 6).  All entropies are in bits (log₂).
+"""Routing diagnostics and expert-specialization metrics: the CompeteSMoE diagnostics (router
+entropy, router/competition overlap, expert change rate, expert output norms, the top-1 swap),
+usable on any model with ``moelab.MoE`` layers whatever its method, the cheap per-step summary the
+trainer logs (:func:`routing_summary`), tensor-level versions that take routings directly, and the
+specialization metrics and selection table of Krishnamurthy et al. (2023).  docs/methods.md
+("Diagnostics") gives each function with its formula and paper section.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""``moelab bench compete``: what CompeteSMoE's scheduled competition costs over plain smoe.
-
-A stack of ``--layers`` pre-norm residual MoE blocks (``x + MoE(LayerNorm(x))``) is trained with
-``smoe`` and with ``competesmoe`` (the same initial weights, schedule ω = ``--omega``, cap
-``--a-max``, no warm-up), one step of each in turn so that machine load hits both alike.  Printed:
-
-* the mean training-step time of each (mean, not median: competition steps are the rare slow
-  ones) and their ratio, beside the theoretical extra cost ``ω·(N−K)/K × share`` (backward
-  through all N experts, ``grad_path="all"``) and ``ω·(N−K)/(3K) × share`` (the default
-  ``grad_path="winners"``: N forwards without autograd keeping the winners' activations, then the
-  K winners' backward: N + 2K passes against smoe's 3K),
-  where ``share`` is the measured fraction of an smoe step spent in the experts and ω the
-  realised competition rate;
-* the peak memory of one step in which ``A_max`` layers compete against one smoe step: on CUDA
-  ``torch.cuda.max_memory_allocated``; on CPU the growth of the peak resident set size of a fresh
-  process over one step, and (deterministic, both devices) the bytes autograd saves for backward.
+"""``moelab bench compete``: what CompeteSMoE's scheduled competition costs over plain smoe.  A stack
+of ``--layers`` pre-norm residual MoE blocks is trained with ``smoe`` and with ``competesmoe`` from
+the same initial weights, one step of each in turn, and the mean step times, their ratio beside the
+theoretical extra cost of each gradient path, and the peak memory of a step in which ``A_max``
+layers compete are printed.  docs/performance-compete.md gives the formulas, how memory is
+measured on each device, and the results with their commands.
 """
 
 from __future__ import annotations

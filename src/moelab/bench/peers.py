@@ -1,34 +1,10 @@
-"""Peers of ``moelab bench``: other MoE layers built with moelab's router weights.
-
-Each adapter returns a :class:`Peer`: a module mapping tokens ``(T, d)`` to ``(T, d)`` (the peer
-itself wants ``(batch, seq, d)`` and may return a tuple), its expert FLOPs per token computed from
-its weights, and what it does differently from moelab.
-
-* ``mixtral``: transformers' ``MixtralSparseMoeBlock`` in its ``eager`` and ``grouped_mm``
-  experts implementations, holding the very weights of a moelab SwiGLU layer
-  (:func:`mixtral_block`).  Same routing, same arithmetic, no token dropped.
-* ``stmoe``: ``st_moe_pytorch.MoE`` (``st-moe-pytorch==0.1.8``, after ST-MoE, Zoph et al. 2022).
-  Experts are GEGLU FFNs with biases and a learned multiplicative bias:
-  ``W2 (gelu(gate) · up · m) + b2`` with ``[up | gate] = W1 x + b1``.  Its gate is top-``n``
-  softmax (``n ≥ 2``) renormalised over the ``n`` chosen — moelab's ``smoe`` gate — but the 2nd
-  to ``n``-th experts are routed stochastically, each with probability ``min(1, w / 0.2)``
-  (the "threshold" policy); here the thresholds are set to ``1e-9`` so that every token goes to
-  its ``n`` experts, as in moelab (the note reports what the default would skip).
-* ``lucidrains``: ``mixture_of_experts.MoE`` (``mixture-of-experts==0.2.3``): top-2 only,
-  experts ``W2 act(W1 x)`` with no bias and no gating (``activation`` a module class, ReLU by
-  default); its second expert follows the "random" policy with threshold 0.2 by default, set to
-  ``"all"`` here.
-
-Both of the last two follow tensor2tensor: a token-group (one sequence) sends at most
-``C = max(4, min(T, ⌊T·cf/N⌋))`` token-slots to each expert (``cf`` = 1.25 in training, 2 in
-eval; note: ``T``, not ``K·T``, so with ``K ≥ 2`` slots are dropped even under perfect
-balance), slots over capacity are dropped, and dispatch and combine are dense one-hot einsums
-over a ``(T, N, C)`` tensor.  Every expert runs on its ``C`` buffer rows whether filled or not:
-:func:`capacity_stats` measures ``C`` and the kept slots from the gate's combine tensor.
-
-The GPU grid (``--device cuda``, :mod:`moelab.bench.gpu`) takes the dropless peers of
-:data:`GPU_PEER_ADAPTERS` (megablocks' ``dMoE``, torchtitan's ``MoE``, sonic-moe's ``MoE``), each
-built from a moelab SwiGLU layer's weights when its package is installed.
+"""Peers of ``moelab bench``: other MoE layers built with moelab's router weights, each a
+:class:`Peer` (a module mapping tokens ``(T, d)`` to ``(T, d)``, its expert FLOPs per token from
+its weights, and what it does differently from moelab): transformers' Mixtral block holding a
+moelab SwiGLU layer's weights, the capacity-based ``st-moe-pytorch`` and ``mixture-of-experts``
+layers with their stochastic routing switched off (:func:`capacity_stats` measures what they
+drop), and the dropless GPU peers of :data:`GPU_PEER_ADAPTERS`.  docs/performance.md ("Candidates
+and groups" and the GPU grid) describes each peer and how it is made to route like moelab.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""Text-classification data for fine-tuning (CompeteSMoE (2024) §6.3, Table 3 and App. C.3): SST-2, SST-5,
-IMDB, BANKING77, or a local CSV/TSV of (text, label).
-
-Every loader returns a :class:`ClassificationData` with train / valid / test texts and integer
-labels.  The published splits are used where they exist (the test split of each task; SST-2's
-GLUE test labels are hidden, so GLUE's dev set is its test set, as usual); the validation split,
-used to pick the best checkpoint, is a deterministic 10% of the training rows (seeded
-permutation, seed 0).
-
-Local files (``--task PATH``): ``.tsv`` is tab-separated, anything else comma-separated.  A header
-naming a text column (``text``, ``sentence`` or ``review``) and a ``label`` column (or
-``category``) is used when present; otherwise the first two columns are (text, label).  An
-optional ``split`` column (``train`` / ``valid`` / ``test``) fixes the split; without it the rows
-are split 80% / 10% / 10% by a seeded permutation (seed 0).  Labels are mapped to ``0..C-1`` in
-sorted order (numerically when every label is an integer).
-
-Downloads follow the same rules as the corpora (:mod:`moelab.data.text`): cached in
-``$MOELAB_DATA``, atomic, sha256 recorded on first use and verified afterwards, and offline a
-message naming what to fetch and where to put it.
+"""Text-classification data for fine-tuning (CompeteSMoE (2024) §6.3, Table 3 and App. C.3): SST-2,
+SST-5, IMDB, BANKING77, or a local CSV/TSV of (text, label), each a :class:`ClassificationData`
+with train / valid / test texts and integer labels; the validation split is a seeded 10% of the
+training rows.  docs/data.md ("Text classification") gives the splits, the local file format and
+the download rules.
 """
 
 from __future__ import annotations

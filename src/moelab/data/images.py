@@ -1,22 +1,8 @@
-"""Image classification data for the expert-specialization lab (Krishnamurthy et al. (2023)).
-
-Datasets (:func:`load_images`):
-
-* ``digits`` — scikit-learn's 8×8 digits (1,797 images, shipped with scikit-learn): the offline
-  default.  A fixed split (seed 0): 1,437 train / 360 test.
-* ``mnist``, ``fmnist`` — IDX files (``train-images-idx3-ubyte`` ...; ``.gz`` or not) from, in
-  order: ``data_dir`` if given; for Fashion-MNIST the folder where Debian's
-  ``dataset-fashion-mnist`` package installs them (``/usr/share/datasets/fashion-mnist``); else
-  the canonical URLs through :func:`moelab.data.download.fetch` (cache ``$MOELAB_DATA``, sha256).
-  Every IDX file is checked against its header (magic, dimensions) and the size they imply; a
-  missing or truncated file is a :class:`DataError` naming it.
-* ``fmnist+mnist`` — Krishnamurthy et al. (2023) §4.1 / App. B.2: Fashion-MNIST classes 0–5 (t-shirt … sandal)
-  as labels 0–5 and MNIST digits 4–9 as labels 6–11; 10,000 train and 2,000 test samples drawn with seed 0.
-* ``cifar100`` — the python pickle version (``cifar-100-python/{train,test}``), fine labels (100
-  classes); the coarse labels (20) are kept in :attr:`ImageData.coarse_train` / ``coarse_test``.
-
-Normalisation: MNIST ``(0.1307, 0.3081)`` (the authors' code); Fashion-MNIST ``(0.2860, 0.3530)``;
-CIFAR-100 per-channel train mean/std; digits ``/16`` then the train set's mean/std.
+"""Image classification data for the expert-specialization lab (Krishnamurthy et al. (2023)):
+scikit-learn's digits (offline), MNIST, Fashion-MNIST, the two together (``fmnist+mnist``) and
+CIFAR-100, read by :func:`load_images` with fixed seeded splits and the normalisation of the
+authors' code.  docs/data.md ("Images") says where each file is looked for, how it is checked, and
+the splits and normalisation.
 """
 
 from __future__ import annotations

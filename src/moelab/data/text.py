@@ -1,42 +1,9 @@
-"""Text corpora for language modelling: enwik8, text8, WikiText-103, a local file, and an
-embedded default corpus that exists on every machine without a download.
-
-Every corpus becomes a :class:`TextData`: three 1-D int64 token tensors (train / valid / test),
-a tokenizer and the metric the papers report (CompeteSMoE (2024) §6.1, App. C.2; perturbed cosine router
-(2024) App. E.2):
-
-==============  ===========  =====================================  ======
-corpus          level        split                                  metric
-==============  ===========  =====================================  ======
-``enwik8``      byte (256)   first 90M / next 5M / last 5M bytes    BPC
-``text8``       char (27)    first 90M / next 5M / last 5M chars    BPC
-``wikitext103`` word         the official train / valid / test      PPL
-``default``     byte (256)   90% / 5% / 5% contiguous (below)       BPC
-``stdlib``      byte (256)   90% / 5% / 5% contiguous (below)       BPC
-``PATH``        byte (256)   90% / 5% / 5% contiguous (below)       BPC
-==============  ===========  =====================================  ======
-
-*Local files* (``--data PATH``) and the *default corpus* are split deterministically and
-contiguously like enwik8: the first 90% of the tokens train, the next 5% validate, the last 5%
-test (no shuffling, so no leakage between neighbouring characters).  ``--data PATH`` with
-``level="word"`` uses the WikiText rules instead (whitespace words, ``<eos>`` per line, vocabulary
-from the training part, unseen words → ``<unk>``).
-
-The *default corpus* is the source text of the Python standard library installed with the
-interpreter (the ``*.py`` files directly in ``sysconfig.get_paths()["stdlib"]``, sorted by name,
-concatenated up to ``max_bytes``): offline on every machine, deterministic for a given Python
-version; its sha256 and the Python version are recorded in :attr:`TextData.info`.  The ``stdlib``
-corpus is the same for the whole standard library (every ``*.py`` below the stdlib folder, sorted
-by relative path, without ``site-packages`` and the test, ``idlelib`` and ``lib2to3`` packages: about
-11 MB for Python 3.11), large enough that a small model trains for an epoch before it repeats text.
-
-Downloads go through :func:`moelab.data.download.fetch` (cache ``$MOELAB_DATA``, atomic,
-verified, https only).  The enwik8 and WikiText-103 archives are pinned by sha256
-(:data:`ARCHIVE_SHA256`, digests as published in the Hugging Face ``datasets`` library's dataset
-definitions, cited there); a download that differs is refused.  No published digest of text8.zip
-was found, so text8 is checked by size only.  Every extracted file is also checked against its
-known size, and its sha256 is recorded next to it on first use and verified on every later use
-(``<file>.sha256``), so a truncated or altered file is refused with a message naming it.
+"""Text corpora for language modelling: enwik8, text8, WikiText-103, a local file, and the Python
+standard library's sources as offline corpora (``default``, ``stdlib``).  Every corpus becomes a
+:class:`TextData` (train / valid / test token tensors split in order, a byte, character or word
+tokenizer, and the metric the papers report, BPC or perplexity); downloads are cached, pinned by
+sha256 where a digest is published and verified on every use.  docs/data.md ("Text corpora") gives
+the splits, the offline corpora and the download checks.
 """
 
 from __future__ import annotations

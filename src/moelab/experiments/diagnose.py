@@ -1,26 +1,8 @@
-"""``moelab diagnose RUN...``: the routing diagnostics of trained language-model runs.
-
-For each run directory (``moelab train`` / ``compare``), on the first ``--tokens`` tokens of the
-test split, with the weights and routing context ``moelab.load(run)`` returns (the best
-validation checkpoint):
-
-* ``router_entropy`` — the mean entropy (nats) of every layer's router softmax (CompeteSMoE (2024)
-  Table 10); ``router_entropy_mean`` over the layers;
-* ``bpc`` and the swap tests: ``swap_top1_bpc`` with every layer's top-1 expert replaced by its
-  (K+1)-th (CompeteSMoE (2025) Table 3) and ``swap_topk_bpc`` with the K-th replaced by the
-  (K+1)-th; ``swap_top1_delta`` / ``swap_topk_delta`` their increase over ``bpc`` (a larger
-  increase: the router's top choice matters more);
-* ``competition_overlap`` — per layer, the mean number of experts shared by the router's top-K and
-  the competition's top-K on the same input (CompeteSMoE (2025) App. C.5; K means the router has
-  learned the competition); ``competition_overlap_mean``;
-* ``load`` / ``load_cv`` — per layer, each expert's share of the token slots and its coefficient of
-  variation; ``load_cv_mean``;
-* ``expert_output_norms`` — per layer, the mean ``‖g_i(x)‖₂`` of every expert (CompeteSMoE (2025)
-  App. D.1);
-* ``expert_change_rate`` — the fraction of (token, layer, slot) assignments that differ between the
-  run's two newest checkpoints (CompeteSMoE (2025) §5.2.2 b), or ``None`` with fewer than two.
-
-Written to ``RUN/diagnostics.json``; ``moelab report`` tabulates the scalar ones over seeds.
+"""``moelab diagnose RUN...``: the routing diagnostics of trained language-model runs (router
+entropy, the swap tests, router/competition overlap, load, expert output norms, expert change
+rate), computed with the weights and routing context ``moelab.load(run)`` returns on the first
+``--tokens`` tokens of the test split and written to ``RUN/diagnostics.json``, which ``moelab
+report`` tabulates over seeds.  docs/methods.md ("Diagnostics") lists every key of that file.
 """
 
 from __future__ import annotations

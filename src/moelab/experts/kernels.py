@@ -1,32 +1,9 @@
-"""The kernels of :class:`moelab.ExpertBank`'s forward, by name, and the rule that picks one.
-
-Like the experts interface of Hugging Face transformers, every backend is one function of the same
-signature in one name → function mapping, :data:`KERNELS`; like torchtitan's, a kernel is a plain
-function of the tokens, the routing and the experts' weight tensors
-(:class:`ExpertWeights`), so nothing here knows the bank: ``KERNELS[impl](x, indices, weights,
-experts)``.  ``ExpertBank(impl=name)`` runs exactly ``KERNELS[name]``; ``impl="auto"`` runs the one
-:func:`choose_kernel` names (device, slots per expert ``T·K/N``, autograd, torch threads; measured
-in docs/performance.md, ``moelab bench suite``).  A new kernel (Triton, a vendor library) is one
-more entry of :data:`KERNELS`.
-
-- ``"loop"``: the shared dispatch (:func:`moelab.experts.dispatch.dispatch`) with one custom
-  autograd node (:class:`_ExpertMLP`) running every expert on its slice — matmul, activation while
-  the rows are in cache, matmul — after one host sync for the counts; its backward writes each
-  expert's weight gradient straight into one ``(N, ·, ·)`` buffer (no ``unbind``/``stack`` copies,
-  no per-expert autograd nodes; experts with no tokens get zeros).
-- ``"grouped"``: the shared dispatch with ``grouped_mm`` and offsets, no host sync at all, in one
-  autograd node (:class:`_GroupedMLP`) with a fused activation backward.
-- ``"stream"`` (CPU): expert after expert gathers its tokens, runs and adds its weighted output to
-  them; no ``(T·K, d)`` buffer exists (at ``T·K ≤ N`` the slots are sorted on the host).  Made for
-  inference; under autograd the stacked weights are unbound once.
-- ``"triton"`` (CUDA; the CPU under Triton's interpreter): grouped GEMMs that read the tokens by
-  index and add the weighted outputs into their tokens (:mod:`moelab.experts.triton_kernels`), in
-  one autograd node with Triton kernels for the backward; no ``(T·K, d)`` copy of the inputs.
-  Needs ``triton`` (imported at the first call).  ``"auto"`` does not
-  choose it (it has no thresholds, which GPU timings would set); ``impl="triton"`` runs it.
-
-``"grouped"`` is the ``torch._grouped_mm`` backend (``F.grouped_mm`` where torch has it): CPU
-float32 from torch 2.9, CUDA from compute capability 8.0 (:func:`grouped_mm_available`).
+"""The kernels of :class:`moelab.ExpertBank`'s forward, by name, and the rule that picks one:
+:data:`KERNELS` maps each name (``loop``, ``grouped``, ``stream``, ``triton``) to one function of
+the tokens, the routing and the experts' weight tensors (:class:`ExpertWeights`), so nothing here
+knows the bank; ``impl="auto"`` runs the kernel :func:`choose_kernel` names from the device, the
+slots per expert, autograd and the torch threads.  docs/kernels.md describes each kernel and when
+``auto`` picks it.
 """
 
 from __future__ import annotations

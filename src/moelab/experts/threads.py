@@ -1,19 +1,8 @@
-"""Independent per-expert work spread over the CPU's torch threads, one expert per thread at a time.
-
-With ``torch.get_num_threads() == n > 1`` every small per-expert GEMM split across ``n`` threads
-pays a fork/join and splits badly: T=2048, 16 experts of 256 rows on 2 threads, the six GEMMs of a
-training step are 1.21-1.38x the dense GEMM of the same FLOPs, and 1.07-1.14x when each thread runs
-whole experts on one thread (``examples/expert_gemms.py``, docs/performance.md).
-:func:`over_experts` runs ``fn(item)`` for every item (one expert's rows) that way: the items are
-cut into ``n`` contiguous groups of about equal rows, the caller's thread runs the first group and
-``n - 1`` pool threads the others, all with one torch thread.  Each item writes only its own rows
-and its own expert's gradients, so the result does not depend on which thread ran it.
-
-torch's thread count is one process-wide setting: it is set to 1 for the section and given back
-before :func:`over_experts` returns (or raises).  The pool threads inherit the caller's grad mode
-and inference mode; a forked child starts its own pool.  Sequential (the plain loop) with one
-torch thread, one item, under autocast (thread-local state the pool threads would not share),
-while torch.compile traces, and for work on a GPU.
+"""Independent per-expert work spread over the CPU's torch threads, one expert per thread at a time:
+:func:`over_experts` cuts the items into contiguous groups of about equal rows, runs one group per
+thread with one torch thread each (the process-wide setting given back on return), and falls back
+to the plain loop where threads cannot help or would not share state.  docs/kernels.md ("The loop
+on several CPU threads") gives the rules and docs/performance.md the timings that motivate it.
 """
 
 from __future__ import annotations

@@ -1,41 +1,9 @@
-"""The ``"triton"`` kernel of :mod:`moelab.experts.kernels`: expert MLPs whose gather and
-weighted scatter are fused into grouped GEMMs (after ScatterMoE, Tan et al. 2024, written from
-scratch here).
-
-The ``T·K`` token slots are sorted by expert once (:func:`moelab.experts.dispatch.sort_slots`);
-every Triton program then owns ``BM`` consecutive sorted slots of one expert (a block table built
-by tensor ops, no host sync) and
-
-* forward, first GEMM (:func:`_in_kernel`): loads its rows of ``x`` **by token index** straight
-  from the ``(T, d)`` input — no ``(T·K, d)`` copy of the tokens exists — multiplies by
-  ``W_in[e]ᵀ`` and applies the activation in registers (``swiglu``: the gate and up tiles are two
-  accumulators of the same program), writing the pre-activations ``h`` (kept for backward only
-  under autograd) and the activations ``a``;
-* forward, second GEMM (:func:`_out_kernel`): ``a W_out[e]ᵀ`` scaled by each slot's routing
-  weight and **added into its token's output row**.  With ``K ≤ 2`` by ``atomic_add`` into a
-  zeroed float32 output: two additions onto zero commute exactly (``0 + a + b == 0 + b + a``), so
-  the result is deterministic; with ``K = 1`` a plain store; with ``K > 2`` the weighted rows are
-  stored at their slot's place of a ``(T·K, d)`` buffer (the input dtype) summed over ``K`` in
-  float32 afterwards (deterministic, at the cost of that buffer; atomics would be
-  nondeterministic in the order of more than two additions);
-* backward: :func:`_grad_h_kernel` gathers the output gradient by token, multiplies by
-  ``W_out[e]`` and fuses the activation's backward, the routing-weight scaling and the gradient of
-  the routing weights (``∂L/∂w_s = <g_t W_out[e], a_s>``, per column block, summed after);
-  :func:`_wgrad_kernel` writes every expert's weight gradient ``Σ_s pᵀ_s q_s`` over its rows with
-  either operand gathered by token (``∂W_in``: the input rows; ``∂W_out``: the output gradient
-  rows, weighted) and the activations recomputed from ``h`` in registers (``a`` is never saved);
-  ``∂x`` is :func:`_out_kernel` again (``∂h W_in[e]`` added into the token rows).
-
-Everything of the backward runs in Triton kernels except the routing-weight gradient's sum over
-the column blocks and its permutation back to ``(T, K)`` order, the slot sort and the block
-table (tensor ops).  Saved for backward: the pre-activations ``h (T·K, h_in)`` and the sort.
-
-Runs on CUDA, and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-this module is imported; slow, for tests).  float32 matmuls follow
-``torch.get_float32_matmul_precision()`` (``"highest"``: IEEE, else TF32); bfloat16 / float16
-accumulate in float32.  Expert biases are added in the GEMMs' epilogues (their gradients:
-per-expert row sums, :func:`_rowsum_kernel`); activations ``relu``, ``gelu``, ``gelu_tanh``,
-``quick_gelu``, ``silu``, ``swiglu``.
+"""The ``"triton"`` kernel of :mod:`moelab.experts.kernels`: expert MLPs whose gather and weighted
+scatter are fused into grouped GEMMs (after ScatterMoE, Tan et al. 2024, written from scratch
+here), forward and backward, reading the tokens by index so that no ``(T·K, d)`` copy of the
+inputs exists, deterministic for every ``K``; on CUDA, and on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported).  docs/kernels.md ("The fused Triton
+kernels") describes every kernel, what is saved for backward, the dtypes and the activations.
 """
 
 from __future__ import annotations

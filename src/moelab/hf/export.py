@@ -1,21 +1,10 @@
 """moelab layers back to Hugging Face transformers MoE blocks: :func:`to_hf`, the inverse of
-:func:`moelab.from_hf`, so that ``save_pretrained`` of the result loads in plain transformers.
-
-A converted layer remembers the block it came from (a copy on the meta device: its structure
-and class, no weights) and how its parts map (:class:`moelab.hf.convert._Plan`).  :func:`to_hf`
-rebuilds that block and copies the layer's current weights back — router weight, selection bias
-(``e_score_correction_bias``, which moelab may have moved during training), experts, shared
-experts and their gate — so fine-tuned weights go back too.
-
-A layer whose rule has no transformers counterpart is refused with a ``ValueError`` naming the
-method and what would be lost: a method other than the one the block converted to (e.g. after
-:func:`moelab.set_method` to ``pcosine``, ``xmoe``, ``competesmoe``), or a layer built by moelab
-(:func:`moelab.upcycle`, ``moelab.MoE``) that never was a transformers block.  Such models are
-saved with :func:`moelab.save` and reloaded with :func:`moelab.load`.
-
-``save_pretrained`` of a transformers model that still holds moelab layers would write weights
-under names transformers does not know, and ``from_pretrained`` would silently re-initialise
-those blocks: :func:`guard_save_pretrained` (installed by :func:`moelab.from_hf`) makes it raise.
+:func:`moelab.from_hf`, rebuilds each converted layer's original block and copies its current
+weights back, so that ``save_pretrained`` of the result loads in plain transformers; a layer whose
+rule has no transformers counterpart is refused naming the method, and
+:func:`guard_save_pretrained` makes ``save_pretrained`` raise while moelab layers remain.
+docs/scaling.md ("``from_hf``, ``to_hf``, ``set_method``") says what is copied back and what is
+refused.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
-"""Decoder-only Transformer language models whose FFNs are MoE layers of any method.
-
-The setting of CompeteSMoE (2024) §6.1 ("Architecture") and App. C.2, from its reference code (Sandwich
-Transformer based; docs/methods.md, "Language models"):
-
-* ``switch``: every FFN is an MoE layer (Switch Transformer, Fedus et al. 2022).
-* ``glam``: MoE and dense FFN alternate, MoE in the odd blocks (GLaM, Du et al. 2022), so a
-  ``glam`` model of ``n_layer`` blocks has ``n_layer // 2`` MoE layers.
-* ``dense``: every FFN is a dense MLP of width ``top_k · d_hidden`` — the dense model of equal
-  *active* width, the throughput baseline of docs/performance-lm.md.
-
-16 experts, top-2, expert hidden width = ``d_model``, ReLU experts, dropout 0.1 (CompeteSMoE (2024)).  Blocks
-are pre-LayerNorm (nanoGPT); attention is causal ``scaled_dot_product_attention``.
-
-Presets (:data:`PRESETS`), with the parameter counts of the byte-level (vocab 256) model:
-
-============  ======  =======  =====  =====  ==========================================
-preset        layers  d_model  heads  block  parameters (switch, total / active)
-============  ======  =======  =====  =====  ==========================================
-tiny          3       256      8      512    7.29M / 1.79M  (CompeteSMoE (2024): "3 SMoE blocks, 7M")
-small         6       264      8      512    15.30M / 3.59M (CompeteSMoE (2024): "6 SMoE layers, 15M")
-medium        8       352      8      512    36.02M / 8.27M (CompeteSMoE (2024): "8 SMoE layers, 36M")
-wt103-small   3       128      8      256    CompeteSMoE (2024)'s WikiText-103 small (word level, dropout 0.7)
-cpu           2       64       4      128    0.32M / 0.09M (1000 steps in minutes on 2 cores)
-demo          2       64       4      32     0.32M / 0.09M (``make demo``: 15 runs in about a minute)
-mini          3       96       4      128    1.04M / 0.27M (thousands of CPU steps)
-============  ======  =======  =====  =====  ==========================================
-
-``moelab.models.lm.count_parameters`` computes them (tests pin them).
+"""Decoder-only Transformer language models whose FFNs are MoE layers of any method, in the setting of
+CompeteSMoE (2024) §6.1 and App. C.2 (16 experts, top-2, expert width ``d_model``, ReLU experts,
+dropout 0.1; pre-LayerNorm blocks with causal attention) and three arrangements (``switch``,
+``glam``, ``dense``), with the size presets (:data:`PRESETS`) and their training budgets
+(:data:`TRAINING`) in one place.  docs/methods.md ("Language models") gives the arrangements and
+the presets with their parameter counts.
 """
 
 from __future__ import annotations

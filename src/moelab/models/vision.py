@@ -1,31 +1,9 @@
-"""CNN experts and gates of expert specialization (Krishnamurthy et al. (2023)), an output-mixture MoE.
-
-* Experts (Krishnamurthy et al. (2023) Appendix B): a conv trunk → two hidden layers (ReLU) → a
-  class layer → softmax.  Each returns ``[class probabilities | hidden vector]`` so that the
-  attentive gate can read the last hidden layer (``h``, 32 or 256 wide).
-* The *original* gate (Krishnamurthy et al. (2023) §4.1, App. B): the same kind of trunk → an
-  expert layer → softmax.
-* The *attentive* gate (Krishnamurthy et al. (2023) §5, eq. 4–6): query ``Q = G W_q`` from the
-  gate's hidden vector ``G``, keys ``K_i = E_i W_k`` from the experts' hidden vectors,
-  ``p(e|x) = softmax(Q Kᵀ/√h)``.
-* The *original MoE* output is the dense mixture ``Σ_e p(e|x) y_e(x)`` of the experts' class
-  distributions; its loss is the NLL of ``log(output + 1e-7)`` (docs/methods.md, "Expert
-  specialization models").  At inference any gate can be made sparse: the top-K experts by
-  ``p(e|x)`` with renormalised weights (conditional computation, Krishnamurthy et al. (2023) §5.1).
-
-A gate is a router in the core sense: ``gate(x, experts, ctx) -> moelab.Routing`` over an expert
-bank implementing :class:`moelab.experts.Experts` (:class:`moelab.experts.ModuleExperts`).
-:class:`BatchedExperts` is that bank for experts of identical architecture, run together with
-``torch.func.vmap`` over stacked weights (one batched kernel per layer instead of a Python loop
-over experts).
-
-Output-layer ReLU: Appendix B lists the class layer (and the gate's expert layer) "with ReLU
-activation" before the softmax, while the authors' code (docs/methods.md, "Expert specialization
-models") applies the softmax to the plain linear output.  A ReLU on the logits clips every negative logit
-to 0, and on digits it about doubles the error of the vanilla MoE and of the single model
-(docs/results.md).  We read "with ReLU activation" as describing the hidden
-layers and default to ``output_relu=False``; the literal reading is ``output_relu=True``
-(``--output-relu`` on the command line).
+"""CNN experts and gates of expert specialization (Krishnamurthy et al. (2023)), an output-mixture
+MoE: experts that return their class probabilities and last hidden vector, the original and the
+attentive gate (routers over an expert bank, :class:`BatchedExperts` running experts of one
+architecture with ``torch.func.vmap``), the dense mixture output and its top-K sparse form at
+inference; no ReLU on the output logits unless ``output_relu=True``.  docs/methods.md ("Expert
+specialization models") gives the layers, the gates' formulas and the reading of the output ReLU.
 """
 
 from __future__ import annotations

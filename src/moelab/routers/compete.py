@@ -1,26 +1,9 @@
-"""Competition routing: ``competition`` (pure) and ``competesmoe`` (a router that learns it on a schedule).
-
-Competition (CompeteSMoE (2024) §3.1; CompeteSMoE (2025) §2.2): every expert runs, each expert's
-affinity is its own response ``s_i = mean(κ(g_i(x)))`` (or ``‖g_i(x)‖₂``), the K strongest win and
-produce the output.  The
-routers here hand the layer the winners' outputs (``Routing.outputs``), so the layer never runs an
-expert for them again.
-
-How the winners' outputs get their gradient (option ``grad_path``):
-
-* ``"winners"`` (default): the bank's :meth:`moelab.experts.Experts.forward_winners`.  For an
-  :class:`moelab.ExpertBank`, the N experts run once without autograd, in token chunks; the
-  winners' outputs and pre-activations are kept, everything else dropped, and the backward runs
-  through the K winners only from those kept activations.  No expert runs twice: ``N + 2K``
-  expert passes per token (forward N, backward 2K) and the activation memory of an smoe step.
-  Other banks (``ModuleExperts``, ``BatchedExperts``, the expert-parallel bank) run the K winners
-  again with autograd (:func:`moelab.experts.dispatch.winners_by_rerun`, ``N + 3K`` passes).
-* ``"all"``: one differentiable ``forward_all`` and the winners' outputs gathered from it, but the
-  backward then runs over all N experts: ``3N`` passes and ``N/K`` times the activation memory.
-  Non-winners get exactly zero gradient either way.
-
-κ = ``softmax`` couples the experts (its affinity needs all N outputs), so it always uses
-``"all"``.  The benchmark ``moelab bench compete`` measures the paths.
+"""Competition routing: ``competition`` (pure) and ``competesmoe`` (a router that learns it on a
+schedule).  Every expert runs, each expert's affinity is its own response ``s_i = mean(κ(g_i(x)))``
+(or ``‖g_i(x)‖₂``), the K strongest win and produce the output (CompeteSMoE (2024) §3.1;
+CompeteSMoE (2025) §2.2); the routers hand the layer the winners' outputs (``Routing.outputs``), and
+the option ``grad_path`` chooses how those outputs get their gradient.  docs/methods.md
+("Competition") gives the formulas, the gradient paths and their cost in expert passes.
 """
 
 from __future__ import annotations
@@ -112,8 +95,8 @@ def _check_competition_options(kappa: str, reduce: str, weighting: str, grad_pat
     _validate.one_of("grad_path", grad_path, GRAD_PATHS)
 
 
-# torch.compiler.disable, with torch._dynamo imported at the first call rather than with moelab (1.3 s
-# of every process's start, docs/performance.md)
+# torch.compiler.disable, with torch._dynamo imported at the first call rather than with moelab (its
+# import time counts against every process start: docs/performance.md, "torch._dynamo loaded on first use")
 @torch._disable_dynamo
 def _schedule_active(ctx: RoutingContext, layer: int) -> bool:
     """``ctx.schedule.active(layer, ctx.step)``, run outside torch.compile: the lookup is Python on a

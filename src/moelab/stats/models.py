@@ -1,39 +1,10 @@
-"""Regression and Gaussian mixture-of-experts models with a leading replicate dimension.
-
-Every tensor carries a leading replicate axis ``R``: inputs ``x`` are ``(R, n, d)``, parameters
-``beta0 (R, k)``, ``beta1 (R, k, d)``, ``eta (R, k, q)``.  R independent fits then run as one
-batched computation (one matmul instead of R small ones).
-
-Regression MoE (perturbed cosine router (2024) eq. (1)/(7); Ho (2025) "Regression MoE")::
-
-    f_G(x) = Σ_i  softmax_i(ℓ(x))  h(x, η_i),     Y = f_G(X) + ε,  ε ~ N(0, ν)
-
-with the gate logits ``ℓ_i(x)``
-
-* ``linear``:    β₁ᵢᵀx + β₀ᵢ                                            (Ho (2025); perturbed cosine router (2024) App. F)
-* ``cosine``:    β₁ᵢᵀx / (‖β₁ᵢ‖ ‖x‖) + β₀ᵢ                              (perturbed cosine router (2024) eq. (2))
-* ``perturbed``: β₁ᵢᵀx / ((‖β₁ᵢ‖ + τ₁)(‖x‖ + τ₂)) + β₀ᵢ                  (perturbed cosine router (2024) eq. (8))
-* ``sigmoid``:   weights σ(β₁ᵢᵀx + β₀ᵢ), not normalised (σ-MoE; Ho (2025) "sigmoid gating")
-
-computed by the same functions as the routers (:func:`moelab.functional.cosine_logits`,
-:func:`moelab.functional.topk_softmax`), and the experts ``h(x, η)``
-
-* ``linear``:     aᵀx + b,                η = (a, b)                   (Ho (2025); CompeteSMoE (2025) App. J)
-* ``polynomial``: (aᵀx + b)^p,            η = (a, b)                   (perturbed cosine router (2024) §2 (iii), App. F.2)
-* ``ffn``:        a·σ(bᵀx + c),            η = (a, b, c)                (perturbed cosine router (2024) §5.1)
-  with σ ∈ {tanh, sigmoid, gelu, relu}; ``expert_bias=False`` drops ``c`` (h = a·σ(bᵀx),
-  the form of the perturbed cosine router (2024) §5.1).
-
-Gaussian MoE (Ho (2025) "Gaussian MoE"; CompeteSMoE (2025) eq. (3) and (13))::
-
-    p_G(y | x) = Σ_i π_i(x) N(y | aᵢᵀx + bᵢ, νᵢ)
-
-with ``softmax`` gating π = softmax(β₁ᵀx + β₀) or ``competition`` gating
-π = softmax(softplus(aᵢᵀx + bᵢ)) — the gate is the softplus affinity of the experts' own means
-(CompeteSMoE (2025) eq. (3)/(13), computed by :func:`moelab.functional.competition_affinity`).
-
-Both models accept an optional ``top_k``: the top-K sparse softmax (perturbed cosine router (2024) §2 remark; Ho (2025)), which
-keeps the K largest logits and renormalises.
+"""Regression and Gaussian mixture-of-experts models with a leading replicate dimension ``R``
+(inputs ``(R, n, d)``, parameters ``beta0 (R, k)``, ``beta1 (R, k, d)``, ``eta (R, k, q)``), so R
+independent fits run as one batched computation: regression MoE with ``linear``, ``cosine``,
+``perturbed`` or ``sigmoid`` gates over ``linear``, ``polynomial`` or ``ffn`` experts, and Gaussian
+MoE with ``softmax`` or ``competition`` gating, each optionally top-K sparse; the gates are computed
+by the routers' own functions (:mod:`moelab.functional`).  docs/methods.md ("The models") gives
+every formula with its paper and equation.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""Voronoi losses between a fitted mixing measure and the true one.
-
-The loss of the perturbed cosine router (2024), eq. (11), with
-``ω = (β₁, η)``, cells ``A_j = {i : ‖ωᵢ − ω*ⱼ‖ ≤ ‖ωᵢ − ω*ₗ‖ ∀ℓ}``::
-
-    D(G, G*) = Σ_{j:|A_j|=1} Σ_{i∈A_j} e^{β₀ᵢ} (‖Δβ₁ᵢⱼ‖ + ‖Δηᵢⱼ‖)
-             + Σ_{j:|A_j|>1} Σ_{i∈A_j} e^{β₀ᵢ} (‖Δβ₁ᵢⱼ‖² + ‖Δηᵢⱼ‖²)
-             + Σ_j |Σ_{i∈A_j} e^{β₀ᵢ} − e^{β*₀ⱼ}|
-
-Options cover the other losses of the papers:
-
-* ``r_single`` / ``r_multi``: the exponents of singleton and multi-atom cells; ``r_multi`` may be
-  a function of the cell size — the exponent-r losses ``D_r`` of Ho (2025) ("Voronoi-based loss",
-  r(|A_j|)).
-* :func:`block_voronoi_loss` takes any list of parameter blocks (each its own norm), e.g. the
-  Gaussian-MoE losses with a variance term: CompeteSMoE (2025) eq. (6) ``‖ΔW‖ + |Δν|`` and App. J eq. (14)
-  ``‖Δa‖ + |Δb| + |Δν|`` — see :func:`gaussian_voronoi_loss`.
-
-Ties in the cell assignment (an atom equidistant to two true atoms) go to the lower true index.
-All functions accept unbatched tensors (``beta0 (k,)``) or a leading replicate dimension
-(``beta0 (R, k)``) and return a scalar or an ``(R,)`` tensor.
+"""Voronoi losses between a fitted mixing measure and the true one: the loss of the perturbed cosine
+router (2024) eq. (11), its exponent-r variants (Ho (2025)) and losses over any list of parameter
+blocks (:func:`block_voronoi_loss`, :func:`gaussian_voronoi_loss` for CompeteSMoE (2025)), on
+unbatched tensors or with a leading replicate dimension.  docs/methods.md ("Voronoi losses") gives
+the formula, the options and the tie rule.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""Training checkpoints: a :func:`moelab.save` folder plus the training state.
-
-A checkpoint is a folder ``ckpt/step-00000100/`` holding
-
-* ``config.json`` + ``model.safetensors`` — the model, exactly as :func:`moelab.save` writes it
-  (so :func:`moelab.load` opens a checkpoint like any saved model, routing context included);
-* ``state.pt`` — optimizer, LR scheduler, the routing-context step, the competition schedule,
-  every RNG state (python, numpy, torch, the data-order generator) and the trainer's counters,
-  saved with ``torch.save`` and read back with ``weights_only=True`` (no pickled code runs);
-  its sha256 is recorded in ``config.json`` beside the weights'.
-
-The folder is built under a temporary name by the one atomic writer
-(:func:`moelab.io.atomic.atomic_directory`) and renamed into place in one step: a process killed
-at any moment leaves either the complete checkpoint or only a ``.tmp-*`` folder that is ignored
-(and removed by the next save); a write that fails (a full disk) removes its temporary folder and
-raises :class:`CheckpointError`, the older checkpoints untouched.  The newest ``keep`` checkpoints
-are kept.  :func:`latest_checkpoint` verifies the digests and falls back to the newest good one,
-saying which file was refused.
+"""Training checkpoints: a :func:`moelab.save` folder (so :func:`moelab.load` opens one like any saved
+model) plus ``state.pt`` with the optimizer, scheduler, routing-context, RNG and counter state,
+written atomically by the one atomic writer, the newest ``keep`` kept; :func:`latest_checkpoint`
+verifies the digests and falls back to the newest good one.  docs/errors.md ("Training
+checkpoints") gives the layout, what a kill or a failed write leaves and the refusals.
 """
 
 from __future__ import annotations

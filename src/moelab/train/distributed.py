@@ -1,30 +1,11 @@
-"""Expert parallelism with ``torch.distributed``, applied to a model from outside as a plan.
-
-:func:`apply_expert_parallel` (torchtitan's ``ExpertParallel`` style) swaps the
-:class:`moelab.ExpertBank` of every MoE layer for an :class:`ExpertParallelBank`: rank ``r`` of
-a group of ``W`` keeps the contiguous block of experts ``[r·N/W, (r+1)·N/W)``; routers, shared
-experts and everything else stay replicated (data parallel).  A forward:
-
-1. sort the ``T·K`` slots by expert once (:func:`moelab.experts.sort_slots`) — the slots for
-   each rank are then contiguous;
-2. exchange the per-expert counts (``all_to_all``, no gradient), then the tokens
-   (``all_to_all`` with autograd: its backward is the reverse ``all_to_all``);
-3. each rank runs its local experts on what it received (the ordinary sorted dispatch);
-4. send the outputs back (``all_to_all`` again), undo the sort, weight and sum over K.
-
-``forward_all`` (competition runs every expert on every token) gathers every rank's tokens to
-every rank, runs the local block on all of them and returns each rank the ``(T, N, d)``
-outputs of its own tokens, so competition routers work unchanged across ranks.
-
-Gradients: a local expert's gradient sums the contributions of every rank's tokens, i.e. it is
-already the gradient of ``Σ_r loss_r``; expert parameters must therefore be excluded from the
-data-parallel all-reduce (:func:`ddp_ignore_experts`, :func:`non_expert_parameters`).  With
-``average_grads=True`` (the default) they are divided by ``W`` so that the whole model gets the
-gradient of ``mean_r loss_r`` — what DDP's averaging gives the replicated parameters.
-
-All ranks must call every MoE layer the same number of times (the exchanges are collectives),
-and must hold identical full weights when the plan is applied (same seed, or the same
-checkpoint loaded first); :func:`full_state_dict` gathers the experts back for saving.
+"""Expert parallelism with ``torch.distributed``, applied to a model from outside as a plan:
+:func:`apply_expert_parallel` (torchtitan's ``ExpertParallel`` style) gives rank ``r`` of ``W`` the
+contiguous block of experts ``[r·N/W, (r+1)·N/W)`` of every MoE layer (an
+:class:`ExpertParallelBank` exchanging tokens by ``all_to_all``), keeps everything else replicated,
+and provides what a training loop needs around it: expert parameters left out of the data-parallel
+all-reduce, the full weights and optimizer state gathered for checkpoints, and torchrun set-up.
+docs/scaling.md ("Expert parallelism") gives the forward, the gradients and the rules every rank
+must keep.
 """
 
 from __future__ import annotations

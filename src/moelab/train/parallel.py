@@ -1,18 +1,9 @@
 """How the trainer spreads a model over processes: a strategy chosen once and handed to the
-:class:`moelab.train.Trainer`, the way torchtitan applies its parallel plans from outside.
-
-* :class:`Parallel` — one process (``none``): every hook is the identity.
-* :class:`DataParallel` — ``torchrun`` data parallelism: each rank trains on its shard of the
-  batch, DDP averages the gradients.
-* :class:`ExpertParallel` — data parallelism plus the experts of every MoE layer spread over the
-  ranks (:func:`moelab.train.distributed.apply_expert_parallel`); checkpoints still hold the full
-  model and optimizer state, so a run resumes with or without it, on any world size.
-
-The trainer calls the same hooks whatever the strategy: :meth:`Parallel.apply` (after a resume
-has loaded the full weights), :meth:`Parallel.wrap` (the training forward), :meth:`Parallel.clip`,
-:meth:`Parallel.mean`, and for checkpoints :meth:`Parallel.weights`,
-:meth:`Parallel.optimizer_state` / :meth:`Parallel.load_optimizer_state` and
-:meth:`Parallel.load_weights`.
+:class:`moelab.train.Trainer` (:class:`Parallel` for one process, :class:`DataParallel` for DDP,
+:class:`ExpertParallel` for experts spread over the ranks), the way torchtitan applies its parallel
+plans from outside; the trainer calls the same hooks whatever the strategy, and checkpoints hold the
+full model and optimizer state so a run resumes on any layout.  docs/scaling.md ("`moelab train`
+under torchrun") lists the hooks and what each strategy does.
 """
 
 from __future__ import annotations
