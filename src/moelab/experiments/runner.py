@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from ..io.rundir import RUN_ENTRIES, RunDir
+from ..io.rundir import RUN_ENTRIES, RunDir, read_yaml
 from ..train.parallel import process_group
 from .args import format_value, parse_key_values
 
@@ -385,23 +384,6 @@ def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ config files
-def _read_yaml(path: Path, source: str, *, empty: bool = False, what: str = "run settings") -> dict[str, Any]:
-    """The mapping of a YAML file (``empty``: an empty file is an empty mapping)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{source} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if data is None and empty:
-            data = {}
-    except UnicodeDecodeError:
-        raise ValueError(f"{source} is not UTF-8 text (a damaged or binary file)") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{source} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{source} must hold a mapping of {what}, got {type(data).__name__}")
-    return data
-
-
 def _flatten(cls: type, data: Mapping[str, Any], source: str) -> dict[str, Any]:
     """A settings mapping (a run's nested ``config.yaml``, or flag names as keys) → values by field
     path; an unknown key is refused naming ``source`` and what is allowed."""
@@ -474,7 +456,7 @@ def config_from_mapping(cls: type, data: Mapping[str, Any], source: str) -> Any:
 
 def _file_values(cls: type, path: str, flag: str) -> dict[str, Any]:
     source = f"{flag} {path!r}"
-    data = _read_yaml(Path(path), source, empty=True, what="flag names to values")
+    data = read_yaml(Path(path), source, empty=True, what="flag names to values")
     data = {k: v for k, v in data.items() if k not in ("command", "recorded")}
     values = _flatten(cls, data, source)
     try:  # each value on its own, so that the message names the file
@@ -628,7 +610,7 @@ def read_run_config(cls: type, path: str | Path, command: str | None = None) -> 
     """The config and the ``recorded`` mapping of a run directory's ``config.yaml``; a file of
     another command (``command``) or a damaged one is refused in one line."""
     file = Path(path) / "config.yaml" if Path(path).is_dir() else Path(path)
-    data = _read_yaml(file, repr(str(file)))
+    data = read_yaml(file, repr(str(file)))
     if command is not None and data.get("command") != command:
         raise ValueError(
             f"{str(file)!r} is not the config of a moelab {command} run (command={data.get('command')!r})"
@@ -698,7 +680,7 @@ def resolve_config(
     file = None if out is None else Path(out) / "config.yaml"
     if not (resume and file is not None and file.is_file()):
         return new_config(command, given), None
-    stored = _read_yaml(file, f"--resume: the run's {str(file)!r}")
+    stored = read_yaml(file, f"--resume: the run's {str(file)!r}")
     return resume_config(command, given, stored, file, allow_changes=allow_changes), stored
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from .atomic import atomic_write_bytes, atomic_write_text, read_json, write_event
 
-__all__ = ["RunDir", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["RunDir", "atomic_write_bytes", "atomic_write_text", "read_yaml"]
 
 
 def _plain(value: Any) -> Any:
@@ -60,6 +60,23 @@ def _check_name_lengths(path: Path) -> None:
             )
     if len(os.fsencode(str(path.absolute()))) > PATH_MAX:
         raise ValueError(f"--out {str(path)[:60]!r}… is longer than {PATH_MAX} bytes; choose a shorter path")
+
+
+def read_yaml(path: Path, source: str, *, empty: bool = False, what: str = "run settings") -> dict[str, Any]:
+    """The mapping of a YAML file (``empty``: an empty file is an empty mapping)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{source} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if data is None and empty:
+            data = {}
+    except UnicodeDecodeError:
+        raise ValueError(f"{source} is not UTF-8 text (a damaged or binary file)") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{source} must hold a mapping of {what}, got {type(data).__name__}")
+    return data
 
 
 class RunDir:
@@ -146,15 +163,7 @@ class RunDir:
     def read_config(self) -> dict[str, Any]:
         """``config.yaml`` as a mapping; a damaged file is a one-line ``ValueError`` naming it."""
         path = self.file("config.yaml")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            raise ValueError(f"{str(path)!r} is not UTF-8 text (a damaged or binary file)") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{str(path)!r} must hold a mapping of run settings, got {type(data).__name__}")
-        return data
+        return read_yaml(path, repr(str(path)))
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Write ``metrics.json`` (nothing is written when the file already holds exactly these)."""
