@@ -118,11 +118,11 @@ def _interrupt_at_batch(n: int, data, out, monkeypatch) -> None:
     real_sample = LMTask.sample
     calls = {"n": 0}
 
-    def sample(self, generator, batch_size):
+    def sample(self, generator, batch_size, step):
         calls["n"] += 1
         if calls["n"] == n:
             raise KeyboardInterrupt
-        return real_sample(self, generator, batch_size)
+        return real_sample(self, generator, batch_size, step)
 
     with monkeypatch.context() as m:
         m.setattr(LMTask, "sample", sample)

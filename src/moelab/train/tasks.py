@@ -46,7 +46,7 @@ class LMTask:
         self.metric = data.metric
         self.lower_is_better = True
 
-    def sample(self, generator: torch.Generator, batch_size: int) -> tuple[Tensor, Tensor]:
+    def sample(self, generator: torch.Generator, batch_size: int, step: int = 0) -> tuple[Tensor, Tensor]:
         train, L = self.data.train, self.block_size
         ix = torch.randint(train.numel() - L, (batch_size,), generator=generator)
         windows = torch.stack([train[i : i + L + 1] for i in ix.tolist()])  # (B, L+1)
@@ -131,7 +131,9 @@ class ClassificationTask:
             for s in ("train", "valid", "test")
         }
 
-    def sample(self, generator: torch.Generator, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    def sample(
+        self, generator: torch.Generator, batch_size: int, step: int = 0
+    ) -> tuple[Tensor, Tensor, Tensor]:
         ids, mask, labels = self.encoded["train"]
         ix = torch.randint(ids.shape[0], (batch_size,), generator=generator)
         return ids[ix], mask[ix], labels[ix]

@@ -43,7 +43,7 @@ class Task(Protocol):
     metric: str
     lower_is_better: bool
 
-    def sample(self, generator: torch.Generator, batch_size: int) -> Any: ...
+    def sample(self, generator: torch.Generator, batch_size: int, step: int) -> Any: ...
     def shard(self, batch: Any, rank: int, world: int) -> Any: ...
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, int]: ...
     def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]: ...
@@ -77,6 +77,9 @@ class TrainConfig:
             and every documented number as it was (AdamW without decay makes Adam's updates exactly).
         optimizer: ``adamw`` (default) or ``adam``; ``adam`` refuses a weight decay (its decay would be an
             L2 term coupled to the gradient, not the decay users expect).
+        keep_best: save the best-validation weights (``best/``) and test them; ``False``: the
+            evaluations are only logged and the final weights are tested (a paper that reports the
+            model at the end of training, as Krishnamurthy et al. (2023)).
     """
 
     steps: int
@@ -94,6 +97,7 @@ class TrainConfig:
     seed: int = 0
     weight_decay: float = 0.0
     optimizer: str = "adamw"
+    keep_best: bool = True
 
     def __post_init__(self) -> None:
         _validate.positive_int("steps", self.steps)
@@ -315,7 +319,7 @@ class Trainer:
         """One optimisation step; returns its ``log.csv`` row (validation columns empty)."""
         cfg = self.config
         t0 = time.perf_counter()
-        batch = self.task.shard(self.task.sample(generator, cfg.batch_size), self.rank, self.world_size)
+        batch = self.task.shard(self.task.sample(generator, cfg.batch_size, step), self.rank, self.world_size)
         try:  # this rank's shard; DDP averages the gradients over the ranks in backward
             task_loss, aux, tokens = forward(batch)
         except NonFiniteError as exc:  # the routers saw NaN/inf before the loss did
@@ -383,7 +387,7 @@ class Trainer:
         state["last_val"] = val[metric]
         if self._better(val[metric], state["best_val"]):  # the same decision on every rank
             state["best_val"], state["best_step"] = val[metric], done
-            if self.run is not None:
+            if self.run is not None and self.config.keep_best:
                 weights = self.parallel.weights(self.model)  # a collective under expert parallelism
                 if self.is_main:
                     save(  # the routing context of this validation (step done - 1)
@@ -437,7 +441,11 @@ class Trainer:
         metric = self.task.metric
         if self.world_size > 1:  # rank 0 has written the last best weights
             torch.distributed.barrier()
-        best = self.run is not None and self.run.file("best").joinpath("config.json").exists()
+        best = (
+            self.config.keep_best
+            and self.run is not None
+            and self.run.file("best").joinpath("config.json").exists()
+        )
         if best:
             self.parallel.load_weights(self.model, lambda module: load_weights(self.run.file("best"), module))
         test = self._evaluate("test", cfg.test_tokens)
