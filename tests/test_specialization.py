@@ -1,14 +1,18 @@
-"""The 002 lab: L_s (eq. 8–10), the specialize command's error paths, a tiny digits run, sweep selection."""
+"""The expert-specialization lab (Krishnamurthy et al. (2023)): L_s (eq. 8–10), the specialize command's error paths, a tiny digits run, sweep selection."""
 
 import json
 
 import numpy as np
 import pytest
 import torch
+import yaml
+
+import moelab
 
 from moelab import cli
 from moelab.experiments import specialization as spec
 from moelab.losses import importance_loss, sample_similarity_loss
+from moelab.models.vision import ImageMoE
 
 
 def literal_ls(p, x, beta_s, beta_d):
@@ -61,18 +65,33 @@ def test_importance_loss_is_the_coefficient_of_variation_of_eq_7():
 
 
 def main(argv, capsys):
-    code = cli.main(["specialize", *argv])
+    """``moelab specialize argv``: the exit code and stderr (argparse's own refusals included)."""
+    try:
+        code = cli.main(["specialize", *argv])
+    except SystemExit as exc:
+        code = exc.code
     return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--experts", "1"], "--experts=1 is not allowed"),
-        (["--distill"], "--distill is not allowed with --gate original"),
-        (["--top-k", "7"], "--top-k=7 is not allowed"),
-        (["--mode", "scaling", "--counts", "5,x"], "--counts='5,x' is not allowed"),
+        (["--experts", "1"], "--experts=1 is not allowed; expected an integer >= 2"),
+        (
+            ["--distill"],
+            "--distill is not allowed with --gate original; distillation starts from an attentive gate",
+        ),
+        (["--top-k", "7"], "--top-k=7 is not allowed; expected an integer in [1, 5]"),
+        (["--mode", "scaling", "--counts", "5,x"], "argument --counts: '5,x' is not a comma-separated list"),
+        (["--mode", "scaling", "--counts", "5,1"], "--counts='5,1' is not allowed; expected integers >= 2"),
         (["--data", "mnist", "--data-dir", "NOPE"], "--data-dir NOPE is not a folder"),
+        (
+            ["--data", "svhn"],
+            "--data='svhn' is not allowed; expected one of ['digits', 'mnist', 'fmnist', 'fmnist+mnist', "
+            "'cifar100']",
+        ),
+        (["--gate", "moe"], "--gate='moe' is not allowed; expected one of ['original', 'attentive']"),
+        (["--reg", "l2"], "--reg='l2' is not allowed; expected one of ['none', 'importance', 'ls']"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
@@ -87,23 +106,33 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
     [
         (["--train-samples", "0"], "--train-samples=0 is not allowed; expected a positive integer"),
         (["--test-samples", "-5"], "--test-samples=-5 is not allowed; expected a positive integer"),
-        (["--lr", "inf"], "--lr=inf is not allowed; expected a finite number > 0"),
+        (["--lr", "inf"], "--lr=inf is not allowed; expected a number > 0"),
         (["--lr", "nan"], "--lr=nan is not allowed; expected a number > 0"),
         (["--lr", "0"], "--lr=0.0 is not allowed; expected a number > 0"),
-        (["--lr", "fast"], "--lr='fast' is not allowed; expected a number > 0"),
-        (["--epochs", "inf"], "--epochs=inf is not allowed; expected a positive integer"),
+        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+        (["--epochs", "inf"], "argument --epochs: invalid int value: 'inf'"),
         (["--epochs", "0"], "--epochs=0 is not allowed; expected a positive integer"),
-        (["--epochs", "2.5"], "--epochs=2.5 is not allowed; expected a positive integer"),
-        (["--epochs", "ten"], "--epochs='ten' is not allowed; expected a positive integer"),
+        (["--epochs", "2.5"], "argument --epochs: invalid int value: '2.5'"),
         (["--batch-size", "-1"], "--batch-size=-1 is not allowed; expected a positive integer"),
         (["--runs", "0"], "--runs=0 is not allowed; expected a positive integer"),
         (["--threads", "0"], "--threads=0 is not allowed; expected a positive integer"),
         (["--top-k", "0"], "--top-k=0 is not allowed; expected a positive integer"),
         (["--seed", "-1"], "--seed=-1 is not allowed; expected an integer >= 0"),
-        (["--experts", "2.5"], "--experts=2.5 is not allowed; expected an integer >= 2"),
+        (["--experts", "2.5"], "argument --experts: invalid int value: '2.5'"),
         (["--w-importance", "-1"], "--w-importance=-1.0 is not allowed; expected a number >= 0"),
         (["--beta-s", "nan"], "--beta-s=nan is not allowed; expected a number >= 0"),
-        (["--beta-d", "inf"], "--beta-d=inf is not allowed; expected a finite number >= 0"),
+        (["--beta-d", "inf"], "--beta-d=inf is not allowed; expected a number >= 0"),
+    ],
+)
+def test_bad_numbers_exit_2_naming_the_flag_and_the_allowed_range(argv, message, capsys, tmp_path):
+    code, err = main([*argv, "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
         (
             ["--train-samples", "5000"],
             "--train-samples=5000 is not allowed; expected an integer in [1, 1437] (the size of the digits "
@@ -115,10 +144,10 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
         ),
     ],
 )
-def test_bad_numbers_exit_2_naming_the_flag_and_the_allowed_range(argv, message, capsys, tmp_path):
+def test_subsets_larger_than_the_set_are_refused_before_a_run_is_written(argv, message, capsys, tmp_path):
     code, err = main([*argv, "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and message in err and err.count("\n") == 1
-    assert not (tmp_path / "o").exists()  # refused before anything is written
+    assert not (tmp_path / "o" / "config.yaml").exists()
 
 
 def test_counts_equal_to_the_split_sizes_are_the_whole_sets(tmp_path, capsys):
@@ -126,15 +155,8 @@ def test_counts_equal_to_the_split_sizes_are_the_whole_sets(tmp_path, capsys):
         ["--epochs", "1", "--train-samples", "1437", "--test-samples", "360", "--out", str(tmp_path / "o")],
         capsys,
     )
-    config = (tmp_path / "o" / "config.yaml").read_text()
-    assert code == 0 and "train_size: 1437" in config and "test_size: 360" in config
-
-
-@pytest.mark.parametrize("flag", [["--data", "svhn"], ["--gate", "moe"], ["--reg", "l2"]])
-def test_unknown_choices_exit_2(flag, capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["specialize", *flag, "--out", str(tmp_path)])
-    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    recorded = yaml.safe_load((tmp_path / "o" / "config.yaml").read_text())["recorded"]
+    assert code == 0 and recorded["train_size"] == 1437 and recorded["test_size"] == 360
 
 
 def test_truncated_idx_folder_exits_2_naming_the_file(tmp_path, capsys):
@@ -186,12 +208,29 @@ def test_tiny_digits_run_end_to_end(tmp_path, capsys):
         assert key in m
     assert 0 <= m["test_error"] <= 1 and 0 <= m["H_s"] <= np.log2(5) + 1e-9 and m["seed"] == 0
     assert (out / "model_selection.png").stat().st_size > 0 and (out / "config.yaml").exists()
-    log = (out / "log.csv").read_text().splitlines()
-    assert len(log) == 1 + 2 + 2  # header, 2 teacher + 2 distill epochs
-    assert "test_error" in log[0].split(",")  # per-epoch test error
     assert (out / "model_teacher_selection.png").stat().st_size > 0
+    teacher = out / "fits" / "attentive-ls-bs0.0001-bd0.001-e5-s0"
+    for fit in (teacher, teacher.with_name(teacher.name + "-distilled")):
+        log = (fit / "log.csv").read_text().splitlines()
+        assert len(log) == 1 + 2 * 4  # header, 2 epochs of 4 steps (256 samples, batch 64)
+        errors = [row.split(",")[-1] for row in log[1:]]  # the test error after every epoch
+        assert [bool(e) for e in errors] == [False, False, False, True] * 2
     code, err = main(argv, capsys)  # a finished run is not overwritten
     assert code == 2 and "already holds a run" in err
+
+
+def test_every_trained_model_opens_with_moelab_load(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--gate", "attentive", *TINY, "--out", str(out)], capsys)[0] == 0
+    fit = out / "fits" / "attentive-none-e5-s0"
+    x = torch.randn(3, 1, 8, 8)
+    for path in (fit, fit / "ckpt" / "step-00000002", out / "model"):
+        model = moelab.load(path)
+        assert isinstance(model, ImageMoE)
+    saved = moelab.load(out / "model")
+    torch.testing.assert_close(moelab.load(fit)(x).probs, saved(x).probs, rtol=0, atol=0)
+    m = json.loads((out / "metrics.json").read_text())
+    assert json.loads((fit / "metrics.json").read_text())["test_error"] == m["test_error"]
 
 
 def test_single_model_baseline_reports_no_gate_metrics(tmp_path, capsys):
@@ -217,15 +256,15 @@ def test_single_model_baseline_reports_no_gate_metrics(tmp_path, capsys):
 def test_sweep_covers_the_appendix_c_grid_and_selects_the_minimum_training_error(monkeypatch):
     seen = []
 
-    def fake_train_once(cfg, data, log=None):
+    def fake_train_once(lab, cfg):
         seen.append((cfg.beta_s, cfg.beta_d, cfg.seed))
         train_error = abs(cfg.beta_d - 1e-3) + cfg.seed * 1e-6  # minimum at beta_d = 1e-3, seed 0
         metrics = {"train_error": train_error, "test_error": 0.1 + cfg.seed / 100, "seed": cfg.seed}
         return spec.Trained(None, metrics, None)
 
     monkeypatch.setattr(spec, "train_once", fake_train_once)
-    summary = spec.sweep(spec.SpecConfig(data="mnist", reg="ls"), None, runs=3, rundir=None).metrics
-    assert len(seen) == 2 * 6 * 3  # β_s ∈ {1e-6, 1e-5} × β_d ∈ {1e-1..1e-6} × 3 seeds (002 Table 6)
+    summary = spec.sweep(None, spec.SpecConfig(data="mnist", reg="ls", runs=3)).metrics
+    assert len(seen) == 2 * 6 * 3  # β_s ∈ {1e-6, 1e-5} × β_d ∈ {1e-1..1e-6} × 3 seeds (Table 6)
     assert summary["selected"]["beta_d"] == pytest.approx(1e-3) and summary["selected"]["seed"] == 0
     assert summary["test_error_std"] == pytest.approx(float(np.std([0.10, 0.11, 0.12], ddof=1)))
     assert summary["num_runs"] == 36
@@ -256,9 +295,9 @@ def test_partition_and_scaling_modes_run(tmp_path, capsys):
 def test_the_sd_over_one_seed_is_undefined_not_zero(monkeypatch):
     metrics = {"train_error": 0.2, "test_error": 0.1, "H_s": 0.5}
     monkeypatch.setattr(
-        spec, "train_once", lambda cfg, data, log=None: spec.Trained(None, dict(metrics), None)
+        spec, "train_once", lambda lab, cfg: spec.Trained(None, dict(metrics), None)
     )
-    summary = spec.sweep(spec.SpecConfig(data="mnist"), None, runs=1, rundir=None, use_grid=False).metrics
+    summary = spec.sweep(None, spec.SpecConfig(data="mnist"), use_grid=False).metrics
     assert summary["test_error_std"] is None and summary["over_seeds"]["test_error"]["sd"] is None
     row = spec.format_table({"vanilla MoE": summary}).splitlines()[2]
     assert row.startswith("| vanilla MoE | 1 | 0.100 | NA | NA | NA | 0.500 |") and "nan" not in row
@@ -270,7 +309,7 @@ def test_every_default_beta_is_a_point_of_the_appendix_c_grid():
             beta_d == pytest.approx(g) for g in spec.GRIDS[data]["beta_d"]
         )
     # 1e-4, the middle of the Fashion-MNIST grid, left training unchanged; 1e-2 had the lowest train error
-    assert spec.SpecConfig(data="fmnist").resolved().beta_d == pytest.approx(1e-2)
+    assert spec.resolve(spec.SpecConfig(data="fmnist")).beta_d == pytest.approx(1e-2)
 
 
 def test_help_shows_the_per_dataset_beta_defaults(capsys):
@@ -281,8 +320,8 @@ def test_help_shows_the_per_dataset_beta_defaults(capsys):
 
 
 def test_resolved_config_records_the_expert_count():
-    assert spec.SpecConfig(data="fmnist").resolved().experts == 5
-    assert spec.SpecConfig(data="fmnist", experts=7).resolved().experts == 7
+    assert spec.resolve(spec.SpecConfig(data="fmnist")).experts == 5
+    assert spec.resolve(spec.SpecConfig(data="fmnist", experts=7)).experts == 7
 
 
 def test_distilled_titles_name_the_teacher_and_the_student_separately():
@@ -300,7 +339,7 @@ def test_distilled_titles_name_the_teacher_and_the_student_separately():
     [
         (["--mode", "table", "--rows", "0,2"], "--rows='0,2' is not allowed"),
         (["--mode", "table", "--rows", "2,2"], "--rows='2,2' is not allowed"),
-        (["--mode", "table", "--rows", "a"], "--rows='a' is not allowed"),
+        (["--mode", "table", "--rows", "a"], "argument --rows: 'a' is not a comma-separated list"),
         (["--rows", "2"], "--rows is not allowed with --mode run"),
     ],
 )
@@ -336,8 +375,11 @@ def test_table_rows_over_seeds_report_summaries_welch_tests_and_teacher_tables(t
         "row8_selection.png": "distilled from attentive gate MoE with L_importance",
         "row8_teacher_selection.png": "digits: attentive gate MoE with L_importance (teacher)",
     }
-    log = (out / "log.csv").read_text().splitlines()
-    assert log[0].split(",")[:2] == ["row", "seed"] and "test_error" in log[0].split(",")
-    assert len(log) == 1 + 2 * 1 + 2 * 2  # vanilla: 2 seeds × 1 epoch; distilled: 2 seeds × (teacher + gate)
+    teacher = ["attentive-importance-w0.2-e5-s0", "attentive-importance-w0.2-e5-s1"]
+    vanilla = ["original-none-e5-s0", "original-none-e5-s1"]
+    fits = sorted(p.name for p in (out / "fits").iterdir())  # each trained model is a run of its own
+    assert fits == sorted([*teacher, *(f"{t}-distilled" for t in teacher), *vanilla])
+    runs = (out / "runs.csv").read_text().splitlines()
+    assert runs[0].split(",")[:2] == ["row", "gate"] and len(runs) == 1 + 2 + 2
     config = (out / "config.yaml").read_text()
     assert "experts: 5" in config and "rows:\n- 2\n- 8" in config
