@@ -1,9 +1,9 @@
 """``moelab specialize --resume`` / ``--force`` / ``--allow-changes``: per-epoch checkpoints, an exact
 resume (the same metrics and weights as an uninterrupted run), the refusals and their messages.
 
-A "kill" here is a ``KeyboardInterrupt`` raised at the Nth write event (the hook the crash harness
-drives with a real SIGKILL, tests/test_crash_harness.py): nothing after it runs, the write it cuts
-is left half-done (a temporary file), as a kill leaves it."""
+A "kill" here is a ``KeyboardInterrupt`` raised at the Nth write event (the write hook the crash
+harness drives with a real SIGKILL, tests/test_crash_harness.py): nothing after it runs, the write it
+cuts is left half-done (a temporary file), as a kill leaves it."""
 
 import csv
 import io
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from moelab import cli
-from moelab.io import atomic, rundir
+from moelab.io import atomic
 
 TINY = ["--epochs", "2", "--train-samples", "96", "--test-samples", "48"]
 #: 2 seeds of an attentive L_s model distilled: 4 fits (teacher, student per seed), runs.csv and log.csv
@@ -35,8 +35,7 @@ def kill_at(monkeypatch, n):
         if count["n"] == n:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(atomic, "write_event", event)
-    monkeypatch.setattr(rundir, "write_event", event)
+    monkeypatch.setattr(atomic, "_write_hook", event)  # the write hook; undone by monkeypatch.undo()
     return count
 
 
@@ -49,18 +48,20 @@ def metrics(path):
 def log_rows(path, name="log.csv"):
     rows = list(csv.DictReader(io.StringIO((path / name).read_text())))
     for r in rows:
-        r.pop("seconds", None)
+        r.pop("time_s", None)
     return rows
 
 
 def same_run(a, b):
+    """The same metrics, weights and CSV rows in every file of the two runs (timings aside)."""
     assert metrics(a) == metrics(b)
-    assert (a / "model" / "model.safetensors").read_bytes() == (
-        b / "model" / "model.safetensors"
-    ).read_bytes()
-    assert log_rows(a) == log_rows(b)
-    if (a / "runs.csv").exists():
-        assert (a / "runs.csv").read_text() == (b / "runs.csv").read_text()
+    files = lambda root, pattern: sorted(p.relative_to(root) for p in root.rglob(pattern))
+    assert files(a, "*.safetensors") == files(b, "*.safetensors")
+    for name in files(a, "*.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    assert files(a, "*.csv") == files(b, "*.csv")
+    for name in files(a, "*.csv"):
+        assert log_rows(a / name.parent, name.name) == log_rows(b / name.parent, name.name)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,11 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("kill", [2, 5, 9, 13])
+#: the teacher of seed 0 (attentive, L_s at the digits defaults)
+TEACHER = "attentive-ls-bs0.0001-bd0.001-e5-s0"
+
+
+@pytest.mark.parametrize("kill", [2, 9, 17, 30])
 def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(
     reference, kill, tmp_path, capsys, monkeypatch
 ):
@@ -82,33 +87,34 @@ def test_a_killed_run_resumed_ends_bit_identical_to_an_uninterrupted_one(
     code, _, err = main(["--resume", "--out", str(out)], capsys)  # the flags are the run's own
     assert code == 0, err
     same_run(reference, out)
-    assert not (out / "ckpt").exists()  # a finished run drops its checkpoints
-    assert not list(out.rglob(".*.tmp"))  # nor keeps the temporary files of cut writes
 
 
-def test_every_epoch_is_checkpointed(tmp_path, capsys, monkeypatch):
-    out = tmp_path / "run"
-    kill_at(monkeypatch, 10**9)
+def test_every_epoch_of_every_model_is_checkpointed(tmp_path, capsys, monkeypatch):
+    from moelab.train import checkpoint
+
     seen = []
-    real = atomic.atomic_write_torch
+    real = checkpoint.save_checkpoint
 
-    def spy(path, obj):
-        seen.append((path.name, obj["epoch"], obj["optimizer"] is None))
-        return real(path, obj)
+    def spy(root, step, model, state, keep=2):
+        seen.append((root.parent.name, step))
+        return real(root, step, model, state, keep)
 
-    monkeypatch.setattr("moelab.experiments.specialization.atomic_write_torch", spy)
-    assert main([*DISTILL, "--out", str(out)], capsys)[0] == 0
-    assert seen == [(f"fit-{k:05d}.pt", e, e == 2) for k in range(4) for e in (1, 2)]
+    monkeypatch.setattr(checkpoint, "save_checkpoint", spy)
+    assert main([*DISTILL, "--out", str(tmp_path / "run")], capsys)[0] == 0
+    fits = [f"{TEACHER[:-1]}{s}{d}" for s in (0, 1) for d in ("", "-distilled")]
+    assert seen == [(f, step) for f in fits for step in (2, 4)]  # 96 samples, batch 64: 2 steps an epoch
 
 
-def test_a_damaged_log_is_rebuilt_from_the_checkpoint(reference, tmp_path, capsys, monkeypatch):
+def test_a_damaged_log_or_checkpoint_is_rebuilt(reference, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    kill_at(monkeypatch, 12)
+    kill_at(monkeypatch, 20)
     assert main([*DISTILL, "--out", str(out)], capsys)[0] == 130
     monkeypatch.undo()
-    with (out / "log.csv").open("a") as f:
-        f.write("attentive-ls,9,0.1")  # a torn row
-    (out / "runs.csv").write_text("garbage\n")
+    with (out / "fits" / TEACHER / "log.csv").open("a") as f:
+        f.write("9,0.1")  # a torn row
+    for damaged in (out / "fits").rglob("model.safetensors"):
+        damaged.write_bytes(b"not a checkpoint")  # passed over with a warning: the model trains again
+        break
     assert main(["--resume", "--out", str(out)], capsys)[0] == 0
     same_run(reference, out)
 
@@ -130,12 +136,12 @@ def test_resume_refuses_a_changed_flag_in_one_line(tmp_path, capsys, monkeypatch
 
 def test_resume_with_allow_changes_continues_with_the_new_epochs(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    kill_at(monkeypatch, 4)  # config.yaml, epoch 1's row and checkpoint, epoch 2's row: killed
+    kill_at(monkeypatch, 6)  # config.yaml, the model's config.yaml, 2 rows, epoch 1's checkpoint, a row
     assert main([*TINY, "--out", str(out)], capsys)[0] == 130
     monkeypatch.undo()
     code, _, err = main(["--resume", "--allow-changes", "--epochs", "3", "--out", str(out)], capsys)
     assert code == 0, err
-    assert [r["epoch"] for r in log_rows(out)] == ["1", "2", "3"]
+    assert [r["step"] for r in log_rows(out / "fits" / "original-none-e5-s0")] == [str(i) for i in range(1, 7)]
     assert yaml.safe_load((out / "config.yaml").read_text())["epochs"] == 3
 
 
@@ -145,7 +151,7 @@ def test_resume_refuses_other_data_in_one_line(tmp_path, capsys, monkeypatch):
     assert main([*TINY, "--out", str(out)], capsys)[0] == 130
     monkeypatch.undo()
     config = yaml.safe_load((out / "config.yaml").read_text())
-    config["data_sha256"] = "0" * 64  # as if the files under --data-dir had changed
+    config["recorded"]["data_sha256"] = "0" * 64  # as if the files under --data-dir had changed
     (out / "config.yaml").write_text(yaml.safe_dump(config))
     code, _, err = main(["--resume", "--out", str(out)], capsys)
     assert code == 2 and err.count("\n") == 1
@@ -157,11 +163,12 @@ def test_resume_refuses_other_data_in_one_line(tmp_path, capsys, monkeypatch):
     assert main(["--resume", "--allow-changes", "--out", str(out)], capsys)[0] == 0
 
 
-def test_a_finished_run_is_not_run_again_by_resume(reference, tmp_path, capsys):
-    before = (reference / "metrics.json").read_text()
-    code, out, _ = main(["--resume", "--out", str(reference)], capsys)
-    assert code == 0 and "is finished; nothing to do (--force to run it again)" in out
-    assert (reference / "metrics.json").read_text() == before
+def test_a_finished_run_resumed_trains_nothing_and_ends_the_same(reference, tmp_path, capsys, monkeypatch):
+    before = metrics(reference)
+    monkeypatch.setattr("moelab.train.trainer.Trainer._step", None)  # a training step would fail
+    code, _, err = main(["--resume", "--out", str(reference)], capsys)
+    assert code == 0, err
+    assert metrics(reference) == before
 
 
 def test_a_finished_run_refuses_a_rerun_and_names_resume_which_works(tmp_path, capsys):
@@ -179,7 +186,7 @@ def test_force_leaves_nothing_of_the_old_run(tmp_path, capsys, monkeypatch):
     assert main([*TINY, "--force", "--out", str(out)], capsys)[0] == 130
     monkeypatch.undo()
     left = sorted(p.name for p in out.iterdir())
-    assert left == [".lock", "ckpt", "config.yaml", "log.csv"]  # no runs.csv, model/, teacher plots
+    assert left == [".lock", "config.yaml", "fits"]  # no runs.csv, model/, teacher plots
     assert main(["--resume", "--out", str(out)], capsys)[0] == 0
     assert yaml.safe_load((out / "config.yaml").read_text())["distill"] is False
 
@@ -210,21 +217,7 @@ def test_resume_of_a_folder_of_another_command_is_refused(tmp_path, capsys):
     out.mkdir()
     (out / "config.yaml").write_text("command: train\n")
     code, _, err = main(["--resume", "--out", str(out)], capsys)
-    assert code == 2 and f"--resume: {out / 'config.yaml'} is not the config of a specialize run" in err
-
-
-def test_a_missing_or_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys, monkeypatch):
-    out = tmp_path / "run"
-    kill_at(monkeypatch, 9)
-    assert main([*DISTILL, "--out", str(out)], capsys)[0] == 130
-    monkeypatch.undo()
-    (out / "ckpt" / "fit-00001.pt").write_bytes(b"not a checkpoint")
-    code, _, err = main(["--resume", "--out", str(out)], capsys)
-    assert code == 2 and err.count("\n") == 1
-    assert f"checkpoint file {out / 'ckpt' / 'fit-00001.pt'} cannot be read" in err
-    (out / "ckpt" / "fit-00000.pt").unlink()
-    code, _, err = main(["--resume", "--out", str(out)], capsys)
-    assert code == 2 and f"checkpoint file {out / 'ckpt' / 'fit-00000.pt'} is missing" in err
+    assert code == 2 and f"--resume: {out / 'config.yaml'} is not the config of a moelab specialize run" in err
 
 
 @pytest.mark.parametrize(
