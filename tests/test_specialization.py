@@ -8,7 +8,6 @@ import torch
 import yaml
 
 import moelab
-
 from moelab import cli
 from moelab.experiments import specialization as spec
 from moelab.losses import importance_loss, sample_similarity_loss
@@ -294,9 +293,7 @@ def test_partition_and_scaling_modes_run(tmp_path, capsys):
 
 def test_the_sd_over_one_seed_is_undefined_not_zero(monkeypatch):
     metrics = {"train_error": 0.2, "test_error": 0.1, "H_s": 0.5}
-    monkeypatch.setattr(
-        spec, "train_once", lambda lab, cfg: spec.Trained(None, dict(metrics), None)
-    )
+    monkeypatch.setattr(spec, "train_once", lambda lab, cfg: spec.Trained(None, dict(metrics), None))
     summary = spec.sweep(None, spec.SpecConfig(data="mnist"), use_grid=False).metrics
     assert summary["test_error_std"] is None and summary["over_seeds"]["test_error"]["sd"] is None
     row = spec.format_table({"vanilla MoE": summary}).splitlines()[2]

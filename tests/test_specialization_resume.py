@@ -141,7 +141,9 @@ def test_resume_with_allow_changes_continues_with_the_new_epochs(tmp_path, capsy
     monkeypatch.undo()
     code, _, err = main(["--resume", "--allow-changes", "--epochs", "3", "--out", str(out)], capsys)
     assert code == 0, err
-    assert [r["step"] for r in log_rows(out / "fits" / "original-none-e5-s0")] == [str(i) for i in range(1, 7)]
+    assert [r["step"] for r in log_rows(out / "fits" / "original-none-e5-s0")] == [
+        str(i) for i in range(1, 7)
+    ]
     assert yaml.safe_load((out / "config.yaml").read_text())["epochs"] == 3
 
 
@@ -217,7 +219,9 @@ def test_resume_of_a_folder_of_another_command_is_refused(tmp_path, capsys):
     out.mkdir()
     (out / "config.yaml").write_text("command: train\n")
     code, _, err = main(["--resume", "--out", str(out)], capsys)
-    assert code == 2 and f"--resume: {out / 'config.yaml'} is not the config of a moelab specialize run" in err
+    assert (
+        code == 2 and f"--resume: {out / 'config.yaml'} is not the config of a moelab specialize run" in err
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from moelab.data.images import ImageData
-from moelab.train import TrainConfig, Trainer
-from moelab.train.images import ImageTask
 from moelab.experts import ModuleExperts
 from moelab.models.vision import (
     AttentiveGate,
@@ -18,6 +16,8 @@ from moelab.models.vision import (
     distill_gate,
     vision_config,
 )
+from moelab.train import TrainConfig, Trainer
+from moelab.train.images import ImageTask
 
 
 @pytest.fixture
@@ -144,7 +144,9 @@ def test_distillation_copies_the_trunk_and_leaves_the_experts_unchanged(cfg):
     )
     task = ImageTask(data, 16, frozen=(student.experts,))
     steps = 2 * task.steps_per_epoch
-    Trainer(student, task, TrainConfig(steps, 16, 1e-3, "constant", 0, optimizer="adam"), progress=False).fit()
+    Trainer(
+        student, task, TrainConfig(steps, 16, 1e-3, "constant", 0, optimizer="adam"), progress=False
+    ).fit()
     for k, v in student.experts.state_dict().items():
         torch.testing.assert_close(v, before[k])
     assert not torch.equal(student.gate.head.weight, gate_before)  # the gate did train

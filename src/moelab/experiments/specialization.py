@@ -113,7 +113,9 @@ class SpecConfig:
     gate: str = setting("original", help="gate", allowed=Options(GATES))
     reg: str = setting("none", help="gate regulariser", allowed=Options(REGULARISERS))
     w_importance: float = setting(0.2, help="weight of L_importance", allowed=Interval(float, 0))
-    beta_s: float | None = setting(None, help=f"L_s β_s (default per dataset: {_per_data(0)})", allowed=_WEIGHT)
+    beta_s: float | None = setting(
+        None, help=f"L_s β_s (default per dataset: {_per_data(0)})", allowed=_WEIGHT
+    )
     beta_d: float | None = setting(
         None,
         help=f"L_s β_d (default per dataset: {_per_data(1)}; each a point of the Krishnamurthy et al. "
@@ -161,9 +163,15 @@ class SpecConfig:
         if self.rows is not None:
             text = ",".join(map(str, self.rows))
             if self.mode != "table":
-                raise ValueError(f"--rows is not allowed with --mode {self.mode}; it selects rows of --mode table")
+                raise ValueError(
+                    f"--rows is not allowed with --mode {self.mode}; it selects rows of --mode table"
+                )
             n = len(TABLE_ROWS)
-            if not self.rows or len(set(self.rows)) != len(self.rows) or not all(1 <= r <= n for r in self.rows):
+            if (
+                not self.rows
+                or len(set(self.rows)) != len(self.rows)
+                or not all(1 <= r <= n for r in self.rows)
+            ):
                 raise ValueError(
                     f"--rows={text!r} is not allowed; expected distinct comma-separated row numbers in 1..{n}"
                 )
@@ -218,7 +226,9 @@ class Lab:
         try:
             if rundir is not None:
                 rundir.write_config({"command": "specialize", "fit": name, **asdict(c)})
-            trainer = Trainer(model, task, config, rundir, progress=self.progress, extra_metrics={"method": name})
+            trainer = Trainer(
+                model, task, config, rundir, progress=self.progress, extra_metrics={"method": name}
+            )
             self.seconds += trainer.fit(resume=rundir is not None)["train_time_s"]
         finally:
             if rundir is not None:
@@ -613,7 +623,11 @@ def _print_summary(metrics: dict[str, Any]) -> None:
         labels = ("error", "I(E;Y)", "I(E;Y_pred)", "H_s", "H_u")
         n = m.get("over_seeds", {}).get("test_error", {}).get("n", 1)
         text = " ".join(f"{label} {_mean_sd(m, k)}" for label, k in zip(labels, keys))
-        return f"{name}: over {n} seeds {text} (error 95% CI {_ci(m, 'test_error')})" if n > 1 else f"{name}: {text}"
+        return (
+            f"{name}: over {n} seeds {text} (error 95% CI {_ci(m, 'test_error')})"
+            if n > 1
+            else f"{name}: {text}"
+        )
 
     for name, m in metrics.get("rows", {}).items():
         print(line(name, m))
