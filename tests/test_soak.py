@@ -53,10 +53,10 @@ def test_a_long_run_does_not_grow_in_memory(tmp_path):
     samples: list[tuple[float, int, float]] = []  # (seconds, step, RSS MiB)
     sample = task.sample
 
-    def timed_sample(generator, batch_size):
+    def timed_sample(generator, batch_size, step):
         if time.monotonic() - start > seconds:
             raise _Done
-        return sample(generator, batch_size)
+        return sample(generator, batch_size, step)
 
     def on_eval(step, val):
         samples.append((time.monotonic() - start, step, rss_mib()))

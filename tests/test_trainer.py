@@ -86,11 +86,11 @@ def run_training(data, out, steps=12, resume=False, stop_at=None, method="smoe")
     if stop_at is not None:
         sample, calls = task.sample, {"n": 0}
 
-        def interrupted(generator, batch_size):
+        def interrupted(generator, batch_size, step):
             calls["n"] += 1
             if calls["n"] == stop_at:
                 raise KeyboardInterrupt
-            return sample(generator, batch_size)
+            return sample(generator, batch_size, step)
 
         task.sample = interrupted
     cfg = TrainConfig(steps=steps, batch_size=4, eval_every=3, ckpt_every=4, eval_tokens=128, seed=5)
