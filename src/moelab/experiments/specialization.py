@@ -225,7 +225,7 @@ class Lab:
         rundir = None if self.root is None else RunDir(self.root / name, resume=True, lock=False)
         try:
             if rundir is not None:
-                rundir.write_config({"command": "specialize", "fit": name, **asdict(c)})
+                rundir.write_config({"command": "specialize fit", "name": name, **asdict(c)})
             trainer = Trainer(
                 model, task, config, rundir, progress=self.progress, extra_metrics={"method": name}
             )
@@ -570,7 +570,9 @@ def _subset(data: ImageData, c: SpecConfig) -> ImageData:
 
 
 #: what a run writes beside its run entries (a new run in the folder removes them)
-_OUTPUTS = ("model", "row[1-9]", "importance_[0-9]*", "ls_[0-9]*", "*_selection.png", "*_gate.png", "*.md")
+_OUTPUTS = (
+    "model", "row[1-9]", "importance_[0-9]*", "ls_[0-9]*", "*_selection.png", "*_gate.png", "table.md", "welch.md",
+)  # fmt: skip
 
 
 def _execute(config: SpecConfig, run: runner.Run) -> dict[str, Any]:
