@@ -141,3 +141,29 @@ def test_metrics_json_is_written_by_the_lifecycle(tmp_path):
     out = tmp_path / "run"
     runner.execute(TOY, {"name": "b"}, out=out)
     assert json.loads((out / "metrics.json").read_text()) == {"name": "b", "steps": 10}
+
+
+def test_train_specialize_and_bench_suite_refuse_a_changed_seed_in_the_same_sentence(
+    corpus, tmp_path, capsys
+):
+    """One resume implementation: each command's recorded settings are checked by the runner, so
+    a changed ``--seed`` gets the one sentence of :func:`runner.refuse_change` everywhere."""
+    from moelab import cli
+
+    train = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+             "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "32",
+             "--test-tokens", "32", "--no-progress"]  # fmt: skip
+    specialize = ["specialize", "--epochs", "1", "--train-samples", "64", "--test-samples", "32"]
+    suite = ["bench", "suite", "--tokens", "4", "--routing", "balanced", "--shapes", "4x2x16", "--d-model", "16",
+             "--repeats", "2", "--warmup", "0", "--threads", "1", "--peers", "none", "--no-memory"]  # fmt: skip
+    commands = {
+        "train": (train, tmp_path / "train", tmp_path / "train" / "config.yaml"),
+        "specialize": (specialize, tmp_path / "spec", tmp_path / "spec" / "config.yaml"),
+        "bench": (suite, tmp_path / "suite.json", tmp_path / "suite.json"),
+    }
+    for name, (argv, out, where) in commands.items():
+        assert cli.main([*argv, "--out", str(out)]) == 0, name
+        capsys.readouterr()
+        assert cli.main([*argv, "--out", str(out), "--resume", "--seed", "1"]) == 2, name
+        sentence = runner.refuse_change("--seed", 1, 0, where).args[0]
+        assert capsys.readouterr().err == f"moelab {name}: error: {sentence}\n", name
