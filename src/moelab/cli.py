@@ -1,9 +1,8 @@
-"""The ``moelab`` command.
-
-Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
-``run(args) -> int``; this file only wires them.  Errors a user can act on (``UsageError``,
-``ValueError``, ``FileNotFoundError``; a full disk or a permission error) print one line to stderr
-and exit 2, without a traceback (``--debug`` shows it).
+"""The ``moelab`` command: each subcommand lives in its own module, which provides
+``add_arguments(parser)`` and ``run(args) -> int``, and this file only wires them.  Errors a user
+can act on (``UsageError``, ``ValueError``, ``FileNotFoundError``; a full disk or a permission
+error) print one line to stderr and exit 2, without a traceback (``--debug`` shows it); docs/errors.md
+("How errors surface").
 """
 
 from __future__ import annotations

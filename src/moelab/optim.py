@@ -1,8 +1,7 @@
-"""The optimizer: Adam or AdamW, with decoupled weight decay on the matrices only.
-
-One rule says which parameters weight decay applies to (:func:`decayed_parameter_names`); the
-models own their groups (``model.param_groups(weight_decay)``, which calls :func:`param_groups`),
-and :func:`build_optimizer` builds the optimizer every trainer uses from them.  The command line
+"""The optimizer, Adam or AdamW with decoupled weight decay on the matrices only: one rule says
+which parameters weight decay applies to (:func:`decayed_parameter_names`), the models own their
+groups (``model.param_groups(weight_decay)``, which calls :func:`param_groups`), and
+:func:`build_optimizer` builds the optimizer every trainer uses from them.  The command line
 exposes it as ``--optimizer`` and ``--weight-decay`` (README, "The command line").
 """
 

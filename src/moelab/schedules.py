@@ -1,14 +1,10 @@
-"""Training schedules: when each MoE layer competes.
-
-* :class:`CompetitionSchedule` — CompeteSMoE (2025) §2.3.2, §2.4, App. B: built once, offline,
-  before training; per layer a Bernoulli(ω) draw per step after a warm-up, and a global cap of
-  ``A_max`` competing layers per step.
-* :class:`CoinFlipSchedule` — CompeteSMoE (2024) §3.2-3.3: an independent coin flip per layer and
-  step with probability λ(t).
-
-Both expose ``num_layers`` and ``active(layer, step) -> bool``: the routers read them through
-``moelab.RoutingContext(schedule=...)`` (``ctx.schedule.active(layer_index, ctx.step)``), so a layer
-has one code path whatever the schedule.
+"""Training schedules, when each MoE layer competes: :class:`CompetitionSchedule` (CompeteSMoE
+(2025) §2.3.2, §2.4, App. B: built once before training, a Bernoulli(ω) draw per layer and step
+after a warm-up, at most ``A_max`` competing layers per step) and :class:`CoinFlipSchedule`
+(CompeteSMoE (2024) §3.2-3.3: an independent coin flip per layer and step with probability λ(t)).
+Both expose ``num_layers`` and ``active(layer, step) -> bool``, which the routers read through
+``moelab.RoutingContext(schedule=...)``, so a layer has one code path whatever the schedule.
+docs/methods.md ("Competition") gives the rules.
 """
 
 from __future__ import annotations
@@ -73,22 +69,11 @@ def _broadcast_from_rank0(table: torch.Tensor) -> torch.Tensor:
 class CompetitionSchedule:
     """The competition schedule Λ(l, t) of CompeteSMoE (2025) §2.3.2, §2.4, App. B, Table 20.
 
-    Built once before training:
-
-    1. no competition during the first ``floor(warmup · total_steps)`` steps (warm-up 0.05);
-    2. for each layer ``l = 0 .. L-1`` in order and each later step ``t``: ``Λ(l, t) ~ Bernoulli(ω)``;
-    3. global cap (App. B, eq. 8-9): if layer ``l`` would make ``Q_prev(t) + 1 > A_max`` active
-       layers at ``t`` (``Q_prev`` counts layers ``< l``), its activation moves to the nearest step
-       ``t'`` after the warm-up with ``Q_prev(t') + 1 ≤ A_max`` and ``Λ(l, t') = 0``, searching by
-       increasing distance and trying the left step before the right one at each distance.
-
-    Each layer therefore keeps its number of activations (the rate stays ω); only when no step at
-    all can take an activation (ω close to 1 with a small cap) is it dropped, with a warning.
-    The public code checks only the cap, not whether the layer is already active at ``t`` itself,
-    so a right-shifted activation can be overwritten and lost: here it cannot.
-
-    The table depends only on the arguments (numpy ``PCG64`` seeded with ``seed``), and under
-    ``torch.distributed`` it is broadcast from rank 0, so every rank holds the same schedule.
+    Built once before training from the arguments alone (numpy ``PCG64`` seeded with ``seed``;
+    under ``torch.distributed`` broadcast from rank 0, so every rank holds the same table): a
+    warm-up without competition, then ``Λ(l, t) ~ Bernoulli(ω)`` per layer and step, an activation
+    beyond the cap of ``A_max`` layers a step moved to the nearest free step.  docs/methods.md
+    ("``competesmoe``") gives the rules.
 
     Args:
         num_layers: L, the model's MoE layers (``moelab.attach`` checks it against the model).

@@ -1,98 +1,12 @@
-"""``moelab bench suite``: the full benchmark grid of docs/performance.md (a script, never timed tests).
-
-For every case of the grid — tokens ``T`` × shapes ``(N, K, h)`` × width ``d`` × routing ×
-threads — one process builds every candidate, checks that they compute the same function, times
-them in interleaved rounds (:func:`moelab.bench.harness.interleaved`: round-robin, the order rotating each
-round; medians; each ratio is the median over rounds of ``t / t_dense`` within the same round) and
-measures each one's peak memory in a separate, untimed call.  Phases: ``train`` = forward +
-backward of a fixed random output gradient, ``infer`` = forward under ``torch.inference_mode``.
-
-**Groups.**  Every peer is compared with moelab and a dense FFN of the same activation and width;
-ratios are to the dense FFN of the row's group (:class:`moelab.experts.MLP` of width ``K·h``: the
-same expert arithmetic without routing, the limit):
-
-* ``swiglu``: ``moelab.MoE(method="smoe", activation="swiglu", impl="auto")``, transformers'
-  Mixtral block (``mixtral eager``, ``mixtral grouped_mm``, holding moelab's weights) and, for
-  ``T ≤ 16``, the ``bound`` (below);
-* ``swiglu+bias``: st-moe-pytorch, whose experts are GEGLU with biases and a multiplicative bias;
-  moelab has no GEGLU (``moelab.functional.ACTIVATIONS``), so its moelab and dense are SwiGLU with
-  biases — the same matmuls, a SiLU instead of a GELU gate;
-* ``relu``: lucidrains' mixture-of-experts (top-2 only; its default ReLU, no gating), holding the
-  weights of the group's moelab layer.
-
-All candidates share the router weights ``W (N, d)`` and the inputs, hence the routing.  Their
-expert FLOPs per token are computed from their weights (``moelab.bench.harness.expert_flops_per_token``,
-2 per multiply-add, router excluded) and a row whose FLOPs differ from its group's dense is
-flagged in its note.  The peers that drop token-slots by capacity (st-moe, lucidrains:
-:mod:`moelab.bench.peers`) are flagged ``drops_tokens`` with the measured fraction of the ``T·K``
-slots they dropped in each phase and the FLOPs they actually compute per token (their experts on
-all ``N·C`` capacity rows plus the two one-hot einsums).  Before timing, outputs are compared:
-Mixtral with moelab on every token; lucidrains with its group's moelab and st-moe with
-``Σ_k w_k · expert_{i_k}(x)`` over its own experts and moelab's routing, on the tokens that kept
-all K slots (a note reports any difference above ``1e-4`` relative).
-
-**Routing** (``--routing``).  Both kinds go through the inputs, so that every candidate sees the
-same routing.  Each token ``t`` gets a favourite expert ``f_t``: ``balanced``: the experts in
-turn (``(π_t + o) mod N`` for a random permutation ``π`` of the tokens and a random offset ``o``,
-so every expert is the favourite of ``⌊T/N⌋`` or ``⌈T/N⌉`` tokens); ``zipf``: ``P(f = e) ∝
-(e + 1)^{-s}`` with ``s = 1`` (:data:`ZIPF_EXPONENT`), expert 0 the most popular.  The token is
-``x_t = z_t + c_t W_{f_t}`` with ``z_t ~ N(0, I_d)`` and the smallest ``c_t ≥ 0`` that puts the
-favourite's logit ``margin = 0.5`` above every other logit (``c_t = max_e (margin − (ℓ_f − ℓ_e))
-/ (‖W_f‖² − W_e·W_f)`` over the experts with a positive denominator), so the top-1 choice is the
-favourite and the other K−1 choices follow ``z_t``.  The realised load is measured from moelab's
-routing: ``top_share`` (share of the ``T·K`` slots on the most loaded expert), ``max_over_mean``
-(its count over the mean ``T·K/N``), ``favourite_hit`` (tokens whose top-1 is ``f_t``) and
-``experts_touched``.
-
-**Bound** (``T ≤ 16``, infer, group ``swiglu``).  The weights-read bound: for each expert that
-moelab's routing of this input touches, that expert's MLP on exactly the tokens routed to it —
-``F.linear(act(F.linear(x_e, W_in[e])), W_out[e])`` with ``x_e`` and the expert's weights
-pre-sliced into contiguous tensors outside the timed function.  It reads each touched expert's
-weights once and computes exactly the routed FLOPs, with no router, sort, gather, scatter or
-combine.  ``ratio_to_bound`` = median over rounds of ``t / t_bound``.
-
-**Experts** (every case, both phases, group ``swiglu``).  moelab's experts alone — the layer's
-own implementation, GEMMs and activation — on the token slots gathered and sorted by expert
-beforehand (:func:`experts_only`).  ``ratio_to_experts`` of the ``moelab`` row is the cost of
-routing and dispatch (router, top-K, sort, gather, combine and their backward); the ``experts``
-row's ``ratio_to_dense`` is what remains between the dense limit and a perfect dispatch: N GEMMs
-of ``T·K/N`` rows instead of one of ``T``, over ``N/K`` times the weights.
-
-**Peak memory** (``peak_mib``): the peak growth of allocated memory during one call, over what was
-allocated before it, from a state without gradients (weights and inputs are not counted; a
-training step's activations, temporaries and gradients are): ``torch.profiler`` with
-``profile_memory=True``, the allocation and free records summed in time order, the running maximum
-the peak (:func:`moelab.bench.harness.peak_memory_bytes`).
-
-**Budget.**  ``--repeats`` rounds per case, cut short once the timed rounds of the case have taken
-``--budget`` seconds (never fewer than 3 rounds); ``rounds`` records how many ran.
-
-**JSON** (``--json`` prints it; ``--out FILE`` writes it atomically after every case, so an
-interrupted run keeps its finished cases, and ``--resume`` skips them; ``settings`` are the
-flags, which ``--resume`` compares as every command's run lifecycle does)::
-
-    {"bench": "suite", "schema": 2, "settings": {"command": "bench suite", <SuiteConfig's fields>},
-     "config": {"tokens", "shapes", "d_model", "routing", "threads", "peers" (the grid lists),
-                "repeats", "warmup", "budget", "clock", "seed", "device", "dtype",
-                "zipf_exponent", "zipf_margin", "bound_max_tokens", "peer_max_gib", "memory"},
-     "machine": moelab.bench.harness.machine_info(),
-     "cases": [{"key", "tokens", "num_experts", "top_k", "d_hidden", "d_model", "routing",
-                "threads", "load": {"top_share", "max_over_mean", "favourite_hit",
-                "experts_touched", "touched_weights_mib"}, "rounds", "seconds", "loadavg_1min",
-                "notes": [str],
-                "rows": [{"name", "group", "phase", "median_ms", "p25_ms", "p75_ms", "min_ms",
-                          "ratio_to_dense", "ratio_p25", "ratio_p75", "ratio_to_bound", "ratio_to_experts",
-                          "flops_per_token", "computed_flops_per_token", "drops_tokens",
-                          "dropped_fraction", "peak_mib", "note"}]}],
-     "summary": [{"key", "top_share", "moelab_dense_train", "moelab_dense_infer",
-                  "best_peer_train", "best_peer_dense_train", "best_peer_infer",
-                  "best_peer_dense_infer", "best_peer_drops_train", "best_peer_drops_infer",
-                  "moelab_bound", "moelab_experts_train", "moelab_experts_infer",
-                  "experts_dense_train", "experts_dense_infer"}]}
-
-``ratio_to_bound`` is set on the ``swiglu`` infer rows of cases with a bound, else ``null``;
-``ratio_to_experts`` on the ``swiglu`` rows;
-``dropped_fraction`` on capacity peers only; ``peak_mib`` is ``null`` with ``--no-memory``.
+"""``moelab bench suite``: the full benchmark grid, a script never run as a timed test.  For
+every case of the grid (tokens × shapes ``(N, K, h)`` × width × routing × threads) one process
+builds moelab, a dense FFN of the same activation and width (the limit every ratio is to), the
+peers of :mod:`moelab.bench.peers`, moelab's experts alone and, for decoding-sized steps, the
+weights-read bound; checks that they compute the same function; times them in interleaved rounds
+(:func:`moelab.bench.harness.interleaved`); measures each one's peak memory in a separate, untimed
+call; and writes one JSON document after every case, resumable through the run lifecycle of
+:mod:`moelab.experiments.runner`.  docs/performance.md ("The benchmark grid") gives the groups,
+the routing, the bound, the columns and the JSON keys.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Argument helpers shared by the subcommands: one ``KEY=VALUE`` rule for ``--opt`` (``train``,
-``compare``), ``--option`` (``upcycle``) and ``--sweep`` (``compare``).
-
-The rule, everywhere:
-
-* an item is ``KEY=VALUE``; ``KEY`` is a name of letters, digits and ``_`` not starting with a digit
-  (a method option such as ``balance_coef``); spaces around ``KEY`` and ``VALUE`` are ignored;
-* ``VALUE`` is read as, in this order: ``true`` / ``false`` (any case) → bool; ``none`` / ``null``
-  → ``None``; an integer (``3``, ``-2``) → int; a decimal number (``0.1``, ``1e-3``, ``.5``) →
-  float; text in matching quotes (``"1"``, ``'a b'``, ``""``) → that text as a string; anything
-  else → the string as written (``all``, ``norm``).  An empty ``VALUE`` is refused;
-* a list (``--sweep KEY=V1,V2,...``) splits ``VALUE`` on every comma and reads each part by the
-  rule above; no part may be empty and no value may repeat;
-* the same ``KEY`` given twice: the last one wins.
+``compare``), ``--option`` (``upcycle``) and ``--sweep`` (``compare``), which docs/errors.md ("The
+``KEY=VALUE`` rule") states in full.
 """
 
 from __future__ import annotations

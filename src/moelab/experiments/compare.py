@@ -1,19 +1,9 @@
-"""``moelab compare``: several MoE methods × seeds on one language-modelling task — the main job.
-
-The CPU-scale version of CompeteSMoE (2024) Table 2 (with the seeds and Welch t-test of CompeteSMoE (2024)
-Table 9): every method is trained with each seed by :func:`moelab.experiments.lm.train_lm` into
-``OUT/<method>/seed<k>/``, then :mod:`moelab.experiments.report` prints the table (mean ± std over seeds, best
-marked, p-value of each method against CompeteSMoE) and writes ``results.csv``, ``runs.csv`` and
-``val_curves.png`` into ``OUT``.
-
-Beside the table it prints the test figure of n-gram count models of the same corpus (orders 1-3, add-k
-smoothing chosen on validation; :mod:`moelab.data.ngram`) and writes them to ``count_models.csv``: a
-trained model that does not beat them has not learned much.
-
-Defaults: the embedded corpus, the ``cpu`` preset (300 steps), methods smoe, smoe-fixed, xmoe,
-stablemoe, competesmoe (those registered in this moelab; the others are named in the output),
-3 seeds.  A finished run is reused with ``--resume`` (an interrupted one continues from its
-checkpoint), so a killed comparison loses at most one run's last steps.
+"""``moelab compare``: several MoE methods × seeds on one language-modelling task, the CPU-scale
+version of CompeteSMoE (2024) Table 2 with the seeds and Welch t-tests of its Table 9: every method
+is trained with each seed by :func:`moelab.experiments.lm.train_lm` into ``OUT/<method>/seed<k>/``,
+then :mod:`moelab.experiments.report` prints the table and writes its files, beside the n-gram
+count models of the same corpus (:mod:`moelab.data.ngram`).  docs/results.md ("Notes") lists what
+it writes and its defaults.
 """
 
 from __future__ import annotations

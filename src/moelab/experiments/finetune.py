@@ -1,18 +1,9 @@
-"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (CompeteSMoE (2024) §6.3, Table
-3).
-
-The LM of ``--from RUN_DIR`` (its best-validation weights, else its newest checkpoint) loses its
-head; two new fully connected layers classify the mean-pooled final states; the routers are
-frozen (:mod:`moelab.models.classifier`).  CompeteSMoE (2024) App. C.3: Adam, lr 1e-4, batch 16 (IMDB 4),
-5 epochs (BANKING77 50); inputs truncated to the LM's block size.  The best-validation weights
-give the test accuracy; ``metrics.json`` holds ``val_acc``, ``test_acc`` and the trainer's keys.
-The run lifecycle (flags, ``--config``, ``--resume``, ``--force``) is
-:mod:`moelab.experiments.runner`'s; docs/architecture.md ("An experiment").
-
-Example::
-
-    moelab train --task lm --size cpu --steps 300 --out runs/lm
-    moelab finetune --task my_reviews.csv --from runs/lm --out runs/ft
+"""``moelab finetune``: fine-tune a pre-trained MoE LM on text classification (CompeteSMoE (2024)
+§6.3, Table 3): the LM of ``--from RUN_DIR`` loses its head, two new fully connected layers
+classify its mean-pooled final states and the routers are frozen (:mod:`moelab.models.classifier`),
+trained with the settings of CompeteSMoE (2024) App. C.3 through the run lifecycle of
+:mod:`moelab.experiments.runner`.  docs/results.md ("Notes") gives the settings and the
+``metrics.json`` keys; the README has an example.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """``moelab train``: a Switch / GLaM decoder LM with any MoE method (CompeteSMoE (2024) §6.1-6.2,
-Table 2; perturbed cosine router (2024) §5.2, Table 2).
-
-One run writes into ``--out``: ``config.yaml`` (the settings of :class:`TrainRun`, resolved, and
-what the run recorded when it began), ``log.csv`` (one row per step; validation columns on
-evaluation steps), ``metrics.json`` (:data:`METRIC_KEYS`), ``best/`` (the best-validation
-weights, used for the test as CompeteSMoE (2024) does) and ``ckpt/`` (atomic checkpoints).  The
-run lifecycle (flags, ``--config``, ``--resume``, ``--force``) is :mod:`moelab.experiments.runner`'s.
-
-Example::
-
-    moelab train --task lm --data default --size cpu --method smoe --steps 300 --out runs/smoe
-    moelab train --task lm --data enwik8 --size small --arch glam --method xmoe --out runs/x
+Table 2; perturbed cosine router (2024) §5.2, Table 2), declared as :class:`TrainRun` and run
+through the lifecycle of :mod:`moelab.experiments.runner` into ``--out``: ``config.yaml``,
+``log.csv``, ``metrics.json`` (:data:`METRIC_KEYS`), ``best/`` (the best-validation weights, used
+for the test as CompeteSMoE (2024) does) and ``ckpt/``.  docs/results.md ("Notes") says what each
+file holds; the README has example commands.
 """
 
 from __future__ import annotations

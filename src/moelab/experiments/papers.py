@@ -1,15 +1,8 @@
-"""The comparisons the CompeteSMoE papers printed: their methods, loss settings and numbers.
-
-``moelab compare --paper 2024`` runs CompeteSMoE (2024) Table 2's methods with that paper's
-settings (no balance or z loss for any method, §6.1: "all experiments do not consider the
-balancing loss"); ``--paper 2025`` CompeteSMoE (2025) Table 2's methods with its settings
-(balance 0.01 and z 0.001 for every learned router, Table 20).  The paper's numbers are printed
-beside ours, with what they measured: they come from models and budgets far larger than a CPU
-run, so only the order of the methods can be compared, never the values.
-
-With ``--paper 2024`` StableMoE's stage-1 balance loss is off too: the paper says no experiment
-uses the balancing loss, and also that StableMoE follows its default settings; we read the first
-as covering every method (``--losses preset`` keeps StableMoE's own 0.01).
+"""The comparisons the CompeteSMoE papers printed: their methods, loss settings and numbers, which
+``moelab compare --paper 2024`` (CompeteSMoE (2024) Table 2, no balance or z loss for any method)
+and ``--paper 2025`` (CompeteSMoE (2025) Table 2, balance 0.01 and z 0.001 for every learned
+router) run and print beside ours.  docs/results.md ("Notes") says how the settings were read and
+why only the order of the methods can be compared.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""``moelab report RUN_DIR...``: the comparison table and plots from finished runs.
-
-Runs are grouped by method and by every ``--opt`` whose value differs between runs (a sweep):
-each group is one row with the mean ± sample standard deviation over its seeds of the test
-metric (CompeteSMoE (2024) Table 2 / Table 9 layout), the best row marked ``*``, and the two-sided Welch
-t-test p-value of each group against the reference group (CompeteSMoE (2024) Table 9 uses CompeteSMoE vs
-SMoE; ``scipy.stats.ttest_ind(equal_var=False)``).  When exactly one option varies (a λ/ω or α
-sweep) the sensitivity table of CompeteSMoE (2024) Tables 4-5 is printed too: one column per value, one row
-per architecture.
-
-Writes into ``--out`` (default: the first RUN_DIR when it is a folder of runs): ``results.csv``
-(one row per group), ``runs.csv`` (one row per run) and ``val_curves.png`` (validation metric
-against step, mean over seeds: CompeteSMoE (2024) Fig. 2).
+"""``moelab report RUN_DIR...``: the comparison table and plots from finished runs, grouped by
+method and by every ``--opt`` that differs between runs, each group's mean ± sd over seeds with the
+Welch t-test against the reference group (CompeteSMoE (2024) Tables 2 and 9), the sensitivity
+table of its Tables 4-5 when one option varies, and ``results.csv``, ``runs.csv`` and
+``val_curves.png``.  docs/results.md ("Notes") describes the grouping and the files.
 """
 
 from __future__ import annotations

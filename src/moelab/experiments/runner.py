@@ -1,13 +1,11 @@
-"""The run lifecycle every ``moelab`` command shares.
-
-A command declares a config dataclass whose fields carry their flag, help and constraints
-(:func:`setting`, in the spirit of scikit-learn's ``_parameter_constraints``) and one function that
-executes it.  This module derives the argparse flags from the dataclass, reads ``--config FILE``
-(a run's own ``config.yaml`` included), validates with the flag names in the message, opens the
-run directory (lock, ``--force``, ``--resume`` with the recorded-config and data-fingerprint
-checks, ``--allow-changes``), writes ``config.yaml`` and ``metrics.json``, and sets up rank 0 first
-under torchrun.  Every refusal sentence of the lifecycle is written here once.  See
-docs/architecture.md ("An experiment").
+"""The run lifecycle every ``moelab`` command shares: a command declares a config dataclass whose
+fields carry their flag, help and constraints (:func:`setting`, in the spirit of scikit-learn's
+``_parameter_constraints``) and one function that executes it; this module derives the argparse
+flags from the dataclass, reads ``--config FILE`` (a run's own ``config.yaml`` included),
+validates with the flag names in the message, opens the run directory (lock, ``--force``,
+``--resume`` with the recorded-config and data-fingerprint checks, ``--allow-changes``), writes
+``config.yaml`` and ``metrics.json``, and sets up rank 0 first under torchrun.  Every refusal
+sentence of the lifecycle is written here once.  See docs/architecture.md ("An experiment").
 """
 
 from __future__ import annotations

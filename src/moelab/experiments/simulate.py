@@ -2,12 +2,8 @@
 directory through the run lifecycle (:mod:`moelab.experiments.runner`): :class:`SimulateConfig`
 holds the flags, a ``None`` left to the study's own value and recorded resolved in
 ``config.yaml``; the run writes ``losses.csv``, ``table.csv``, ``estimates.npz``, ``rates.png``
-and ``metrics.json`` (rates, slope differences, every constant of the study).  What each file
-holds: docs/results.md ("What a simulate run writes").
-
-Example::
-
-    moelab simulate --study cosine-vs-perturbed --quick --out runs/sim
+and ``metrics.json``.  docs/results.md ("What a simulate run writes") says what each file holds;
+the README has an example.
 """
 
 from __future__ import annotations

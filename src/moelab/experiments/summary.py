@@ -1,10 +1,8 @@
-"""Summary statistics over seeds: mean ± sample standard deviation, the Student-t interval of the
-mean and Welch's unequal-variance t-test, shared by ``moelab report``, ``compare`` and
-``specialize``.
-
+"""Summary statistics over seeds, shared by ``moelab report``, ``compare`` and ``specialize``: mean ±
+sample standard deviation, the Student-t interval of the mean and Welch's unequal-variance t-test.
 A statistic the values leave undefined (the spread of one value, a test without two values a side
 or without any spread) is ``None``, never NaN, and the formatters print it as a placeholder, so no
-table shows ``nan``.
+table shows ``nan``.  docs/results.md ("Notes").
 """
 
 from __future__ import annotations

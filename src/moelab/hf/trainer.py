@@ -1,39 +1,10 @@
-"""The transformers ``Trainer`` with moelab's layers.
-
-:class:`MoETrainer` is a ``transformers.Trainer`` that
-
-* attaches a :class:`moelab.RoutingContext` whose step follows the Trainer's optimizer steps
-  (:class:`MoETrainerCallback`: the routers' step hooks, e.g. sharede-v3's selection bias, run
-  once per optimizer step) and holds the training schedule the layers' method declares
-  (``Method.schedule``: CompeteSMoE (2025)'s competition schedule for ``competesmoe`` /
-  ``densemoe``, CompeteSMoE (2024)'s coin flips for ``competesmoe-v1``), built once at train begin
-  from ``args.seed`` and ``max_steps``, identical on every rank;
-* adds the aux loss (``moelab.aux_loss(model)``) *inside the model's forward*: a forward hook on
-  the model adds it to ``outputs.loss`` (or, when the task loss is computed outside the model —
-  a label smoother, ``compute_loss_func`` — returns it as ``outputs["moelab_aux_loss"]``, added
-  by ``compute_loss``), so under ``torchrun`` the loss DDP sees from its forward holds every
-  parameter the aux losses use (read after the forward they make DDP's unused-parameter search
-  mark a parameter ready twice);
-* logs each weighted aux loss (``aux_balance``, ``aux_z``, ``aux_distill``, ...) and their sum
-  ``aux_loss`` through ``Trainer.log`` (so ``report_to`` — TensorBoard, W&B, ... — gets them),
-  the mean over the micro-batches since the last log and over the ranks; ``loss`` is the
-  Trainer's training loss, task + aux;
-* decays only the parameters both transformers (no biases, no norms) and moelab
-  (:func:`moelab.optim.decayed_parameter_names`: matrices only) would decay;
-* saves the routing context and the schedule in every checkpoint (``moelab_routing.pt``) and
-  restores them on ``train(resume_from_checkpoint=...)``: a resumed run ends with the weights of
-  an uninterrupted one.
-
-The aux loss follows the Trainer's gradient-accumulation scaling of the task loss, and is not
-multiplied by the world size when ``average_tokens_across_devices`` multiplies the task loss
-(each rank balances its own tokens, Switch/GShard style); evaluation losses stay the task loss.
-
-transformers' own load-balancing loss (``output_router_logits=True``, Mixtral / Qwen-MoE /
-OLMoE configs) reads router logits that moelab layers do not record: it is refused in one line
-(each converted layer already adds its balance loss, ``balance_coef`` from
-``router_aux_loss_coef``).
-
-Both classes are created on first access so ``import moelab`` does not import transformers.
+"""The transformers ``Trainer`` with moelab's layers: :class:`MoETrainer` attaches a
+:class:`moelab.RoutingContext` that follows the Trainer's optimizer steps and holds the schedule
+the layers' method declares (:class:`MoETrainerCallback`), adds ``moelab.aux_loss(model)`` inside
+the model's forward so that DDP sees every parameter it uses, logs each aux loss through
+``Trainer.log``, decays only matrices, saves the routing state in every checkpoint and refuses
+transformers' own load-balancing loss; both classes are created on first access so that ``import
+moelab`` does not import transformers.  docs/scaling.md ("``MoETrainer``") describes each of these.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""One persistence format for every moelab model: ``config.json`` + ``model.safetensors``.
-
-:func:`save` writes a folder that :func:`load` rebuilds in a fresh process, bit-exactly, without
-the code that made it and without unpickling anything:
-
-* ``model.safetensors`` — every tensor of the state dict (buffers included), each storage once:
-  a key whose tensor is the same view of the same storage as an earlier key (the LM head tied to
-  the token embedding) is not stored again but listed under ``"tied"`` in ``config.json``; loading
-  fills it from its source and the rebuilt module ties it again.
-* ``config.json`` — ``format`` / ``format_version``; the model ``kind`` and its constructor
-  ``config`` (a fixed table of kinds: :class:`moelab.models.lm.TransformerLM`,
-  :class:`moelab.models.classifier.LMClassifier`, :class:`moelab.models.vision.ImageMoE`,
-  :class:`moelab.models.vision.SingleModel`, a bare :class:`moelab.MoE`, or a transformers
-  model with the moelab steps applied to it — ``upcycle`` / ``from_hf``, registered by
-  :mod:`moelab.hf.kind` through :func:`register_kind`; any other module is saved as kind
-  ``"module"``, whose weights :func:`load_weights` loads into a model you build);
-  ``moe_layers``: the method, sizes and options of every MoE layer (checked against the rebuilt
-  model); ``routing_context``: :meth:`moelab.RoutingContext.state_dict` (the step decides
-  StableMoE's stage and SMoE-Dropout's K; the competition schedule's arguments); ``files``: the
-  sha256 of every other file of the folder; ``sha256``: the digest of ``config.json``'s own
-  content (every key but this one, canonical JSON); ``metadata``: the caller's (step, metric).
-
-Every file is written by :func:`moelab.io.atomic.atomic_write_bytes`, ``config.json`` last: an
-interrupted save leaves a folder whose digests do not verify, which :func:`load` refuses in one
-line naming the file.  Training checkpoints (:mod:`moelab.train.checkpoint`) are this folder plus
-``state.pt`` (optimizer, RNG, schedule, step; read with ``weights_only=True``).
+"""One persistence format for every moelab model: :func:`save` writes ``config.json`` +
+``model.safetensors``, which :func:`load` rebuilds in a fresh process, bit-exactly, without the
+code that made it and without unpickling anything, from a fixed table of model kinds that other
+packages extend with :func:`register_kind` (any other module's weights load with
+:func:`load_weights`); every file is written atomically and sha256-verified, ``config.json`` last.
+docs/errors.md ("The saved-model format") lists the files and the keys of ``config.json``;
+training checkpoints (:mod:`moelab.train.checkpoint`) are this folder plus ``state.pt``.
 """
 
 from __future__ import annotations

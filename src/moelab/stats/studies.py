@@ -1,45 +1,10 @@
 """Convergence-rate studies of the MoE estimators: :func:`run_study` simulates data from a known
 mixing measure at every sample size of a grid, fits each router's estimator on many replicates at
 once, measures the losses against the truth (or against the best approximating measure) and fits
-their rates in n.  ``moelab simulate`` (:mod:`moelab.experiments.simulate`) runs a study into a run
-directory.
-
-Studies:
-
-* ``cosine-vs-perturbed`` — the perturbed cosine router (2024), §5.1, Fig. 1: data from a cosine (τ = 0) or perturbed cosine
-  (τ > 0) router MoE with one-unit tanh experts, fitted by least squares with k* experts
-  (exact-specified) and k* + 1 (over-specified); Voronoi loss D of the perturbed cosine router (2024) eq. (11).
-* ``misspecified`` — the perturbed cosine router (2024), App. F.1, Fig. 2(a): data from a LINEAR-router MoE, fitted by the cosine
-  and perturbed cosine MoE.  The fit converges to the best approximating mixing measure Ḡ, not
-  to the data-generating one (perturbed cosine router (2024) §4, "Misspecified settings"), so the loss is measured against
-  Ḡ, estimated by the same estimator on one sample of size ``reference_n`` (≫ the grid).
-* ``linear-vs-perturbed`` — the perturbed cosine router (2024), App. F.2, Fig. 2(b): data from a linear-router MoE with
-  polynomial experts (aᵀx + b)^p, fitted by the linear router (well-specified, against the truth)
-  and the perturbed cosine router (misspecified, against its Ḡ as above).
-* ``softmax-vs-competition`` — new: Gaussian mixtures of linear experts with softmax gating
-  (Ho (2025)) and competition gating (CompeteSMoE (2025) eq. (13)), each fitted over-specified (k* + 1) by maximum
-  likelihood.  Losses: the expert-parameter error Σ_j Σ_{i∈A_j} ‖(Δa, Δb, Δν)‖ (exponent 1 in
-  every cell, so its rate is the slowest expert rate; CompeteSMoE (2025) §3 predicts n^-1/4 with competition
-  and slower without) and the Voronoi loss of CompeteSMoE (2025) eq. (14) — weighted by e^{β₀} with its mass
-  term for softmax gating; unweighted and without the mass term for competition gating, which
-  has no gate parameters (its mass term would be the constant Σ_j ||A_j| − 1|).  A third series,
-  ``competition-bias``, adds the per-expert gate bias cᵢ that CompeteSMoE (2025)'s losses presuppose
-  (:class:`~moelab.stats.models.GaussianMoE` ``gate_bias``): without it the over-specified
-  competition model cannot represent the truth (every atom's gate numerator 1 + e^{μ} ≥ 1).
-
-The paper's constants (d, k*, ν, τ, grid, SGD settings) were not recoverable from the text;
-ours are in :class:`StudyConfig` and :data:`STUDY_DEFAULTS` and in every run's config.  The default optimiser is full-batch
-L-BFGS in float64 rather than the paper's SGD: a rate study measures the estimator, and SGD
-with a fixed budget stops short of the least-squares solution at large n, flattening the
-curve (``optimizer="sgd"`` runs the paper's choice).  Each replicate is its own L-BFGS run
-(:mod:`moelab.stats.lbfgs`), to a gradient max-norm ``gtol`` or a loss change ``ftol`` or the cap
-``steps``; ``restarts`` starts per replicate (``init`` near the truth or random) keep the lowest
-training loss; and every gate embedding lies in the ball ‖β₁ᵢ‖ < ``beta1_bound`` (the compact
-parameter space the theory assumes; :mod:`moelab.stats.fit`), by default ten times the expected
-norm of a true embedding, 10 · router_std · √d, and every expert's parameters in ‖ηᵢ‖ <
-``eta_bound``, by default 10 · expert_std · √q (q parameters per expert); the Gaussian study
-floors the fitted variances at ``nu_min`` (default nu_range[0] / 5), without which the
-over-specified likelihood has no maximum.
+their rates in n, with the constants of :class:`StudyConfig` and :data:`STUDY_DEFAULTS`; ``moelab
+simulate`` (:mod:`moelab.experiments.simulate`) runs a study into a run directory.
+docs/methods.md ("The studies") describes each study, its losses and why the default optimiser is
+L-BFGS; docs/results.md ("Statistical convergence") has the results.
 """
 
 from __future__ import annotations
