@@ -310,3 +310,25 @@ def test_load_imports_the_module_of_a_kind_from_the_fixed_table(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["MixtralForCausalLM", "True"]
+
+
+def test_a_saved_competition_schedule_comes_back_in_either_recorded_form(tmp_path):
+    """The routing context's ``state_dict`` (the schedule's arguments with its kind) is what
+    ``save`` writes; folders written with the earlier ``{"type": class, "args": ...}`` record load
+    to the same schedule."""
+    from moelab.io.model import _canonical
+
+    model = _lm("competesmoe")
+    ctx = moelab.routing_context(model, total_steps=40, seed=3, omega=0.3)
+    ctx.advance(5)
+    moelab.save(model, tmp_path / "m")
+    assert moelab.layer.moe_layers(moelab.load(tmp_path / "m"))[0].ctx.state_dict() == ctx.state_dict()
+
+    file = tmp_path / "m" / "config.json"
+    config = json.loads(file.read_text())
+    args = {k: v for k, v in config["routing_context"]["schedule"].items() if k != "type"}
+    config["routing_context"]["schedule"] = {"type": "CompetitionSchedule", "args": args}
+    config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+    file.write_text(json.dumps(config))
+    loaded = moelab.layer.moe_layers(moelab.load(tmp_path / "m"))[0].ctx
+    assert loaded.state_dict() == ctx.state_dict() and torch.equal(loaded.schedule.table, ctx.schedule.table)

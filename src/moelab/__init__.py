@@ -7,7 +7,7 @@ from .io import load, save
 from .layer import MoE, attach, aux_loss
 from .methods import methods
 from .routing import Routing, RoutingContext
-from .schedules import CoinFlipSchedule, CompetitionSchedule
+from .schedules import CoinFlipSchedule, CompetitionSchedule, routing_context
 
 __all__ = [
     "CoinFlipSchedule",
@@ -23,6 +23,7 @@ __all__ = [
     "from_hf",
     "load",
     "methods",
+    "routing_context",
     "save",
     "set_method",
     "to_hf",

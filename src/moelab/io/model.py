@@ -430,6 +430,19 @@ def _build(kind: str, config: dict[str, Any], file: Path) -> nn.Module:
     return _kinds()[kind].build(config, file)
 
 
+#: the schedule records of folders saved before the routing context carried its schedule's
+#: ``state_dict``: ``{"type": class name, "args": constructor arguments}``
+_RECORDED_SCHEDULES = {"CompetitionSchedule": "competition", "CoinFlipSchedule": "coin-flip"}
+
+
+def _schedule_state(routing_context: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The schedule's ``state_dict`` in a saved ``routing_context``, in either form it was written."""
+    schedule = routing_context.get("schedule")
+    if isinstance(schedule, Mapping) and set(schedule) == {"type", "args"}:
+        return {"type": _RECORDED_SCHEDULES.get(schedule["type"], schedule["type"]), **schedule["args"]}
+    return schedule
+
+
 def load(path: str | os.PathLike) -> nn.Module:
     """Rebuild the model saved in ``path`` (see :func:`resolve`: a :func:`save` folder, a
     checkpoint, or a run directory, whose ``best/`` is returned) and restore its routing context.
@@ -465,9 +478,9 @@ def load(path: str | os.PathLike) -> nn.Module:
     if state is not None and moe_layers(model):
         try:
             ctx = RoutingContext(
-                total_steps=state.get("total_steps"), schedule=schedule_from_state(state.get("schedule"))
+                total_steps=state.get("total_steps"), schedule=schedule_from_state(_schedule_state(state))
             )
-            ctx.load_state_dict(state)
+            ctx.load_state_dict({**state, "schedule": _schedule_state(state)})
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{str(file)!r} has a routing_context that does not rebuild: {e}") from None
         attach(model, ctx)

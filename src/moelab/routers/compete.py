@@ -305,7 +305,7 @@ class CompeteSMoERouter(Router):
             if not self._warned and not torch.compiler.is_compiling():  # a warning breaks the graph
                 warnings.warn(
                     f"competesmoe layer {self.layer_index}: no RoutingContext with a schedule "
-                    "(moelab.attach(model, RoutingContext(schedule=CompetitionSchedule(...)))); it routes "
+                    "(moelab.routing_context(model, total_steps) builds one); it routes "
                     f"like {self.base_method!r} and never competes",
                     stacklevel=3,
                 )
