@@ -380,3 +380,11 @@ def test_table_rows_over_seeds_report_summaries_welch_tests_and_teacher_tables(t
     assert runs[0].split(",")[:2] == ["row", "gate"] and len(runs) == 1 + 2 + 2
     config = (out / "config.yaml").read_text()
     assert "experts: 5" in config and "rows:\n- 2\n- 8" in config
+
+
+def test_no_progress_hides_the_bars_and_a_resume_may_change_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["specialize", "--epochs", "1", "--train-samples", "64", "--test-samples", "32", "--out", str(out)]
+    assert cli.main([*argv, "--no-progress"]) == 0
+    assert "it/s" not in capsys.readouterr().err
+    assert cli.main([*argv, "--resume"]) == 0  # how a run shows itself is not one of its inputs

@@ -154,6 +154,7 @@ class SpecConfig:
     threads: int = setting(
         1, input=False, help="torch CPU threads (1: the models are tiny)", allowed=Interval(int, 1)
     )
+    progress: bool = setting(True, input=False, flag="--no-progress", help="no progress bars")
 
     def check(self) -> None:
         if self.distill and self.gate != "attentive":
@@ -586,7 +587,7 @@ def _execute(config: SpecConfig, run: runner.Run) -> dict[str, Any]:
             else:
                 old.unlink()
     run.write_config()
-    lab = Lab(data, run.path / "fits")
+    lab = Lab(data, run.path / "fits", progress=config.progress)
     metrics = _MODES[config.mode](lab, config, run.path)
     if lab.runs:
         text = io.StringIO()
