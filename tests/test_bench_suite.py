@@ -387,3 +387,20 @@ def test_suite_resume_refuses_a_file_timed_on_another_processor(tmp_path, capsys
     )
     assert "timings of two machines would mix" in err and "Traceback" not in err
     assert json.loads(out.read_text()) == doc  # the file is left as it was
+
+
+def test_suite_resume_without_out_or_of_a_document_without_settings_is_refused(tmp_path, capsys):
+    argv = _balanced_to(tmp_path / "unused.json", "4")[:-2]  # the grid, without --out
+    assert main(["bench", "suite", *argv, "--resume"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "moelab bench: error: --resume needs --out FILE (the file whose cases to keep)\n"
+    )
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"bench": "suite", "schema": 1, "cases": []}))  # written before settings were
+    assert main(["bench", "suite", *argv, "--out", str(old), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"moelab bench: error: --out={str(old)!r} is not a suite JSON document with its settings ("
+    )
+    assert err.endswith("use --force to overwrite it\n")

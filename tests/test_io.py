@@ -332,3 +332,23 @@ def test_a_saved_competition_schedule_comes_back_in_either_recorded_form(tmp_pat
     file.write_text(json.dumps(config))
     loaded = moelab.layer.moe_layers(moelab.load(tmp_path / "m"))[0].ctx
     assert loaded.state_dict() == ctx.state_dict() and torch.equal(loaded.schedule.table, ctx.schedule.table)
+
+
+def test_a_saved_routing_context_whose_schedule_does_not_rebuild_is_refused_naming_the_file(tmp_path):
+    from moelab.errors import CheckpointError
+    from moelab.io.model import _canonical
+
+    model = _lm("competesmoe")
+    moelab.routing_context(model, total_steps=40, seed=3)
+    moelab.save(model, tmp_path / "m")
+    file = tmp_path / "m" / "config.json"
+    config = json.loads(file.read_text())
+    config["routing_context"]["schedule"]["type"] = "lottery"
+    config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+    file.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as info:
+        moelab.load(tmp_path / "m")
+    assert str(info.value) == (
+        f"{str(file)!r} has a routing_context that does not rebuild: schedule state of type 'lottery' is not "
+        "allowed; expected one of ['competition', 'coin-flip']"
+    )
