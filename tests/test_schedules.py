@@ -160,3 +160,20 @@ def test_schedule_is_broadcast_from_rank0(tmp_path):
     t0, t1 = torch.load(tmp_path / "table0.pt"), torch.load(tmp_path / "table1.pt")
     assert torch.equal(t0, t1)
     assert torch.equal(t0, CompetitionSchedule(4, 200, omega=0.2, a_max=2, seed=100).table)
+
+
+def test_a_model_whose_layers_need_two_schedules_is_refused():
+    from torch import nn
+
+    import moelab
+    from moelab.schedules import model_schedule
+
+    model = nn.Sequential(
+        moelab.MoE(8, 4, 2, method="competesmoe"), moelab.MoE(8, 4, 2, method="competesmoe-v1")
+    )
+    with pytest.raises(ValueError) as info:
+        model_schedule(model, 100)
+    assert str(info.value) == (
+        "the model's MoE layers use methods ['competesmoe', 'competesmoe-v1'], which need different schedules "
+        "['coin-flip', 'competition']; one model trains with one schedule"
+    )
