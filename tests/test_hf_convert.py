@@ -137,6 +137,7 @@ def test_whole_model_conversion_keeps_the_logits():
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    model.train()(ids)  # a training forward computes the aux losses (an inference one, none)
     assert moelab.aux_loss(model).item() > 0  # router_aux_loss_coef became balance_coef
 
 

@@ -111,11 +111,58 @@ def test_aux_loss_preset_coefficients_and_zero_switches_a_loss_off():
     assert off.coefs == {} and off.aux_loss.item() == 0.0
 
 
-def test_aux_loss_carries_gradient_to_the_router():
+def test_aux_loss_gradient_reaches_the_router_through_the_output():
+    """A training forward attaches ``∂aux`` to its output: a backward through the output (with a
+    zero task gradient) gives the router exactly the gradient of the weighted losses."""
     layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0)
-    layer(torch.randn(10, 8))
-    layer.aux_loss.backward()
-    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    x = torch.randn(10, 8)
+    (layer(x) * 0).sum().backward()
+    r = layer.router(x)
+    want = torch.autograd.grad(
+        switch_balance_loss(r.probs, r.indices, 4) + 0.001 * z_loss(r.logits), layer.router.weight
+    )[0]
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(layer.router.weight.grad, want)
+
+
+def test_aux_gradient_is_weighted_by_set_aux_scale():
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0)
+    x = torch.randn(10, 8)
+    grads = []
+    for scale in (1.0, 0.25):
+        moelab.set_aux_scale(layer, scale)
+        layer.zero_grad()
+        (layer(x) * 0).sum().backward()
+        grads.append(layer.router.weight.grad.clone())
+    torch.testing.assert_close(grads[1], 0.25 * grads[0])
+
+
+def test_adding_aux_loss_to_the_loss_does_not_count_its_gradient_twice():
+    torch.manual_seed(0)
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0)
+    x, g = torch.randn(10, 8), torch.randn(10, 8)
+    (layer(x) * g).sum().backward()
+    without = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    ((layer(x) * g).sum() + moelab.aux_loss(layer)).backward()
+    torch.testing.assert_close(layer.router.weight.grad, without)
+
+
+def test_aux_loss_weighed_otherwise_than_the_scale_is_refused_in_backward():
+    layer = moelab.MoE(8, 4, 2, method="smoe")
+    y = layer(torch.randn(10, 8))
+    with pytest.raises(
+        ValueError, match=r"aux_loss enters this loss with weight 0.5, but .* weight 1; .*set_aux_scale"
+    ):
+        ((y.sum() + moelab.aux_loss(layer)) / 2).backward()
+    moelab.set_aux_scale(layer, 0.5)
+    y = layer(torch.randn(10, 8))
+    ((y.sum() + moelab.aux_loss(layer)) / 2).backward()  # the same weight: accepted
+
+
+def test_set_aux_scale_refuses_a_non_number():
+    with pytest.raises(ValueError, match=r"scale=nan is not allowed; expected a finite number"):
+        moelab.set_aux_scale(moelab.MoE(8, 4, 2), float("nan"))
 
 
 def test_moelab_aux_loss_sums_every_layer():
@@ -296,18 +343,45 @@ def test_layer_passes_gradcheck_in_float64(method):
     assert torch.autograd.gradcheck(f, (x, *params))
 
 
-def test_aux_loss_is_computed_only_when_read(monkeypatch):
-    layer = moelab.MoE(8, 4, 2, method="smoe")
+def test_an_inference_forward_computes_no_aux_loss_and_keeps_no_tensor(monkeypatch):
+    """Under ``torch.no_grad`` the layer neither computes the aux losses nor keeps its input or
+    routing: every tensor it held before the forward is all it holds after."""
+    layer = moelab.MoE(8, 4, 2, method="smoe", record_routing=False)
+    layer(torch.randn(6, 8))  # a training forward first: nothing of it may survive either
     calls = []
-    original = layer._aux_loss
-    monkeypatch.setattr(layer, "_aux_loss", lambda *a: calls.append(1) or original(*a))
-    with torch.inference_mode():
+    original = layer._aux_terms
+    monkeypatch.setattr(layer, "_aux_terms", lambda *a: calls.append(1) or original(*a))
+
+    def held() -> set[int]:
+        seen = {id(t) for t in [*layer.parameters(), *layer.buffers()]}
+        return {id(v) for v in vars(layer).values() if torch.is_tensor(v)} - seen
+
+    with torch.no_grad():
         layer(torch.randn(3, 8))
-    assert calls == []  # an inference pass that never reads it does not pay for it
-    first = layer.aux_loss
-    assert calls == [1] and layer.aux_loss is first  # computed once, then kept
+    assert calls == [] and layer.last_routing is None and held() == set()
+    assert layer.aux_loss.item() == 0.0
     layer(torch.randn(3, 8))
-    assert layer.aux_loss is not first and calls == [1, 1]
+    assert calls == [1] and layer.last_routing is None and held() == set()
+
+
+def test_recording_routing_keeps_the_routing_of_an_inference_forward():
+    layer = moelab.MoE(8, 4, 2, method="smoe")
+    with torch.no_grad(), moelab.recording_routing(layer):
+        layer(torch.randn(3, 8))
+    layer.record_routing = False
+    with torch.no_grad(), moelab.recording_routing(layer):
+        layer(torch.randn(3, 8))
+    assert layer.last_routing.indices.shape == (3, 2) and layer.record_routing is False
+    off = moelab.MoE(8, 4, 2, method="smoe", record_routing=False)
+    off(torch.randn(3, 8))
+    assert off.last_routing is None
+
+
+def test_record_routing_refuses_a_non_bool():
+    with pytest.raises(
+        ValueError, match=r"record_routing='yes' is not allowed; expected None, True or False"
+    ):
+        moelab.MoE(8, 4, 2, record_routing="yes")
 
 
 @pytest.mark.parametrize("method", moelab.methods())
@@ -345,3 +419,25 @@ def test_inputs_of_a_wrong_dtype_are_refused_in_one_line():
         match=r"input of dtype torch.float16 is not allowed; expected the layer's dtype torch.float32",
     ):
         layer(torch.ones(3, 8, dtype=torch.float16))
+
+
+class _AlwaysCompete:
+    def active(self, layer: int, step: int) -> bool:
+        return True
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("method", moelab.methods())
+def test_every_method_trains_under_bf16_autocast(method):
+    """A training step under ``torch.autocast(bfloat16)`` on float32 parameters, on a competition
+    step for the competition methods (whose expert backward once refused bf16 rows): finite
+    float32 gradients for every parameter that gets one."""
+    layer = moelab.MoE(16, 4, 2, 32, method=method)
+    moelab.attach(layer, moelab.RoutingContext(total_steps=10, schedule=_AlwaysCompete()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.randn(32, 16))
+    y.float().square().mean().backward()
+    grads = [p.grad for p in layer.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)

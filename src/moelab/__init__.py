@@ -4,7 +4,7 @@ from ._version import __version__
 from .experts import ExpertBank, ModuleExperts
 from .hf import from_hf, set_method, to_hf, upcycle
 from .io import load, save
-from .layer import MoE, attach, aux_loss
+from .layer import MoE, attach, aux_loss, recording_routing, set_aux_scale
 from .methods import methods
 from .routing import Routing, RoutingContext
 from .schedules import CoinFlipSchedule, CompetitionSchedule, routing_context
@@ -23,8 +23,10 @@ __all__ = [
     "from_hf",
     "load",
     "methods",
+    "recording_routing",
     "routing_context",
     "save",
+    "set_aux_scale",
     "set_method",
     "to_hf",
     "upcycle",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -15,9 +17,37 @@ from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
-__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
+__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers", "recording_routing", "set_aux_scale"]
 
 _LAYER_OPTIONS = ("num_shared",)
+
+#: the most aux-loss terms a layer records by name (the standard losses and a router's own)
+_MAX_TERMS = 12
+
+#: the non-finite message under torch.compile: a constant, since a per-layer value (the layer's
+#: index, its method) read in the traced code becomes a guard and recompiles every layer
+_NON_FINITE_COMPILED = (
+    "MoE layer: router logits are not finite (NaN or inf); check the input and the learning rate, "
+    "or pass check_finite=False"
+)
+
+
+class _AuxLossInjection(torch.autograd.Function):
+    """Identity on the layer's output whose backward adds ``scale · ∂aux`` (the Megatron-Core /
+    torchtitan way to train on an aux loss): the aux loss leaves ``forward`` through the autograd
+    graph of the output, not through module state, so per-block ``torch.compile(fullgraph=True)``
+    and activation checkpointing trace it."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(scale)
+        ctx.aux_dtype = aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(ctx.aux_dtype), None
 
 
 class MoE(nn.Module):
@@ -40,13 +70,27 @@ class MoE(nn.Module):
             ``num_experts`` == N.
         check_finite: raise ``RuntimeError`` when router logits are NaN/inf (one host sync per
             forward; switch off for speed).  Under ``torch.compile`` the check is traced as
-            ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
+            ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``, with a
+            message that names no layer: a per-layer value would recompile every layer).
+        record_routing: keep ``last_routing`` after each forward: ``None`` (default) when the
+            layer is not being compiled, ``True`` always (also under ``torch.compile``, without
+            activation checkpointing), ``False`` never (an inference forward then keeps no tensor).
+            :func:`recording_routing` switches it on for a block.
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses, and
             ``num_shared``), overriding the preset.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
-    ``last_routing`` (detached :class:`moelab.Routing`).
+    ``last_routing`` (detached :class:`moelab.Routing`, see ``record_routing``).
+
+    The aux loss trains without being added to a loss: a training forward (training mode,
+    gradients enabled) attaches it to the output's autograd graph, whose backward adds
+    ``scale · ∂aux_loss`` to the gradients (``scale`` 1, or what :func:`set_aux_scale` sets for a
+    loss divided over accumulation steps or multiplied by a gradient scaler).  ``aux_loss`` is its
+    value; ``loss = task + moelab.aux_loss(model)`` stays right (the value is added, the gradient
+    is not counted twice) and is refused in one line when the loss is scaled by another weight
+    than ``scale``.  Other forwards (evaluation, ``torch.no_grad``) compute no aux loss:
+    ``aux_loss`` reads 0 after them.
     """
 
     def __init__(
@@ -62,6 +106,7 @@ class MoE(nn.Module):
         impl: str = "auto",
         experts: nn.Module | None = None,
         check_finite: bool = True,
+        record_routing: bool | None = None,
         **options,
     ) -> None:
         super().__init__()
@@ -72,6 +117,11 @@ class MoE(nn.Module):
         preset = get_method(method)
         self.method = method
         self.check_finite = bool(check_finite)
+        if record_routing not in (None, True, False):
+            raise ValueError(
+                f"record_routing={record_routing!r} is not allowed; expected None, True or False"
+            )
+        self.record_routing = record_routing
         #: the constructor arguments, JSON-ready: what :func:`moelab.save` records of this layer
         #: (``custom_experts``: an ``experts`` module was given, which a config cannot rebuild)
         self.init_config = {
@@ -126,26 +176,34 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
-        self._aux: Tensor | None = torch.zeros(())
-        self._aux_pending: tuple[Routing, Tensor] | None = None
+        # the aux values of the last training forward, ``[total, *terms by aux_names()]``, written in
+        # place (a buffer, as BatchNorm's statistics: compile- and checkpoint-clean), and the weight
+        # of the injected aux gradient (set_aux_scale); neither is saved with the model
+        self.register_buffer("_aux_values", torch.zeros(1 + _MAX_TERMS), persistent=False)
+        self.register_buffer("_aux_scale", torch.ones(()), persistent=False)
         self.last_routing: Routing | None = None
 
     @property
     def aux_loss(self) -> Tensor:
-        """The weighted sum of the aux losses of the last forward (0-dim, with autograd).
+        """The weighted sum of the aux losses of the last training forward (0-dim).
 
-        Computed when first read after a forward, from that forward's routing: an inference or
-        evaluation pass that never reads it does not pay for it (at a few tokens the losses
-        cost as much as the experts).
+        Its gradient already reaches the parameters through the layer's output (class
+        docstring); the tensor returned may be added to a loss (it checks in backward that the
+        loss weighs it by the layer's ``scale``, :func:`set_aux_scale`).  0 after a forward that
+        computed none (evaluation, ``torch.no_grad``).
         """
-        if self._aux_pending is not None:
-            routing, x = self._aux_pending
-            self._aux, self._aux_pending = self._aux_loss(routing, x), None
-        return self._aux
+        return _readout(self._aux_values[0], self._aux_scale)
 
-    @aux_loss.setter
-    def aux_loss(self, value: Tensor) -> None:
-        self._aux, self._aux_pending = value, None
+    def aux_names(self) -> tuple[str, ...]:
+        """The names of the aux terms this layer may compute, in the order :meth:`aux_values` uses."""
+        names = dict.fromkeys((*LOSS_NAMES, *type(self.router).loss_names))
+        return tuple(names)[:_MAX_TERMS]
+
+    def aux_values(self) -> dict[str, Tensor]:
+        """The weighted aux terms ``coef · loss`` of the last training forward by name (detached;
+        their sum is ``aux_loss``); the terms with a zero coefficient are left out."""
+        values = self._aux_values.detach().float().clone()
+        return {n: values[1 + i] for i, n in enumerate(self.aux_names()) if n in self.coefs}
 
     @property
     def layer_index(self) -> int:
@@ -154,13 +212,6 @@ class MoE(nn.Module):
     @layer_index.setter
     def layer_index(self, value: int) -> None:
         self.router.layer_index = value
-
-    def __getstate__(self) -> dict:
-        """Copies and pickles keep the last ``aux_loss`` as a value, without its autograd graph
-        (``copy.deepcopy`` refuses a non-leaf tensor, so a used layer could not be copied)."""
-        state = super().__getstate__()
-        state["_aux"], state["_aux_pending"] = self.aux_loss.detach(), None
-        return state
 
     def reset_parameters(self) -> None:
         """Initialise router, experts and shared experts as at construction: after
@@ -173,6 +224,9 @@ class MoE(nn.Module):
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset) and m is not self:
                     reset()
+        with torch.no_grad():
+            self._aux_values.zero_()
+            self._aux_scale.fill_(1.0)
 
     def extra_repr(self) -> str:
         return (
@@ -200,33 +254,50 @@ class MoE(nn.Module):
         if self.check_finite:
             # the router's logits, or the routing weights of a router without logits (competition)
             scores = routing.logits if routing.logits is not None else routing.weights
-            message = (
-                f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
-                "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
-            )
             if torch.compiler.is_compiling():
                 # a Python ``if`` on a tensor is a graph break; the asserting op is traced instead
                 # (it raises RuntimeError when the graph runs; on CUDA it fires asynchronously)
-                torch._assert_async(torch.isfinite(scores).all(), message)
+                torch._assert_async(torch.isfinite(scores).all(), _NON_FINITE_COMPILED)
             # one reduction: the sum of finite scores is finite unless it overflows, which the
             # exact check below (run only then) tells apart
             elif not math.isfinite(scores.sum().item()) and not torch.isfinite(scores).all():
-                raise NonFiniteError(message)
+                raise NonFiniteError(
+                    f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
+                    "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
+                )
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, routing.weights)
         else:
             y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
         if self.shared is not None:
             y = y + self.shared(flat)
-        self._aux_pending = (routing, flat)  # the aux loss, computed when read (``aux_loss``)
-        self.last_routing = routing.detach()
+        y = self._attach_aux(y, routing, flat)
+        self._record(routing)
         return y.reshape(shape)
 
-    def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
-        total = x.new_zeros(())
-        for term in self._aux_terms(routing, x).values():
-            total = total + term
-        return total
+    def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor) -> Tensor:
+        """Compute the aux loss of a training forward, record its values in place and attach its
+        gradient to ``y``; any other forward records zeros and computes nothing."""
+        terms = self._aux_terms(routing, x) if self.training and torch.is_grad_enabled() else {}
+        if not terms:
+            self._aux_values.zero_()
+            return y
+        names = self.aux_names()
+        total = sum(terms.values(), y.new_zeros((), dtype=torch.float32))
+        values = [total.detach().float()]
+        values += [terms[n].detach().float() if n in terms else values[0].new_zeros(()) for n in names]
+        values += [values[0].new_zeros(())] * (1 + _MAX_TERMS - len(values))
+        self._aux_values.copy_(torch.stack(values))
+        return _AuxLossInjection.apply(y, total, self._aux_scale)
+
+    def _record(self, routing: Routing) -> None:
+        record = self.record_routing
+        if not torch.compiler.is_compiling():
+            if record is None:
+                record = True
+            self.last_routing = routing.detach() if record else None
+        elif record:  # asked for under compile: a side effect dynamo replays (not under checkpointing)
+            self.last_routing = routing.detach()
 
     def _aux_terms(self, routing: Routing, x: Tensor) -> dict[str, Tensor]:
         """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
@@ -254,8 +325,58 @@ class MoE(nn.Module):
         return None
 
 
+def _check_aux_weight(grad: Tensor, scale: Tensor) -> None:
+    g, s = float(grad.detach().float()), float(scale.detach().float())
+    if not math.isclose(g, s, rel_tol=1e-5, abs_tol=0.0):
+        raise ValueError(
+            f"moelab.aux_loss enters this loss with weight {g:.6g}, but the MoE layers already add its "
+            f"gradient with weight {s:.6g}; expected the same weight: call moelab.set_aux_scale(model, {g:.6g}) "
+            "before the forward (or add the aux loss to the loss unscaled)"
+        )
+
+
+def _readout(value: Tensor, scale: Tensor) -> Tensor:
+    """``value`` as a fresh leaf that may be added to a loss: its gradient only checks the weight
+    (the aux gradient itself was attached to the layer's output in forward)."""
+    out = value.detach().clone()
+    if torch.is_grad_enabled():
+        out.requires_grad_()
+        out.register_hook(lambda grad: _check_aux_weight(grad, scale))
+    return out
+
+
+def set_aux_scale(model: nn.Module, scale: float) -> None:
+    """Weigh the aux-loss gradient the MoE layers of ``model`` attach in training forwards by
+    ``scale`` (default 1): the weight the task loss gets in ``backward`` — ``1 / accumulation
+    steps`` for a loss divided over gradient accumulation, times a gradient scaler's scale (fp16).
+    Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``; :class:`moelab.hf.MoETrainer` sets it."""
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float, Tensor))
+        or not math.isfinite(float(scale))
+    ):
+        raise ValueError(f"scale={scale!r} is not allowed; expected a finite number")
+    for layer in moe_layers(model):
+        layer._aux_scale.fill_(float(scale))
+
+
+@contextlib.contextmanager
+def recording_routing(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """Within the block every MoE layer of ``model`` keeps ``last_routing`` after each forward,
+    also without gradients (the diagnostics run their forwards in it); restored after."""
+    layers = moe_layers(model)
+    saved = [layer.record_routing for layer in layers]
+    for layer in layers:
+        layer.record_routing = True
+    try:
+        yield layers
+    finally:
+        for layer, value in zip(layers, saved, strict=True):
+            layer.record_routing = value
+
+
 def aux_loss(model: nn.Module) -> Tensor:
-    """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last forward)."""
+    """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last training forward)."""
     layers = moe_layers(model)
     if not layers:  # a dense model: a zero on the model's device, so ``task_loss + aux`` works anywhere
         p = next(model.parameters(), None)

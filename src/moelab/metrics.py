@@ -110,10 +110,12 @@ def _call(model: nn.Module, batch: Any, forward: Callable | None) -> None:
 
 @contextlib.contextmanager
 def _evaluating(model: nn.Module) -> Iterator[None]:
+    from .layer import recording_routing
+
     was_training = model.training
     model.eval()
-    try:
-        with torch.no_grad():
+    try:  # an inference forward keeps no routing unless asked: the diagnostics read it
+        with torch.no_grad(), recording_routing(model):
             yield
     finally:
         model.train(was_training)
