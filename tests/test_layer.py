@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -241,7 +243,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
         (
             {"temperature": 0.3},
-            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'z_coef'\]",
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'capacity_factor', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'router_dtype', 'scale', 'token_drop_policy', 'z_coef'\]",
         ),
         ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
         (
@@ -441,3 +443,121 @@ def test_every_method_trains_under_bf16_autocast(method):
     y.float().square().mean().backward()
     grads = [p.grad for p in layer.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+# ------------------------------------------------------------------------------------------ router dtype
+def test_router_dtype_float32_routes_under_bf16_autocast_as_in_float32():
+    """Under bf16 autocast the router's logits run in bf16 and some tokens change their experts;
+    ``router_dtype="float32"`` computes logits, softmax and top-K in float32: the experts chosen
+    are those of a float32 forward."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 32)
+    plain = moelab.MoE(32, 16, 2, method="smoe")
+    fp32 = moelab.MoE(32, 16, 2, method="smoe", router_dtype="float32")
+    fp32.load_state_dict(plain.state_dict())
+    want = plain.router(x).indices
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain(x)
+        fp32(x)
+    assert not torch.equal(plain.last_routing.indices, want)  # bf16 logits move some tokens
+    assert torch.equal(fp32.last_routing.indices, want)
+    assert fp32.last_routing.logits.dtype == torch.float32
+
+
+def test_router_dtype_applies_to_the_base_router_of_competesmoe():
+    layer = moelab.MoE(16, 4, 2, method="competesmoe", router_dtype="float32")
+    assert layer.router.base.compute_dtype == torch.float32 and layer.router.compute_dtype is None
+
+
+def test_router_dtype_refusals():
+    with pytest.raises(
+        ValueError, match=r"router_dtype='float16' is not allowed; expected one of \['float32'\]"
+    ):
+        moelab.MoE(8, 4, 2, router_dtype="float16")
+    with pytest.raises(
+        ValueError, match=r"router_dtype='float32' is not allowed with method='competition', which"
+    ):
+        moelab.MoE(8, 4, 2, method="competition", router_dtype="float32")
+    layer = moelab.MoE(8, 4, 2, router_dtype="float32").to(torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"router_dtype='float32' needs the router's parameters in float32; weight"
+    ):
+        layer(torch.randn(3, 8, dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------------ token mask
+def test_masked_tokens_count_in_no_statistic_and_get_output_zero():
+    """A padded batch with a mask: the real tokens get the outputs, aux loss and routing of the
+    batch without the padding (transformers' balance loss with attention_mask)."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(8, 4, 2, method="sharede-v3")
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[True, True, True, False, False], [True, True, True, True, False]])
+    y = layer(x, token_mask=mask)
+    aux, routing = layer.aux_loss, layer.last_routing
+    real = layer(x[mask])
+    torch.testing.assert_close(y[mask], real)
+    assert (y[~mask] == 0).all()
+    torch.testing.assert_close(aux, layer.aux_loss)
+    assert torch.equal(routing.indices, layer.last_routing.indices) and routing.indices.shape == (7, 2)
+
+
+def test_token_mask_refusals():
+    layer = moelab.MoE(8, 4, 2)
+    with pytest.raises(
+        ValueError, match=r"token_mask of shape \(2, 4\) is not allowed; expected .*, \(2, 5\)"
+    ):
+        layer(torch.randn(2, 5, 8), token_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(
+        ValueError, match=r"token_mask of dtype torch.int64 is not allowed; expected torch.bool"
+    ):
+        layer(torch.randn(2, 5, 8), token_mask=torch.ones(2, 5, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------ capacity
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_the_slots_over_each_experts_capacity(policy):
+    """Each expert keeps at most ``ceil(factor · T · K / N)`` slots — its highest weights
+    (``probs``) or its earliest tokens (``position``) — and a dropped slot adds nothing."""
+    torch.manual_seed(0)
+    T, N, K, factor = 64, 4, 2, 0.5
+    free = moelab.MoE(8, N, K, method="smoe")
+    capped = moelab.MoE(8, N, K, method="smoe", capacity_factor=factor, token_drop_policy=policy)
+    capped.load_state_dict(free.state_dict())
+    x = torch.randn(T, 8)
+    r = free.router(x)
+    capacity = math.ceil(factor * T * K / N)
+    keep = torch.zeros(T, K, dtype=torch.bool)
+    for e in range(N):  # the literal rule, expert by expert
+        t, k = (r.indices == e).nonzero(as_tuple=True)
+        order = (
+            r.weights[t, k].argsort(descending=True, stable=True)
+            if policy == "probs"
+            else torch.arange(len(t))
+        )
+        keep[t[order[:capacity]], k[order[:capacity]]] = True
+    want = free.experts(x, r.indices, r.weights * keep)
+    torch.testing.assert_close(capped(x), want)
+    assert capped.dropped_fraction == pytest.approx(1 - keep.float().mean().item())
+    assert capped.dropped_fraction > 0
+
+
+def test_a_large_capacity_drops_nothing():
+    torch.manual_seed(0)
+    free = moelab.MoE(8, 4, 2, method="xmoe")
+    capped = moelab.MoE(8, 4, 2, method="xmoe", capacity_factor=4.0)
+    capped.load_state_dict(free.state_dict())
+    x = torch.randn(32, 8)
+    torch.testing.assert_close(capped(x), free(x))
+    assert capped.dropped_fraction == 0.0
+
+
+def test_capacity_refusals():
+    with pytest.raises(ValueError, match=r"capacity_factor=0 is not allowed; expected a number > 0"):
+        moelab.MoE(8, 4, 2, capacity_factor=0)
+    with pytest.raises(ValueError, match=r"token_drop_policy='random' is not allowed; expected one of"):
+        moelab.MoE(8, 4, 2, capacity_factor=1.0, token_drop_policy="random")
+    with pytest.raises(
+        ValueError, match=r"token_drop_policy='position' is not allowed without capacity_factor"
+    ):
+        moelab.MoE(8, 4, 2, token_drop_policy="position")

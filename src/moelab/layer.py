@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
+from .functional import capacity_keep
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
@@ -19,7 +20,9 @@ from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers", "recording_routing", "set_aux_scale"]
 
-_LAYER_OPTIONS = ("num_shared",)
+_LAYER_OPTIONS = ("num_shared", "router_dtype", "capacity_factor", "token_drop_policy")
+ROUTER_DTYPES = ("float32",)
+TOKEN_DROP_POLICIES = ("probs", "position")
 
 #: the most aux-loss terms a layer records by name (the standard losses and a router's own)
 _MAX_TERMS = 12
@@ -152,12 +155,35 @@ class MoE(nn.Module):
                 coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
             elif key == "num_shared":
                 num_shared = value
+            elif key in _LAYER_OPTIONS:
+                continue  # below
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
+        router_dtype = options.get("router_dtype")
+        if router_dtype is not None:
+            _validate.one_of("router_dtype", router_dtype, ROUTER_DTYPES)
+            if preset.router == "competition":
+                raise ValueError(
+                    f"router_dtype={router_dtype!r} is not allowed with method={method!r}, which has no router "
+                    "(the competition routes by the experts' outputs)"
+                )
+        self.router_dtype: str | None = router_dtype
+        capacity = options.get("capacity_factor")
+        self.capacity_factor = None if capacity is None else _validate.positive("capacity_factor", capacity)
+        self.token_drop_policy = _validate.one_of(
+            "token_drop_policy", options.get("token_drop_policy", "probs"), TOKEN_DROP_POLICIES
+        )
+        if "token_drop_policy" in options and capacity is None:
+            raise ValueError(
+                f"token_drop_policy={options['token_drop_policy']!r} is not allowed without capacity_factor; "
+                "expected capacity_factor=<float> with it"
+            )
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
+        if router_dtype is not None:  # the scores of the base router (a composed router runs experts)
+            self.router.base_router.compute_dtype = getattr(torch, router_dtype)
         if experts is None:
             experts = ExpertBank(num_experts, d_model, d_hidden, activation=activation, bias=bias, impl=impl)
         elif not isinstance(experts, Experts):
@@ -181,6 +207,8 @@ class MoE(nn.Module):
         # of the injected aux gradient (set_aux_scale); neither is saved with the model
         self.register_buffer("_aux_values", torch.zeros(1 + _MAX_TERMS), persistent=False)
         self.register_buffer("_aux_scale", torch.ones(()), persistent=False)
+        # the fraction of token slots the capacity dropped in the last forward (0 without capacity)
+        self.register_buffer("_dropped", torch.zeros(()), persistent=False)
         self.last_routing: Routing | None = None
 
     @property
@@ -227,6 +255,13 @@ class MoE(nn.Module):
         with torch.no_grad():
             self._aux_values.zero_()
             self._aux_scale.fill_(1.0)
+            self._dropped.zero_()
+
+    @property
+    def dropped_fraction(self) -> float:
+        """The fraction of the last forward's token slots (T·K) its expert capacity dropped
+        (``capacity_factor``); 0 without a capacity."""
+        return float(self._dropped)
 
     def extra_repr(self) -> str:
         return (
@@ -234,7 +269,15 @@ class MoE(nn.Module):
             f"top_k={self.top_k}, num_shared={self.num_shared}, coefs={self.coefs}"
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """``x (..., d) → (..., d)``.
+
+        ``token_mask`` (``x.shape[:-1]``, bool, True for a real token), e.g. a padding mask: only
+        the real tokens are routed, so padding counts in no routing statistic, aux loss, expert
+        load, selection-bias update or capacity, as transformers' balance loss with its
+        ``attention_mask``; masked tokens get output 0.  It costs one host sync (how many tokens
+        are real) and routes the real tokens in their order: ``last_routing`` has one row each.
+        """
         if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"input of shape {tuple(x.shape)} is not allowed; expected the last dimension to be "
@@ -250,6 +293,12 @@ class MoE(nn.Module):
             )
         shape = x.shape
         flat = x.reshape(-1, self.d_model)  # (T, d)
+        real = None
+        if token_mask is not None:
+            real = self._real_tokens(token_mask, shape)
+            flat = flat.index_select(0, real)  # (T_real, d)
+        if self.router_dtype is not None:
+            self._check_router_dtype()
         routing = self.router(flat, self.experts, self.ctx)
         if self.check_finite:
             # the router's logits, or the routing weights of a router without logits (competition)
@@ -265,15 +314,55 @@ class MoE(nn.Module):
                     f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
                     "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
                 )
+        weights = routing.weights
+        if self.capacity_factor is not None:
+            weights = self._capacity(routing)
         if routing.outputs is not None:  # the router already ran the chosen experts
-            y = combine(routing.outputs, routing.weights)
+            y = combine(routing.outputs, weights)
         else:
-            y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
+            y = self.experts(flat, routing.indices, weights)  # (T, d)
         if self.shared is not None:
             y = y + self.shared(flat)
         y = self._attach_aux(y, routing, flat)
         self._record(routing)
+        if real is not None:  # the real tokens' outputs in their places, 0 for the masked ones
+            y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
         return y.reshape(shape)
+
+    def _real_tokens(self, token_mask: Tensor, shape: torch.Size) -> Tensor:
+        if not isinstance(token_mask, Tensor) or token_mask.shape != shape[:-1]:
+            got = tuple(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
+            raise ValueError(
+                f"token_mask of shape {got} is not allowed; expected the input's shape without its last "
+                f"dimension, {tuple(shape[:-1])}"
+            )
+        if token_mask.dtype != torch.bool:
+            raise ValueError(f"token_mask of dtype {token_mask.dtype} is not allowed; expected torch.bool")
+        return token_mask.reshape(-1).nonzero().squeeze(1)
+
+    def _check_router_dtype(self) -> None:
+        want = getattr(torch, self.router_dtype)
+        for name, p in self.router.base_router.named_parameters():
+            if p.dtype != want:
+                raise ValueError(
+                    f"router_dtype={self.router_dtype!r} needs the router's parameters in {self.router_dtype}; "
+                    f"{name} is {p.dtype} (keep the router in float32, layer.router.float(), and run the rest "
+                    "under torch.autocast)"
+                )
+
+    def _capacity(self, routing: Routing) -> Tensor:
+        """The routing weights with the slots over their expert's capacity set to 0 (each expert takes
+        ``ceil(capacity_factor · T · K / N)`` slots); the dropped fraction goes into a buffer."""
+        T, K = routing.indices.shape
+        if T == 0:
+            self._dropped.zero_()
+            return routing.weights
+        capacity = math.ceil(self.capacity_factor * T * K / self.num_experts)
+        keep = capacity_keep(
+            routing.indices, routing.weights, self.num_experts, capacity, self.token_drop_policy
+        )
+        self._dropped.copy_(1.0 - keep.float().mean())
+        return routing.weights * keep.to(routing.weights.dtype)
 
     def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor) -> Tensor:
         """Compute the aux loss of a training forward, record its values in place and attach its

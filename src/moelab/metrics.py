@@ -323,18 +323,25 @@ def load_cv(
     model: nn.Module, batches: Iterable[Any], forward: Callable | None = None
 ) -> list[dict[str, Any]]:
     """Per MoE layer: the fraction of token slots each expert received over ``batches`` and its
-    coefficient of variation (std / mean; 0 = perfectly balanced)."""
+    coefficient of variation (std / mean; 0 = perfectly balanced); for a layer with an expert
+    capacity (``capacity_factor``) also ``dropped``, the fraction of the slots it dropped."""
     counts: dict[int, Tensor] = {}
+    dropped: dict[int, float] = {}
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
         c = torch.bincount(layer.last_routing.indices.reshape(-1), minlength=layer.num_experts).double()
         counts[i] = counts[i] + c if i in counts else c
+        dropped[i] = dropped.get(i, 0.0) + layer.dropped_fraction * float(c.sum())
 
     n = _run(model, batches, forward, on_layer)
+    layers = _layers(model)
     out = []
     for i in range(n):
         load = counts[i] / counts[i].sum()
-        out.append({"load": load.tolist(), "cv": float(load.std(unbiased=False) / load.mean())})
+        row = {"load": load.tolist(), "cv": float(load.std(unbiased=False) / load.mean())}
+        if layers[i].capacity_factor is not None:
+            row["dropped"] = dropped[i] / float(counts[i].sum())
+        out.append(row)
     return out
 
 
@@ -361,7 +368,11 @@ def routing_summary(model: nn.Module) -> dict[str, float | None]:
             router_top = routing.probs.topk(k, dim=-1).indices
             overlaps.append(float(topk_overlap(router_top, routing.indices)))
     mean = lambda xs: sum(xs) / len(xs) if xs else None
-    return {"router_entropy": mean(entropies), "load_cv": mean(cvs), "competition_overlap": mean(overlaps)}
+    out = {"router_entropy": mean(entropies), "load_cv": mean(cvs), "competition_overlap": mean(overlaps)}
+    capped = [layer.dropped_fraction for layer in _layers(model) if layer.capacity_factor is not None]
+    if capped:  # a model with an expert capacity: the mean fraction of token slots dropped
+        out["dropped"] = mean(capped)
+    return out
 
 
 __all__ += [

@@ -6,7 +6,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from .. import _validate
 from ..routing import RoutingContext
@@ -64,6 +65,11 @@ class Router(nn.Module):
     #: names of the method-specific losses this router may put in ``Routing.losses``
     loss_names: tuple[str, ...] = ()
 
+    #: the dtype the router computes its scores, weights and top-K in, autocast off
+    #: (``MoE(router_dtype="float32")``, Megatron-Core's ``--moe-router-dtype``); ``None``: the
+    #: activations' dtype
+    compute_dtype: torch.dtype | None = None
+
     #: whether the chosen experts' weights are renormalised to sum to 1 over the K chosen; the
     #: top-(K+1) swap evaluation (:func:`moelab.metrics.swap_top1`) renormalises after dropping the
     #: top-1 iff so
@@ -75,6 +81,13 @@ class Router(nn.Module):
         self.num_experts = _validate.positive_int("num_experts", num_experts)
         self.top_k = _validate.int_in_range("top_k", top_k, 1, num_experts)
         self.layer_index = 0
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        dtype = self.compute_dtype
+        if dtype is None:
+            return super().__call__(x, *args, **kwargs)
+        with torch.autocast(x.device.type, enabled=False):
+            return super().__call__(x.to(dtype), *args, **kwargs)
 
     def reset_parameters(self) -> None:
         """Initialise the router's parameters and state as at construction (e.g. after
