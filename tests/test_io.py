@@ -352,3 +352,29 @@ def test_a_saved_routing_context_whose_schedule_does_not_rebuild_is_refused_nami
         f"{str(file)!r} has a routing_context that does not rebuild: schedule state of type 'lottery' is not "
         "allowed; expected one of ['competition', 'coin-flip']"
     )
+
+
+def test_load_weights_restores_the_routing_context_so_a_stablemoe_model_routes_as_saved(tmp_path):
+    """StableMoE past its stage switch routes with its frozen light router, a function of the
+    context: ``moelab.load_weights`` into a model without a context attaches the saved one (the
+    logits match exactly); a context already attached (a trainer's) stays as it is."""
+    torch.manual_seed(0)
+    saved = _lm("stablemoe")
+    moelab.attach(saved, moelab.RoutingContext(step=90, total_steps=100))
+    saved.eval()
+    ids = torch.randint(0, 40, (2, 16))
+    with torch.no_grad():
+        want = saved(ids)
+    moelab.save(saved, tmp_path / "m")
+    torch.manual_seed(1)
+    fresh = _lm("stablemoe").eval()
+    with torch.no_grad():
+        assert not torch.equal(fresh(ids), want)
+    moelab.load_weights(tmp_path / "m", fresh)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), want)
+    ctx = moelab.RoutingContext(step=3, total_steps=100)
+    other = _lm("stablemoe").eval()
+    moelab.attach(other, ctx)
+    moelab.load_weights(tmp_path / "m", other)
+    assert ctx.step == 3 and next(m for m in other.modules() if isinstance(m, moelab.MoE)).ctx is ctx

@@ -183,6 +183,9 @@ def _trainer_classes() -> dict[str, type]:
                     return None
                 return trainer._add_aux(module, kwargs, output)
 
+            model._moelab_aux_by_trainer = (
+                True  # this trainer adds the aux loss (not the converted model's hook)
+            )
             _HOOKS[model] = (
                 ref,
                 [
