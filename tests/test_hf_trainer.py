@@ -444,3 +444,17 @@ def test_the_plain_trainer_with_gradient_accumulation_is_refused_in_one_line(tmp
         ValueError, match=r"aux_loss enters this loss with weight 0.5, .*set_aux_scale\(model, 0.5\)"
     ):
         trainer.train()
+
+
+def test_competesmoe_trains_under_bf16_through_its_competition_steps(tmp_path):
+    """``TrainingArguments(bf16=True)``: the forward runs under bf16 autocast (the competition's
+    expert backward once refused its bf16 rows); the losses stay finite and the distillation is
+    logged on the competition steps."""
+    model = _model()
+    args = _args(tmp_path, bf16=True, max_steps=4)
+    trainer = MoETrainer(model=model, args=args, train_dataset=_data(), schedule_options=COMPETE)
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert len(logs) == 4 and all(math.isfinite(h["loss"]) for h in logs)
+    assert any(h["aux_distill"] > 0 for h in logs)
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
