@@ -103,6 +103,18 @@ def test_compare_sweep_gives_the_sensitivity_table(corpus, tmp_path, capsys):
     ) == 1
 
 
+def test_compare_sweeps_the_number_of_activated_experts(corpus, tmp_path, capsys):
+    out = tmp_path / "k"
+    args = [*tiny(corpus, out, "--methods", "smoe", "--sweep", "top_k=1,2")]
+    args[args.index("--seeds") + 1] = "1"
+    assert main(args) == 0
+    assert "test bpc by top_k" in capsys.readouterr().out
+    for k in (1, 2):
+        model = moelab.load(out / f"smoe-top_k{k}" / "seed0" / "best")
+        assert {layer.top_k for layer in moelab.layer.moe_layers(model)} == {k}
+    assert (out / "sensitivity.png").exists()
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

@@ -154,6 +154,28 @@ def test_train_cli_writes_the_run(corpus, tmp_path, capsys):
     assert "test_bpc" in capsys.readouterr().out
 
 
+def test_opt_sets_the_layer_arguments_the_lm_passes_to_every_layer(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out, "--opt", "top_k=3", "--opt", "activation=gelu")) == 0
+    model = moelab.load(out / "best")
+    layers = list(moelab.layer.moe_layers(model))
+    assert layers and all(layer.top_k == 3 for layer in layers)
+    assert model.cfg.top_k == 3 and model.cfg.activation == "gelu"
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--opt", "d_model=8"], "--opt d_model=8 is not allowed; the layer's d_model is set by --d-model"),
+        (["--opt", "method='xmoe'"], "the layer's method is set by --method"),
+        (["--top-k", "2", "--opt", "top_k=3"], "--opt top_k=3 contradicts --top-k 2; give one of them"),
+    ],
+)
+def test_opt_refuses_a_layer_argument_given_twice_in_one_line(corpus, tmp_path, capsys, extra, message):
+    assert main(tiny_args(corpus, tmp_path / "run", *extra)) == 2
+    assert message in _one_line_error(capsys)
+
+
 def test_train_cli_reads_a_config_file(corpus, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("method: xmoe\nseed: 3\nsteps: 2\n")
