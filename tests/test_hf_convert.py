@@ -378,3 +378,38 @@ def test_output_router_logits_on_a_converted_model_called_directly_is_refused_in
         model(ids)
     model.config.output_router_logits = False
     assert model(ids).logits.shape == (1, 5, 50)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek"])
+def test_to_hf_exports_in_the_dtype_the_model_was_cast_to_after_conversion(kind, dtype, tmp_path):
+    from safetensors import safe_open
+
+    model = moelab.from_hf(_tiny_causal_lm(kind).float())  # converted in float32
+    model.to(dtype)  # then cast: the blocks must come back in the model's dtype, not float32
+    layer = moelab.layer.moe_layers(model)[0]
+    want = {"router": layer.router.weight.dtype, "experts": layer.experts.w_in.dtype}
+    moelab.to_hf(model)
+    block = model.model.layers[0].mlp
+    assert block.gate.weight.dtype == want["router"] == dtype
+    assert all(p.dtype == dtype for p in block.experts.parameters())
+    if kind == "deepseek":  # its selection bias stays at least float32, in moelab and in transformers alike
+        bias = block.gate.e_score_correction_bias
+        assert bias.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits  # raised "expected m1 and m2 to have the same dtype" when mixed
+    assert logits.dtype == dtype
+    model.save_pretrained(tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    for name, p in model.named_parameters():  # no silent float64 → float32 rounding on disk
+        if name in saved:
+            assert saved[name].dtype == p.dtype and torch.equal(saved[name], p.detach()), name
+
+
+def test_to_hf_refuses_a_block_tensor_that_no_moelab_tensor_restores():
+    layer = from_hf(_block("mixtral"))
+    layer._hf_block.register_buffer("calibration", torch.empty(3, device="meta"))  # unknown to the plan
+    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock.calibration has no moelab counterpart"):
+        moelab.to_hf(layer)
