@@ -413,3 +413,33 @@ def test_to_hf_refuses_a_block_tensor_that_no_moelab_tensor_restores():
     layer._hf_block.register_buffer("calibration", torch.empty(3, device="meta"))  # unknown to the plan
     with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock.calibration has no moelab counterpart"):
         moelab.to_hf(layer)
+
+
+def test_moelab_load_keeps_the_attention_implementation_so_logits_come_back_bit_exact(tmp_path):
+    import hashlib
+    import json
+
+    from moelab.io.model import _canonical
+
+    model = _tiny_causal_lm("mixtral")
+    model.config._attn_implementation = "eager"  # not the default (sdpa): it moves the logits by ~1e-7
+    moelab.from_hf(model)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+    moelab.save(model, tmp_path / "m")
+    back = moelab.load(tmp_path / "m")
+    assert back.config._attn_implementation == "eager"
+    assert back.config._experts_implementation == model.config._experts_implementation
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, expected)
+    # saved with kernels this machine cannot build: loaded with the defaults, and said so
+    file = tmp_path / "m" / "config.json"
+    config = json.loads(file.read_text())
+    config["config"]["attn_implementation"] = "flash_attention_2"
+    config.pop("sha256")
+    config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+    file.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"was saved with \{'attn_implementation': 'flash_attention_2'.*"
+                      r"loaded with transformers' default kernels instead"):  # fmt: skip
+        moelab.load(tmp_path / "m")
