@@ -205,3 +205,30 @@ def test_compare_force_over_another_commands_run_leaves_nothing_of_it(corpus, tm
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "count_models.csv", "results.csv", "runs.csv", "smoe", "table.txt", "val_curves.csv", "val_curves.png",
     ]  # fmt: skip
+
+
+def test_compare_paper_ho2025_runs_each_method_in_its_layout_and_a_flag_wins(corpus, tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "ho"
+    args = tiny(corpus, out, "--paper", "ho2025", "--seeds", "1", "--steps", "2", "--eval-every", "2")
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "sharede-v2",
+        "sharede-v3",
+        "smoe",
+        "smoe-sg",
+    ]
+
+    def config(method):
+        return yaml.safe_load((out / method / "seed0" / "config.yaml").read_text())
+
+    # --num-experts 4 was given: it wins over the layout's 18 / 16; the rest is the paper's layout
+    assert [config(m)["num_experts"] for m in ("smoe", "sharede-v3")] == [4, 4]
+    assert (config("smoe-sg")["top_k"], config("smoe-sg")["d_hidden"]) == (4, 16)
+    assert (config("sharede-v2")["top_k"], config("sharede-v2")["opts"]) == (2, {"num_shared": 2})
+    assert moelab.load(out / "sharede-v3" / "seed0").blocks[0].ffn.num_shared == 2
+    assert config("smoe")["opts"] == {}  # each method's own losses
+    side = (out / "paper.txt").read_text()
+    assert "Ho (2025)" in side and "13.420" in side and "Ho (2025)" in text

@@ -276,3 +276,44 @@ def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_
         # the fine-tuned model keeps that routing when loaded
         ctx = next(m.ctx for m in load(out).modules() if getattr(m, "ctx", None) is not None)
         assert (ctx.step, ctx.total_steps) == (4, 4)
+
+
+@pytest.mark.parametrize("adapter", ["lora", "replora"])
+def test_finetune_with_an_adapter_trains_only_the_adapter_and_the_head(
+    pretrained, reviews, tmp_path, adapter
+):
+    import yaml
+
+    out = tmp_path / adapter
+    args = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(out), "--steps", "3",
+            "--batch-size", "8", "--no-progress", "--adapter", adapter, "--rank", "2", "--fraction", "0.25"]  # fmt: skip
+    assert main(args) == 0
+    recorded = yaml.safe_load((out / "config.yaml").read_text())["recorded"]
+    d = 64  # the cpu preset's width; the head is Linear(d, d) + Linear(d, 2)
+    head = d * d + d + d * 2 + 2
+    assert recorded["train_rows"] == 16  # 25 % of the 64 training rows
+    assert head < recorded["trainable_params"] < head + 20_000
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0 <= metrics["test_acc"] <= 100
+
+
+def test_finetune_adapter_flags_are_checked(pretrained, reviews, tmp_path, capsys):
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(tmp_path / "o")]
+    assert main([*base, "--rank", "4"]) == 2
+    assert "--rank=4 is not allowed with --adapter none" in capsys.readouterr().err
+    assert main([*base, "--adapter", "dora"]) == 2
+    assert "dora" in capsys.readouterr().err
+    assert main([*base, "--fraction", "0"]) == 2
+    assert "fraction" in capsys.readouterr().err
+
+
+def test_subsample_train_keeps_a_seeded_fraction_of_the_training_rows(reviews):
+    from moelab.data.classification import subsample_train
+
+    data = read_table(reviews)
+    part = subsample_train(data, 0.3, seed=1)
+    assert len(part.labels["train"]) == round(0.3 * 64) and part.texts["test"] == data.texts["test"]
+    assert set(part.texts["train"]) <= set(data.texts["train"])
+    assert subsample_train(data, 0.3, seed=1).texts == part.texts != subsample_train(data, 0.3, seed=2).texts
+    with pytest.raises(ValueError, match=r"fraction=1.5 is not allowed; expected a number in \(0, 1\]"):
+        subsample_train(data, 1.5)

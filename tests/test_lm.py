@@ -596,3 +596,100 @@ def test_resume_of_a_damaged_config_yaml_is_one_line_naming_the_file(
     assert main(tiny_args(corpus, out, "--resume")) == 2
     err = _one_line_error(capsys)
     assert message in err and str(config) in err
+
+
+# ---------------------------------------------------------------- Active-Attention (Ho (2025))
+
+
+def _literal_attention(attn, x: torch.Tensor, sigma) -> torch.Tensor:
+    """softmax(QKᵀ/√d_h + causal mask) σ(V) per head, written out (no fused kernel)."""
+    B, L, d = x.shape
+    H = attn.n_head
+    q, k, v = attn.qkv(x).split(d, dim=2)
+    v = sigma(v) if sigma is not None else v
+    q, k, v = (t.view(B, L, H, d // H).transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / (d // H) ** 0.5
+    scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, d)
+    return attn.proj(y)
+
+
+@pytest.mark.parametrize("act", ["gelu", "tanh", "relu", "sigmoid", "silu"])
+def test_active_attention_is_softmax_of_qk_times_sigma_of_v(act):
+    sigmas = {"gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "relu": torch.relu,
+              "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu}  # fmt: skip
+    torch.manual_seed(0)
+    model = TransformerLM(
+        LMConfig(vocab_size=11, attention="active", attention_activation=act, **TINY)
+    ).eval()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.qkv.bias.normal_()  # σ acts on V = X W_V + b_V
+    x = torch.randn(2, 7, TINY["d_model"], dtype=torch.float64)
+    attn.double()
+    with torch.no_grad():
+        got = attn(x)
+        torch.testing.assert_close(got, _literal_attention(attn, x, sigmas[act]))
+        assert (got - _literal_attention(attn, x, None)).abs().max() > 1e-3  # not the standard one
+
+
+def test_standard_attention_is_the_default_and_unchanged():
+    cfg = LMConfig(vocab_size=11, **TINY)
+    assert cfg.attention == "standard" and cfg.attention_activation is None
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval().double()
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 7, TINY["d_model"], dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), _literal_attention(attn, x, None))
+    # the same weights as before the option existed: same seed, same draws, same logits
+    torch.manual_seed(0)
+    active = TransformerLM(LMConfig(vocab_size=11, attention="active", **TINY)).eval().double()
+    assert active.cfg.attention_activation == "gelu"
+    for a, b in zip(model.state_dict().values(), active.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    # a checkpoint's config written before the option existed loads as standard attention
+    old = {k: v for k, v in cfg.to_dict().items() if not k.startswith("attention")}
+    assert LMConfig.from_dict(old).attention == "standard"
+
+
+def test_active_attention_options_are_refused_in_one_line():
+    with pytest.raises(
+        ValueError, match=r"attention='linear' is not allowed; expected one of \['standard', 'active'\]"
+    ):
+        LMConfig(vocab_size=10, attention="linear")
+    with pytest.raises(ValueError, match=r"attention_activation='softplus' is not allowed; expected one of"):
+        LMConfig(vocab_size=10, attention="active", attention_activation="softplus")
+    with pytest.raises(
+        ValueError, match=r"attention_activation='tanh' is not allowed with attention='standard'"
+    ):
+        LMConfig(vocab_size=10, attention_activation="tanh")
+
+
+def test_active_attention_compiles_runs_under_bf16_autocast_and_saves(tmp_path):
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=11, attention="active", attention_activation="tanh", **TINY))
+    model.eval()
+    idx = torch.randint(0, 11, (2, 9))
+    with torch.no_grad():
+        eager = model(idx)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(idx)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(idx)
+    assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
+    assert (low.float() - eager).abs().max() < 0.1
+    moelab.save(model, tmp_path / "m")
+    back = moelab.load(tmp_path / "m")
+    assert back.cfg.attention == "active" and back.cfg.attention_activation == "tanh"
+    with torch.no_grad():
+        assert torch.equal(back.eval()(idx), eager)
+
+
+def test_train_cli_attention_flags_reach_the_model(corpus, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--attention", "active", "--attention-activation", "silu", "--steps", "2"]
+    assert main([*tiny_args(corpus, out), *flags]) == 0
+    assert "attention: active" in (out / "config.yaml").read_text()
+    model = moelab.load(out)
+    assert model.cfg.attention == "active" and model.cfg.attention_activation == "silu"

@@ -53,7 +53,8 @@ class CompareConfig:
     reference: str = setting("competesmoe", help="method the p-values compare against")
     paper: str | None = setting(
         None,
-        help="run the methods and loss settings of CompeteSMoE (2024) or (2025) Table 2 and print the "
+        help="run the methods, loss settings and layouts of CompeteSMoE (2024) or (2025) Table 2 or Ho (2025) "
+        "(ho2025: SMoE, DeepSeek-V2, DeepSeek-V3, SMoE-SG) and print the "
         "paper's numbers beside ours",
         allowed=(Options(tuple(sorted(PAPERS))), None),
     )
@@ -116,12 +117,12 @@ def run(args: argparse.Namespace) -> int:
     # it, whichever command wrote it
     top = RunDir(out, resume=args.resume, force=args.force)
     try:
-        return _compare(args, config, paper, chosen, unknown_default, out)
+        return _compare(args, config, paper, chosen, unknown_default, out, given)
     finally:
         top.close()
 
 
-def _compare(args, config, paper, chosen, unknown_default, out: Path) -> int:
+def _compare(args, config, paper, chosen, unknown_default, out: Path, given: dict) -> int:
     set_threads(config.run)
     if unknown_default:
         print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
@@ -156,7 +157,13 @@ def _compare(args, config, paper, chosen, unknown_default, out: Path) -> int:
                     opts = {**shared, **opts}
                 if sweep is not None:
                     opts[sweep.key] = value
-                one = replace(config.run, method=method, seed=seed, opts=opts)
+                layout = {
+                    k: v
+                    for k, v in (paper.layouts.get(method, {}) if paper else {}).items()
+                    if f"run.{k}" not in given
+                }
+                opts = {**layout.pop("opts", {}), **opts}
+                one = replace(config.run, method=method, seed=seed, opts=opts, **layout)
                 configs.append((name, seed, runner.validate(lm.resolve(runner.validate(one)))))
     data = load_text(configs[0][2].data, level=configs[0][2].level)
     print(

@@ -20,7 +20,16 @@ from ..data.text import TextData, load_text
 from ..errors import UsageError
 from ..io.rundir import atomic_write_text
 from ..methods import get_method
-from ..models.lm import ARCHS, PRESETS, TRAINING, TransformerLM, count_parameters, lm_config
+from ..models.lm import (
+    ARCHS,
+    ATTENTION_ACTIVATIONS,
+    ATTENTIONS,
+    PRESETS,
+    TRAINING,
+    TransformerLM,
+    count_parameters,
+    lm_config,
+)
 from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
 from ..train.tasks import LMTask
@@ -107,6 +116,16 @@ class TrainRun:
     top_k: int | None = setting(None, help="experts per token (2)", allowed=_POSITIVE)
     dropout: float | None = setting(
         None, help="dropout (preset default)", allowed=(Interval(float, 0, 1, closed="left"), None)
+    )
+    attention: str = setting(
+        "standard",
+        help="standard, or active: Active-Attention of Ho (2025), softmax(QK^T/sqrt(d)) act(V)",
+        allowed=Options(ATTENTIONS),
+    )
+    attention_activation: str | None = setting(
+        None,
+        help="the act of --attention active (default gelu)",
+        allowed=(Options(tuple(ATTENTION_ACTIVATIONS)), None),
     )
     # the training (None: the size preset's)
     steps: int | None = setting(None, help="optimisation steps (preset default)", allowed=_POSITIVE)
@@ -202,7 +221,10 @@ class TrainRun:
         return TrainConfig(**{name: getattr(self, name) for name in _TRAIN_FIELDS})
 
 
-_MODEL_FIELDS = ("block_size", "d_model", "n_layer", "n_head", "d_hidden", "num_experts", "top_k", "dropout")
+_MODEL_FIELDS = (
+    "block_size", "d_model", "n_layer", "n_head", "d_hidden", "num_experts", "top_k", "dropout",
+    "attention", "attention_activation",
+)  # fmt: skip
 #: arguments of :class:`moelab.MoE` that ``--opt`` may set: they are fields of the LM's config, which
 #: passes them to every layer
 _OPT_FIELDS = ("top_k", "num_experts", "d_hidden", "activation")
