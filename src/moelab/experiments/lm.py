@@ -178,6 +178,12 @@ class TrainRun:
         input=False,
         help="under torchrun: each rank holds num_experts / world_size experts (docs/scaling.md)",
     )
+    fsdp: bool = setting(
+        False,
+        input=False,
+        help="under torchrun: FSDP2 shards every parameter over the ranks (with --expert-parallel: "
+        "the experts over the ranks holding the same ones; docs/scaling.md)",
+    )
 
     def check(self) -> None:
         check_optimizer(self.optimizer, self.weight_decay)
@@ -333,6 +339,7 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
             "data": config.data,
         },
         expert_parallel=config.expert_parallel,
+        fsdp=config.fsdp,
     )
     return trainer.fit(resume=run.resume)
 
