@@ -122,7 +122,7 @@ for _m in [
         "sigmoid",
         "normalised sigmoid, selection bias with aux-loss-free update, shared experts",
         "DeepSeek-V3; CompeteSMoE (2025) SharedE-V3; Ho (2025)",
-        options={"normalize": True, "selection_bias": True},
+        options={"normalize": None, "selection_bias": True},  # normalised for K > 1 (K = 1: Switch)
         num_shared=1,
     ),
     Method(
