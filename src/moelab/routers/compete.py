@@ -196,10 +196,8 @@ class CompeteSMoERouter(Router):
       experts actually received) against the router's mean probabilities.
     * ``mode="v1"`` (``competesmoe-v1``, CompeteSMoE (2024)): affinity ``‖g_i(x)‖₂``, weights
       ``softmax(TopK(s))``, loss ``distill`` = :func:`moelab.losses.competition_router_loss`
-      (CompeteSMoE (2024) eq. 3), weight ``distill_coef`` = α.  CompeteSMoE (2024) eq. (5) writes
-      the router update as ``∂[L_R + α·NLL]`` but §6.4.2 calls α = 0 "SMoE", which holds only
-      when α weights the router loss against the task loss; we follow §6.4.2: total loss = task +
-      α·L_R (α = 1 makes the two readings coincide).  The
+      (CompeteSMoE (2024) eq. 3), weight ``distill_coef`` = α, as the authors' public code
+      (eq. 5's ``α·NLL`` term: ``router_nll``; docs/methods.md says why).  The
       schedule is normally a :class:`moelab.schedules.CoinFlipSchedule` (λ = 0.05).
     * ``mode="dense"`` (``densemoe``, CompeteSMoE (2025) Table 10 rows 3-4): all N experts
       contribute, weighted by the router's softmax over all N; the balance loss keeps the
