@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     requested = [m.strip() for m in config.methods.split(",") if m.strip()]
     if not requested:
         raise UsageError(f"--methods {config.methods!r} names no method")
-    known = set(methods())
+    known = set(methods()) | {
+        name for name, layout in (paper.layouts if paper else {}).items() if "method" in layout
+    }
     unknown_default = [m for m in requested if m not in known and m in DEFAULT_METHODS]
     unknown = [m for m in requested if m not in known and m not in DEFAULT_METHODS]
     if unknown:
@@ -163,7 +165,8 @@ def _compare(args, config, paper, chosen, unknown_default, out: Path, given: dic
                     if f"run.{k}" not in given
                 }
                 opts = {**layout.pop("opts", {}), **opts}
-                one = replace(config.run, method=method, seed=seed, opts=opts, **layout)
+                # a paper's row may name its method apart from the row (an ablation: a method + options)
+                one = replace(config.run, method=layout.pop("method", method), seed=seed, opts=opts, **layout)
                 configs.append((name, seed, runner.validate(lm.resolve(runner.validate(one)))))
     data = load_text(configs[0][2].data, level=configs[0][2].level)
     print(

@@ -424,7 +424,12 @@ class CompeteSMoERouter(Router):
         outputs = self._chosen_outputs(x, experts, indices)  # (T, N, d), the router's top-K first
         losses["diversity"] = diversity_loss(outputs[:, : routing.top_k], self.diversity)
         return Routing(
-            indices=indices, weights=weights, probs=probs, logits=routing.logits, losses=losses, outputs=outputs
+            indices=indices,
+            weights=weights,
+            probs=probs,
+            logits=routing.logits,
+            losses=losses,
+            outputs=outputs,
         )
 
     def _router_diversity(self, routing: Routing, x: Tensor, experts: nn.Module) -> Routing:
