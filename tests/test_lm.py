@@ -552,3 +552,19 @@ def test_resume_of_a_damaged_config_yaml_is_one_line_naming_the_file(
     assert main(tiny_args(corpus, out, "--resume")) == 2
     err = _one_line_error(capsys)
     assert message in err and str(config) in err
+
+
+def test_a_resumed_run_keeps_only_keep_ckpts_checkpoints(corpus, tmp_path):
+    """A kill between the final checkpoint's rename and the removal of the oldest leaves one
+    checkpoint too many; the next start removes it."""
+    import shutil
+
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "4", "--eval-every", "2", "--ckpt-every", "2")
+    assert main(argv) == 0
+    ckpts = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert ckpts == ["step-00000002", "step-00000004"]
+    shutil.copytree(out / "ckpt" / "step-00000002", out / "ckpt" / "step-00000001")  # keep_ckpts + 1
+    (out / "metrics.json").unlink()  # killed before the end
+    assert main([*argv, "--resume"]) == 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ckpts
