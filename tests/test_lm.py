@@ -568,3 +568,34 @@ def test_a_resumed_run_keeps_only_keep_ckpts_checkpoints(corpus, tmp_path):
     (out / "metrics.json").unlink()  # killed before the end
     assert main([*argv, "--resume"]) == 0
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ckpts
+
+
+def test_resume_follows_the_data_by_its_sha256_not_its_path(corpus, tmp_path, capsys):
+    import shutil
+
+    first, moved = tmp_path / "a" / "c.txt", tmp_path / "b" / "c.txt"
+    first.parent.mkdir()
+    shutil.copy(corpus, first)
+    out = tmp_path / "run"
+    assert main(tiny_args(first, out, "--steps", "2", "--eval-every", "2")) == 0
+    moved.parent.mkdir()
+    shutil.move(first, moved)
+    assert main(tiny_args(moved, out, "--steps", "2", "--eval-every", "2", "--resume")) == 0  # the same data
+    moved.write_text(moved.read_text().replace("cat", "cow"))
+    capsys.readouterr()
+    assert main(tiny_args(moved, out, "--steps", "2", "--eval-every", "2", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: --data {str(moved)!r} has sha256" in err and "cannot continue on other data" in err
+
+
+def test_a_truncated_config_yaml_is_refused_rather_than_read_with_defaults(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "2", "--eval-every", "2")
+    assert main(argv) == 0
+    text = (out / "config.yaml").read_text()
+    (out / "config.yaml").write_text(text[: text.index("steps:")])  # cut before --steps
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "config.yaml' lacks the recorded settings --steps" in err and "truncated or damaged" in err
+    assert len(err.strip().splitlines()) == 1
