@@ -599,3 +599,20 @@ def test_a_truncated_config_yaml_is_refused_rather_than_read_with_defaults(corpu
     err = capsys.readouterr().err
     assert "config.yaml' lacks the recorded settings --steps" in err and "truncated or damaged" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_nan_first_seen_in_validation_stops_with_the_one_line_message(corpus, tmp_path, capsys):
+    """The update of step 1 (lr 1e20) leaves weights whose router logits overflow: the training loss
+    of step 1 was finite, the validation after it is not (also when the run is resumed)."""
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "3", "--eval-every", "1", "--lr", "1e20", "--schedule", "constant",
+                     "--warmup", "0")  # fmt: skip
+    for extra in ([], ["--resume"]):
+        assert main([*argv, *extra]) == 1
+        text = capsys.readouterr().out
+        assert text.startswith("moelab train: validation bpc is not finite at step 1 (MoE layer 0")
+        assert text.rstrip().endswith(
+            "although the training loss was; stopped before saving this step; no checkpoint was written "
+            "yet. Lower --lr or check the data"
+        )
+        assert len(text.strip().splitlines()) == 1 and not (out / "best").exists()

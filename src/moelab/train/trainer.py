@@ -397,7 +397,13 @@ class Trainer:
     def _evaluate_and_keep_best(self, done: int, row: dict[str, Any], state: dict[str, Any]) -> None:
         """Validate, fill ``row``'s validation columns, and save ``best/`` on an improvement."""
         metric = self.task.metric
-        val = self._evaluate("valid", self.config.eval_tokens)
+        try:
+            val = self._evaluate("valid", self.config.eval_tokens)
+        except NonFiniteError as exc:  # the routers saw NaN/inf before the metric did
+            raise TrainingError(
+                f"validation {metric} is not finite at step {done} ({exc}) although the training loss was; "
+                f"stopped before saving this step; {self._last_good()}. Lower --lr or check the data"
+            ) from exc
         if not math.isfinite(val[metric]):  # the same decision on every rank (the values are reduced)
             raise TrainingError(
                 f"validation {metric} is not finite at step {done} ({val[metric]}) although the training "
@@ -468,7 +474,13 @@ class Trainer:
         )
         if best:
             self.parallel.load_weights(self.model, lambda module: load_weights(self.run.file("best"), module))
-        test = self._evaluate("test", cfg.test_tokens)
+        try:
+            test = self._evaluate("test", cfg.test_tokens)
+        except NonFiniteError as exc:
+            raise TrainingError(
+                f"the test {metric} of the best-validation weights is not finite ({exc}); "
+                f"{self._last_good()}. Check the data"
+            ) from exc
         if best and self.is_main:  # best/ now records the routing context the test ran with
             save(
                 self.parallel.full_model(self.model),
