@@ -75,8 +75,12 @@ class FinetuneConfig:
     ``batch_size`` left ``None`` take CompeteSMoE (2024) App. C.3's value for the task (recorded
     resolved), ``steps`` left ``None`` follows from the epochs and the training set."""
 
-    task: str = setting(help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)")
-    source: str = setting(flag="--from", metavar="RUN_DIR", help="a `moelab train` run")
+    task: str = setting(
+        help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)", fingerprint="data_sha256"
+    )
+    source: str = setting(
+        flag="--from", metavar="RUN_DIR", help="a `moelab train` run", fingerprint="source_sha256"
+    )
     epochs: float | None = setting(
         None,
         help="epochs (CompeteSMoE (2024): 5; BANKING77 50)",
