@@ -40,7 +40,7 @@ def expected_counts(size: str, arch: str, vocab: int = 256) -> tuple[int, int]:
     return total, total - n_moe * (N - K) * 2 * d * h
 
 
-@pytest.mark.parametrize("size", [s for s in PRESETS if s != "wt103-small"] + ["wt103-small"])
+@pytest.mark.parametrize("size", list(PRESETS))
 @pytest.mark.parametrize("arch", ["switch", "glam"])
 def test_parameter_counts_per_preset(size, arch):
     with torch.device("meta"):
@@ -152,6 +152,28 @@ def test_train_cli_writes_the_run(corpus, tmp_path, capsys):
     assert len(rows) == 5 and rows[0].startswith("step,lr,loss")
     assert (out / "best" / "config.json").exists() and (out / "ckpt").is_dir()
     assert "test_bpc" in capsys.readouterr().out
+
+
+def test_opt_sets_the_layer_arguments_the_lm_passes_to_every_layer(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out, "--opt", "top_k=3", "--opt", "activation=gelu")) == 0
+    model = moelab.load(out / "best")
+    layers = list(moelab.layer.moe_layers(model))
+    assert layers and all(layer.top_k == 3 for layer in layers)
+    assert model.cfg.top_k == 3 and model.cfg.activation == "gelu"
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--opt", "d_model=8"], "--opt d_model=8 is not allowed; the layer's d_model is set by --d-model"),
+        (["--opt", "method='xmoe'"], "the layer's method is set by --method"),
+        (["--top-k", "2", "--opt", "top_k=3"], "--opt top_k=3 contradicts --top-k 2; give one of them"),
+    ],
+)
+def test_opt_refuses_a_layer_argument_given_twice_in_one_line(corpus, tmp_path, capsys, extra, message):
+    assert main(tiny_args(corpus, tmp_path / "run", *extra)) == 2
+    assert message in _one_line_error(capsys)
 
 
 def test_train_cli_reads_a_config_file(corpus, tmp_path):
@@ -401,6 +423,28 @@ def test_train_task_image_is_refused_with_a_pointer_to_specialize(tmp_path, caps
 def test_shipped_configs_are_valid(path):
     config = _config_of("--config", str(path))
     assert config.data in ("default", "enwik8", "text8", "wikitext103")
+
+
+@pytest.mark.parametrize("size,millions,blocks", [("small", 15, 6), ("medium", 36, 8)])
+def test_wikitext103_configs_build_the_papers_small_and_medium_models(size, millions, blocks):
+    # CompeteSMoE (2024) §6.1 / Table 7: WikiText-103 is run with the small (6 layers, 15M) and medium
+    # (8 layers, 36M) models; the 15M / 36M count the byte-level model, so the non-embedding part is
+    # the same at word level and the embedding grows by vocab x d
+    vocab = 267_735
+    for arch in ("switch", "glam"):
+        config = _config_of("--config", f"configs/lm/wikitext103-{size}-{arch}.yaml")
+        assert (config.data, config.size, config.n_layer, config.block_size) == (
+            "wikitext103",
+            size,
+            blocks,
+            512,
+        )
+        with torch.device("meta"):
+            word, byte = (TransformerLM(lm_config(config.size, v, arch=arch)) for v in (vocab, 256))
+        d = config.d_model
+        assert count_parameters(word)[0] - count_parameters(byte)[0] == (vocab - 256) * d
+        if arch == "switch":
+            assert abs(count_parameters(byte)[0] / 1e6 - millions) < 0.5
 
 
 def _config_of(*flags):

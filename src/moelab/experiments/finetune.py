@@ -9,16 +9,22 @@ trained with the settings of CompeteSMoE (2024) App. C.3 through the run lifecyc
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from ..adapters import ADAPTERS, add_adapter
-from ..data.classification import TASKS, load_classification, subsample_train
+from ..data.classification import TASKS, ClassificationData, load_classification, subsample_train
 from ..data.text import tokenizer_from_state
-from ..io.atomic import read_json
+from ..io.atomic import read_json, sha256_file
 from ..io.model import load
+from ..io.model import resolve as resolve_model
+from ..layer import moe_layers
 from ..models.classifier import LMClassifier, freeze_routers
 from ..models.lm import TransformerLM
 from ..optim import OPTIMIZERS, check_optimizer
@@ -144,6 +150,9 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         data = subsample_train(data, config.fraction, config.seed)
     per_epoch = math.ceil(len(data.labels["train"]) / config.batch_size)
     steps = config.steps if config.steps is not None else max(1, round(config.epochs * per_epoch))
+    run.check_fingerprint("--task", config.task, data_fingerprint(data))
+    run.check_fingerprint("--from", config.source, lm_fingerprint(config.source), key="source_sha256")
+    routing = frozen_routing(lm)  # before the classifier's Trainer attaches it
     model = LMClassifier(lm, data.num_classes)
     frozen = freeze_routers(model)
     if config.adapter != "none":  # the trunk frozen but for its Q/V updates; the new head trains
@@ -176,7 +185,7 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         task,
         train,
         run.dir,
-        ctx=RoutingContext(total_steps=train.steps),  # no schedule: the routers are frozen, nothing competes
+        ctx=routing,
         progress=config.progress,
         extra_metrics={"method": lm_config.method, "task": config.task_name, "num_classes": data.num_classes},
     )
@@ -186,6 +195,38 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         f"(val {metrics['val_acc']:.1f}%, {data.num_classes} classes) -> {run.path}"
     )
     return metrics
+
+
+class FrozenRouting(RoutingContext):
+    """The routing context of a fine-tuning whose routers are frozen: the LM's at the end of its
+    training, which :meth:`advance` never changes (no step hook runs, the step is not counted), so
+    StableMoE stays in the stage, SMoE-Dropout at the K and sharede-v3 at the bias the LM was tested
+    with.  No competition schedule: a frozen router routes as in evaluation."""
+
+    def advance(self, steps: int = 1) -> None:
+        return None
+
+
+def frozen_routing(lm: nn.Module) -> FrozenRouting:
+    """:class:`FrozenRouting` at the step and planned steps of the context ``moelab.load`` attached
+    to ``lm`` (step 0 of an unknown length without one)."""
+    ctx = next((layer.ctx for layer in moe_layers(lm) if layer.ctx is not None), None)
+    if ctx is None:
+        return FrozenRouting()
+    return FrozenRouting(step=ctx.step, total_steps=ctx.total_steps)
+
+
+def data_fingerprint(data: ClassificationData) -> str:
+    """The sha256 of a classification data set's texts, labels and label names, split by split:
+    what the fine-tuning reads, whether a named task or a local file."""
+    body = json.dumps([data.texts, data.labels, data.label_names], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+def lm_fingerprint(source: str | Path) -> str:
+    """The sha256 of the ``config.json`` of the weights ``moelab.load(source)`` reads (it holds the
+    digest of every file of the folder)."""
+    return sha256_file(resolve_model(source) / "config.json")
 
 
 def _prepare(config: FinetuneConfig, world: int) -> None:
