@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moelab
-from moelab.train.distributed import apply_expert_parallel
 from moelab.train.parallelize import full_state_dict
 
 D = 8
@@ -43,15 +42,6 @@ def _refusals(rank: int, world: int, out: str) -> dict:
 
     result = {}
     torch.manual_seed(0)
-    layer = moelab.MoE(D, 4, 2, method="smoe")
-    apply_expert_parallel(layer)
-    fully_shard(layer)  # the hand-written bank's blocks would be sharded as whole parameters
-    try:
-        layer(torch.randn(5, D))
-        result["ep_then_fsdp"] = None
-    except ValueError as exc:
-        result["ep_then_fsdp"] = str(exc)
-    torch.manual_seed(0)
     ref = moelab.MoE(D, 4, 2, method="xmoe")
     model = copy.deepcopy(ref)
     fully_shard(model)  # the learned temperature is no 0-dim parameter
@@ -71,14 +61,54 @@ def _refusals(rank: int, world: int, out: str) -> dict:
     result["saved_weights"] = max(
         (fresh.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items()
     )
+    result["parallelize"] = _parallelize_refusals(world)
     return result
 
 
-def test_fsdp2_after_hand_written_expert_parallelism_is_refused_and_sharded_models_save_gathered(tmp_path):
+def _message(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _parallelize_refusals(world: int) -> dict[str, str | None]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from moelab.train.parallelize import ExpertParallel, parallelize
+
+    def layer(n: int = 4, **kw) -> torch.nn.Module:
+        return moelab.MoE(D, n, 2, **kw)
+
+    done = layer()
+    parallelize(done, dp="none", ep=2)
+    modules = moelab.MoE(D, 4, 2, experts=moelab.ModuleExperts([torch.nn.Linear(D, D) for _ in range(4)]))
+    return {
+        "dp": _message(lambda: parallelize(layer(), dp="zero")),
+        "ep_world": _message(lambda: parallelize(layer(), ep=3)),
+        "ep_experts": _message(lambda: parallelize(layer(3), dp="none", ep=2)),
+        "module_experts": _message(lambda: parallelize(modules, dp="none", ep=2)),
+        "twice": _message(lambda: parallelize(done, dp="none", ep=2)),
+        "mesh": _message(lambda: parallelize(layer(), init_device_mesh("cpu", (2,)), ep=2)),
+        "style": _message(
+            lambda: parallelize_module(torch.nn.Linear(D, D), init_device_mesh("cpu", (2,)), ExpertParallel())
+        ),
+    }
+
+
+def test_parallelize_refuses_what_cannot_be_right_in_one_line():
+    with pytest.raises(
+        ValueError, match=r"^parallelize needs torch\.distributed initialised \(launch with torchrun"
+    ):
+        from moelab.train.parallelize import parallelize
+
+        parallelize(moelab.MoE(D, 4, 2), ep=2)
+
+
+def test_fsdp2_shards_xmoe_and_a_sharded_model_is_saved_gathered_not_as_shards(tmp_path):
     for rank, r in enumerate(spawn(_refusals, 2, tmp_path, str(tmp_path))):
-        assert r["ep_then_fsdp"].startswith(
-            "the experts of an ExpertParallelBank were replaced by a wrapper applied after expert parallelism"
-        ), rank
         assert r["xmoe_fsdp"] <= 1e-6, rank
         assert r["save"] == (
             "state entry 'router.embeddings' is sharded (a DTensor: FSDP2 or expert parallelism); gather the full "
@@ -86,6 +116,24 @@ def test_fsdp2_after_hand_written_expert_parallelism_is_refused_and_sharded_mode
             "from rank 0"
         ), rank
         assert r["saved_weights"] == 0.0, rank
+        p = r["parallelize"]
+        assert p["dp"] == "dp='zero' is not allowed; expected one of ['ddp', 'fsdp', 'none']"
+        assert (
+            p["ep_world"]
+            == "ep=3 is not allowed with 2 processes; expected a divisor of the world size: [1, 2]"
+        )
+        assert p["ep_experts"] == "ep=2 does not divide num_experts=3 of MoE layer 0; allowed: [1]"
+        assert p["module_experts"] == (
+            "MoE layer 0 has experts of type ModuleExperts; expert parallelism (ep > 1) shards a moelab.ExpertBank"
+        )
+        assert p["twice"].startswith("module 'experts' (ExpertParallelExpertBank) is already parallel;")
+        assert (
+            p["mesh"]
+            == "mesh of shape (2,) named None is not allowed; expected shape (1, 2) named ('efsdp', 'ep')"
+        )
+        assert p["style"] == (
+            "experts of type Linear are not allowed with expert parallelism; it shards a moelab.ExpertBank (once)"
+        )
 
 
 # ------------------------------------------------------------------------------------ parity
@@ -184,6 +232,8 @@ def _parity(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dict:
                     continue
                 err = max(err, (g[k] - r[k]).abs().max().item())
         out[f"{method}/{dp}/ep{ep}"] = (err, ref_losses)
+    if world == 4:  # DDP has one process group; experts split in 2 would need a second one
+        out["ddp_ep2"] = _message(lambda: parallelize(WithAux(_model("smoe")), dp="ddp", ep=2))
     return out
 
 
@@ -196,6 +246,11 @@ LAYOUTS = {
 
 def _check_parity(world: int, cases: list[tuple[str, str, int]], tmp_path) -> None:
     for rank, r in enumerate(spawn(_parity, world, tmp_path, cases)):
+        if world == 4:
+            assert r.pop("ddp_ep2") == (
+                "dp='ddp' with ep=2 < 4 processes is not allowed: DDP reduces over one process group, the "
+                "experts would need another (the 2 ranks holding the same experts); use dp='fsdp' or ep=4"
+            )
         assert len(r) == len(cases)
         for name, (err, ref_losses) in r.items():
             assert ref_losses[1] != ref_losses[0], name  # the step changed something
