@@ -122,7 +122,7 @@ for _m in [
         "sigmoid",
         "normalised sigmoid, selection bias with aux-loss-free update, shared experts",
         "DeepSeek-V3; CompeteSMoE (2025) SharedE-V3; Ho (2025)",
-        options={"normalize": True, "selection_bias": True},
+        options={"normalize": None, "selection_bias": True},  # normalised for K > 1 (K = 1: Switch)
         num_shared=1,
     ),
     Method(
@@ -141,6 +141,17 @@ for _m in [
     ),
 ]:
     register_method(_m)
+
+# ---------------------------------------------------------------- Ho (2025)
+register_method(
+    Method(
+        "smoe-sg",
+        "sigmoid",
+        "s = sigmoid(W x); weights s / Σ s over TopK(s); no shared expert, no selection bias",
+        "Ho (2025) SMoE-SG (SMoE Sigmoid Gating, the LM and VLM tables of Nguyen et al. on DeepSeekMoE)",
+        options={"normalize": None, "selection_bias": False},  # normalised for K > 1 (K = 1: Switch)
+    )
+)
 
 # ---------------------------------------------------------------- competition (CompeteSMoE (2024, 2025))
 for _m in [

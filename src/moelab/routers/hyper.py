@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..functional import topk_softmax
+from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
 from .base import Router, register
 
@@ -22,6 +22,10 @@ class HyperRouter(Router):
         hyper_dim: ``h`` (64, the enwik8 setting).
         embed_dim: ``d_e``; default ``d_model`` (docs/methods.md, ``hyperrouter``).
         embed_std: std of the N(0, σ²) init of ``e`` (1.0).
+        renormalize: the chosen weights renormalised (``softmax(TopK_-inf(h))``, ``True``) or the
+            softmax over all N at the chosen (``False``, Switch Transformer); default ``None``:
+            renormalised when K > 1 (at K = 1 a renormalised weight is the constant 1, which no
+            task loss can train; :func:`moelab.functional.resolve_renormalize`).
 
     ``H`` is kept as buffers (``h1_*``, ``h2_*``): checkpoints carry it and nothing can train it.
     """
@@ -34,8 +38,10 @@ class HyperRouter(Router):
         hyper_dim: int = 64,
         embed_dim: int | None = None,
         embed_std: float = 1.0,
+        renormalize: bool | None = None,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        self.renormalize = resolve_renormalize(renormalize, top_k)
         _validate.positive_int("hyper_dim", hyper_dim)
         embed_dim = d_model if embed_dim is None else _validate.positive_int("embed_dim", embed_dim)
         _validate.positive("embed_std", embed_std)
@@ -72,5 +78,9 @@ class HyperRouter(Router):
     ) -> Routing:
         w, b = self.router_weights()
         logits = F.linear(x, w, b)
-        weights, indices = topk_softmax(logits, self.top_k)
-        return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
+        weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize)
+        return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
+
+    @property
+    def weights_sum_to_one(self) -> bool:
+        return self.renormalize

@@ -1,4 +1,4 @@
-"""Sigmoid routers: ``sigma-moe`` (σ-MoE) and ``sharede-v3`` (DeepSeek-V3 normalised sigmoid)."""
+"""Sigmoid routers: ``sigma-moe`` (σ-MoE), ``sharede-v3`` (DeepSeek-V3 normalised sigmoid) and ``smoe-sg``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..functional import expert_counts, normalized_weights
+from ..functional import expert_counts, normalized_weights, resolve_renormalize
 from ..routing import Routing, RoutingContext
 from .base import Router, register
 
@@ -25,7 +25,8 @@ class SigmoidRouter(Router):
       with probability ``expert_dropout`` (0.05) before the top-K; regulariser: the entropy of the
       batch-mean ``softmax(W x)`` (``entropy_coef``, :func:`moelab.losses.mean_entropy_loss`).
     * ``sharede-v3`` (DeepSeek-V3; CompeteSMoE (2025) SharedE-V3; Ho (2025) "normalized sigmoid
-      gating"): weights ``s / Σ s`` over the chosen (:func:`moelab.functional.normalized_weights`);
+      gating"): weights ``s / Σ s`` over the chosen (:func:`moelab.functional.normalized_weights`;
+      ``normalize=None``, the preset: for K > 1, and the score ``s`` itself at K = 1);
       a per-expert bias ``b`` is added for the selection only, and updated without any loss once
       per optimizer step (aux-loss-free balancing): ``b_i -= γ`` if expert i received more than
       the mean load of the step, ``b_i += γ`` if less (γ = ``bias_update_rate`` = 1e-3).  Each
@@ -37,6 +38,8 @@ class SigmoidRouter(Router):
       recomputation (run by the backward pass) is not counted twice, and a forward loop without
       ``ctx.advance()`` never changes ``b``.  (Both public re-implementations forget to use ``b``:
       here it is used.)
+    * ``smoe-sg`` (Ho (2025) SMoE-SG): the normalised weights of ``sharede-v3`` without the
+      selection bias and without shared experts.
 
     DeepSeek-V3 options (its technical report, "node-limited routing"; as in transformers'
     ``DeepseekV3TopkRouter``): ``num_groups`` / ``topk_groups`` restrict each token to the
@@ -54,7 +57,7 @@ class SigmoidRouter(Router):
         d_model: int,
         num_experts: int,
         top_k: int,
-        normalize: bool = False,
+        normalize: bool | None = False,
         selection_bias: bool = False,
         bias_update_rate: float = 1e-3,
         expert_dropout: float = 0.0,
@@ -78,7 +81,10 @@ class SigmoidRouter(Router):
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.scale = _validate.positive("scale", scale)
         std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
-        self.normalize = bool(normalize)
+        #: ``s / Σ s`` over the chosen; ``None`` (the ``sharede-v3`` preset): when K > 1 only, since at
+        #: K = 1 the normalised weight is the constant 1 and the task loss never reaches the router
+        #: (Switch Transformer weights its one expert by its score)
+        self.normalize = resolve_renormalize(normalize, top_k)
         self.bias_update_rate = _validate.non_negative("bias_update_rate", bias_update_rate)
         self.expert_dropout = _validate.probability("expert_dropout", expert_dropout)
         if self.expert_dropout >= 1:

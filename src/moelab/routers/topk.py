@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..functional import topk_softmax
+from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
 from .base import Router, register
 
@@ -34,9 +34,13 @@ class TopKRouter(Router):
             at the end of training routes to all ``k_max`` experts (the test figures of
             ``smoe-dropout`` are those of its final, widest routing); an integer fixes K for
             evaluation (SMoE-Dropout's "self-slimmable" inference with fewer experts).
-        renormalize: ``True`` (default): the softmax over the K chosen logits.  ``False``: the
-            softmax over all N experts evaluated at the chosen K, weights summing to less than
-            1 (Qwen2-MoE / Qwen3-MoE / OLMoE with ``norm_topk_prob=False``).
+        renormalize: ``True``: the softmax over the K chosen logits.  ``False``: the softmax over
+            all N experts evaluated at the chosen K, weights summing to less than 1 (Switch
+            Transformer; Qwen2-MoE / Qwen3-MoE / OLMoE with ``norm_topk_prob=False``).  ``None``
+            (default): ``True`` when K > 1, ``False`` at K = 1, where a renormalised weight is the
+            constant 1 and the task loss would never reach the router
+            (:func:`moelab.functional.resolve_renormalize`); with ``k_max`` (a K that grows, over a
+            frozen router that has nothing to learn) ``True`` at every K, as SMoE-Dropout.
         scale: multiplies the final weights (DeepSeek-V2's ``routed_scaling_factor``; kept when a
             DeepSeek-V3 layer is switched to ``smoe`` by :func:`moelab.set_method`); default 1.
     """
@@ -49,7 +53,7 @@ class TopKRouter(Router):
         init_std: float | None = None,
         frozen: bool = False,
         k_max: int | str | None = None,
-        renormalize: bool = True,
+        renormalize: bool | None = None,
         eval_k: int | None = None,
         scale: float = 1.0,
     ) -> None:
@@ -62,7 +66,8 @@ class TopKRouter(Router):
         self.k_max = k_max
         self.eval_k = None if eval_k is None else _validate.int_in_range("eval_k", eval_k, 1, num_experts)
         self.frozen = bool(frozen)
-        self.renormalize = bool(renormalize)
+        #: whether the chosen weights are renormalised (the option resolved for this router's K)
+        self.renormalize = resolve_renormalize(renormalize, top_k if k_max is None else max(top_k, 2))
         self.scale = _validate.positive("scale", scale)
         self.init_std = std
         weight = torch.empty(num_experts, d_model)
@@ -81,6 +86,10 @@ class TopKRouter(Router):
         return {"renormalize": self.renormalize, "scale": self.scale, "frozen": self.frozen,
                 "k_max": self.k_max, "eval_k": self.eval_k}  # fmt: skip
 
+    @property
+    def weights_sum_to_one(self) -> bool:  # Switch's K = 1 weight is the chosen expert's probability
+        return self.renormalize
+
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
         mode ``eval_k`` when set."""
@@ -97,10 +106,7 @@ class TopKRouter(Router):
         self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = self.logits(x)  # (T, N)
-        weights, indices = topk_softmax(logits, self.current_k(ctx))
-        probs = logits.softmax(dim=-1)
-        if not self.renormalize:
-            weights = probs.gather(1, indices)
+        weights, indices, probs = topk_gate(logits, self.current_k(ctx), self.renormalize)
         if self.scale != 1.0:
             weights = weights * self.scale
         return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
