@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ..experts import MLP
 from ..layer import MoE, moe_layers
 from ..methods import get_method, method_router_options
+from ..routers import ROUTERS
 
 __all__ = ["GatedSharedExpert", "from_hf", "guard_save_pretrained", "set_method"]
 
@@ -585,10 +586,11 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
         base = old_method if get_method(old_method).router in ("topk", "sigmoid") else "smoe"
         if base == "sharede-v2":
             base = "smoe"
-        base_opts, lost = _translate(carried, method_router_options(base))
+        base_opts, lost = _translate(carried, _bias_if_same_gate(layer, base, method_router_options(base)))
         router_opts = {"base": base, "base_options": {**base_opts, **options.pop("base_options", {})}}
     else:
-        router_opts, lost = _translate(carried, accepted)
+        chooser = options.get("base", "smoe") if "base" in accepted else method  # the router that chooses
+        router_opts, lost = _translate(carried, _bias_if_same_gate(layer, chooser, accepted))
     bias = router_opts.get("selection_bias")
     base_bias = router_opts.get("base_options", {}).get("selection_bias")
     for opts in (router_opts, router_opts.get("base_options", {})):
@@ -642,6 +644,15 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
     layer.coefs = tmp.coefs
     layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
     return lost
+
+
+def _bias_if_same_gate(layer: MoE, method: str, accepted: list[str]) -> list[str]:
+    """``accepted`` without ``selection_bias`` when ``method``'s router gates with another activation
+    than the layer's (a bias on sigmoid scores is no bias on softmax probabilities): it is then
+    reported as lost, not carried."""
+    if ROUTERS[get_method(method).router].gate == layer.router.base_router.gate:
+        return accepted
+    return [name for name in accepted if name != "selection_bias"]
 
 
 def _own_tensor(module: nn.Module, name: str) -> Tensor | None:
