@@ -639,3 +639,13 @@ def test_sharede_v3_state_dict_keys_are_those_of_before():
     keys = [k for k in layer.state_dict() if k.startswith("router.")]
     assert keys == ["router.weight", "router.selection_bias"]  # pending_load is not saved
     assert moelab.MoE(6, 4, 2, method="smoe").router.selection_bias is None
+
+
+def test_xmoe_checkpoints_with_a_0_dim_temperature_still_load():
+    # the temperature is shape (1,) (FSDP2 refuses 0-dim parameters); older checkpoints hold a scalar
+    layer = moelab.MoE(6, 4, 2, method="xmoe", temperature=0.5)
+    assert layer.router.temperature.shape == (1,)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state["router.temperature"] = torch.tensor(0.7)
+    layer.load_state_dict(state)
+    assert layer.router.temperature.shape == (1,) and layer.router.temperature.item() == pytest.approx(0.7)

@@ -1,4 +1,4 @@
-"""Sigmoid routers: ``sigma-moe`` (σ-MoE) and ``sharede-v3`` (DeepSeek-V3 normalised sigmoid)."""
+"""Sigmoid routers: ``sigma-moe`` (σ-MoE), ``sharede-v3`` (DeepSeek-V3 normalised sigmoid) and ``smoe-sg``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ class SigmoidRouter(Router):
       mechanism is every router's (:meth:`moelab.routers.Router.init_selection_bias`; the step hook
       :meth:`on_step` sums the load over ranks, so ``b`` stays identical everywhere).  (Both public
       re-implementations forget to use ``b``: here it is used.)
+    * ``smoe-sg`` (Ho (2025) SMoE-SG): the normalised weights of ``sharede-v3`` without the
+      selection bias and without shared experts.
 
     DeepSeek-V3 options (its technical report, "node-limited routing"; as in transformers'
     ``DeepseekV3TopkRouter``): ``num_groups`` / ``topk_groups`` restrict each token to the
