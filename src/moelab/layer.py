@@ -13,14 +13,25 @@ from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
 from .functional import capacity_keep
-from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
+from .losses import (
+    LOAD_LOSSES,
+    LOSS_NAMES,
+    importance_loss,
+    mean_entropy_loss,
+    sequence_balance_loss,
+    switch_balance_loss,
+    z_loss,
+)
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers", "recording_routing", "set_aux_scale"]
 
-_LAYER_OPTIONS = ("num_shared", "router_dtype", "capacity_factor", "token_drop_policy")
+_LAYER_OPTIONS = ("num_shared", "balance_scope", "router_dtype", "capacity_factor", "token_drop_policy")
+
+#: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
+BALANCE_SCOPES = ("micro", "sequence", "global")
 ROUTER_DTYPES = ("float32",)
 TOKEN_DROP_POLICIES = ("probs", "position")
 
@@ -80,8 +91,21 @@ class MoE(nn.Module):
             activation checkpointing), ``False`` never (an inference forward then keeps no tensor).
             :func:`recording_routing` switches it on for a block.
         **options: the method's options (router options, ``<loss>_coef`` with loss in
-            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses, and
-            ``num_shared``), overriding the preset.
+            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
+            ``num_shared`` and ``balance_scope``), overriding the preset.
+
+    ``balance_scope`` — where the load-based losses (``balance``, ``importance``, ``entropy``)
+    measure the load (docs/methods.md, "Balance scope"):
+
+    * ``"micro"`` (default): over the tokens of this forward (one micro-batch of one rank);
+    * ``"sequence"``: per sequence, then averaged over the sequences (DeepSeek-V3's sequence-wise
+      balance loss); the input must keep its sequence structure ``(..., S, d)``;
+    * ``"global"``: over the whole optimizer step — every micro-batch on every data-parallel rank
+      (Qwen's global-batch balance, Qiu et al. 2025).  The step's statistics are gathered outside
+      the forward by a :class:`moelab.balance.StepBalance` that the training loop owns (the
+      :class:`moelab.train.Trainer` and ``moelab.hf.MoETrainer`` do); while one is attached it
+      forms these losses and this layer's ``aux_loss`` leaves them out.  Without one, in one
+      process, they are the micro-batch's (the same thing for one micro-batch a step).
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`, see ``record_routing``).
@@ -155,6 +179,8 @@ class MoE(nn.Module):
                 coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
             elif key == "num_shared":
                 num_shared = value
+            elif key == "balance_scope":
+                _validate.one_of("balance_scope", value, BALANCE_SCOPES)
             elif key in _LAYER_OPTIONS:
                 continue  # below
             else:
@@ -180,6 +206,10 @@ class MoE(nn.Module):
                 "expected capacity_factor=<float> with it"
             )
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
+        self.balance_scope: str = options.get("balance_scope", "micro")
+        #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
+        #: (set and cleared by it, outside the forward), or ``None``
+        self.step_balance = None
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
         if router_dtype is not None:  # the scores of the base router (a composed router runs experts)
@@ -209,6 +239,9 @@ class MoE(nn.Module):
         self.register_buffer("_aux_scale", torch.ones(()), persistent=False)
         # the fraction of token slots the capacity dropped in the last forward (0 without capacity)
         self.register_buffer("_dropped", torch.zeros(()), persistent=False)
+        # the routing of the last training forward, kept only while a StepBalance (the global balance
+        # scope) is attached: it reads and clears it after the forward (not compile-clean, see MoE)
+        self._step_routing: Routing | None = None
         self.last_routing: Routing | None = None
 
     @property
@@ -240,6 +273,12 @@ class MoE(nn.Module):
     @layer_index.setter
     def layer_index(self, value: int) -> None:
         self.router.layer_index = value
+
+    def __getstate__(self) -> dict:
+        """A copy is not attached to the original's training loop (nor holds its pending routing)."""
+        state = super().__getstate__()
+        state["step_balance"], state["_step_routing"] = None, None
+        return state
 
     def reset_parameters(self) -> None:
         """Initialise router, experts and shared experts as at construction: after
@@ -278,6 +317,11 @@ class MoE(nn.Module):
         ``attention_mask``; masked tokens get output 0.  It costs one host sync (how many tokens
         are real) and routes the real tokens in their order: ``last_routing`` has one row each.
         """
+        if not isinstance(x, Tensor):
+            raise ValueError(
+                f"input of type {type(x).__name__} is not allowed; expected a torch.Tensor of shape "
+                f"(..., d_model={self.d_model})"
+            )
         if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"input of shape {tuple(x.shape)} is not allowed; expected the last dimension to be "
@@ -292,9 +336,20 @@ class MoE(nn.Module):
                 f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
             )
         shape = x.shape
+        if self.balance_scope == "sequence" and x.dim() < 3:
+            raise ValueError(
+                f"input of shape {tuple(shape)} is not allowed with balance_scope='sequence'; expected the "
+                "sequence structure (..., S, d_model)"
+            )
+        seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
         real = None
         if token_mask is not None:
+            if self.balance_scope == "sequence":
+                raise ValueError(
+                    "token_mask is not allowed with balance_scope='sequence' (the masked tokens would break "
+                    "the sequences); expected balance_scope='micro' or 'global' with a mask"
+                )
             real = self._real_tokens(token_mask, shape)
             flat = flat.index_select(0, real)  # (T_real, d)
         if self.router_dtype is not None:
@@ -323,7 +378,9 @@ class MoE(nn.Module):
             y = self.experts(flat, routing.indices, weights)  # (T, d)
         if self.shared is not None:
             y = y + self.shared(flat)
-        y = self._attach_aux(y, routing, flat)
+        y = self._attach_aux(y, routing, flat, seq_len)
+        if self.step_balance is not None and self.training and torch.is_grad_enabled():
+            self._step_routing = routing  # the StepBalance reads (and clears) it after the forward
         self._record(routing)
         if real is not None:  # the real tokens' outputs in their places, 0 for the masked ones
             y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
@@ -364,10 +421,10 @@ class MoE(nn.Module):
         self._dropped.copy_(1.0 - keep.float().mean())
         return routing.weights * keep.to(routing.weights.dtype)
 
-    def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor) -> Tensor:
+    def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor, seq_len: int | None) -> Tensor:
         """Compute the aux loss of a training forward, record its values in place and attach its
         gradient to ``y``; any other forward records zeros and computes nothing."""
-        terms = self._aux_terms(routing, x) if self.training and torch.is_grad_enabled() else {}
+        terms = self._aux_terms(routing, x, seq_len) if self.training and torch.is_grad_enabled() else {}
         if not terms:
             self._aux_values.zero_()
             return y
@@ -388,7 +445,7 @@ class MoE(nn.Module):
         elif record:  # asked for under compile: a side effect dynamo replays (not under checkpointing)
             self.last_routing = routing.detach()
 
-    def _aux_terms(self, routing: Routing, x: Tensor) -> dict[str, Tensor]:
+    def _aux_terms(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> dict[str, Tensor]:
         """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
         ``aux_loss``; :mod:`moelab.hf.trainer` logs them one by one)."""
         terms: dict[str, Tensor] = {}
@@ -397,21 +454,40 @@ class MoE(nn.Module):
         for name, coef in self.coefs.items():
             loss = routing.losses.get(name)
             if loss is None:
-                loss = self._standard_loss(name, routing)
+                loss = self._standard_loss(name, routing, seq_len)
             if loss is not None:
                 terms[name] = coef * loss
         return terms
 
-    def _standard_loss(self, name: str, routing: Routing) -> Tensor | None:
-        if name == "balance" and routing.probs is not None:
+    def _standard_loss(self, name: str, routing: Routing, seq_len: int | None = None) -> Tensor | None:
+        if name == "z":
+            return None if routing.logits is None else z_loss(routing.logits)
+        if routing.probs is None or name not in LOAD_LOSSES:
+            return None
+        if self.balance_scope == "global":
+            if self.step_balance is not None:  # it forms the step's loss (moelab.balance)
+                return None
+            _refuse_unsynchronised_global(self)
+        seq = seq_len if self.balance_scope == "sequence" else None
+        if name == "balance":
+            if seq is not None:
+                return sequence_balance_loss(routing.probs, routing.indices, self.num_experts, seq)
             return switch_balance_loss(routing.probs, routing.indices, self.num_experts)
-        if name == "z" and routing.logits is not None:
-            return z_loss(routing.logits)
-        if name == "importance" and routing.probs is not None:
-            return importance_loss(routing.probs)
-        if name == "entropy" and routing.probs is not None:
-            return mean_entropy_loss(routing.probs)
-        return None
+        if name == "importance":
+            return importance_loss(routing.probs, seq_len=seq)
+        return mean_entropy_loss(routing.probs, seq_len=seq)
+
+
+def _refuse_unsynchronised_global(layer: MoE) -> None:
+    """A global-scope loss read without the step's statistics under torch.distributed would be this
+    rank's micro-batch loss under another name."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                f"balance_scope='global' (MoE layer {layer.layer_index}) is not allowed without the step's "
+                "statistics under torch.distributed; expected a moelab.balance.StepBalance attached by the "
+                "training loop (moelab.train.Trainer and moelab.hf.MoETrainer attach one)"
+            )
 
 
 def _check_aux_weight(grad: Tensor, scale: Tensor) -> None:
@@ -478,6 +554,8 @@ def aux_loss(model: nn.Module) -> Tensor:
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The MoE layers of ``model`` in module order (``model`` itself included if it is one)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} is not allowed; expected a torch.nn.Module")
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
