@@ -512,6 +512,11 @@ def test_token_mask_refusals():
         ValueError, match=r"token_mask of dtype torch.int64 is not allowed; expected torch.bool"
     ):
         layer(torch.randn(2, 5, 8), token_mask=torch.ones(2, 5, dtype=torch.long))
+    scoped = moelab.MoE(8, 4, 2, balance_scope="sequence")
+    with pytest.raises(
+        ValueError, match=r"token_mask is not allowed with balance_scope='sequence' \(the masked"
+    ):
+        scoped(torch.randn(2, 5, 8), token_mask=torch.ones(2, 5, dtype=torch.bool))
 
 
 # ------------------------------------------------------------------------------------------ capacity
