@@ -205,7 +205,7 @@ def test_competesmoe_eval_equals_router_path():
     sm.experts.load_state_dict(cs.experts.state_dict())
     cs.eval(), sm.eval()
     x = torch.randn(T, D)
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(cs), moelab.recording_routing(sm):
         assert torch.equal(cs(x), sm(x))
     assert torch.equal(cs.last_routing.indices, sm.last_routing.indices)
 

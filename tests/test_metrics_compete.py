@@ -13,7 +13,12 @@ D, N, K, T = 10, 5, 2, 16
 
 def stack(method, layers=2, seed=0, **options):
     torch.manual_seed(seed)
-    return nn.Sequential(*[moelab.MoE(D, N, K, method=method, impl="loop", **options) for _ in range(layers)])
+    return nn.Sequential(
+        *[
+            moelab.MoE(D, N, K, method=method, impl="loop", record_routing=True, **options)
+            for _ in range(layers)
+        ]
+    )
 
 
 def layer_inputs(model, x):

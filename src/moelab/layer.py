@@ -86,10 +86,10 @@ class MoE(nn.Module):
             forward; switch off for speed).  Under ``torch.compile`` the check is traced as
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``, with a
             message that names no layer: a per-layer value would recompile every layer).
-        record_routing: keep ``last_routing`` after each forward: ``None`` (default) when the
-            layer is not being compiled, ``True`` always (also under ``torch.compile``, without
-            activation checkpointing), ``False`` never (an inference forward then keeps no tensor).
-            :func:`recording_routing` switches it on for a block.
+        record_routing: keep ``last_routing`` after each forward: ``None`` (default) after a
+            forward with gradients enabled, not being compiled (an inference forward keeps no
+            tensor); ``True`` always (also under ``torch.compile``, without activation
+            checkpointing); ``False`` never.  :func:`recording_routing` switches it on for a block.
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
             ``num_shared`` and ``balance_scope``), overriding the preset.
@@ -439,8 +439,8 @@ class MoE(nn.Module):
     def _record(self, routing: Routing) -> None:
         record = self.record_routing
         if not torch.compiler.is_compiling():
-            if record is None:
-                record = True
+            if record is None:  # a forward with gradients: its routing is held by the graph anyway
+                record = torch.is_grad_enabled()
             self.last_routing = routing.detach() if record else None
         elif record:  # asked for under compile: a side effect dynamo replays (not under checkpointing)
             self.last_routing = routing.detach()
