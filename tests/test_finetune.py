@@ -276,3 +276,15 @@ def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_
         # the fine-tuned model keeps that routing when loaded
         ctx = next(m.ctx for m in load(out).modules() if getattr(m, "ctx", None) is not None)
         assert (ctx.step, ctx.total_steps) == (4, 4)
+
+
+def test_finetune_refuses_a_batch_beyond_the_machines_memory(pretrained, reviews, tmp_path, capsys):
+    out = tmp_path / "ft"
+    assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--batch-size", "4096000000",
+                 "--out", str(out)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        "--batch-size=4096000000 is not allowed here: the model, its training state and a batch would need"
+        in err
+    )
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
