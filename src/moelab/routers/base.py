@@ -85,6 +85,19 @@ class Router(nn.Module):
         by :meth:`moelab.RoutingContext.advance` (:func:`moelab.attach` registers it).  A router
         without such state has nothing to do."""
 
+    def step_dependence(self) -> str | None:
+        """What of this router's training routing changes with the context's step (said when it
+        trains without a context that drives it, :func:`moelab.layer.check_context`), or ``None``
+        for a router whose routing does not depend on the step."""
+        return None
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        """Why ``ctx`` does not drive this router's step-dependent routing, or ``None`` (also for
+        a router without any).  Read in training forwards; it changes nothing."""
+        if self.step_dependence() is None:
+            return None
+        return "no RoutingContext is attached" if ctx is None else None
+
     @property
     def base_router(self) -> Router:
         """The router whose scores and rule this one routes with: itself, or the base of a router

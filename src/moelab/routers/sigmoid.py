@@ -151,6 +151,20 @@ class SigmoidRouter(Router):
                 "topk_groups": self.topk_groups, "selection_bias": self.selection_bias,
                 "expert_dropout": self.expert_dropout}  # fmt: skip
 
+    def step_dependence(self) -> str | None:
+        if self.selection_bias is None or self.bias_update_rate == 0:
+            return None
+        return (
+            "its selection bias moves only in the step hook ctx.advance() runs (aux-loss-free balancing); "
+            "without it the bias stays where it is and nothing balances the experts"
+        )
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        if problem is None and ctx is not None and self.step_dependence() and self.on_step not in ctx.hooks:
+            return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
+        return problem
+
     @torch.no_grad()
     def on_step(self, ctx: RoutingContext | None = None) -> None:
         """The step hook: move ``b`` by ``γ·sign(mean load − load)`` with the load of the step's

@@ -74,6 +74,20 @@ class StableRouter(Router):
             d = self.light_centroids.shape[1]
             self.light_centroids.copy_(torch.randn(self.light_centroids.shape) / d**0.5)
 
+    def step_dependence(self) -> str | None:
+        when = (
+            f"ctx.step={self.switch_step}"
+            if self.switch_step is not None
+            else (f"{self.switch_fraction:g} of ctx.total_steps")
+        )
+        return f"it switches from stage 1 to its frozen light router (stage 2) at {when} (StableMoE); until then it stays in stage 1"
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        if problem is None and ctx is not None and self.switch_step is None and ctx.total_steps is None:
+            return "the RoutingContext has no total_steps"
+        return problem
+
     def stage(self, ctx: RoutingContext | None) -> int:
         """1 (learn and distil) or 2 (frozen light router) at the context's step."""
         if ctx is None:
