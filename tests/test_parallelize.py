@@ -296,3 +296,42 @@ def test_every_layout_gives_the_losses_and_gradients_of_one_process_for_every_me
         [FEWER_EXPERTS] if world == 4 else []
     )
     _check_parity(spawn(_parity, world, tmp_path, cases), world, cases)
+
+
+# ------------------------------------------------------------------------------------ sharded checkpoints
+def _sharded_checkpoint(rank: int, world: int, path: str, save: bool) -> dict:
+    """Two AdamW steps of EP x FSDP2 (``ep`` = 2); with ``save`` the state after step 1 goes to
+    ``path`` (torch.distributed.checkpoint, each rank its shards), else it is read from there."""
+    from moelab.train.parallelize import load_sharded, parallelize, save_sharded
+
+    model = WithAux(_model("smoe"))
+    parallelize(model, dp="fsdp", ep=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(2):
+        if step == 1 and not save:
+            load_sharded(path, model, opt)
+        x, y = _batch(step, world, rank)
+        loss = _loss(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+        if step == 0 and save:
+            save_sharded(path, model, opt)
+    return {"losses": losses}
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers(tmp_path):
+    # 2 ranks: experts split in 2, FSDP2 over 1 rank each; 4 ranks: experts split in 2, each block
+    # sharded by FSDP2 over 2 ranks; the checkpoint is written shard by shard and re-sharded on load
+    path = str(tmp_path / "dcp")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "four").mkdir()
+    two = spawn(_sharded_checkpoint, 2, tmp_path / "two", path, True)
+    four = spawn(_sharded_checkpoint, 4, tmp_path / "four", path, False)
+    assert two[0]["losses"][1] != two[0]["losses"][0]
+    assert abs(four[0]["losses"][1] - two[0]["losses"][1]) <= 1e-12

@@ -27,6 +27,7 @@ saved on ``W`` ranks resumes on any other number.  docs/scaling.md ("parallelize
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -44,7 +45,9 @@ __all__ = [
     "full_state_dict",
     "load_full_optimizer_state",
     "load_full_state_dict",
+    "load_sharded",
     "parallelize",
+    "save_sharded",
 ]
 
 DP_MODES = ("ddp", "fsdp", "none")
@@ -296,3 +299,41 @@ def load_full_optimizer_state(
     groups = [{**saved, "params": [fqns[i] for i in saved["params"]]} for saved in full["param_groups"]]
     state = {"state": {fqns[i]: v for i, v in full["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def save_sharded(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Write the model (and optimizer) state to the folder ``path`` with
+    ``torch.distributed.checkpoint.save``: every rank writes its own shards, nothing is gathered
+    (a collective).  :func:`load_sharded` reads it on any layout and number of ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(model, optimizer), checkpoint_id=os.fspath(path))
+
+
+def load_sharded(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Read a :func:`save_sharded` folder into the parallelized ``model`` (and ``optimizer``),
+    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(model, optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    set_state_dict(
+        model,
+        [] if optimizer is None else optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optimizer", {}),
+    )
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
