@@ -10,7 +10,8 @@
   runs on its local block (``to_local`` at its boundary, :attr:`moelab.ExpertBank.expert_weights`);
 * **data parallelism**: ``dp="fsdp"`` applies FSDP2's ``fully_shard`` — the experts on the
   ``"efsdp"`` dimension (the ranks holding the same experts; dim-1 sharding when that degree
-  exceeds the local experts), every MoE layer and the root over all ranks — ``dp="ddp"`` wraps the
+  exceeds the local experts), every MoE layer, every block of a ``ModuleList`` (a transformer's
+  layers) and the root over all ranks — ``dp="ddp"`` wraps the
   model in ``DistributedDataParallel`` (expert weights left out: each rank's block is its own),
   ``dp="none"`` leaves the replicated parameters to the caller (the trainer wraps its own
   training forward in DDP).
@@ -205,6 +206,18 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
             for method in ("forward_all", "expert_forward"):
                 register_fsdp_forward_method(layer.experts, method)
         fully_shard(layer, mesh=dp_mesh)
+    # the blocks of a ModuleList (a transformer's layers) each their own unit, as torchtitan wraps
+    # every transformer block: one block's full weights exist at a time, not the whole model's
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    blocks = [
+        child
+        for lst in model.modules()
+        if isinstance(lst, nn.ModuleList) and id(lst) not in inside
+        for child in lst
+        if id(child) not in inside
+    ]
+    for block in reversed(blocks):  # inner lists before the lists holding them
+        fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
 
