@@ -65,8 +65,9 @@ def topk_gate(
     """The softmax top-K gate of every softmax router: ``(weights (T, K), indices (T, K), probs (T, N))``.
 
     * ``probs = softmax(h)`` over all N experts;
-    * the K chosen are ``TopK(h + b)``: ``bias`` ``b (N,)`` is a selection-only offset (the
-      aux-loss-free bias of DeepSeek-V3), absent by default;
+    * the K chosen are ``TopK(softmax(h) + b)``: ``bias`` ``b (N,)`` is a selection-only offset on
+      the gating scores (the aux-loss-free bias of DeepSeek-V3 and of Wang et al. 2024, added to
+      the scores after their activation, as torchtitan does), absent by default: ``TopK(h)``;
     * weights: renormalised over the chosen (``softmax`` of their logits, :func:`topk_softmax`), or
       ``probs`` at the chosen (Switch Transformer at K = 1; Qwen2-MoE / OLMoE with
       ``norm_topk_prob=False``); ``renormalize=None`` renormalises for K > 1 only
@@ -80,7 +81,7 @@ def topk_gate(
             indices = logits.argmax(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
             weights = probs.gather(1, indices)
         return weights, indices, probs
-    indices = (logits.detach() + bias.to(logits.dtype)).topk(k, dim=-1).indices
+    indices = (probs.detach() + bias.to(probs.dtype)).topk(k, dim=-1).indices
     if resolve_renormalize(renormalize, k):
         weights = logits.gather(1, indices).softmax(dim=-1)
     else:
