@@ -85,7 +85,22 @@ def _parallelize_refusals(world: int) -> dict[str, str | None]:
     done = layer()
     parallelize(done, dp="none", ep=2)
     modules = moelab.MoE(D, 4, 2, experts=moelab.ModuleExperts([torch.nn.Linear(D, D) for _ in range(4)]))
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x, idx = torch.randn(3, D), torch.zeros(3, 1, dtype=torch.int64)
+    tp = moelab.ExpertBank(4, D, 6)  # a tensor-parallel layout by hand: hidden units split
+    tp.w_in = torch.nn.Parameter(
+        distribute_tensor(tp.w_in.detach(), init_device_mesh("cpu", (2,)), [Shard(1)])
+    )
+    replicated = layer()
+    parallelize(replicated, dp="none", ep=2)
+    bank = replicated.experts
+    bank.w_out = torch.nn.Parameter(
+        distribute_tensor(bank.w_out.full_tensor().detach(), bank._ep[0], [Replicate()])
+    )
     return {
+        "tp_bank": _message(lambda: tp(x, idx, torch.ones(3, 1))),
+        "ep_layout": _message(lambda: bank(x, idx, torch.ones(3, 1))),
         "dp": _message(lambda: parallelize(layer(), dp="zero")),
         "ep_world": _message(lambda: parallelize(layer(), ep=3)),
         "ep_experts": _message(lambda: parallelize(layer(3), dp="none", ep=2)),
@@ -131,6 +146,16 @@ def test_fsdp2_shards_xmoe_and_a_sharded_model_is_saved_gathered_not_as_shards(t
         ), rank
         assert r["saved_weights"] == 0.0, rank
         p = r["parallelize"]
+        assert p["tp_bank"] == (
+            "ExpertBank weight w_in as a DTensor with placements (Shard(dim=1),) is not allowed; a bank computes on "
+            "whole experts: split the experts with moelab.train.parallelize (parallelize(model, ep=...) or its "
+            "ExpertParallel style)"
+        )
+        assert p["ep_layout"] == (
+            "expert-parallel weight w_out with placements (Replicate(),) is not allowed; expected Shard(0) on the "
+            "expert mesh (FSDP2 / a wrapper applied by hand after parallelize changed it: use "
+            "parallelize(model, dp='fsdp', ep=...))"
+        )
         assert p["dp"] == "dp='zero' is not allowed; expected one of ['ddp', 'fsdp', 'none']"
         assert (
             p["ep_world"]

@@ -7,7 +7,8 @@
   turns every layer's :class:`moelab.ExpertBank` weights into ``DTensor`` sharded over the experts
   (``Shard(0)``) on the ``"ep"`` dimension of a 2-D device mesh ``("efsdp", "ep")``; the tokens go
   to the ranks holding their experts and back by ``all_to_all`` around the unchanged bank, which
-  runs on its local block (``to_local`` at its boundary, :attr:`moelab.ExpertBank.expert_weights`);
+  runs on its local block (``to_local`` at its boundary, the parallel bank's
+  :attr:`moelab.ExpertBank.expert_weights`);
 * **data parallelism**: ``dp="fsdp"`` applies FSDP2's ``fully_shard`` — the experts on the
   ``"efsdp"`` dimension (the ranks holding the same experts; dim-1 sharding when that degree
   exceeds the local experts), every MoE layer, every block of a ``ModuleList`` (a transformer's
