@@ -345,3 +345,16 @@ def test_train_force_over_an_upcycled_run_leaves_nothing_of_it(tmp_path):
     assert main([*train, "--force"]) == 0
     assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
     assert isinstance(moelab.load(out), TransformerLM)
+
+
+def test_cli_refuses_more_experts_than_memory_holds_before_allocating(tmp_path, capsys):
+    _gpt2().float().save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "up"
+    capsys.readouterr()
+    assert main(["upcycle", "--model", str(tmp_path / "gpt2"), "--num-experts", "4096000000", "--top-k", "2",
+                 "--out", str(out)]) == 2  # fmt: skip
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own loading bar
+    assert line.startswith(
+        "moelab upcycle: error: --num-experts=4096000000 is not allowed here: the upcycled model would need at least"
+    )
+    assert line.endswith("expected a smaller --num-experts") and not out.exists()
