@@ -23,7 +23,9 @@ bank's boundary; FSDP averages it over the ``efsdp`` ranks.  :func:`clip_grad_no
 whole model's norm over the shards; :func:`full_state_dict` / :func:`load_full_state_dict` and
 :func:`full_optimizer_state` / :func:`load_full_optimizer_state` go between the sharded model and
 the full (layout-independent) state through ``torch.distributed.checkpoint.state_dict``, so a run
-saved on ``W`` ranks resumes on any other number.  docs/scaling.md ("parallelize") has the rules.
+saved on ``W`` ranks resumes on any other number; :func:`save_sharded` / :func:`load_sharded` write
+and read each rank's shards with ``torch.distributed.checkpoint`` itself, re-sharded on load.
+docs/scaling.md ("parallelize") has the rules.
 """
 
 from __future__ import annotations
