@@ -253,7 +253,7 @@ def _router_grad(layer, x, loss=None):
     """The router's gradient of the layer's whole aux loss, or of one of its losses."""
     layer.zero_grad()
     layer(x)
-    routing, _ = layer._aux_pending  # this forward's routing, with autograd
+    routing = layer._aux_pending[0]  # this forward's routing, with autograd
     (layer.aux_loss if loss is None else routing.losses[loss]).backward()
     return layer.router.base.weight.grad.flatten().clone()
 
