@@ -46,8 +46,9 @@ class StepBalance:
     load-based loss: ``balance``, ``importance`` or ``entropy``), owned by a training loop.
 
     Per micro-batch: run the forward, then :meth:`record` (reads each layer's last forward,
-    all-reduces its statistics: one collective of ``Σ (2N + 1)`` numbers), then :meth:`loss` (the global losses, weighted by the layers'
-    coefficients, to add to the micro-batch's loss before its backward) — or, for the exact step,
+    all-reduces its statistics: one collective of ``Σ (2N + 1)`` numbers), then :meth:`loss` (the
+    global losses, weighted by the layers' coefficients, to add to the micro-batch's loss before its
+    backward) — or, for the exact step,
     :meth:`record` after every micro-batch's forward and :meth:`loss` once, before the one backward.
     :meth:`end_step` clears the statistics; with ``ctx`` it runs as a step hook of
     :meth:`moelab.RoutingContext.advance`, once per optimizer step.
@@ -101,7 +102,12 @@ class StepBalance:
         if not self.layers:
             return
         routings = [None if layer._aux_pending is None else layer._aux_pending[0] for layer in self.layers]
-        device = next((r.probs.device for r in routings if r is not None and r.probs is not None), None)
+        # the statistics live where the model does (a collective over NCCL needs CUDA tensors)
+        first = next(iter(self.layers[0].parameters()), None)
+        device = next(
+            (r.probs.device for r in routings if r is not None and r.probs is not None),
+            None if first is None else first.device,
+        )
         rows, local, names = [], [], []
         for layer, routing in zip(self.layers, routings):
             n = layer.num_experts
