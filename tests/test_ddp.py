@@ -356,3 +356,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers(corpus,
         for key in ("loss", "aux_loss", "grad_norm"):
             assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-5), (a["step"], key)
     assert json.loads((out / "metrics.json").read_text())["world_size"] == 4
+
+
+def test_fsdp_needs_torchrun(corpus, tmp_path, capsys):
+    assert main(tiny_args(corpus, tmp_path / "run", "--fsdp")) == 2
+    assert "FSDP2 needs torch.distributed initialised" in capsys.readouterr().err

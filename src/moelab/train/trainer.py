@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..balance import StepBalance
-from ..errors import NonFiniteError, TrainingError
+from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
 from ..layer import attach, moe_layers
@@ -256,6 +257,7 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
         generator = torch.Generator().manual_seed(cfg.seed + 1)
+        self._prune_checkpoints()
         saved = self._latest_checkpoint() if resume else None
         self.parallel.apply(self.model)  # after a resume has loaded the full weights
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -304,6 +306,24 @@ class Trainer:
         return self._finish(state)
 
     # ------------------------------------------------------------------ the loop's parts
+    def _prune_checkpoints(self) -> None:
+        """Keep the newest ``keep_ckpts`` checkpoints, as every checkpoint write does: a kill
+        between a checkpoint's rename and the removal of the oldest leaves one more.  Only when the
+        ones kept all verify (an older one is the fallback of a damaged newer one)."""
+        if not (self.is_main and self.ckpt_dir is not None):
+            return
+        found = ckpt.list_checkpoints(self.ckpt_dir)
+        extra, kept = found[: -self.config.keep_ckpts], found[-self.config.keep_ckpts :]
+        if not extra:
+            return
+        try:
+            for path in kept:
+                ckpt.verify_checkpoint(path)
+        except CheckpointError:
+            return
+        for path in extra:
+            shutil.rmtree(path, ignore_errors=True)
+
     def _latest_checkpoint(self) -> dict[str, Any] | None:
         """The training state of the newest good checkpoint, its weights loaded into the full
         model (a checkpoint never depends on the parallel layout); ``None`` without one."""
@@ -405,7 +425,13 @@ class Trainer:
     def _evaluate_and_keep_best(self, done: int, row: dict[str, Any], state: dict[str, Any]) -> None:
         """Validate, fill ``row``'s validation columns, and save ``best/`` on an improvement."""
         metric = self.task.metric
-        val = self._evaluate("valid", self.config.eval_tokens)
+        try:
+            val = self._evaluate("valid", self.config.eval_tokens)
+        except NonFiniteError as exc:  # the routers saw NaN/inf before the metric did
+            raise TrainingError(
+                f"validation {metric} is not finite at step {done} ({exc}) although the training loss was; "
+                f"stopped before saving this step; {self._last_good()}. Lower --lr or check the data"
+            ) from exc
         if not math.isfinite(val[metric]):  # the same decision on every rank (the values are reduced)
             raise TrainingError(
                 f"validation {metric} is not finite at step {done} ({val[metric]}) although the training "
@@ -476,7 +502,13 @@ class Trainer:
         )
         if best:
             self.parallel.load_weights(self.model, lambda module: load_weights(self.run.file("best"), module))
-        test = self._evaluate("test", cfg.test_tokens)
+        try:
+            test = self._evaluate("test", cfg.test_tokens)
+        except NonFiniteError as exc:
+            raise TrainingError(
+                f"the test {metric} of the best-validation weights is not finite ({exc}); "
+                f"{self._last_good()}. Check the data"
+            ) from exc
         if best and self.is_main:  # best/ now records the routing context the test ran with
             save(
                 self.parallel.full_model(self.model),
