@@ -16,8 +16,9 @@ micro-batch on one rank) the piece contributes ``L(S_g + P·(S_piece − sg(S_pi
 the statistics gathered so far, ``P`` = ranks × micro-batches recorded in the step and ``sg`` the
 stop-gradient: its value is ``L(S_g)``, its gradient ``P·∇L(S_g)·∂S_piece``.  DDP averages the
 gradients over the ranks and the loop averages the micro-batches, so the step's gradient is
-``∇L(S_g)·∂S_g`` — one process on the whole batch, whatever the number of ranks (Megatron-Core
-first shipped its global loss 1/dp_size too weak: the averaging over ranks was not undone).
+``∇L(S_g)·∂S_g`` — one process on the whole batch, whatever the number of ranks (the averaging
+over the ranks is undone, which Megatron-Core's router does with ``reduce_group_has_dp`` /
+``needs_dp_avg``).
 
 When the step's backward runs once after every micro-batch was recorded (:meth:`StepBalance.loss`
 called once per step), ``S_g`` is the whole step's: the loss value and the gradient are exactly
