@@ -359,3 +359,16 @@ def test_top1_upcycling_keeps_the_dense_function_unless_switch_weighting_is_aske
     switch = upcycle(copy.deepcopy(mlp), num_experts=4, top_k=1, renormalize=False).eval()
     r = switch.router(x, switch.experts, None)
     torch.testing.assert_close(r.weights, r.probs.gather(1, r.indices))  # Switch: p of the chosen
+
+
+def test_cli_refuses_more_experts_than_memory_holds_before_allocating(tmp_path, capsys):
+    _gpt2().float().save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "up"
+    capsys.readouterr()
+    assert main(["upcycle", "--model", str(tmp_path / "gpt2"), "--num-experts", "4096000000", "--top-k", "2",
+                 "--out", str(out)]) == 2  # fmt: skip
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own loading bar
+    assert line.startswith(
+        "moelab upcycle: error: --num-experts=4096000000 is not allowed here: the upcycled model would need at least"
+    )
+    assert line.endswith("expected a smaller --num-experts") and not out.exists()
