@@ -194,7 +194,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
         (
             {"temperature": 0.3},
-            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'z_coef'\]",
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'selection_bias', 'z_coef'\]",
         ),
         ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
         (
@@ -345,3 +345,19 @@ def test_inputs_of_a_wrong_dtype_are_refused_in_one_line():
         match=r"input of dtype torch.float16 is not allowed; expected the layer's dtype torch.float32",
     ):
         layer(torch.ones(3, 8, dtype=torch.float16))
+
+
+def test_an_input_that_is_not_a_tensor_or_model_is_refused_naming_it():
+    layer = moelab.MoE(4, 2, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"^input of type list is not allowed; expected a torch.Tensor of shape \(..., d_model=4\)$",
+    ):
+        layer([[1.0, 2.0, 3.0, 4.0]])
+    for call in (
+        moelab.aux_loss,
+        moelab.layer.moe_layers,
+        lambda m: moelab.attach(m, moelab.RoutingContext()),
+    ):
+        with pytest.raises(ValueError, match=r"^model=3 is not allowed; expected a torch.nn.Module$"):
+            call(3)
