@@ -217,7 +217,7 @@ def study_config(study: str, quick: bool = False, seed: int = 0, **overrides: An
     values: dict[str, Any] = dict(STUDY_DEFAULTS[study])
     if quick:
         values.update(PAPER_QUICK if study in PAPER_THEORY_STUDIES else QUICK)
-        if study == "rate-grid":  # nine series: a smaller quick grid keeps it under a minute
+        if study in ("rate-grid", "competition-v1"):  # nine series / a top-K gate: a smaller quick grid
             values.update({"sample_sizes": [200, 400, 800], "replicates": 2, "steps": 25})
     values.update({k: v for k, v in overrides.items() if v is not None})
     names = {f.name for f in dataclasses.fields(StudyConfig)}
