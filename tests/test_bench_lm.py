@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import moelab
-
 from moelab.bench.lm import format_throughput
 from moelab.cli import main
 
