@@ -296,7 +296,8 @@ def test_the_mse_distillation_is_the_authors_softmax_of_affinities():
     torch.testing.assert_close(cs.last_routing.losses["distill"], (probs - target).square().mean())
 
 
-def test_competesmoe_without_context_warns_once_and_routes_like_base():
+def test_competesmoe_without_context_warns_once_and_routes_like_base(monkeypatch):
+    monkeypatch.setattr(moelab.layer, "_TOLD_NO_CONTEXT", set())  # told once per process: afresh here
     cs = make("competesmoe")
     sm = make("smoe")
     sm.router.load_state_dict(cs.router.base.state_dict())
