@@ -162,6 +162,15 @@ def test_aux_loss_weighed_otherwise_than_the_scale_is_refused_in_backward():
     ((y.sum() + moelab.aux_loss(layer)) / 2).backward()  # the same weight: accepted
 
 
+def test_a_bf16_layer_keeps_its_aux_scale_exact():
+    layer = moelab.MoE(8, 4, 2, method="smoe").to(torch.bfloat16)
+    assert layer._aux_scale.dtype == layer._aux_values.dtype == torch.float32
+    moelab.set_aux_scale(layer, 1 / 3)
+    y = layer(torch.randn(10, 8, dtype=torch.bfloat16))
+    ((y.float().sum() + moelab.aux_loss(layer)) / 3).backward()  # the weight 1/3, exactly: accepted
+    assert layer.router.weight.grad is not None
+
+
 def test_set_aux_scale_refuses_a_non_number():
     with pytest.raises(ValueError, match=r"scale=nan is not allowed; expected a finite number"):
         moelab.set_aux_scale(moelab.MoE(8, 4, 2), float("nan"))

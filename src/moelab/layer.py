@@ -307,6 +307,16 @@ class MoE(nn.Module):
             self._aux_scale.fill_(1.0)
             self._dropped.zero_()
 
+    def _apply(self, fn, recurse: bool = True):
+        """``to`` / ``half`` / ``bfloat16`` cast the layer; its aux bookkeeping stays float32 (a
+        bf16 aux scale of 1/3 would be 0.334, refused against the loss's exact 1/3)."""
+        super()._apply(fn, recurse)
+        for name in ("_aux_values", "_aux_scale", "_dropped"):
+            buffer = self._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
+
     @property
     def dropped_fraction(self) -> float:
         """The fraction of the last forward's token slots (T·K) its expert capacity dropped
