@@ -272,3 +272,18 @@ def test_log_has_the_cheap_routing_diagnostics_and_overlap_only_on_competition_s
     overlap = [r["competition_overlap"] for r in rows]
     assert any(v for v in overlap) and any(v == "" for v in overlap)  # competes on some steps only
     assert all(0 <= float(v) <= 2 for v in overlap if v)
+
+
+def test_every_run_writes_its_curves_png_before_its_metrics_and_a_resume_draws_the_same(data, tmp_path):
+    import matplotlib.image
+
+    run_training(data, tmp_path / "a", steps=4)
+    png = tmp_path / "a" / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(str(png))
+    assert pixels.shape[1] > pixels.shape[0] > 100 and pixels.std() > 0  # two panels, something drawn
+    first = png.read_bytes()
+    (tmp_path / "a" / "metrics.json").unlink()  # killed after the figure, before metrics.json
+    png.unlink()
+    run_training(data, tmp_path / "a", steps=4, resume=True)
+    assert png.read_bytes() == first  # drawn from log.csv: the same figure

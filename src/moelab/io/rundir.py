@@ -39,8 +39,18 @@ def _plain(value: Any) -> Any:
 
 
 #: what a run directory holds (the markers of a run, and what ``--force`` removes); ``fits``: the
-#: runs of the models a run trains one after another (``moelab specialize``)
-RUN_ENTRIES = ("config.yaml", "metrics.json", "log.csv", "tokenizer.json", "best", "ckpt", "fits")
+#: runs of the models a run trains one after another (``moelab specialize``); ``curves.png``: the
+#: trainer's figure (:mod:`moelab.train.plots`)
+RUN_ENTRIES = (
+    "config.yaml",
+    "metrics.json",
+    "log.csv",
+    "tokenizer.json",
+    "best",
+    "ckpt",
+    "fits",
+    "curves.png",
+)
 LOCK = ".lock"
 #: run directories this process owns (path → open lock file): a process may open its own run again
 _HELD: dict[Path, int] = {}
