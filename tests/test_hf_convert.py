@@ -445,6 +445,38 @@ def test_moelab_load_keeps_the_attention_implementation_so_logits_come_back_bit_
         moelab.load(tmp_path / "m")
 
 
+def test_smoe_sg_of_a_sigmoid_block_without_bias_goes_back_to_transformers():
+    lfm2 = pytest.importorskip("transformers.models.lfm2_moe.modeling_lfm2_moe")
+    cfg = lfm2.Lfm2MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=H,
+        num_experts=N,
+        num_experts_per_tok=K,
+        use_expert_bias=False,
+        norm_topk_prob=True,
+    )
+    cfg._experts_implementation = "eager"
+    block = lfm2.Lfm2MoeSparseMoeBlock(cfg).double()
+    _randomize(block, 0)
+    block.eval()
+    x = torch.randn(3, 5, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = block(x.clone())
+    layer = from_hf(block, method="smoe-sg")
+    assert layer.method == "smoe-sg" and layer.shared is None
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)  # its router rounds in float32
+        layer.experts.w_out.mul_(1.5)  # a "fine-tuned" change travels back
+        tuned = layer(x)
+    back = moelab.to_hf(layer)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x.clone()), tuned, rtol=1e-5, atol=1e-6)
+    assert type(back) is type(block)
+    refused = from_hf(block, method="smoe-sg", normalize=False)
+    with pytest.raises(ValueError, match=r"router options \{'normalize': False\} differ"):
+        moelab.to_hf(refused)
+
+
 def _flint_block():
     from hf_families import families, tiny_block
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ..experts import MLP
 from ..layer import MoE, moe_layers
 from ..methods import get_method, method_router_options
+from ..routers import ROUTERS
 
 __all__ = ["GatedSharedExpert", "from_hf", "guard_save_pretrained", "set_method"]
 
@@ -597,10 +598,11 @@ def _router_options(layer: MoE, method: str, options: dict[str, Any]) -> tuple[d
         base = layer.method if get_method(layer.method).router in ("topk", "sigmoid") else "smoe"
         if base == "sharede-v2":
             base = "smoe"
-        base_opts, lost = _translate(carried, method_router_options(base))
+        base_opts, lost = _translate(carried, _bias_if_same_gate(layer, base, method_router_options(base)))
         router_opts = {"base": base, "base_options": {**base_opts, **options.pop("base_options", {})}}
     else:
-        router_opts, lost = _translate(carried, accepted)
+        chooser = options.get("base", "smoe") if "base" in accepted else method  # the router that chooses
+        router_opts, lost = _translate(carried, _bias_if_same_gate(layer, chooser, accepted))
     return {**router_opts, **options}, lost
 
 
@@ -695,6 +697,15 @@ def _rehook(ctx: Any, old: nn.Module, new: nn.Module) -> None:
     for module in new.modules():
         if isinstance(module, Router):
             ctx.add_step_hook(module.on_step)
+
+
+def _bias_if_same_gate(layer: MoE, method: str, accepted: list[str]) -> list[str]:
+    """``accepted`` without ``selection_bias`` when ``method``'s router gates with another activation
+    than the layer's (a bias on sigmoid scores is no bias on softmax probabilities): it is then
+    reported as lost, not carried."""
+    if ROUTERS[get_method(method).router].gate == layer.router.base_router.gate:
+        return accepted
+    return [name for name in accepted if name != "selection_bias"]
 
 
 def _json_options(options: dict[str, Any]) -> dict[str, Any]:

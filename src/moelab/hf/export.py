@@ -77,9 +77,11 @@ def _check(path: str, layer: MoE) -> _Plan:
             "it was never a transformers block (built by moelab, e.g. upcycle or MoE); "
             "a transformers model has no place for it",
         )
-    if layer.method != plan.method:
-        from ..methods import get_method
+    from ..methods import get_method
 
+    # another preset of the block's router family (smoe-sg of a sharede-v3 block) is the same
+    # block when its rule options agree, which the check below does
+    if get_method(layer.method).router != get_method(plan.method).router:
         family = get_method(layer.method).router
         lost = _LOST.get(family, f"the {router_kind} rule '{get_method(layer.method).summary}'")
         raise _refuse(

@@ -188,6 +188,12 @@ def _tensors(model_or_state: nn.Module | Mapping[str, Tensor]) -> tuple[dict[str
     for key, value in state.items():
         if not isinstance(value, Tensor):
             raise ValueError(f"state entry {key!r} is a {type(value).__name__}; expected a tensor")
+        if _is_dtensor(value):  # FSDP2 / expert-parallel shards: a local block is not the weight
+            raise ValueError(
+                f"state entry {key!r} is sharded (a DTensor: FSDP2 or expert parallelism); gather the full "
+                "weights on every rank with moelab.train.parallelize.full_state_dict(model) and save that "
+                "dict from rank 0"
+            )
         view = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
                 value.stride(), value.dtype)  # fmt: skip
         if value.numel() and view in views:
@@ -201,6 +207,14 @@ def _tensors(model_or_state: nn.Module | Mapping[str, Tensor]) -> tuple[dict[str
             t = t.clone()  # safetensors refuses shared or partial storage
         out[key] = t
     return out, tied
+
+
+def _is_dtensor(value: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _canonical(config: Mapping[str, Any]) -> bytes:
@@ -221,7 +235,7 @@ def save(
     Args:
         model: any module; moelab's models, a bare :class:`moelab.MoE` and upcycled / converted
             transformers models are rebuilt by :func:`load`, any other module's weights (or a
-            state dict's: ``full_state_dict`` under expert parallelism) load with
+            state dict's: ``moelab.train.parallelize.full_state_dict`` of a sharded model) load with
             :func:`load_weights`.
         directory: created if missing; the files in it are replaced atomically.
         ctx: the :class:`moelab.RoutingContext` to record (default: the one attached to the
