@@ -161,8 +161,8 @@ class Router(nn.Module):
     def step_dependence(self) -> str | None:
         """What of this router's training routing changes with the context's step (said when it
         trains without a context that drives it, :func:`moelab.layer.check_context`), or ``None``
-        for a router whose routing does not depend on the step.  Here: the selection bias, which
-        moves in the step hook only; a router with more step-dependent state adds its own."""
+        for a router whose routing does not depend on the step.  Here: the selection bias; a
+        router with other per-step behaviour adds its own (:func:`join_dependences`)."""
         if self.selection_bias is None or self.bias_update_rate == 0:
             return None
         return (
@@ -177,7 +177,7 @@ class Router(nn.Module):
             return None
         if ctx is None:
             return "no RoutingContext is attached"
-        if self.selection_bias is not None and self.bias_update_rate and self.on_step not in ctx.hooks:
+        if self.selection_bias is not None and self.bias_update_rate > 0 and self.on_step not in ctx.hooks:
             return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
         return None
 
@@ -200,6 +200,12 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}"
+
+
+def join_dependences(*parts: str | None) -> str | None:
+    """The step dependences of a router's parts (:meth:`Router.step_dependence`), joined."""
+    given = [p for p in parts if p]
+    return "; ".join(given) if given else None
 
 
 def _counts_this_forward() -> bool:
