@@ -10,7 +10,9 @@ from moelab.methods import Method, get_method, register_method
 
 METHODS = moelab.methods()
 #: methods whose weights are not renormalised over the chosen K
-UNNORMALISED = {"sigma-moe"}
+UNNORMALISED = {"sigma-moe", "remoe"}
+#: methods that route a variable number of experts per token (``Routing.mask``), at most this many
+VARIABLE_K = {"remoe": 4}
 D, N, K = 8, 4, 2
 
 
@@ -49,7 +51,8 @@ def test_method_forward_backward_keeps_shape_and_gives_finite_gradients(method, 
         assert p.grad is not None, f"{method}: {name} received no gradient"
         assert torch.isfinite(p.grad).all(), f"{method}: {name} has a non-finite gradient"
     expert_grads = layer.experts.w_in.grad.flatten(1).abs().sum(-1)
-    used = layer.last_routing.indices.unique()
+    r = layer.last_routing
+    used = (r.indices if r.mask is None else r.indices[r.mask]).unique()
     assert (expert_grads[used] > 0).all()
 
 
@@ -62,7 +65,12 @@ def test_method_routing_invariants(method, mode):
     layer(x)
     r = layer.last_routing
     assert r.indices.dtype == torch.int64
-    assert r.indices.shape == (30, K) and r.weights.shape == (30, K)
+    k = VARIABLE_K.get(method, K)
+    assert r.indices.shape == (30, k) and r.weights.shape == (30, k)
+    assert (r.mask is not None) == (method in VARIABLE_K)
+    if r.mask is not None:  # inactive slots have weight 0, active ones a positive weight
+        assert r.mask.shape == (30, k) and r.mask.dtype == torch.bool
+        assert (r.weights[~r.mask] == 0).all() and (r.weights[r.mask] > 0).all()
     assert ((r.indices >= 0) & (r.indices < N)).all()
     s = r.indices.sort(-1).values
     assert (s[:, 1:] != s[:, :-1]).all(), "experts of a token must be distinct"

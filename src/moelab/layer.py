@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
+from .experts.dispatch import dispatch_masked
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
@@ -214,6 +215,8 @@ class MoE(nn.Module):
                 raise NonFiniteError(message)
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, routing.weights)
+        elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
+            y = dispatch_masked(self.experts, flat, routing.indices, routing.weights, routing.mask)
         else:
             y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
         if self.shared is not None:

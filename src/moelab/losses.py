@@ -18,6 +18,7 @@ __all__ = [
     "diversity_loss",
     "importance_loss",
     "mean_entropy_loss",
+    "relu_l1_balance_loss",
     "sample_similarity_loss",
     "switch_balance_loss",
     "topk_softmax_dense",
@@ -65,6 +66,25 @@ def mean_entropy_loss(probs: Tensor, eps: float = 1e-9) -> Tensor:
     baseline, coefficient ≈ 1e-3).  Minimising it spreads the load."""
     mean = probs.mean(dim=0)
     return (mean * (mean + eps).log()).sum()
+
+
+def relu_l1_balance_loss(gates: Tensor, top_k: int) -> Tensor:
+    """ReMoE's L1 regulariser with load balancing (ReMoE (Wang et al. 2025) eq. 7):
+    ``N · Σ_e f_e · mean_t R(x_t)_e`` with ``f_e = |{t : R(x_t)_e > 0}| / (T·K)``, the share of
+    the ``T·K`` target slots that expert ``e`` takes; ``R = relu(W x)``.  The Switch balance loss
+    with the ReLU gates as probabilities and the active gates as the routed slots (the authors'
+    Megatron-LM code computes it with ``switch_load_balancing_loss_func``); the counts carry no
+    gradient.  The adaptive coefficient ``λ`` multiplies it in the router.
+
+    Args:
+        gates: ``(T, N)`` the ReLU gates ``R(x)``.
+        top_k: K, the target number of active experts per token.
+    """
+    compute = torch.promote_types(gates.dtype, torch.float32)
+    g = gates.to(compute)
+    num_tokens, num_experts = g.shape
+    f = (g > 0).sum(dim=0).to(compute) / (num_tokens * top_k)
+    return (num_experts * (f * g.mean(dim=0)).sum()).to(gates.dtype)
 
 
 # ---------------------------------------------------------------- CompeteSMoE (2024, 2025)

@@ -180,6 +180,20 @@ for _m in [
     register_method(_m)
 
 
+# ---------------------------------------------------------------- the routers recent papers compare against
+for _m in [
+    Method(
+        "remoe",
+        "relu",
+        "R = relu(W x); every expert with R_e > 0 runs, weight R_e; load-balanced L1 on R with "
+        "λ ← λ·α^sign(1−K/N−sparsity) each step",
+        "ReMoE (Wang et al. 2025) eq. 4-8; λ₀ = 1e-8, α = 1.2 from the authors' code",
+        coefs={"l1": 1.0},
+    ),
+]:
+    register_method(_m)
+
+
 # ---------------------------------------------------------------- building a preset's router
 #: options of the ``competesmoe`` router family that name its base by method (resolved here)
 _BASE_OPTIONS = ("base", "base_options")

@@ -183,6 +183,8 @@ def competition_overlap(
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
         chosen = layer.last_routing.indices
+        if layer.last_routing.mask is not None:  # a variable K: the router's K best against the K winners
+            chosen = chosen[:, : layer.top_k]
         scores = competition_affinity(layer.experts.forward_all(x), kappa, reduce)
         winners = scores.topk(chosen.shape[-1], dim=-1).indices
         sums[i] = sums.get(i, 0.0) + float(topk_overlap(chosen, winners)) * x.shape[0]
@@ -298,6 +300,11 @@ def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
             raise ValueError(
                 f"swap_top1 is already active on MoE layer {layer.layer_index}; it does not nest"
             )
+        if layer.router.variable_k:
+            raise ValueError(
+                f"swap_top1 is not allowed on MoE layer {layer.layer_index} (method={layer.method!r}): it "
+                "routes a variable number of experts per token, so there is no K-th expert to replace"
+            )
         k = layer.router.top_k
         if k >= layer.num_experts:
             raise ValueError(
@@ -325,7 +332,7 @@ def load_cv(
     counts: dict[int, Tensor] = {}
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
-        c = torch.bincount(layer.last_routing.indices.reshape(-1), minlength=layer.num_experts).double()
+        c = torch.bincount(layer.last_routing.active_indices, minlength=layer.num_experts).double()
         counts[i] = counts[i] + c if i in counts else c
 
     n = _run(model, batches, forward, on_layer)
@@ -352,7 +359,7 @@ def routing_summary(model: nn.Module) -> dict[str, float | None]:
             continue
         if routing.probs is not None:
             entropies.append(float(routing_entropy(routing.probs)))
-        load = torch.bincount(routing.indices.reshape(-1), minlength=layer.num_experts).double()
+        load = torch.bincount(routing.active_indices, minlength=layer.num_experts).double()
         cvs.append(float(load.std(unbiased=False) / load.mean()))
         if "distill" in routing.losses and routing.probs is not None:
             k = routing.indices.shape[-1]

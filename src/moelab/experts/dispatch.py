@@ -28,6 +28,7 @@ __all__ = [
     "combine",
     "combine_slots",
     "dispatch",
+    "dispatch_masked",
     "gather",
     "sort_slots",
     "tracks_grad",
@@ -58,6 +59,42 @@ def dispatch(x: Tensor, indices: Tensor, weights: Tensor, num_experts: int, run:
     xs = gather(x, slots, indices.shape[1], track)  # (S, ...) grouped by expert
     ys = run(xs, slots)  # (S, ...) in the same order
     return combine_slots(ys, weights, slots, track)
+
+
+def dispatch_masked(experts: Experts, x: Tensor, indices: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
+    """``Σ_k [mask_k] · w_k · expert_{i_k}(x)``: a variable number of experts per token, where only
+    the active slots run (``remoe``, ``top-p``; :attr:`moelab.Routing.mask`).
+
+    Eagerly, the ``A ≤ T·K`` active slots are taken in token order, each one row of weight
+    ``w_k`` routed to its expert alone (``K = 1``, through the bank's own forward: every kernel
+    and every bank), and the rows are summed back into their tokens: on the CPU by an
+    ``index_add`` in slot order (deterministic there), elsewhere by putting each row at its own
+    slot of a zero ``(T·K, ...)`` buffer and summing over K, and gathering the tokens through the
+    same layout, so that no two rows are added by atomics.  Under ``torch.compile`` the number
+    of active slots would be a data-dependent shape (a graph break), so every slot runs with the
+    inactive weights set to 0: the same output and gradients, without the skipped compute.
+
+    Args:
+        experts: the bank.
+        x: ``(T, ...)`` tokens.
+        indices, weights, mask: ``(T, K)`` experts, weights and active slots.
+    """
+    w = weights * mask.to(weights.dtype)  # an inactive slot has weight 0, and no gradient reaches it
+    if torch.compiler.is_compiling():
+        return experts(x, indices, w)
+    T, K = indices.shape
+    slot = mask.reshape(-1).nonzero().squeeze(1)  # (A,) in token order: the one host sync
+    token = slot // K
+    cpu = _scatter_adds(x.device)
+    if cpu:
+        xs = x.index_select(0, token)
+    else:  # the gather's backward then adds each row into its own slot: no atomics
+        xs = x.unsqueeze(1).expand(T, K, *x.shape[1:]).reshape(T * K, *x.shape[1:]).index_select(0, slot)
+    ys = experts(xs, indices.reshape(-1, 1).index_select(0, slot), w.reshape(-1, 1).index_select(0, slot))
+    if cpu:
+        return ys.new_zeros(T, *ys.shape[1:]).index_add(0, token, ys)
+    rows = ys.new_zeros(T * K, *ys.shape[1:]).index_copy(0, slot, ys)
+    return rows.view(T, K, *ys.shape[1:]).sum(1)
 
 
 class Slots(NamedTuple):
