@@ -29,7 +29,7 @@ def literal_relu_routing(x, weight):
 
 
 def literal_l1(gates, k):
-    """ReMoE eq. 7: ``(1/T) Σ_t Σ_e f_e R_te`` with ``f_e = N/(K T) · #{t: R_te > 0}``."""
+    """ReMoE §3, the L1 with load balancing: ``(1/T) Σ_t Σ_e f_e R_te`` with ``f_e = N/(K T) · #{t: R_te > 0}``."""
     rows = gates.tolist()
     t_count, n = len(rows), len(rows[0])
     f = [n / (k * t_count) * sum(1 for r in rows if r[e] > 0) for e in range(n)]
@@ -47,7 +47,7 @@ def test_remoe_routes_every_expert_with_a_positive_relu_gate_weighted_by_it():
     assert r.mask.tolist() == (w > 0).tolist()
     assert r.probs is None
     torch.testing.assert_close(r.logits, x @ router.weight.detach().T)
-    # the loss: λ₀ = 1e-8 times eq. 7
+    # the loss: λ₀ = 1e-8 times the L1 with load balancing
     assert r.losses["l1"].item() == pytest.approx(1e-8 * literal_l1(gates, 2), rel=1e-10)
     assert relu_l1_balance_loss(gates, 2).item() == pytest.approx(literal_l1(gates, 2), rel=1e-12)
 

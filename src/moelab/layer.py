@@ -247,7 +247,7 @@ class MoE(nn.Module):
 
     def _standard_loss(self, name: str, routing: Routing) -> Tensor | None:
         if name == "balance" and routing.probs is not None:
-            return switch_balance_loss(routing.probs, routing.indices, self.num_experts)
+            return switch_balance_loss(routing.probs, routing.indices, self.num_experts, routing.mask)
         if name == "z" and routing.logits is not None:
             return z_loss(routing.logits)
         if name == "importance" and routing.probs is not None:

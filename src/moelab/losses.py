@@ -21,6 +21,7 @@ __all__ = [
     "relu_l1_balance_loss",
     "sample_similarity_loss",
     "switch_balance_loss",
+    "token_entropy_loss",
     "topk_softmax_dense",
     "z_loss",
 ]
@@ -29,7 +30,9 @@ __all__ = [
 LOSS_NAMES = ("balance", "z", "importance", "entropy")
 
 
-def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Tensor:
+def switch_balance_loss(
+    probs: Tensor, indices: Tensor, num_experts: int, mask: Tensor | None = None
+) -> Tensor:
     """Switch Transformer load-balancing loss ``N · Σ_i f_i P_i``.
 
     ``f_i`` is the fraction of the ``T·K`` token slots routed to expert ``i``; ``P_i`` the mean
@@ -39,9 +42,16 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
     Args:
         probs: ``(T, N)`` router distribution.
         indices: ``(T, K)`` chosen experts.
+        mask: ``(T, K)`` the active slots of a router that routes a variable number of experts per
+            token (``top-p``): ``f_i`` is then the fraction of the active slots routed to ``i``.
     """
     compute = torch.promote_types(probs.dtype, torch.float32)  # counts above 256 are not exact in bf16
-    f = expert_counts(indices, num_experts).to(compute) / indices.numel()
+    if mask is None:
+        f = expert_counts(indices, num_experts).to(compute) / indices.numel()
+    else:  # a scatter of the mask, not a boolean index: no data-dependent shape under torch.compile
+        active = mask.reshape(-1).to(compute)
+        counts = active.new_zeros(num_experts).scatter_add(0, indices.reshape(-1), active)
+        f = counts / active.sum().clamp_min(1)
     return (num_experts * (f * probs.to(compute).mean(dim=0)).sum()).to(probs.dtype)
 
 
@@ -69,7 +79,7 @@ def mean_entropy_loss(probs: Tensor, eps: float = 1e-9) -> Tensor:
 
 
 def relu_l1_balance_loss(gates: Tensor, top_k: int) -> Tensor:
-    """ReMoE's L1 regulariser with load balancing (ReMoE (Wang et al. 2025) eq. 7):
+    """ReMoE's L1 regulariser with load balancing (ReMoE (Wang et al. 2025) §3):
     ``N · Σ_e f_e · mean_t R(x_t)_e`` with ``f_e = |{t : R(x_t)_e > 0}| / (T·K)``, the share of
     the ``T·K`` target slots that expert ``e`` takes; ``R = relu(W x)``.  The Switch balance loss
     with the ReLU gates as probabilities and the active gates as the routed slots (the authors'
@@ -85,6 +95,17 @@ def relu_l1_balance_loss(gates: Tensor, top_k: int) -> Tensor:
     num_tokens, num_experts = g.shape
     f = (g > 0).sum(dim=0).to(compute) / (num_tokens * top_k)
     return (num_experts * (f * g.mean(dim=0)).sum()).to(gates.dtype)
+
+
+def token_entropy_loss(probs: Tensor, eps: float = 1e-9) -> Tensor:
+    """The dynamic loss of top-p routing, ``mean_t H(P(x_t)) = −mean_t Σ_i P_i log P_i``: the
+    entropy of each token's router distribution, averaged over tokens (Huang et al. 2024,
+    "Harder Tasks Need More Experts", §3).  Minimising it sharpens each distribution, so that
+    top-p routing does not take many experts of near-equal probability.  (Not
+    :func:`mean_entropy_loss`, the entropy of the batch-mean distribution.)"""
+    compute = torch.promote_types(probs.dtype, torch.float32)
+    p = probs.to(compute)
+    return -(p * (p + eps).log()).sum(dim=-1).mean().to(probs.dtype)
 
 
 # ---------------------------------------------------------------- CompeteSMoE (2024, 2025)

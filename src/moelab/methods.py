@@ -187,8 +187,16 @@ for _m in [
         "relu",
         "R = relu(W x); every expert with R_e > 0 runs, weight R_e; load-balanced L1 on R with "
         "λ ← λ·α^sign(1−K/N−sparsity) each step",
-        "ReMoE (Wang et al. 2025) eq. 4-8; λ₀ = 1e-8, α = 1.2 from the authors' code",
+        "ReMoE (Wang et al. 2025) §3; λ₀ = 1e-8, α = 1.2 from the authors' code",
         coefs={"l1": 1.0},
+    ),
+    Method(
+        "top-p",
+        "top-p",
+        "P = softmax(W x); experts by decreasing P_i until their cumulative probability exceeds p = 0.4, "
+        "weights P_i; dynamic (per-token entropy) loss 1e-4 + balance 0.01",
+        "Huang et al. 2024 (Harder Tasks Need More Experts, ACL 2024) §3; p = 0.4 from the authors' code",
+        coefs={"balance": 0.01, "dynamic": 1e-4},
     ),
 ]:
     register_method(_m)

@@ -21,15 +21,15 @@ from .sigmoid import _counts_this_forward
 class ReLURouter(Router):
     """``R(x) = relu(W x)``: every expert whose gate is positive runs, weighted by its gate, so each
     token takes a variable number of experts — ReMoE (Wang, Zhu, Chen, *ReMoE: Fully
-    Differentiable Mixture-of-Experts with ReLU Routing*, ICLR 2025), eq. 4-8.
+    Differentiable Mixture-of-Experts with ReLU Routing*, ICLR 2025), §3.
 
     The routing is differentiable everywhere (no TopK): a gate that crosses 0 switches its expert
     on or off continuously.  The average number of active experts is held at ``top_k`` by the
-    L1 regulariser with load balancing (eq. 7, :func:`moelab.losses.relu_l1_balance_loss`), in
+    L1 regulariser with load balancing (§3, :func:`moelab.losses.relu_l1_balance_loss`), in
     ``Routing.losses["l1"]`` already multiplied by its adaptive coefficient ``λ``; ``l1_coef``
     (default 1) multiplies it again.  ``λ`` changes in the step hook (:meth:`on_step`, once per
     optimizer step, from the training forwards of that step summed over ranks):
-    ``λ ← λ · α^{sign((1 − K/N) − S)}`` with ``S`` the fraction of zero gates (eq. 8).
+    ``λ ← λ · α^{sign((1 − K/N) − S)}`` with ``S`` the fraction of zero gates (§3).
 
     ``Routing.indices`` and ``weights`` are ``(T, N)``, the experts sorted by decreasing gate;
     ``Routing.mask`` says which slots are active (a positive gate): the layer runs only those
