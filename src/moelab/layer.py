@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
-from .experts.dispatch import dispatch_masked
+from .experts.dispatch import combine_densemixer, dispatch_masked
 from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
@@ -18,7 +18,10 @@ from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
 
-_LAYER_OPTIONS = ("num_shared",)
+_LAYER_OPTIONS = ("num_shared", "densemixer")
+#: the router families whose weights are their softmax probabilities on the chosen experts (up to a
+#: per-token scale): those DenseMixer's dense router gradient is defined for
+_DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
 
 
 class MoE(nn.Module):
@@ -44,7 +47,11 @@ class MoE(nn.Module):
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses, and
-            ``num_shared``), overriding the preset.
+            ``num_shared``, ``densemixer``), overriding the preset.  ``densemixer=True``: in
+            training forwards with autograd every expert runs and the router receives the
+            gradient of the dense mixture of their outputs, the output keeping its sparse value
+            (DenseMixer, Yao et al. 2025; :func:`moelab.experts.dispatch.combine_densemixer`);
+            for the softmax top-K routers (``topk``, ``cosine``, ``hyper`` families).
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`).
@@ -96,6 +103,7 @@ class MoE(nn.Module):
         r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
+        densemixer = preset.layer_options.get("densemixer", False)
         for key, value in options.items():
             if key in allowed_router:
                 r_opts[key] = value
@@ -103,9 +111,19 @@ class MoE(nn.Module):
                 coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
             elif key == "num_shared":
                 num_shared = value
+            elif key == "densemixer":
+                densemixer = value
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
+        if not isinstance(densemixer, bool):
+            raise ValueError(f"densemixer={densemixer!r} is not allowed; expected True or False")
+        if densemixer and preset.router not in _DENSEMIXER_ROUTERS:
+            raise ValueError(
+                f"densemixer=True is not allowed with method={method!r}; expected a method whose weights are "
+                f"its softmax probabilities (routers {list(_DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
+            )
+        self.densemixer = densemixer
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
@@ -217,6 +235,10 @@ class MoE(nn.Module):
             y = combine(routing.outputs, routing.weights)
         elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
             y = dispatch_masked(self.experts, flat, routing.indices, routing.weights, routing.mask)
+        elif self.densemixer and self.training and torch.is_grad_enabled():  # every expert runs
+            y = combine_densemixer(
+                self.experts.forward_all(flat), routing.indices, routing.weights, routing.probs
+            )
         else:
             y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
         if self.shared is not None:

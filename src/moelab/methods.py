@@ -33,6 +33,8 @@ class Method:
     coefs: dict[str, float] = field(default_factory=dict)
     num_shared: int = 0
     schedule: str | None = None
+    #: options of the layer rather than of its router (``densemixer``), overridable as ``MoE`` options
+    layer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
@@ -197,6 +199,15 @@ for _m in [
         "weights P_i; dynamic (per-token entropy) loss 1e-4 + balance 0.01",
         "Huang et al. 2024 (Harder Tasks Need More Experts, ACL 2024) §3; p = 0.4 from the authors' code",
         coefs={"balance": 0.01, "dynamic": 1e-4},
+    ),
+    Method(
+        "densemixer",
+        "topk",
+        "smoe forward; backward as if every expert were mixed with its router probability: "
+        "the router's gradient from every expert's output (straight-through)",
+        "DenseMixer (Yao et al. 2025); the densemixer=True option of any softmax top-K method",
+        coefs=_BALANCED,
+        layer_options={"densemixer": True},
     ),
 ]:
     register_method(_m)

@@ -26,6 +26,7 @@ from .protocol import Experts
 __all__ = [
     "Slots",
     "combine",
+    "combine_densemixer",
     "combine_slots",
     "dispatch",
     "dispatch_masked",
@@ -153,6 +154,30 @@ def combine(outputs: Tensor, weights: Tensor) -> Tensor:
     # an elementwise product and a sum over K, not ``bmm`` with T batches of (1, K) x (K, d), whose
     # backward makes one copy per token on the CPU (docs/performance.md)
     return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+
+
+def combine_densemixer(outputs: Tensor, indices: Tensor, weights: Tensor, probs: Tensor) -> Tensor:
+    """DenseMixer's straight-through combine (DenseMixer, Yao et al. 2025): the value of the sparse
+    output ``Σ_k w_k g_{i_k}(x)``, the router gradient of the dense mixture ``Σ_i w̃_i g_i(x)``.
+
+    ``w̃`` is the router's own weight on the chosen experts and ``p_i · (Σ_k w_k / Σ_k p_{i_k})``
+    (the scale detached) on the others — ``p_i / Σ_{TopK} p`` for the renormalised softmax, ``p_i``
+    without renormalisation, as the authors' code (its "partscale" form).  An expert's output
+    passes gradient only where the expert was chosen, so the experts (and the input, through
+    them) get the sparse gradient; the router gets ``<∂L/∂y, g_i(x)>`` from every expert.
+
+    Args:
+        outputs: ``(T, N, d)`` every expert on every token (with autograd).
+        indices, weights: ``(T, K)`` the router's choice and weights.
+        probs: ``(T, N)`` the router's softmax over all N.
+    """
+    chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(1, indices, True)
+    sparse = torch.zeros_like(probs, dtype=weights.dtype).scatter(1, indices, weights)
+    scale = (weights.sum(-1, keepdim=True) / probs.gather(1, indices).sum(-1, keepdim=True)).detach()
+    dense = torch.where(chosen, sparse, probs.to(weights.dtype) * scale)
+    mixed = sparse.detach() + (dense - dense.detach())  # the value of the sparse weights
+    outs = torch.where(chosen.unsqueeze(-1), outputs, outputs.detach())
+    return (outs * mixed.unsqueeze(-1).to(outs.dtype)).sum(1)
 
 
 def tracks_grad(module: nn.Module, *inputs: Tensor) -> bool:

@@ -640,6 +640,7 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
     layer.router = router
     layer.method = method
     layer.coefs = tmp.coefs
+    layer.densemixer = tmp.densemixer
     layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
     return lost
 
