@@ -154,3 +154,14 @@ def test_references_table_holds_every_short_citation_and_the_readme_links_it():
     ]:
         assert f"| {name} |" in table and arxiv in table
     assert "docs/references.md" in (root / "README.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "finetune", "upcycle", "specialize", "simulate"])
+def test_resume_with_force_is_refused_by_every_command_in_one_sentence(command, tmp_path, capsys):
+    assert cli.main([command, "--out", str(tmp_path / "o"), "--resume", "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"moelab {command}: error: --resume and --force are not allowed together; --resume continues the run "
+        "in --out, --force starts it afresh\n"
+    )
+    assert not (tmp_path / "o").exists()

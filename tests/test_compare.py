@@ -103,6 +103,18 @@ def test_compare_sweep_gives_the_sensitivity_table(corpus, tmp_path, capsys):
     ) == 1
 
 
+def test_compare_sweeps_the_number_of_activated_experts(corpus, tmp_path, capsys):
+    out = tmp_path / "k"
+    args = [*tiny(corpus, out, "--methods", "smoe", "--sweep", "top_k=1,2")]
+    args[args.index("--seeds") + 1] = "1"
+    assert main(args) == 0
+    assert "test bpc by top_k" in capsys.readouterr().out
+    for k in (1, 2):
+        model = moelab.load(out / f"smoe-top_k{k}" / "seed0" / "best")
+        assert {layer.top_k for layer in moelab.layer.moe_layers(model)} == {k}
+    assert (out / "sensitivity.png").exists()
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -157,3 +169,66 @@ def test_report_prints_a_comparisons_count_models_and_refuses_a_damaged_table(co
         "count_models.csv is not a count-model table of moelab compare; delete it or re-run compare"
     )
     assert len(err.splitlines()) == 1
+
+
+def test_compare_resume_reuses_a_finished_run_only_if_made_with_these_flags_and_data(
+    corpus, tmp_path, capsys
+):
+    import shutil
+
+    data = tmp_path / "a.txt"
+    shutil.copy(corpus, data)
+    out = tmp_path / "cmp"
+    assert main(tiny(data, out, "--methods", "smoe", "--seeds", "1")) == 0
+    results = (out / "results.csv").read_bytes()
+    capsys.readouterr()
+    assert main(tiny(data, out, "--methods", "smoe", "--seeds", "1", "--resume", "--lr", "0.01")) == 2
+    err = capsys.readouterr().err
+    assert "--resume: --lr=0.01 differs from 0.002 recorded in" in err and len(err.strip().splitlines()) == 1
+    data.write_text(data.read_text().replace("line", "LINE"))  # the same file name, other data
+    assert main(tiny(data, out, "--methods", "smoe", "--seeds", "1", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: --data {str(data)!r} has sha256" in err and "cannot continue on other data" in err
+    assert (out / "results.csv").read_bytes() == results  # the comparison still reports the run it made
+
+
+def test_compare_force_over_another_commands_run_leaves_nothing_of_it(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+                 "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+                 "--test-tokens", "64", "--no-progress", "--out", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(tiny(corpus, out, "--methods", "smoe", "--seeds", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds a moelab run of another command (config.yaml), not a comparison" in err
+    assert main(tiny(corpus, out, "--methods", "smoe", "--seeds", "1", "--force")) == 0
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "count_models.csv", "results.csv", "runs.csv", "smoe", "table.txt", "val_curves.csv", "val_curves.png",
+    ]  # fmt: skip
+
+
+def test_compare_paper_ho2025_runs_each_method_in_its_layout_and_a_flag_wins(corpus, tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "ho"
+    args = tiny(corpus, out, "--paper", "ho2025", "--seeds", "1", "--steps", "2", "--eval-every", "2")
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "sharede-v2",
+        "sharede-v3",
+        "smoe",
+        "smoe-sg",
+    ]
+
+    def config(method):
+        return yaml.safe_load((out / method / "seed0" / "config.yaml").read_text())
+
+    # --num-experts 4 was given: it wins over the layout's 18 / 16; the rest is the paper's layout
+    assert [config(m)["num_experts"] for m in ("smoe", "sharede-v3")] == [4, 4]
+    assert (config("smoe-sg")["top_k"], config("smoe-sg")["d_hidden"]) == (4, 16)
+    assert (config("sharede-v2")["top_k"], config("sharede-v2")["opts"]) == (2, {"num_shared": 2})
+    assert moelab.load(out / "sharede-v3" / "seed0").blocks[0].ffn.num_shared == 2
+    assert config("smoe")["opts"] == {}  # each method's own losses
+    side = (out / "paper.txt").read_text()
+    assert "Ho (2025)" in side and "13.420" in side and "Ho (2025)" in text

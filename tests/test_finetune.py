@@ -199,3 +199,121 @@ def test_a_damaged_tokenizer_file_is_named_in_one_line(pretrained, tmp_path):
     (run / "tokenizer.json").write_text('{"kind": "byte", ')
     with pytest.raises(ValueError, match=r"tokenizer.json' is not valid JSON \(Expecting"):
         read_lm_run(run)
+
+
+def test_finetune_resume_refuses_a_changed_data_file_or_lm_and_keeps_its_config(
+    pretrained, reviews, tmp_path, capsys
+):
+    import shutil
+
+    source = tmp_path / "lm"
+    shutil.copytree(pretrained, source)
+    out = tmp_path / "ft"
+    base = ["finetune", "--task", str(reviews), "--from", str(source), "--steps", "2", "--no-progress"]
+    assert main([*base, "--out", str(out)]) == 0
+    recorded = (out / "config.yaml").read_bytes()
+    original = reviews.read_text()
+    reviews.write_text(original.replace("great fun", "great joy"))  # same path, other data
+    capsys.readouterr()
+    assert main([*base, "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--resume: --task {str(reviews)!r} has sha256 " in err
+        and "the run cannot continue on other data" in err
+    )
+    assert len(err.strip().splitlines()) == 1 and (out / "config.yaml").read_bytes() == recorded
+    reviews.write_text(original)
+    shutil.rmtree(source / "best")  # the LM's weights are now its newest checkpoint's
+    assert main([*base, "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--resume: --from {str(source)!r} has sha256 " in err
+        and (out / "config.yaml").read_bytes() == recorded
+    )
+    assert main([*base, "--out", str(out), "--resume", "--allow-changes"]) == 0
+
+
+def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_path, monkeypatch):
+    """SMoE-Dropout's K and StableMoE's stage during fine-tuning are the LM's at the end of its
+    training (the frozen routers route as the LM they came from), not a fresh context's."""
+    from moelab.io.model import load
+    from moelab.routers.stable import StableRouter
+    from moelab.routers.topk import TopKRouter
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"good movie {i}. bad film {i}.\n" for i in range(200)))
+    seen: dict[str, list[int]] = {"k": [], "stage": []}
+    real_k, real_stage = TopKRouter.current_k, StableRouter.stage
+
+    def current_k(self, ctx):
+        k = real_k(self, ctx)
+        if self.training:
+            seen["k"].append(k)
+        return k
+
+    def stage(self, ctx):
+        s = real_stage(self, ctx)
+        if self.training:
+            seen["stage"].append(s)
+        return s
+
+    for method, opt, key, lm_value in (
+        ("smoe-dropout", [], "k", 4),  # K grew from top_k=2 to k_max=N=4 over the LM's training
+        ("stablemoe", ["--opt", "switch_fraction=0.5"], "stage", 2),  # the LM switched at step 2 of 4
+    ):
+        lm = tmp_path / method
+        assert main(["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+                     "--num-experts", "4", "--steps", "4", "--eval-every", "4", "--eval-tokens", "64",
+                     "--test-tokens", "64", "--no-progress", "--method", method, *opt, "--out", str(lm)]) == 0  # fmt: skip
+        monkeypatch.setattr(TopKRouter, "current_k", current_k)
+        monkeypatch.setattr(StableRouter, "stage", stage)
+        seen[key].clear()
+        out = tmp_path / f"ft-{method}"
+        assert main(["finetune", "--task", str(reviews), "--from", str(lm), "--steps", "8", "--eval-every", "8",
+                     "--no-progress", "--out", str(out)]) == 0  # fmt: skip
+        monkeypatch.undo()
+        assert seen[key] and set(seen[key]) == {lm_value}, (method, seen[key])
+        # the fine-tuned model keeps that routing when loaded
+        ctx = next(m.ctx for m in load(out).modules() if getattr(m, "ctx", None) is not None)
+        assert (ctx.step, ctx.total_steps) == (4, 4)
+
+
+@pytest.mark.parametrize("adapter", ["lora", "replora"])
+def test_finetune_with_an_adapter_trains_only_the_adapter_and_the_head(
+    pretrained, reviews, tmp_path, adapter
+):
+    import yaml
+
+    out = tmp_path / adapter
+    args = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(out), "--steps", "3",
+            "--batch-size", "8", "--no-progress", "--adapter", adapter, "--rank", "2", "--fraction", "0.25"]  # fmt: skip
+    assert main(args) == 0
+    recorded = yaml.safe_load((out / "config.yaml").read_text())["recorded"]
+    d = 64  # the cpu preset's width; the head is Linear(d, d) + Linear(d, 2)
+    head = d * d + d + d * 2 + 2
+    assert recorded["train_rows"] == 16  # 25 % of the 64 training rows
+    assert head < recorded["trainable_params"] < head + 20_000
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0 <= metrics["test_acc"] <= 100
+
+
+def test_finetune_adapter_flags_are_checked(pretrained, reviews, tmp_path, capsys):
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(tmp_path / "o")]
+    assert main([*base, "--rank", "4"]) == 2
+    assert "--rank=4 is not allowed with --adapter none" in capsys.readouterr().err
+    assert main([*base, "--adapter", "dora"]) == 2
+    assert "dora" in capsys.readouterr().err
+    assert main([*base, "--fraction", "0"]) == 2
+    assert "fraction" in capsys.readouterr().err
+
+
+def test_subsample_train_keeps_a_seeded_fraction_of_the_training_rows(reviews):
+    from moelab.data.classification import subsample_train
+
+    data = read_table(reviews)
+    part = subsample_train(data, 0.3, seed=1)
+    assert len(part.labels["train"]) == round(0.3 * 64) and part.texts["test"] == data.texts["test"]
+    assert set(part.texts["train"]) <= set(data.texts["train"])
+    assert subsample_train(data, 0.3, seed=1).texts == part.texts != subsample_train(data, 0.3, seed=2).texts
+    with pytest.raises(ValueError, match=r"fraction=1.5 is not allowed; expected a number in \(0, 1\]"):
+        subsample_train(data, 1.5)

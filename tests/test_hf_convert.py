@@ -378,3 +378,100 @@ def test_output_router_logits_on_a_converted_model_called_directly_is_refused_in
         model(ids)
     model.config.output_router_logits = False
     assert model(ids).logits.shape == (1, 5, 50)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek"])
+def test_to_hf_exports_in_the_dtype_the_model_was_cast_to_after_conversion(kind, dtype, tmp_path):
+    from safetensors import safe_open
+
+    model = moelab.from_hf(_tiny_causal_lm(kind).float())  # converted in float32
+    model.to(dtype)  # then cast: the blocks must come back in the model's dtype, not float32
+    layer = moelab.layer.moe_layers(model)[0]
+    want = {"router": layer.router.weight.dtype, "experts": layer.experts.w_in.dtype}
+    moelab.to_hf(model)
+    block = model.model.layers[0].mlp
+    assert block.gate.weight.dtype == want["router"] == dtype
+    assert all(p.dtype == dtype for p in block.experts.parameters())
+    if kind == "deepseek":  # its selection bias stays at least float32, in moelab and in transformers alike
+        bias = block.gate.e_score_correction_bias
+        assert bias.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits  # raised "expected m1 and m2 to have the same dtype" when mixed
+    assert logits.dtype == dtype
+    model.save_pretrained(tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    for name, p in model.named_parameters():  # no silent float64 → float32 rounding on disk
+        if name in saved:
+            assert saved[name].dtype == p.dtype and torch.equal(saved[name], p.detach()), name
+
+
+def test_to_hf_refuses_a_block_tensor_that_no_moelab_tensor_restores():
+    layer = from_hf(_block("mixtral"))
+    layer._hf_block.register_buffer("calibration", torch.empty(3, device="meta"))  # unknown to the plan
+    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock.calibration has no moelab counterpart"):
+        moelab.to_hf(layer)
+
+
+def test_moelab_load_keeps_the_attention_implementation_so_logits_come_back_bit_exact(tmp_path):
+    import hashlib
+    import json
+
+    from moelab.io.model import _canonical
+
+    model = _tiny_causal_lm("mixtral")
+    model.config._attn_implementation = "eager"  # not the default (sdpa): it moves the logits by ~1e-7
+    moelab.from_hf(model)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+    moelab.save(model, tmp_path / "m")
+    back = moelab.load(tmp_path / "m")
+    assert back.config._attn_implementation == "eager"
+    assert back.config._experts_implementation == model.config._experts_implementation
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, expected)
+    # saved with kernels this machine cannot build: loaded with the defaults, and said so
+    file = tmp_path / "m" / "config.json"
+    config = json.loads(file.read_text())
+    config["config"]["attn_implementation"] = "flash_attention_2"
+    config.pop("sha256")
+    config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+    file.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"was saved with \{'attn_implementation': 'flash_attention_2'.*"
+                      r"loaded with transformers' default kernels instead"):  # fmt: skip
+        moelab.load(tmp_path / "m")
+
+
+def test_smoe_sg_of_a_sigmoid_block_without_bias_goes_back_to_transformers():
+    lfm2 = pytest.importorskip("transformers.models.lfm2_moe.modeling_lfm2_moe")
+    cfg = lfm2.Lfm2MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=H,
+        num_experts=N,
+        num_experts_per_tok=K,
+        use_expert_bias=False,
+        norm_topk_prob=True,
+    )
+    cfg._experts_implementation = "eager"
+    block = lfm2.Lfm2MoeSparseMoeBlock(cfg).double()
+    _randomize(block, 0)
+    block.eval()
+    x = torch.randn(3, 5, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = block(x.clone())
+    layer = from_hf(block, method="smoe-sg")
+    assert layer.method == "smoe-sg" and layer.shared is None
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)  # its router rounds in float32
+        layer.experts.w_out.mul_(1.5)  # a "fine-tuned" change travels back
+        tuned = layer(x)
+    back = moelab.to_hf(layer)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x.clone()), tuned, rtol=1e-5, atol=1e-6)
+    assert type(back) is type(block)
+    refused = from_hf(block, method="smoe-sg", normalize=False)
+    with pytest.raises(ValueError, match=r"router options \{'normalize': False\} differ"):
+        moelab.to_hf(refused)

@@ -345,3 +345,19 @@ def test_inputs_of_a_wrong_dtype_are_refused_in_one_line():
         match=r"input of dtype torch.float16 is not allowed; expected the layer's dtype torch.float32",
     ):
         layer(torch.ones(3, 8, dtype=torch.float16))
+
+
+def test_an_input_that_is_not_a_tensor_or_model_is_refused_naming_it():
+    layer = moelab.MoE(4, 2, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"^input of type list is not allowed; expected a torch.Tensor of shape \(..., d_model=4\)$",
+    ):
+        layer([[1.0, 2.0, 3.0, 4.0]])
+    for call in (
+        moelab.aux_loss,
+        moelab.layer.moe_layers,
+        lambda m: moelab.attach(m, moelab.RoutingContext()),
+    ):
+        with pytest.raises(ValueError, match=r"^model=3 is not allowed; expected a torch.nn.Module$"):
+            call(3)

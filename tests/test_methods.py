@@ -175,3 +175,17 @@ def test_method_layer_can_be_copied_saved_and_reloaded_after_a_forward(method, t
     fresh = make(method).eval()
     fresh.load_state_dict(torch.load(tmp_path / "w.pt"))
     torch.testing.assert_close(fresh(x), expected, rtol=0, atol=0)
+
+
+def test_smoe_sg_is_sharede_v3_without_shared_experts_or_selection_bias():
+    assert "smoe-sg" in moelab.methods()
+    torch.manual_seed(0)
+    sg = make("smoe-sg").train()
+    torch.manual_seed(0)
+    v3 = make("sharede-v3", num_shared=0, selection_bias=False).train()
+    assert sg.shared is None and sg.router.selection_bias is None and sg.router.normalize
+    assert not sg.coefs  # no aux loss, as DeepSeek-V3's router
+    x = torch.randn(3, 5, D)
+    torch.testing.assert_close(sg(x), v3(x), rtol=0, atol=0)
+    assert torch.equal(sg.last_routing.indices, v3.last_routing.indices)
+    torch.testing.assert_close(sg.last_routing.weights.sum(-1), torch.ones(15))

@@ -575,3 +575,13 @@ def test_every_router_has_every_hook_with_its_default():
     compete = moelab.MoE(4, 3, 1, method="competesmoe").router
     assert compete.base_router is compete.base
     assert moelab.MoE(4, 3, 2, method="sigma-moe").router.rule_options()["selection_bias"] is None
+
+
+def test_xmoe_checkpoints_with_a_0_dim_temperature_still_load():
+    # the temperature is shape (1,) (FSDP2 refuses 0-dim parameters); older checkpoints hold a scalar
+    layer = moelab.MoE(6, 4, 2, method="xmoe", temperature=0.5)
+    assert layer.router.temperature.shape == (1,)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state["router.temperature"] = torch.tensor(0.7)
+    layer.load_state_dict(state)
+    assert layer.router.temperature.shape == (1,) and layer.router.temperature.item() == pytest.approx(0.7)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import yaml
@@ -125,3 +126,64 @@ def test_an_out_name_too_long_for_the_file_system_is_refused_before_anything_is_
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="is longer than 4095 bytes"):
         RunDir(tmp_path.joinpath(*["y" * 200] * 25))
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomic_writes_give_a_file_the_mode_the_umask_allows(tmp_path, umask, mode):
+    import stat
+
+    old = os.umask(umask)
+    try:
+        path = atomic_write_text(tmp_path / "metrics.json", "{}\n")
+        log = tmp_path / "log.csv"
+        log.write_text("step\n")  # a plain file, for comparison
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == mode == stat.S_IMODE(log.stat().st_mode)
+
+
+def test_a_run_opened_again_removes_the_temporary_files_killed_writes_left(tmp_path):
+    (tmp_path / "config.yaml").write_text("command: train\n")
+    (tmp_path / "best").mkdir()
+    stale = [
+        tmp_path / ".metrics.json.k2j3h4.tmp",
+        tmp_path / "best" / ".model.safetensors.abc123.tmp",
+        tmp_path / "ckpt" / ".tmp-step-00000004",
+    ]
+    stale[2].mkdir(parents=True)
+    for p in stale[:2]:
+        p.write_bytes(b"\0" * 1000)
+    (tmp_path / "notes.tmp").write_text("the user's")  # not a temporary name of the atomic writer
+    RunDir(tmp_path, resume=True).close()
+    assert not any(p.exists() for p in stale)
+    assert (tmp_path / "notes.tmp").exists() and (tmp_path / "config.yaml").exists()
+
+
+def test_force_removes_every_output_of_any_commands_run_and_keeps_other_files(tmp_path):
+
+    out = tmp_path / "out"
+    for name in ("config.yaml", "metrics.json", "model.safetensors", "diagnostics.json", "results.csv",
+                 "runs.csv", "val_curves.png", "paper.txt", "table.md", "estimates.npz"):  # fmt: skip
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    (out / "config.json").write_text(json.dumps({"format": "moelab", "kind": "hf"}))  # moelab upcycle's
+    for run in ("smoe/seed0", "xmoe/seed0", "model", "report"):  # compare's runs, a saved model, a report
+        (out / run).mkdir(parents=True)
+        (out / run / ("config.json" if run == "model" else "config.yaml")).write_text(
+            json.dumps({"format": "moelab"})
+        )
+    (out / "corpus.txt").write_text("the user's data")
+    (out / "mine").mkdir()
+    (out / "mine" / "notes.md").write_text("the user's notes")
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        RunDir(out)
+    RunDir(out, force=True).close()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "corpus.txt", "mine"]
+
+
+def test_a_transformers_models_config_json_is_not_a_run(tmp_path):
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_text("x")
+    RunDir(tmp_path, force=True).close()  # not refused, and nothing of the model removed
+    assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()

@@ -327,3 +327,21 @@ def test_trainer_checkpoints_of_a_model_with_moelab_layers_reload_and_save_pretr
     reloaded = moelab.load(ckpt / "moelab")  # rebuilt offline, the trained weights
     a, b = model.state_dict(), reloaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_force_over_an_upcycled_run_leaves_nothing_of_it(tmp_path):
+    from moelab.models.lm import TransformerLM
+
+    _gpt2().float().save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "run"
+    assert main(["upcycle", "--model", str(tmp_path / "gpt2"), "--num-experts", "4", "--top-k", "2",
+                 "--out", str(out)]) == 0  # fmt: skip
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i} of text.\n" for i in range(300)))
+    train = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+             "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+             "--test-tokens", "64", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(train) == 2  # a run of another command is not overwritten without --force
+    assert main([*train, "--force"]) == 0
+    assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
+    assert isinstance(moelab.load(out), TransformerLM)

@@ -200,6 +200,11 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise ValueError(
+                f"input of type {type(x).__name__} is not allowed; expected a torch.Tensor of shape "
+                f"(..., d_model={self.d_model})"
+            )
         if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"input of shape {tuple(x.shape)} is not allowed; expected the last dimension to be "
@@ -293,6 +298,8 @@ def aux_loss(model: nn.Module) -> Tensor:
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The MoE layers of ``model`` in module order (``model`` itself included if it is one)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} is not allowed; expected a torch.nn.Module")
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 

@@ -144,6 +144,17 @@ for _m in [
 ]:
     register_method(_m)
 
+# ---------------------------------------------------------------- Ho (2025)
+register_method(
+    Method(
+        "smoe-sg",
+        "sigmoid",
+        "s = sigmoid(W x); weights s / Σ s over TopK(s); no shared expert, no selection bias",
+        "Ho (2025) SMoE-SG (SMoE Sigmoid Gating, the LM and VLM tables of Nguyen et al. on DeepSeekMoE)",
+        options={"normalize": True, "selection_bias": False},
+    )
+)
+
 # ---------------------------------------------------------------- competition (CompeteSMoE (2024, 2025))
 for _m in [
     Method(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..data.text import load_text
 from ..io.atomic import atomic_write_text, read_json
-from ..io.rundir import RUN_ENTRIES
+from ..io.rundir import RUN_ENTRIES, RunDir
 from ..methods import methods
 from . import lm, runner
 from .args import parse_sweep
@@ -53,7 +53,8 @@ class CompareConfig:
     reference: str = setting("competesmoe", help="method the p-values compare against")
     paper: str | None = setting(
         None,
-        help="run the methods and loss settings of CompeteSMoE (2024) or (2025) Table 2 and print the "
+        help="run the methods, loss settings and layouts of CompeteSMoE (2024) or (2025) Table 2 or Ho (2025) "
+        "(ho2025: SMoE, DeepSeek-V2, DeepSeek-V3, SMoE-SG) and print the "
         "paper's numbers beside ours",
         allowed=(Options(tuple(sorted(PAPERS))), None),
     )
@@ -107,6 +108,21 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if (out / "results.csv").exists() and not (args.resume or args.force):
         raise FileExistsError(f"--out {out} already holds a comparison; pass --resume to reuse it or --force")
+    if (out / "config.yaml").exists() and not args.force:  # a run of train, finetune, upcycle, ...
+        raise FileExistsError(
+            f"--out {out} holds a moelab run of another command (config.yaml), not a comparison; choose "
+            "another --out or pass --force to start afresh"
+        )
+    # the comparison's folder, locked while it runs; --force removes everything of an earlier run in
+    # it, whichever command wrote it
+    top = RunDir(out, resume=args.resume, force=args.force)
+    try:
+        return _compare(args, config, paper, chosen, unknown_default, out, given)
+    finally:
+        top.close()
+
+
+def _compare(args, config, paper, chosen, unknown_default, out: Path, given: dict) -> int:
     set_threads(config.run)
     if unknown_default:
         print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
@@ -141,7 +157,13 @@ def run(args: argparse.Namespace) -> int:
                     opts = {**shared, **opts}
                 if sweep is not None:
                     opts[sweep.key] = value
-                one = replace(config.run, method=method, seed=seed, opts=opts)
+                layout = {
+                    k: v
+                    for k, v in (paper.layouts.get(method, {}) if paper else {}).items()
+                    if f"run.{k}" not in given
+                }
+                opts = {**layout.pop("opts", {}), **opts}
+                one = replace(config.run, method=method, seed=seed, opts=opts, **layout)
                 configs.append((name, seed, runner.validate(lm.resolve(runner.validate(one)))))
     data = load_text(configs[0][2].data, level=configs[0][2].level)
     print(
@@ -219,7 +241,10 @@ def _train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     # spawn: a fresh interpreter per worker (forking a process that has started OpenMP threads can hang)
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        jobs, mp_context=context, initializer=_die_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         futures = {
             pool.submit(_train_in_worker, config, run_dir, resume, options): (method, seed)
             for method, seed, config, run_dir, resume in tasks
@@ -232,6 +257,32 @@ def _train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
             for f in futures:
                 f.cancel()
             raise
+
+
+def _die_with_parent(parent: int) -> None:
+    """Make this worker process end when ``parent`` (the ``compare`` process) ends, however it ends
+    (a SIGKILL included): an orphaned worker would go on training into ``--out`` and hold its runs'
+    locks.  On Linux the kernel sends SIGKILL on the parent's death (``PR_SET_PDEATHSIG``); a
+    watchdog thread that checks the parent's PID every second covers the other systems and the
+    case of a parent that died before the request was made."""
+    import ctypes
+    import signal
+    import sys
+    import threading
+
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)  # the parent is gone: nothing of this worker's may go on
+
+    threading.Thread(target=watch, name="moelab-parent-watchdog", daemon=True).start()
 
 
 def _train_in_worker(config, run_dir: Path, resume: bool, options: dict) -> dict:

@@ -9,15 +9,22 @@ trained with the settings of CompeteSMoE (2024) App. C.3 through the run lifecyc
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..data.classification import TASKS, load_classification
+from torch import nn
+
+from ..adapters import ADAPTERS, add_adapter
+from ..data.classification import TASKS, ClassificationData, load_classification, subsample_train
 from ..data.text import tokenizer_from_state
-from ..io.atomic import read_json
+from ..io.atomic import read_json, sha256_file
 from ..io.model import load
+from ..io.model import resolve as resolve_model
+from ..layer import moe_layers
 from ..models.classifier import LMClassifier, freeze_routers
 from ..models.lm import TransformerLM
 from ..optim import OPTIMIZERS, check_optimizer
@@ -96,10 +103,26 @@ class FinetuneConfig:
     seed: int = setting(
         0, help="seed of the new head and the data order", allowed=Interval(int, 0, 2**63 - 1)
     )
+    adapter: str = setting(
+        "none",
+        help="none: fine-tune the whole trunk (routers frozen); lora or replora (Ho (2025)): train only "
+        "low-rank updates of Q and V and the new head (moelab.adapters)",
+        allowed=Options(("none", *ADAPTERS)),
+    )
+    rank: int = setting(8, help="the adapter's rank r (alpha = r: scale 1)", allowed=Interval(int, 1))
+    fraction: float = setting(
+        1.0,
+        help="the fraction of the training rows used (a seeded subset; validation and test untouched)",
+        allowed=Interval(float, 0, 1, closed="right"),
+    )
     progress: bool = setting(True, input=False, flag="--no-progress", help="no progress bar")
 
     def check(self) -> None:
         check_optimizer(self.optimizer, self.weight_decay)
+        if self.adapter == "none" and self.rank != 8:
+            raise ValueError(
+                f"--rank={self.rank} is not allowed with --adapter none; it is an adapter's rank"
+            )
 
     @property
     def task_name(self) -> str:
@@ -123,10 +146,17 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
     if not isinstance(lm, TransformerLM):
         raise ValueError(f"--from {config.source!r} holds a {type(lm).__name__}; expected a TransformerLM")
     data = load_classification(config.task)
+    if config.fraction < 1:  # the same rows for every adapter at one seed (paired comparisons)
+        data = subsample_train(data, config.fraction, config.seed)
     per_epoch = math.ceil(len(data.labels["train"]) / config.batch_size)
     steps = config.steps if config.steps is not None else max(1, round(config.epochs * per_epoch))
+    run.check_fingerprint("--task", config.task, data_fingerprint(data))
+    run.check_fingerprint("--from", config.source, lm_fingerprint(config.source), key="source_sha256")
+    routing = frozen_routing(lm)  # before the classifier's Trainer attaches it
     model = LMClassifier(lm, data.num_classes)
     frozen = freeze_routers(model)
+    if config.adapter != "none":  # the trunk frozen but for its Q/V updates; the new head trains
+        add_adapter(model.lm, config.adapter, rank=config.rank)
     train = TrainConfig(
         steps=steps,
         batch_size=config.batch_size,
@@ -144,6 +174,8 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         num_classes=data.num_classes,
         labels=data.label_names,
         frozen_router_params=frozen,
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        train_rows=len(data.labels["train"]),
         method=lm_config.method,
     )
     run.write_config()
@@ -153,7 +185,7 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         task,
         train,
         run.dir,
-        ctx=RoutingContext(total_steps=train.steps),  # no schedule: the routers are frozen, nothing competes
+        ctx=routing,
         progress=config.progress,
         extra_metrics={"method": lm_config.method, "task": config.task_name, "num_classes": data.num_classes},
     )
@@ -163,6 +195,38 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         f"(val {metrics['val_acc']:.1f}%, {data.num_classes} classes) -> {run.path}"
     )
     return metrics
+
+
+class FrozenRouting(RoutingContext):
+    """The routing context of a fine-tuning whose routers are frozen: the LM's at the end of its
+    training, which :meth:`advance` never changes (no step hook runs, the step is not counted), so
+    StableMoE stays in the stage, SMoE-Dropout at the K and sharede-v3 at the bias the LM was tested
+    with.  No competition schedule: a frozen router routes as in evaluation."""
+
+    def advance(self, steps: int = 1) -> None:
+        return None
+
+
+def frozen_routing(lm: nn.Module) -> FrozenRouting:
+    """:class:`FrozenRouting` at the step and planned steps of the context ``moelab.load`` attached
+    to ``lm`` (step 0 of an unknown length without one)."""
+    ctx = next((layer.ctx for layer in moe_layers(lm) if layer.ctx is not None), None)
+    if ctx is None:
+        return FrozenRouting()
+    return FrozenRouting(step=ctx.step, total_steps=ctx.total_steps)
+
+
+def data_fingerprint(data: ClassificationData) -> str:
+    """The sha256 of a classification data set's texts, labels and label names, split by split:
+    what the fine-tuning reads, whether a named task or a local file."""
+    body = json.dumps([data.texts, data.labels, data.label_names], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+def lm_fingerprint(source: str | Path) -> str:
+    """The sha256 of the ``config.json`` of the weights ``moelab.load(source)`` reads (it holds the
+    digest of every file of the folder)."""
+    return sha256_file(resolve_model(source) / "config.json")
 
 
 def _prepare(config: FinetuneConfig, world: int) -> None:

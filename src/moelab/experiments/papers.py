@@ -8,6 +8,7 @@ why only the order of the methods can be compared.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .summary import format_mean_sd
 
@@ -26,6 +27,9 @@ class Paper:
     reference: str
     losses: dict[str, float]
     numbers: dict[str, float] = field(default_factory=dict)
+    #: per method, the run settings of the paper's layout (``TrainRun`` fields; ``opts`` merged into
+    #: the method options); a flag given on the command line wins
+    layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def methods(self) -> list[str]:
@@ -63,6 +67,23 @@ PAPERS = {
             "sharede-v2": 53.75,
             "sharede-v3": 53.77,
             "competesmoe": 54.04,
+        },
+    ),
+    "ho2025": Paper(
+        citation="Ho (2025)",
+        table="Table 2 (Nguyen et al. on DeepSeekMoE), Switch Transformer 158M on SlimPajama, perplexity",
+        metric="PPL",
+        lower_is_better=True,
+        reference="smoe",
+        losses={},  # each method's own: balance + z for the softmax routers, none for the sigmoid ones
+        numbers={"smoe": 13.63, "sharede-v3": 13.42, "sharede-v2": 13.49, "smoe-sg": 13.61},
+        # the slides' 66 experts, top-8 vs top-6 of 64 + 2 shared, scaled to 18 small experts
+        # (width d/4): top-4 of 18 vs top-2 of 16 + 2 shared, four active experts each
+        layouts={
+            "smoe": {"num_experts": 18, "top_k": 4, "d_hidden": 16},
+            "smoe-sg": {"num_experts": 18, "top_k": 4, "d_hidden": 16},
+            "sharede-v2": {"num_experts": 16, "top_k": 2, "d_hidden": 16, "opts": {"num_shared": 2}},
+            "sharede-v3": {"num_experts": 16, "top_k": 2, "d_hidden": 16, "opts": {"num_shared": 2}},
         },
     ),
 }

@@ -577,14 +577,14 @@ class Run:
     def path(self) -> Path | None:
         return None if self.dir is None else self.dir.path
 
-    def check_fingerprint(self, flag: str, value: Any, digest: str | None) -> None:
-        """Refuse to resume on data whose ``digest`` (sha256) differs from the recorded one (unless
-        ``--allow-changes``); record it for a new run."""
-        old = self.recorded.get("data_sha256")
+    def check_fingerprint(self, flag: str, value: Any, digest: str | None, key: str = "data_sha256") -> None:
+        """Refuse to resume on data whose ``digest`` (sha256) differs from the one recorded under
+        ``key`` (unless ``--allow-changes``); record it for a new run."""
+        old = self.recorded.get(key)
         if self.resuming and not self.allow_changes and old and digest and old != digest:
             raise refuse_other_data(flag, value, digest, old, self.path)
         if digest is not None:
-            self.recorded["data_sha256"] = digest
+            self.recorded[key] = digest
 
     def record(self, **values: Any) -> None:
         """What the run measured when it began (parameter counts, data sizes), kept in

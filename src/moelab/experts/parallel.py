@@ -79,6 +79,9 @@ class ExpertParallelBank(nn.Module):
                 if src is not None:
                     getattr(self.local, name).copy_(src[block])
                     getattr(self.local, name).requires_grad_(src.requires_grad)
+        # the parameters this rank's block was copied into: a wrapper that swaps them for others
+        # (FSDP2's fully_shard does, in every forward) would treat the block as the whole parameter
+        self._held = tuple(self.local.parameters())
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)``, experts anywhere in the group: ``(T, d)`` → ``(T, d)``.
@@ -87,6 +90,7 @@ class ExpertParallelBank(nn.Module):
         the expert-sorted rows to the ranks holding their experts and their outputs back
         (:meth:`_exchange`).
         """
+        self._check_own_parameters()
         return dispatch(x, indices, weights, self.num_experts, self._exchange, tracks_grad(self, x, weights))
 
     def expert_forward(self, x: Tensor, e: int) -> Tensor:
@@ -100,6 +104,7 @@ class ExpertParallelBank(nn.Module):
         Every rank's tokens go to every rank, which runs its local block on all of them and returns
         each rank the outputs of its own tokens.
         """
+        self._check_own_parameters()
         W, L = self.world_size, self.num_local
         T = x.shape[0]
         sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(W)]
@@ -136,6 +141,17 @@ class ExpertParallelBank(nn.Module):
             f"num_experts={self.num_experts}, local=[{self.first_expert}, {self.first_expert + self.num_local}), "
             f"world_size={self.world_size}"
         )
+
+    def _check_own_parameters(self) -> None:
+        """Refuse to run when a wrapper replaced this rank's expert parameters: FSDP2's
+        ``fully_shard`` applied after this plan shards each rank's block as if it were the full
+        parameter and gathers a mixture of blocks, a different model without an error."""
+        if any(p is not q for p, q in zip(self.local.parameters(), self._held)):
+            raise ValueError(
+                "the experts of an ExpertParallelBank were replaced by a wrapper applied after expert "
+                "parallelism (FSDP2 fully_shard?): it would shard each rank's expert block as if it were the "
+                "whole parameter; apply both with moelab.train.parallelize.parallelize(model, ep=..., fsdp=True)"
+            )
 
     def _exchange(self, xs: Tensor, slots: Slots) -> Tensor:
         """The ``run`` step of :meth:`forward`: the expert-sorted rows ``xs (S, d)`` (grouped by

@@ -26,7 +26,9 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "atomic_write_torch",
+    "is_temporary",
     "read_json",
+    "remove_stale_temporaries",
     "set_write_hook",
     "sha256_file",
     "write_event",
@@ -66,6 +68,21 @@ def write_event() -> None:
         _write_hook()
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux allows (``/proc/self/status``);
+    elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):  # pragma: no cover - not Linux
+        pass
+    mask = os.umask(0o022)  # pragma: no cover
+    os.umask(mask)  # pragma: no cover
+    return mask  # pragma: no cover
+
+
 def _sync(fd: int, path: Path) -> None:
     """fsync the open temporary file that will become ``path`` (the one place every write makes
     durable; the reliability tests stand a kill in here)."""
@@ -75,13 +92,18 @@ def _sync(fd: int, path: Path) -> None:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename.
 
-    On an error the temporary file is removed and ``path`` is left as it was; an interrupt
-    (``KeyboardInterrupt``, like a kill) leaves at most a hidden ``.{name}.*.tmp`` file.
+    The file gets the mode of any new file (0666 less the umask).  On an error the temporary
+    file is removed and ``path`` is left as it was; an interrupt (``KeyboardInterrupt``, like a
+    kill) leaves at most a hidden ``.{name}.*.tmp`` file, which :func:`remove_stale_temporaries`
+    removes when the run next starts.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; a written file has the mode any other file of the user
+        # gets (0666 less the umask), so that who may read log.csv may read metrics.json too
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -131,6 +153,32 @@ def sha256_file(path: str | os.PathLike) -> str:
         while block := f.read(1 << 22):
             h.update(block)
     return h.hexdigest()
+
+
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary entry of this module's writers (``.{name}.*.tmp`` of
+    :func:`atomic_write_bytes`, ``.tmp-{name}`` of :func:`atomic_directory`)."""
+    return (name.startswith(".") and name.endswith(".tmp") and name.count(".") >= 3) or name.startswith(
+        ".tmp-"
+    )
+
+
+def remove_stale_temporaries(root: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files and folders that killed writes left under ``root`` (at any
+    depth); only for a folder this process owns (its lock held), where no write is under way.
+    Returns what was removed."""
+    removed = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*filenames, *dirnames]:
+            if is_temporary(name):
+                path = Path(dirpath) / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                removed.append(path)
+        dirnames[:] = [d for d in dirnames if not is_temporary(d)]
+    return removed
 
 
 @contextmanager

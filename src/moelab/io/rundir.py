@@ -18,9 +18,25 @@ from typing import Any
 
 import yaml
 
-from .atomic import atomic_write_bytes, atomic_write_text, read_json, write_event
+from .atomic import (
+    atomic_write_bytes,
+    atomic_write_text,
+    is_temporary,
+    read_json,
+    remove_stale_temporaries,
+    write_event,
+)
 
-__all__ = ["RunDir", "atomic_write_bytes", "atomic_write_text", "read_yaml"]
+__all__ = [
+    "MARKERS",
+    "OUTPUTS",
+    "RunDir",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "clear_run",
+    "holds_run",
+    "read_yaml",
+]
 
 
 def _plain(value: Any) -> Any:
@@ -38,9 +54,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
-#: what a run directory holds (the markers of a run, and what ``--force`` removes); ``fits``: the
-#: runs of the models a run trains one after another (``moelab specialize``)
+#: what a run directory holds (the markers of a run); ``fits``: the runs of the models a run trains
+#: one after another (``moelab specialize``)
 RUN_ENTRIES = ("config.yaml", "metrics.json", "log.csv", "tokenizer.json", "best", "ckpt", "fits")
+#: the markers of any moelab output folder: a run, a ``moelab.save`` folder (``moelab upcycle``
+#: writes one into its run) and a comparison
+MARKERS = (*RUN_ENTRIES, "config.json", "results.csv")
+#: every other entry a moelab command writes into its folder (``--force`` removes them all, whichever
+#: command wrote them): a saved model, ``diagnose``'s, ``compare``'s and ``report``'s tables and plots,
+#: ``simulate``'s and ``specialize``'s outputs
+OUTPUTS = (
+    *MARKERS, "model.safetensors", "diagnostics.json", "runs.csv", "count_models.csv", "val_curves.csv",
+    "val_curves.png", "diagnostics.csv", "table.txt", "paper.txt", "losses.csv", "table.csv",
+    "estimates.npz", "rates.png", "table.md", "welch.md",
+)  # fmt: skip
 LOCK = ".lock"
 #: run directories this process owns (path → open lock file): a process may open its own run again
 _HELD: dict[Path, int] = {}
@@ -80,6 +107,49 @@ def read_yaml(path: Path, source: str, *, empty: bool = False, what: str = "run 
     return data
 
 
+def _saved_by_moelab(file: Path) -> bool:
+    """Whether ``file`` (a ``config.json``) is a ``moelab.save`` folder's, not a transformers model's."""
+    try:
+        return file.is_file() and json.loads(file.read_bytes()).get("format") == "moelab"
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not a mapping
+        return False
+
+
+def holds_run(path: Path) -> bool:
+    """Whether the folder ``path`` holds the output of a moelab command (any of :data:`MARKERS`; a
+    ``config.json`` only when ``moelab.save`` wrote it)."""
+    return any(
+        (path / name).exists() if name != "config.json" else _saved_by_moelab(path / name) for name in MARKERS
+    )
+
+
+def _is_run_tree(path: Path) -> bool:
+    """A folder of runs (``compare``'s ``<method>/seed<k>/``): a run itself, or a non-empty folder
+    whose every entry is one (hidden files aside)."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    if holds_run(path):
+        return True
+    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+    return bool(entries) and all(_is_run_tree(p) for p in entries)
+
+
+def clear_run(path: Path) -> None:
+    """Remove everything of an earlier moelab run in ``path``, whichever command wrote it: every
+    entry of :data:`OUTPUTS`, every CSV log, every folder of runs (a comparison's) and the temporary
+    files of killed writes; other files (a user's own) stay."""
+    for entry in list(path.iterdir()) if path.is_dir() else []:
+        name = entry.name
+        if name in ("config.json", "model.safetensors") and not _saved_by_moelab(path / "config.json"):
+            continue  # a transformers model's files
+        if not (name in OUTPUTS or name.endswith(".csv") or is_temporary(name) or _is_run_tree(entry)):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
 class RunDir:
     """An experiment's output folder, owned by one process.
 
@@ -105,8 +175,8 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(f"--out {self.path} exists and is not a directory")
         has_config = (self.path / "config.yaml").exists()
-        holds_run = any((self.path / name).exists() for name in RUN_ENTRIES)
-        if holds_run and not (resume or force):
+        held = holds_run(self.path)
+        if held and not (resume or force):
             raise FileExistsError(
                 f"--out {self.path} already holds a run; pass --resume to continue it or --force"
             )
@@ -117,15 +187,10 @@ class RunDir:
             )
         if lock:
             self._lock()
-        if force and not resume and holds_run:  # start afresh: nothing of the old run may survive
-            for name in RUN_ENTRIES:
-                old = self.path / name
-                if old.is_dir() and not old.is_symlink():
-                    shutil.rmtree(old)
-                else:
-                    old.unlink(missing_ok=True)
-            for old in self.path.glob("*.csv"):
-                old.unlink(missing_ok=True)
+            # the folder is ours: what killed writes left (a model-sized temporary file) goes
+            remove_stale_temporaries(self.path)
+        if force and not resume and held:  # start afresh: nothing of the old run may survive
+            clear_run(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
 
     def _lock(self) -> None:

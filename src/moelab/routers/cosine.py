@@ -53,7 +53,8 @@ class CosineRouter(Router):
         self.init_temperature = float(temperature)
         self.proj = nn.Linear(d_model, proj_dim, bias=False)
         self.embeddings = nn.Parameter(torch.empty(num_experts, proj_dim))
-        t = torch.empty(())
+        # shape (1,), not a 0-dim scalar: FSDP2's fully_shard refuses scalar parameters
+        t = torch.empty(1)
         if learn_temperature:
             self.temperature = nn.Parameter(t)
         else:
@@ -68,6 +69,13 @@ class CosineRouter(Router):
         nn.init.orthogonal_(self.embeddings, gain=self.init_gain)
         with torch.no_grad():
             self.temperature.fill_(self.init_temperature)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # checkpoints written before the temperature became shape (1,) hold a 0-dim scalar
+        key = prefix + "temperature"
+        if key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def logits(self, x: Tensor) -> Tensor:
         tau = self.perturbation

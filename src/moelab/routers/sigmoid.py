@@ -1,4 +1,4 @@
-"""Sigmoid routers: ``sigma-moe`` (σ-MoE) and ``sharede-v3`` (DeepSeek-V3 normalised sigmoid)."""
+"""Sigmoid routers: ``sigma-moe`` (σ-MoE), ``sharede-v3`` (DeepSeek-V3 normalised sigmoid) and ``smoe-sg``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ class SigmoidRouter(Router):
       recomputation (run by the backward pass) is not counted twice, and a forward loop without
       ``ctx.advance()`` never changes ``b``.  (Both public re-implementations forget to use ``b``:
       here it is used.)
+    * ``smoe-sg`` (Ho (2025) SMoE-SG): the normalised weights of ``sharede-v3`` without the
+      selection bias and without shared experts.
 
     DeepSeek-V3 options (its technical report, "node-limited routing"; as in transformers'
     ``DeepseekV3TopkRouter``): ``num_groups`` / ``topk_groups`` restrict each token to the

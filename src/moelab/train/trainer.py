@@ -174,6 +174,8 @@ class Trainer:
         parallel: how the model is spread over processes (:mod:`moelab.train.parallel`: one
             process, DDP, or expert parallel); default :func:`moelab.train.parallel.choose`.
         expert_parallel: shorthand for ``parallel=ExpertParallel()``.
+        fsdp: FSDP2 over the ranks (with ``expert_parallel``: EP × FSDP2), shorthand for
+            ``parallel=Parallelized(ep=..., fsdp=True)`` (:mod:`moelab.train.parallelize`).
 
     Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
@@ -192,6 +194,7 @@ class Trainer:
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
         parallel: Parallel | None = None,
         expert_parallel: bool = False,
+        fsdp: bool = False,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config of type {type(config).__name__} is not allowed; expected a TrainConfig")
@@ -202,7 +205,7 @@ class Trainer:
         self.progress = progress
         self.extra_metrics = dict(extra_metrics or {})
         self.on_eval = on_eval
-        self.parallel = parallel if parallel is not None else choose(expert_parallel)
+        self.parallel = parallel if parallel is not None else choose(expert_parallel, fsdp)
         self.rank, self.world_size = self.parallel.rank, self.parallel.world_size
         if config.batch_size % self.world_size:
             raise ValueError(
@@ -256,6 +259,7 @@ class Trainer:
         self.parallel.apply(self.model)  # after a resume has loaded the full weights
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg.optimizer, self.model, cfg.lr, cfg.weight_decay)  # the model's groups
+        self.parallel.prepare_optimizer(optimizer)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(cfg.schedule, s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         )

@@ -1,0 +1,396 @@
+"""Parallelism applied from outside, on torch's own machinery, in torchtitan's shape.
+
+:func:`parallelize` spreads a model holding :class:`moelab.MoE` layers over the ranks of a
+``torch.distributed`` process group:
+
+* **expert parallelism** (``ep``): :class:`ExpertParallel`, a ``ParallelStyle`` like torchtitan's,
+  turns every layer's :class:`moelab.ExpertBank` weights into ``DTensor`` sharded over the experts
+  (``Shard(0)``) on the ``"ep"`` dimension of a 2-D device mesh ``("efsdp", "ep")``; the tokens go
+  to the ranks holding their experts and back by ``all_to_all`` around the unchanged bank, which
+  runs on its local block (``to_local`` at its boundary, :attr:`moelab.ExpertBank.expert_weights`);
+* **data parallelism**: ``dp="fsdp"`` applies FSDP2's ``fully_shard`` — the experts on the
+  ``"efsdp"`` dimension (the ranks holding the same experts; dim-1 sharding when that degree
+  exceeds the local experts), every MoE layer and the root over all ranks — ``dp="ddp"`` wraps the
+  model in ``DistributedDataParallel`` (expert weights left out: each rank's block is its own),
+  ``dp="none"`` leaves the replicated parameters to the caller (the trainer wraps its own
+  training forward in DDP).
+
+Every rank gets the gradient of the mean of the ranks' losses, as under DDP: a local expert's
+gradient sums the tokens of the ``ep`` ranks that sent them and is scaled by ``1/ep`` at the
+bank's boundary; FSDP averages it over the ``efsdp`` ranks.  :func:`clip_grad_norm_` measures the
+whole model's norm over the shards; :func:`full_state_dict` / :func:`load_full_state_dict` and
+:func:`full_optimizer_state` / :func:`load_full_optimizer_state` go between the sharded model and
+the full (layout-independent) state through ``torch.distributed.checkpoint.state_dict``, so a run
+saved on ``W`` ranks resumes on any other number.  docs/scaling.md ("parallelize") has the rules.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..experts import ExpertBank
+from ..experts.dispatch import Slots, dispatch, tracks_grad, winners_by_rerun
+from ..experts.kernels import ExpertWeights
+from ..experts.parallel import ExpertParallelBank, _all_to_all
+from ..layer import moe_layers
+
+__all__ = [
+    "ExpertParallel",
+    "clip_grad_norm_",
+    "full_optimizer_state",
+    "full_state_dict",
+    "load_full_optimizer_state",
+    "load_full_state_dict",
+    "parallelize",
+]
+
+DP_MODES = ("ddp", "fsdp", "none")
+
+
+# ---------------------------------------------------------------------------- expert parallelism
+def _style_base() -> type:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return ParallelStyle
+
+
+class ExpertParallel(_style_base()):
+    """torchtitan's ``ExpertParallel`` for a :class:`moelab.ExpertBank`: apply it with
+    ``torch.distributed.tensor.parallel.parallelize_module(bank, ep_mesh, ExpertParallel())``
+    (a 1-D mesh of the ranks that split the experts).
+
+    The bank's weights become ``DTensor`` ``Shard(0)`` on the mesh (rank ``r`` of ``E`` holds
+    experts ``[r·N/E, (r+1)·N/E)``; parameter names unchanged), and its methods become
+    collectives over the mesh: ``forward`` sends the expert-sorted token rows to the ranks holding
+    their experts and the outputs back (``all_to_all``, gradients through the reverse
+    ``all_to_all``); ``forward_all`` (competition) sends every token to every rank;
+    ``expert_forward`` and ``forward_winners`` go through these two.  The bank itself computes as
+    before on its local block.  Every rank of the mesh calls each method the same number of times.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+        if not isinstance(module, ExpertBank) or isinstance(module, _ExpertParallelBank):
+            raise ValueError(
+                f"experts of type {type(module).__name__} are not allowed with expert parallelism; it shards "
+                "a moelab.ExpertBank (once)"
+            )
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"an expert mesh of {device_mesh.ndim} dimensions is not allowed; expected a 1-D mesh"
+            )
+        size = device_mesh.size()
+        if module.num_experts % size:
+            raise ValueError(
+                f"ep={size} does not divide num_experts={module.num_experts}; allowed: "
+                f"{[e for e in range(1, module.num_experts + 1) if module.num_experts % e == 0]}"
+            )
+
+        def shard(name: str, mod: nn.Module, mesh) -> None:
+            for key, p in list(mod.named_parameters(recurse=False)):
+                sharded = nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]), p.requires_grad)
+                mod.register_parameter(key, sharded)
+
+        distribute_module(module, device_mesh, shard)
+        module.__class__ = _parallel_class(type(module))
+        module._ep = (device_mesh, size, device_mesh.get_local_rank())
+        return module
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _parallel_class(cls: type) -> type:
+    """``cls`` with the expert-parallel methods in front (the way FSDP2 swaps a module's class)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (_ExpertParallelBank, cls), {})
+    return _CLASSES[cls]
+
+
+class _ExpertParallelBank(ExpertBank):
+    """The collectives of :class:`ExpertParallel` around the bank's own computation (mixed in
+    before the bank's class; ``super()`` is the unchanged bank running its local block)."""
+
+    _ep: tuple[Any, int, int]
+
+    @property
+    def expert_weights(self) -> ExpertWeights:
+        # a local expert's gradient sums the tokens of every rank of the expert mesh: 1/E makes it
+        # the gradient of the mean over those ranks, as DDP / FSDP average the rest
+        w = super().expert_weights
+        scale = 1.0 / self._ep[1]
+        return ExpertWeights(
+            *(None if t is None else _ScaleGrad.apply(t, scale) for t in w[:4]), w.activation
+        )
+
+    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        return dispatch(x, indices, weights, self.num_experts, self._exchange, tracks_grad(self, x, weights))
+
+    def expert_forward(self, x: Tensor, e: int) -> Tensor:
+        idx = torch.full((x.shape[0], 1), int(e), dtype=torch.int64, device=x.device)
+        return self.forward(x, idx, x.new_ones(x.shape[0], 1))
+
+    def forward_all(self, x: Tensor) -> Tensor:
+        mesh, E, _ = self._ep
+        group = mesh.get_group()
+        L = self.num_experts // E
+        T = x.shape[0]
+        sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(E)]
+        dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=group)
+        sizes = [int(s.item()) for s in sizes]
+        xg = _all_to_all(x.repeat(E, 1), sizes, [T] * E, group)  # (ΣT, d): every rank's tokens
+        if xg.shape[0] == 0:  # no tokens on any rank
+            return x.new_zeros(0, self.num_experts, self.d_model)
+        yg = super().forward_all(xg)  # (ΣT, L, d) the local block on every rank's tokens
+        yb = _all_to_all(yg.reshape(yg.shape[0], -1), [T] * E, sizes, group)  # (E·T, L·d)
+        return yb.view(E, T, L, self.d_model).permute(1, 0, 2, 3).reshape(T, E * L, self.d_model)
+
+    def forward_winners(self, x: Tensor, choose) -> tuple[Tensor, Tensor, Any]:
+        # one collective forward_all (not chunked: ranks with other token counts would make
+        # another number of calls), the winners again through the collective forward
+        return winners_by_rerun(self, x, choose, None)
+
+    def _exchange(self, xs: Tensor, slots: Slots) -> Tensor:
+        """The ``run`` step of :meth:`forward`: the expert-sorted rows to the ranks holding their
+        experts, the local block on what arrived, the outputs back in the order sent."""
+        mesh, E, _ = self._ep
+        group = mesh.get_group()
+        L = self.num_experts // E
+        counts = slots.counts
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)  # (E·L,) from each source, my L experts
+        recv_matrix = recv_counts.view(E, L)
+        send_splits = counts.view(E, L).sum(1).tolist()
+        recv_splits = recv_matrix.sum(1).tolist()
+        xr = _all_to_all(xs, recv_splits, send_splits, group)  # (R, d) by source, then local expert
+        local_ids = torch.arange(L, device=xs.device).repeat(E)
+        local_ids = local_ids.repeat_interleave(recv_matrix.reshape(-1), output_size=xr.shape[0])  # (R,)
+        if xr.shape[0] == 0:
+            # keep the autograd graph the same on every rank: the backward all_to_all is a collective
+            w = self.expert_weights
+            anchor = sum(t.reshape(-1)[:1].sum() for t in w[:4] if t is not None) * 0
+            yr = xr * 0 + anchor
+        else:
+            yr = super().forward(xr, local_ids.unsqueeze(1), xr.new_ones(xr.shape[0], 1))
+        return _all_to_all(yr, send_splits, recv_splits, group)  # (S, d) in the order sent
+
+    def extra_repr(self) -> str:
+        _, E, r = self._ep
+        L = self.num_experts // E
+        return f"{super().extra_repr()}, ep={E}, local=[{r * L}, {(r + 1) * L})"
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
+
+
+# ---------------------------------------------------------------------------- parallelize
+def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) -> nn.Module:
+    """Spread ``model`` (identical on every rank: same seed or same checkpoint) over the ranks.
+
+    Args:
+        model: a module holding :class:`moelab.MoE` layers (or none: plain data parallelism).
+        mesh: a 2-D ``DeviceMesh`` named ``("efsdp", "ep")`` over all ranks (default: built from
+            the world size and ``ep`` on the device of the model).
+        dp: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"ddp"`` (``DistributedDataParallel``), or
+            ``"none"`` (the replicated parameters' gradients are the caller's to reduce).
+        ep: the expert-parallel degree: the experts of every layer are split over ``ep`` ranks
+            (``1``: every rank holds all of them).
+
+    Returns:
+        the module to train: ``model`` itself (sharded in place) for ``"fsdp"`` and ``"none"``, a
+        ``DistributedDataParallel`` around it for ``"ddp"``.
+
+    Raises:
+        ValueError: for every combination that cannot be right (one line each; docs/errors.md).
+    """
+    if dp not in DP_MODES:
+        raise ValueError(f"dp={dp!r} is not allowed; expected one of {list(DP_MODES)}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "parallelize needs torch.distributed initialised (launch with torchrun and call "
+            "torch.distributed.init_process_group first)"
+        )
+    world = dist.get_world_size()
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or world % ep:
+        raise ValueError(
+            f"ep={ep!r} is not allowed with {world} processes; expected a divisor of the world size: "
+            f"{[e for e in range(1, world + 1) if world % e == 0]}"
+        )
+    _refuse_parallel(model)
+    layers = moe_layers(model)
+    if ep > 1:
+        for layer in layers:
+            if not isinstance(layer.experts, ExpertBank):
+                raise ValueError(
+                    f"MoE layer {layer.layer_index} has experts of type {type(layer.experts).__name__}; expert "
+                    "parallelism (ep > 1) shards a moelab.ExpertBank"
+                )
+            n = layer.experts.num_experts
+            if n % ep:
+                raise ValueError(
+                    f"ep={ep} does not divide num_experts={n} of MoE layer {layer.layer_index}; allowed: "
+                    f"{[e for e in range(1, n + 1) if n % e == 0 and world % e == 0]}"
+                )
+        if dp == "ddp" and ep < world:
+            raise ValueError(
+                f"dp='ddp' with ep={ep} < {world} processes is not allowed: DDP reduces over one process group, "
+                f"the experts would need another (the {world // ep} ranks holding the same experts); use "
+                f"dp='fsdp' or ep={world}"
+            )
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    elif tuple(mesh.mesh_dim_names or ()) != ("efsdp", "ep") or tuple(mesh.shape) != (world // ep, ep):
+        raise ValueError(
+            f"mesh of shape {tuple(mesh.shape)} named {mesh.mesh_dim_names} is not allowed; expected shape "
+            f"({world // ep}, {ep}) named ('efsdp', 'ep')"
+        )
+    if ep > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for layer in layers:
+            parallelize_module(layer.experts, mesh["ep"], ExpertParallel())
+    if dp == "fsdp":
+        return _fully_shard(model, mesh, layers, ep)
+    if dp == "ddp" and world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        sharded = [n for n, p in model.named_parameters() if _is_dtensor(p)]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sharded)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # find_unused_parameters: which parameters a step uses depends on the routing
+        return DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None, find_unused_parameters=True
+        )
+    return model
+
+
+def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.tensor import Shard
+
+    dp_mesh = mesh._flatten("dp") if ep > 1 else mesh["efsdp"]  # every rank (ep=1: efsdp is the world)
+    efsdp = mesh["efsdp"].size()
+    for layer in layers:
+        if ep > 1:
+            local = layer.experts.num_experts // ep
+            # torchtitan's rule: more FSDP ranks than local experts shard the second dimension
+            dim = 1 if efsdp > local else 0
+            fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p, d=dim: Shard(d))
+            # the competition routers call these directly, not through __call__: without the
+            # registration FSDP would not gather the weights and the bank would run on its shard
+            for method in ("forward_all", "expert_forward"):
+                register_fsdp_forward_method(layer.experts, method)
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _refuse_parallel(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, m in model.named_modules():
+        if isinstance(m, (FSDPModule, ExpertParallelBank, _ExpertParallelBank)) or any(
+            _is_dtensor(p) for p in m.parameters(recurse=False)
+        ):
+            raise ValueError(
+                f"module {name or 'model'!r} ({type(m).__name__}) is already parallel; parallelize applies "
+                "expert parallelism and FSDP2 once, to a model that has neither"
+            )
+
+
+# ---------------------------------------------------------------------------- training helpers
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over a parallelized model: the norm of the whole model's
+    gradient, each shard counted once (a collective per sharded gradient), the same factor on
+    every rank.  Returns the norm before clipping (float32, on the CPU)."""
+    total = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        n = torch.linalg.vector_norm(g.detach(), dtype=torch.float64)
+        if _is_dtensor(n):
+            n = n.full_tensor()
+        total = total + n.cpu() ** 2
+    total = total.sqrt()
+    coef = min(max_norm / (float(total) + 1e-6), 1.0)
+    if coef < 1.0 and math.isfinite(coef):
+        for g in grads:
+            g.detach().mul_(coef)
+    return total.float()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The state dict of ``model`` with every sharded (``DTensor``) entry gathered to its full
+    tensor, on every rank (a collective: every rank calls it); plain tensors as they are.  Save
+    it from rank 0 with ``moelab.save(state, directory)``; it loads into the unsharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Load the full (unsharded) ``state`` into the parallelized ``model``, each rank keeping its
+    shards (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as the unsharded model's optimizer holds it (parameters by
+    index, full tensors), whatever the layout (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    index = {}  # FQN -> position in the optimizer's param groups (torch's own numbering)
+    groups = []
+    for group in full["param_groups"]:
+        ids = []
+        for fqn in group["params"]:
+            index.setdefault(fqn, len(index))
+            ids.append(index[fqn])
+        groups.append({**group, "params": ids})
+    return {"state": {index[k]: v for k, v in full["state"].items()}, "param_groups": groups}
+
+
+def load_full_optimizer_state(
+    optimizer: torch.optim.Optimizer, model: nn.Module, full: dict[str, Any]
+) -> None:
+    """The inverse of :func:`full_optimizer_state`: load an unsharded optimizer state (a
+    single-process checkpoint's, or one gathered by :func:`full_optimizer_state`) into the
+    parallelized ``optimizer``, each rank keeping its shards (a collective)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    names = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    fqns = [fqn for group in names["param_groups"] for fqn in group["params"]]
+    groups = [{**saved, "params": [fqns[i] for i in saved["params"]]} for saved in full["param_groups"]]
+    state = {"state": {fqns[i]: v for i, v in full["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,214 @@
+"""Parallelism from outside on gloo processes (CPU): FSDP2, expert parallelism and their
+combinations against one process on the whole batch, float64."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moelab
+from moelab.train.distributed import apply_expert_parallel
+from moelab.train.parallelize import full_state_dict
+
+D = 8
+
+
+def spawn(fn, world: int, tmp_path, *args) -> list[dict]:
+    """Run ``fn(rank, world, *args) -> dict`` on ``world`` gloo processes; the dicts, by rank
+    (fork: the children inherit the imported torch/moelab, as in tests/test_distributed.py)."""
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _worker, args=(world, str(tmp_path), fn, args), nprocs=world, join=True, start_method=method
+    )
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _worker(rank: int, world: int, out: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/init", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _refusals(rank: int, world: int, out: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    result = {}
+    torch.manual_seed(0)
+    layer = moelab.MoE(D, 4, 2, method="smoe")
+    apply_expert_parallel(layer)
+    fully_shard(layer)  # the hand-written bank's blocks would be sharded as whole parameters
+    try:
+        layer(torch.randn(5, D))
+        result["ep_then_fsdp"] = None
+    except ValueError as exc:
+        result["ep_then_fsdp"] = str(exc)
+    torch.manual_seed(0)
+    ref = moelab.MoE(D, 4, 2, method="xmoe")
+    model = copy.deepcopy(ref)
+    fully_shard(model)  # the learned temperature is no 0-dim parameter
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(1))
+    result["xmoe_fsdp"] = (model(x) - ref(x)).abs().max().item()
+    try:
+        moelab.save(model, os.path.join(out, f"direct{rank}"))
+        result["save"] = None
+    except ValueError as exc:
+        result["save"] = str(exc)
+    state = full_state_dict(model)  # a collective
+    if rank == 0:
+        moelab.save(state, os.path.join(out, "full"))
+    dist.barrier()
+    fresh = moelab.MoE(D, 4, 2, method="xmoe")
+    moelab.io.load_weights(os.path.join(out, "full"), fresh)
+    result["saved_weights"] = max(
+        (fresh.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items()
+    )
+    return result
+
+
+def test_fsdp2_after_hand_written_expert_parallelism_is_refused_and_sharded_models_save_gathered(tmp_path):
+    for rank, r in enumerate(spawn(_refusals, 2, tmp_path, str(tmp_path))):
+        assert r["ep_then_fsdp"].startswith(
+            "the experts of an ExpertParallelBank were replaced by a wrapper applied after expert parallelism"
+        ), rank
+        assert r["xmoe_fsdp"] <= 1e-6, rank
+        assert r["save"] == (
+            "state entry 'router.embeddings' is sharded (a DTensor: FSDP2 or expert parallelism); gather the full "
+            "weights on every rank with moelab.train.parallelize.full_state_dict(model) and save that dict "
+            "from rank 0"
+        ), rank
+        assert r["saved_weights"] == 0.0, rank
+
+
+# ------------------------------------------------------------------------------------ parity
+C = 5  # classes of the toy task
+#: options that make each rank's loss a token mean, so W ranks on equal shards compute what one
+#: process computes on the whole batch (a balance loss over a rank's tokens is another objective)
+TOKEN_MEANS = {"balance_coef": 0.0, "z_coef": 0.0}
+EXTRA = {"competesmoe": {"competition_balance_coef": 0.0}}
+
+
+def _model(method: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    options = {**TOKEN_MEANS, **EXTRA.get(method, {})}
+    model = torch.nn.Sequential(
+        torch.nn.Linear(D, D),
+        moelab.MoE(
+            D, 4, 2, d_hidden=6, method=method, num_shared=1 if method == "sharede-v3" else 0, **options
+        ),
+        torch.nn.Linear(D, C),
+    ).double()
+    if method == "competesmoe":  # competition on every step
+        moelab.routing_context(model, 4, 0, omega=1.0, competition_warmup=0)
+    return model
+
+
+def _batch(step: int, world: int = 1, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(8, D, generator=g, dtype=torch.float64)
+    y = torch.randint(0, C, (8,), generator=g)
+    n = 8 // world
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+class WithAux(torch.nn.Module):
+    """The model and its aux loss as one forward, as the trainer's: DDP must see the aux loss among
+    the outputs (CompeteSMoE's router is trained by the distillation loss alone on a competition
+    step; computed outside, DDP would take it for unused)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(x), moelab.aux_loss(self.model)
+
+
+def _loss(forward, x, y) -> torch.Tensor:
+    out, aux = forward(x)
+    return torch.nn.functional.cross_entropy(out, y) + aux
+
+
+def _full_grads(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = None if g is None else (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+    return out
+
+
+def _train(model, forward, steps: int, world: int, rank: int) -> tuple[list[float], list[dict]]:
+    """``steps`` AdamW steps; the loss (mean over ranks) and the full gradients of each."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses, grads = [], []
+    for step in range(steps):
+        x, y = _batch(step, world, rank)
+        loss = _loss(forward, x, y)
+        opt.zero_grad()
+        loss.backward()
+        value = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(value)
+        losses.append(value.item() / world)
+        grads.append(_full_grads(model))
+        opt.step()
+    return losses, grads
+
+
+def _parity(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dict:
+    from moelab.train.parallelize import parallelize
+
+    out = {}
+    for method, dp, ep in cases:
+        ref = WithAux(_model(method))
+        ref_losses, ref_grads = _train(ref, ref, 2, 1, 0)
+        model = WithAux(_model(method))
+        forward = parallelize(model, dp=dp, ep=ep)
+        losses, grads = _train(model, forward, 2, world, rank)
+        err = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        for g, r in zip(grads, ref_grads):
+            assert g.keys() == r.keys(), (g.keys(), r.keys())
+            for k in g:
+                if r[k] is None:
+                    assert g[k] is None or g[k].abs().max() == 0, k
+                    continue
+                err = max(err, (g[k] - r[k]).abs().max().item())
+        out[f"{method}/{dp}/ep{ep}"] = (err, ref_losses)
+    return out
+
+
+METHODS = ("smoe", "xmoe", "sharede-v3", "competesmoe")
+LAYOUTS = {
+    2: [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)],
+    4: [("fsdp", 1), ("fsdp", 2), ("fsdp", 4), ("ddp", 4)],
+}
+
+
+def _check_parity(world: int, cases: list[tuple[str, str, int]], tmp_path) -> None:
+    for rank, r in enumerate(spawn(_parity, world, tmp_path, cases)):
+        assert len(r) == len(cases)
+        for name, (err, ref_losses) in r.items():
+            assert ref_losses[1] != ref_losses[0], name  # the step changed something
+            # float64; CompeteSMoE's distillation and diversity losses sum in another order: ~2e-11
+            assert err <= 1e-9, f"rank {rank}/{world}: {name} differs by {err}"
+
+
+def test_expert_parallel_with_fsdp2_and_with_ddp_give_the_losses_and_gradients_of_one_process(tmp_path):
+    # EP x FSDP2 (experts Shard(0) on the expert mesh, FSDP over the rest) and EP + DDP with competition
+    _check_parity(2, [("smoe", "fsdp", 2), ("competesmoe", "ddp", 2)], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_layout_gives_the_losses_and_gradients_of_one_process_for_every_method(world, tmp_path):
+    _check_parity(world, [(m, dp, ep) for m in METHODS for dp, ep in LAYOUTS[world]], tmp_path)
