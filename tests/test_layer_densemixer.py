@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moelab
-from router_grid import IMPLS_WITH_TRITON, check_compile, check_hf_refusal, check_kernel, check_save_load
+from router_grid import IMPLS_WITH_TRITON, check_compile, check_kernel, check_save_load
 
 
 def literal_densemixer(layer, x):
@@ -144,20 +144,22 @@ def test_densemixer_survives_save_and_load(tmp_path):
     assert check_save_load("xmoe", tmp_path / "x", densemixer=True).densemixer
 
 
-def test_densemixer_from_hf_runs_and_to_hf_refuses_the_preset_but_exports_the_option():
-    check_hf_refusal("densemixer")
+@pytest.mark.parametrize(("method", "options"), [("densemixer", {}), ("smoe", {"densemixer": True})])
+def test_densemixer_from_hf_trains_densely_and_to_hf_exports_the_same_inference(method, options):
+    """Its inference is ``smoe``'s: the transformers block expresses it (the training gradient
+    stays behind), so ``to_hf`` gives the block back with the same outputs."""
+    pytest.importorskip("transformers")
     from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralSparseMoeBlock
 
-    block = MixtralSparseMoeBlock(
-        MixtralConfig(hidden_size=8, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2)
-    )
+    cfg = MixtralConfig(hidden_size=8, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2)
+    block = MixtralSparseMoeBlock(cfg)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_()
-    layer = moelab.from_hf(block, method="smoe", densemixer=True)
+    layer = moelab.from_hf(block, method=method, **options)
     assert layer.densemixer  # set_method carries the layer option
     x = torch.randn(2, 3, 8)
     expected = layer.eval()(x)
-    back = moelab.to_hf(layer)  # the option changes only the training gradient: the block expresses it
+    back = moelab.to_hf(layer)
     out = back(x)
     torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, expected, rtol=1e-5, atol=1e-6)
