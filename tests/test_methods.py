@@ -10,9 +10,9 @@ from moelab.methods import Method, get_method, register_method
 
 METHODS = moelab.methods()
 #: methods whose weights are not renormalised over the chosen K
-UNNORMALISED = {"sigma-moe", "remoe", "top-p"}
+UNNORMALISED = {"sigma-moe", "remoe", "top-p", "expert-choice"}
 #: methods that route a variable number of experts per token (``Routing.mask``), at most this many
-VARIABLE_K = {"remoe": 4, "top-p": 4}
+VARIABLE_K = {"remoe": 4, "top-p": 4, "expert-choice": 4}
 D, N, K = 8, 4, 2
 
 

@@ -220,6 +220,13 @@ for _m in [
         coefs=_BALANCED,
         layer_options={"densemixer": True},
     ),
+    Method(
+        "expert-choice",
+        "expert-choice",
+        "S = softmax(W x); each expert takes its k = T·c/N highest-scoring tokens of the batch (c = top_k), "
+        "weight S; leaks future tokens in a causal LM (encoders, ablations)",
+        "Zhou et al. 2022 (Mixture-of-Experts with Expert Choice Routing) §3, EC-CF2",
+    ),
 ]:
     register_method(_m)
 
