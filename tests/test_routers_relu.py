@@ -246,3 +246,13 @@ def test_remoe_diagnostics_count_only_the_active_experts_and_swap_refuses():
     ):
         with metrics.swap_top1(layer):
             pass
+
+
+@pytest.mark.parametrize("method", ["remoe", "top-p", "expert-choice"])
+def test_masked_dispatch_off_the_cpu_sums_each_row_into_its_own_slot(monkeypatch, method):
+    """The path of other devices (no ``index_add`` of rows into tokens: a ``(T·K, d)`` buffer summed
+    over K), run here on the CPU: the literal output and gradients."""
+    from moelab.experts import dispatch
+
+    monkeypatch.setattr(dispatch, "_scatter_adds", lambda device: False)
+    check_kernel(method, "loop")
