@@ -47,8 +47,9 @@ def make(method: str, impl: str = "auto", **options) -> moelab.MoE:
 
 
 def literal_output(layer: moelab.MoE, x: torch.Tensor) -> torch.Tensor:
-    """``Σ_{active k} w_k · expert_{i_k}(x_t)`` one token at a time, the routing recomputed with
-    autograd (so gradients flow to the router and the experts as in the layer)."""
+    """``Σ_{active k} w_k · expert_{i_k}(x_t)`` (+ the router's own experts' output) one token at a
+    time, the routing recomputed with autograd (so gradients flow to the router and the experts as
+    in the layer)."""
     r = layer.router(x, layer.experts, layer.ctx)
     rows = []
     for t in range(x.shape[0]):
@@ -56,6 +57,8 @@ def literal_output(layer: moelab.MoE, x: torch.Tensor) -> torch.Tensor:
         for k in range(r.indices.shape[1]):
             if r.mask is None or bool(r.mask[t, k]):
                 y = y + r.weights[t, k] * layer.experts.expert_forward(x[t : t + 1], int(r.indices[t, k]))[0]
+        if r.direct is not None:  # the experts the router ran itself (MoE++)
+            y = y + r.direct[t]
         rows.append(y)
     return torch.stack(rows)
 

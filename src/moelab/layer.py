@@ -246,6 +246,8 @@ class MoE(nn.Module):
             )
         else:
             y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
+        if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
+            y = y + routing.direct.to(y.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
         self._aux_pending = (routing, flat)  # the aux loss, computed when read (``aux_loss``)

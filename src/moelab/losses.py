@@ -16,6 +16,7 @@ __all__ = [
     "competition_router_loss",
     "distillation_loss",
     "diversity_loss",
+    "heterogeneous_balance_loss",
     "importance_loss",
     "mean_entropy_loss",
     "relu_l1_balance_loss",
@@ -53,6 +54,24 @@ def switch_balance_loss(
         counts = active.new_zeros(num_experts).scatter_add(0, indices.reshape(-1), active)
         f = counts / active.sum().clamp_min(1)
     return (num_experts * (f * probs.to(compute).mean(dim=0)).sum()).to(probs.dtype)
+
+
+def heterogeneous_balance_loss(probs: Tensor, indices: Tensor, eta: Tensor) -> Tensor:
+    """MoE++'s heterogeneous load-balance loss: ``M · Σ_i η_i f_i P_i`` over the ``M = N + Z`` FFN and
+    zero-computation experts, ``f_i`` the fraction of the ``T·K`` slots routed to ``i``, ``P_i`` its
+    mean router probability, ``η_i = 1`` for an FFN expert and ``τ`` for a zero-computation one
+    (MoE++, Jin et al. 2025, §3): with ``τ < 1`` the zero-computation experts may take more than
+    their share.  ``η ≡ 1`` is :func:`switch_balance_loss` over the ``M`` experts.
+
+    Args:
+        probs: ``(T, M)`` the router's distribution over every expert.
+        indices: ``(T, K)`` the chosen experts, in ``[0, M)``.
+        eta: ``(M,)`` the weights ``η``.
+    """
+    compute = torch.promote_types(probs.dtype, torch.float32)
+    num = probs.shape[-1]
+    f = expert_counts(indices, num).to(compute) / indices.numel()
+    return (num * (eta.to(compute) * f * probs.to(compute).mean(dim=0)).sum()).to(probs.dtype)
 
 
 def z_loss(logits: Tensor) -> Tensor:

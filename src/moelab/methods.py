@@ -227,6 +227,14 @@ for _m in [
         "weight S; leaks future tokens in a causal LM (encoders, ablations)",
         "Zhou et al. 2022 (Mixture-of-Experts with Expert Choice Routing) §3, EC-CF2",
     ),
+    Method(
+        "moepp",
+        "moepp",
+        "N FFN experts + 2 constant, 1 copy, 1 zero expert; softmax top-K over all, zero weight 0, "
+        "renormalised; only FFN slots reach the bank; heterogeneous balance (τ = 0.75)",
+        "MoE++ (Jin et al. 2025, ICLR) §3; routing and expert counts from the authors' code",
+        coefs={"balance": 0.01},
+    ),
 ]:
     register_method(_m)
 

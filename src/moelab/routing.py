@@ -33,8 +33,13 @@ class Routing:
             the experts again.  ``None`` otherwise.
         mask: ``(T, K)`` bool, which slots are active, for a router that routes a variable
             number of experts per token (``remoe``, ``top-p``): ``K`` is then the most a token
-            may take, an inactive slot has weight 0 and its expert does not run
-            (:func:`moelab.experts.dispatch.dispatch_masked`).  ``None``: every slot is active.
+            may take, an inactive slot's expert does not run in the bank
+            (:func:`moelab.experts.dispatch.dispatch_masked`) and its weight is 0 — unless the
+            router computed that expert itself (``direct``, MoE++'s copy and constant experts,
+            whose indices lie beyond the bank's N).  ``None``: every slot is active.
+        direct: ``(T, d)`` the weighted output of the experts the router computes itself, which
+            the expert bank does not hold (MoE++'s copy and constant experts); the layer adds it
+            to the bank's output.  ``None`` otherwise.
     """
 
     indices: Tensor
@@ -44,6 +49,7 @@ class Routing:
     losses: dict[str, Tensor] = field(default_factory=dict)
     outputs: Tensor | None = None
     mask: Tensor | None = None
+    direct: Tensor | None = None
 
     @property
     def top_k(self) -> int:
@@ -57,7 +63,8 @@ class Routing:
         return flat if self.mask is None else flat[self.mask.reshape(-1)]
 
     def detach(self) -> Routing:
-        """A copy with every tensor detached (and no expert outputs): what ``last_routing`` keeps."""
+        """A copy with every tensor detached (and no ``(T, K, d)`` expert outputs): what
+        ``last_routing`` keeps."""
 
         def d(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach()
@@ -70,6 +77,7 @@ class Routing:
             losses={k: v.detach() for k, v in self.losses.items()},
             outputs=None,
             mask=d(self.mask),
+            direct=d(self.direct),
         )
 
 

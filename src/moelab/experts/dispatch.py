@@ -73,7 +73,8 @@ def dispatch_masked(experts: Experts, x: Tensor, indices: Tensor, weights: Tenso
     slot of a zero ``(T·K, ...)`` buffer and summing over K, and gathering the tokens through the
     same layout, so that no two rows are added by atomics.  Under ``torch.compile`` the number
     of active slots would be a data-dependent shape (a graph break), so every slot runs with the
-    inactive weights set to 0: the same output and gradients, without the skipped compute.
+    inactive weights set to 0 (and inactive indices to expert 0: they may lie beyond the bank): the
+    same output and gradients, without the skipped compute.
 
     Args:
         experts: the bank.
@@ -81,8 +82,8 @@ def dispatch_masked(experts: Experts, x: Tensor, indices: Tensor, weights: Tenso
         indices, weights, mask: ``(T, K)`` experts, weights and active slots.
     """
     w = weights * mask.to(weights.dtype)  # an inactive slot has weight 0, and no gradient reaches it
-    if torch.compiler.is_compiling():
-        return experts(x, indices, w)
+    if torch.compiler.is_compiling():  # inactive slots may name experts beyond the bank (MoE++): expert 0
+        return experts(x, indices.masked_fill(~mask, 0), w)
     T, K = indices.shape
     slot = mask.reshape(-1).nonzero().squeeze(1)  # (A,) in token order: the one host sync
     token = slot // K
