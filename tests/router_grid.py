@@ -37,6 +37,14 @@ IMPLS_WITH_TRITON = [
     *IMPLS,
     pytest.param("triton", marks=pytest.mark.skipif(not _triton_runs(), reason="no triton")),
 ]
+#: the same, triton (its interpreter: about a second) in the slow suite only: for the presets whose
+#: dispatch path another preset's default test already runs through triton
+IMPLS_WITH_SLOW_TRITON = [
+    *IMPLS,
+    pytest.param(
+        "triton", marks=[pytest.mark.slow, pytest.mark.skipif(not _triton_runs(), reason="no triton")]
+    ),
+]
 
 
 def make(method: str, impl: str = "auto", **options) -> moelab.MoE:

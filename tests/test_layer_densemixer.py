@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moelab
-from router_grid import IMPLS_WITH_TRITON, check_compile, check_kernel, check_save_load
+from router_grid import IMPLS_WITH_SLOW_TRITON, check_compile, check_kernel, check_save_load
 
 
 def literal_densemixer(layer, x):
@@ -130,7 +130,7 @@ def test_densemixer_is_refused_where_it_is_not_defined(method, value, match):
 
 
 # ------------------------------------------------------------------ the layer grid
-@pytest.mark.parametrize("impl", IMPLS_WITH_TRITON)
+@pytest.mark.parametrize("impl", IMPLS_WITH_SLOW_TRITON)
 def test_densemixer_every_kernel_gives_the_literal_output_and_gradients_in_evaluation(impl):
     check_kernel("densemixer", impl)
 

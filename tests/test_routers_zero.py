@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moelab
-from router_grid import IMPLS_WITH_TRITON, check_compile, check_hf_refusal, check_kernel, check_save_load
+from router_grid import IMPLS_WITH_SLOW_TRITON, check_compile, check_hf_refusal, check_kernel, check_save_load
 
 
 def literal_moepp(layer, x):
@@ -123,7 +123,7 @@ def test_moepp_options_are_validated(options, match):
 
 
 # ------------------------------------------------------------------ the layer grid
-@pytest.mark.parametrize("impl", IMPLS_WITH_TRITON)
+@pytest.mark.parametrize("impl", IMPLS_WITH_SLOW_TRITON)
 def test_moepp_every_kernel_gives_the_literal_output_and_gradients(impl):
     check_kernel("moepp", impl)
 
