@@ -138,3 +138,42 @@ def test_top_p_survives_save_and_load(tmp_path):
 
 def test_top_p_from_hf_runs_and_to_hf_refuses_in_one_line():
     check_hf_refusal("top-p")
+
+
+@pytest.mark.parametrize("method", ["top-p", "remoe", "expert-choice", "moepp"])
+@pytest.mark.parametrize("scope", ["sequence", "global"])
+def test_variable_k_methods_take_the_micro_balance_scope_only(method, scope):
+    with pytest.raises(
+        ValueError,
+        match=rf"^balance_scope='{scope}' is not allowed with method='{method}': it routes a variable number "
+        r"of experts per token, which only the 'micro' scope counts; expected 'micro'$",
+    ):
+        moelab.MoE(8, 4, 2, method=method, balance_scope=scope)
+    assert moelab.MoE(8, 4, 2, method=method, balance_scope="micro").balance_scope == "micro"
+
+
+@pytest.mark.parametrize(("method", "width"), [("top-p", 4), ("moepp", 8)])
+def test_the_selection_bias_moves_once_per_step_from_the_load_of_the_taken_experts(method, width):
+    """top-p counts the experts a token took (not the K_max slots); moepp's bias spans its
+    zero-computation experts too."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(6, 4, 2, method=method, selection_bias=True, bias_update_rate=0.01).train()
+    ctx = moelab.RoutingContext()
+    moelab.attach(layer, ctx)
+    total = torch.zeros(width)
+    for _ in range(3):
+        layer(torch.randn(8, 6)).sum().backward()
+        r = layer.last_routing
+        taken = r.indices if method == "moepp" else r.indices[r.mask]
+        total += torch.bincount(taken.reshape(-1), minlength=width).float()
+    assert torch.equal(layer.router.selection_bias, torch.zeros(width))
+    ctx.advance()
+    torch.testing.assert_close(layer.router.selection_bias, 0.01 * torch.sign(total.mean() - total))
+
+
+@pytest.mark.parametrize("method", ["remoe", "expert-choice"])
+def test_routers_without_a_choice_to_shift_refuse_the_selection_bias(method):
+    with pytest.raises(
+        ValueError, match=rf"^option 'selection_bias' is not accepted by method='{method}'; allowed: "
+    ):
+        moelab.MoE(8, 4, 2, method=method, selection_bias=True)

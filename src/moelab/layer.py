@@ -11,17 +11,28 @@ from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
 from .experts.dispatch import combine_densemixer, dispatch_masked
-from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
+from .losses import (
+    LOAD_LOSSES,
+    LOSS_NAMES,
+    importance_loss,
+    mean_entropy_loss,
+    sequence_balance_loss,
+    switch_balance_loss,
+    z_loss,
+)
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
 
-_LAYER_OPTIONS = ("num_shared", "densemixer")
+_LAYER_OPTIONS = ("num_shared", "balance_scope", "densemixer")
 #: the router families whose weights are their softmax probabilities on the chosen experts (up to a
 #: per-token scale): those DenseMixer's dense router gradient is defined for
 _DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
+
+#: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
+BALANCE_SCOPES = ("micro", "sequence", "global")
 
 
 class MoE(nn.Module):
@@ -46,12 +57,29 @@ class MoE(nn.Module):
             forward; switch off for speed).  Under ``torch.compile`` the check is traced as
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
         **options: the method's options (router options, ``<loss>_coef`` with loss in
-            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses, and
-            ``num_shared``, ``densemixer``), overriding the preset.  ``densemixer=True``: in
-            training forwards with autograd every expert runs and the router receives the
-            gradient of the dense mixture of their outputs, the output keeping its sparse value
-            (DenseMixer, Yao et al. 2025; :func:`moelab.experts.dispatch.combine_densemixer`);
-            for the softmax top-K routers (``topk``, ``cosine``, ``hyper`` families).
+            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
+            ``num_shared``, ``balance_scope`` and ``densemixer``), overriding the preset.
+
+    ``densemixer=True``: in training forwards with autograd every expert runs and the router
+    receives the gradient of the dense mixture of their outputs, the output keeping its sparse value
+    (DenseMixer, Yao et al. 2025; :func:`moelab.experts.dispatch.combine_densemixer`); for the
+    softmax top-K routers (``topk``, ``cosine``, ``hyper`` families).
+
+    ``balance_scope`` — where the load-based losses (``balance``, ``importance``, ``entropy``)
+    measure the load (docs/methods.md, "Balance scope"):
+
+    * ``"micro"`` (default): over the tokens of this forward (one micro-batch of one rank);
+    * ``"sequence"``: per sequence, then averaged over the sequences (DeepSeek-V3's sequence-wise
+      balance loss); the input must keep its sequence structure ``(..., S, d)``;
+    * ``"global"``: over the whole optimizer step — every micro-batch on every data-parallel rank
+      (Qwen's global-batch balance, Qiu et al. 2025).  The step's statistics are gathered outside
+      the forward by a :class:`moelab.balance.StepBalance` that the training loop owns (the
+      :class:`moelab.train.Trainer` and ``moelab.hf.MoETrainer`` do); while one is attached it
+      forms these losses and this layer's ``aux_loss`` leaves them out.  Without one, in one
+      process, they are the micro-batch's (the same thing for one micro-batch a step).
+
+    A router with a variable number of experts per token (``Routing.mask``) takes ``"micro"``
+    only: the other scopes count every slot.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`).
@@ -113,6 +141,13 @@ class MoE(nn.Module):
                 num_shared = value
             elif key == "densemixer":
                 densemixer = value
+            elif key == "balance_scope":
+                _validate.one_of("balance_scope", value, BALANCE_SCOPES)
+                if value != "micro" and router_cls.variable_k:
+                    raise ValueError(
+                        f"balance_scope={value!r} is not allowed with method={method!r}: it routes a variable "
+                        "number of experts per token, which only the 'micro' scope counts; expected 'micro'"
+                    )
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
@@ -125,6 +160,10 @@ class MoE(nn.Module):
             )
         self.densemixer = densemixer
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
+        self.balance_scope: str = options.get("balance_scope", "micro")
+        #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
+        #: (set and cleared by it, outside the forward), or ``None``
+        self.step_balance = None
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
         if experts is None:
@@ -146,7 +185,7 @@ class MoE(nn.Module):
         )
         self.ctx: RoutingContext | None = None
         self._aux: Tensor | None = torch.zeros(())
-        self._aux_pending: tuple[Routing, Tensor] | None = None
+        self._aux_pending: tuple[Routing, Tensor, int | None] | None = None
         self.last_routing: Routing | None = None
 
     @property
@@ -158,8 +197,7 @@ class MoE(nn.Module):
         cost as much as the experts).
         """
         if self._aux_pending is not None:
-            routing, x = self._aux_pending
-            self._aux, self._aux_pending = self._aux_loss(routing, x), None
+            self._aux, self._aux_pending = self._aux_loss(*self._aux_pending), None
         return self._aux
 
     @aux_loss.setter
@@ -179,6 +217,7 @@ class MoE(nn.Module):
         (``copy.deepcopy`` refuses a non-leaf tensor, so a used layer could not be copied)."""
         state = super().__getstate__()
         state["_aux"], state["_aux_pending"] = self.aux_loss.detach(), None
+        state["step_balance"] = None  # a copy is not attached to the original's training loop
         return state
 
     def reset_parameters(self) -> None:
@@ -219,6 +258,12 @@ class MoE(nn.Module):
                 f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
             )
         shape = x.shape
+        if self.balance_scope == "sequence" and x.dim() < 3:
+            raise ValueError(
+                f"input of shape {tuple(shape)} is not allowed with balance_scope='sequence'; expected the "
+                "sequence structure (..., S, d_model)"
+            )
+        seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
         routing = self.router(flat, self.experts, self.ctx)
         if self.check_finite:
@@ -250,17 +295,17 @@ class MoE(nn.Module):
             y = y + routing.direct.to(y.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
-        self._aux_pending = (routing, flat)  # the aux loss, computed when read (``aux_loss``)
+        self._aux_pending = (routing, flat, seq_len)  # the aux loss, computed when read (``aux_loss``)
         self.last_routing = routing.detach()
         return y.reshape(shape)
 
-    def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
+    def _aux_loss(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> Tensor:
         total = x.new_zeros(())
-        for term in self._aux_terms(routing, x).values():
+        for term in self._aux_terms(routing, x, seq_len).values():
             total = total + term
         return total
 
-    def _aux_terms(self, routing: Routing, x: Tensor) -> dict[str, Tensor]:
+    def _aux_terms(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> dict[str, Tensor]:
         """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
         ``aux_loss``; :mod:`moelab.hf.trainer` logs them one by one)."""
         terms: dict[str, Tensor] = {}
@@ -269,21 +314,41 @@ class MoE(nn.Module):
         for name, coef in self.coefs.items():
             loss = routing.losses.get(name)
             if loss is None:
-                loss = self._standard_loss(name, routing)
+                loss = self._standard_loss(name, routing, seq_len)
             if loss is not None:
                 terms[name] = coef * loss
         return terms
 
-    def _standard_loss(self, name: str, routing: Routing) -> Tensor | None:
-        if name == "balance" and routing.probs is not None:
+    def _standard_loss(self, name: str, routing: Routing, seq_len: int | None = None) -> Tensor | None:
+        if name == "z":
+            return None if routing.logits is None else z_loss(routing.logits)
+        if routing.probs is None or name not in LOAD_LOSSES:
+            return None
+        if self.balance_scope == "global":
+            if self.step_balance is not None:  # it forms the step's loss (moelab.balance)
+                return None
+            _refuse_unsynchronised_global(self)
+        seq = seq_len if self.balance_scope == "sequence" else None
+        if name == "balance":
+            if seq is not None:
+                return sequence_balance_loss(routing.probs, routing.indices, self.num_experts, seq)
+            # a variable number of experts per token: the active slots (only the micro scope allows it)
             return switch_balance_loss(routing.probs, routing.indices, self.num_experts, routing.mask)
-        if name == "z" and routing.logits is not None:
-            return z_loss(routing.logits)
-        if name == "importance" and routing.probs is not None:
-            return importance_loss(routing.probs)
-        if name == "entropy" and routing.probs is not None:
-            return mean_entropy_loss(routing.probs)
-        return None
+        if name == "importance":
+            return importance_loss(routing.probs, seq_len=seq)
+        return mean_entropy_loss(routing.probs, seq_len=seq)
+
+
+def _refuse_unsynchronised_global(layer: MoE) -> None:
+    """A global-scope loss read without the step's statistics under torch.distributed would be this
+    rank's micro-batch loss under another name."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                f"balance_scope='global' (MoE layer {layer.layer_index}) is not allowed without the step's "
+                "statistics under torch.distributed; expected a moelab.balance.StepBalance attached by the "
+                "training loop (moelab.train.Trainer and moelab.hf.MoETrainer attach one)"
+            )
 
 
 def aux_loss(model: nn.Module) -> Tensor:

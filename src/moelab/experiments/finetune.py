@@ -25,7 +25,7 @@ from ..io.atomic import read_json, sha256_file
 from ..io.model import load
 from ..io.model import resolve as resolve_model
 from ..layer import moe_layers
-from ..models.classifier import LMClassifier, freeze_routers
+from ..models.classifier import LMClassifier, freeze_all_but_experts, freeze_routers
 from ..models.lm import TransformerLM
 from ..optim import OPTIMIZERS, check_optimizer
 from ..routing import RoutingContext
@@ -75,8 +75,12 @@ class FinetuneConfig:
     ``batch_size`` left ``None`` take CompeteSMoE (2024) App. C.3's value for the task (recorded
     resolved), ``steps`` left ``None`` follows from the epochs and the training set."""
 
-    task: str = setting(help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)")
-    source: str = setting(flag="--from", metavar="RUN_DIR", help="a `moelab train` run")
+    task: str = setting(
+        help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)", fingerprint="data_sha256"
+    )
+    source: str = setting(
+        flag="--from", metavar="RUN_DIR", help="a `moelab train` run", fingerprint="source_sha256"
+    )
     epochs: float | None = setting(
         None,
         help="epochs (CompeteSMoE (2024): 5; BANKING77 50)",
@@ -109,6 +113,12 @@ class FinetuneConfig:
         "low-rank updates of Q and V and the new head (moelab.adapters)",
         allowed=Options(("none", *ADAPTERS)),
     )
+    trainable: str = setting(
+        "experts",
+        help="experts: the MoE experts and the new head train, the rest of the LM is frozen (CompeteSMoE "
+        "(2024) §6.3: 'only optimize the experts' parameters'); trunk: every LM parameter but the routers",
+        allowed=Options(("experts", "trunk")),
+    )
     rank: int = setting(8, help="the adapter's rank r (alpha = r: scale 1)", allowed=Interval(int, 1))
     fraction: float = setting(
         1.0,
@@ -119,6 +129,11 @@ class FinetuneConfig:
 
     def check(self) -> None:
         check_optimizer(self.optimizer, self.weight_decay)
+        if self.adapter != "none" and self.trainable != "experts":
+            raise ValueError(
+                f"--trainable={self.trainable!r} is not allowed with --adapter {self.adapter}; an adapter "
+                "trains its low-rank updates and the new head only"
+            )
         if self.adapter == "none" and self.rank != 8:
             raise ValueError(
                 f"--rank={self.rank} is not allowed with --adapter none; it is an adapter's rank"
@@ -157,6 +172,8 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
     frozen = freeze_routers(model)
     if config.adapter != "none":  # the trunk frozen but for its Q/V updates; the new head trains
         add_adapter(model.lm, config.adapter, rank=config.rank)
+    elif config.trainable == "experts":
+        frozen += freeze_all_but_experts(model.lm)
     train = TrainConfig(
         steps=steps,
         batch_size=config.batch_size,

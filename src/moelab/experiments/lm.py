@@ -92,6 +92,7 @@ class TrainRun:
     data: str = setting(
         "default",
         help="enwik8, text8, wikitext103, default or stdlib (offline: Python's own sources) or a text file",
+        fingerprint="data_sha256",
     )
     level: str = setting("byte", help="tokens of a local --data file", allowed=Options(("byte", "word")))
     arch: str = setting("switch", help="model architecture", allowed=Options(ARCHS))

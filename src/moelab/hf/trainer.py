@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..balance import StepBalance, attached_step_balance
 from ..layer import attach, moe_layers
 from ..optim import decayed_parameter_names
 from ..routing import RoutingContext
@@ -81,6 +82,8 @@ def _trainer_classes() -> dict[str, type]:
             self.schedule_options = dict(schedule_options or {})
             #: the checkpoint folder a resumed run starts from (set by MoETrainer.train)
             self.resume_from: str | None = None
+            #: the statistics of the global-scope losses, from train begin to train end
+            self.step_balance: StepBalance | None = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if model is None:
@@ -97,6 +100,16 @@ def _trainer_classes() -> dict[str, type]:
                 self._restore(ctx, saved, int(state.global_step))
             attach(model, ctx)
             self.ctx = ctx
+            # balance_scope="global" layers: the statistics of each optimizer step over the ranks and
+            # the accumulated micro-batches (moelab.balance), cleared by the step hooks
+            if self.step_balance is not None:
+                self.step_balance.close()
+            self.step_balance = StepBalance(model, ctx)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.step_balance is not None:
+                self.step_balance.close()
+                self.step_balance = None
 
         @staticmethod
         def _restore(ctx: RoutingContext, path: str, global_step: int) -> None:
@@ -197,9 +210,18 @@ def _trainer_classes() -> dict[str, type]:
             )
 
         def _add_aux(self, model: nn.Module, kwargs: dict, output: Any) -> Any:
+            balance = attached_step_balance(model)
+            if balance is not None:  # before the layers' aux losses are read: it reads their forward
+                balance.record()  # one all-reduce; micro-batch m sees the counts of 1..m of the step
+                global_loss = balance.loss()
             total, terms = _collect_aux(moe_layers(model))
             if total is None:
                 return None
+            if balance is not None:
+                total = total + global_loss.to(total.device)
+                for name, value in balance.last_terms.items():
+                    value = value.float().to(total.device)
+                    terms[name] = terms[name] + value if name in terms else value
             for name, value in terms.items():
                 self._aux_sums[name] = self._aux_sums[name] + value if name in self._aux_sums else value
             detached = total.detach().float()

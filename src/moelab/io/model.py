@@ -235,7 +235,7 @@ def save(
     Args:
         model: any module; moelab's models, a bare :class:`moelab.MoE` and upcycled / converted
             transformers models are rebuilt by :func:`load`, any other module's weights (or a
-            state dict's: ``full_state_dict`` under expert parallelism) load with
+            state dict's: ``moelab.train.parallelize.full_state_dict`` of a sharded model) load with
             :func:`load_weights`.
         directory: created if missing; the files in it are replaced atomically.
         ctx: the :class:`moelab.RoutingContext` to record (default: the one attached to the

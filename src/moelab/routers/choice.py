@@ -38,6 +38,9 @@ class ExpertChoiceRouter(Router):
     ``Routing.mask`` the experts that chose it; the layer runs only those
     (:func:`moelab.experts.dispatch.dispatch_masked`).
 
+    No aux-loss-free selection bias: the load is balanced by construction, and a per-expert offset
+    would not change which tokens an expert takes (the same constant added to its whole column).
+
     Options:
         capacity_factor: ``c > 0``, the mean number of experts per token (default ``top_k``).
         init_std: std of the N(0, σ²) init of ``W (N, d)``; default ``d^-1/2``.

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..losses import token_entropy_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import Router, _counts_this_forward, register
 
 
 @register("top-p")
@@ -44,6 +44,11 @@ class TopPRouter(Router):
         max_k: the most experts a token may take (default N, as the authors: no cap); the experts
             beyond it are dropped even if ``p`` is not reached.
         init_std: std of the N(0, σ²) init of ``W (N, d)``; default ``d^-1/2``.
+        selection_bias: the aux-loss-free selection bias (DeepSeek-V3;
+            :meth:`moelab.routers.Router.init_selection_bias`): the experts are ranked by
+            ``P_i + b_i`` and taken while the cumulative ``P`` (unbiased) has not exceeded ``p``;
+            the load it balances counts the taken experts.  Default off.
+        bias_update_rate: its step γ (1e-3).
     """
 
     loss_names = ("dynamic",)
@@ -58,8 +63,11 @@ class TopPRouter(Router):
         threshold: float = 0.4,
         max_k: int | None = None,
         init_std: float | None = None,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        self.init_selection_bias(selection_bias, bias_update_rate)
         self.threshold = _validate.probability("threshold", threshold)
         if not 0 < self.threshold < 1:
             raise ValueError(f"threshold={threshold!r} is not allowed; expected a number in (0, 1)")
@@ -74,19 +82,25 @@ class TopPRouter(Router):
         """``W ~ N(0, init_std²)``."""
         with torch.no_grad():
             self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
+        self.reset_selection_bias()
 
     def rule_options(self) -> dict:
-        return {"threshold": self.threshold, "max_k": self.max_k}
+        return {"threshold": self.threshold, "max_k": self.max_k, "selection_bias": self.selection_bias}
 
     def forward(
         self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = F.linear(x, self.weight)  # (T, N)
         probs = logits.softmax(dim=-1)
-        ranked, indices = probs.sort(dim=-1, descending=True, stable=True)
-        ranked, indices = ranked[:, : self.max_k], indices[:, : self.max_k]
+        indices = self.biased(probs.detach()).argsort(dim=-1, descending=True, stable=True)[:, : self.max_k]
+        ranked = probs.gather(1, indices)
         over = ranked.detach().cumsum(dim=-1) > self.threshold
         mask = ~over | (over & (over.cumsum(dim=-1) == 1))  # up to and with the rank that crosses p
+        if self.training and self.selection_bias is not None and _counts_this_forward():
+            active = mask.reshape(-1).to(self.pending_load.dtype)
+            self.pending_load += active.new_zeros(self.num_experts).scatter_add(
+                0, indices.reshape(-1), active
+            )
         weights = ranked * mask.to(ranked.dtype)
         losses = {"dynamic": token_entropy_loss(probs)}
         return Routing(indices=indices, weights=weights, probs=probs, logits=logits, losses=losses, mask=mask)

@@ -13,8 +13,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..losses import relu_l1_balance_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, register
-from .sigmoid import _counts_this_forward
+from .base import Router, _counts_this_forward, register
 
 
 @register("relu")
@@ -40,6 +39,9 @@ class ReLURouter(Router):
     ``λ₀ = 1e-8`` and ``α = 1.2``.  There one ``λ`` is shared by all layers and moved by their
     mean sparsity; here each layer holds its own ``λ``, moved by its own sparsity (a layer's hook
     sees only its layer), so every layer is held at K/N.
+
+    No aux-loss-free selection bias: ReLU routing makes no choice among experts that an offset
+    could shift (a gate is on or off by its own sign), and its load-balanced L1 already balances.
 
     Options:
         init_std: std of the N(0, σ²) init of ``W (N, d)``; default ``d^-1/2`` as moelab's other
@@ -119,6 +121,7 @@ class ReLURouter(Router):
         """The step hook: ``λ ← λ · α^{sign((1 − K/N) − S)}`` with the sparsity ``S`` of the step's
         training forwards (counts summed over ranks), then clear the counts.  Run on every rank;
         a step without a training forward moves nothing."""
+        super().on_step(ctx)
         counts = self.pending_active.float()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(counts)

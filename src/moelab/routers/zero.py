@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..functional import expert_counts
 from ..losses import heterogeneous_balance_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import Router, _counts_this_forward, register
 
 
 @register("moepp")
@@ -48,6 +49,10 @@ class ZeroComputationRouter(Router):
         tau: ``τ`` of the balance loss (0.75).
         two_layer_gate: the two-layer gate (default, the authors' configuration) or a linear one.
         init_std: std of the N(0, σ²) init of the gate's (first) matrix; default ``d^-1/2``.
+        selection_bias: the aux-loss-free selection bias (DeepSeek-V3;
+            :meth:`moelab.routers.Router.init_selection_bias`) over all ``N + Z`` experts, added to
+            ``P`` for the top-K only.  Default off.
+        bias_update_rate: its step γ (1e-3).
     """
 
     weights_sum_to_one = False  # a token whose K choices are all zero experts has weights 0
@@ -64,6 +69,8 @@ class ZeroComputationRouter(Router):
         tau: float = 0.75,
         two_layer_gate: bool = True,
         init_std: float | None = None,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
         for name, value in (("num_zero", num_zero), ("num_copy", num_copy), ("num_constant", num_constant)):
@@ -81,6 +88,9 @@ class ZeroComputationRouter(Router):
         self.weight2 = nn.Parameter(torch.empty(m, 8 * m)) if self.two_layer_gate else None
         self.constants = nn.Parameter(torch.empty(num_constant, d_model))
         self.constant_gate = nn.Parameter(torch.empty(num_constant, 2, d_model))
+        self.init_selection_bias(selection_bias, bias_update_rate)
+        if selection_bias:  # over every expert the gate scores, the zero-computation ones too
+            self.selection_bias, self.pending_load = torch.zeros(m), torch.zeros(m)
         self.reset_parameters()
 
     @property
@@ -104,10 +114,11 @@ class ZeroComputationRouter(Router):
             self.constants.normal_()
             bound = 1.0 / math.sqrt(self.d_model)
             self.constant_gate.uniform_(-bound, bound)
+        self.reset_selection_bias()
 
     def rule_options(self) -> dict:
         return {"num_zero": self.num_zero, "num_copy": self.num_copy, "num_constant": self.num_constant,
-                "two_layer_gate": self.two_layer_gate}  # fmt: skip
+                "two_layer_gate": self.two_layer_gate, "selection_bias": self.selection_bias}  # fmt: skip
 
     def logits(self, x: Tensor) -> Tensor:
         h = F.linear(x, self.weight)
@@ -119,7 +130,10 @@ class ZeroComputationRouter(Router):
         n, c, p = self.num_experts, self.num_constant, self.num_copy
         logits = self.logits(x)  # (T, M)
         probs = logits.softmax(dim=-1)
-        top, indices = probs.topk(self.top_k, dim=-1)
+        indices = self.biased(probs.detach()).topk(self.top_k, dim=-1).indices
+        top = probs.gather(1, indices)
+        if self.training and self.selection_bias is not None and _counts_this_forward():
+            self.pending_load += expert_counts(indices, self.num_all).to(self.pending_load.dtype)
         top = top.masked_fill(indices >= n + c + p, 0.0)  # a zero expert's weight is 0
         weights = top / top.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top.dtype).tiny)
         mask = indices < n

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,11 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from ..errors import NonFiniteError, TrainingError
+from ..balance import StepBalance
+from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
 from ..layer import attach, moe_layers
-from ..metrics import routing_summary
+from ..metrics import max_violation, routing_loads, routing_summary
 from ..optim import build_optimizer, check_optimizer
 from ..routing import RoutingContext
 from ..schedules import LR_SCHEDULES, lr_factor, routing_context
@@ -255,6 +257,7 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
         generator = torch.Generator().manual_seed(cfg.seed + 1)
+        self._prune_checkpoints()
         saved = self._latest_checkpoint() if resume else None
         self.parallel.apply(self.model)  # after a resume has loaded the full weights
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -270,6 +273,7 @@ class Trainer:
             "train_time": 0.0,
             "recent_losses": [],
             "last_val": None,
+            "run_load": [],  # per MoE layer, the expert counts of every training step on every rank
         }
         start = self._resume(saved, optimizer, scheduler, generator, state) if resume else 0
         if start >= cfg.steps and self.run is not None and self.run.file("metrics.json").exists():
@@ -277,25 +281,49 @@ class Trainer:
         forward = self.parallel.wrap(self.model, self.task)
         self.model.train()
         bar = self._progress_bar(start)
-        for step in range(start, cfg.steps):
-            row = self._step(step, forward, params, optimizer, scheduler, generator, state)
-            done = step + 1
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                self._evaluate_and_keep_best(done, row, state)
-            self.ctx.advance()  # the step hooks (sharede-v3's bias), then ctx.step = done
-            if self.is_main and self.run is not None:
-                self.run.append_log(row)
-            if self.run is not None and (
-                (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
-            ):
-                self._checkpoint(done, optimizer, scheduler, generator, state)
-            if bar is not None:
-                self._show(bar, row, state)
+        # balance_scope="global" layers: the step's statistics over the ranks (moelab.balance),
+        # cleared by the step hooks of ctx.advance()
+        balance = StepBalance(self.model, self.ctx)
+        try:
+            for step in range(start, cfg.steps):
+                row = self._step(step, forward, params, optimizer, scheduler, generator, state)
+                done = step + 1
+                if done % cfg.eval_every == 0 or done == cfg.steps:
+                    self._evaluate_and_keep_best(done, row, state)
+                self.ctx.advance()  # the step hooks (selection biases, step statistics), then ctx.step = done
+                if self.is_main and self.run is not None:
+                    self.run.append_log(row)
+                if self.run is not None and (
+                    (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+                ):
+                    self._checkpoint(done, optimizer, scheduler, generator, state)
+                if bar is not None:
+                    self._show(bar, row, state)
+        finally:
+            balance.close()
         if bar is not None:
             bar.close()
         return self._finish(state)
 
     # ------------------------------------------------------------------ the loop's parts
+    def _prune_checkpoints(self) -> None:
+        """Keep the newest ``keep_ckpts`` checkpoints, as every checkpoint write does: a kill
+        between a checkpoint's rename and the removal of the oldest leaves one more.  Only when the
+        ones kept all verify (an older one is the fallback of a damaged newer one)."""
+        if not (self.is_main and self.ckpt_dir is not None):
+            return
+        found = ckpt.list_checkpoints(self.ckpt_dir)
+        extra, kept = found[: -self.config.keep_ckpts], found[-self.config.keep_ckpts :]
+        if not extra:
+            return
+        try:
+            for path in kept:
+                ckpt.verify_checkpoint(path)
+        except CheckpointError:
+            return
+        for path in extra:
+            shutil.rmtree(path, ignore_errors=True)
+
     def _latest_checkpoint(self) -> dict[str, Any] | None:
         """The training state of the newest good checkpoint, its weights loaded into the full
         model (a checkpoint never depends on the parallel layout); ``None`` without one."""
@@ -375,13 +403,35 @@ class Trainer:
         if moe_layers(self.model):  # this step's routing (this rank's shard), from the forward's routings
             summary = routing_summary(self.model)
             row.update({k: "" if v is None else v for k, v in summary.items()})
+            self._add_run_load(state)
         row.update({"val_loss": "", f"val_{metric}": ""})
         return row
+
+    def _add_run_load(self, state: dict[str, Any]) -> None:
+        """Add the step's expert counts (summed over the ranks) to the run's, for MaxVio over the run."""
+        loads = routing_loads(self.model)
+        if any(load is None for load in loads):
+            return
+        flat = torch.cat(loads)
+        if self.world_size > 1:  # the same on every rank: the whole step's load
+            flat = self.parallel.mean(flat.to(next(self.model.parameters()).device)).cpu() * self.world_size
+        sizes = [load.numel() for load in loads]
+        step = [part.tolist() for part in flat.split(sizes)]
+        run = state["run_load"]
+        if len(run) != len(step) or any(len(a) != len(b) for a, b in zip(run, step)):
+            run = [[0.0] * n for n in sizes]
+        state["run_load"] = [[a + b for a, b in zip(ra, rb)] for ra, rb in zip(run, step)]
 
     def _evaluate_and_keep_best(self, done: int, row: dict[str, Any], state: dict[str, Any]) -> None:
         """Validate, fill ``row``'s validation columns, and save ``best/`` on an improvement."""
         metric = self.task.metric
-        val = self._evaluate("valid", self.config.eval_tokens)
+        try:
+            val = self._evaluate("valid", self.config.eval_tokens)
+        except NonFiniteError as exc:  # the routers saw NaN/inf before the metric did
+            raise TrainingError(
+                f"validation {metric} is not finite at step {done} ({exc}) although the training loss was; "
+                f"stopped before saving this step; {self._last_good()}. Lower --lr or check the data"
+            ) from exc
         if not math.isfinite(val[metric]):  # the same decision on every rank (the values are reduced)
             raise TrainingError(
                 f"validation {metric} is not finite at step {done} ({val[metric]}) although the training "
@@ -452,7 +502,13 @@ class Trainer:
         )
         if best:
             self.parallel.load_weights(self.model, lambda module: load_weights(self.run.file("best"), module))
-        test = self._evaluate("test", cfg.test_tokens)
+        try:
+            test = self._evaluate("test", cfg.test_tokens)
+        except NonFiniteError as exc:
+            raise TrainingError(
+                f"the test {metric} of the best-validation weights is not finite ({exc}); "
+                f"{self._last_good()}. Check the data"
+            ) from exc
         if best and self.is_main:  # best/ now records the routing context the test ran with
             save(
                 self.parallel.full_model(self.model),
@@ -482,6 +538,12 @@ class Trainer:
             "world_size": self.world_size,
             "seed": cfg.seed,
             "method": "+".join(sorted({layer.method for layer in moe_layers(self.model)})) or None,
+            # MaxVio of the load accumulated over the run's training steps (every rank), mean over the layers
+            "max_vio_run": (
+                sum(max_violation(torch.tensor(load)) for load in state["run_load"]) / len(state["run_load"])
+                if state.get("run_load")
+                else None
+            ),
             **self.extra_metrics,
         }
         if self.is_main and self.run is not None:
