@@ -139,3 +139,18 @@ def test_moepp_survives_save_and_load(tmp_path):
 
 def test_moepp_from_hf_runs_and_to_hf_refuses_in_one_line():
     check_hf_refusal("moepp")
+
+
+def test_moepp_at_k1_weighs_by_the_probability_so_the_task_loss_reaches_the_gate():
+    layer = moelab.MoE(6, 3, 1, method="moepp")
+    assert not layer.router.renormalize and moelab.MoE(6, 3, 2, method="moepp").router.renormalize
+    x = torch.randn(20, 6)
+    layer(x).square().mean().backward()
+    r = layer.last_routing
+    expected = r.probs.gather(1, r.indices).masked_fill(r.indices == 6, 0.0)  # the zero expert's weight 0
+    torch.testing.assert_close(r.weights, expected)
+    assert layer.router.weight.grad.abs().sum() > 0 and layer.router.weight2.grad.abs().sum() > 0
+    forced = moelab.MoE(6, 3, 1, method="moepp", renormalize=True)
+    forced(x)
+    w = forced.last_routing.weights
+    assert torch.equal(w[w > 0], torch.ones_like(w[w > 0]))  # renormalised at K = 1: the constant 1

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..functional import expert_counts
+from ..functional import expert_counts, resolve_renormalize
 from ..losses import heterogeneous_balance_loss
 from ..routing import Routing, RoutingContext
 from .base import Router, _counts_this_forward, register
@@ -28,7 +28,7 @@ class ZeroComputationRouter(Router):
     Routing as the authors' public code (SkyworkAI/MoE-plus-plus, ``moe_plus_plus_layer.py``):
     ``P = softmax(g(x))`` over the ``N + Z`` experts, the top-K, a zero expert's weight set to 0 and
     the K weights renormalised (so a token that chose a zero expert and one FFN expert gives that
-    expert weight 1).  ``g`` is the code's default two-layer gate ``Linear(d, 8M) → tanh →
+    expert weight 1; at K = 1 not renormalised by default, see ``renormalize``).  ``g`` is the code's default two-layer gate ``Linear(d, 8M) → tanh →
     Linear(8M, M)`` (``two_layer_gate``; ``False``: one linear map), ``M = N + Z``.
 
     Only the FFN slots reach the bank: ``Routing.mask`` marks them, and the layer dispatches those
@@ -53,6 +53,10 @@ class ZeroComputationRouter(Router):
             :meth:`moelab.routers.Router.init_selection_bias`) over all ``N + Z`` experts, added to
             ``P`` for the top-K only.  Default off.
         bias_update_rate: its step γ (1e-3).
+        renormalize: renormalise the K weights (after zeroing the zero experts') to sum to 1, as
+            the authors' code; default ``K > 1`` (:func:`moelab.functional.resolve_renormalize`:
+            at K = 1 a renormalised weight is the constant 1 and the task loss never reaches the
+            gate, so there the weight is the chosen expert's probability, as Switch).
     """
 
     weights_sum_to_one = False  # a token whose K choices are all zero experts has weights 0
@@ -71,8 +75,10 @@ class ZeroComputationRouter(Router):
         init_std: float | None = None,
         selection_bias: bool = False,
         bias_update_rate: float = 1e-3,
+        renormalize: bool | None = None,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        self.renormalize = resolve_renormalize(renormalize, top_k)
         for name, value in (("num_zero", num_zero), ("num_copy", num_copy), ("num_constant", num_constant)):
             _validate.int_in_range(name, value, 0, 1 << 20)
         self.num_zero, self.num_copy, self.num_constant = num_zero, num_copy, num_constant
@@ -118,7 +124,8 @@ class ZeroComputationRouter(Router):
 
     def rule_options(self) -> dict:
         return {"num_zero": self.num_zero, "num_copy": self.num_copy, "num_constant": self.num_constant,
-                "two_layer_gate": self.two_layer_gate, "selection_bias": self.selection_bias}  # fmt: skip
+                "two_layer_gate": self.two_layer_gate, "selection_bias": self.selection_bias,
+                "renormalize": self.renormalize}  # fmt: skip
 
     def logits(self, x: Tensor) -> Tensor:
         h = F.linear(x, self.weight)
@@ -135,7 +142,11 @@ class ZeroComputationRouter(Router):
         if self.training and self.selection_bias is not None and _counts_this_forward():
             self.pending_load += expert_counts(indices, self.num_all).to(self.pending_load.dtype)
         top = top.masked_fill(indices >= n + c + p, 0.0)  # a zero expert's weight is 0
-        weights = top / top.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top.dtype).tiny)
+        weights = (
+            top / top.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top.dtype).tiny)
+            if self.renormalize
+            else top
+        )
         mask = indices < n
         full = torch.zeros_like(probs).scatter(1, indices, weights)  # (T, M) each expert's weight
         direct = full[:, n + c : n + c + p].sum(-1, keepdim=True) * x
