@@ -35,8 +35,8 @@ def main() -> None:
         mask = torch.zeros(tokens, n, dtype=torch.bool)
         mask[:, :active] = True
         w = weights * mask
-        masked = best_ms(lambda: dispatch_masked(bank, x, indices, w, mask))
-        every = best_ms(lambda: bank(x, indices, w))
+        masked = best_ms(lambda w=w, mask=mask: dispatch_masked(bank, x, indices, w, mask))
+        every = best_ms(lambda w=w: bank(x, indices, w))
         print(f"active {active}/{n}: masked {masked:.1f} ms, all {n} slots with inactive weights 0 {every:.1f} ms")
 
 
