@@ -37,7 +37,9 @@ def main() -> None:
         w = weights * mask
         masked = best_ms(lambda w=w, mask=mask: dispatch_masked(bank, x, indices, w, mask))
         every = best_ms(lambda w=w: bank(x, indices, w))
-        print(f"active {active}/{n}: masked {masked:.1f} ms, all {n} slots with inactive weights 0 {every:.1f} ms")
+        print(
+            f"active {active}/{n}: masked {masked:.1f} ms, all {n} slots with inactive weights 0 {every:.1f} ms"
+        )
 
 
 if __name__ == "__main__":
