@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +26,7 @@ from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
-__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
+__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "check_context", "moe_layers"]
 
 _LAYER_OPTIONS = ("num_shared", "balance_scope", "densemixer")
 #: the router families whose weights are their softmax probabilities on the chosen experts (up to a
@@ -257,6 +259,8 @@ class MoE(nn.Module):
                 f"input of dtype {x.dtype} is not allowed; expected the layer's dtype {weight.dtype} "
                 f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
             )
+        if self.training and not torch.compiler.is_compiling():  # a warning would break the graph
+            check_context(self)
         shape = x.shape
         if self.balance_scope == "sequence" and x.dim() < 3:
             raise ValueError(
@@ -394,3 +398,69 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
             if isinstance(module, Router):
                 ctx.add_step_hook(module.on_step)
     return layers
+
+
+# ------------------------------------------------------------------ a context that drives the routing
+# What a training forward reads to tell, once, that a step-dependent method trains without a
+# context that advances.  Kept here, outside the modules: a forward sets no module attribute.
+#: the messages already given that a context is missing or lacks what a router needs: each once
+#: per process (as Python's "once" warning filter; every layer of a model gives the same one)
+_TOLD_NO_CONTEXT: set[str] = set()
+#: id(ctx) → (weak reference, its step at the last training forward, the optimizer steps counted
+#: then, the methods already told that it does not advance)
+_WATCHED: dict[int, tuple[weakref.ref, int, int, set[str]]] = {}
+_OPTIMIZER_STEPS = [0]  # every torch optimizer's steps, counted by a global post-step hook
+_STEP_HOOK: list = []
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def check_context(layer: MoE) -> None:
+    """Warn, once, when ``layer`` trains a method whose routing depends on the step (sharede-v3's
+    selection bias, StableMoE's stage, SMoE-Dropout's K, the competition schedules) without a
+    :class:`moelab.RoutingContext` that drives it: none attached, one without what the router
+    needs (a schedule, ``total_steps``, its step hook), or one whose step stays put while an
+    optimizer steps (``ctx.advance()`` forgotten).  Called by training forwards (not inside
+    ``torch.compile``); it reads the layer and records only in this module's own tables."""
+    router = layer.router
+    what = router.step_dependence()
+    if what is None:
+        return
+    ctx = layer.ctx
+    problem = router.context_problem(ctx)
+    if problem is not None:
+        message = (
+            f"MoE layer of method={layer.method!r} trains without a RoutingContext that drives its "
+            f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
+            "then call ctx.advance() once after every optimizer step"
+        )
+        if message not in _TOLD_NO_CONTEXT:
+            _TOLD_NO_CONTEXT.add(message)
+            warnings.warn(message, stacklevel=2)
+        return
+    if not _STEP_HOOK:  # counted from the first training forward that needs it on
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    key = id(ctx)
+    entry = _WATCHED.get(key)
+    if entry is None or entry[0]() is not ctx:
+        entry = (
+            weakref.ref(ctx, lambda _, k=key: _WATCHED.pop(k, None)),
+            ctx.step,
+            _OPTIMIZER_STEPS[0],
+            set(),
+        )
+        _WATCHED[key] = entry
+    if entry[1] != ctx.step:  # the context advanced (or was set): watch from here
+        _WATCHED[key] = (entry[0], ctx.step, _OPTIMIZER_STEPS[0], entry[3])
+    elif entry[2] != _OPTIMIZER_STEPS[0] and layer.method not in entry[3]:
+        entry[3].add(layer.method)
+        warnings.warn(
+            f"MoE layer of method={layer.method!r} trains with a RoutingContext that does not advance: an "
+            f"optimizer stepped since the last training forward, but ctx.step stayed {ctx.step}; {what}. "
+            "Call ctx.advance() once after every optimizer step",
+            stacklevel=2,
+        )

@@ -166,6 +166,29 @@ class Router(nn.Module):
             self.selection_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.pending_load.zero_()
 
+    def step_dependence(self) -> str | None:
+        """What of this router's training routing changes with the context's step (said when it
+        trains without a context that drives it, :func:`moelab.layer.check_context`), or ``None``
+        for a router whose routing does not depend on the step.  Here: the selection bias, which
+        moves in the step hook only; a router with more step-dependent state adds its own."""
+        if self.selection_bias is None or self.bias_update_rate == 0:
+            return None
+        return (
+            "its selection bias moves only in the step hook ctx.advance() runs (aux-loss-free balancing); "
+            "without it the bias stays where it is and nothing balances the experts"
+        )
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        """Why ``ctx`` does not drive this router's step-dependent routing, or ``None`` (also for
+        a router without any).  Read in training forwards; it changes nothing."""
+        if self.step_dependence() is None:
+            return None
+        if ctx is None:
+            return "no RoutingContext is attached"
+        if self.selection_bias is not None and self.bias_update_rate and self.on_step not in ctx.hooks:
+            return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
+        return None
+
     @property
     def base_router(self) -> Router:
         """The router whose scores and rule this one routes with: itself, or the base of a router

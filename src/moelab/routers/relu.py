@@ -51,6 +51,7 @@ class ReLURouter(Router):
     """
 
     loss_names = ("l1",)
+    gate = "relu"  # the gates are ReLU outputs, not probabilities: they need not sum to at most 1
     weights_sum_to_one = False
     variable_k = True
 

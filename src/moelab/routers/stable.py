@@ -92,6 +92,22 @@ class StableRouter(Router):
     def weights_sum_to_one(self) -> bool:
         return self.renormalize
 
+    def step_dependence(self) -> str | None:
+        when = (
+            f"ctx.step={self.switch_step}"
+            if self.switch_step is not None
+            else (f"{self.switch_fraction:g} of ctx.total_steps")
+        )
+        own = f"it switches from stage 1 to its frozen light router (stage 2) at {when} (StableMoE); until then it stays in stage 1"
+        bias = super().step_dependence()
+        return own if bias is None else f"{own}; {bias}"
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        if problem is None and ctx is not None and self.switch_step is None and ctx.total_steps is None:
+            return "the RoutingContext has no total_steps"
+        return problem
+
     def stage(self, ctx: RoutingContext | None) -> int:
         """1 (learn and distil) or 2 (frozen light router) at the context's step."""
         if ctx is None:

@@ -99,6 +99,22 @@ class TopKRouter(Router):
     def weights_sum_to_one(self) -> bool:  # Switch's K = 1 weight is the chosen expert's probability
         return self.renormalize
 
+    def step_dependence(self) -> str | None:
+        bias = super().step_dependence()
+        if self.k_max is None or self.k_max == self.top_k:
+            return bias
+        own = (
+            f"its K grows from top_k={self.top_k} to k_max={self.k_max} with ctx.step / ctx.total_steps "
+            f"(SMoE-Dropout); without them it stays {self.top_k}"
+        )
+        return own if bias is None else f"{own}; {bias}"
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        if problem is None and ctx is not None and self.step_dependence() and ctx.total_steps is None:
+            return "the RoutingContext has no total_steps"
+        return problem
+
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
         mode ``eval_k`` when set."""
