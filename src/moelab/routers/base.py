@@ -76,6 +76,14 @@ class Router(nn.Module):
     #: top-1 iff so
     weights_sum_to_one: bool = True
 
+    #: whether the router routes a variable number of experts per token (``Routing.mask``; K is then
+    #: the most a token may take): diagnostics that replace "the K-th expert" refuse such a router
+    variable_k: bool = False
+
+    #: whether a token's routing depends on the later tokens of its batch (expert-choice): a causal
+    #: language model built with such a router sees the future, and warns
+    leaks_future_tokens: bool = False
+
     def __init__(self, d_model: int, num_experts: int, top_k: int) -> None:
         super().__init__()
         self.d_model = _validate.positive_int("d_model", d_model)
