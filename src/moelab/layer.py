@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
+from .experts.dispatch import combine_densemixer, dispatch_masked
 from .functional import capacity_keep
 from .losses import (
     LOAD_LOSSES,
@@ -39,7 +40,17 @@ __all__ = [
     "set_aux_scale",
 ]
 
-_LAYER_OPTIONS = ("num_shared", "balance_scope", "router_dtype", "capacity_factor", "token_drop_policy")
+_LAYER_OPTIONS = (
+    "num_shared",
+    "balance_scope",
+    "densemixer",
+    "router_dtype",
+    "capacity_factor",
+    "token_drop_policy",
+)
+#: the router families whose weights are their softmax probabilities on the chosen experts (up to a
+#: per-token scale): those DenseMixer's dense router gradient is defined for
+_DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
 
 #: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
 BALANCE_SCOPES = ("micro", "sequence", "global")
@@ -103,7 +114,12 @@ class MoE(nn.Module):
             checkpointing); ``False`` never.  :func:`recording_routing` switches it on for a block.
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
-            ``num_shared`` and ``balance_scope``), overriding the preset.
+            ``num_shared``, ``balance_scope`` and ``densemixer``), overriding the preset.
+
+    ``densemixer=True``: in training forwards with autograd every expert runs and the router
+    receives the gradient of the dense mixture of their outputs, the output keeping its sparse value
+    (DenseMixer, Yao et al. 2025; :func:`moelab.experts.dispatch.combine_densemixer`); for the
+    softmax top-K routers (``topk``, ``cosine``, ``hyper`` families).
 
     ``balance_scope`` — where the load-based losses (``balance``, ``importance``, ``entropy``)
     measure the load (docs/methods.md, "Balance scope"):
@@ -117,6 +133,9 @@ class MoE(nn.Module):
       :class:`moelab.train.Trainer` and ``moelab.hf.MoETrainer`` do); while one is attached it
       forms these losses and this layer's ``aux_loss`` leaves them out.  Without one, in one
       process, they are the micro-batch's (the same thing for one micro-batch a step).
+
+    A router with a variable number of experts per token (``Routing.mask``) takes ``"micro"``
+    only: the other scopes count every slot.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`, see ``record_routing``).
@@ -183,6 +202,7 @@ class MoE(nn.Module):
         r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
+        densemixer = preset.layer_options.get("densemixer", False)
         for key, value in options.items():
             if key in allowed_router:
                 r_opts[key] = value
@@ -190,13 +210,28 @@ class MoE(nn.Module):
                 coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
             elif key == "num_shared":
                 num_shared = value
+            elif key == "densemixer":
+                densemixer = value
             elif key == "balance_scope":
                 _validate.one_of("balance_scope", value, BALANCE_SCOPES)
+                if value != "micro" and router_cls.variable_k:
+                    raise ValueError(
+                        f"balance_scope={value!r} is not allowed with method={method!r}: it routes a variable "
+                        "number of experts per token, which only the 'micro' scope counts; expected 'micro'"
+                    )
             elif key in _LAYER_OPTIONS:
                 continue  # below
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
+        if not isinstance(densemixer, bool):
+            raise ValueError(f"densemixer={densemixer!r} is not allowed; expected True or False")
+        if densemixer and preset.router not in _DENSEMIXER_ROUTERS:
+            raise ValueError(
+                f"densemixer=True is not allowed with method={method!r}; expected a method whose weights are "
+                f"its softmax probabilities (routers {list(_DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
+            )
+        self.densemixer = densemixer
         router_dtype = options.get("router_dtype")
         if router_dtype is not None:
             _validate.one_of("router_dtype", router_dtype, ROUTER_DTYPES)
@@ -215,6 +250,11 @@ class MoE(nn.Module):
             raise ValueError(
                 f"token_drop_policy={options['token_drop_policy']!r} is not allowed without capacity_factor; "
                 "expected capacity_factor=<float> with it"
+            )
+        if capacity is not None and router_cls.variable_k:
+            raise ValueError(
+                f"capacity_factor={capacity!r} is not allowed with method={method!r}: it routes a variable number "
+                "of experts per token; expected a method with a fixed top-K"
             )
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
         self.balance_scope: str = options.get("balance_scope", "micro")
@@ -397,8 +437,14 @@ class MoE(nn.Module):
             weights = self._capacity(routing)
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, weights)
+        elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
+            y = dispatch_masked(self.experts, flat, routing.indices, weights, routing.mask)
+        elif self.densemixer and self.training and torch.is_grad_enabled():  # every expert runs
+            y = combine_densemixer(self.experts.forward_all(flat), routing.indices, weights, routing.probs)
         else:
             y = self.experts(flat, routing.indices, weights)  # (T, d)
+        if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
+            y = y + routing.direct.to(y.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
         y = self._attach_aux(y, routing, flat, seq_len)
@@ -495,7 +541,8 @@ class MoE(nn.Module):
         if name == "balance":
             if seq is not None:
                 return sequence_balance_loss(routing.probs, routing.indices, self.num_experts, seq)
-            return switch_balance_loss(routing.probs, routing.indices, self.num_experts)
+            # a variable number of experts per token: the active slots (only the micro scope allows it)
+            return switch_balance_loss(routing.probs, routing.indices, self.num_experts, routing.mask)
         if name == "importance":
             return importance_loss(routing.probs, seq_len=seq)
         return mean_entropy_loss(routing.probs, seq_len=seq)
