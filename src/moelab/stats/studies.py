@@ -217,7 +217,6 @@ _NOT_IN_PAPER_STUDIES = frozenset(
         "optimizer",
         "batch_size",
         "init",
-        "init_noise_scale",
         "restarts",
         "beta1_bound",
         "eta_bound",
