@@ -404,7 +404,7 @@ def _measure(
         w, mu, var = data_model.components(x_eval, true)
         dist = density_distances(
             lambda y: fit_model.log_density(x_eval, y, fit), lambda y: data_model.log_density(x_eval, y, true),
-            w, mu, var, nodes=cfg_nodes(cfg),
+            w, mu, var, nodes=_nodes(cfg),
         )  # fmt: skip
         for name in ("hellinger", "tv"):
             out[name], out[f"{name}_se"] = dist[name].value, dist[name].se
@@ -435,7 +435,7 @@ def _measure(
     return out
 
 
-def cfg_nodes(cfg: Any) -> int:
+def _nodes(cfg: Any) -> int:
     return 24 if cfg.quick else 40
 
 
