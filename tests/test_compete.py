@@ -253,7 +253,7 @@ def _router_grad(layer, x, loss=None):
     """The router's gradient of the layer's whole aux loss, or of one of its losses."""
     layer.zero_grad()
     layer(x)
-    routing, _ = layer._aux_pending  # this forward's routing, with autograd
+    routing = layer._aux_pending[0]  # this forward's routing, with autograd
     (layer.aux_loss if loss is None else routing.losses[loss]).backward()
     return layer.router.base.weight.grad.flatten().clone()
 
@@ -294,7 +294,8 @@ def test_the_mse_distillation_is_the_authors_softmax_of_affinities():
     torch.testing.assert_close(cs.last_routing.losses["distill"], (probs - target).square().mean())
 
 
-def test_competesmoe_without_context_warns_once_and_routes_like_base():
+def test_competesmoe_without_context_warns_once_and_routes_like_base(monkeypatch):
+    monkeypatch.setattr(moelab.layer, "_TOLD_NO_CONTEXT", set())  # told once per process: afresh here
     cs = make("competesmoe")
     sm = make("smoe")
     sm.router.load_state_dict(cs.router.base.state_dict())

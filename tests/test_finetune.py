@@ -349,3 +349,15 @@ def test_finetune_trains_only_the_experts_and_the_new_head_by_default(pretrained
     assert (
         "--trainable='trunk' is not allowed with --adapter lora" in err and len(err.strip().splitlines()) == 1
     )
+
+
+def test_finetune_refuses_a_batch_beyond_the_machines_memory(pretrained, reviews, tmp_path, capsys):
+    out = tmp_path / "ft"
+    assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--batch-size", "4096000000",
+                 "--out", str(out)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        "--batch-size=4096000000 is not allowed here: the model, its training state and a batch would need"
+        in err
+    )
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -458,3 +458,33 @@ def test_global_balance_under_gradient_accumulation_uses_the_steps_running_count
     ]  # micro: none; global: one, cleared each step
     assert logs["global"][0]["aux_balance"] > 0
     assert logs["global"][0]["aux_balance"] != pytest.approx(logs["micro"][0]["aux_balance"], rel=1e-6)
+
+
+def test_training_a_loaded_model_for_more_steps_rebuilds_its_routing_context_for_them(tmp_path):
+    from moelab.hf.trainer import MoETrainerCallback
+
+    model = _model()
+    moelab.routing_context(model, total_steps=6, seed=0, **COMPETE).step = 6  # as after a 6-step run
+    moelab.save(model, tmp_path / "m")
+    loaded = moelab.load(tmp_path / "m").train()
+    assert _ctx(loaded).total_steps == 6
+    trainer = MoETrainer(model=loaded, args=_args(tmp_path / "b", max_steps=10), train_dataset=_data(40))
+    with pytest.warns(
+        UserWarning, match=r"routing context planned 6 steps .* max_steps=10: .* rebuilt for 10"
+    ):
+        trainer.train()
+    ctx = _ctx(loaded)
+    assert ctx.total_steps == 10 and ctx.step == 10 and ctx.schedule.total_steps == 10
+    # drawn again with the loaded schedule's options (ω, warm-up), as a fresh 10-step run would be
+    assert torch.equal(ctx.schedule.table, build_schedule("competesmoe", 2, 10, seed=0, **COMPETE).table)
+    given = MoETrainerCallback(ctx=moelab.RoutingContext(total_steps=6))
+    trainer = MoETrainer(
+        model=_model("smoe"),
+        args=_args(tmp_path / "c", max_steps=10),
+        train_dataset=_data(40),
+        callbacks=[given],
+    )
+    with pytest.raises(
+        ValueError, match=r"^ctx.total_steps=6 is not allowed: the Trainer plans max_steps=10; "
+    ):
+        trainer.train()

@@ -15,14 +15,16 @@ IMPLS = ["loop", "auto"] + (["grouped"] if GROUPED else [])
 
 
 def literal_layer_output(layer, x):
-    """``Σ_k w_k · expert_forward(x, i_k) (+ shared(x))`` from the layer's last routing, per token."""
+    """``Σ_k w_k · expert_forward(x, i_k) (+ shared(x))`` from the layer's last routing, per token (its
+    active slots, plus the output of the experts the router ran itself)."""
     r = layer.last_routing
     rows = []
     for t in range(x.shape[0]):
         y = sum(
             r.weights[t, k] * layer.experts.expert_forward(x[t : t + 1], int(r.indices[t, k]))[0]
             for k in range(r.indices.shape[1])
-        )
+            if r.mask is None or r.mask[t, k]
+        ) + (x.new_zeros(x.shape[-1]) if r.direct is None else r.direct[t])
         if layer.shared is not None:
             y = y + layer.shared(x[t : t + 1])[0]
         rows.append(y)
@@ -194,7 +196,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
         (
             {"temperature": 0.3},
-            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'selection_bias', 'z_coef'\]",
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'densemixer', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'selection_bias', 'z_coef'\]",
         ),
         ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
         (
@@ -234,6 +236,10 @@ def test_non_finite_router_logits_raise_a_clear_error(method, bad):
     layer.layer_index = 3
     x = torch.randn(5, 8)
     x[2, 1] = bad
+    if method == "moepp" and bad == float("inf"):  # its two-layer gate's tanh saturates: finite logits
+        layer(x)
+        assert torch.isfinite(layer.last_routing.logits).all()
+        return
     with pytest.raises(
         RuntimeError,
         match=rf"MoE layer 3 \(method='{method}'\): router logits are not finite.*check_finite=False",
@@ -361,3 +367,106 @@ def test_an_input_that_is_not_a_tensor_or_model_is_refused_naming_it():
     ):
         with pytest.raises(ValueError, match=r"^model=3 is not allowed; expected a torch.nn.Module$"):
             call(3)
+
+
+# ------------------------------------------------------------ a context that drives step-dependent routing
+STEP_DEPENDENT = ["sharede-v3", "stablemoe", "smoe-dropout", "competesmoe", "densemoe", "competesmoe-v1"]
+
+
+def _train(model, steps, ctx=None, advance=False, before_step=False, micro=1):
+    """``steps`` optimizer steps of a toy loss; the warnings they give."""
+    import warnings
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            for _ in range(micro):  # gradient accumulation: several forwards per optimizer step
+                (model(x).pow(2).mean() + moelab.aux_loss(model)).backward()
+            if advance and before_step:
+                ctx.advance()
+            opt.step()
+            opt.zero_grad()
+            if advance and not before_step:
+                ctx.advance()
+    return [str(w.message) for w in caught if "RoutingContext" in str(w.message)]
+
+
+def _two_layers(method):
+    return nn.Sequential(moelab.MoE(16, 8, 2, method=method), moelab.MoE(16, 8, 2, method=method))
+
+
+@pytest.fixture
+def _fresh_context_warnings(monkeypatch):
+    monkeypatch.setattr(moelab.layer, "_TOLD_NO_CONTEXT", set(), raising=False)
+
+
+@pytest.mark.usefixtures("_fresh_context_warnings")
+@pytest.mark.parametrize("method", STEP_DEPENDENT)
+def test_a_step_dependent_method_says_once_that_it_trains_without_a_context(method):
+    told = _train(_two_layers(method), 4)
+    assert len(told) == 1, told  # once, for both layers and every step, naming the method itself
+    assert told[0].startswith(f"MoE layer of method={method!r} trains without a RoutingContext that drives")
+    assert "no RoutingContext" in told[0] and "moelab.routing_context(model, total_steps)" in told[0]
+
+
+@pytest.mark.usefixtures("_fresh_context_warnings")
+@pytest.mark.parametrize("method", STEP_DEPENDENT)
+def test_a_step_dependent_method_says_once_that_its_context_does_not_advance(method):
+    model = _two_layers(method)
+    ctx = moelab.routing_context(model, total_steps=20)
+    told = _train(model, 4, ctx)
+    assert len(told) == 1, told
+    assert told[0].startswith(
+        f"MoE layer of method={method!r} trains with a RoutingContext that does not advance: an optimizer "
+        "stepped since the last training forward, but ctx.step stayed 0; "
+    )
+    assert told[0].endswith("Call ctx.advance() once after every optimizer step")
+
+
+@pytest.mark.usefixtures("_fresh_context_warnings")
+def test_a_context_that_advances_in_either_order_or_accumulates_is_not_told_anything():
+    for before_step, micro in [(False, 1), (True, 1), (False, 3)]:
+        model = _two_layers("sharede-v3")
+        ctx = moelab.routing_context(model, total_steps=20)
+        assert _train(model, 4, ctx, advance=True, before_step=before_step, micro=micro) == []
+        assert all(m.router.selection_bias.abs().sum() > 0 for m in model)  # it balanced
+    for method in ("smoe", "xmoe", "sigma-moe"):  # nothing of theirs depends on the step
+        assert _train(_two_layers(method), 3) == []
+
+
+@pytest.mark.usefixtures("_fresh_context_warnings")
+def test_a_context_without_what_the_router_needs_is_named():
+    model = _two_layers("smoe-dropout")
+    moelab.attach(model, moelab.RoutingContext())  # no total_steps: K never grows
+    assert "the RoutingContext has no total_steps; its K grows from top_k=2 to k_max=8" in _train(model, 2)[0]
+    model = _two_layers("sharede-v3")
+    ctx = moelab.RoutingContext(total_steps=10)
+    for layer in model:  # set by hand, not by attach: the bias hook is not registered
+        layer.ctx = ctx
+    assert (
+        "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
+        in (_train(model, 2, ctx, advance=True)[0])
+    )
+    model = _two_layers("competesmoe")
+    moelab.attach(model, moelab.RoutingContext(total_steps=10))
+    assert "the RoutingContext holds no schedule; it competes on the steps" in _train(model, 2)[0]
+
+
+def test_a_training_forward_sets_no_router_attribute():
+    def plain(model):  # the routers' (the layer keeps its last routing and aux loss by design)
+        return {
+            (i, name, k): v
+            for i, layer in enumerate(model)
+            for name, m in layer.router.named_modules()
+            for k, v in vars(m).items()
+            if isinstance(v, (bool, int, float, str, type(None)))
+        }
+
+    for method in STEP_DEPENDENT:
+        model = _two_layers(method).train()
+        before = plain(model)
+        model(torch.randn(8, 16))  # no context: it warns, and records that outside the modules
+        assert plain(model) == before, method

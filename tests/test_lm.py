@@ -759,3 +759,35 @@ def test_a_nan_first_seen_in_validation_stops_with_the_one_line_message(corpus, 
             "yet. Lower --lr or check the data"
         )
         assert len(text.strip().splitlines()) == 1 and not (out / "best").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--d-model", "4096000000"], "--d-model"),
+        (["--d-hidden", "4096000000"], "--d-hidden"),
+        (["--num-experts", "4096000000"], "--num-experts"),
+        (["--block-size", "4096000000"], "--block-size"),
+        (["--batch-size", "4096000000"], "--batch-size"),
+        (["--layers", "100000000"], "--layers"),
+        (["--method", "competesmoe", "--steps", "1000000000000"], "--steps"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_size_beyond_the_machines_memory_is_refused_naming_its_flag_before_allocating(
+    corpus, tmp_path, capsys, command, extra, flag
+):
+    from moelab.experiments.runner import machine_memory
+
+    out = tmp_path / "run"
+    argv = [command, "--data", str(corpus), "--size", "cpu", "--no-progress", "--out", str(out), *extra]
+    if command == "compare":  # compare's --methods in place of train's --method
+        argv = [{"--method": "--methods"}.get(a, a) for a in [*argv, "--seeds", "1"]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    value = extra[-1]
+    assert err.startswith(
+        f"moelab {command}: error: {flag}={value} is not allowed here: the model, its training"
+    )
+    assert f"of memory; expected a smaller {flag}" in err and len(err.strip().splitlines()) == 1
+    assert machine_memory() > 0 and not (out / "config.yaml").exists()

@@ -583,7 +583,8 @@ def test_every_router_has_every_hook_with_its_default():
 
 # ---------------------------------------------------------------- the selection bias of every router
 #: methods with a router that chooses: each takes the aux-loss-free selection bias as a layer option
-BIASED = [m for m in moelab.methods() if m not in ("competition", "sharede-v3")]
+#: (remoe and expert-choice by design: no choice an offset shifts, and balanced by construction)
+BIASED = [m for m in moelab.methods() if m not in ("competition", "sharede-v3", "remoe", "expert-choice")]
 
 
 @pytest.mark.parametrize("method", [m for m in BIASED if get_method(m).router != "competition"])
@@ -649,3 +650,15 @@ def test_xmoe_checkpoints_with_a_0_dim_temperature_still_load():
     state["router.temperature"] = torch.tensor(0.7)
     layer.load_state_dict(state)
     assert layer.router.temperature.shape == (1,) and layer.router.temperature.item() == pytest.approx(0.7)
+
+
+def test_a_selection_bias_of_any_router_survives_save_and_load(tmp_path):
+    layer = moelab.MoE(6, 4, 2, method="xmoe", selection_bias=True, balance_scope="sequence")
+    with torch.no_grad():
+        layer.router.selection_bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    moelab.save(layer, tmp_path / "m")
+    again = moelab.load(tmp_path / "m")
+    assert torch.equal(again.router.selection_bias, layer.router.selection_bias)
+    assert again.balance_scope == "sequence"
+    x = torch.randn(2, 3, 6)
+    torch.testing.assert_close(again.eval()(x), layer.eval()(x))

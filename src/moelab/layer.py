@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -10,6 +12,7 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
+from .experts.dispatch import combine_densemixer, dispatch_masked
 from .losses import (
     LOAD_LOSSES,
     LOSS_NAMES,
@@ -23,9 +26,12 @@ from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
-__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
+__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "check_context", "moe_layers"]
 
-_LAYER_OPTIONS = ("num_shared", "balance_scope")
+_LAYER_OPTIONS = ("num_shared", "balance_scope", "densemixer")
+#: the router families whose weights are their softmax probabilities on the chosen experts (up to a
+#: per-token scale): those DenseMixer's dense router gradient is defined for
+_DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
 
 #: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
 BALANCE_SCOPES = ("micro", "sequence", "global")
@@ -54,7 +60,12 @@ class MoE(nn.Module):
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
-            ``num_shared`` and ``balance_scope``), overriding the preset.
+            ``num_shared``, ``balance_scope`` and ``densemixer``), overriding the preset.
+
+    ``densemixer=True``: in training forwards with autograd every expert runs and the router
+    receives the gradient of the dense mixture of their outputs, the output keeping its sparse value
+    (DenseMixer, Yao et al. 2025; :func:`moelab.experts.dispatch.combine_densemixer`); for the
+    softmax top-K routers (``topk``, ``cosine``, ``hyper`` families).
 
     ``balance_scope`` — where the load-based losses (``balance``, ``importance``, ``entropy``)
     measure the load (docs/methods.md, "Balance scope"):
@@ -68,6 +79,9 @@ class MoE(nn.Module):
       :class:`moelab.train.Trainer` and ``moelab.hf.MoETrainer`` do); while one is attached it
       forms these losses and this layer's ``aux_loss`` leaves them out.  Without one, in one
       process, they are the micro-batch's (the same thing for one micro-batch a step).
+
+    A router with a variable number of experts per token (``Routing.mask``) takes ``"micro"``
+    only: the other scopes count every slot.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`).
@@ -119,6 +133,7 @@ class MoE(nn.Module):
         r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
+        densemixer = preset.layer_options.get("densemixer", False)
         for key, value in options.items():
             if key in allowed_router:
                 r_opts[key] = value
@@ -126,11 +141,26 @@ class MoE(nn.Module):
                 coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
             elif key == "num_shared":
                 num_shared = value
+            elif key == "densemixer":
+                densemixer = value
             elif key == "balance_scope":
                 _validate.one_of("balance_scope", value, BALANCE_SCOPES)
+                if value != "micro" and router_cls.variable_k:
+                    raise ValueError(
+                        f"balance_scope={value!r} is not allowed with method={method!r}: it routes a variable "
+                        "number of experts per token, which only the 'micro' scope counts; expected 'micro'"
+                    )
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
+        if not isinstance(densemixer, bool):
+            raise ValueError(f"densemixer={densemixer!r} is not allowed; expected True or False")
+        if densemixer and preset.router not in _DENSEMIXER_ROUTERS:
+            raise ValueError(
+                f"densemixer=True is not allowed with method={method!r}; expected a method whose weights are "
+                f"its softmax probabilities (routers {list(_DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
+            )
+        self.densemixer = densemixer
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
         self.balance_scope: str = options.get("balance_scope", "micro")
         #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
@@ -229,6 +259,8 @@ class MoE(nn.Module):
                 f"input of dtype {x.dtype} is not allowed; expected the layer's dtype {weight.dtype} "
                 f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
             )
+        if self.training and not torch.compiler.is_compiling():  # a warning would break the graph
+            check_context(self)
         shape = x.shape
         if self.balance_scope == "sequence" and x.dim() < 3:
             raise ValueError(
@@ -255,8 +287,16 @@ class MoE(nn.Module):
                 raise NonFiniteError(message)
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, routing.weights)
+        elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
+            y = dispatch_masked(self.experts, flat, routing.indices, routing.weights, routing.mask)
+        elif self.densemixer and self.training and torch.is_grad_enabled():  # every expert runs
+            y = combine_densemixer(
+                self.experts.forward_all(flat), routing.indices, routing.weights, routing.probs
+            )
         else:
             y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
+        if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
+            y = y + routing.direct.to(y.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
         self._aux_pending = (routing, flat, seq_len)  # the aux loss, computed when read (``aux_loss``)
@@ -296,7 +336,8 @@ class MoE(nn.Module):
         if name == "balance":
             if seq is not None:
                 return sequence_balance_loss(routing.probs, routing.indices, self.num_experts, seq)
-            return switch_balance_loss(routing.probs, routing.indices, self.num_experts)
+            # a variable number of experts per token: the active slots (only the micro scope allows it)
+            return switch_balance_loss(routing.probs, routing.indices, self.num_experts, routing.mask)
         if name == "importance":
             return importance_loss(routing.probs, seq_len=seq)
         return mean_entropy_loss(routing.probs, seq_len=seq)
@@ -357,3 +398,69 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
             if isinstance(module, Router):
                 ctx.add_step_hook(module.on_step)
     return layers
+
+
+# ------------------------------------------------------------------ a context that drives the routing
+# What a training forward reads to tell, once, that a step-dependent method trains without a
+# context that advances.  Kept here, outside the modules: a forward sets no module attribute.
+#: the messages already given that a context is missing or lacks what a router needs: each once
+#: per process (as Python's "once" warning filter; every layer of a model gives the same one)
+_TOLD_NO_CONTEXT: set[str] = set()
+#: id(ctx) → (weak reference, its step at the last training forward, the optimizer steps counted
+#: then, the methods already told that it does not advance)
+_WATCHED: dict[int, tuple[weakref.ref, int, int, set[str]]] = {}
+_OPTIMIZER_STEPS = [0]  # every torch optimizer's steps, counted by a global post-step hook
+_STEP_HOOK: list = []
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def check_context(layer: MoE) -> None:
+    """Warn, once, when ``layer`` trains a method whose routing depends on the step (sharede-v3's
+    selection bias, StableMoE's stage, SMoE-Dropout's K, the competition schedules) without a
+    :class:`moelab.RoutingContext` that drives it: none attached, one without what the router
+    needs (a schedule, ``total_steps``, its step hook), or one whose step stays put while an
+    optimizer steps (``ctx.advance()`` forgotten).  Called by training forwards (not inside
+    ``torch.compile``); it reads the layer and records only in this module's own tables."""
+    router = layer.router
+    what = router.step_dependence()
+    if what is None:
+        return
+    ctx = layer.ctx
+    problem = router.context_problem(ctx)
+    if problem is not None:
+        message = (
+            f"MoE layer of method={layer.method!r} trains without a RoutingContext that drives its "
+            f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
+            "then call ctx.advance() once after every optimizer step"
+        )
+        if message not in _TOLD_NO_CONTEXT:
+            _TOLD_NO_CONTEXT.add(message)
+            warnings.warn(message, stacklevel=2)
+        return
+    if not _STEP_HOOK:  # counted from the first training forward that needs it on
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    key = id(ctx)
+    entry = _WATCHED.get(key)
+    if entry is None or entry[0]() is not ctx:
+        entry = (
+            weakref.ref(ctx, lambda _, k=key: _WATCHED.pop(k, None)),
+            ctx.step,
+            _OPTIMIZER_STEPS[0],
+            set(),
+        )
+        _WATCHED[key] = entry
+    if entry[1] != ctx.step:  # the context advanced (or was set): watch from here
+        _WATCHED[key] = (entry[0], ctx.step, _OPTIMIZER_STEPS[0], entry[3])
+    elif entry[2] != _OPTIMIZER_STEPS[0] and layer.method not in entry[3]:
+        entry[3].add(layer.method)
+        warnings.warn(
+            f"MoE layer of method={layer.method!r} trains with a RoutingContext that does not advance: an "
+            f"optimizer stepped since the last training forward, but ctx.step stayed {ctx.step}; {what}. "
+            "Call ctx.advance() once after every optimizer step",
+            stacklevel=2,
+        )

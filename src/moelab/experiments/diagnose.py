@@ -90,7 +90,8 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     batches = _batches(task, tokens)
     layers = metrics._layers(model)
     k = layers[0].top_k
-    spare = all(layer.top_k < layer.num_experts for layer in layers)
+    # the swaps replace the K-th expert: none with all N chosen, or with a variable number (remoe)
+    spare = all(layer.top_k < layer.num_experts and not layer.router.variable_k for layer in layers)
 
     def bpc() -> float:
         return task.evaluate(model, "test", len(batches) * 16 * task.block_size)[data.metric]

@@ -32,7 +32,7 @@ from ..routing import RoutingContext
 from ..train.tasks import ClassificationTask, encode_texts
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
-from .lm import TrainRun
+from .lm import TrainRun, memory_needed
 from .runner import Interval, Options, setting
 
 __all__ = [
@@ -247,8 +247,14 @@ def lm_fingerprint(source: str | Path) -> str:
 
 
 def _prepare(config: FinetuneConfig, world: int) -> None:
-    """Before the run directory opens: ``--from`` must be a language-model run."""
-    read_lm_run(config.source)
+    """Before the run directory opens: ``--from`` must be a language-model run, and the batch must
+    fit the machine's memory."""
+    lm_run, _ = read_lm_run(config.source)
+
+    def need(c: FinetuneConfig) -> int:
+        return memory_needed(replace(lm_run, batch_size=c.batch_size, steps=1, method="smoe"))
+
+    runner.check_memory(config, need, {"batch_size": 16}, "the model, its training state and a batch")
 
 
 #: ``moelab finetune`` as the run lifecycle sees it

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -34,11 +35,13 @@ __all__ = [
     "add_arguments",
     "build",
     "changed_input",
+    "check_memory",
     "check_run_flags",
     "config_from_mapping",
     "execute",
     "flag_of",
     "given_by_args",
+    "machine_memory",
     "new_config",
     "plain",
     "read_run_config",
@@ -484,6 +487,48 @@ def _file_values(cls: type, path: str, flag: str) -> dict[str, Any]:
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
     return values
+
+
+# ------------------------------------------------------------------------------ memory
+def machine_memory() -> int:
+    """This machine's physical memory in bytes (``os.sysconf``; ``psutil`` where that is missing;
+    ``0``: unknown, nothing is refused)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        try:
+            import psutil
+
+            return int(psutil.virtual_memory().total)
+        except ImportError:
+            return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n < 2**40 else f"{n / 2**40:,.0f} TiB"
+
+
+def check_memory(config: Any, need: Callable[[Any], int], candidates: Mapping[str, Any], what: str) -> None:
+    """Refuse, before anything is allocated, a run whose estimated memory ``need(config)`` (bytes,
+    a lower bound) exceeds the machine's, naming the flag that makes it so: of the fields
+    ``candidates`` (path → the ordinary value, e.g. the preset's), the one whose ordinary value
+    saves most.  ``what``: what the memory holds, for the message."""
+    total = machine_memory()
+    needed = need(config)
+    if not total or needed <= total:
+        return
+    saved = {}
+    for path, ordinary in candidates.items():
+        value = values(config).get(path)
+        if value is None or ordinary is None or value == ordinary:
+            continue
+        saved[path] = needed - need(build(type(config), {**values(config), path: ordinary}))
+    path = max(saved, key=saved.get) if saved else next(iter(candidates))
+    flag, value = flag_of(type(config), path), values(config).get(path)
+    raise ValueError(
+        f"{flag}={value!r} is not allowed here: {what} would need at least {_gib(needed)}, more than this "
+        f"machine's {_gib(total)} of memory; expected a smaller {flag}"
+    )
 
 
 # ------------------------------------------------------------------------------ resume checks

@@ -49,6 +49,16 @@ def _upcycled(config: UpcycleConfig) -> tuple[nn.Module, dict[str, Any]]:
     num_dense = sum(p.numel() for p in model.parameters())
     names = find_mlps(model)
     layers = None if config.layers is None else list(config.layers)
+    chosen = [name for i, name in enumerate(names) if layers is None or i in layers]
+    per_copy = sum(
+        p.numel() * p.element_size() for name in chosen for m in _modules(model, name) for p in m.parameters()
+    )
+    runner.check_memory(
+        config,
+        lambda c: num_dense * 4 + c.num_experts * per_copy,  # every expert a copy of its MLP
+        {"num_experts": 1},
+        "the upcycled model",
+    )
     upcycle(model, config.num_experts, config.top_k, config.method, layers, **config.options)
     return model, {
         "num_mlps": len(names),
@@ -56,6 +66,13 @@ def _upcycled(config: UpcycleConfig) -> tuple[nn.Module, dict[str, Any]]:
         "num_parameters_dense": num_dense,
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _modules(model: nn.Module, name: str) -> list[nn.Module]:
+    """The modules of an MLP that :func:`moelab.hf.upcycle.find_mlps` names (``"<layer>.fc1+fc2"``:
+    the pair)."""
+    prefix, _, last = name.rpartition(".")
+    return [model.get_submodule(f"{prefix}.{part}" if prefix else part) for part in last.split("+")]
 
 
 def _execute(

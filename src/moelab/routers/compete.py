@@ -8,7 +8,6 @@ the option ``grad_path`` chooses how those outputs get their gradient.  docs/met
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 
 import torch
@@ -24,7 +23,7 @@ from ..losses import (
     switch_balance_loss,
 )
 from ..routing import Routing, RoutingContext
-from .base import Router, build_router, register
+from .base import Router, build_router, join_dependences, register
 
 __all__ = ["CompeteSMoERouter", "CompetitionRouter", "compete"]
 
@@ -315,7 +314,6 @@ class CompeteSMoERouter(Router):
             weighting,
             grad_path,
         )
-        self._warned = False
 
     def reset_parameters(self) -> None:
         """The base router's (the competition has no parameters)."""
@@ -343,19 +341,26 @@ class CompeteSMoERouter(Router):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, base={self.base_method!r}, mode={self.mode!r}"
 
+    def step_dependence(self) -> str | None:
+        own = (
+            f"it competes on the steps of the context's schedule; without one it routes like "
+            f"{self.base_method!r} and never competes"
+        )
+        base = self.base.step_dependence()
+        return join_dependences(own, None if base is None else f"its base: {base}", super().step_dependence())
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        if ctx is None:
+            return "no RoutingContext with a schedule is attached"
+        if ctx.schedule is None:
+            return "the RoutingContext holds no schedule"
+        return self.base.context_problem(ctx) or super().context_problem(ctx)
+
     def competes(self, ctx: RoutingContext | None) -> bool:
         """Whether this layer competes at the context's step (training only)."""
         if not self.training:
             return False
-        if ctx is None or ctx.schedule is None:
-            if not self._warned and not torch.compiler.is_compiling():  # a warning breaks the graph
-                warnings.warn(
-                    f"competesmoe layer {self.layer_index}: no RoutingContext with a schedule "
-                    "(moelab.routing_context(model, total_steps) builds one); it routes "
-                    f"like {self.base_method!r} and never competes",
-                    stacklevel=3,
-                )
-                self._warned = True
+        if ctx is None or ctx.schedule is None:  # the layer says so once (moelab.layer.check_context)
             return False
         return _schedule_active(ctx, self.layer_index)
 

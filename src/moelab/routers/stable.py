@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import Router, join_dependences, register
 
 
 @register("stable")
@@ -91,6 +91,24 @@ class StableRouter(Router):
     @property
     def weights_sum_to_one(self) -> bool:
         return self.renormalize
+
+    def step_dependence(self) -> str | None:
+        when = (
+            f"ctx.step={self.switch_step}"
+            if self.switch_step is not None
+            else (f"{self.switch_fraction:g} of ctx.total_steps")
+        )
+        own = (
+            f"it switches from stage 1 to its frozen light router (stage 2) at {when} (StableMoE); until "
+            "then it stays in stage 1"
+        )
+        return join_dependences(own, super().step_dependence())
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        if problem is None and ctx is not None and self.switch_step is None and ctx.total_steps is None:
+            return "the RoutingContext has no total_steps"
+        return problem
 
     def stage(self, ctx: RoutingContext | None) -> int:
         """1 (learn and distil) or 2 (frozen light router) at the context's step."""

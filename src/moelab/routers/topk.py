@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import Router, join_dependences, register
 
 
 @register("topk")
@@ -98,6 +98,21 @@ class TopKRouter(Router):
     @property
     def weights_sum_to_one(self) -> bool:  # Switch's K = 1 weight is the chosen expert's probability
         return self.renormalize
+
+    def step_dependence(self) -> str | None:
+        grows = self.k_max is not None and self.k_max != self.top_k
+        own = (
+            f"its K grows from top_k={self.top_k} to k_max={self.k_max} with ctx.step / ctx.total_steps "
+            f"(SMoE-Dropout); without them it stays {self.top_k}"
+        )
+        return join_dependences(own if grows else None, super().step_dependence())
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        grows = self.k_max is not None and self.k_max != self.top_k
+        if problem is None and ctx is not None and grows and ctx.total_steps is None:
+            return "the RoutingContext has no total_steps"
+        return problem
 
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
