@@ -573,3 +573,11 @@ def test_set_method_announces_the_loss_coefficients_it_changes():
     assert layer.coefs == {"balance": 0.001}
     moelab.set_method(layer, "smoe", renormalize=True)  # the same method keeps them, zeros included
     assert layer.coefs == {"balance": 0.001}
+
+
+def test_set_method_keeps_the_layers_balance_scope():
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_scope="sequence")
+    moelab.set_method(layer, "xmoe")
+    assert layer.balance_scope == "sequence" and layer.init_config["options"]["balance_scope"] == "sequence"
+    moelab.set_method(layer, "smoe", balance_scope="global")
+    assert layer.balance_scope == "global"

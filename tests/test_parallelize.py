@@ -85,7 +85,22 @@ def _parallelize_refusals(world: int) -> dict[str, str | None]:
     done = layer()
     parallelize(done, dp="none", ep=2)
     modules = moelab.MoE(D, 4, 2, experts=moelab.ModuleExperts([torch.nn.Linear(D, D) for _ in range(4)]))
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x, idx = torch.randn(3, D), torch.zeros(3, 1, dtype=torch.int64)
+    tp = moelab.ExpertBank(4, D, 6)  # a tensor-parallel layout by hand: hidden units split
+    tp.w_in = torch.nn.Parameter(
+        distribute_tensor(tp.w_in.detach(), init_device_mesh("cpu", (2,)), [Shard(1)])
+    )
+    replicated = layer()
+    parallelize(replicated, dp="none", ep=2)
+    bank = replicated.experts
+    bank.w_out = torch.nn.Parameter(
+        distribute_tensor(bank.w_out.full_tensor().detach(), bank._ep[0], [Replicate()])
+    )
     return {
+        "tp_bank": _message(lambda: tp(x, idx, torch.ones(3, 1))),
+        "ep_layout": _message(lambda: bank(x, idx, torch.ones(3, 1))),
         "dp": _message(lambda: parallelize(layer(), dp="zero")),
         "ep_world": _message(lambda: parallelize(layer(), ep=3)),
         "ep_experts": _message(lambda: parallelize(layer(3), dp="none", ep=2)),
@@ -131,6 +146,16 @@ def test_fsdp2_shards_xmoe_and_a_sharded_model_is_saved_gathered_not_as_shards(t
         ), rank
         assert r["saved_weights"] == 0.0, rank
         p = r["parallelize"]
+        assert p["tp_bank"] == (
+            "ExpertBank weight w_in as a DTensor with placements (Shard(dim=1),) is not allowed; a bank computes on "
+            "whole experts: split the experts with moelab.train.parallelize (parallelize(model, ep=...) or its "
+            "ExpertParallel style)"
+        )
+        assert p["ep_layout"] == (
+            "expert-parallel weight w_out with placements (Replicate(),) is not allowed; expected Shard(0) on the "
+            "expert mesh (FSDP2 / a wrapper applied by hand after parallelize changed it: use "
+            "parallelize(model, dp='fsdp', ep=...))"
+        )
         assert p["dp"] == "dp='zero' is not allowed; expected one of ['ddp', 'fsdp', 'none']"
         assert (
             p["ep_world"]
@@ -296,3 +321,42 @@ def test_every_layout_gives_the_losses_and_gradients_of_one_process_for_every_me
         [FEWER_EXPERTS] if world == 4 else []
     )
     _check_parity(spawn(_parity, world, tmp_path, cases), world, cases)
+
+
+# ------------------------------------------------------------------------------------ sharded checkpoints
+def _sharded_checkpoint(rank: int, world: int, path: str, save: bool) -> dict:
+    """Two AdamW steps of EP x FSDP2 (``ep`` = 2); with ``save`` the state after step 1 goes to
+    ``path`` (torch.distributed.checkpoint, each rank its shards), else it is read from there."""
+    from moelab.train.parallelize import load_sharded, parallelize, save_sharded
+
+    model = WithAux(_model("smoe"))
+    parallelize(model, dp="fsdp", ep=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(2):
+        if step == 1 and not save:
+            load_sharded(path, model, opt)
+        x, y = _batch(step, world, rank)
+        loss = _loss(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+        if step == 0 and save:
+            save_sharded(path, model, opt)
+    return {"losses": losses}
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers(tmp_path):
+    # 2 ranks: experts split in 2, FSDP2 over 1 rank each; 4 ranks: experts split in 2, each block
+    # sharded by FSDP2 over 2 ranks; the checkpoint is written shard by shard and re-sharded on load
+    path = str(tmp_path / "dcp")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "four").mkdir()
+    two = spawn(_sharded_checkpoint, 2, tmp_path / "two", path, True)
+    four = spawn(_sharded_checkpoint, 4, tmp_path / "four", path, False)
+    assert two[0]["losses"][1] != two[0]["losses"][0]
+    assert abs(four[0]["losses"][1] - two[0]["losses"][1]) <= 1e-12

@@ -649,3 +649,15 @@ def test_xmoe_checkpoints_with_a_0_dim_temperature_still_load():
     state["router.temperature"] = torch.tensor(0.7)
     layer.load_state_dict(state)
     assert layer.router.temperature.shape == (1,) and layer.router.temperature.item() == pytest.approx(0.7)
+
+
+def test_a_selection_bias_of_any_router_survives_save_and_load(tmp_path):
+    layer = moelab.MoE(6, 4, 2, method="xmoe", selection_bias=True, balance_scope="sequence")
+    with torch.no_grad():
+        layer.router.selection_bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    moelab.save(layer, tmp_path / "m")
+    again = moelab.load(tmp_path / "m")
+    assert torch.equal(again.router.selection_bias, layer.router.selection_bias)
+    assert again.balance_scope == "sequence"
+    x = torch.randn(2, 3, 6)
+    torch.testing.assert_close(again.eval()(x), layer.eval()(x))

@@ -16,8 +16,9 @@ micro-batch on one rank) the piece contributes ``L(S_g + P·(S_piece − sg(S_pi
 the statistics gathered so far, ``P`` = ranks × micro-batches recorded in the step and ``sg`` the
 stop-gradient: its value is ``L(S_g)``, its gradient ``P·∇L(S_g)·∂S_piece``.  DDP averages the
 gradients over the ranks and the loop averages the micro-batches, so the step's gradient is
-``∇L(S_g)·∂S_g`` — one process on the whole batch, whatever the number of ranks (Megatron-Core
-first shipped its global loss 1/dp_size too weak: the averaging over ranks was not undone).
+``∇L(S_g)·∂S_g`` — one process on the whole batch, whatever the number of ranks (the averaging
+over the ranks is undone, which Megatron-Core's router does with ``reduce_group_has_dp`` /
+``needs_dp_avg``).
 
 When the step's backward runs once after every micro-batch was recorded (:meth:`StepBalance.loss`
 called once per step), ``S_g`` is the whole step's: the loss value and the gradient are exactly
@@ -46,8 +47,9 @@ class StepBalance:
     load-based loss: ``balance``, ``importance`` or ``entropy``), owned by a training loop.
 
     Per micro-batch: run the forward, then :meth:`record` (reads each layer's last forward,
-    all-reduces its statistics: one collective of ``Σ (2N + 1)`` numbers), then :meth:`loss` (the global losses, weighted by the layers'
-    coefficients, to add to the micro-batch's loss before its backward) — or, for the exact step,
+    all-reduces its statistics: one collective of ``Σ (2N + 1)`` numbers), then :meth:`loss` (the
+    global losses, weighted by the layers' coefficients, to add to the micro-batch's loss before its
+    backward) — or, for the exact step,
     :meth:`record` after every micro-batch's forward and :meth:`loss` once, before the one backward.
     :meth:`end_step` clears the statistics; with ``ctx`` it runs as a step hook of
     :meth:`moelab.RoutingContext.advance`, once per optimizer step.
@@ -101,7 +103,12 @@ class StepBalance:
         if not self.layers:
             return
         routings = [None if layer._aux_pending is None else layer._aux_pending[0] for layer in self.layers]
-        device = next((r.probs.device for r in routings if r is not None and r.probs is not None), None)
+        # the statistics live where the model does (a collective over NCCL needs CUDA tensors)
+        first = next(iter(self.layers[0].parameters()), None)
+        device = next(
+            (r.probs.device for r in routings if r is not None and r.probs is not None),
+            None if first is None else first.device,
+        )
         rows, local, names = [], [], []
         for layer, routing in zip(self.layers, routings):
             n = layer.num_experts

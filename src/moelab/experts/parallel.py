@@ -61,13 +61,28 @@ class ExpertParallelBank(ExpertBank):
 
     @property
     def expert_weights(self) -> ExpertWeights:
-        # a local expert's gradient sums the tokens of every rank of the expert mesh: 1/E makes it
-        # the gradient of the mean over those ranks, as DDP / FSDP average the rest
-        w = super().expert_weights
-        scale = 1.0 / self._ep[1]
-        return ExpertWeights(
-            *(None if t is None else _ScaleGrad.apply(t, scale) for t in w[:4]), w.activation
-        )
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh, E, _ = self._ep
+        local = []
+        for name in ("w_in", "w_out", "b_in", "b_out"):
+            t = getattr(self, name)
+            if t is None:
+                local.append(None)
+                continue
+            # FSDP2 gives the gathered weight back as Shard(0) on the expert mesh; anything else (a
+            # wrapper applied after the plan, a method called outside FSDP's forward) is another layout
+            if not isinstance(t, DTensor) or t.device_mesh != mesh or tuple(t.placements) != (Shard(0),):
+                layout = tuple(t.placements) if isinstance(t, DTensor) else "a plain tensor"
+                raise ValueError(
+                    f"expert-parallel weight {name} with placements {layout} is not allowed; expected Shard(0) on "
+                    "the expert mesh (FSDP2 / a wrapper applied by hand after parallelize changed it: use "
+                    "parallelize(model, dp='fsdp', ep=...))"
+                )
+            # a local expert's gradient sums the tokens of every rank of the expert mesh: 1/E makes
+            # it the gradient of the mean over those ranks, as DDP / FSDP average the rest
+            local.append(_ScaleGrad.apply(t.to_local(), 1.0 / E))
+        return ExpertWeights(*local, self.activation)
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         return dispatch(x, indices, weights, self.num_experts, self._exchange, tracks_grad(self, x, weights))

@@ -627,6 +627,8 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> tuple[list[str]
             selection[id(opts)] = opts["selection_bias"]
             opts["selection_bias"] = True
     new_opts["num_shared"] = layer.num_shared
+    if layer.balance_scope != "micro":  # a layer option: the layer keeps it, so does its config
+        new_opts.setdefault("balance_scope", layer.balance_scope)
     cfg = layer.init_config
     # validate and build on the meta device, then move the router over
     with torch.device("meta"):
@@ -658,6 +660,7 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> tuple[list[str]
     layer.router = router
     layer.method = method
     layer.coefs = tmp.coefs
+    layer.balance_scope = tmp.balance_scope
     layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
     if layer.ctx is not None:  # the context keeps stepping the new router (sharede-v3's bias)
         _rehook(layer.ctx, old, router)

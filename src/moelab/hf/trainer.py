@@ -1,7 +1,9 @@
 """The transformers ``Trainer`` with moelab's layers: :class:`MoETrainer` attaches a
 :class:`moelab.RoutingContext` that follows the Trainer's optimizer steps and holds the schedule
 the layers' method declares (:class:`MoETrainerCallback`), adds ``moelab.aux_loss(model)`` inside
-the model's forward so that DDP sees every parameter it uses, logs each aux loss through
+the model's forward so that DDP sees every parameter it uses (with the losses of
+``balance_scope="global"`` layers formed by a :class:`moelab.balance.StepBalance` from the step's
+running statistics over the ranks and the accumulated micro-batches), logs each aux loss through
 ``Trainer.log``, decays only matrices, saves the routing state in every checkpoint and refuses
 transformers' own load-balancing loss; both classes are created on first access so that ``import
 moelab`` does not import transformers.  docs/scaling.md ("``MoETrainer``") describes each of these.
@@ -130,8 +132,9 @@ def _trainer_classes() -> dict[str, type]:
             self.ctx = ctx
             # balance_scope="global" layers: the statistics of each optimizer step over the ranks and
             # the accumulated micro-batches (moelab.balance), cleared by the step hooks
-            if self.step_balance is not None:
-                self.step_balance.close()
+            stale = attached_step_balance(model)  # a run stopped before on_train_end left it attached
+            if stale is not None:
+                stale.close()
             self.step_balance = StepBalance(model, ctx)
 
         def on_train_end(self, args, state, control, **kwargs):

@@ -7,10 +7,12 @@
   turns every layer's :class:`moelab.ExpertBank` weights into ``DTensor`` sharded over the experts
   (``Shard(0)``) on the ``"ep"`` dimension of a 2-D device mesh ``("efsdp", "ep")``; the tokens go
   to the ranks holding their experts and back by ``all_to_all`` around the unchanged bank, which
-  runs on its local block (``to_local`` at its boundary, :attr:`moelab.ExpertBank.expert_weights`);
+  runs on its local block (``to_local`` at its boundary, the parallel bank's
+  :attr:`moelab.ExpertBank.expert_weights`);
 * **data parallelism**: ``dp="fsdp"`` applies FSDP2's ``fully_shard`` — the experts on the
   ``"efsdp"`` dimension (the ranks holding the same experts; dim-1 sharding when that degree
-  exceeds the local experts), every MoE layer and the root over all ranks — ``dp="ddp"`` wraps the
+  exceeds the local experts), every MoE layer, every block of a ``ModuleList`` (a transformer's
+  layers) and the root over all ranks — ``dp="ddp"`` wraps the
   model in ``DistributedDataParallel`` (expert weights left out: each rank's block is its own),
   ``dp="none"`` leaves the replicated parameters to the caller (the trainer wraps its own
   training forward in DDP).
@@ -21,12 +23,15 @@ bank's boundary; FSDP averages it over the ``efsdp`` ranks.  :func:`clip_grad_no
 whole model's norm over the shards; :func:`full_state_dict` / :func:`load_full_state_dict` and
 :func:`full_optimizer_state` / :func:`load_full_optimizer_state` go between the sharded model and
 the full (layout-independent) state through ``torch.distributed.checkpoint.state_dict``, so a run
-saved on ``W`` ranks resumes on any other number.  docs/scaling.md ("parallelize") has the rules.
+saved on ``W`` ranks resumes on any other number; :func:`save_sharded` / :func:`load_sharded` write
+and read each rank's shards with ``torch.distributed.checkpoint`` itself, re-sharded on load.
+docs/scaling.md ("parallelize") has the rules.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -44,7 +49,9 @@ __all__ = [
     "full_state_dict",
     "load_full_optimizer_state",
     "load_full_state_dict",
+    "load_sharded",
     "parallelize",
+    "save_sharded",
 ]
 
 DP_MODES = ("ddp", "fsdp", "none")
@@ -202,6 +209,18 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
             for method in ("forward_all", "expert_forward"):
                 register_fsdp_forward_method(layer.experts, method)
         fully_shard(layer, mesh=dp_mesh)
+    # the blocks of a ModuleList (a transformer's layers) each their own unit, as torchtitan wraps
+    # every transformer block: one block's full weights exist at a time, not the whole model's
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    blocks = [
+        child
+        for lst in model.modules()
+        if isinstance(lst, nn.ModuleList) and id(lst) not in inside
+        for child in lst
+        if id(child) not in inside
+    ]
+    for block in reversed(blocks):  # inner lists before the lists holding them
+        fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
 
@@ -296,3 +315,41 @@ def load_full_optimizer_state(
     groups = [{**saved, "params": [fqns[i] for i in saved["params"]]} for saved in full["param_groups"]]
     state = {"state": {fqns[i]: v for i, v in full["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def save_sharded(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Write the model (and optimizer) state to the folder ``path`` with
+    ``torch.distributed.checkpoint.save``: every rank writes its own shards, nothing is gathered
+    (a collective).  :func:`load_sharded` reads it on any layout and number of ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(model, optimizer), checkpoint_id=os.fspath(path))
+
+
+def load_sharded(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Read a :func:`save_sharded` folder into the parallelized ``model`` (and ``optimizer``),
+    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(model, optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    set_state_dict(
+        model,
+        [] if optimizer is None else optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optimizer", {}),
+    )
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
