@@ -95,7 +95,9 @@ TABLE_ROWS = (
 )
 
 _COUNT = (Interval(int, 1), None)
-_WEIGHT = (Interval(float, 0), None)
+#: float32's largest number: a loss weight above it is infinite in the model's dtype, and so is the loss
+_FLOAT32_MAX = 3.4028234663852886e38
+_WEIGHT = (Interval(float, 0, _FLOAT32_MAX), None)
 _per_data = lambda i: ", ".join(f"{d} {b[i]:g}" for d, b in BETA_DEFAULTS.items())
 
 
@@ -112,7 +114,9 @@ class SpecConfig:
     )
     gate: str = setting("original", help="gate", allowed=Options(GATES))
     reg: str = setting("none", help="gate regulariser", allowed=Options(REGULARISERS))
-    w_importance: float = setting(0.2, help="weight of L_importance", allowed=Interval(float, 0))
+    w_importance: float = setting(
+        0.2, help="weight of L_importance", allowed=Interval(float, 0, _FLOAT32_MAX)
+    )
     beta_s: float | None = setting(
         None, help=f"L_s β_s (default per dataset: {_per_data(0)})", allowed=_WEIGHT
     )
