@@ -352,3 +352,17 @@ def test_a_saved_routing_context_whose_schedule_does_not_rebuild_is_refused_nami
         f"{str(file)!r} has a routing_context that does not rebuild: schedule state of type 'lottery' is not "
         "allowed; expected one of ['competition', 'coin-flip']"
     )
+
+
+def test_a_run_without_best_config_json_says_it_loads_the_newest_checkpoint(corpus, tmp_path):
+    from moelab.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+                 "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+                 "--test-tokens", "64", "--no-progress", "--out", str(out)]) == 0  # fmt: skip
+    (out / "best" / "config.json").unlink()
+    with pytest.warns(
+        UserWarning, match=r"best/config.json' is missing; loading the newest checkpoint step-00000002"
+    ):
+        moelab.load(out)
