@@ -103,6 +103,18 @@ def test_compare_sweep_gives_the_sensitivity_table(corpus, tmp_path, capsys):
     ) == 1
 
 
+def test_compare_sweeps_the_number_of_activated_experts(corpus, tmp_path, capsys):
+    out = tmp_path / "k"
+    args = [*tiny(corpus, out, "--methods", "smoe", "--sweep", "top_k=1,2")]
+    args[args.index("--seeds") + 1] = "1"
+    assert main(args) == 0
+    assert "test bpc by top_k" in capsys.readouterr().out
+    for k in (1, 2):
+        model = moelab.load(out / f"smoe-top_k{k}" / "seed0" / "best")
+        assert {layer.top_k for layer in moelab.layer.moe_layers(model)} == {k}
+    assert (out / "sensitivity.png").exists()
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -193,3 +205,49 @@ def test_compare_force_over_another_commands_run_leaves_nothing_of_it(corpus, tm
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "count_models.csv", "results.csv", "runs.csv", "smoe", "table.txt", "val_curves.csv", "val_curves.png",
     ]  # fmt: skip
+
+
+def test_compare_paper_ho2025_runs_each_method_in_its_layout_and_a_flag_wins(corpus, tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "ho"
+    args = tiny(corpus, out, "--paper", "ho2025", "--seeds", "1", "--steps", "2", "--eval-every", "2")
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "sharede-v2",
+        "sharede-v3",
+        "smoe",
+        "smoe-sg",
+    ]
+
+    def config(method):
+        return yaml.safe_load((out / method / "seed0" / "config.yaml").read_text())
+
+    # --num-experts 4 was given: it wins over the layout's 18 / 16; the rest is the paper's layout
+    assert [config(m)["num_experts"] for m in ("smoe", "sharede-v3")] == [4, 4]
+    assert (config("smoe-sg")["top_k"], config("smoe-sg")["d_hidden"]) == (4, 16)
+    assert (config("sharede-v2")["top_k"], config("sharede-v2")["opts"]) == (2, {"num_shared": 2})
+    assert moelab.load(out / "sharede-v3" / "seed0").blocks[0].ffn.num_shared == 2
+    assert config("smoe")["opts"] == {}  # each method's own losses
+    side = (out / "paper.txt").read_text()
+    assert "Ho (2025)" in side and "13.420" in side and "Ho (2025)" in text
+
+
+def test_compare_paper_2025_table11_runs_each_ablation_row_as_its_method_and_options(
+    corpus, tmp_path, capsys
+):
+    import yaml
+
+    out = tmp_path / "t11"
+    args = tiny(corpus, out, "--paper", "2025-table11", "--seeds", "1", "--steps", "2", "--eval-every", "2")
+    assert main(args) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["competesmoe", "policy-only", "smoe"]
+    config = yaml.safe_load((out / "policy-only" / "seed0" / "config.yaml").read_text())
+    assert config["method"] == "competesmoe" and config["opts"]["task_gradient"] is False
+    assert config["opts"]["balance_coef"] == 0.01  # the paper's losses for every row
+    router = moelab.load(out / "policy-only" / "seed0").blocks[0].ffn.router
+    assert router.task_gradient is False
+    side = (out / "paper.txt").read_text()
+    assert "Table 11" in side and "policy-only" in side and "52.840" in side

@@ -96,6 +96,21 @@ def test_finite_check_is_traced_not_a_graph_break():
         compiled(bad)
 
 
+@pytest.mark.slow
+def test_a_biased_router_with_sequence_balance_compiles_as_one_graph_and_counts_its_load():
+    eager = _layer("xmoe", selection_bias=True, balance_scope="sequence").train()
+    owner = copy.deepcopy(eager)
+    x = torch.randn(4, 16, 32)
+    explanation = torch._dynamo.explain(owner)(x)
+    assert explanation.graph_break_count == 0, [str(b.reason)[:300] for b in explanation.break_reasons]
+    owner.router.pending_load.zero_()  # explain ran the forward
+    compiled = torch.compile(owner, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager(x))
+    torch.testing.assert_close(owner.aux_loss, eager.aux_loss)  # the per-sequence balance
+    assert torch.equal(owner.router.pending_load, eager.router.pending_load)  # the bias's load, counted once
+    assert eager.router.pending_load.sum().item() == 4 * 16 * 2
+
+
 @pytest.mark.parametrize("method", ["smoe", "competesmoe"])
 def test_compiled_training_step_equals_eager_aot(method):
     _compare_with_eager(method, "aot_eager")

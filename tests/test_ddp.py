@@ -114,6 +114,19 @@ def test_two_ranks_with_half_batches_reproduce_one_rank_with_the_full_batch(corp
     assert [p.name for p in sorted((two / "ckpt").iterdir())] == ["step-00000003", "step-00000006"]
 
 
+def test_two_ranks_with_global_balance_reproduce_one_rank_with_the_full_batch(corpus, tmp_path):
+    # balance_scope=global: the balance (and importance) of the step's tokens on every rank, so the
+    # aux losses stay on and the curves are still those of one process on the whole batch
+    extra = ("--opt", "balance_scope=global", "--opt", "importance_coef=0.1", "--opt", "z_coef=0")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(tiny_args(corpus, one, *extra)) == 0
+    assert [r["code"] for r in launch(tiny_args(corpus, two, *extra), tmp_path)] == [0, 0]
+    for step, (a, b) in enumerate(zip(read_log(one), read_log(two)), 1):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4), (step, key)
+    assert float(read_log(one)[0]["aux_loss"]) > 0
+
+
 def test_each_rank_adds_the_aux_loss_of_its_own_tokens(corpus, tmp_path):
     out = tmp_path / "run"
     argv = tiny_args(corpus, out, "--steps", "1", "--ckpt-every", "0")
@@ -231,8 +244,8 @@ def test_a_resumed_expert_parallel_run_continues_the_same_curve(corpus, tmp_path
 def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) -> None:
     """A Trainer with expert_parallel=True on one rank; reports what the plan made of the model."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
 
-    from moelab.experts import ExpertParallelBank
     from moelab.layer import moe_layers
     from moelab.models.lm import LMConfig, TransformerLM
     from moelab.train import TrainConfig, Trainer
@@ -252,9 +265,20 @@ def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) ->
         )  # fmt: skip
         metrics = trainer.fit()
         banks = [layer.experts for layer in moe_layers(model)]
+        sharded = [b.w_in for b in banks if isinstance(b.w_in, DTensor)]
+        from moelab.train.parallelize import full_state_dict
+
+        full = full_state_dict(model)  # a collective: the plain model's names, full tensors
+        names = [n for n, p in model.named_parameters() if isinstance(p, DTensor) and n.endswith("w_in")]
         result = {
             "banks": [type(b).__name__ for b in banks],
-            "blocks": [[b.first_expert, b.num_local] for b in banks if isinstance(b, ExpertParallelBank)],
+            "placements": [list(w.placements) == [Shard(0)] for w in sharded],
+            "local": [list(w.to_local().shape) for w in sharded],
+            # this rank's block is experts [2r, 2r + 2) of the full model's
+            "blocks": [
+                torch.equal(w.to_local(), full[n][2 * rank : 2 * rank + 2]) and full[n].shape[0] == 4
+                for w, n in zip(sharded, names)
+            ],
             "params": metrics["params"],
             "full_params": sum(p.numel() for p in TransformerLM(cfg).parameters()),
         }
@@ -274,8 +298,10 @@ def test_the_trainer_spreads_the_experts_over_the_ranks(corpus, tmp_path):
     )
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["banks"] == ["ExpertParallelBank"] * 2
-        assert r["blocks"] == [[2 * rank, 2]] * 2  # experts [2r, 2r + 2) of 4
+        assert r["banks"] == ["ExpertParallelExpertBank"] * 2
+        assert r["placements"] == [True, True]  # DTensor Shard(0) over the experts
+        assert [shape[0] for shape in r["local"]] == [2, 2]  # 2 of the 4 experts on each rank
+        assert r["blocks"] == [True, True]  # experts [2r, 2r + 2) of 4
         assert r["params"] == r["full_params"]  # metrics count the whole model
 
 
@@ -290,3 +316,48 @@ def test_expert_parallel_with_a_world_size_that_does_not_divide_the_experts_exit
 def test_expert_parallel_needs_torchrun(corpus, tmp_path, capsys):
     assert main(tiny_args(corpus, tmp_path / "run", "--expert-parallel")) == 2
     assert "expert parallelism needs torch.distributed initialised" in capsys.readouterr().err
+
+
+# balance and z losses off: each rank balances its own tokens, so another number of ranks trains
+# another objective with them; without them every layout computes the one-process gradient
+_TOKEN_MEANS = ("--opt", "balance_coef=0", "--opt", "z_coef=0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--fsdp",), ("--fsdp", "--expert-parallel")], ids=["fsdp", "ep-fsdp"])
+def test_fsdp2_training_follows_the_data_parallel_curve(corpus, tmp_path, layout):
+    dp, sharded = tmp_path / "dp", tmp_path / "sharded"
+    assert [r["code"] for r in launch(tiny_args(corpus, dp, *_TOKEN_MEANS), tmp_path)] == [0, 0]
+    assert [r["code"] for r in launch(tiny_args(corpus, sharded, *_TOKEN_MEANS, *layout), tmp_path)] == [0, 0]
+    for step, (a, b) in enumerate(zip(read_log(dp), read_log(sharded)), 1):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4), (step, key)
+    m_dp = json.loads((dp / "metrics.json").read_text())
+    m_sh = json.loads((sharded / "metrics.json").read_text())
+    assert m_sh["params"] == m_dp["params"] and m_sh["test_bpc"] == pytest.approx(m_dp["test_bpc"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers(corpus, tmp_path):
+    # written by 2 ranks (experts split in 2, FSDP2), resumed by 4 (experts split in 4): the
+    # checkpoint holds the full model and Adam state, re-sharded on load
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, *_TOKEN_MEANS, "--fsdp", "--expert-parallel")
+    assert [r["code"] for r in launch(argv, tmp_path, world=2)] == [0, 0]
+    two = read_log(out)
+    shutil.rmtree(out / "ckpt" / "step-00000006")
+    (out / "metrics.json").unlink()
+    assert [r["code"] for r in launch([*argv, "--resume"], tmp_path, world=4)] == [0] * 4
+    four = read_log(out)
+    assert [r["step"] for r in four] == [str(s) for s in range(1, 7)]
+    for a, b in zip(two[:3], four[:3]):  # the log up to the checkpoint, as written
+        assert a == b
+    for a, b in zip(two[3:], four[3:]):  # steps 4-6 again, on 4 ranks: the same to rounding
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-5), (a["step"], key)
+    assert json.loads((out / "metrics.json").read_text())["world_size"] == 4
+
+
+def test_fsdp_needs_torchrun(corpus, tmp_path, capsys):
+    assert main(tiny_args(corpus, tmp_path / "run", "--fsdp")) == 2
+    assert "FSDP2 needs torch.distributed initialised" in capsys.readouterr().err

@@ -55,6 +55,8 @@ def test_diagnose_writes_every_diagnostic_and_each_matches_a_direct_computation(
     shares = [load / load.sum() for load in loads]
     assert d["load_cv"] == pytest.approx([float(s.std(unbiased=False) / s.mean()) for s in shares], rel=1e-5)
     assert d["load_cv_mean"] == pytest.approx(sum(d["load_cv"]) / len(layers))
+    assert d["max_vio"] == pytest.approx([float(s.max() / s.mean() - 1) for s in shares], rel=1e-5)
+    assert d["max_vio_mean"] == pytest.approx(sum(d["max_vio"]) / len(layers))
     # the swap tests: the same evaluation with the swapped routing
     with torch.no_grad(), metrics.swap_top1(model, 1):
         swapped = task.evaluate(model, "test", len(batches) * 16 * 16)["bpc"]

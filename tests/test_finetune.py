@@ -278,6 +278,79 @@ def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_
         assert (ctx.step, ctx.total_steps) == (4, 4)
 
 
+@pytest.mark.parametrize("adapter", ["lora", "replora"])
+def test_finetune_with_an_adapter_trains_only_the_adapter_and_the_head(
+    pretrained, reviews, tmp_path, adapter
+):
+    import yaml
+
+    out = tmp_path / adapter
+    args = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(out), "--steps", "3",
+            "--batch-size", "8", "--no-progress", "--adapter", adapter, "--rank", "2", "--fraction", "0.25"]  # fmt: skip
+    assert main(args) == 0
+    recorded = yaml.safe_load((out / "config.yaml").read_text())["recorded"]
+    d = 64  # the cpu preset's width; the head is Linear(d, d) + Linear(d, 2)
+    head = d * d + d + d * 2 + 2
+    assert recorded["train_rows"] == 16  # 25 % of the 64 training rows
+    assert head < recorded["trainable_params"] < head + 20_000
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0 <= metrics["test_acc"] <= 100
+
+
+def test_finetune_adapter_flags_are_checked(pretrained, reviews, tmp_path, capsys):
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(tmp_path / "o")]
+    assert main([*base, "--rank", "4"]) == 2
+    assert "--rank=4 is not allowed with --adapter none" in capsys.readouterr().err
+    assert main([*base, "--adapter", "dora"]) == 2
+    assert "dora" in capsys.readouterr().err
+    assert main([*base, "--fraction", "0"]) == 2
+    assert "fraction" in capsys.readouterr().err
+
+
+def test_subsample_train_keeps_a_seeded_fraction_of_the_training_rows(reviews):
+    from moelab.data.classification import subsample_train
+
+    data = read_table(reviews)
+    part = subsample_train(data, 0.3, seed=1)
+    assert len(part.labels["train"]) == round(0.3 * 64) and part.texts["test"] == data.texts["test"]
+    assert set(part.texts["train"]) <= set(data.texts["train"])
+    assert subsample_train(data, 0.3, seed=1).texts == part.texts != subsample_train(data, 0.3, seed=2).texts
+    with pytest.raises(ValueError, match=r"fraction=1.5 is not allowed; expected a number in \(0, 1\]"):
+        subsample_train(data, 1.5)
+
+
+def test_finetune_trains_only_the_experts_and_the_new_head_by_default(pretrained, reviews, tmp_path, capsys):
+    # CompeteSMoE (2024) §6.3: "we freeze the router and only optimize the experts' parameters"
+    import yaml
+
+    from moelab.io.model import load
+
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--steps", "2", "--no-progress"]
+    assert main([*base, "--out", str(tmp_path / "experts")]) == 0
+    assert main([*base, "--trainable", "trunk", "--out", str(tmp_path / "trunk")]) == 0
+    lm = load(pretrained)
+    tuned = {name: load(tmp_path / name) for name in ("experts", "trunk")}
+    changed = {
+        name: {n for n, p in model.lm.named_parameters() if not torch.equal(p, lm.state_dict()[n])}
+        for name, model in tuned.items()
+    }
+    assert changed["experts"] and all(".ffn.experts." in n for n in changed["experts"])
+    assert any(".attn." in n for n in changed["trunk"]) and not any(".router." in n for n in changed["trunk"])
+    recorded = {
+        name: yaml.safe_load((tmp_path / name / "config.yaml").read_text())["recorded"] for name in tuned
+    }
+    experts = sum(p.numel() for n, p in lm.named_parameters() if ".ffn.experts." in n)
+    head = sum(p.numel() for n, p in tuned["experts"].named_parameters() if n.startswith("fc"))
+    assert recorded["experts"]["trainable_params"] == experts + head
+    assert recorded["trunk"]["trainable_params"] > experts + head
+    capsys.readouterr()
+    assert main([*base, "--adapter", "lora", "--trainable", "trunk", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--trainable='trunk' is not allowed with --adapter lora" in err and len(err.strip().splitlines()) == 1
+    )
+
+
 def test_finetune_refuses_a_batch_beyond_the_machines_memory(pretrained, reviews, tmp_path, capsys):
     out = tmp_path / "ft"
     assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--batch-size", "4096000000",

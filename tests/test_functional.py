@@ -13,6 +13,8 @@ from moelab.functional import (
     competition_affinity,
     cosine_logits,
     normalized_weights,
+    resolve_renormalize,
+    topk_gate,
     topk_softmax,
 )
 
@@ -121,3 +123,34 @@ def test_competition_affinity_rejects_unknown_activation_and_reduce():
         competition_affinity(out, "tanh")
     with pytest.raises(ValueError, match=r"reduce='max' is not supported; allowed: \['mean', 'norm'\]"):
         competition_affinity(out, reduce="max")
+
+
+def test_topk_gate_renormalises_for_k_above_one_and_is_switch_at_k1():
+    logits = torch.randn(6, 5, dtype=torch.float64)
+    w2, i2, p = topk_gate(logits, 2)
+    ref_w, ref_i = topk_softmax(logits, 2)
+    assert torch.equal(w2, ref_w) and torch.equal(i2, ref_i)
+    torch.testing.assert_close(p, logits.softmax(-1))
+    w1, i1, _ = topk_gate(logits, 1)
+    assert torch.equal(i1, logits.argmax(-1, keepdim=True))
+    torch.testing.assert_close(w1, p.gather(1, i1))  # Switch: the chosen expert's probability over N
+    w1r, _, _ = topk_gate(logits, 1, renormalize=True)
+    assert torch.equal(w1r, torch.ones_like(w1r))
+    w2n, _, _ = topk_gate(logits, 2, renormalize=False)
+    torch.testing.assert_close(w2n, p.gather(1, i2))
+
+
+def test_topk_gate_bias_changes_the_choice_not_the_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
+    w, i, p = topk_gate(logits, 2, bias=bias)
+    assert i.tolist() == [[3, 0]]
+    torch.testing.assert_close(w, logits[:, [3, 0]].softmax(-1))
+    w1, i1, _ = topk_gate(logits, 1, bias=bias)
+    assert i1.tolist() == [[3]]
+    torch.testing.assert_close(w1, p[:, [3]])
+
+
+def test_resolve_renormalize_defaults_to_k_above_one():
+    assert resolve_renormalize(None, 1) is False and resolve_renormalize(None, 2) is True
+    assert resolve_renormalize(True, 1) is True and resolve_renormalize(False, 3) is False

@@ -378,3 +378,206 @@ def test_output_router_logits_on_a_converted_model_called_directly_is_refused_in
         model(ids)
     model.config.output_router_logits = False
     assert model(ids).logits.shape == (1, 5, 50)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek"])
+def test_to_hf_exports_in_the_dtype_the_model_was_cast_to_after_conversion(kind, dtype, tmp_path):
+    from safetensors import safe_open
+
+    model = moelab.from_hf(_tiny_causal_lm(kind).float())  # converted in float32
+    model.to(dtype)  # then cast: the blocks must come back in the model's dtype, not float32
+    layer = moelab.layer.moe_layers(model)[0]
+    want = {"router": layer.router.weight.dtype, "experts": layer.experts.w_in.dtype}
+    moelab.to_hf(model)
+    block = model.model.layers[0].mlp
+    assert block.gate.weight.dtype == want["router"] == dtype
+    assert all(p.dtype == dtype for p in block.experts.parameters())
+    if kind == "deepseek":  # its selection bias stays at least float32, in moelab and in transformers alike
+        bias = block.gate.e_score_correction_bias
+        assert bias.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits  # raised "expected m1 and m2 to have the same dtype" when mixed
+    assert logits.dtype == dtype
+    model.save_pretrained(tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    for name, p in model.named_parameters():  # no silent float64 → float32 rounding on disk
+        if name in saved:
+            assert saved[name].dtype == p.dtype and torch.equal(saved[name], p.detach()), name
+
+
+def test_to_hf_refuses_a_block_tensor_that_no_moelab_tensor_restores():
+    layer = from_hf(_block("mixtral"))
+    layer._hf_block.register_buffer("calibration", torch.empty(3, device="meta"))  # unknown to the plan
+    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock.calibration has no moelab counterpart"):
+        moelab.to_hf(layer)
+
+
+def test_moelab_load_keeps_the_attention_implementation_so_logits_come_back_bit_exact(tmp_path):
+    import hashlib
+    import json
+
+    from moelab.io.model import _canonical
+
+    model = _tiny_causal_lm("mixtral")
+    model.config._attn_implementation = "eager"  # not the default (sdpa): it moves the logits by ~1e-7
+    moelab.from_hf(model)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+    moelab.save(model, tmp_path / "m")
+    back = moelab.load(tmp_path / "m")
+    assert back.config._attn_implementation == "eager"
+    assert back.config._experts_implementation == model.config._experts_implementation
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, expected)
+    # saved with kernels this machine cannot build: loaded with the defaults, and said so
+    file = tmp_path / "m" / "config.json"
+    config = json.loads(file.read_text())
+    config["config"]["attn_implementation"] = "flash_attention_2"
+    config.pop("sha256")
+    config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+    file.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"was saved with \{'attn_implementation': 'flash_attention_2'.*"
+                      r"loaded with transformers' default kernels instead"):  # fmt: skip
+        moelab.load(tmp_path / "m")
+
+
+def test_smoe_sg_of_a_sigmoid_block_without_bias_goes_back_to_transformers():
+    lfm2 = pytest.importorskip("transformers.models.lfm2_moe.modeling_lfm2_moe")
+    cfg = lfm2.Lfm2MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=H,
+        num_experts=N,
+        num_experts_per_tok=K,
+        use_expert_bias=False,
+        norm_topk_prob=True,
+    )
+    cfg._experts_implementation = "eager"
+    block = lfm2.Lfm2MoeSparseMoeBlock(cfg).double()
+    _randomize(block, 0)
+    block.eval()
+    x = torch.randn(3, 5, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = block(x.clone())
+    layer = from_hf(block, method="smoe-sg")
+    assert layer.method == "smoe-sg" and layer.shared is None
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)  # its router rounds in float32
+        layer.experts.w_out.mul_(1.5)  # a "fine-tuned" change travels back
+        tuned = layer(x)
+    back = moelab.to_hf(layer)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x.clone()), tuned, rtol=1e-5, atol=1e-6)
+    assert type(back) is type(block)
+    refused = from_hf(block, method="smoe-sg", normalize=False)
+    with pytest.raises(ValueError, match=r"router options \{'normalize': False\} differ"):
+        moelab.to_hf(refused)
+
+
+def _flint_block():
+    from hf_families import families, tiny_block
+
+    fam, cls = next((f, c) for f, c in families() if c.__name__ == "FlintSparseMoeBlock")
+    return tiny_block(fam, cls)
+
+
+@pytest.mark.parametrize("make", [lambda: _block("mixtral"), _flint_block], ids=["mixtral", "flint"])
+def test_set_method_to_the_layers_own_method_changes_nothing(make):
+    import warnings
+
+    block = make()
+    layer = from_hf(block)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    coefs, config = dict(layer.coefs), dict(layer.init_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to announce either
+        moelab.set_method(layer, layer.method)
+    assert layer.coefs == coefs and layer.init_config == config  # Mixtral's z-loss stayed off
+    assert layer.state_dict().keys() == state.keys()  # Flint got no selection bias
+    assert all(torch.equal(layer.state_dict()[k], v) for k, v in state.items())
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1), dtype=block.experts.down_proj.dtype)
+    with torch.no_grad():
+        assert torch.equal(moelab.to_hf(layer)(x.clone())[0], block(x.clone())[0])  # not refused
+
+
+def test_a_sigmoid_block_without_selection_bias_keeps_none_in_another_method():
+    layer = from_hf(_flint_block(), method="competesmoe")  # its base: sharede-v3's rule, no bias
+    assert layer.router.base_method == "sharede-v3" and layer.router.base.selection_bias is None
+    layer = from_hf(_flint_block())
+    with pytest.warns(UserWarning) as record:
+        moelab.set_method(layer, "smoe")
+    assert not any("selection_bias" in str(w.message) for w in record)  # nothing to drop
+
+
+def test_set_method_after_attach_keeps_the_context_and_steps_the_new_router():
+    torch.manual_seed(0)
+    model = nn.Sequential(moelab.MoE(D, N, K), moelab.MoE(D, N, K))
+    ctx = moelab.routing_context(model, total_steps=30)
+    with pytest.warns(UserWarning, match=r"initialises router tensors .* afresh: selection_bias"):
+        moelab.set_method(model, "sharede-v3")
+    layers = moelab.layer.moe_layers(model)
+    assert all(m.ctx is ctx for m in layers) and [m.layer_index for m in layers] == [0, 1]
+    assert len(ctx.hooks) == 2 and {h.__self__ for h in ctx.hooks} == {m.router for m in layers}
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(0))
+    model.train()
+    for _ in range(30):
+        (model(x).pow(2).mean() + moelab.aux_loss(model)).backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.advance()
+    assert all(m.router.selection_bias.abs().sum() > 0 for m in layers)  # was 0.0: no hook ran
+
+
+def test_set_method_says_which_router_tensors_it_initialises_afresh_and_keeps_a_familys_own():
+    torch.manual_seed(0)
+    layer = moelab.MoE(D, N, K, method="smoe")
+    with pytest.warns(UserWarning, match=r"initialises router tensors .* afresh: embeddings, temperature, "
+                      r"proj.weight \(layers \[0\]\); the routing differs"):  # fmt: skip
+        moelab.set_method(layer, "xmoe")
+    with torch.no_grad():
+        layer.router.proj.weight.mul_(2.0)  # "trained"
+    proj, emb = layer.router.proj.weight.clone(), layer.router.embeddings.clone()
+    with pytest.warns(
+        UserWarning, match=r"afresh: temperature \(layers \[0\]\)"
+    ):  # xmoe learns it, pcosine not
+        moelab.set_method(layer, "pcosine")
+    assert torch.equal(layer.router.proj.weight, proj) and torch.equal(layer.router.embeddings, emb)
+    x = torch.randn(5, D)
+    before = layer.eval()(x)
+    moelab.set_method(layer, "pcosine", perturbation=0.1)  # its own method, its own value: nothing new
+    assert torch.equal(layer(x), before)
+
+
+def test_set_method_announces_the_loss_coefficients_it_changes():
+    import warnings
+
+    layer = from_hf(_block("mixtral"))  # router_aux_loss_coef 0.001, no z-loss
+    assert layer.coefs == {"balance": 0.001}
+    with pytest.warns(
+        UserWarning,
+        match=r"changes the loss coefficients to the method's preset: \{'balance': 0.001\} -> "
+        r"\{'balance': 0.01, 'z': 0.001\} \(layers \[0\]\); pass <loss>_coef options to set them",
+    ):
+        moelab.set_method(layer, "xmoe")
+    with pytest.warns(
+        UserWarning, match=r"\{'balance': 0.01, 'z': 0.001\} -> \{'entropy': 0.001, 'z': 0.001\}"
+    ):
+        moelab.set_method(layer, "sigma-moe", z_coef=0.001)  # the entropy term is the preset's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # back, with the coefficients asked for: nothing to announce
+        moelab.set_method(layer, "smoe", balance_coef=0.001, z_coef=0.0, entropy_coef=0.0)
+    assert layer.coefs == {"balance": 0.001}
+    moelab.set_method(layer, "smoe", renormalize=True)  # the same method keeps them, zeros included
+    assert layer.coefs == {"balance": 0.001}
+
+
+def test_set_method_keeps_the_layers_balance_scope():
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_scope="sequence")
+    moelab.set_method(layer, "xmoe")
+    assert layer.balance_scope == "sequence" and layer.init_config["options"]["balance_scope"] == "sequence"
+    moelab.set_method(layer, "smoe", balance_scope="global")
+    assert layer.balance_scope == "global"

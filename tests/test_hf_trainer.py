@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import moelab
 from moelab.hf.upcycle import upcycle
+from moelab.layer import moe_layers
 from moelab.schedules import CoinFlipSchedule, CompetitionSchedule, build_schedule
 
 transformers = pytest.importorskip("transformers")
@@ -404,3 +405,86 @@ def test_the_trainer_trains_every_method(tmp_path, method):
     assert _ctx(model).step == 2
     changed = [k for k, v in model.state_dict().items() if "mlp" in k and not torch.equal(v, before[k])]
     assert changed, f"{method}: no MoE parameter moved"
+
+
+# ------------------------------------------------------------------------- global balance scope
+def test_global_balance_in_one_process_trains_as_the_micro_batch_balance(tmp_path):
+    """One process, one micro-batch a step: the step's load is the micro-batch's, so the StepBalance the
+    trainer attaches gives the same run; it is detached when training ends."""
+    logs = {}
+    for scope in ("micro", "global"):
+        model = _model("smoe", balance_scope=scope, importance_coef=0.1)
+        trainer = MoETrainer(model=model, args=_args(tmp_path / scope, max_steps=3), train_dataset=_data(12))
+        trainer.train()
+        logs[scope] = _train_logs(trainer)
+        assert all(m.step_balance is None for m in moe_layers(model))
+    for a, b in zip(logs["micro"], logs["global"]):
+        for key in ("loss", "aux_loss", "aux_balance", "aux_importance"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+
+
+def test_global_balance_under_gradient_accumulation_uses_the_steps_running_counts(tmp_path):
+    """Two micro-batches a step, each with its own backward: the second is balanced against the counts of
+    both (Megatron-Core's global_aux_loss), so the run differs from the micro-batch balance."""
+    seen = []
+
+    class Spy(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            balance = moe_layers(model)[0].step_balance
+            seen.append(balance is not None and balance._totals is None)  # the last step's are cleared
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            balance = moe_layers(model)[0].step_balance
+            seen.append(balance is not None and balance._forwards)  # both micro-batches recorded
+
+    logs = {}
+    for scope in ("micro", "global"):
+        model = _model("smoe", balance_scope=scope, balance_coef=1.0)
+        args = _args(
+            tmp_path / scope, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2
+        )
+        trainer = MoETrainer(model=model, args=args, train_dataset=_data(8), callbacks=[Spy()])
+        trainer.train()
+        logs[scope] = _train_logs(trainer)
+    assert seen == [
+        False,
+        False,
+        False,
+        False,
+        True,
+        2,
+        True,
+        2,
+    ]  # micro: none; global: one, cleared each step
+    assert logs["global"][0]["aux_balance"] > 0
+    assert logs["global"][0]["aux_balance"] != pytest.approx(logs["micro"][0]["aux_balance"], rel=1e-6)
+
+
+def test_training_a_loaded_model_for_more_steps_rebuilds_its_routing_context_for_them(tmp_path):
+    from moelab.hf.trainer import MoETrainerCallback
+
+    model = _model()
+    moelab.routing_context(model, total_steps=6, seed=0, **COMPETE).step = 6  # as after a 6-step run
+    moelab.save(model, tmp_path / "m")
+    loaded = moelab.load(tmp_path / "m").train()
+    assert _ctx(loaded).total_steps == 6
+    trainer = MoETrainer(model=loaded, args=_args(tmp_path / "b", max_steps=10), train_dataset=_data(40))
+    with pytest.warns(
+        UserWarning, match=r"routing context planned 6 steps .* max_steps=10: .* rebuilt for 10"
+    ):
+        trainer.train()
+    ctx = _ctx(loaded)
+    assert ctx.total_steps == 10 and ctx.step == 10 and ctx.schedule.total_steps == 10
+    # drawn again with the loaded schedule's options (ω, warm-up), as a fresh 10-step run would be
+    assert torch.equal(ctx.schedule.table, build_schedule("competesmoe", 2, 10, seed=0, **COMPETE).table)
+    given = MoETrainerCallback(ctx=moelab.RoutingContext(total_steps=6))
+    trainer = MoETrainer(
+        model=_model("smoe"),
+        args=_args(tmp_path / "c", max_steps=10),
+        train_dataset=_data(40),
+        callbacks=[given],
+    )
+    with pytest.raises(
+        ValueError, match=r"^ctx.total_steps=6 is not allowed: the Trainer plans max_steps=10; "
+    ):
+        trainer.train()

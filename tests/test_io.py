@@ -366,3 +366,21 @@ def test_a_run_without_best_config_json_says_it_loads_the_newest_checkpoint(corp
         UserWarning, match=r"best/config.json' is missing; loading the newest checkpoint step-00000002"
     ):
         moelab.load(out)
+
+
+def test_load_keeps_each_tensors_dtype_bf16_experts_with_float32_routers(tmp_path):
+    lm = _lm("sharede-v3")
+    for layer in lm.moe_layers:  # the experts in bf16, the routers (and the selection bias) in float32
+        layer.experts.to(torch.bfloat16)
+    lm.save_pretrained(tmp_path / "lm")
+    back = moelab.load(tmp_path / "lm")
+    want = {name: t for name, t in [*lm.named_parameters(), *lm.named_buffers()]}
+    got = dict([*back.named_parameters(), *back.named_buffers()])
+    assert {n: got[n].dtype for n in want} == {n: t.dtype for n, t in want.items()}
+    assert {got[n].dtype for n in got if ".experts." in n} == {torch.bfloat16}
+    assert all(torch.equal(got[n], t) for n, t in want.items())  # bit-exact, nothing rounded
+    assert back.head.weight is back.tok_emb.weight  # still tied
+    layer = moelab.MoE(8, 4, 2)
+    layer.experts.double()  # a bare layer too
+    moelab.save(layer, tmp_path / "layer")
+    assert moelab.load(tmp_path / "layer").experts.w_in.dtype == torch.float64

@@ -144,6 +144,23 @@ def test_triton_refuses_float64_naming_what_runs(tk):
         bank(torch.randn(3, 8, dtype=torch.float64), idx, w.double())
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter runs on the CPU")
+def test_triton_under_the_interpreter_refuses_bfloat16_which_it_computes_wrongly(tk):
+    # Triton 3.9's interpreter returned outputs ~1e10 off the loop kernel's for bf16 tiles
+    bank = ExpertBank(2, 8, 8, impl="triton").to(torch.bfloat16)
+    idx, w = random_routing(3, 2, 1, torch.Generator().manual_seed(0))
+    with pytest.raises(
+        ValueError,
+        match=r"^impl='triton' is not available for device=cpu, dtype=torch.bfloat16, activation='relu', "
+        r"bias=False: Triton's interpreter on the CPU mishandles bfloat16 \(its outputs are off by orders of "
+        r"magnitude\); under TRITON_INTERPRET=1 it takes torch.float32 and torch.float16; "
+        r"use impl='loop', 'grouped' or 'auto'$",
+    ):
+        bank(torch.randn(3, 8, dtype=torch.bfloat16), idx, w.to(torch.bfloat16))
+    assert not tk.available(torch.device("cpu"), torch.bfloat16)
+    assert tk.available(torch.device("cpu"), torch.float16)  # float16 computes right there
+
+
 def test_unavailable_reason_names_the_interpreter_on_the_cpu(tk, monkeypatch):
     monkeypatch.setattr(tk, "INTERPRET", False)
     reason = tk.unavailable_reason(torch.device("cpu"), torch.float32)

@@ -194,7 +194,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
         (
             {"temperature": 0.3},
-            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'z_coef'\]",
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'selection_bias', 'z_coef'\]",
         ),
         ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
         (
@@ -345,3 +345,122 @@ def test_inputs_of_a_wrong_dtype_are_refused_in_one_line():
         match=r"input of dtype torch.float16 is not allowed; expected the layer's dtype torch.float32",
     ):
         layer(torch.ones(3, 8, dtype=torch.float16))
+
+
+def test_an_input_that_is_not_a_tensor_or_model_is_refused_naming_it():
+    layer = moelab.MoE(4, 2, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"^input of type list is not allowed; expected a torch.Tensor of shape \(..., d_model=4\)$",
+    ):
+        layer([[1.0, 2.0, 3.0, 4.0]])
+    for call in (
+        moelab.aux_loss,
+        moelab.layer.moe_layers,
+        lambda m: moelab.attach(m, moelab.RoutingContext()),
+    ):
+        with pytest.raises(ValueError, match=r"^model=3 is not allowed; expected a torch.nn.Module$"):
+            call(3)
+
+
+# ------------------------------------------------------------ a context that drives step-dependent routing
+STEP_DEPENDENT = ["sharede-v3", "stablemoe", "smoe-dropout", "competesmoe", "densemoe", "competesmoe-v1"]
+
+
+def _train(model, steps, ctx=None, advance=False, before_step=False, micro=1):
+    """``steps`` optimizer steps of a toy loss; the warnings they give."""
+    import warnings
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            for _ in range(micro):  # gradient accumulation: several forwards per optimizer step
+                (model(x).pow(2).mean() + moelab.aux_loss(model)).backward()
+            if advance and before_step:
+                ctx.advance()
+            opt.step()
+            opt.zero_grad()
+            if advance and not before_step:
+                ctx.advance()
+    return [str(w.message) for w in caught if "RoutingContext" in str(w.message)]
+
+
+def _two_layers(method):
+    return nn.Sequential(moelab.MoE(16, 8, 2, method=method), moelab.MoE(16, 8, 2, method=method))
+
+
+@pytest.fixture
+def _fresh_context_warnings(monkeypatch):
+    monkeypatch.setattr(moelab.layer, "_TOLD_NO_CONTEXT", set(), raising=False)
+
+
+@pytest.mark.usefixtures("_fresh_context_warnings")
+@pytest.mark.parametrize("method", STEP_DEPENDENT)
+def test_a_step_dependent_method_says_once_that_it_trains_without_a_context(method):
+    told = _train(_two_layers(method), 4)
+    assert len(told) == 1, told  # once, for both layers and every step, naming the method itself
+    assert told[0].startswith(f"MoE layer of method={method!r} trains without a RoutingContext that drives")
+    assert "no RoutingContext" in told[0] and "moelab.routing_context(model, total_steps)" in told[0]
+
+
+@pytest.mark.usefixtures("_fresh_context_warnings")
+@pytest.mark.parametrize("method", STEP_DEPENDENT)
+def test_a_step_dependent_method_says_once_that_its_context_does_not_advance(method):
+    model = _two_layers(method)
+    ctx = moelab.routing_context(model, total_steps=20)
+    told = _train(model, 4, ctx)
+    assert len(told) == 1, told
+    assert told[0].startswith(
+        f"MoE layer of method={method!r} trains with a RoutingContext that does not advance: an optimizer "
+        "stepped since the last training forward, but ctx.step stayed 0; "
+    )
+    assert told[0].endswith("Call ctx.advance() once after every optimizer step")
+
+
+@pytest.mark.usefixtures("_fresh_context_warnings")
+def test_a_context_that_advances_in_either_order_or_accumulates_is_not_told_anything():
+    for before_step, micro in [(False, 1), (True, 1), (False, 3)]:
+        model = _two_layers("sharede-v3")
+        ctx = moelab.routing_context(model, total_steps=20)
+        assert _train(model, 4, ctx, advance=True, before_step=before_step, micro=micro) == []
+        assert all(m.router.selection_bias.abs().sum() > 0 for m in model)  # it balanced
+    for method in ("smoe", "xmoe", "sigma-moe"):  # nothing of theirs depends on the step
+        assert _train(_two_layers(method), 3) == []
+
+
+@pytest.mark.usefixtures("_fresh_context_warnings")
+def test_a_context_without_what_the_router_needs_is_named():
+    model = _two_layers("smoe-dropout")
+    moelab.attach(model, moelab.RoutingContext())  # no total_steps: K never grows
+    assert "the RoutingContext has no total_steps; its K grows from top_k=2 to k_max=8" in _train(model, 2)[0]
+    model = _two_layers("sharede-v3")
+    ctx = moelab.RoutingContext(total_steps=10)
+    for layer in model:  # set by hand, not by attach: the bias hook is not registered
+        layer.ctx = ctx
+    assert (
+        "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
+        in (_train(model, 2, ctx, advance=True)[0])
+    )
+    model = _two_layers("competesmoe")
+    moelab.attach(model, moelab.RoutingContext(total_steps=10))
+    assert "the RoutingContext holds no schedule; it competes on the steps" in _train(model, 2)[0]
+
+
+def test_a_training_forward_sets_no_router_attribute():
+    def plain(model):  # the routers' (the layer keeps its last routing and aux loss by design)
+        return {
+            (i, name, k): v
+            for i, layer in enumerate(model)
+            for name, m in layer.router.named_modules()
+            for k, v in vars(m).items()
+            if isinstance(v, (bool, int, float, str, type(None)))
+        }
+
+    for method in STEP_DEPENDENT:
+        model = _two_layers(method).train()
+        before = plain(model)
+        model(torch.randn(8, 16))  # no context: it warns, and records that outside the modules
+        assert plain(model) == before, method

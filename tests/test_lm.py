@@ -40,7 +40,7 @@ def expected_counts(size: str, arch: str, vocab: int = 256) -> tuple[int, int]:
     return total, total - n_moe * (N - K) * 2 * d * h
 
 
-@pytest.mark.parametrize("size", [s for s in PRESETS if s != "wt103-small"] + ["wt103-small"])
+@pytest.mark.parametrize("size", list(PRESETS))
 @pytest.mark.parametrize("arch", ["switch", "glam"])
 def test_parameter_counts_per_preset(size, arch):
     with torch.device("meta"):
@@ -152,6 +152,28 @@ def test_train_cli_writes_the_run(corpus, tmp_path, capsys):
     assert len(rows) == 5 and rows[0].startswith("step,lr,loss")
     assert (out / "best" / "config.json").exists() and (out / "ckpt").is_dir()
     assert "test_bpc" in capsys.readouterr().out
+
+
+def test_opt_sets_the_layer_arguments_the_lm_passes_to_every_layer(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out, "--opt", "top_k=3", "--opt", "activation=gelu")) == 0
+    model = moelab.load(out / "best")
+    layers = list(moelab.layer.moe_layers(model))
+    assert layers and all(layer.top_k == 3 for layer in layers)
+    assert model.cfg.top_k == 3 and model.cfg.activation == "gelu"
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--opt", "d_model=8"], "--opt d_model=8 is not allowed; the layer's d_model is set by --d-model"),
+        (["--opt", "method='xmoe'"], "the layer's method is set by --method"),
+        (["--top-k", "2", "--opt", "top_k=3"], "--opt top_k=3 contradicts --top-k 2; give one of them"),
+    ],
+)
+def test_opt_refuses_a_layer_argument_given_twice_in_one_line(corpus, tmp_path, capsys, extra, message):
+    assert main(tiny_args(corpus, tmp_path / "run", *extra)) == 2
+    assert message in _one_line_error(capsys)
 
 
 def test_train_cli_reads_a_config_file(corpus, tmp_path):
@@ -403,6 +425,28 @@ def test_shipped_configs_are_valid(path):
     assert config.data in ("default", "enwik8", "text8", "wikitext103")
 
 
+@pytest.mark.parametrize("size,millions,blocks", [("small", 15, 6), ("medium", 36, 8)])
+def test_wikitext103_configs_build_the_papers_small_and_medium_models(size, millions, blocks):
+    # CompeteSMoE (2024) §6.1 / Table 7: WikiText-103 is run with the small (6 layers, 15M) and medium
+    # (8 layers, 36M) models; the 15M / 36M count the byte-level model, so the non-embedding part is
+    # the same at word level and the embedding grows by vocab x d
+    vocab = 267_735
+    for arch in ("switch", "glam"):
+        config = _config_of("--config", f"configs/lm/wikitext103-{size}-{arch}.yaml")
+        assert (config.data, config.size, config.n_layer, config.block_size) == (
+            "wikitext103",
+            size,
+            blocks,
+            512,
+        )
+        with torch.device("meta"):
+            word, byte = (TransformerLM(lm_config(config.size, v, arch=arch)) for v in (vocab, 256))
+        d = config.d_model
+        assert count_parameters(word)[0] - count_parameters(byte)[0] == (vocab - 256) * d
+        if arch == "switch":
+            assert abs(count_parameters(byte)[0] / 1e6 - millions) < 0.5
+
+
 def _config_of(*flags):
     import argparse
 
@@ -519,7 +563,9 @@ def finished_run(corpus, tmp_path_factory):
 
 
 _DAMAGED_CONFIGS = {
-    "truncated": (lambda good: good[: len(good) // 2], "config.yaml'"),
+    # torn in the middle of a line (a cut between two whole lines is a valid, shorter YAML mapping:
+    # the missing settings read as their defaults, as an older run's do)
+    "truncated": (lambda good: good[: good.index("opts: {") + 7], "config.yaml'"),
     "a list": (lambda good: "- 1\n- 2\n", "must hold a mapping"),
     "a scalar": (lambda good: "42\n", "must hold a mapping"),
     "bad syntax": (lambda good: "task: lm\n  bad: [\n", "is not valid YAML"),
@@ -552,6 +598,103 @@ def test_resume_of_a_damaged_config_yaml_is_one_line_naming_the_file(
     assert main(tiny_args(corpus, out, "--resume")) == 2
     err = _one_line_error(capsys)
     assert message in err and str(config) in err
+
+
+# ---------------------------------------------------------------- Active-Attention (Ho (2025))
+
+
+def _literal_attention(attn, x: torch.Tensor, sigma) -> torch.Tensor:
+    """softmax(QKᵀ/√d_h + causal mask) σ(V) per head, written out (no fused kernel)."""
+    B, L, d = x.shape
+    H = attn.n_head
+    q, k, v = attn.qkv(x).split(d, dim=2)
+    v = sigma(v) if sigma is not None else v
+    q, k, v = (t.view(B, L, H, d // H).transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / (d // H) ** 0.5
+    scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, d)
+    return attn.proj(y)
+
+
+@pytest.mark.parametrize("act", ["gelu", "tanh", "relu", "sigmoid", "silu"])
+def test_active_attention_is_softmax_of_qk_times_sigma_of_v(act):
+    sigmas = {"gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "relu": torch.relu,
+              "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu}  # fmt: skip
+    torch.manual_seed(0)
+    model = TransformerLM(
+        LMConfig(vocab_size=11, attention="active", attention_activation=act, **TINY)
+    ).eval()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.qkv.bias.normal_()  # σ acts on V = X W_V + b_V
+    x = torch.randn(2, 7, TINY["d_model"], dtype=torch.float64)
+    attn.double()
+    with torch.no_grad():
+        got = attn(x)
+        torch.testing.assert_close(got, _literal_attention(attn, x, sigmas[act]))
+        assert (got - _literal_attention(attn, x, None)).abs().max() > 1e-3  # not the standard one
+
+
+def test_standard_attention_is_the_default_and_unchanged():
+    cfg = LMConfig(vocab_size=11, **TINY)
+    assert cfg.attention == "standard" and cfg.attention_activation is None
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval().double()
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 7, TINY["d_model"], dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), _literal_attention(attn, x, None))
+    # the same weights as before the option existed: same seed, same draws, same logits
+    torch.manual_seed(0)
+    active = TransformerLM(LMConfig(vocab_size=11, attention="active", **TINY)).eval().double()
+    assert active.cfg.attention_activation == "gelu"
+    for a, b in zip(model.state_dict().values(), active.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    # a checkpoint's config written before the option existed loads as standard attention
+    old = {k: v for k, v in cfg.to_dict().items() if not k.startswith("attention")}
+    assert LMConfig.from_dict(old).attention == "standard"
+
+
+def test_active_attention_options_are_refused_in_one_line():
+    with pytest.raises(
+        ValueError, match=r"attention='linear' is not allowed; expected one of \['standard', 'active'\]"
+    ):
+        LMConfig(vocab_size=10, attention="linear")
+    with pytest.raises(ValueError, match=r"attention_activation='softplus' is not allowed; expected one of"):
+        LMConfig(vocab_size=10, attention="active", attention_activation="softplus")
+    with pytest.raises(
+        ValueError, match=r"attention_activation='tanh' is not allowed with attention='standard'"
+    ):
+        LMConfig(vocab_size=10, attention_activation="tanh")
+
+
+def test_active_attention_compiles_runs_under_bf16_autocast_and_saves(tmp_path):
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=11, attention="active", attention_activation="tanh", **TINY))
+    model.eval()
+    idx = torch.randint(0, 11, (2, 9))
+    with torch.no_grad():
+        eager = model(idx)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(idx)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(idx)
+    assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
+    assert (low.float() - eager).abs().max() < 0.1
+    moelab.save(model, tmp_path / "m")
+    back = moelab.load(tmp_path / "m")
+    assert back.cfg.attention == "active" and back.cfg.attention_activation == "tanh"
+    with torch.no_grad():
+        assert torch.equal(back.eval()(idx), eager)
+
+
+def test_train_cli_attention_flags_reach_the_model(corpus, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--attention", "active", "--attention-activation", "silu", "--steps", "2"]
+    assert main([*tiny_args(corpus, out), *flags]) == 0
+    assert "attention: active" in (out / "config.yaml").read_text()
+    model = moelab.load(out)
+    assert model.cfg.attention == "active" and model.cfg.attention_activation == "silu"
 
 
 def test_a_resumed_run_keeps_only_keep_ckpts_checkpoints(corpus, tmp_path):

@@ -167,3 +167,73 @@ def test_method_layer_can_be_copied_saved_and_reloaded_after_a_forward(method, t
     fresh = make(method).eval()
     fresh.load_state_dict(torch.load(tmp_path / "w.pt"))
     torch.testing.assert_close(fresh(x), expected, rtol=0, atol=0)
+
+
+#: methods whose router has nothing a task loss could train, by design: a router frozen at its
+#: random init (smoe-fixed, smoe-dropout) or no router at all (competition: the experts decide)
+NO_TRAINABLE_ROUTER = {"smoe-fixed", "smoe-dropout", "competition"}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("k", [1, 2])
+def test_method_router_learns_from_the_task_loss_alone_at_k1_and_k2(method, k):
+    torch.manual_seed(0)
+    layer = moelab.MoE(D, N, k, d_hidden=12, method=method).train()
+    params = [p for p in layer.router.parameters() if p.requires_grad]
+    if method in NO_TRAINABLE_ROUTER:
+        assert params == []  # the exception is what the preset is, not a lost gradient
+        return
+    layer(torch.randn(2, 6, D)).pow(2).mean().backward()  # the task loss only: no aux loss is read
+    total = sum(float(p.grad.abs().sum()) for p in params if p.grad is not None)
+    assert total > 1e-6, f"{method} at K={k}: the router's parameters get no gradient from the task loss"
+
+
+@pytest.mark.parametrize("method", ["smoe", "xmoe", "hyperrouter", "stablemoe"])
+def test_top1_weight_is_switch_the_chosen_experts_probability_over_all_n(method):
+    layer = moelab.MoE(D, N, 1, method=method).train()
+    r = layer.router(torch.randn(10, D), layer.experts, None)
+    torch.testing.assert_close(r.weights, r.probs.gather(1, r.indices))
+    assert bool((r.weights < 1).all())
+    forced = moelab.MoE(D, N, 1, method=method, renormalize=True).router(torch.randn(10, D), None, None)
+    assert torch.equal(forced.weights, torch.ones_like(forced.weights))  # explicit: today's constant 1
+
+
+def test_sharede_v3_top1_weight_is_the_sigmoid_score_and_topk_is_normalised():
+    layer = moelab.MoE(D, N, 1, method="sharede-v3")
+    r = layer.router(torch.randn(10, D), None, None)
+    torch.testing.assert_close(r.weights, torch.sigmoid(r.logits).gather(1, r.indices))
+    r2 = moelab.MoE(D, N, 2, method="sharede-v3").router(torch.randn(10, D), None, None)
+    torch.testing.assert_close(r2.weights.sum(-1), torch.ones(10))
+
+
+@pytest.mark.parametrize(
+    "method", ["smoe", "xmoe", "pcosine", "hyperrouter", "stablemoe", "sharede-v2", "sharede-v3"]
+)
+def test_k2_weights_are_renormalised_by_default_as_before(method):
+    torch.manual_seed(1)
+    layer = moelab.MoE(D, N, 2, method=method)
+    torch.manual_seed(1)
+    explicit = moelab.MoE(
+        D, N, 2, method=method, **{"normalize" if method == "sharede-v3" else "renormalize": True}
+    )
+    x = torch.randn(9, D)
+    assert torch.equal(layer(x), explicit(x))
+
+
+def test_renormalize_refuses_a_non_boolean():
+    with pytest.raises(ValueError, match=r"renormalize='yes' is not allowed; expected True, False or None"):
+        moelab.MoE(D, N, 2, method="smoe", renormalize="yes")
+
+
+def test_smoe_sg_is_sharede_v3_without_shared_experts_or_selection_bias():
+    assert "smoe-sg" in moelab.methods()
+    torch.manual_seed(0)
+    sg = make("smoe-sg").train()
+    torch.manual_seed(0)
+    v3 = make("sharede-v3", num_shared=0, selection_bias=False).train()
+    assert sg.shared is None and sg.router.selection_bias is None and sg.router.normalize
+    assert not sg.coefs  # no aux loss, as DeepSeek-V3's router
+    x = torch.randn(3, 5, D)
+    torch.testing.assert_close(sg(x), v3(x), rtol=0, atol=0)
+    assert torch.equal(sg.last_routing.indices, v3.last_routing.indices)
+    torch.testing.assert_close(sg.last_routing.weights.sum(-1), torch.ones(15))

@@ -56,8 +56,10 @@ def test_every_method_satisfies_routing_invariants_and_matches_the_literal_sum(c
     assert ((r.indices >= 0) & (r.indices < num_experts)).all()
     assert (r.indices.sort(dim=-1).values.diff(dim=-1) != 0).all(), "experts repeat within a token"
     assert (r.weights >= 0).all()
-    if method != "sigma-moe":  # σ-MoE does not renormalise
+    if layer.router.weights_sum_to_one:  # σ-MoE never renormalises; at K = 1 the default is Switch's p_i
         torch.testing.assert_close(r.weights.sum(-1), torch.ones(tokens, dtype=dtype))
+    elif layer.router.base_router.gate == "softmax":  # probabilities of the chosen: at most 1 together
+        assert (r.weights.sum(-1) <= 1 + 1e-6).all()
     with torch.no_grad():
         ref = reference_output(layer, x)
     tol = 1e-5 if dtype == torch.float32 else 1e-10

@@ -84,6 +84,28 @@ def test_sweep_gives_the_sensitivity_table(tmp_path):
     assert table[3].split() == ["switch", "1.8000", "1.4000", "1.4100"]
 
 
+def test_a_top_k_sweep_of_several_methods_gives_a_row_per_method_and_the_plot(tmp_path):
+    # CompeteSMoE (2024) Fig. 3: test BPC against the number of activated experts K, per method
+    numbers = {("smoe", 1): 1.5, ("smoe", 2): 1.4, ("smoe", 4): 1.45, ("competesmoe", 1): 1.45}
+    for (method, k), v in numbers.items():
+        for seed, noise in enumerate((0.0, 0.02)):
+            fake_run(tmp_path / "runs" / f"{method}-{k}-{seed}", method, seed, v + noise, {"top_k": k})
+    groups = group_runs(collect_runs([tmp_path / "runs"]))
+    text, _ = render(groups, None)
+    table = text.split("test bpc by top_k")[1].splitlines()
+    assert table[1].split()[-3:] == ["1", "2", "4"]  # numeric order
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:]}
+    assert rows == {"smoe": ["1.5100", "1.4100", "1.4600"], "competesmoe": ["1.4600", "—", "—"]}
+    from moelab.experiments.report import plot_sensitivity
+
+    assert plot_sensitivity(groups, tmp_path / "k.png") == tmp_path / "k.png"
+    assert (tmp_path / "k.png").stat().st_size > 0
+    text_groups = group_runs(collect_runs([tmp_path / "runs"]))
+    for g in text_groups:
+        g.settings["top_k"] = "a" if g.settings["top_k"] == 1 else "b"
+    assert plot_sensitivity(text_groups, tmp_path / "none.png") is None  # nothing numeric to draw
+
+
 def test_report_cli_writes_files_and_rejects_bad_paths(tmp_path, capsys):
     for i, v in enumerate([1.30, 1.32]):
         fake_run(tmp_path / "runs" / f"s{i}", "smoe", i, v)

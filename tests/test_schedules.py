@@ -177,3 +177,20 @@ def test_a_model_whose_layers_need_two_schedules_is_refused():
         "the model's MoE layers use methods ['competesmoe', 'competesmoe-v1'], which need different schedules "
         "['coin-flip', 'competition']; one model trains with one schedule"
     )
+
+
+def test_a_competition_schedule_too_large_for_the_machine_is_refused_before_allocating():
+    from moelab.schedules import _machine_memory
+
+    memory = _machine_memory()
+    if memory is None:
+        pytest.skip("the OS does not report the machine's memory")
+    steps = memory  # bytes of the table alone exceed the memory: refused, not a MemoryError
+    with pytest.raises(
+        ValueError,
+        match=rf"^total_steps={steps} is not allowed: the competition schedule of 2 layers needs about "
+        r"[\d.]+ GiB for its table, more than half of this machine's [\d.]+ GiB; expected at most \d+ steps$",
+    ):
+        CompetitionSchedule(2, steps)
+    with pytest.raises(ValueError, match=r"total_steps=1000000000000 is not allowed"):
+        moelab.schedules.build_schedule("competesmoe", 2, 10**12)

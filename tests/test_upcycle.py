@@ -1,3 +1,4 @@
+import copy
 import json
 
 import pytest
@@ -345,6 +346,19 @@ def test_train_force_over_an_upcycled_run_leaves_nothing_of_it(tmp_path):
     assert main([*train, "--force"]) == 0
     assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
     assert isinstance(moelab.load(out), TransformerLM)
+
+
+@pytest.mark.parametrize("method", ["smoe", "sharede-v3", "competesmoe"])
+def test_top1_upcycling_keeps_the_dense_function_unless_switch_weighting_is_asked(method):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(5, 8)
+    layer = upcycle(copy.deepcopy(mlp), num_experts=4, top_k=1, method=method).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), mlp(x))  # weight 1: the dense MLP
+    switch = upcycle(copy.deepcopy(mlp), num_experts=4, top_k=1, renormalize=False).eval()
+    r = switch.router(x, switch.experts, None)
+    torch.testing.assert_close(r.weights, r.probs.gather(1, r.indices))  # Switch: p of the chosen
 
 
 def test_cli_refuses_more_experts_than_memory_holds_before_allocating(tmp_path, capsys):

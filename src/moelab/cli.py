@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moelab.experiments.finetune",
         "fine-tune a trained MoE LM on text classification (CompeteSMoE (2024) Table 3)",
     ),
+    "eval": (
+        "moelab.experiments.evaluate",
+        "zero-shot evaluation of a trained LM through lm-evaluation-harness (LAMBADA, PIQA, ... or your own task)",
+    ),
     "report": ("moelab.experiments.report", "tables and plots from finished runs"),
     "diagnose": (
         "moelab.experiments.diagnose",

@@ -20,6 +20,8 @@ __all__ = [
     "cosine_logits",
     "expert_counts",
     "normalized_weights",
+    "resolve_renormalize",
+    "topk_gate",
     "topk_softmax",
 ]
 
@@ -43,6 +45,48 @@ def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         return torch.ones_like(top), indices
     top, indices = logits.topk(k, dim=-1)  # (T, K)
     return top.softmax(dim=-1), indices
+
+
+def resolve_renormalize(renormalize: bool | None, k: int) -> bool:
+    """Whether the K chosen weights are renormalised to sum to 1: ``renormalize`` when given, else
+    ``k > 1``.  At K = 1 a renormalised weight is the constant 1 and the task loss never reaches
+    the router, so the default there is Switch Transformer's weighting (Fedus et al. 2022): the
+    chosen expert's probability over all N."""
+    if renormalize is None:
+        return k > 1
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize={renormalize!r} is not allowed; expected True, False or None (K > 1)")
+    return renormalize
+
+
+def topk_gate(
+    logits: Tensor, k: int, renormalize: bool | None = None, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The softmax top-K gate of every softmax router: ``(weights (T, K), indices (T, K), probs (T, N))``.
+
+    * ``probs = softmax(h)`` over all N experts;
+    * the K chosen are ``TopK(softmax(h) + b)``: ``bias`` ``b (N,)`` is a selection-only offset on
+      the gating scores (the aux-loss-free bias of DeepSeek-V3 and of Wang et al. 2024, added to
+      the scores after their activation, as torchtitan does), absent by default: ``TopK(h)``;
+    * weights: renormalised over the chosen (``softmax`` of their logits, :func:`topk_softmax`), or
+      ``probs`` at the chosen (Switch Transformer at K = 1; Qwen2-MoE / OLMoE with
+      ``norm_topk_prob=False``); ``renormalize=None`` renormalises for K > 1 only
+      (:func:`resolve_renormalize`).
+    """
+    probs = logits.softmax(dim=-1)
+    if bias is None:
+        if resolve_renormalize(renormalize, k):
+            weights, indices = topk_softmax(logits, k)
+        else:  # the same choice as topk_softmax's (max at K = 1)
+            indices = logits.argmax(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
+            weights = probs.gather(1, indices)
+        return weights, indices, probs
+    indices = (probs.detach() + bias.to(probs.dtype)).topk(k, dim=-1).indices
+    if resolve_renormalize(renormalize, k):
+        weights = logits.gather(1, indices).softmax(dim=-1)
+    else:
+        weights = probs.gather(1, indices)
+    return weights, indices, probs
 
 
 def normalized_weights(scores: Tensor, eps: float = 0.0) -> Tensor:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -10,14 +12,25 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
-from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
+from .losses import (
+    LOAD_LOSSES,
+    LOSS_NAMES,
+    importance_loss,
+    mean_entropy_loss,
+    sequence_balance_loss,
+    switch_balance_loss,
+    z_loss,
+)
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
-__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
+__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "check_context", "moe_layers"]
 
-_LAYER_OPTIONS = ("num_shared",)
+_LAYER_OPTIONS = ("num_shared", "balance_scope")
+
+#: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
+BALANCE_SCOPES = ("micro", "sequence", "global")
 
 
 class MoE(nn.Module):
@@ -42,8 +55,21 @@ class MoE(nn.Module):
             forward; switch off for speed).  Under ``torch.compile`` the check is traced as
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
         **options: the method's options (router options, ``<loss>_coef`` with loss in
-            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses, and
-            ``num_shared``), overriding the preset.
+            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
+            ``num_shared`` and ``balance_scope``), overriding the preset.
+
+    ``balance_scope`` — where the load-based losses (``balance``, ``importance``, ``entropy``)
+    measure the load (docs/methods.md, "Balance scope"):
+
+    * ``"micro"`` (default): over the tokens of this forward (one micro-batch of one rank);
+    * ``"sequence"``: per sequence, then averaged over the sequences (DeepSeek-V3's sequence-wise
+      balance loss); the input must keep its sequence structure ``(..., S, d)``;
+    * ``"global"``: over the whole optimizer step — every micro-batch on every data-parallel rank
+      (Qwen's global-batch balance, Qiu et al. 2025).  The step's statistics are gathered outside
+      the forward by a :class:`moelab.balance.StepBalance` that the training loop owns (the
+      :class:`moelab.train.Trainer` and ``moelab.hf.MoETrainer`` do); while one is attached it
+      forms these losses and this layer's ``aux_loss`` leaves them out.  Without one, in one
+      process, they are the micro-batch's (the same thing for one micro-batch a step).
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`).
@@ -102,10 +128,16 @@ class MoE(nn.Module):
                 coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
             elif key == "num_shared":
                 num_shared = value
+            elif key == "balance_scope":
+                _validate.one_of("balance_scope", value, BALANCE_SCOPES)
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
+        self.balance_scope: str = options.get("balance_scope", "micro")
+        #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
+        #: (set and cleared by it, outside the forward), or ``None``
+        self.step_balance = None
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
         if experts is None:
@@ -127,7 +159,7 @@ class MoE(nn.Module):
         )
         self.ctx: RoutingContext | None = None
         self._aux: Tensor | None = torch.zeros(())
-        self._aux_pending: tuple[Routing, Tensor] | None = None
+        self._aux_pending: tuple[Routing, Tensor, int | None] | None = None
         self.last_routing: Routing | None = None
 
     @property
@@ -139,8 +171,7 @@ class MoE(nn.Module):
         cost as much as the experts).
         """
         if self._aux_pending is not None:
-            routing, x = self._aux_pending
-            self._aux, self._aux_pending = self._aux_loss(routing, x), None
+            self._aux, self._aux_pending = self._aux_loss(*self._aux_pending), None
         return self._aux
 
     @aux_loss.setter
@@ -160,6 +191,7 @@ class MoE(nn.Module):
         (``copy.deepcopy`` refuses a non-leaf tensor, so a used layer could not be copied)."""
         state = super().__getstate__()
         state["_aux"], state["_aux_pending"] = self.aux_loss.detach(), None
+        state["step_balance"] = None  # a copy is not attached to the original's training loop
         return state
 
     def reset_parameters(self) -> None:
@@ -181,6 +213,11 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise ValueError(
+                f"input of type {type(x).__name__} is not allowed; expected a torch.Tensor of shape "
+                f"(..., d_model={self.d_model})"
+            )
         if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"input of shape {tuple(x.shape)} is not allowed; expected the last dimension to be "
@@ -194,7 +231,15 @@ class MoE(nn.Module):
                 f"input of dtype {x.dtype} is not allowed; expected the layer's dtype {weight.dtype} "
                 f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
             )
+        if self.training and not torch.compiler.is_compiling():  # a warning would break the graph
+            check_context(self)
         shape = x.shape
+        if self.balance_scope == "sequence" and x.dim() < 3:
+            raise ValueError(
+                f"input of shape {tuple(shape)} is not allowed with balance_scope='sequence'; expected the "
+                "sequence structure (..., S, d_model)"
+            )
+        seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
         routing = self.router(flat, self.experts, self.ctx)
         if self.check_finite:
@@ -218,17 +263,17 @@ class MoE(nn.Module):
             y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
         if self.shared is not None:
             y = y + self.shared(flat)
-        self._aux_pending = (routing, flat)  # the aux loss, computed when read (``aux_loss``)
+        self._aux_pending = (routing, flat, seq_len)  # the aux loss, computed when read (``aux_loss``)
         self.last_routing = routing.detach()
         return y.reshape(shape)
 
-    def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
+    def _aux_loss(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> Tensor:
         total = x.new_zeros(())
-        for term in self._aux_terms(routing, x).values():
+        for term in self._aux_terms(routing, x, seq_len).values():
             total = total + term
         return total
 
-    def _aux_terms(self, routing: Routing, x: Tensor) -> dict[str, Tensor]:
+    def _aux_terms(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> dict[str, Tensor]:
         """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
         ``aux_loss``; :mod:`moelab.hf.trainer` logs them one by one)."""
         terms: dict[str, Tensor] = {}
@@ -237,21 +282,40 @@ class MoE(nn.Module):
         for name, coef in self.coefs.items():
             loss = routing.losses.get(name)
             if loss is None:
-                loss = self._standard_loss(name, routing)
+                loss = self._standard_loss(name, routing, seq_len)
             if loss is not None:
                 terms[name] = coef * loss
         return terms
 
-    def _standard_loss(self, name: str, routing: Routing) -> Tensor | None:
-        if name == "balance" and routing.probs is not None:
+    def _standard_loss(self, name: str, routing: Routing, seq_len: int | None = None) -> Tensor | None:
+        if name == "z":
+            return None if routing.logits is None else z_loss(routing.logits)
+        if routing.probs is None or name not in LOAD_LOSSES:
+            return None
+        if self.balance_scope == "global":
+            if self.step_balance is not None:  # it forms the step's loss (moelab.balance)
+                return None
+            _refuse_unsynchronised_global(self)
+        seq = seq_len if self.balance_scope == "sequence" else None
+        if name == "balance":
+            if seq is not None:
+                return sequence_balance_loss(routing.probs, routing.indices, self.num_experts, seq)
             return switch_balance_loss(routing.probs, routing.indices, self.num_experts)
-        if name == "z" and routing.logits is not None:
-            return z_loss(routing.logits)
-        if name == "importance" and routing.probs is not None:
-            return importance_loss(routing.probs)
-        if name == "entropy" and routing.probs is not None:
-            return mean_entropy_loss(routing.probs)
-        return None
+        if name == "importance":
+            return importance_loss(routing.probs, seq_len=seq)
+        return mean_entropy_loss(routing.probs, seq_len=seq)
+
+
+def _refuse_unsynchronised_global(layer: MoE) -> None:
+    """A global-scope loss read without the step's statistics under torch.distributed would be this
+    rank's micro-batch loss under another name."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                f"balance_scope='global' (MoE layer {layer.layer_index}) is not allowed without the step's "
+                "statistics under torch.distributed; expected a moelab.balance.StepBalance attached by the "
+                "training loop (moelab.train.Trainer and moelab.hf.MoETrainer attach one)"
+            )
 
 
 def aux_loss(model: nn.Module) -> Tensor:
@@ -268,6 +332,8 @@ def aux_loss(model: nn.Module) -> Tensor:
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
     """The MoE layers of ``model`` in module order (``model`` itself included if it is one)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} is not allowed; expected a torch.nn.Module")
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
@@ -295,3 +361,69 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
             if isinstance(module, Router):
                 ctx.add_step_hook(module.on_step)
     return layers
+
+
+# ------------------------------------------------------------------ a context that drives the routing
+# What a training forward reads to tell, once, that a step-dependent method trains without a
+# context that advances.  Kept here, outside the modules: a forward sets no module attribute.
+#: the messages already given that a context is missing or lacks what a router needs: each once
+#: per process (as Python's "once" warning filter; every layer of a model gives the same one)
+_TOLD_NO_CONTEXT: set[str] = set()
+#: id(ctx) → (weak reference, its step at the last training forward, the optimizer steps counted
+#: then, the methods already told that it does not advance)
+_WATCHED: dict[int, tuple[weakref.ref, int, int, set[str]]] = {}
+_OPTIMIZER_STEPS = [0]  # every torch optimizer's steps, counted by a global post-step hook
+_STEP_HOOK: list = []
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def check_context(layer: MoE) -> None:
+    """Warn, once, when ``layer`` trains a method whose routing depends on the step (sharede-v3's
+    selection bias, StableMoE's stage, SMoE-Dropout's K, the competition schedules) without a
+    :class:`moelab.RoutingContext` that drives it: none attached, one without what the router
+    needs (a schedule, ``total_steps``, its step hook), or one whose step stays put while an
+    optimizer steps (``ctx.advance()`` forgotten).  Called by training forwards (not inside
+    ``torch.compile``); it reads the layer and records only in this module's own tables."""
+    router = layer.router
+    what = router.step_dependence()
+    if what is None:
+        return
+    ctx = layer.ctx
+    problem = router.context_problem(ctx)
+    if problem is not None:
+        message = (
+            f"MoE layer of method={layer.method!r} trains without a RoutingContext that drives its "
+            f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
+            "then call ctx.advance() once after every optimizer step"
+        )
+        if message not in _TOLD_NO_CONTEXT:
+            _TOLD_NO_CONTEXT.add(message)
+            warnings.warn(message, stacklevel=2)
+        return
+    if not _STEP_HOOK:  # counted from the first training forward that needs it on
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    key = id(ctx)
+    entry = _WATCHED.get(key)
+    if entry is None or entry[0]() is not ctx:
+        entry = (
+            weakref.ref(ctx, lambda _, k=key: _WATCHED.pop(k, None)),
+            ctx.step,
+            _OPTIMIZER_STEPS[0],
+            set(),
+        )
+        _WATCHED[key] = entry
+    if entry[1] != ctx.step:  # the context advanced (or was set): watch from here
+        _WATCHED[key] = (entry[0], ctx.step, _OPTIMIZER_STEPS[0], entry[3])
+    elif entry[2] != _OPTIMIZER_STEPS[0] and layer.method not in entry[3]:
+        entry[3].add(layer.method)
+        warnings.warn(
+            f"MoE layer of method={layer.method!r} trains with a RoutingContext that does not advance: an "
+            f"optimizer stepped since the last training forward, but ctx.step stayed {ctx.step}; {what}. "
+            "Call ctx.advance() once after every optimizer step",
+            stacklevel=2,
+        )

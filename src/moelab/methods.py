@@ -122,7 +122,7 @@ for _m in [
         "sigmoid",
         "normalised sigmoid, selection bias with aux-loss-free update, shared experts",
         "DeepSeek-V3; CompeteSMoE (2025) SharedE-V3; Ho (2025)",
-        options={"normalize": True, "selection_bias": True},
+        options={"normalize": None, "selection_bias": True},  # normalised for K > 1 (K = 1: Switch)
         num_shared=1,
     ),
     Method(
@@ -141,6 +141,17 @@ for _m in [
     ),
 ]:
     register_method(_m)
+
+# ---------------------------------------------------------------- Ho (2025)
+register_method(
+    Method(
+        "smoe-sg",
+        "sigmoid",
+        "s = sigmoid(W x); weights s / Σ s over TopK(s); no shared expert, no selection bias",
+        "Ho (2025) SMoE-SG (SMoE Sigmoid Gating, the LM and VLM tables of Nguyen et al. on DeepSeekMoE)",
+        options={"normalize": None, "selection_bias": False},  # normalised for K > 1 (K = 1: Switch)
+    )
+)
 
 # ---------------------------------------------------------------- competition (CompeteSMoE (2024, 2025))
 for _m in [
@@ -183,6 +194,9 @@ for _m in [
 # ---------------------------------------------------------------- building a preset's router
 #: options of the ``competesmoe`` router family that name its base by method (resolved here)
 _BASE_OPTIONS = ("base", "base_options")
+#: the aux-loss-free selection bias, a layer option of every method with a router: a router that
+#: wraps a base router hands it to the base (the one that chooses)
+_BIAS_OPTIONS = ("selection_bias", "bias_update_rate")
 
 
 def method_router_options(method: str) -> list[str]:
@@ -192,7 +206,7 @@ def method_router_options(method: str) -> list[str]:
 
     names = router_options(ROUTERS[get_method(method).router])
     if "base" in names:
-        names = [n for n in names if n != "base_method"] + ["base_options"]
+        names = [n for n in names if n != "base_method"] + ["base_options", *_BIAS_OPTIONS]
     return names
 
 
@@ -213,8 +227,13 @@ def build_method_router(method: str, d_model: int, num_experts: int, top_k: int,
         if base_options is not None and not isinstance(base_options, dict):
             raise ValueError(f"base_options={base_options!r} is not allowed; expected a dict or None")
         base_preset = get_method(base_name)  # the router checks that the base is a plain one
+        bias = {k: params.pop(k) for k in _BIAS_OPTIONS if k in params}
         base = build_router(
-            base_preset.router, d_model, num_experts, top_k, **{**base_preset.options, **(base_options or {})}
+            base_preset.router,
+            d_model,
+            num_experts,
+            top_k,
+            **{**base_preset.options, **(base_options or {}), **bias},
         )
         params.update(base=base, base_method=base_name)
     return build_router(preset.router, d_model, num_experts, top_k, **params)

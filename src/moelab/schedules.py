@@ -10,6 +10,7 @@ docs/methods.md ("Competition") gives the rules.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,28 @@ def _broadcast_from_rank0(table: torch.Tensor) -> torch.Tensor:
     return buf.to("cpu").bool()
 
 
+def _machine_memory() -> int | None:
+    """This machine's physical memory in bytes, or ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _check_table_fits(num_layers: int, total_steps: int) -> None:
+    """Refuse a competition schedule whose table cannot be built here, before allocating it: the
+    ``(L, T)`` bool table and, per step, an int64 count, the float64 draws and their int64 indices."""
+    memory = _machine_memory()
+    per_step = num_layers + 24
+    if memory is None or total_steps * per_step <= memory // 2:
+        return
+    raise ValueError(
+        f"total_steps={total_steps!r} is not allowed: the competition schedule of {num_layers} layers needs "
+        f"about {total_steps * per_step / 2**30:.1f} GiB for its table, more than half of this machine's "
+        f"{memory / 2**30:.1f} GiB; expected at most {memory // 2 // per_step} steps"
+    )
+
+
 class CompetitionSchedule:
     """The competition schedule Λ(l, t) of CompeteSMoE (2025) §2.3.2, §2.4, App. B, Table 20.
 
@@ -104,6 +127,7 @@ class CompetitionSchedule:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed={seed!r} is not allowed; expected an integer >= 0")
         self.seed = seed
+        _check_table_fits(self.num_layers, self.total_steps)
         self.warmup_steps = int(self.warmup * self.total_steps)
         self.dropped = 0
         self.table = _broadcast_from_rank0(self._build())

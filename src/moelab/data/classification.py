@@ -20,7 +20,7 @@ import torch
 from .download import DataError, cache_dir, fetch
 from .text import _verified
 
-__all__ = ["TASKS", "ClassificationData", "load_classification", "read_table"]
+__all__ = ["TASKS", "ClassificationData", "load_classification", "read_table", "subsample_train"]
 
 TASKS = ("sst2", "sst5", "imdb", "banking77")
 
@@ -212,3 +212,15 @@ def load_classification(task: str) -> ClassificationData:
                 f"{cache_dir() / task} and run again"
             ) from None
     return read_table(task)
+
+
+def subsample_train(data: ClassificationData, fraction: float, seed: int = 0) -> ClassificationData:
+    """``data`` with a seeded ``fraction`` of its training rows (at least one; the order kept),
+    validation and test untouched: the sample-efficiency curves of Ho (2025) (RepLoRA)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} is not allowed; expected a number in (0, 1]")
+    n = len(data.labels["train"])
+    keep = sorted(_permutation(n, seed)[: max(1, round(fraction * n))])
+    texts = {**data.texts, "train": [data.texts["train"][i] for i in keep]}
+    labels = {**data.labels, "train": [data.labels["train"][i] for i in keep]}
+    return ClassificationData(data.name, texts, labels, data.label_names)

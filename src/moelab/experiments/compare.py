@@ -53,7 +53,8 @@ class CompareConfig:
     reference: str = setting("competesmoe", help="method the p-values compare against")
     paper: str | None = setting(
         None,
-        help="run the methods and loss settings of CompeteSMoE (2024) or (2025) Table 2 and print the "
+        help="run the methods, loss settings and layouts of CompeteSMoE (2024) or (2025) Table 2 or Ho (2025) "
+        "(ho2025: SMoE, DeepSeek-V2, DeepSeek-V3, SMoE-SG) and print the "
         "paper's numbers beside ours",
         allowed=(Options(tuple(sorted(PAPERS))), None),
     )
@@ -95,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     requested = [m.strip() for m in config.methods.split(",") if m.strip()]
     if not requested:
         raise UsageError(f"--methods {config.methods!r} names no method")
-    known = set(methods())
+    known = set(methods()) | {
+        name for name, layout in (paper.layouts if paper else {}).items() if "method" in layout
+    }
     unknown_default = [m for m in requested if m not in known and m in DEFAULT_METHODS]
     unknown = [m for m in requested if m not in known and m not in DEFAULT_METHODS]
     if unknown:
@@ -114,23 +117,17 @@ def run(args: argparse.Namespace) -> int:
         )
     # the comparison's folder, locked while it runs; --force removes everything of an earlier run in
     # it, whichever command wrote it
+    plan = _plan(config, paper, chosen, given)
     top = RunDir(out, resume=args.resume, force=args.force)
     try:
-        return _compare(args, config, paper, chosen, unknown_default, out)
+        return _compare(args, config, paper, chosen, unknown_default, out, plan)
     finally:
         top.close()
 
 
-def _compare(args, config, paper, chosen, unknown_default, out: Path) -> int:
-    set_threads(config.run)
-    if unknown_default:
-        print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
-    reference = config.reference if config.reference in chosen else chosen[0]
-    if reference != config.reference:
-        print(
-            f"reference {config.reference!r} is not among the methods run; p-values are against {reference!r}"
-        )
-
+def _plan(config: CompareConfig, paper, chosen: list[str], given: dict) -> tuple[list[int], str, list]:
+    """The seeds, the loss-settings line and every run's validated config ``(folder, seed, TrainRun)``:
+    all of it checked before the comparison's folder is touched."""
     seeds = list(range(config.seed_offset, config.seed_offset + config.seeds))
     shared = {} if config.losses == "preset" else dict(paper.losses if paper else SAME_LOSSES)
     losses_line = (
@@ -141,7 +138,6 @@ def _compare(args, config, paper, chosen, unknown_default, out: Path) -> int:
         + " for every method (plus each method's own losses: distillation, diversity, ...)"
         + (f", as {paper.citation}" if paper else "")
     )
-    print(losses_line)
     sweep = parse_sweep(config.sweep)
     configs = []
     points = list(zip(sweep.values, sweep.labels)) if sweep else [(None, None)]
@@ -156,8 +152,30 @@ def _compare(args, config, paper, chosen, unknown_default, out: Path) -> int:
                     opts = {**shared, **opts}
                 if sweep is not None:
                     opts[sweep.key] = value
-                one = replace(config.run, method=method, seed=seed, opts=opts)
+                layout = {
+                    k: v
+                    for k, v in (paper.layouts.get(method, {}) if paper else {}).items()
+                    if f"run.{k}" not in given
+                }
+                opts = {**layout.pop("opts", {}), **opts}
+                # a paper's row may name its method apart from the row (an ablation: a method + options)
+                one = replace(config.run, method=layout.pop("method", method), seed=seed, opts=opts, **layout)
                 configs.append((name, seed, runner.validate(lm.resolve(runner.validate(one)))))
+    return seeds, losses_line, configs
+
+
+def _compare(args, config, paper, chosen, unknown_default, out: Path, plan: tuple) -> int:
+    set_threads(config.run)
+    if unknown_default:
+        print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
+    reference = config.reference if config.reference in chosen else chosen[0]
+    if reference != config.reference:
+        print(
+            f"reference {config.reference!r} is not among the methods run; p-values are against {reference!r}"
+        )
+
+    seeds, losses_line, configs = plan
+    print(losses_line)
     data = load_text(configs[0][2].data, level=configs[0][2].level)
     print(
         f"compare: {len(chosen)} methods × {len(seeds)} seeds on {data.name} "

@@ -32,6 +32,7 @@ SCALARS = (
     "swap_topk_delta",
     "competition_overlap_mean",
     "load_cv_mean",
+    "max_vio_mean",
     "expert_change_rate",
 )
 
@@ -113,6 +114,8 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
         out["load"] = [x["load"] for x in loads]
         out["load_cv"] = [x["cv"] for x in loads]
         out["load_cv_mean"] = _mean(out["load_cv"])
+        out["max_vio"] = [x["max_vio"] for x in loads]  # MaxVio of the load over all the tokens
+        out["max_vio_mean"] = _mean(out["max_vio"])
         out["expert_output_norms"] = metrics.expert_output_norms(model, batches).tolist()
         ckpts = list_checkpoints(path / "ckpt")
         out["expert_change_rate"] = None
@@ -132,7 +135,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _validate.positive_int("--tokens", args.tokens)
     rows = [diagnose_run(r, args.tokens) for r in args.runs]
-    header = f"{'run':<40} {'bpc':>7} {'swap1 Δ':>8} {'swapK Δ':>8} {'entropy':>8} {'overlap':>8} {'load CV':>8} {'change':>7}"
+    header = (
+        f"{'run':<40} {'bpc':>7} {'swap1 Δ':>8} {'swapK Δ':>8} {'entropy':>8} {'overlap':>8} {'load CV':>8} "
+        f"{'MaxVio':>7} {'change':>7}"
+    )
     print(header)
 
     def fmt(v: Any, spec: str) -> str:
@@ -143,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['run'][-40:]:<40} {r['bpc']:>7.4f} {fmt(r.get('swap_top1_delta'), '+.4f'):>8} "
             f"{fmt(r.get('swap_topk_delta'), '+.4f'):>8} {fmt(r['router_entropy_mean'], '.4f'):>8} "
             f"{fmt(r['competition_overlap_mean'], '.3f'):>8} {fmt(r['load_cv_mean'], '.3f'):>8} "
-            f"{fmt(r['expert_change_rate'], '.3f'):>7}"
+            f"{fmt(r['max_vio_mean'], '.3f'):>7} {fmt(r['expert_change_rate'], '.3f'):>7}"
         )
     print(f"\nwrote diagnostics.json in {len(rows)} run(s)")
     return 0

@@ -18,13 +18,14 @@ from typing import Any
 
 from torch import nn
 
-from ..data.classification import TASKS, ClassificationData, load_classification
+from ..adapters import ADAPTERS, add_adapter
+from ..data.classification import TASKS, ClassificationData, load_classification, subsample_train
 from ..data.text import tokenizer_from_state
 from ..io.atomic import read_json, sha256_file
 from ..io.model import load
 from ..io.model import resolve as resolve_model
 from ..layer import moe_layers
-from ..models.classifier import LMClassifier, freeze_routers
+from ..models.classifier import LMClassifier, freeze_all_but_experts, freeze_routers
 from ..models.lm import TransformerLM
 from ..optim import OPTIMIZERS, check_optimizer
 from ..routing import RoutingContext
@@ -106,10 +107,37 @@ class FinetuneConfig:
     seed: int = setting(
         0, help="seed of the new head and the data order", allowed=Interval(int, 0, 2**63 - 1)
     )
+    adapter: str = setting(
+        "none",
+        help="none: fine-tune the whole trunk (routers frozen); lora or replora (Ho (2025)): train only "
+        "low-rank updates of Q and V and the new head (moelab.adapters)",
+        allowed=Options(("none", *ADAPTERS)),
+    )
+    trainable: str = setting(
+        "experts",
+        help="experts: the MoE experts and the new head train, the rest of the LM is frozen (CompeteSMoE "
+        "(2024) §6.3: 'only optimize the experts' parameters'); trunk: every LM parameter but the routers",
+        allowed=Options(("experts", "trunk")),
+    )
+    rank: int = setting(8, help="the adapter's rank r (alpha = r: scale 1)", allowed=Interval(int, 1))
+    fraction: float = setting(
+        1.0,
+        help="the fraction of the training rows used (a seeded subset; validation and test untouched)",
+        allowed=Interval(float, 0, 1, closed="right"),
+    )
     progress: bool = setting(True, input=False, flag="--no-progress", help="no progress bar")
 
     def check(self) -> None:
         check_optimizer(self.optimizer, self.weight_decay)
+        if self.adapter != "none" and self.trainable != "experts":
+            raise ValueError(
+                f"--trainable={self.trainable!r} is not allowed with --adapter {self.adapter}; an adapter "
+                "trains its low-rank updates and the new head only"
+            )
+        if self.adapter == "none" and self.rank != 8:
+            raise ValueError(
+                f"--rank={self.rank} is not allowed with --adapter none; it is an adapter's rank"
+            )
 
     @property
     def task_name(self) -> str:
@@ -133,6 +161,8 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
     if not isinstance(lm, TransformerLM):
         raise ValueError(f"--from {config.source!r} holds a {type(lm).__name__}; expected a TransformerLM")
     data = load_classification(config.task)
+    if config.fraction < 1:  # the same rows for every adapter at one seed (paired comparisons)
+        data = subsample_train(data, config.fraction, config.seed)
     per_epoch = math.ceil(len(data.labels["train"]) / config.batch_size)
     steps = config.steps if config.steps is not None else max(1, round(config.epochs * per_epoch))
     run.check_fingerprint("--task", config.task, data_fingerprint(data))
@@ -140,6 +170,10 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
     routing = frozen_routing(lm)  # before the classifier's Trainer attaches it
     model = LMClassifier(lm, data.num_classes)
     frozen = freeze_routers(model)
+    if config.adapter != "none":  # the trunk frozen but for its Q/V updates; the new head trains
+        add_adapter(model.lm, config.adapter, rank=config.rank)
+    elif config.trainable == "experts":
+        frozen += freeze_all_but_experts(model.lm)
     train = TrainConfig(
         steps=steps,
         batch_size=config.batch_size,
@@ -157,6 +191,8 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         num_classes=data.num_classes,
         labels=data.label_names,
         frozen_router_params=frozen,
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        train_rows=len(data.labels["train"]),
         method=lm_config.method,
     )
     run.write_config()

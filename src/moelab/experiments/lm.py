@@ -20,7 +20,16 @@ from ..data.text import TextData, load_text
 from ..errors import UsageError
 from ..io.rundir import atomic_write_text
 from ..methods import get_method
-from ..models.lm import ARCHS, PRESETS, TRAINING, TransformerLM, count_parameters, lm_config
+from ..models.lm import (
+    ARCHS,
+    ATTENTION_ACTIVATIONS,
+    ATTENTIONS,
+    PRESETS,
+    TRAINING,
+    TransformerLM,
+    count_parameters,
+    lm_config,
+)
 from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
 from ..train.tasks import LMTask
@@ -109,6 +118,16 @@ class TrainRun:
     dropout: float | None = setting(
         None, help="dropout (preset default)", allowed=(Interval(float, 0, 1, closed="left"), None)
     )
+    attention: str = setting(
+        "standard",
+        help="standard, or active: Active-Attention of Ho (2025), softmax(QK^T/sqrt(d)) act(V)",
+        allowed=Options(ATTENTIONS),
+    )
+    attention_activation: str | None = setting(
+        None,
+        help="the act of --attention active (default gelu)",
+        allowed=(Options(tuple(ATTENTION_ACTIVATIONS)), None),
+    )
     # the training (None: the size preset's)
     steps: int | None = setting(None, help="optimisation steps (preset default)", allowed=_POSITIVE)
     batch_size: int | None = setting(None, help="sequences per step (preset default)", allowed=_POSITIVE)
@@ -160,6 +179,12 @@ class TrainRun:
         input=False,
         help="under torchrun: each rank holds num_experts / world_size experts (docs/scaling.md)",
     )
+    fsdp: bool = setting(
+        False,
+        input=False,
+        help="under torchrun: FSDP2 shards every parameter over the ranks (with --expert-parallel: "
+        "the experts over the ranks holding the same ones; docs/scaling.md)",
+    )
 
     def check(self) -> None:
         check_optimizer(self.optimizer, self.weight_decay)
@@ -174,16 +199,44 @@ class TrainRun:
             )
         if self.arch != "dense":
             get_method(self.method)  # a clear error for an unknown method
+        for key, value in self.opts.items():
+            if key in _LAYER_FLAGS:
+                raise ValueError(
+                    f"--opt {key}={value!r} is not allowed; the layer's {key} is set by {_LAYER_FLAGS[key]}"
+                )
+            given = getattr(self, key, None) if key in _OPT_FIELDS else None
+            if given is not None and given != value:
+                raise ValueError(
+                    f"--opt {key}={value!r} contradicts --{key.replace('_', '-')} {given}; give one of them"
+                )
 
     def model_fields(self) -> dict[str, Any]:
-        """The :func:`moelab.models.lm.lm_config` fields the run sets (the rest: the preset's)."""
-        return {name: getattr(self, name) for name in _MODEL_FIELDS if getattr(self, name) is not None}
+        """The :func:`moelab.models.lm.lm_config` fields the run sets (the rest: the preset's): the
+        model flags, and the layer arguments given as ``--opt`` (``top_k``, ``num_experts``,
+        ``d_hidden``, ``activation``: what ``compare --sweep top_k=1,2`` varies)."""
+        fields = {name: getattr(self, name) for name in _MODEL_FIELDS if getattr(self, name) is not None}
+        fields.update({key: value for key, value in self.opts.items() if key in _OPT_FIELDS})
+        return fields
+
+    def method_options(self) -> dict[str, Any]:
+        """The ``--opt`` options passed to every :class:`moelab.MoE` (schedule options and the layer
+        arguments of :meth:`model_fields` excluded)."""
+        options = {k: v for k, v in self.opts.items() if k not in _OPT_FIELDS}
+        return split_schedule_options(options)[0]
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(**{name: getattr(self, name) for name in _TRAIN_FIELDS})
 
 
-_MODEL_FIELDS = ("block_size", "d_model", "n_layer", "n_head", "d_hidden", "num_experts", "top_k", "dropout")
+_MODEL_FIELDS = (
+    "block_size", "d_model", "n_layer", "n_head", "d_hidden", "num_experts", "top_k", "dropout",
+    "attention", "attention_activation",
+)  # fmt: skip
+#: arguments of :class:`moelab.MoE` that ``--opt`` may set: they are fields of the LM's config, which
+#: passes them to every layer
+_OPT_FIELDS = ("top_k", "num_experts", "d_hidden", "activation")
+#: arguments of :class:`moelab.MoE` that a flag of its own sets (``--opt`` would pass them twice)
+_LAYER_FLAGS = {"d_model": "--d-model", "method": "--method", "experts": "the expert bank of the LM"}
 _TRAIN_FIELDS = (
     "steps", "batch_size", "lr", "schedule", "warmup", "optimizer", "weight_decay", "grad_clip",
     "eval_every", "eval_tokens", "test_tokens", "ckpt_every", "seed",
@@ -197,7 +250,10 @@ def resolve(config: TrainRun) -> TrainRun:
     filled = {
         name: preset[name]
         for name in (*_MODEL_FIELDS, *_TRAIN_FIELDS)
-        if getattr(config, name) is None and name in preset and preset[name] is not None
+        if getattr(config, name) is None
+        and name in preset
+        and preset[name] is not None
+        and name not in config.opts
     }
     config = replace(config, **filled, method="dense" if config.arch == "dense" else config.method)
     lm_config(config.size, 1, **config.model_fields(), arch=config.arch)
@@ -240,7 +296,7 @@ def build_model(config: TrainRun, vocab_size: int) -> TransformerLM:
             **config.model_fields(),
             "arch": config.arch,
             "method": method,
-            "method_options": split_schedule_options(dict(config.opts))[0],
+            "method_options": config.method_options(),
         },
     )
     return TransformerLM(cfg)
@@ -311,6 +367,7 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
             "data": config.data,
         },
         expert_parallel=config.expert_parallel,
+        fsdp=config.fsdp,
     )
     return trainer.fit(resume=run.resume)
 

@@ -241,27 +241,98 @@ def _mean(values: list[Any]) -> float | None:
     return summary.mean(vals) if vals else None
 
 
-def _sensitivity(groups: list[Group], metric: str) -> str:
-    """CompeteSMoE (2024) Tables 4-5: one varying option → a row per architecture, a column per value."""
+def _sweep(groups: list[Group]) -> str | None:
+    """The one option a comparison varies besides the architecture (``--sweep``), or ``None``."""
     keys = [k for k in groups[0].settings if k != "arch"]
-    if len(keys) != 1 or len({g.method for g in groups}) != 1:
-        return ""
-    key = keys[0]
-    values = sorted({json.dumps(g.settings[key]) for g in groups}, key=lambda s: (s == "null", s))
+    return keys[0] if len(keys) == 1 else None
+
+
+def _value_order(text: str) -> tuple[int, float, str]:
+    """Numbers in numeric order, then other values as written, ``null`` last."""
+    value = json.loads(text)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (2 if value is None else 1, 0.0, text)
+
+
+def _sensitivity_rows(groups: list[Group], key: str) -> tuple[list[str], dict[str, list[Group | None]]]:
+    """The swept values in order and, per row (the method, and the architecture where it varies), the
+    group of each value."""
+    values = sorted({json.dumps(g.settings[key]) for g in groups}, key=_value_order)
     archs = sorted({str(g.runs[0].config.get("arch")) for g in groups})
+    methods = list(dict.fromkeys(g.method for g in groups))
+    rows: dict[str, list[Group | None]] = {}
+    for method in methods:
+        for arch in archs:
+            cells = [
+                next(
+                    (
+                        g
+                        for g in groups
+                        if g.method == method
+                        and json.dumps(g.settings[key]) == v
+                        and str(g.runs[0].config.get("arch")) == arch
+                    ),
+                    None,
+                )
+                for v in values
+            ]
+            if any(cells):
+                label = arch if len(methods) == 1 else (method if len(archs) == 1 else f"{method} {arch}")
+                rows[label] = cells
+    return values, rows
+
+
+def _sensitivity(groups: list[Group], metric: str) -> str:
+    """CompeteSMoE (2024) Tables 4-5 (and Fig. 3 with ``--sweep top_k=...``): one varying option → a
+    row per method (and architecture), a column per value."""
+    key = _sweep(groups)
+    if key is None:
+        return ""
+    values, rows = _sensitivity_rows(groups, key)
     head = f"{'sensitivity to ' + key:<24}" + "".join(f"{json.loads(v)!s:>10}" for v in values)
     lines = [head]
-    for arch in archs:
-        cells = []
-        for v in values:
-            match = [
-                g
-                for g in groups
-                if json.dumps(g.settings[key]) == v and str(g.runs[0].config.get("arch")) == arch
-            ]
-            cells.append(f"{match[0].mean:>10.4f}" if match else f"{'—':>10}")
-        lines.append(f"{arch:<24}" + "".join(cells))
+    for label, cells in rows.items():
+        lines.append(f"{label:<24}" + "".join(f"{g.mean:>10.4f}" if g else f"{'—':>10}" for g in cells))
     return f"test {metric} by {key} (mean over seeds)\n" + "\n".join(lines)
+
+
+def plot_sensitivity(groups: list[Group], path: Path) -> Path | None:
+    """The test metric against the swept option's value, one line per method (mean over seeds, error
+    bars ± one sd): CompeteSMoE (2024) Fig. 3 (BPC against the number of activated experts K) with
+    ``--sweep top_k=1,2,4``.  ``None`` (nothing drawn) when no numeric option is swept."""
+    key = _sweep(groups)
+    if key is None:
+        return None
+    values, rows = _sensitivity_rows(groups, key)
+    xs = [json.loads(v) for v in values]
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = groups[0].runs[0].metric
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, cells in rows.items():
+        points = [(x, g.mean, g.std or 0.0) for x, g in zip(xs, cells) if g is not None]
+        ax.errorbar(
+            [p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
+            marker="o", capsize=3, label=label,
+        )  # fmt: skip
+    ax.set_xlabel(key)
+    ax.set_ylabel(f"test {metric.upper()}")
+    ax.set_title(f"Test {metric.upper()} against {key} (mean ± sd over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
 
 
 def curve_stats(group: Group) -> tuple[list[int], list[float], list[float | None], int]:
@@ -392,6 +463,7 @@ def write_report(
             )
     atomic_write_text(out / "runs.csv", _csv_text(run_rows))
     plot_curves(groups, out / "val_curves.png")
+    plot_sensitivity(groups, out / "sensitivity.png")
     curves_text, curve_rows = curve_table(groups)
     if curve_rows:
         atomic_write_text(out / "val_curves.csv", _csv_text(curve_rows))

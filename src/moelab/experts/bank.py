@@ -8,6 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+try:  # sharded weights (expert parallelism, FSDP2); a torch without torch.distributed has none
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = ()
+
 from .. import _validate
 from ..functional import ACTIVATIONS
 from ..functional import activation as get_activation
@@ -82,8 +87,22 @@ class ExpertBank(nn.Module):
 
     @property
     def expert_weights(self) -> ExpertWeights:
-        """The weight tensors and activation the kernels run (:mod:`moelab.experts.kernels`)."""
-        return ExpertWeights(self.w_in, self.w_out, self.b_in, self.b_out, self.activation)
+        """The weight tensors and activation the kernels run (:mod:`moelab.experts.kernels`).
+
+        Every method reads its weights here: the sharded bank of expert parallelism
+        (:class:`moelab.experts.parallel.ExpertParallelBank`) gives its local block instead.  A bank
+        computes on whole experts, so weights that are ``DTensor`` in any other way (a tensor-parallel
+        style applied by hand, ``distribute_tensor``) are refused: taking their local part would
+        compute another model."""
+        w = (self.w_in, self.w_out, self.b_in, self.b_out)
+        for name, t in zip(("w_in", "w_out", "b_in", "b_out"), w):
+            if isinstance(t, DTensor):
+                raise ValueError(
+                    f"ExpertBank weight {name} as a DTensor with placements {tuple(t.placements)} is not allowed; "
+                    "a bank computes on whole experts: split the experts with moelab.train.parallelize "
+                    "(parallelize(model, ep=...) or its ExpertParallel style)"
+                )
+        return ExpertWeights(*w, self.activation)
 
     @property
     def out_features(self) -> int:
@@ -105,18 +124,20 @@ class ExpertBank(nn.Module):
     # ------------------------------------------------------------------ per-expert calls
     def expert_forward(self, x: Tensor, e: int) -> Tensor:
         """Expert ``e`` applied to tokens ``x (T, d)`` → ``(T, d)``."""
-        b_in = None if self.b_in is None else self.b_in[e]
-        b_out = None if self.b_out is None else self.b_out[e]
-        return expert_mlp(x, self.w_in[e], self.w_out[e], b_in, b_out, self.act)
+        w = self.expert_weights
+        b_in = None if w.b_in is None else w.b_in[e]
+        b_out = None if w.b_out is None else w.b_out[e]
+        return expert_mlp(x, w.w_in[e], w.w_out[e], b_in, b_out, self.act)
 
     def _all_experts(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Every expert on the tokens ``x (t, d)``: pre-activations ``(t, N, h_in)`` and outputs ``(t, N, d)``."""
-        h = torch.einsum("td,nhd->tnh", x, self.w_in)
-        if self.b_in is not None:
-            h = h + self.b_in
-        y = torch.einsum("tnh,ndh->tnd", self.act(h), self.w_out)
-        if self.b_out is not None:
-            y = y + self.b_out
+        w = self.expert_weights
+        h = torch.einsum("td,nhd->tnh", x, w.w_in)
+        if w.b_in is not None:
+            h = h + w.b_in
+        y = torch.einsum("tnh,ndh->tnd", self.act(h), w.w_out)
+        if w.b_out is not None:
+            y = y + w.b_out
         return h, y
 
     def forward_all(self, x: Tensor) -> Tensor:
@@ -160,8 +181,9 @@ class ExpertBank(nn.Module):
         cat = lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0]
         winners, h_w, y_w, extra = cat(idx_l), cat(h_l), cat(y_l), cat(extra_l)
         if torch.is_grad_enabled():
+            w = self.expert_weights
             y_w = _WinnerMLP.apply(
-                x, self.w_in, self.w_out, self.b_in, self.b_out, winners, h_w, y_w, self.activation, self.act
+                x, w.w_in, w.w_out, w.b_in, w.b_out, winners, h_w, y_w, self.activation, self.act
             )
         return winners, y_w, extra
 

@@ -77,9 +77,11 @@ def _check(path: str, layer: MoE) -> _Plan:
             "it was never a transformers block (built by moelab, e.g. upcycle or MoE); "
             "a transformers model has no place for it",
         )
-    if layer.method != plan.method:
-        from ..methods import get_method
+    from ..methods import get_method
 
+    # another preset of the block's router family (smoe-sg of a sharede-v3 block) is the same
+    # block when its rule options agree, which the check below does
+    if get_method(layer.method).router != get_method(plan.method).router:
         family = get_method(layer.method).router
         lost = _LOST.get(family, f"the {router_kind} rule '{get_method(layer.method).summary}'")
         raise _refuse(
@@ -102,38 +104,58 @@ def _check(path: str, layer: MoE) -> _Plan:
     return plan
 
 
+def _sources(layer: MoE, plan: _Plan) -> dict[str, torch.Tensor]:
+    """Each tensor of the transformers block by its name in the block, from the moelab tensor it
+    is copied from (a slice of the expert stacks for listed experts)."""
+    r = plan.router_name
+    out: dict[str, torch.Tensor] = {f"{r}.{plan.weight_name}": layer.router.weight}
+    if plan.bias_owner:
+        name = plan.bias_name if plan.bias_owner == "block" else f"{r}.{plan.bias_name}"
+        out[name] = layer.router.selection_bias
+    w_in, w_out, h = layer.experts.w_in, layer.experts.w_out, plan.d_hidden
+    if plan.experts_stacked:
+        out["experts.gate_up_proj"], out["experts.down_proj"] = w_in, w_out
+    else:
+        for i in range(plan.num_experts):
+            out[f"experts.{i}.gate_proj.weight"] = w_in[i, :h]
+            out[f"experts.{i}.up_proj.weight"] = w_in[i, h:]
+            out[f"experts.{i}.down_proj.weight"] = w_out[i]
+    if plan.shared_name:
+        shared = layer.shared
+        mlp = shared.mlp if isinstance(shared, GatedSharedExpert) else shared
+        hs = mlp.fc_in.weight.shape[0] // 2
+        s = plan.shared_name
+        out[f"{s}.gate_proj.weight"] = mlp.fc_in.weight[:hs]
+        out[f"{s}.up_proj.weight"] = mlp.fc_in.weight[hs:]
+        out[f"{s}.down_proj.weight"] = mlp.fc_out.weight
+        if plan.shared_gate:
+            out["shared_expert_gate.weight"] = shared.gate.weight
+    return out
+
+
 def _block_of(layer: MoE, plan: _Plan) -> nn.Module:
-    skeleton: nn.Module = layer._hf_block
-    w = layer.router.weight
-    block = _copy(skeleton).to_empty(device=w.device)
+    """The block rebuilt from its meta skeleton, each tensor a copy of its moelab counterpart in
+    that tensor's dtype and device (a model cast after conversion exports as cast: float64 stays
+    float64, bf16 experts with a float32 selection bias stay so)."""
+    block = _copy(layer._hf_block)  # every tensor on the meta device
     block.train(layer.training)
-    router = getattr(block, plan.router_name)
+    sources = _sources(layer, plan)
     with torch.no_grad():
-        dict(router.named_parameters())[plan.weight_name].copy_(layer.router.weight)
-        if plan.bias_owner:
-            owner = block if plan.bias_owner == "block" else router
-            getattr(owner, plan.bias_name).copy_(layer.router.selection_bias)
-        experts = block.experts
-        h = plan.d_hidden
-        if plan.experts_stacked:
-            experts.gate_up_proj.copy_(layer.experts.w_in)
-            experts.down_proj.copy_(layer.experts.w_out)
-        else:
-            for i, m in enumerate(experts):
-                m.gate_proj.weight.copy_(layer.experts.w_in[i, :h])
-                m.up_proj.weight.copy_(layer.experts.w_in[i, h:])
-                m.down_proj.weight.copy_(layer.experts.w_out[i])
-        if plan.shared_name:
-            shared = layer.shared
-            mlp = shared.mlp if isinstance(shared, GatedSharedExpert) else shared
-            hf_mlp = getattr(block, plan.shared_name)
-            hs = hf_mlp.gate_proj.out_features
-            hf_mlp.gate_proj.weight.copy_(mlp.fc_in.weight[:hs])
-            hf_mlp.up_proj.weight.copy_(mlp.fc_in.weight[hs:])
-            hf_mlp.down_proj.weight.copy_(mlp.fc_out.weight)
-            if plan.shared_gate:
-                block.shared_expert_gate.weight.copy_(shared.gate.weight)
-    # tensors the plan does not map (none in a convertible block) would be left uninitialised
+        for name, src in sources.items():
+            owner_path, _, attr = name.rpartition(".")
+            owner = block.get_submodule(owner_path) if owner_path else block
+            old = getattr(owner, attr)
+            if tuple(old.shape) != tuple(src.shape):
+                raise ValueError(
+                    f"{type(block).__name__}.{name} has shape {tuple(old.shape)}; its moelab counterpart "
+                    f"{tuple(src.shape)} (the layer was changed after conversion)"
+                )
+            value = src.detach().clone()
+            if isinstance(old, nn.Parameter):
+                setattr(owner, attr, nn.Parameter(value, requires_grad=old.requires_grad))
+            else:
+                owner._buffers[attr] = value
+    # a tensor the plan does not map (none in a convertible block) would stay on the meta device
     for name, t in [*block.named_parameters(), *block.named_buffers()]:
         if t.is_meta:
             raise ValueError(f"{type(block).__name__}.{name} has no moelab counterpart to restore from")

@@ -7,6 +7,7 @@ with :mod:`moelab.io.model`'s kinds table when this package is imported."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,33 @@ def _is_transformers_model(model: nn.Module) -> bool:
                for c in type(model).__mro__)  # fmt: skip
 
 
+#: the kernels a transformers config chooses that its JSON leaves out (private attributes):
+#: recorded beside it, since eager and sdpa attention differ in the last bits of the logits
+_IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")
+
+
+def _implementation(config: Any, name: str) -> str | dict[str, str | None] | None:
+    """``config._<name>``: one string when the config and its sub-configs agree, else a dict
+    ``{"": top, sub-config key: its own}`` (the form transformers' setter takes)."""
+    top = getattr(config, f"_{name}", None)
+    subs = {
+        k: getattr(getattr(config, k, None), f"_{name}", None) for k in getattr(config, "sub_configs", {})
+    }
+    subs = {k: v for k, v in subs.items() if getattr(config, k, None) is not None}
+    if all(v == top for v in subs.values()):
+        return top
+    return {"": top, **subs}
+
+
 def describe(model: nn.Module) -> dict[str, Any] | None:
-    """The class name, the full transformers config and the moelab recipe of a transformers
-    model; ``None`` for any other module."""
+    """The class name, the full transformers config, its attention and experts implementations
+    and the moelab recipe of a transformers model; ``None`` for any other module."""
     if not _is_transformers_model(model):
         return None
     return {
         "model_class": type(model).__name__,
         "transformers_config": json.loads(model.config.to_json_string(use_diff=False)),
+        **{name: _implementation(model.config, name) for name in _IMPLEMENTATIONS},
         "recipe": list(getattr(model, "_moelab_recipe", [])),
     }
 
@@ -58,8 +78,31 @@ def build(config: dict[str, Any], file: Path) -> nn.Module:
         raise CheckpointError(
             f"{str(file)!r} has model_class={config['model_class']!r}; expected a transformers model class"
         )
-    model = cls(hf_config)
-    for step in config.get("recipe", []):
+    for name in _IMPLEMENTATIONS:  # the kernels it was saved with (older folders: the default)
+        value = config.get(name)
+        if value is not None:
+            setattr(hf_config, f"_{name}", value)
+    try:
+        model = cls(hf_config)
+    except (ImportError, ValueError) as exc:  # e.g. flash attention saved on a machine that had it
+        chosen = {n: config.get(n) for n in _IMPLEMENTATIONS if config.get(n) is not None}
+        warnings.warn(
+            f"{str(file)!r} was saved with {chosen}, which this machine cannot build "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); loaded with transformers' "
+            "default kernels instead: the outputs may differ in the last bits",
+            stacklevel=3,
+        )
+        for name in _IMPLEMENTATIONS:
+            setattr(hf_config, f"_{name}", None)
+        model = cls(hf_config)
+    with warnings.catch_warnings():  # said when the steps first ran; the saved weights follow
+        warnings.simplefilter("ignore", UserWarning)
+        _replay(model, config.get("recipe", []), file)
+    return model
+
+
+def _replay(model: nn.Module, recipe: list, file: Path) -> None:
+    for step in recipe:
         step = dict(step)
         op = step.pop("op", None)
         if op not in _STEPS:
@@ -73,7 +116,6 @@ def build(config: dict[str, Any], file: Path) -> nn.Module:
             from_hf(model)
         else:
             set_method(model, **step)
-    return model
 
 
 register_kind("transformers", Kind(describe=describe, build=build))

@@ -484,10 +484,31 @@ def find_mlps(model: nn.Module) -> list[str]:
     return [f.name for f in _find(model)]
 
 
-def _router_kwargs(method: str, options: dict[str, Any]) -> dict[str, Any]:
+def _router_kwargs(method: str, options: dict[str, Any], top_k: int = 2) -> dict[str, Any]:
     preset = get_method(method)
+    out: dict[str, Any] = {}
     if "init_std" in router_options(ROUTERS[preset.router]) and "init_std" not in options:
-        return {"init_std": ROUTER_INIT_STD}
+        out["init_std"] = ROUTER_INIT_STD
+    if top_k == 1:  # the weights sum to 1 at K = 1 too, so the upcycled model is the dense one
+        if "base" in router_options(ROUTERS[preset.router]):  # competesmoe: its base router's option
+            base = options.get("base", "smoe")
+            renorm = _weights_sum_to_one(base, options.get("base_options") or {})
+            if renorm and "base_options" not in options:
+                out["base_options"] = renorm
+        else:
+            out.update(_weights_sum_to_one(method, options))
+    return out
+
+
+def _weights_sum_to_one(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The option that makes ``method``'s K = 1 weight the constant 1, where its default at K = 1 is
+    Switch Transformer's weighting (the chosen expert's probability) and ``options`` leave it open."""
+    preset = get_method(method)
+    params = inspect.signature(ROUTERS[preset.router].__init__).parameters
+    for name in ("renormalize", "normalize"):
+        if name in params and name not in options:
+            if preset.options.get(name, params[name].default) is None:  # decided by K
+                return {name: True}
     return {}
 
 
@@ -503,7 +524,7 @@ def _build_moe(
         method=method,
         activation=dense.activation,
         bias=dense.b_in is not None or dense.b_out is not None,
-        **_router_kwargs(method, options),
+        **_router_kwargs(method, options, top_k),
         **options,
     )
     layer.to(device=w.device, dtype=w.dtype)
@@ -564,7 +585,12 @@ def upcycle(
         layers: indices into the model's recognised MLPs (:func:`find_mlps`, module order) to
             upcycle, e.g. ``range(1, L, 2)`` for every other block (GLaM); ``None``: all.
         **options: method options passed to every :class:`moelab.MoE` (the router's
-            ``init_std`` defaults to 0.02 when the router has one).
+            ``init_std`` defaults to 0.02 when the router has one).  At ``top_k=1`` the weight of
+            the chosen expert is the constant 1 (``renormalize=True``, or ``normalize=True`` for
+            the sigmoid routers), so the upcycled model is the dense one; the router then learns
+            from its aux losses only.  ``renormalize=False`` gives Switch Transformer's weighting
+            instead (the task loss reaches the router; the output starts scaled by the router's
+            probability of the chosen expert, about 1/N at the 0.02 init).
 
     Returns:
         ``model`` with its MLPs replaced; for a single MLP, the new layer.  The new layers keep

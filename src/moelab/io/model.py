@@ -188,6 +188,12 @@ def _tensors(model_or_state: nn.Module | Mapping[str, Tensor]) -> tuple[dict[str
     for key, value in state.items():
         if not isinstance(value, Tensor):
             raise ValueError(f"state entry {key!r} is a {type(value).__name__}; expected a tensor")
+        if _is_dtensor(value):  # FSDP2 / expert-parallel shards: a local block is not the weight
+            raise ValueError(
+                f"state entry {key!r} is sharded (a DTensor: FSDP2 or expert parallelism); gather the full "
+                "weights on every rank with moelab.train.parallelize.full_state_dict(model) and save that "
+                "dict from rank 0"
+            )
         view = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
                 value.stride(), value.dtype)  # fmt: skip
         if value.numel() and view in views:
@@ -201,6 +207,14 @@ def _tensors(model_or_state: nn.Module | Mapping[str, Tensor]) -> tuple[dict[str
             t = t.clone()  # safetensors refuses shared or partial storage
         out[key] = t
     return out, tied
+
+
+def _is_dtensor(value: Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _canonical(config: Mapping[str, Any]) -> bytes:
@@ -221,7 +235,7 @@ def save(
     Args:
         model: any module; moelab's models, a bare :class:`moelab.MoE` and upcycled / converted
             transformers models are rebuilt by :func:`load`, any other module's weights (or a
-            state dict's: ``full_state_dict`` under expert parallelism) load with
+            state dict's: ``moelab.train.parallelize.full_state_dict`` of a sharded model) load with
             :func:`load_weights`.
         directory: created if missing; the files in it are replaced atomically.
         ctx: the :class:`moelab.RoutingContext` to record (default: the one attached to the
@@ -449,12 +463,40 @@ def _schedule_state(routing_context: Mapping[str, Any]) -> dict[str, Any] | None
     return schedule
 
 
+#: safetensors' names of the floating dtypes (its header's ``dtype`` field)
+_SAFETENSORS_FLOATS = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+def _match_saved_dtypes(model: nn.Module, file: Path) -> None:
+    """Give each floating parameter and buffer of ``model`` the dtype its tensor has in ``file``
+    (read from the header, no data): a model saved with bf16 experts and float32 routers comes
+    back so, not cast to one dtype."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            saved = {k: _SAFETENSORS_FLOATS.get(f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{str(file)!r} cannot be read: {str(exc).splitlines()[0]}") from None
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    with torch.no_grad():
+        for name, t in tensors:
+            dtype = saved.get(name)
+            if t is not None and t.is_floating_point() and dtype is not None and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+
+
 def load(path: str | os.PathLike) -> nn.Module:
     """Rebuild the model saved in ``path`` (see :func:`resolve`: a :func:`save` folder, a
     checkpoint, or a run directory, whose ``best/`` is returned) and restore its routing context.
 
     Every file is verified first (sha256); nothing is unpickled.  The model comes back in eval
-    mode, on the CPU, in its saved dtype, bit-exact, its MoE layers attached to a
+    mode, on the CPU, each tensor in its saved dtype (mixed dtypes included), bit-exact, its MoE layers attached to a
     :class:`moelab.RoutingContext` at the saved step (so StableMoE routes with its frozen light
     router after the stage switch, as at the end of training).
     """
@@ -473,6 +515,7 @@ def load(path: str | os.PathLike) -> nn.Module:
             raise CheckpointError(f"{str(file)!r} has dtype={dtype!r}; expected a torch dtype name")
         if any(p.is_floating_point() and p.dtype != target for p in model.parameters()):
             model.to(target)
+    _match_saved_dtypes(model, directory / WEIGHTS_NAME)  # mixed dtypes (bf16 experts, fp32 routers)
     rebuilt = _layer_records(model)
     if rebuilt != config.get("moe_layers", {}):
         raise CheckpointError(

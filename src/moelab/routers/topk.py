@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..functional import topk_softmax
+from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
 from .base import Router, register
 
@@ -34,9 +34,17 @@ class TopKRouter(Router):
             at the end of training routes to all ``k_max`` experts (the test figures of
             ``smoe-dropout`` are those of its final, widest routing); an integer fixes K for
             evaluation (SMoE-Dropout's "self-slimmable" inference with fewer experts).
-        renormalize: ``True`` (default): the softmax over the K chosen logits.  ``False``: the
-            softmax over all N experts evaluated at the chosen K, weights summing to less than
-            1 (Qwen2-MoE / Qwen3-MoE / OLMoE with ``norm_topk_prob=False``).
+        renormalize: ``True``: the softmax over the K chosen logits.  ``False``: the softmax over
+            all N experts evaluated at the chosen K, weights summing to less than 1 (Switch
+            Transformer; Qwen2-MoE / Qwen3-MoE / OLMoE with ``norm_topk_prob=False``).  ``None``
+            (default): ``True`` when K > 1, ``False`` at K = 1, where a renormalised weight is the
+            constant 1 and the task loss would never reach the router
+            (:func:`moelab.functional.resolve_renormalize`); with ``k_max`` (a K that grows, over a
+            frozen router that has nothing to learn) ``True`` at every K, as SMoE-Dropout.
+        selection_bias: carry the aux-loss-free selection bias of DeepSeek-V3 (added to
+            ``softmax(h)`` for the choice only, moved once per optimizer step towards the mean
+            load; :meth:`moelab.routers.Router.init_selection_bias`); default off.
+        bias_update_rate: its step γ (1e-3, DeepSeek-V3).
         scale: multiplies the final weights (DeepSeek-V2's ``routed_scaling_factor``; kept when a
             DeepSeek-V3 layer is switched to ``smoe`` by :func:`moelab.set_method`); default 1.
     """
@@ -49,11 +57,14 @@ class TopKRouter(Router):
         init_std: float | None = None,
         frozen: bool = False,
         k_max: int | str | None = None,
-        renormalize: bool = True,
+        renormalize: bool | None = None,
         eval_k: int | None = None,
         scale: float = 1.0,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        self.init_selection_bias(selection_bias, bias_update_rate)
         std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
         if k_max == "all":
             k_max = num_experts
@@ -62,7 +73,8 @@ class TopKRouter(Router):
         self.k_max = k_max
         self.eval_k = None if eval_k is None else _validate.int_in_range("eval_k", eval_k, 1, num_experts)
         self.frozen = bool(frozen)
-        self.renormalize = bool(renormalize)
+        #: whether the chosen weights are renormalised (the option resolved for this router's K)
+        self.renormalize = resolve_renormalize(renormalize, top_k if k_max is None else max(top_k, 2))
         self.scale = _validate.positive("scale", scale)
         self.init_std = std
         weight = torch.empty(num_experts, d_model)
@@ -76,10 +88,32 @@ class TopKRouter(Router):
         """``W ~ N(0, init_std²)`` (also after ``to_empty`` from the meta device)."""
         with torch.no_grad():
             self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
+        self.reset_selection_bias()
 
     def rule_options(self) -> dict[str, Any]:
         return {"renormalize": self.renormalize, "scale": self.scale, "frozen": self.frozen,
-                "k_max": self.k_max, "eval_k": self.eval_k}  # fmt: skip
+                "k_max": self.k_max, "eval_k": self.eval_k,
+                "selection_bias": self.selection_bias}  # fmt: skip
+
+    @property
+    def weights_sum_to_one(self) -> bool:  # Switch's K = 1 weight is the chosen expert's probability
+        return self.renormalize
+
+    def step_dependence(self) -> str | None:
+        bias = super().step_dependence()
+        if self.k_max is None or self.k_max == self.top_k:
+            return bias
+        own = (
+            f"its K grows from top_k={self.top_k} to k_max={self.k_max} with ctx.step / ctx.total_steps "
+            f"(SMoE-Dropout); without them it stays {self.top_k}"
+        )
+        return own if bias is None else f"{own}; {bias}"
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        if problem is None and ctx is not None and self.step_dependence() and ctx.total_steps is None:
+            return "the RoutingContext has no total_steps"
+        return problem
 
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
@@ -97,10 +131,10 @@ class TopKRouter(Router):
         self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = self.logits(x)  # (T, N)
-        weights, indices = topk_softmax(logits, self.current_k(ctx))
-        probs = logits.softmax(dim=-1)
-        if not self.renormalize:
-            weights = probs.gather(1, indices)
+        weights, indices, probs = topk_gate(
+            logits, self.current_k(ctx), self.renormalize, self.selection_bias
+        )
+        self.count_load(indices)
         if self.scale != 1.0:
             weights = weights * self.scale
         return Routing(indices=indices, weights=weights, probs=probs, logits=logits)

@@ -1,6 +1,7 @@
 """How the trainer spreads a model over processes: a strategy chosen once and handed to the
 :class:`moelab.train.Trainer` (:class:`Parallel` for one process, :class:`DataParallel` for DDP,
-:class:`ExpertParallel` for experts spread over the ranks), the way torchtitan applies its parallel
+:class:`ExpertParallel` for experts spread over the ranks, :class:`Parallelized` for any layout of
+:func:`moelab.train.parallelize.parallelize`, FSDP2 included), the way torchtitan applies its parallel
 plans from outside; the trainer calls the same hooks whatever the strategy, and checkpoints hold the
 full model and optimizer state so a run resumes on any layout.  docs/scaling.md ("`moelab train`
 under torchrun") lists the hooks and what each strategy does.
@@ -14,18 +15,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..balance import step_balance_loss
 from ..layer import aux_loss
-from .distributed import (
-    apply_expert_parallel,
+from .parallelize import (
     clip_grad_norm_,
-    ddp_ignore_experts,
     full_optimizer_state,
     full_state_dict,
-    local_optimizer_state,
-    local_state_dict,
+    load_full_optimizer_state,
+    load_full_state_dict,
+    parallelize,
 )
 
-__all__ = ["DataParallel", "ExpertParallel", "Parallel", "choose", "process_group"]
+__all__ = ["DataParallel", "ExpertParallel", "Parallel", "Parallelized", "choose", "process_group"]
 
 
 def process_group() -> tuple[int, int]:
@@ -51,7 +52,11 @@ class TrainForward(nn.Module):
 
     def forward(self, batch: Any) -> tuple[Tensor, Tensor, int]:
         task_loss, tokens = self.task.loss(self.model, batch)
-        return task_loss, aux_loss(self.model), tokens
+        # the global-scope losses from the step's statistics (one all-reduce, between the model's
+        # forward and the loss; moelab.balance), then the layers' own aux losses
+        balance = step_balance_loss(self.model)
+        aux = aux_loss(self.model)
+        return task_loss, aux if balance is None else aux + balance.to(aux.device), tokens
 
 
 class Parallel:
@@ -84,6 +89,9 @@ class Parallel:
     def load_weights(self, model: nn.Module, load: Any) -> None:
         """Load saved full weights with ``load(module)`` into the training ``model``."""
         load(model)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adjust the freshly built ``optimizer`` to the layout (nothing here)."""
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
         """The optimizer state a checkpoint stores (the full model's)."""
@@ -129,32 +137,66 @@ class DataParallel(Parallel):
         return values / self.world_size
 
 
-class ExpertParallel(DataParallel):
-    """Data parallelism with the experts of every MoE layer spread over the ranks."""
+class Parallelized(DataParallel):
+    """Expert parallelism and / or FSDP2 applied by :func:`moelab.train.parallelize.parallelize`:
+    the experts of every MoE layer split over ``ep`` ranks (``DTensor`` ``Shard(0)``), the rest
+    data parallel — replicated under DDP, or every parameter sharded by FSDP2 (``fsdp=True``).
+    Checkpoints hold the full model and optimizer state (gathered through
+    ``torch.distributed.checkpoint.state_dict``), so a run resumes on any layout and any number
+    of ranks."""
 
-    name = "expert-parallel"
+    name = "parallelize"
 
-    def __init__(self) -> None:
+    def __init__(self, ep: int | None = None, fsdp: bool = False) -> None:
         super().__init__()
+        self.ep = ep  # None: every rank (the world size)
+        self.fsdp = fsdp
         self._full: nn.Module | None = None  # the full model, for checkpoints
 
     def apply(self, model: nn.Module) -> None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            what = "expert parallelism" if self.ep != 1 else "FSDP2"
+            raise ValueError(
+                f"{what} needs torch.distributed initialised (launch with torchrun and call "
+                "torch.distributed.init_process_group first)"
+            )
         self._full = copy.deepcopy(model)  # same weights on every rank: same seed / checkpoint
-        apply_expert_parallel(model)  # average_grads: the gradient of the mean over ranks
+        ep = self.world_size if self.ep is None else self.ep
+        parallelize(model, dp="fsdp" if self.fsdp else "none", ep=ep)
+
+    def wrap(self, model: nn.Module, task: Any) -> nn.Module:
+        if self.fsdp:  # FSDP2 reduces the gradients itself
+            return TrainForward(model, task)
+        return super().wrap(model, task)
 
     def _ignore(self, forward: nn.Module) -> None:
-        ddp_ignore_experts(forward)  # each rank's experts are its own: no all-reduce
+        from torch.distributed.tensor import DTensor
+        from torch.nn.parallel import DistributedDataParallel
+
+        # each rank's expert block is its own: DDP must neither broadcast nor average it
+        sharded = [n for n, p in forward.named_parameters() if isinstance(p, DTensor)]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(forward, sharded)
 
     def clip(self, params: list[nn.Parameter], max_norm: float, model: nn.Module) -> Tensor:
-        return clip_grad_norm_(params, max_norm, model)
+        return clip_grad_norm_(params, max_norm)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.tensor import DTensor
+
+        # torch's foreach kernels refuse a list mixing plain tensors and DTensors, or DTensors of
+        # several meshes (the experts' and the rest's): such a group steps tensor by tensor
+        for group in optimizer.param_groups:
+            meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in group["params"]}
+            if len(meshes) > 1 and "foreach" in group:
+                group["foreach"] = False
 
     def weights(self, model: nn.Module) -> nn.Module:
         self._full.load_state_dict(full_state_dict(model))
         return self._full
 
     def load_weights(self, model: nn.Module, load: Any) -> None:
-        load(self._full)  # the full weights, then this rank's experts
-        model.load_state_dict(local_state_dict(model, self._full.state_dict()))
+        load(self._full)  # the full weights, then each rank's shards of them
+        load_full_state_dict(model, self._full.state_dict())
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
         return full_optimizer_state(optimizer, model)
@@ -162,15 +204,26 @@ class ExpertParallel(DataParallel):
     def load_optimizer_state(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, full: dict[str, Any]
     ) -> None:
-        optimizer.load_state_dict(local_optimizer_state(optimizer, model, full))
+        load_full_optimizer_state(optimizer, model, full)
 
     def full_model(self, model: nn.Module) -> nn.Module:
         return model if self._full is None else self._full
 
 
-def choose(expert_parallel: bool = False) -> Parallel:
-    """The strategy for this process group: expert parallel when asked, data parallel under
-    ``torchrun``, else one process."""
+class ExpertParallel(Parallelized):
+    """Data parallelism with the experts of every MoE layer spread over all ranks (DDP for the rest)."""
+
+    name = "expert-parallel"
+
+    def __init__(self) -> None:
+        super().__init__(ep=None, fsdp=False)
+
+
+def choose(expert_parallel: bool = False, fsdp: bool = False) -> Parallel:
+    """The strategy for this process group: expert parallel and / or FSDP2 when asked, data
+    parallel under ``torchrun``, else one process."""
+    if fsdp:
+        return Parallelized(ep=None if expert_parallel else 1, fsdp=True)
     if expert_parallel:
         return ExpertParallel()
     return DataParallel() if process_group()[1] > 1 else Parallel()

@@ -22,11 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
+from ..balance import StepBalance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
 from ..layer import attach, moe_layers
-from ..metrics import routing_summary
+from ..metrics import max_violation, routing_loads, routing_summary
 from ..optim import build_optimizer, check_optimizer
 from ..routing import RoutingContext
 from ..schedules import LR_SCHEDULES, lr_factor, routing_context
@@ -176,6 +177,8 @@ class Trainer:
         parallel: how the model is spread over processes (:mod:`moelab.train.parallel`: one
             process, DDP, or expert parallel); default :func:`moelab.train.parallel.choose`.
         expert_parallel: shorthand for ``parallel=ExpertParallel()``.
+        fsdp: FSDP2 over the ranks (with ``expert_parallel``: EP × FSDP2), shorthand for
+            ``parallel=Parallelized(ep=..., fsdp=True)`` (:mod:`moelab.train.parallelize`).
 
     Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
@@ -194,6 +197,7 @@ class Trainer:
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
         parallel: Parallel | None = None,
         expert_parallel: bool = False,
+        fsdp: bool = False,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config of type {type(config).__name__} is not allowed; expected a TrainConfig")
@@ -204,7 +208,7 @@ class Trainer:
         self.progress = progress
         self.extra_metrics = dict(extra_metrics or {})
         self.on_eval = on_eval
-        self.parallel = parallel if parallel is not None else choose(expert_parallel)
+        self.parallel = parallel if parallel is not None else choose(expert_parallel, fsdp)
         self.rank, self.world_size = self.parallel.rank, self.parallel.world_size
         if config.batch_size % self.world_size:
             raise ValueError(
@@ -259,6 +263,7 @@ class Trainer:
         self.parallel.apply(self.model)  # after a resume has loaded the full weights
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg.optimizer, self.model, cfg.lr, cfg.weight_decay)  # the model's groups
+        self.parallel.prepare_optimizer(optimizer)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(cfg.schedule, s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         )
@@ -269,6 +274,7 @@ class Trainer:
             "train_time": 0.0,
             "recent_losses": [],
             "last_val": None,
+            "run_load": [],  # per MoE layer, the expert counts of every training step on every rank
         }
         start = self._resume(saved, optimizer, scheduler, generator, state) if resume else 0
         if start >= cfg.steps and self.run is not None and self.run.file("metrics.json").exists():
@@ -276,20 +282,26 @@ class Trainer:
         forward = self.parallel.wrap(self.model, self.task)
         self.model.train()
         bar = self._progress_bar(start)
-        for step in range(start, cfg.steps):
-            row = self._step(step, forward, params, optimizer, scheduler, generator, state)
-            done = step + 1
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                self._evaluate_and_keep_best(done, row, state)
-            self.ctx.advance()  # the step hooks (sharede-v3's bias), then ctx.step = done
-            if self.is_main and self.run is not None:
-                self.run.append_log(row)
-            if self.run is not None and (
-                (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
-            ):
-                self._checkpoint(done, optimizer, scheduler, generator, state)
-            if bar is not None:
-                self._show(bar, row, state)
+        # balance_scope="global" layers: the step's statistics over the ranks (moelab.balance),
+        # cleared by the step hooks of ctx.advance()
+        balance = StepBalance(self.model, self.ctx)
+        try:
+            for step in range(start, cfg.steps):
+                row = self._step(step, forward, params, optimizer, scheduler, generator, state)
+                done = step + 1
+                if done % cfg.eval_every == 0 or done == cfg.steps:
+                    self._evaluate_and_keep_best(done, row, state)
+                self.ctx.advance()  # the step hooks (selection biases, step statistics), then ctx.step = done
+                if self.is_main and self.run is not None:
+                    self.run.append_log(row)
+                if self.run is not None and (
+                    (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+                ):
+                    self._checkpoint(done, optimizer, scheduler, generator, state)
+                if bar is not None:
+                    self._show(bar, row, state)
+        finally:
+            balance.close()
         if bar is not None:
             bar.close()
         return self._finish(state)
@@ -401,8 +413,24 @@ class Trainer:
         if moe_layers(self.model):  # this step's routing (this rank's shard), from the forward's routings
             summary = routing_summary(self.model)
             row.update({k: "" if v is None else v for k, v in summary.items()})
+            self._add_run_load(state)
         row.update({"val_loss": "", f"val_{metric}": ""})
         return row
+
+    def _add_run_load(self, state: dict[str, Any]) -> None:
+        """Add the step's expert counts (summed over the ranks) to the run's, for MaxVio over the run."""
+        loads = routing_loads(self.model)
+        if any(load is None for load in loads):
+            return
+        flat = torch.cat(loads)
+        if self.world_size > 1:  # the same on every rank: the whole step's load
+            flat = self.parallel.mean(flat.to(next(self.model.parameters()).device)).cpu() * self.world_size
+        sizes = [load.numel() for load in loads]
+        step = [part.tolist() for part in flat.split(sizes)]
+        run = state["run_load"]
+        if len(run) != len(step) or any(len(a) != len(b) for a, b in zip(run, step)):
+            run = [[0.0] * n for n in sizes]
+        state["run_load"] = [[a + b for a, b in zip(ra, rb)] for ra, rb in zip(run, step)]
 
     def _evaluate_and_keep_best(self, done: int, row: dict[str, Any], state: dict[str, Any]) -> None:
         """Validate, fill ``row``'s validation columns, and save ``best/`` on an improvement."""
@@ -520,6 +548,12 @@ class Trainer:
             "world_size": self.world_size,
             "seed": cfg.seed,
             "method": "+".join(sorted({layer.method for layer in moe_layers(self.model)})) or None,
+            # MaxVio of the load accumulated over the run's training steps (every rank), mean over the layers
+            "max_vio_run": (
+                sum(max_violation(torch.tensor(load)) for load in state["run_load"]) / len(state["run_load"])
+                if state.get("run_load")
+                else None
+            ),
             **self.extra_metrics,
         }
         if self.is_main and self.run is not None:

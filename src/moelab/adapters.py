@@ -1,0 +1,387 @@
+"""LoRA and RepLoRA adapters on chosen ``nn.Linear`` layers, merged back into plain weights for inference.
+
+LoRA (Hu et al. 2021; Ho (2025) "LoRA on pretrained Transformers"): a frozen ``W₀ ∈ R^{m×n}`` gets a
+trainable low-rank update, ``y = W₀ x + b + (α/r) B A x`` with ``A ∈ R^{r×n}`` (Kaiming-uniform, as
+Hu et al.'s code) and ``B ∈ R^{m×r}`` (zeros, so training starts from the pretrained model); dropout,
+when set, acts on the input of the update only.
+
+RepLoRA (Ho (2025); Truong et al., "RepLoRA", ICML 2025): Ho (2025) reads each row of attention with LoRA
+on ``W_Q`` and ``W_V`` as a mixture of linear experts with quadratic gating whose parameters
+``B_Q, A_Q, B_V, A_V``, estimated separately, need exponentially many samples; RepLoRA shares one
+reparameterisation, ``A_Q = A_V = φ₁(A)`` and ``B_Q = B_V = φ₂(B)`` with two-layer MLPs φ₁, φ₂ and
+diagonal shared matrices (the slides' words).  Here, per group (the adapted layers of one attention
+module; a group must share its shapes): ``A = diag(a)``, ``B = diag(b)`` (``a, b ∈ R^r``), the rows of
+``φ₁(A) ∈ R^{r×n}`` are ``φ₁(A_i) = W₂ GELU(W₁ A_i + c₁) + c₂`` and the columns of
+``φ₂(B) ∈ R^{m×r}`` are ``φ₂(B_j)`` alike, hidden width ``hidden`` (default ``max(4r, 32)``).  What
+the slides leave open is our choice: GELU (a "sufficiently non-linear" activation of Ho (2025)), the
+hidden width, ``a = b = 1`` at start, and φ₂'s output layer at zero so that, like LoRA's ``B``, the
+update starts at zero.  The authors' code was not found (the ICML 2025 reproducibility listing records
+no released code), so nothing here follows it.
+
+Targets are module names matched by :func:`fnmatch.fnmatch` patterns.  moelab's own language models fuse
+Q, K and V in one ``qkv`` projection; its thirds are addressed as ``<name>.q``, ``<name>.k`` and
+``<name>.v``.  The default targets are Q and V: ``*.attn.qkv.q``, ``*.attn.qkv.v`` (moelab) and
+``*q_proj``, ``*v_proj``, ``*.query``, ``*.value`` (transformers).
+
+    names = moelab.adapters.add_adapter(model, "replora", rank=8)   # freezes everything else
+    ...train...
+    moelab.adapters.save_adapter(model, "task.safetensors")          # the adapter alone
+    moelab.adapters.load_adapter(fresh_model, "task.safetensors")
+    moelab.adapters.merge_adapter(model)                             # plain nn.Linear again
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _validate
+
+__all__ = [
+    "ADAPTERS",
+    "DEFAULT_TARGETS",
+    "AdaptedLinear",
+    "LoRAFactors",
+    "RepLoRAFactors",
+    "adapter_config",
+    "adapter_parameters",
+    "add_adapter",
+    "load_adapter",
+    "merge_adapter",
+    "save_adapter",
+]
+
+ADAPTERS = ("lora", "replora")
+DEFAULT_TARGETS = ("*.attn.qkv.q", "*.attn.qkv.v", "*q_proj", "*v_proj", "*.query", "*.value")
+_CONFIG_ATTR = "_moelab_adapter"
+_METADATA_KEY = "moelab_adapter"
+
+
+class LoRAFactors(nn.Module):
+    """LoRA's ``A (r, n)`` and ``B (m, r)``; ``B`` starts at zero."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int) -> None:
+        super().__init__()
+        self.A = nn.Parameter(torch.empty(rank, in_features))
+        self.B = nn.Parameter(torch.zeros(out_features, rank))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+
+    def factors(self) -> tuple[Tensor, Tensor]:
+        return self.A, self.B
+
+
+class RepLoRAFactors(nn.Module):
+    """RepLoRA's ``(φ₁(A), φ₂(B))`` from the diagonal shared matrices ``A = diag(a)``, ``B = diag(b)``."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, hidden: int) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(rank))
+        self.b = nn.Parameter(torch.ones(rank))
+        self.phi1 = nn.Sequential(nn.Linear(rank, hidden), nn.GELU(), nn.Linear(hidden, in_features))
+        self.phi2 = nn.Sequential(nn.Linear(rank, hidden), nn.GELU(), nn.Linear(hidden, out_features))
+        nn.init.zeros_(self.phi2[2].weight)  # φ₂(B) = 0 at start: the update starts at zero, as LoRA's
+        nn.init.zeros_(self.phi2[2].bias)
+
+    def factors(self) -> tuple[Tensor, Tensor]:
+        A = self.phi1(torch.diag(self.a))  # (r, n): row i is φ₁ of row i of A
+        B = self.phi2(torch.diag(self.b)).T  # (m, r): column j is φ₂ of column j of B
+        return A, B
+
+
+class AdaptedLinear(nn.Module):
+    """A frozen ``nn.Linear`` plus low-rank updates on row ranges of its output (the whole output, or
+    thirds of a fused ``qkv``): ``y = base(x) + scale · [.. B A dropout(x) ..]``."""
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        slices: list[tuple[int, int]],
+        factors: list[nn.Module],
+        scale: float,
+        dropout: float,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.slices = [tuple(s) for s in slices]
+        self.factors = nn.ModuleList(factors)  # a RepLoRA group's module is shared with its other layers
+        self.scale = scale
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def weight(self) -> Tensor:  # what code that reads ``.weight`` of the projection expects
+        return self.base.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.base.bias
+
+    def delta_weight(self) -> Tensor:
+        """``ΔW (out, in)``: the update as a dense matrix (zeros outside the adapted rows)."""
+        rows = []
+        n = self.base.in_features
+        pos = 0
+        w = self.base.weight
+        for (start, stop), f in sorted(zip(self.slices, self.factors), key=lambda t: t[0][0]):
+            if start > pos:
+                rows.append(w.new_zeros(start - pos, n))
+            A, B = f.factors()
+            rows.append(self.scale * (B @ A).to(w.dtype))
+            pos = stop
+        if pos < self.base.out_features:
+            rows.append(w.new_zeros(self.base.out_features - pos, n))
+        return torch.cat(rows, 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        h = self.dropout(x)
+        pieces = []
+        pos = 0
+        for (start, stop), f in sorted(zip(self.slices, self.factors), key=lambda t: t[0][0]):
+            if start > pos:
+                pieces.append(y.new_zeros(*y.shape[:-1], start - pos))
+            A, B = f.factors()
+            pieces.append(F.linear(F.linear(h, A.to(h.dtype)), B.to(h.dtype)) * self.scale)
+            pos = stop
+        if pos < y.shape[-1]:
+            pieces.append(y.new_zeros(*y.shape[:-1], y.shape[-1] - pos))
+        return y + torch.cat(pieces, -1)
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, str, nn.Linear, tuple[int, int]]]:
+    """``(target name, module name, linear, (start, stop))`` of every addressable projection."""
+    out = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        out.append((name, name, module, (0, module.out_features)))
+        # moelab's fused attention projection: Q, K, V are thirds of its output
+        if name.rsplit(".", 1)[-1] == "qkv" and module.out_features == 3 * module.in_features:
+            d = module.in_features
+            for i, part in enumerate("qkv"):
+                out.append((f"{name}.{part}", name, module, (i * d, (i + 1) * d)))
+    return out
+
+
+def adapter_config(model: nn.Module) -> dict[str, Any] | None:
+    """The settings of the adapter on ``model`` (``None`` if it has none)."""
+    cfg = getattr(model, _CONFIG_ATTR, None)
+    return dict(cfg) if cfg is not None else None
+
+
+def add_adapter(
+    model: nn.Module,
+    kind: str = "lora",
+    rank: int = 8,
+    alpha: float | None = None,
+    dropout: float = 0.0,
+    targets: Sequence[str] | None = None,
+    hidden: int | None = None,
+    freeze: bool = True,
+) -> list[str]:
+    """Wrap the layers of ``model`` named by ``targets`` with a LoRA or RepLoRA update, in place.
+
+    Args:
+        model: any module; its matching ``nn.Linear`` layers are replaced by :class:`AdaptedLinear`.
+        kind: ``lora`` or ``replora``.
+        rank: ``r``.
+        alpha: the update is scaled by ``alpha / rank`` (default ``alpha = rank``: scale 1).
+        dropout: dropout on the update's input (LoRA dropout).
+        targets: :func:`fnmatch.fnmatch` patterns of target names (default :data:`DEFAULT_TARGETS`:
+            Q and V of attention); a fused ``qkv`` projection's thirds are ``<name>.q/.k/.v``.
+        hidden: RepLoRA's MLP width (default ``max(4 r, 32)``).
+        freeze: stop gradients to every parameter of ``model`` that is not the adapter's.
+
+    Returns:
+        the adapted target names, in module order.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} is not allowed; expected a torch.nn.Module")
+    _validate.one_of("kind", kind, ADAPTERS)
+    _validate.positive_int("rank", rank)
+    alpha = float(rank) if alpha is None else _validate.positive("alpha", alpha)
+    if not (isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1):
+        raise ValueError(f"dropout={dropout!r} is not allowed; expected a number in [0, 1)")
+    hidden = max(4 * rank, 32) if hidden is None else _validate.positive_int("hidden", hidden)
+    if kind == "lora" and hidden != max(4 * rank, 32):
+        raise ValueError(f"hidden={hidden!r} is not allowed with kind='lora'; it is RepLoRA's MLP width")
+    if getattr(model, _CONFIG_ATTR, None) is not None:
+        raise ValueError("model already holds an adapter; merge_adapter(model) first or use a fresh model")
+    if any(isinstance(m, AdaptedLinear) for m in model.modules()):
+        raise ValueError("model already holds AdaptedLinear layers; merge_adapter(model) first")
+    patterns = list(DEFAULT_TARGETS if targets is None else targets)
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"targets={targets!r} is not allowed; expected a non-empty list of name patterns")
+    chosen = [c for c in _candidates(model) if any(fnmatch(c[0], p) for p in patterns)]
+    if not chosen:
+        raise ValueError(
+            f"targets={patterns!r} match no nn.Linear of {type(model).__name__} (a fused moelab qkv "
+            "projection's thirds are '<name>.q', '<name>.k', '<name>.v')"
+        )
+    by_module: dict[str, list[tuple[str, nn.Linear, tuple[int, int]]]] = {}
+    for target, mod_name, linear, rows in chosen:
+        by_module.setdefault(mod_name, []).append((target, linear, rows))
+    for parts in by_module.values():
+        whole = [t for t, _, rows in parts if rows == (0, parts[0][1].out_features)]
+        if whole and len(parts) > 1:
+            raise ValueError(
+                f"targets={patterns!r} match both {whole[0]!r} and parts of it ({[t for t, _, _ in parts]}); "
+                "choose one"
+            )
+
+    # RepLoRA groups: the adapted projections of one parent module (Q and V of one attention) share
+    # one reparameterisation, so they must share a shape; checked before anything changes
+    def group_of(target: str, mod_name: str) -> str:
+        return target.rsplit(".", 2)[0] if target != mod_name else mod_name.rpartition(".")[0]
+
+    if kind == "replora":
+        shapes: dict[str, tuple[int, int]] = {}
+        for mod_name, parts in by_module.items():
+            for target, linear, (start, stop) in parts:
+                shape = (stop - start, linear.in_features)
+                group = group_of(target, mod_name)
+                if shapes.setdefault(group, shape) != shape:
+                    raise ValueError(
+                        f"target {target!r} ({shape[0]}x{shape[1]}) cannot share RepLoRA's reparameterisation "
+                        f"with the other targets of {group or 'the model'!r} ({shapes[group][0]}x"
+                        f"{shapes[group][1]}); choose targets of one shape"
+                    )
+    if freeze:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    groups: dict[str, RepLoRAFactors] = {}
+    names = []
+    for mod_name, parts in by_module.items():
+        linear = parts[0][1]
+        factors: list[nn.Module] = []
+        for target, _, (start, stop) in parts:
+            m, n = stop - start, linear.in_features
+            if kind == "lora":
+                f: nn.Module = LoRAFactors(n, m, rank)
+            else:
+                group = group_of(target, mod_name)
+                if group not in groups:
+                    groups[group] = RepLoRAFactors(n, m, rank, hidden)
+                f = groups[group]
+            factors.append(f.to(device=linear.weight.device, dtype=linear.weight.dtype))
+            names.append(target)
+        adapted = AdaptedLinear(linear, [rows for _, _, rows in parts], factors, alpha / rank, dropout)
+        adapted.train(linear.training)  # a model in eval mode stays there (no dropout)
+        parent_name, _, attr = mod_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, adapted)
+    for p in adapter_parameters(model).values():
+        p.requires_grad_(True)
+    object.__setattr__(
+        model,
+        _CONFIG_ATTR,
+        {"kind": kind, "rank": rank, "alpha": alpha, "dropout": dropout, "hidden": hidden, "targets": names},
+    )
+    return names
+
+
+def _adapted(model: nn.Module) -> list[tuple[str, AdaptedLinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, AdaptedLinear)]
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The adapter's trainable parameters by name (a shared RepLoRA module once)."""
+    out: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for name, layer in _adapted(model):
+        for pname, p in layer.factors.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[f"{name}.factors.{pname}"] = p
+    return out
+
+
+def merge_adapter(model: nn.Module) -> nn.Module:
+    """Fold every update into its base weight (``W ← W + (α/r) B A``) and put the plain
+    ``nn.Linear`` layers back; returns ``model``.  The merged model computes the same function
+    (dropout aside) and its parameters' ``requires_grad`` is left as it was."""
+    layers = _adapted(model)
+    if not layers:
+        raise ValueError(f"model of type {type(model).__name__} holds no adapter; nothing to merge")
+    with torch.no_grad():
+        merged = [(name, layer.base, layer.delta_weight()) for name, layer in layers]  # before any change
+        for name, base, delta in merged:
+            base.weight.add_(delta)
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, base)
+    if hasattr(model, _CONFIG_ATTR):
+        object.__delattr__(model, _CONFIG_ATTR)
+    return model
+
+
+def save_adapter(model: nn.Module, path: str | Path) -> Path:
+    """Write the adapter alone (its parameters and settings) to a safetensors file."""
+    from safetensors.torch import save
+
+    from .io.atomic import atomic_write_bytes
+
+    cfg = adapter_config(model)
+    if cfg is None:
+        raise ValueError(f"model of type {type(model).__name__} holds no adapter (add_adapter first)")
+    path = Path(path)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_parameters(model).items()}
+    return atomic_write_bytes(path, save(tensors, metadata={_METADATA_KEY: json.dumps(cfg)}))
+
+
+def load_adapter(model: nn.Module, path: str | Path, freeze: bool = True) -> list[str]:
+    """Add the adapter saved in ``path`` to ``model`` (the same architecture) and load its weights;
+    returns the adapted target names."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"adapter file {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = (f.metadata() or {}).get(_METADATA_KEY)
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{str(path)!r} is not a safetensors file ({exc})") from None
+    if meta is None:
+        raise ValueError(f"{str(path)!r} holds no moelab adapter (no {_METADATA_KEY!r} metadata)")
+    cfg = json.loads(meta)
+    names = add_adapter(
+        model,
+        cfg["kind"],
+        rank=cfg["rank"],
+        alpha=cfg["alpha"],
+        dropout=cfg["dropout"],
+        targets=[_exact(t) for t in cfg["targets"]],
+        hidden=cfg["hidden"],
+        freeze=freeze,
+    )
+    params = adapter_parameters(model)
+    if names != cfg["targets"] or set(params) != set(tensors):
+        merge_adapter(model)  # nothing half-loaded stays behind (the factors are still at zero update)
+        raise ValueError(
+            f"{str(path)!r} was saved from another architecture: its targets {cfg['targets']} do not match "
+            f"this model's {names}"
+        )
+    with torch.no_grad():
+        for k, p in params.items():
+            t = tensors[k]
+            if t.shape != p.shape:
+                raise ValueError(
+                    f"{str(path)!r}: {k} has shape {tuple(t.shape)}, this model {tuple(p.shape)}"
+                )
+            p.copy_(t)
+    return names
+
+
+def _exact(name: str) -> str:
+    """``name`` as an fnmatch pattern that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
