@@ -401,3 +401,31 @@ def test_cli_refuses_weights_it_would_not_load_instead_of_a_random_init(tmp_path
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith(f"moelab upcycle: error: --model {str(model)!r}") and message in line
     assert not out.exists()
+
+
+def test_resume_refuses_a_model_folder_whose_weights_changed(tmp_path, capsys):
+    _gpt2().float().save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "up"
+    argv = [
+        "upcycle",
+        "--model",
+        str(tmp_path / "gpt2"),
+        "--num-experts",
+        "2",
+        "--top-k",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    written = (out / "model.safetensors").read_bytes()
+    assert main([*argv, "--resume"]) == 0  # the same model: the same upcycled weights again
+    other = _gpt2().float()
+    with torch.no_grad():
+        other.transformer.wte.weight.add_(1.0)
+    other.save_pretrained(tmp_path / "gpt2")  # other weights under the same path
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"moelab upcycle: error: --resume: --model {str(tmp_path / 'gpt2')!r} has sha256 ")
+    assert (out / "model.safetensors").read_bytes() == written
