@@ -604,6 +604,22 @@ def _execute(config: SpecConfig, run: runner.Run) -> dict[str, Any]:
 
 def _prepare(config: SpecConfig, world: int) -> None:
     torch.set_num_threads(config.threads)
+    # the parameters grow linearly with the experts: measured on models of 2 and 3 experts
+    sizes = [
+        sum(
+            p.numel()
+            for p in ImageMoE(vision_config(config.data, n, config.output_relu), "attentive").parameters()
+        )
+        for n in (2, 3)
+    ]
+    per_expert, base = sizes[1] - sizes[0], sizes[0] - 2 * (sizes[1] - sizes[0])
+
+    def need(c: SpecConfig) -> int:  # weights, gradients and Adam's two moments of the largest model
+        largest = max([c.experts or 2, *(c.counts if c.mode == "scaling" else ())])
+        return 16 * (base + per_expert * largest)
+
+    ordinary = {"experts": vision_config(config.data).num_experts, "counts": (5, 10, 15)}
+    runner.check_memory(config, need, ordinary, "the model and its training state")
 
 
 #: ``moelab specialize`` as the run lifecycle sees it
