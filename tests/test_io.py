@@ -380,6 +380,20 @@ def test_load_weights_restores_the_routing_context_so_a_stablemoe_model_routes_a
     assert ctx.step == 3 and next(m for m in other.modules() if isinstance(m, moelab.MoE)).ctx is ctx
 
 
+def test_a_run_without_best_config_json_says_it_loads_the_newest_checkpoint(corpus, tmp_path):
+    from moelab.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+                 "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+                 "--test-tokens", "64", "--no-progress", "--out", str(out)]) == 0  # fmt: skip
+    (out / "best" / "config.json").unlink()
+    with pytest.warns(
+        UserWarning, match=r"best/config.json' is missing; loading the newest checkpoint step-00000002"
+    ):
+        moelab.load(out)
+
+
 def test_load_keeps_each_tensors_dtype_bf16_experts_with_float32_routers(tmp_path):
     lm = _lm("sharede-v3")
     for layer in lm.moe_layers:  # the experts in bf16, the routers (and the selection bias) in float32

@@ -314,6 +314,12 @@ def resolve(path: str | os.PathLike) -> Path:
             return path / "best"
         latest = latest_checkpoint(path / "ckpt")
         if latest is not None:
+            if (path / "best").exists():  # deleted, or a save killed before its last file
+                warnings.warn(
+                    f"{str(path / 'best' / CONFIG_NAME)!r} is missing; loading the newest checkpoint "
+                    f"{latest.name}, not the best-validation weights",
+                    stacklevel=2,
+                )
             return latest
         if (path / "best.safetensors").is_file():
             raise CheckpointError(
