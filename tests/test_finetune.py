@@ -299,6 +299,11 @@ def test_finetune_with_an_adapter_trains_only_the_adapter_and_the_head(
     assert head < recorded["trainable_params"] < head + 20_000
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["test_acc"] <= 100
+    import moelab
+    from moelab.adapters import adapter_config
+
+    back = moelab.load(out)  # the best weights rebuild with their adapter
+    assert adapter_config(back.lm)["kind"] == adapter and adapter_config(back.lm)["rank"] == 2
 
 
 def test_finetune_adapter_flags_are_checked(pretrained, reviews, tmp_path, capsys):
