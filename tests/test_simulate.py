@@ -178,4 +178,7 @@ def test_a_replicate_where_no_step_is_accepted_is_not_converged_and_the_table_sa
             "no step accepted",
             "loss not finite",
         )
-    assert "no step accepted" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "no step accepted" in printed
+    assert printed.count("no replicate converged") == len(metrics["rates"])
+    assert all(r["converged"] == 0.0 for r in metrics["rates"])

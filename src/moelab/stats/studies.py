@@ -516,7 +516,8 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
             for t in stated_rates(cfg.study, res["setting"], res["loss_name"], res["router"])
         ]
         rates.append({**key, "k": res["k"], "slope": fit.slope, "ci_low": fit.ci_low, "ci_high": fit.ci_high,
-                      "intercept": fit.intercept, "target": res.get("target", "truth"), "theory": theory})  # fmt: skip
+                      "intercept": fit.intercept, "target": res.get("target", "truth"), "theory": theory,
+                      "converged": float(np.mean(res["diag"]["converged"]))})  # fmt: skip
         means.append(
             {**key, "n": list(cfg.sample_sizes), "mean": loss.mean(1).tolist(), "std": loss.std(1).tolist()}
         )
