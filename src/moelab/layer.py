@@ -34,6 +34,7 @@ __all__ = [
     "NonFiniteError",
     "attach",
     "aux_loss",
+    "aux_terms",
     "check_context",
     "moe_layers",
     "recording_routing",
@@ -608,6 +609,16 @@ def recording_routing(model: nn.Module) -> Iterator[list[nn.Module]]:
     finally:
         for layer, value in zip(layers, saved, strict=True):
             layer.record_routing = value
+
+
+def aux_terms(model: nn.Module) -> dict[str, Tensor]:
+    """The weighted aux terms ``coef · loss`` of ``model``'s last training forward by name, summed
+    over its MoE layers (detached, sorted by name; their sum is :func:`aux_loss`)."""
+    terms: dict[str, Tensor] = {}
+    for layer in moe_layers(model):
+        for name, value in layer.aux_values().items():
+            terms[name] = terms[name] + value if name in terms else value
+    return dict(sorted(terms.items()))
 
 
 def aux_loss(model: nn.Module) -> Tensor:
