@@ -692,9 +692,9 @@ def check_context(layer: MoE) -> None:
     ``torch.compile``); it reads the layer and records only in this module's own tables."""
     router = layer.router
     what = router.step_dependence()
-    if what is None:
-        return
     ctx = layer.ctx
+    if what is None or (ctx is not None and ctx.frozen):  # a frozen context: no step moves it, on purpose
+        return
     problem = router.context_problem(ctx)
     if problem is not None:
         message = (
