@@ -114,13 +114,18 @@ def test_two_ranks_with_half_batches_reproduce_one_rank_with_the_full_batch(corp
     assert [p.name for p in sorted((two / "ckpt").iterdir())] == ["step-00000003", "step-00000006"]
 
 
-def test_two_ranks_with_global_balance_reproduce_one_rank_with_the_full_batch(corpus, tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [(), pytest.param(("--expert-parallel",), marks=pytest.mark.slow)],
+    ids=["ddp", "expert-parallel"],
+)
+def test_two_ranks_with_global_balance_reproduce_one_rank_with_the_full_batch(corpus, tmp_path, layout):
     # balance_scope=global: the balance (and importance) of the step's tokens on every rank, so the
     # aux losses stay on and the curves are still those of one process on the whole batch
     extra = ("--opt", "balance_scope=global", "--opt", "importance_coef=0.1", "--opt", "z_coef=0")
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(tiny_args(corpus, one, *extra)) == 0
-    assert [r["code"] for r in launch(tiny_args(corpus, two, *extra), tmp_path)] == [0, 0]
+    assert [r["code"] for r in launch(tiny_args(corpus, two, *extra, *layout), tmp_path)] == [0, 0]
     for step, (a, b) in enumerate(zip(read_log(one), read_log(two)), 1):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4), (step, key)

@@ -22,6 +22,8 @@ from moelab.experiments import runner
          "'strong-vs-ridge', 'gaussian-vs-regression', 'attention-gating', 'replora', 'rate-grid', "
          "'competition-v1', 'competition-ffn']"),
         (["--out", "X"], "--study is required"),
+        (["--study", "replora", "--optimizer", "sgd", "--out", "X"],
+         "--optimizer='sgd' is not allowed for study 'replora': its fits are batched L-BFGS from near the truth"),
         (["--study", "misspecified"], "--out is required"),
         (["--study", "cosine-vs-perturbed", "--tau", "-1", "--out", "X"], "--tau=-1.0 is not allowed"),
         (

@@ -78,7 +78,7 @@ def test_upcycled_language_model_equals_the_dense_model_at_init(arch, method):
     upcycle(model, num_experts=4, top_k=2, method=method)
     layers = moelab.attach(model, moelab.RoutingContext())
     assert len(layers) == 2 and all(m.method == method for m in layers)
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(model):
         sparse = model(ids).logits
     torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-10)
     for layer in layers:  # the routing really is sparse: different tokens pick different experts

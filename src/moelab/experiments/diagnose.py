@@ -90,7 +90,8 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     batches = _batches(task, tokens)
     layers = metrics._layers(model)
     k = layers[0].top_k
-    spare = all(layer.top_k < layer.num_experts for layer in layers)
+    # the swaps replace the K-th expert: none with all N chosen, or with a variable number (remoe)
+    spare = all(layer.top_k < layer.num_experts and not layer.router.variable_k for layer in layers)
 
     def bpc() -> float:
         return task.evaluate(model, "test", len(batches) * 16 * task.block_size)[data.metric]
@@ -116,6 +117,8 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
         out["load_cv_mean"] = _mean(out["load_cv"])
         out["max_vio"] = [x["max_vio"] for x in loads]  # MaxVio of the load over all the tokens
         out["max_vio_mean"] = _mean(out["max_vio"])
+        if any("dropped" in x for x in loads):  # layers with an expert capacity: slots dropped
+            out["dropped"] = [x.get("dropped") for x in loads]
         out["expert_output_norms"] = metrics.expert_output_norms(model, batches).tolist()
         ckpts = list_checkpoints(path / "ckpt")
         out["expert_change_rate"] = None
