@@ -52,6 +52,18 @@ def test_bench_layer_json_has_every_candidate_in_both_phases(capsys):
     for phase in ("train", "infer"):
         for name in expected:
             assert (name, phase) in names
+    for phase in ("train", "infer"):  # auto's pick beside the fastest kernel measured
+        a = out["auto"][phase]
+        fastest = min(
+            (
+                r
+                for r in out["results"]
+                if r["phase"] == phase and r["name"] in ("moelab loop", "moelab grouped")
+            ),
+            key=lambda r: r["median_ms"],
+        )
+        assert a["fastest"] == fastest["name"].split()[1] and a["auto_over_fastest"] > 0
+    assert out["auto"]["train"]["auto"] == auto
     assert out["config"]["dense_width"] == 8
     assert out["config"]["clock"] == "wall" and out["config"]["impl"] == ["loop", "grouped", "auto"]
     assert out["machine"]["torch"] == torch.__version__
@@ -79,6 +91,7 @@ def test_bench_layer_prints_a_table_with_the_machine(capsys):
     text = capsys.readouterr().out
     assert "torch threads 1" in text and f"torch {torch.__version__}" in text
     assert "moelab loop" in text and "x dense" in text
+    assert "auto (train)" not in text  # no auto row, no comparison
 
 
 @pytest.mark.parametrize(

@@ -232,3 +232,32 @@ def test_compare_paper_ho2025_runs_each_method_in_its_layout_and_a_flag_wins(cor
     assert config("smoe")["opts"] == {}  # each method's own losses
     side = (out / "paper.txt").read_text()
     assert "Ho (2025)" in side and "13.420" in side and "Ho (2025)" in text
+
+
+def test_compare_paper_2025_table11_runs_each_ablation_row_as_its_method_and_options(
+    corpus, tmp_path, capsys
+):
+    import yaml
+
+    out = tmp_path / "t11"
+    args = tiny(corpus, out, "--paper", "2025-table11", "--seeds", "1", "--steps", "2", "--eval-every", "2")
+    assert main(args) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["competesmoe", "policy-only", "smoe"]
+    config = yaml.safe_load((out / "policy-only" / "seed0" / "config.yaml").read_text())
+    assert config["method"] == "competesmoe" and config["opts"]["task_gradient"] is False
+    assert config["opts"]["balance_coef"] == 0.01  # the paper's losses for every row
+    router = moelab.load(out / "policy-only" / "seed0").blocks[0].ffn.router
+    assert router.task_gradient is False
+    side = (out / "paper.txt").read_text()
+    assert "Table 11" in side and "policy-only" in side and "52.840" in side
+
+
+def test_compare_refuses_more_seeds_than_the_machine_can_list(corpus, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--seeds", "40960000000")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "moelab compare: error: --seeds=40960000000 is not allowed here: 2 methods × --seeds runs would need at least"
+    )
+    assert err.endswith("expected a smaller --seeds\n") and not out.exists()

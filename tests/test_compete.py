@@ -83,7 +83,7 @@ def test_winners_are_topk_of_independent_expert_forward(kappa, reduce, grad_path
 def test_softmax_weighting_and_eval_also_compete():
     layer = make("competition", weighting="softmax", reduce="norm").eval()
     x = torch.randn(T, D)
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(layer):
         y = layer(x)
         out = all_outputs(layer.experts, x)
     top, idx = out.norm(dim=-1).topk(K, dim=-1)
@@ -205,7 +205,7 @@ def test_competesmoe_eval_equals_router_path():
     sm.experts.load_state_dict(cs.experts.state_dict())
     cs.eval(), sm.eval()
     x = torch.randn(T, D)
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(cs), moelab.recording_routing(sm):
         assert torch.equal(cs(x), sm(x))
     assert torch.equal(cs.last_routing.indices, sm.last_routing.indices)
 
@@ -229,7 +229,7 @@ def test_competesmoe_off_schedule_step_is_the_router_path_and_on_step_competes()
 def test_competesmoe_aux_loss_is_the_weighted_sum():
     cs = make("competesmoe", schedule=Always())
     x = torch.randn(T, D)
-    cs(x)
+    y = cs(x)
     r = cs.last_routing
     probs = F.linear(x, cs.router.base.weight).softmax(-1)
     s_c = torch.zeros(T, N).scatter(1, r.indices, r.weights)
@@ -244,17 +244,19 @@ def test_competesmoe_aux_loss_is_the_weighted_sum():
         + 0.01 * switch_balance_loss(affinity, r.indices, N)
     )
     assert torch.allclose(cs.aux_loss, expected, atol=1e-6)
-    # the router learns from L_D on a competition step: its weight gets a gradient from aux_loss
-    cs.aux_loss.backward()
+    # the router learns from L_D on a competition step: its weight gets the aux gradient, which the
+    # layer attached to its output (a zero task gradient leaves the aux one alone)
+    (y * 0).sum().backward()
     assert cs.router.base.weight.grad.abs().sum() > 0
 
 
 def _router_grad(layer, x, loss=None):
     """The router's gradient of the layer's whole aux loss, or of one of its losses."""
     layer.zero_grad()
-    layer(x)
-    routing, _ = layer._aux_pending  # this forward's routing, with autograd
-    (layer.aux_loss if loss is None else routing.losses[loss]).backward()
+    if loss is None:  # the aux gradient the layer attaches to its output
+        (layer(x) * 0).sum().backward()
+    else:  # the competition is deterministic: the router again gives this forward's routing
+        layer.router(x, layer.experts, layer.ctx).losses[loss].backward()
     return layer.router.base.weight.grad.flatten().clone()
 
 
@@ -294,7 +296,8 @@ def test_the_mse_distillation_is_the_authors_softmax_of_affinities():
     torch.testing.assert_close(cs.last_routing.losses["distill"], (probs - target).square().mean())
 
 
-def test_competesmoe_without_context_warns_once_and_routes_like_base():
+def test_competesmoe_without_context_warns_once_and_routes_like_base(monkeypatch):
+    monkeypatch.setattr(moelab.layer, "_TOLD_NO_CONTEXT", set())  # told once per process: afresh here
     cs = make("competesmoe")
     sm = make("smoe")
     sm.router.load_state_dict(cs.router.base.state_dict())
@@ -402,7 +405,7 @@ def test_competition_layer_trains_end_to_end():
         (
             "competesmoe",
             {"mode": "hybrid"},
-            r"mode='hybrid' is not allowed; expected one of \['compete', 'v1', 'dense'\]",
+            r"mode='hybrid' is not allowed; expected one of \['compete', 'v1', 'dense', 'router'\]",
         ),
         ("competesmoe", {"base": "stablemoe"}, r"base='stablemoe' is not allowed"),
         ("competesmoe", {"base": "competition"}, r"base='competition' is not allowed"),
@@ -490,3 +493,98 @@ def test_bench_compete_bad_input(changes, match):
     bench, args = _bench_args(**changes)
     with pytest.raises(ValueError, match=match):
         bench.run(args)
+
+
+# ------------------------------------------------- CompeteSMoE (2024) eq. 5 and the ablations of (2025)
+def _router_params(layer):
+    return [p for p in layer.router.base.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("method", ["competesmoe-v1", "competesmoe"])
+def test_router_nll_adds_alpha_times_the_task_gradient_through_the_routers_weights_of_the_winners(method):
+    alpha = 0.7
+    x = torch.randn(T, D)
+    target = torch.randn(T, D)
+
+    def task(y):
+        return (y - target).pow(2).mean()
+
+    grads, outputs = {}, {}
+    for nll in (0.0, alpha):
+        layer = make(method, schedule=Always(), router_nll=nll).train()
+        y = layer(x)
+        (task(y) + layer.aux_loss).backward()
+        grads[nll] = [p.grad.clone() for p in _router_params(layer)]
+        outputs[nll] = y.detach()
+    y0 = outputs[0.0]
+    assert torch.equal(outputs[alpha], y0)  # the output is the competition's (eq. 2) either way
+    # the literal α·∂NLL/∂W_r: the winners' outputs (constants) weighted by the router's own
+    # probabilities renormalised over the winners, the gradient of the task loss at the output
+    layer = make(method, schedule=Always()).train()
+    layer(x)
+    winners = layer.last_routing.indices
+    with torch.no_grad():
+        chosen = all_outputs(layer.experts, x).gather(1, winners.unsqueeze(-1).expand(-1, -1, D))
+    y_var = y0.clone().requires_grad_()
+    (g_y,) = torch.autograd.grad(task(y_var), y_var)
+    probs = F.linear(x, layer.router.base.weight).softmax(-1).gather(1, winners)
+    y_router = ((probs / probs.sum(-1, keepdim=True)).unsqueeze(-1) * chosen).sum(1)
+    literal = torch.autograd.grad(y_router, _router_params(layer), grad_outputs=g_y)
+    for got, base, lit in zip(grads[alpha], grads[0.0], literal):
+        torch.testing.assert_close(got, base + alpha * lit, rtol=1e-5, atol=1e-7)
+        assert lit.abs().sum() > 0
+
+
+def test_without_task_gradient_the_router_learns_from_the_task_loss_on_no_step():
+    x = torch.randn(T, D)
+    for on in (False, True):
+        for task_gradient, expect_zero in ((True, on), (False, True)):
+            # no aux loss: the task loss alone (on a competing step the router is off the output path)
+            layer = make("competesmoe", schedule=Always(on=on), task_gradient=task_gradient,
+                         balance_coef=0, z_coef=0, distill_coef=0, diversity_coef=0,
+                         competition_balance_coef=0).train()  # fmt: skip
+            layer(x).pow(2).mean().backward()
+            total = sum(float(p.grad.abs().sum()) for p in _router_params(layer) if p.grad is not None)
+            assert (total == 0) == expect_zero, (on, task_gradient)
+    # the competition still teaches it
+    layer = make("competesmoe", schedule=Always(), task_gradient=False).train()
+    (layer(x) * 0).sum().backward()  # the aux gradient the layer attaches to its output
+    assert layer.router.base.weight.grad.abs().sum() > 0
+
+
+def test_router_mode_is_the_routers_top_k_with_the_diversity_of_their_outputs():
+    # CompeteSMoE (2025) Table 10 row (2): diversity loss without competition
+    layer = make("competesmoe", schedule=Always(), mode="router", balance_coef=0, z_coef=0,
+                 distill_coef=0, diversity_coef=1.0, competition_balance_coef=0).train()  # fmt: skip
+    x = torch.randn(T, D)
+    y = layer(x)
+    p = F.linear(x, layer.router.base.weight).softmax(-1)
+    w, idx = p.topk(K, -1)
+    w = w / w.sum(-1, keepdim=True)
+    out = all_outputs(layer.experts, x).gather(1, idx.unsqueeze(-1).expand(-1, -1, D))
+    torch.testing.assert_close(y, (w.unsqueeze(-1) * out).sum(1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.aux_loss, diversity_loss(out), rtol=1e-5, atol=1e-7)
+
+
+def test_densemoe_with_a_diversity_weight_adds_the_diversity_of_the_routers_top_k():
+    # CompeteSMoE (2025) Table 10 row (4): DenseMoE + diversity loss
+    dm = make("densemoe", schedule=Always(), balance_coef=0, z_coef=0, diversity_coef=1.0).train()
+    x = torch.randn(T, D)
+    y = dm(x)
+    p = F.linear(x, dm.router.base.weight).softmax(-1)
+    out = all_outputs(dm.experts, x)
+    torch.testing.assert_close(y, (p.unsqueeze(-1) * out).sum(1), rtol=1e-5, atol=1e-6)
+    idx = p.topk(K, -1).indices
+    torch.testing.assert_close(
+        dm.aux_loss, diversity_loss(out.gather(1, idx.unsqueeze(-1).expand(-1, -1, D))), rtol=1e-5, atol=1e-7
+    )
+    assert make("densemoe", schedule=Always()).coefs.get("diversity", 0) == 0  # row (3): none
+
+
+def test_router_nll_and_task_gradient_are_validated():
+    with pytest.raises(ValueError, match=r"router_nll=0.5 is not allowed with mode='dense'"):
+        make("densemoe", router_nll=0.5)
+    with pytest.raises(ValueError, match=r"router_nll=-1 is not allowed; expected a number >= 0"):
+        make("competesmoe", router_nll=-1)
+    with pytest.raises(ValueError, match=r"task_gradient='no' is not allowed; expected True or False"):
+        make("competesmoe", task_gradient="no")

@@ -114,6 +114,24 @@ def test_two_ranks_with_half_batches_reproduce_one_rank_with_the_full_batch(corp
     assert [p.name for p in sorted((two / "ckpt").iterdir())] == ["step-00000003", "step-00000006"]
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [(), pytest.param(("--expert-parallel",), marks=pytest.mark.slow)],
+    ids=["ddp", "expert-parallel"],
+)
+def test_two_ranks_with_global_balance_reproduce_one_rank_with_the_full_batch(corpus, tmp_path, layout):
+    # balance_scope=global: the balance (and importance) of the step's tokens on every rank, so the
+    # aux losses stay on and the curves are still those of one process on the whole batch
+    extra = ("--opt", "balance_scope=global", "--opt", "importance_coef=0.1", "--opt", "z_coef=0")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(tiny_args(corpus, one, *extra)) == 0
+    assert [r["code"] for r in launch(tiny_args(corpus, two, *extra, *layout), tmp_path)] == [0, 0]
+    for step, (a, b) in enumerate(zip(read_log(one), read_log(two)), 1):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4), (step, key)
+    assert float(read_log(one)[0]["aux_loss"]) > 0
+
+
 def test_each_rank_adds_the_aux_loss_of_its_own_tokens(corpus, tmp_path):
     out = tmp_path / "run"
     argv = tiny_args(corpus, out, "--steps", "1", "--ckpt-every", "0")
@@ -343,3 +361,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers(corpus,
         for key in ("loss", "aux_loss", "grad_norm"):
             assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-5), (a["step"], key)
     assert json.loads((out / "metrics.json").read_text())["world_size"] == 4
+
+
+def test_fsdp_needs_torchrun(corpus, tmp_path, capsys):
+    assert main(tiny_args(corpus, tmp_path / "run", "--fsdp")) == 2
+    assert "FSDP2 needs torch.distributed initialised" in capsys.readouterr().err

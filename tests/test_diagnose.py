@@ -45,7 +45,7 @@ def test_diagnose_writes_every_diagnostic_and_each_matches_a_direct_computation(
         return hook
 
     hooks = [layer.register_forward_hook(record(i)) for i, layer in enumerate(layers)]
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(model):  # an inference forward keeps none unless asked
         model.eval()
         for b in batches:
             model(b)
@@ -55,6 +55,8 @@ def test_diagnose_writes_every_diagnostic_and_each_matches_a_direct_computation(
     shares = [load / load.sum() for load in loads]
     assert d["load_cv"] == pytest.approx([float(s.std(unbiased=False) / s.mean()) for s in shares], rel=1e-5)
     assert d["load_cv_mean"] == pytest.approx(sum(d["load_cv"]) / len(layers))
+    assert d["max_vio"] == pytest.approx([float(s.max() / s.mean() - 1) for s in shares], rel=1e-5)
+    assert d["max_vio_mean"] == pytest.approx(sum(d["max_vio"]) / len(layers))
     # the swap tests: the same evaluation with the swapped routing
     with torch.no_grad(), metrics.swap_top1(model, 1):
         swapped = task.evaluate(model, "test", len(batches) * 16 * 16)["bpc"]
@@ -72,7 +74,7 @@ def test_swap_of_the_kth_expert_keeps_the_top_ones_and_takes_the_next():
     layer = moelab.MoE(8, 6, 3, method="smoe").eval()
     x = torch.randn(10, 8)
     ranked = layer.router.logits(x).topk(4, dim=-1).indices
-    with torch.no_grad(), metrics.swap_top1(layer, rank=2):
+    with torch.no_grad(), metrics.swap_top1(layer, rank=2), moelab.recording_routing(layer):
         layer(x)
     assert torch.equal(layer.last_routing.indices, ranked[:, [0, 1, 3]])
     assert not isinstance(layer.router, metrics.SwappedRouter) and layer.router.top_k == 3
@@ -94,3 +96,36 @@ def test_report_tabulates_the_diagnostics_over_runs(run_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "routing diagnostics (moelab diagnose)" in text and "router_entropy_mean" in text
     assert (tmp_path / "rep" / "diagnostics.csv").read_text().startswith("diagnostic,group,mean,sd,n,p")
+
+
+def test_diagnose_refuses_changed_data_another_commands_run_and_a_folder_in_its_place(
+    run_dir, corpus, tmp_path, capsys
+):
+    import shutil
+
+    import yaml
+
+    data, run = tmp_path / "data.txt", tmp_path / "run"
+    shutil.copy(corpus, data)
+    shutil.copytree(run_dir, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, "data": str(data)}, sort_keys=False))
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    before = (run / "diagnostics.json").read_bytes()
+    data.write_text(data.read_text().replace("cat", "cow"))
+    capsys.readouterr()
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--data {str(data)!r} now has sha256" in err and "its diagnostics would describe other data" in err
+    )
+    assert len(err.strip().splitlines()) == 1 and (run / "diagnostics.json").read_bytes() == before
+    shutil.copy(corpus, data)
+    (run / "diagnostics.json").unlink()
+    (run / "diagnostics.json").mkdir()
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 2
+    assert "diagnostics.json' exists and is not a file" in capsys.readouterr().err
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, "command": "finetune"}, sort_keys=False))
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run} is a moelab finetune run; diagnose takes language-model runs" in err

@@ -1,4 +1,5 @@
-"""Expert parallelism on 2 and 4 gloo processes (CPU) against the single-process layer, float64."""
+"""Expert parallelism (DTensor experts, moelab.train.parallelize) on 2 and 4 gloo processes (CPU)
+against the single-process layer, float64, with uneven shards and a rank holding no tokens."""
 
 import copy
 import os
@@ -16,13 +17,7 @@ from torch import nn
 import moelab
 from moelab.experts import ExpertParallelBank, combine
 from moelab.functional import competition_affinity
-from moelab.train.distributed import (
-    apply_expert_parallel,
-    ddp_ignore_experts,
-    expert_parameters,
-    full_state_dict,
-    non_expert_parameters,
-)
+from moelab.train.parallelize import full_state_dict, parallelize
 
 D = 8
 
@@ -49,6 +44,18 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if a.numel() == 0 else (a - b).abs().max().item()
 
 
+def _block(bank: nn.Module) -> slice:
+    _, E, r = bank._ep
+    L = bank.num_experts // E
+    return slice(r * L, (r + 1) * L)
+
+
+def _local_grad(p: nn.Parameter, world: int) -> torch.Tensor:
+    """This rank's block of a sharded expert gradient, times the world size: the bank scales it by
+    1/W (the gradient of the mean of the ranks' losses); these checks sum the losses instead."""
+    return p.grad.to_local() * world
+
+
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t)
@@ -65,9 +72,10 @@ def _check_layer(rank: int, world: int, method: str) -> dict[str, float]:
     y_ref = ref(xr)
     (y_ref * c).sum().backward()
 
-    apply_expert_parallel(ep, average_grads=False)
+    parallelize(ep, dp="none", ep=world)
     bank = ep.experts
-    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    assert isinstance(bank, ExpertParallelBank)
+    block = _block(bank)
     xs = _mine(x, sizes, rank).clone().requires_grad_()
     y = ep(xs)
     (y * _mine(c, sizes, rank)).sum().backward()
@@ -75,8 +83,8 @@ def _check_layer(rank: int, world: int, method: str) -> dict[str, float]:
         "y": _err(y, _mine(y_ref, sizes, rank)),
         "grad_x": _err(xs.grad, _mine(xr.grad, sizes, rank)),
         "grad_router": _err(_sum_over_ranks(ep.router.weight.grad), ref.router.weight.grad),
-        "grad_w_in": _err(bank.local.w_in.grad, ref.experts.w_in.grad[block]),
-        "grad_w_out": _err(bank.local.w_out.grad, ref.experts.w_out.grad[block]),
+        "grad_w_in": _err(_local_grad(bank.w_in, world), ref.experts.w_in.grad[block]),
+        "grad_w_out": _err(_local_grad(bank.w_out, world), ref.experts.w_out.grad[block]),
     }
     if ep.shared is not None:
         out["grad_shared"] = _err(_sum_over_ranks(ep.shared.fc_in.weight.grad), ref.shared.fc_in.weight.grad)
@@ -93,7 +101,7 @@ def _check_forward_all(rank: int, world: int) -> dict[str, float]:
     torch.manual_seed(2)
     ref = moelab.ExpertBank(8, D, 5, activation="swiglu", bias=True, impl="loop").double()
     holder = moelab.MoE(D, 8, 2, experts=copy.deepcopy(ref))
-    apply_expert_parallel(holder, average_grads=False)
+    parallelize(holder, dp="none", ep=world)
     bank = holder.experts
     x, _, sizes = _data(3, world)
     c = torch.randn(x.shape[0], 8, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -103,14 +111,14 @@ def _check_forward_all(rank: int, world: int) -> dict[str, float]:
     xs = _mine(x, sizes, rank).clone().requires_grad_()
     y = bank.forward_all(xs)
     (y * _mine(c, sizes, rank)).sum().backward()
-    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    block = _block(bank)
     e = 5  # expert_forward is a collective too
     y_e = bank.expert_forward(_mine(x, sizes, rank), e)
     return {
         "forward_all/y": _err(y, _mine(y_ref, sizes, rank)),
         "forward_all/grad_x": _err(xs.grad, _mine(xr.grad, sizes, rank)),
-        "forward_all/grad_w_in": _err(bank.local.w_in.grad, ref.w_in.grad[block]),
-        "forward_all/grad_b_out": _err(bank.local.b_out.grad, ref.b_out.grad[block]),
+        "forward_all/grad_w_in": _err(_local_grad(bank.w_in, world), ref.w_in.grad[block]),
+        "forward_all/grad_b_out": _err(_local_grad(bank.b_out, world), ref.b_out.grad[block]),
         "expert_forward/y": _err(y_e, ref.expert_forward(_mine(x, sizes, rank), e).detach()),
     }
 
@@ -131,7 +139,7 @@ def _check_competition(rank: int, world: int) -> dict[str, float]:
     torch.manual_seed(7)
     ref = moelab.ExpertBank(8, D, 6, impl="loop").double()
     holder = moelab.MoE(D, 8, 2, experts=copy.deepcopy(ref))
-    apply_expert_parallel(holder, average_grads=False)
+    parallelize(holder, dp="none", ep=world)
     bank = holder.experts
     x, c, sizes = _data(8, world)
     (_compete(ref, x, 2) * c).sum().backward()
@@ -139,39 +147,35 @@ def _check_competition(rank: int, world: int) -> dict[str, float]:
     xs = _mine(x, sizes, rank)
     y = _compete(bank, xs, 2)
     (y * _mine(c, sizes, rank)).sum().backward()
-    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    block = _block(bank)
     return {
         "competition/y": _err(y, _mine(y_ref, sizes, rank)),
-        "competition/grad_w_out": _err(bank.local.w_out.grad, ref.w_out.grad[block]),
+        "competition/grad_w_out": _err(_local_grad(bank.w_out, world), ref.w_out.grad[block]),
     }
 
 
 def _check_ddp(rank: int, world: int) -> dict[str, float]:
     """DDP over the replicated parameters + expert parallelism = the gradient of the mean loss."""
-    from torch.nn.parallel import DistributedDataParallel
-
     torch.manual_seed(5)
     ref = nn.Sequential(nn.Linear(D, D), moelab.MoE(D, 8, 2, method="smoe", impl="loop")).double()
     model = copy.deepcopy(ref)
     x, c, sizes = _data(6, world)
     ((ref(x) * c).sum() / world).backward()
 
-    apply_expert_parallel(model)  # average_grads=True
+    ddp = parallelize(model, dp="ddp", ep=world)  # experts split over all ranks, DDP for the rest
     full = full_state_dict(model)
     state_err = max(_err(full[k], v) for k, v in ref.state_dict().items())
     assert set(full) == set(ref.state_dict())
-    ignored = ddp_ignore_experts(model)
-    assert ignored == [n for n, _ in expert_parameters(model)] and len(ignored) == 2
-    assert len(non_expert_parameters(model)) == 3
-    ddp = DistributedDataParallel(model)
+    ignored = ddp.parameters_to_ignore
+    assert sorted(ignored) == ["1.experts.w_in", "1.experts.w_out"]
     (ddp(_mine(x, sizes, rank)) * _mine(c, sizes, rank)).sum().backward()
     bank = model[1].experts
-    block = slice(bank.first_expert, bank.first_expert + bank.num_local)
+    block = _block(bank)
     return {
         "ddp/full_state_dict": state_err,
         "ddp/grad_linear": _err(model[0].weight.grad, ref[0].weight.grad),
         "ddp/grad_router": _err(model[1].router.weight.grad, ref[1].router.weight.grad),
-        "ddp/grad_w_in": _err(bank.local.w_in.grad, ref[1].experts.w_in.grad[block]),
+        "ddp/grad_w_in": _err(bank.w_in.grad.to_local(), ref[1].experts.w_in.grad[block]),
     }
 
 
@@ -186,7 +190,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         results.update(_check_competition(rank, world))
         results.update(_check_ddp(rank, world))
         try:
-            apply_expert_parallel(moelab.MoE(D, 7, 2))
+            parallelize(moelab.MoE(D, 7, 2), dp="none", ep=world)
             results["error"] = None
         except ValueError as exc:
             results["error"] = str(exc)
@@ -210,22 +214,15 @@ def test_expert_parallel_matches_the_single_process_layer(world, tmp_path):
     for rank in range(world):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         error = results.pop("error")
-        assert error is not None and f"world size {world} does not divide num_experts=7" in error
+        assert error == f"ep={world} does not divide num_experts=7 of MoE layer 0; allowed: [1]"
         assert len(results) == 23
         for name, err in results.items():
             assert err <= 1e-6, f"rank {rank}/{world}: {name} differs by {err}"
 
 
 def test_expert_parallel_needs_an_initialised_process_group():
-    with pytest.raises(ValueError, match=r"needs torch\.distributed initialised"):
-        apply_expert_parallel(moelab.MoE(D, 4, 2))
-    with pytest.raises(ValueError, match=r"needs torch\.distributed initialised"):
-        ExpertParallelBank(moelab.ExpertBank(4, D, D))
-
-
-def test_only_expert_banks_can_be_made_parallel():
-    with pytest.raises(ValueError, match="bank of type ModuleExperts is not allowed"):
-        ExpertParallelBank(moelab.ModuleExperts([nn.Linear(D, D), nn.Linear(D, D)]))
+    with pytest.raises(ValueError, match=r"^parallelize needs torch\.distributed initialised"):
+        parallelize(moelab.MoE(D, 4, 2), dp="none", ep=2)
 
 
 @pytest.mark.slow

@@ -91,17 +91,74 @@ def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert_with_one_thread():
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
-def test_auto_takes_the_threaded_loop_with_several_threads_except_when_decoding():
+@pytest.mark.parametrize("policy,want", [("PASSIVE", "loop"), (None, "grouped"), ("active", "grouped")])
+def test_auto_takes_the_threaded_loop_only_where_idle_openmp_workers_sleep(monkeypatch, policy, want):
+    # docs/performance.md: with 2 threads the threaded loop is ahead under OMP_WAIT_POLICY=PASSIVE
+    # and behind grouped_mm under the default policy, whose workers spin
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     bank = ExpertBank(4, 8, 16)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         for tokens in (3, 64, 4096):
-            assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2) == "loop"
-            assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2, grad=False) == "loop"
+            assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2) == want
+            assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2, grad=False) == want
         assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"  # T·K ≤ N
+        torch.set_num_threads(1)  # one thread: no barrier to wait at, the policy does not matter
+        rows = LOOP_ROWS_PER_EXPERT
+        assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_wait_policy_is_read_from_the_environment(monkeypatch):
+    from moelab.experts.kernels import omp_wait_policy
+
+    for value, want in [("PASSIVE", "passive"), (" active ", "active"), ("", "default"), ("spin", "default")]:
+        monkeypatch.setenv("OMP_WAIT_POLICY", value)
+        assert omp_wait_policy() == want
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert omp_wait_policy() == "default"
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_autotune_measures_each_shape_class_once_and_keeps_the_fastest(monkeypatch):
+    from moelab.experts import kernels
+
+    now = [0.0]
+    cost = {"loop": 5.0, "grouped": 2.0, "stream": 3.0}
+    calls = []
+
+    def fake(name):
+        def kernel(x, indices, weights, experts):
+            calls.append(name)
+            now[0] += cost[name]
+            return x * 1.0
+
+        return kernel
+
+    monkeypatch.setattr(kernels, "KERNELS", {name: fake(name) for name in cost})
+    kernels.set_autotune(True, clock=lambda: now[0], repeats=3)
+    try:
+        bank = ExpertBank(4, 8, 16)
+        x = torch.randn(64, 8)
+        assert bank.resolved_impl(x, top_k=2) == "grouped"
+        assert calls.count("loop") == calls.count("grouped") == 4 and "stream" not in calls  # training
+        calls.clear()
+        assert bank.resolved_impl(torch.randn(60, 8), top_k=2) == "grouped"  # the same class: 64 tokens
+        assert calls == []
+        cost["grouped"] = 9.0
+        assert bank.resolved_impl(x, top_k=2, grad=False) == "stream"  # inference: another class
+        assert calls.count("stream") == 4
+        assert bank.resolved_impl(torch.randn(300, 8), top_k=2) == "loop"  # 512 tokens: measured anew
+    finally:
+        kernels.set_autotune(False)
+    assert kernels._TUNED == {}
+    with pytest.raises(ValueError, match="repeats=0 is not allowed; expected a positive integer"):
+        kernels.set_autotune(True, repeats=0)
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
@@ -116,7 +173,7 @@ def test_auto_inference_streams_when_decoding_and_from_enough_slots_per_expert()
     threads = torch.get_num_threads()
     try:  # with several threads, only decoding streams
         torch.set_num_threads(2)
-        assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) == "loop"
+        assert bank.resolved_impl(torch.randn(rows * 2, 8), top_k=2, grad=False) in ("loop", "grouped")
         assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"
     finally:
         torch.set_num_threads(threads)
@@ -291,3 +348,17 @@ def test_a_kernel_registered_as_one_entry_runs_by_its_name(monkeypatch):
     (experts,) = calls
     assert experts.w_in is bank.w_in and experts.w_out is bank.w_out and experts.activation == "relu"
     torch.testing.assert_close(y, reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)
+
+
+def test_autotune_with_the_real_kernels_picks_one_that_runs():
+    from moelab.experts import kernels
+
+    kernels.set_autotune(True, repeats=1)
+    try:
+        bank = ExpertBank(4, 8, 16)
+        x = torch.randn(32, 8)
+        for grad in (True, False):
+            pick = bank.resolved_impl(x, top_k=2, grad=grad)
+            assert pick in kernels.candidates(x, bank.expert_weights, grad)
+    finally:
+        kernels.set_autotune(False)

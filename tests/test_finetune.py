@@ -236,6 +236,8 @@ def test_finetune_resume_refuses_a_changed_data_file_or_lm_and_keeps_its_config(
 def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_path, monkeypatch):
     """SMoE-Dropout's K and StableMoE's stage during fine-tuning are the LM's at the end of its
     training (the frozen routers route as the LM they came from), not a fresh context's."""
+    import warnings
+
     from moelab.io.model import load
     from moelab.routers.stable import StableRouter
     from moelab.routers.topk import TopKRouter
@@ -269,9 +271,11 @@ def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_
         monkeypatch.setattr(StableRouter, "stage", stage)
         seen[key].clear()
         out = tmp_path / f"ft-{method}"
+        warnings.simplefilter("error", UserWarning)  # frozen by design: no "does not advance" warning
         assert main(["finetune", "--task", str(reviews), "--from", str(lm), "--steps", "8", "--eval-every", "8",
                      "--no-progress", "--out", str(out)]) == 0  # fmt: skip
         monkeypatch.undo()
+        warnings.resetwarnings()
         assert seen[key] and set(seen[key]) == {lm_value}, (method, seen[key])
         # the fine-tuned model keeps that routing when loaded
         ctx = next(m.ctx for m in load(out).modules() if getattr(m, "ctx", None) is not None)
@@ -322,3 +326,47 @@ def test_subsample_train_keeps_a_seeded_fraction_of_the_training_rows(reviews):
     assert subsample_train(data, 0.3, seed=1).texts == part.texts != subsample_train(data, 0.3, seed=2).texts
     with pytest.raises(ValueError, match=r"fraction=1.5 is not allowed; expected a number in \(0, 1\]"):
         subsample_train(data, 1.5)
+
+
+def test_finetune_trains_only_the_experts_and_the_new_head_by_default(pretrained, reviews, tmp_path, capsys):
+    # CompeteSMoE (2024) §6.3: "we freeze the router and only optimize the experts' parameters"
+    import yaml
+
+    from moelab.io.model import load
+
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--steps", "2", "--no-progress"]
+    assert main([*base, "--out", str(tmp_path / "experts")]) == 0
+    assert main([*base, "--trainable", "trunk", "--out", str(tmp_path / "trunk")]) == 0
+    lm = load(pretrained)
+    tuned = {name: load(tmp_path / name) for name in ("experts", "trunk")}
+    changed = {
+        name: {n for n, p in model.lm.named_parameters() if not torch.equal(p, lm.state_dict()[n])}
+        for name, model in tuned.items()
+    }
+    assert changed["experts"] and all(".ffn.experts." in n for n in changed["experts"])
+    assert any(".attn." in n for n in changed["trunk"]) and not any(".router." in n for n in changed["trunk"])
+    recorded = {
+        name: yaml.safe_load((tmp_path / name / "config.yaml").read_text())["recorded"] for name in tuned
+    }
+    experts = sum(p.numel() for n, p in lm.named_parameters() if ".ffn.experts." in n)
+    head = sum(p.numel() for n, p in tuned["experts"].named_parameters() if n.startswith("fc"))
+    assert recorded["experts"]["trainable_params"] == experts + head
+    assert recorded["trunk"]["trainable_params"] > experts + head
+    capsys.readouterr()
+    assert main([*base, "--adapter", "lora", "--trainable", "trunk", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--trainable='trunk' is not allowed with --adapter lora" in err and len(err.strip().splitlines()) == 1
+    )
+
+
+def test_finetune_refuses_a_batch_beyond_the_machines_memory(pretrained, reviews, tmp_path, capsys):
+    out = tmp_path / "ft"
+    assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--batch-size", "4096000000",
+                 "--out", str(out)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        "--batch-size=4096000000 is not allowed here: the model, its training state and a batch would need"
+        in err
+    )
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

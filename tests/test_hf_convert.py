@@ -82,7 +82,7 @@ def test_converted_block_has_identical_outputs_and_routing(kind, overrides, meth
     layer = from_hf(block)
     assert isinstance(layer, moelab.MoE) and layer.method == method and not layer.training
     x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(layer):
         expected = block(x.clone())
         got = layer(x)
         _, hf_weights, hf_indices = block.gate(x.reshape(-1, D))
@@ -99,7 +99,7 @@ def test_deepseek_group_limited_routing_only_uses_the_chosen_groups():
     block = _block("deepseek", n_group=4, topk_group=1)
     layer = from_hf(block)
     x = torch.randn(64, D)
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(layer):
         layer(x)
     groups = layer.last_routing.indices // (N // 4)  # (T, K) group of each chosen expert
     assert (groups == groups[:, :1]).all()  # both experts of a token come from its one group
@@ -137,6 +137,7 @@ def test_whole_model_conversion_keeps_the_logits():
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    model.train()(ids)  # a training forward computes the aux losses (an inference one, none)
     assert moelab.aux_loss(model).item() > 0  # router_aux_loss_coef became balance_coef
 
 
@@ -475,3 +476,109 @@ def test_smoe_sg_of_a_sigmoid_block_without_bias_goes_back_to_transformers():
     refused = from_hf(block, method="smoe-sg", normalize=False)
     with pytest.raises(ValueError, match=r"router options \{'normalize': False\} differ"):
         moelab.to_hf(refused)
+
+
+def _flint_block():
+    from hf_families import families, tiny_block
+
+    fam, cls = next((f, c) for f, c in families() if c.__name__ == "FlintSparseMoeBlock")
+    return tiny_block(fam, cls)
+
+
+@pytest.mark.parametrize("make", [lambda: _block("mixtral"), _flint_block], ids=["mixtral", "flint"])
+def test_set_method_to_the_layers_own_method_changes_nothing(make):
+    import warnings
+
+    block = make()
+    layer = from_hf(block)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    coefs, config = dict(layer.coefs), dict(layer.init_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to announce either
+        moelab.set_method(layer, layer.method)
+    assert layer.coefs == coefs and layer.init_config == config  # Mixtral's z-loss stayed off
+    assert layer.state_dict().keys() == state.keys()  # Flint got no selection bias
+    assert all(torch.equal(layer.state_dict()[k], v) for k, v in state.items())
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1), dtype=block.experts.down_proj.dtype)
+    with torch.no_grad():
+        assert torch.equal(moelab.to_hf(layer)(x.clone())[0], block(x.clone())[0])  # not refused
+
+
+def test_a_sigmoid_block_without_selection_bias_keeps_none_in_another_method():
+    layer = from_hf(_flint_block(), method="competesmoe")  # its base: sharede-v3's rule, no bias
+    assert layer.router.base_method == "sharede-v3" and layer.router.base.selection_bias is None
+    layer = from_hf(_flint_block())
+    with pytest.warns(UserWarning) as record:
+        moelab.set_method(layer, "smoe")
+    assert not any("selection_bias" in str(w.message) for w in record)  # nothing to drop
+
+
+def test_set_method_after_attach_keeps_the_context_and_steps_the_new_router():
+    torch.manual_seed(0)
+    model = nn.Sequential(moelab.MoE(D, N, K), moelab.MoE(D, N, K))
+    ctx = moelab.routing_context(model, total_steps=30)
+    with pytest.warns(UserWarning, match=r"initialises router tensors .* afresh: selection_bias"):
+        moelab.set_method(model, "sharede-v3")
+    layers = moelab.layer.moe_layers(model)
+    assert all(m.ctx is ctx for m in layers) and [m.layer_index for m in layers] == [0, 1]
+    assert len(ctx.hooks) == 2 and {h.__self__ for h in ctx.hooks} == {m.router for m in layers}
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(0))
+    model.train()
+    for _ in range(30):
+        (model(x).pow(2).mean() + moelab.aux_loss(model)).backward()
+        opt.step()
+        opt.zero_grad()
+        ctx.advance()
+    assert all(m.router.selection_bias.abs().sum() > 0 for m in layers)  # was 0.0: no hook ran
+
+
+def test_set_method_says_which_router_tensors_it_initialises_afresh_and_keeps_a_familys_own():
+    torch.manual_seed(0)
+    layer = moelab.MoE(D, N, K, method="smoe")
+    with pytest.warns(UserWarning, match=r"initialises router tensors .* afresh: embeddings, temperature, "
+                      r"proj.weight \(layers \[0\]\); the routing differs"):  # fmt: skip
+        moelab.set_method(layer, "xmoe")
+    with torch.no_grad():
+        layer.router.proj.weight.mul_(2.0)  # "trained"
+    proj, emb = layer.router.proj.weight.clone(), layer.router.embeddings.clone()
+    with pytest.warns(
+        UserWarning, match=r"afresh: temperature \(layers \[0\]\)"
+    ):  # xmoe learns it, pcosine not
+        moelab.set_method(layer, "pcosine")
+    assert torch.equal(layer.router.proj.weight, proj) and torch.equal(layer.router.embeddings, emb)
+    x = torch.randn(5, D)
+    before = layer.eval()(x)
+    moelab.set_method(layer, "pcosine", perturbation=0.1)  # its own method, its own value: nothing new
+    assert torch.equal(layer(x), before)
+
+
+def test_set_method_announces_the_loss_coefficients_it_changes():
+    import warnings
+
+    layer = from_hf(_block("mixtral"))  # router_aux_loss_coef 0.001, no z-loss
+    assert layer.coefs == {"balance": 0.001}
+    with pytest.warns(
+        UserWarning,
+        match=r"changes the loss coefficients to the method's preset: \{'balance': 0.001\} -> "
+        r"\{'balance': 0.01, 'z': 0.001\} \(layers \[0\]\); pass <loss>_coef options to set them",
+    ):
+        moelab.set_method(layer, "xmoe")
+    with pytest.warns(
+        UserWarning, match=r"\{'balance': 0.01, 'z': 0.001\} -> \{'entropy': 0.001, 'z': 0.001\}"
+    ):
+        moelab.set_method(layer, "sigma-moe", z_coef=0.001)  # the entropy term is the preset's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # back, with the coefficients asked for: nothing to announce
+        moelab.set_method(layer, "smoe", balance_coef=0.001, z_coef=0.0, entropy_coef=0.0)
+    assert layer.coefs == {"balance": 0.001}
+    moelab.set_method(layer, "smoe", renormalize=True)  # the same method keeps them, zeros included
+    assert layer.coefs == {"balance": 0.001}
+
+
+def test_set_method_keeps_the_layers_balance_scope():
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_scope="sequence")
+    moelab.set_method(layer, "xmoe")
+    assert layer.balance_scope == "sequence" and layer.init_config["options"]["balance_scope"] == "sequence"
+    moelab.set_method(layer, "smoe", balance_scope="global")
+    assert layer.balance_scope == "global"

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import moelab
 from moelab.hf.upcycle import upcycle
+from moelab.layer import moe_layers
 from moelab.schedules import CoinFlipSchedule, CompetitionSchedule, build_schedule
 
 transformers = pytest.importorskip("transformers")
@@ -404,3 +405,140 @@ def test_the_trainer_trains_every_method(tmp_path, method):
     assert _ctx(model).step == 2
     changed = [k for k, v in model.state_dict().items() if "mlp" in k and not torch.equal(v, before[k])]
     assert changed, f"{method}: no MoE parameter moved"
+
+
+# ------------------------------------------------------------------------------------ the plain Trainer
+def test_a_converted_models_training_loss_includes_the_aux_loss():
+    """As transformers' MoE models with output_router_logits: a training forward with labels
+    returns task + aux (its gradient is attached to the layers' outputs); evaluation returns the
+    task loss alone."""
+    model = _model("smoe")
+    ids = _data(4)[0]["input_ids"].unsqueeze(0).repeat(2, 1)
+    out = model(input_ids=ids, labels=ids)
+    logits = out.logits[:, :-1].reshape(-1, V)
+    task = torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1))
+    aux = moelab.aux_loss(model)
+    assert aux.item() > 0
+    torch.testing.assert_close(out.loss.detach(), (task + aux).detach())
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, task)
+
+
+def test_the_plain_trainer_trains_with_the_aux_loss(tmp_path):
+    model = _model("smoe")
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_steps=2), train_dataset=_data())
+    trainer.train()
+    assert all(math.isfinite(h["loss"]) for h in _train_logs(trainer))
+
+
+def test_the_plain_trainer_with_gradient_accumulation_is_refused_in_one_line(tmp_path):
+    """The plain Trainer divides the loss of a model that takes no loss kwargs by the accumulation
+    steps; the layers' aux gradient would keep weight 1: refused at the first backward, naming the
+    fix.  (A model taking ``num_items_in_batch`` is not divided: its aux loss counts once per
+    micro-batch, as in transformers' own MoE models.)"""
+    model = _model("smoe")
+    args = _args(tmp_path, max_steps=1, gradient_accumulation_steps=2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_data())
+    trainer.model_accepts_loss_kwargs = False
+    with pytest.raises(
+        ValueError, match=r"aux_loss enters this loss with weight 0.5, .*set_aux_scale\(model, 0.5\)"
+    ):
+        trainer.train()
+
+
+def test_competesmoe_trains_under_bf16_through_its_competition_steps(tmp_path):
+    """``TrainingArguments(bf16=True)``: the forward runs under bf16 autocast (the competition's
+    expert backward once refused its bf16 rows); the losses stay finite and the distillation is
+    logged on the competition steps."""
+    model = _model()
+    args = _args(tmp_path, bf16=True, max_steps=4)
+    trainer = MoETrainer(model=model, args=args, train_dataset=_data(), schedule_options=COMPETE)
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert len(logs) == 4 and all(math.isfinite(h["loss"]) for h in logs)
+    assert any(h["aux_distill"] > 0 for h in logs)
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------- global balance scope
+def test_global_balance_in_one_process_trains_as_the_micro_batch_balance(tmp_path):
+    """One process, one micro-batch a step: the step's load is the micro-batch's, so the StepBalance the
+    trainer attaches gives the same run; it is detached when training ends."""
+    logs = {}
+    for scope in ("micro", "global"):
+        model = _model("smoe", balance_scope=scope, importance_coef=0.1)
+        trainer = MoETrainer(model=model, args=_args(tmp_path / scope, max_steps=3), train_dataset=_data(12))
+        trainer.train()
+        logs[scope] = _train_logs(trainer)
+        assert all(m.step_balance is None for m in moe_layers(model))
+    for a, b in zip(logs["micro"], logs["global"]):
+        for key in ("loss", "aux_loss", "aux_balance", "aux_importance"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+
+
+def test_global_balance_under_gradient_accumulation_uses_the_steps_running_counts(tmp_path):
+    """Two micro-batches a step, each with its own backward: the second is balanced against the counts of
+    both (Megatron-Core's global_aux_loss), so the run differs from the micro-batch balance."""
+    seen = []
+
+    class Spy(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            balance = moe_layers(model)[0].step_balance
+            seen.append(balance is not None and balance._totals is None)  # the last step's are cleared
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            balance = moe_layers(model)[0].step_balance
+            seen.append(balance is not None and balance._forwards)  # both micro-batches recorded
+
+    logs = {}
+    for scope in ("micro", "global"):
+        model = _model("smoe", balance_scope=scope, balance_coef=1.0)
+        args = _args(
+            tmp_path / scope, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2
+        )
+        trainer = MoETrainer(model=model, args=args, train_dataset=_data(8), callbacks=[Spy()])
+        trainer.train()
+        logs[scope] = _train_logs(trainer)
+    assert seen == [
+        False,
+        False,
+        False,
+        False,
+        True,
+        2,
+        True,
+        2,
+    ]  # micro: none; global: one, cleared each step
+    assert logs["global"][0]["aux_balance"] > 0
+    assert logs["global"][0]["aux_balance"] != pytest.approx(logs["micro"][0]["aux_balance"], rel=1e-6)
+
+
+def test_training_a_loaded_model_for_more_steps_rebuilds_its_routing_context_for_them(tmp_path):
+    from moelab.hf.trainer import MoETrainerCallback
+
+    model = _model()
+    moelab.routing_context(model, total_steps=6, seed=0, **COMPETE).step = 6  # as after a 6-step run
+    moelab.save(model, tmp_path / "m")
+    loaded = moelab.load(tmp_path / "m").train()
+    assert _ctx(loaded).total_steps == 6
+    trainer = MoETrainer(model=loaded, args=_args(tmp_path / "b", max_steps=10), train_dataset=_data(40))
+    with pytest.warns(
+        UserWarning, match=r"routing context planned 6 steps .* max_steps=10: .* rebuilt for 10"
+    ):
+        trainer.train()
+    ctx = _ctx(loaded)
+    assert ctx.total_steps == 10 and ctx.step == 10 and ctx.schedule.total_steps == 10
+    # drawn again with the loaded schedule's options (ω, warm-up), as a fresh 10-step run would be
+    assert torch.equal(ctx.schedule.table, build_schedule("competesmoe", 2, 10, seed=0, **COMPETE).table)
+    given = MoETrainerCallback(ctx=moelab.RoutingContext(total_steps=6))
+    trainer = MoETrainer(
+        model=_model("smoe"),
+        args=_args(tmp_path / "c", max_steps=10),
+        train_dataset=_data(40),
+        callbacks=[given],
+    )
+    with pytest.raises(
+        ValueError, match=r"^ctx.total_steps=6 is not allowed: the Trainer plans max_steps=10; "
+    ):
+        trainer.train()

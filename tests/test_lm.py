@@ -695,3 +695,135 @@ def test_train_cli_attention_flags_reach_the_model(corpus, tmp_path):
     assert "attention: active" in (out / "config.yaml").read_text()
     model = moelab.load(out)
     assert model.cfg.attention == "active" and model.cfg.attention_activation == "silu"
+
+
+def test_a_resumed_run_keeps_only_keep_ckpts_checkpoints(corpus, tmp_path):
+    """A kill between the final checkpoint's rename and the removal of the oldest leaves one
+    checkpoint too many; the next start removes it."""
+    import shutil
+
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "4", "--eval-every", "2", "--ckpt-every", "2")
+    assert main(argv) == 0
+    ckpts = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert ckpts == ["step-00000002", "step-00000004"]
+    shutil.copytree(out / "ckpt" / "step-00000002", out / "ckpt" / "step-00000001")  # keep_ckpts + 1
+    (out / "metrics.json").unlink()  # killed before the end
+    assert main([*argv, "--resume"]) == 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ckpts
+
+
+def test_resume_follows_the_data_by_its_sha256_not_its_path(corpus, tmp_path, capsys):
+    import shutil
+
+    first, moved = tmp_path / "a" / "c.txt", tmp_path / "b" / "c.txt"
+    first.parent.mkdir()
+    shutil.copy(corpus, first)
+    out = tmp_path / "run"
+    assert main(tiny_args(first, out, "--steps", "2", "--eval-every", "2")) == 0
+    moved.parent.mkdir()
+    shutil.move(first, moved)
+    assert main(tiny_args(moved, out, "--steps", "2", "--eval-every", "2", "--resume")) == 0  # the same data
+    moved.write_text(moved.read_text().replace("cat", "cow"))
+    capsys.readouterr()
+    assert main(tiny_args(moved, out, "--steps", "2", "--eval-every", "2", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: --data {str(moved)!r} has sha256" in err and "cannot continue on other data" in err
+
+
+def test_a_truncated_config_yaml_is_refused_rather_than_read_with_defaults(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "2", "--eval-every", "2")
+    assert main(argv) == 0
+    text = (out / "config.yaml").read_text()
+    (out / "config.yaml").write_text(text[: text.index("steps:")])  # cut before --steps
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "config.yaml' lacks the recorded settings --steps" in err and "truncated or damaged" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_nan_first_seen_in_validation_stops_with_the_one_line_message(corpus, tmp_path, capsys):
+    """The update of step 1 (lr 1e20) leaves weights whose router logits overflow: the training loss
+    of step 1 was finite, the validation after it is not (also when the run is resumed)."""
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "3", "--eval-every", "1", "--lr", "1e20", "--schedule", "constant",
+                     "--warmup", "0")  # fmt: skip
+    for extra in ([], ["--resume"]):
+        assert main([*argv, *extra]) == 1
+        text = capsys.readouterr().out
+        assert text.startswith("moelab train: validation bpc is not finite at step 1 (MoE layer 0")
+        assert text.rstrip().endswith(
+            "although the training loss was; stopped before saving this step; no checkpoint was written "
+            "yet. Lower --lr or check the data"
+        )
+        assert len(text.strip().splitlines()) == 1 and not (out / "best").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--d-model", "4096000000"], "--d-model"),
+        (["--d-hidden", "4096000000"], "--d-hidden"),
+        (["--num-experts", "4096000000"], "--num-experts"),
+        (["--block-size", "4096000000"], "--block-size"),
+        (["--batch-size", "4096000000"], "--batch-size"),
+        (["--layers", "100000000"], "--layers"),
+        (["--method", "competesmoe", "--steps", "1000000000000"], "--steps"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_size_beyond_the_machines_memory_is_refused_naming_its_flag_before_allocating(
+    corpus, tmp_path, capsys, command, extra, flag
+):
+    from moelab.experiments.runner import machine_memory
+
+    out = tmp_path / "run"
+    argv = [command, "--data", str(corpus), "--size", "cpu", "--no-progress", "--out", str(out), *extra]
+    if command == "compare":  # compare's --methods in place of train's --method
+        argv = [{"--method": "--methods"}.get(a, a) for a in [*argv, "--seeds", "1"]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    value = extra[-1]
+    assert err.startswith(
+        f"moelab {command}: error: {flag}={value} is not allowed here: the model, its training"
+    )
+    assert f"of memory; expected a smaller {flag}" in err and len(err.strip().splitlines()) == 1
+    assert machine_memory() > 0 and not (out / "config.yaml").exists()
+
+
+def test_a_crafted_state_pt_with_re_signed_digests_is_refused_in_one_line_and_runs_nothing(
+    corpus, tmp_path, capsys
+):
+    import hashlib
+    import pickle
+
+    from moelab.io.model import _canonical
+
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "4", "--eval-every", "2", "--ckpt-every", "2")
+    assert main(argv) == 0
+    (out / "metrics.json").unlink()
+    witness = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(witness), "w"))
+
+    for step in sorted((out / "ckpt").iterdir()):
+        data = pickle.dumps({"step": Payload()})
+        (step / "state.pt").write_bytes(data)
+        config = json.loads((step / "config.json").read_text())
+        config["files"]["state.pt"] = hashlib.sha256(data).hexdigest()
+        config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+        (step / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    newest = sorted((out / "ckpt").iterdir())[-1]
+    assert err.startswith(
+        f"moelab train: error: checkpoint {newest}: state.pt cannot be read as a training state ("
+    )
+    assert "nothing of it was run. Remove" in err and len(err.strip().splitlines()) == 1
+    assert not witness.exists()

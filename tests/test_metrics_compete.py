@@ -13,7 +13,12 @@ D, N, K, T = 10, 5, 2, 16
 
 def stack(method, layers=2, seed=0, **options):
     torch.manual_seed(seed)
-    return nn.Sequential(*[moelab.MoE(D, N, K, method=method, impl="loop", **options) for _ in range(layers)])
+    return nn.Sequential(
+        *[
+            moelab.MoE(D, N, K, method=method, impl="loop", record_routing=True, **options)
+            for _ in range(layers)
+        ]
+    )
 
 
 def layer_inputs(model, x):
@@ -215,15 +220,17 @@ def test_routing_summary_matches_direct_computation_of_the_last_forward():
     model = stack("smoe")
     x = torch.randn(T, D)
     model(x)
-    ents, cvs = [], []
+    ents, cvs, vios = [], [], []
     for layer, xi in zip(model, layer_inputs(model, x)):
         p = F.linear(xi, layer.router.weight).softmax(-1)
         ents.append(-(p * p.log()).sum(-1).mean().item())
         load = torch.bincount(p.topk(K, -1).indices.reshape(-1), minlength=N).double()
         cvs.append((load.std(unbiased=False) / load.mean()).item())
+        vios.append(max(load.tolist()) / (sum(load.tolist()) / N) - 1)
     got = metrics.routing_summary(model)
     assert got["router_entropy"] == pytest.approx(sum(ents) / 2, rel=1e-5)
     assert got["load_cv"] == pytest.approx(sum(cvs) / 2, rel=1e-9)
+    assert got["max_vio"] == pytest.approx(sum(vios) / 2, rel=1e-9)
     assert got["competition_overlap"] is None  # no layer competed
 
 
@@ -247,3 +254,28 @@ def test_routing_summary_overlap_is_router_topk_against_the_winners_on_competiti
     model.eval()  # evaluation never competes
     model(x)
     assert metrics.routing_summary(model)["competition_overlap"] is None
+
+
+def test_load_cv_and_routing_summary_report_the_fraction_a_capacity_dropped():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        moelab.MoE(D, N, K, capacity_factor=0.5),
+        moelab.MoE(D, N, K),
+        moelab.MoE(D, N, K, capacity_factor=8.0),
+    )
+    x = torch.randn(T, D)
+    model(x)
+    summary = metrics.routing_summary(model)
+    assert summary["dropped"] == pytest.approx((model[0].dropped_fraction + 0.0) / 2)
+    assert model[0].dropped_fraction > 0 and model[2].dropped_fraction == 0.0
+    loads = metrics.load_cv(model, [x])
+    assert loads[0]["dropped"] == pytest.approx(model[0].dropped_fraction)
+    assert "dropped" not in loads[1] and loads[2]["dropped"] == 0.0
+    assert "dropped" not in metrics.routing_summary(model[1])
+
+
+def test_max_violation_is_the_most_loaded_experts_excess_over_the_mean():
+    assert metrics.max_violation(torch.tensor([2.0, 2.0, 2.0, 2.0])) == 0.0
+    assert metrics.max_violation(torch.tensor([8.0, 0.0, 0.0, 0.0])) == pytest.approx(3.0)  # N - 1
+    assert metrics.max_violation(torch.tensor([3, 1, 1, 1])) == pytest.approx(3 / 1.5 - 1)
+    assert metrics.max_violation(torch.zeros(4)) == 0.0

@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moelab
-from moelab.train.distributed import apply_expert_parallel
 from moelab.train.parallelize import full_state_dict
 
 D = 8
@@ -43,15 +42,6 @@ def _refusals(rank: int, world: int, out: str) -> dict:
 
     result = {}
     torch.manual_seed(0)
-    layer = moelab.MoE(D, 4, 2, method="smoe")
-    apply_expert_parallel(layer)
-    fully_shard(layer)  # the hand-written bank's blocks would be sharded as whole parameters
-    try:
-        layer(torch.randn(5, D))
-        result["ep_then_fsdp"] = None
-    except ValueError as exc:
-        result["ep_then_fsdp"] = str(exc)
-    torch.manual_seed(0)
     ref = moelab.MoE(D, 4, 2, method="xmoe")
     model = copy.deepcopy(ref)
     fully_shard(model)  # the learned temperature is no 0-dim parameter
@@ -71,14 +61,83 @@ def _refusals(rank: int, world: int, out: str) -> dict:
     result["saved_weights"] = max(
         (fresh.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items()
     )
+    result["parallelize"] = _parallelize_refusals(world)
     return result
 
 
-def test_fsdp2_after_hand_written_expert_parallelism_is_refused_and_sharded_models_save_gathered(tmp_path):
-    for rank, r in enumerate(spawn(_refusals, 2, tmp_path, str(tmp_path))):
-        assert r["ep_then_fsdp"].startswith(
-            "the experts of an ExpertParallelBank were replaced by a wrapper applied after expert parallelism"
-        ), rank
+def _message(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _parallelize_refusals(world: int) -> dict[str, str | None]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from moelab.train.parallelize import ExpertParallel, parallelize
+
+    def layer(n: int = 4, **kw) -> torch.nn.Module:
+        return moelab.MoE(D, n, 2, **kw)
+
+    done = layer()
+    parallelize(done, dp="none", ep=2)
+    modules = moelab.MoE(D, 4, 2, experts=moelab.ModuleExperts([torch.nn.Linear(D, D) for _ in range(4)]))
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x, idx = torch.randn(3, D), torch.zeros(3, 1, dtype=torch.int64)
+    tp = moelab.ExpertBank(4, D, 6)  # a tensor-parallel layout by hand: hidden units split
+    tp.w_in = torch.nn.Parameter(
+        distribute_tensor(tp.w_in.detach(), init_device_mesh("cpu", (2,)), [Shard(1)])
+    )
+    replicated = layer()
+    parallelize(replicated, dp="none", ep=2)
+    bank = replicated.experts
+    bank.w_out = torch.nn.Parameter(
+        distribute_tensor(bank.w_out.full_tensor().detach(), bank._ep[0], [Replicate()])
+    )
+    return {
+        "tp_bank": _message(lambda: tp(x, idx, torch.ones(3, 1))),
+        "ep_layout": _message(lambda: bank(x, idx, torch.ones(3, 1))),
+        "dp": _message(lambda: parallelize(layer(), dp="zero")),
+        "ep_world": _message(lambda: parallelize(layer(), ep=3)),
+        "ep_experts": _message(lambda: parallelize(layer(3), dp="none", ep=2)),
+        "module_experts": _message(lambda: parallelize(modules, dp="none", ep=2)),
+        "twice": _message(lambda: parallelize(done, dp="none", ep=2)),
+        "mesh": _message(lambda: parallelize(layer(), init_device_mesh("cpu", (2,)), ep=2)),
+        "style": _message(
+            lambda: parallelize_module(torch.nn.Linear(D, D), init_device_mesh("cpu", (2,)), ExpertParallel())
+        ),
+    }
+
+
+def test_parallelize_refuses_what_cannot_be_right_in_one_line():
+    with pytest.raises(
+        ValueError, match=r"^parallelize needs torch\.distributed initialised \(launch with torchrun"
+    ):
+        from moelab.train.parallelize import parallelize
+
+        parallelize(moelab.MoE(D, 4, 2), ep=2)
+
+
+DEFAULT_CASES = [("smoe", "fsdp", 2), ("competesmoe", "ddp", 2)]
+
+
+def _two_ranks(rank: int, world: int, out: str) -> dict:
+    # one process group for the default suite's checks (starting one costs seconds)
+    return {"refusals": _refusals(rank, world, out), "parity": _parity(rank, world, DEFAULT_CASES)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    return spawn(_two_ranks, 2, tmp, str(tmp))
+
+
+def test_fsdp2_shards_xmoe_and_a_sharded_model_is_saved_gathered_not_as_shards(two_ranks):
+    for rank, r in enumerate(r["refusals"] for r in two_ranks):
         assert r["xmoe_fsdp"] <= 1e-6, rank
         assert r["save"] == (
             "state entry 'router.embeddings' is sharded (a DTensor: FSDP2 or expert parallelism); gather the full "
@@ -86,6 +145,34 @@ def test_fsdp2_after_hand_written_expert_parallelism_is_refused_and_sharded_mode
             "from rank 0"
         ), rank
         assert r["saved_weights"] == 0.0, rank
+        p = r["parallelize"]
+        assert p["tp_bank"] == (
+            "ExpertBank weight w_in as a DTensor with placements (Shard(dim=1),) is not allowed; a bank computes on "
+            "whole experts: split the experts with moelab.train.parallelize (parallelize(model, ep=...) or its "
+            "ExpertParallel style)"
+        )
+        assert p["ep_layout"] == (
+            "expert-parallel weight w_out with placements (Replicate(),) is not allowed; expected Shard(0) on the "
+            "expert mesh (FSDP2 / a wrapper applied by hand after parallelize changed it: use "
+            "parallelize(model, dp='fsdp', ep=...))"
+        )
+        assert p["dp"] == "dp='zero' is not allowed; expected one of ['ddp', 'fsdp', 'none']"
+        assert (
+            p["ep_world"]
+            == "ep=3 is not allowed with 2 processes; expected a divisor of the world size: [1, 2]"
+        )
+        assert p["ep_experts"] == "ep=2 does not divide num_experts=3 of MoE layer 0; allowed: [1]"
+        assert p["module_experts"] == (
+            "MoE layer 0 has experts of type ModuleExperts; expert parallelism (ep > 1) shards a moelab.ExpertBank"
+        )
+        assert p["twice"].startswith("module 'experts' (ExpertParallelExpertBank) is already parallel;")
+        assert (
+            p["mesh"]
+            == "mesh of shape (2,) named None is not allowed; expected shape (1, 2) named ('efsdp', 'ep')"
+        )
+        assert p["style"] == (
+            "experts of type Linear are not allowed with expert parallelism; it shards a moelab.ExpertBank (once)"
+        )
 
 
 # ------------------------------------------------------------------------------------ parity
@@ -96,13 +183,19 @@ TOKEN_MEANS = {"balance_coef": 0.0, "z_coef": 0.0}
 EXTRA = {"competesmoe": {"competition_balance_coef": 0.0}}
 
 
-def _model(method: str) -> torch.nn.Module:
+def _model(method: str, num_experts: int = 4) -> torch.nn.Module:
     torch.manual_seed(0)
     options = {**TOKEN_MEANS, **EXTRA.get(method, {})}
     model = torch.nn.Sequential(
         torch.nn.Linear(D, D),
         moelab.MoE(
-            D, 4, 2, d_hidden=6, method=method, num_shared=1 if method == "sharede-v3" else 0, **options
+            D,
+            num_experts,
+            2,
+            d_hidden=6,
+            method=method,
+            num_shared=1 if method == "sharede-v3" else 0,
+            **options,
         ),
         torch.nn.Linear(D, C),
     ).double()
@@ -169,11 +262,13 @@ def _parity(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dict:
     from moelab.train.parallelize import parallelize
 
     out = {}
-    for method, dp, ep in cases:
-        ref = WithAux(_model(method))
+    for method, dp, ep, *n in cases:  # n: the number of experts, when not 4
+        ref = WithAux(_model(method, *n))
         ref_losses, ref_grads = _train(ref, ref, 2, 1, 0)
-        model = WithAux(_model(method))
+        model = WithAux(_model(method, *n))
         forward = parallelize(model, dp=dp, ep=ep)
+        if n:  # the experts' placements on the ('efsdp', 'ep') mesh
+            out[f"placements/{n[0]}"] = str(model.model[1].experts.w_in.placements)
         losses, grads = _train(model, forward, 2, world, rank)
         err = max(abs(a - b) for a, b in zip(losses, ref_losses))
         for g, r in zip(grads, ref_grads):
@@ -183,7 +278,9 @@ def _parity(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dict:
                     assert g[k] is None or g[k].abs().max() == 0, k
                     continue
                 err = max(err, (g[k] - r[k]).abs().max().item())
-        out[f"{method}/{dp}/ep{ep}"] = (err, ref_losses)
+        out[f"{method}/{dp}/ep{ep}" + (f"/N{n[0]}" if n else "")] = (err, ref_losses)
+    if world == 4:  # DDP has one process group; experts split in 2 would need a second one
+        out["ddp_ep2"] = _message(lambda: parallelize(WithAux(_model("smoe")), dp="ddp", ep=2))
     return out
 
 
@@ -192,10 +289,19 @@ LAYOUTS = {
     2: [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)],
     4: [("fsdp", 1), ("fsdp", 2), ("fsdp", 4), ("ddp", 4)],
 }
+#: two experts split over 2 ranks, each block held by 2 FSDP ranks: more FSDP ranks than local experts
+FEWER_EXPERTS = ("smoe", "fsdp", 2, 2)
 
 
-def _check_parity(world: int, cases: list[tuple[str, str, int]], tmp_path) -> None:
-    for rank, r in enumerate(spawn(_parity, world, tmp_path, cases)):
+def _check_parity(results: list[dict], world: int, cases: list[tuple]) -> None:
+    for rank, r in enumerate(results):
+        if FEWER_EXPERTS in cases:  # torchtitan's rule: FSDP shards the second dimension then
+            assert r.pop("placements/2") == "(Shard(dim=1), Shard(dim=0))", rank
+        if world == 4:
+            assert r.pop("ddp_ep2") == (
+                "dp='ddp' with ep=2 < 4 processes is not allowed: DDP reduces over one process group, the "
+                "experts would need another (the 2 ranks holding the same experts); use dp='fsdp' or ep=4"
+            )
         assert len(r) == len(cases)
         for name, (err, ref_losses) in r.items():
             assert ref_losses[1] != ref_losses[0], name  # the step changed something
@@ -203,12 +309,54 @@ def _check_parity(world: int, cases: list[tuple[str, str, int]], tmp_path) -> No
             assert err <= 1e-9, f"rank {rank}/{world}: {name} differs by {err}"
 
 
-def test_expert_parallel_with_fsdp2_and_with_ddp_give_the_losses_and_gradients_of_one_process(tmp_path):
+def test_expert_parallel_with_fsdp2_and_with_ddp_give_the_losses_and_gradients_of_one_process(two_ranks):
     # EP x FSDP2 (experts Shard(0) on the expert mesh, FSDP over the rest) and EP + DDP with competition
-    _check_parity(2, [("smoe", "fsdp", 2), ("competesmoe", "ddp", 2)], tmp_path)
+    _check_parity([r["parity"] for r in two_ranks], 2, DEFAULT_CASES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_layout_gives_the_losses_and_gradients_of_one_process_for_every_method(world, tmp_path):
-    _check_parity(world, [(m, dp, ep) for m in METHODS for dp, ep in LAYOUTS[world]], tmp_path)
+    cases = [(m, dp, ep) for m in METHODS for dp, ep in LAYOUTS[world]] + (
+        [FEWER_EXPERTS] if world == 4 else []
+    )
+    _check_parity(spawn(_parity, world, tmp_path, cases), world, cases)
+
+
+# ------------------------------------------------------------------------------------ sharded checkpoints
+def _sharded_checkpoint(rank: int, world: int, path: str, save: bool) -> dict:
+    """Two AdamW steps of EP x FSDP2 (``ep`` = 2); with ``save`` the state after step 1 goes to
+    ``path`` (torch.distributed.checkpoint, each rank its shards), else it is read from there."""
+    from moelab.train.parallelize import load_sharded, parallelize, save_sharded
+
+    model = WithAux(_model("smoe"))
+    parallelize(model, dp="fsdp", ep=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(2):
+        if step == 1 and not save:
+            load_sharded(path, model, opt)
+        x, y = _batch(step, world, rank)
+        loss = _loss(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+        if step == 0 and save:
+            save_sharded(path, model, opt)
+    return {"losses": losses}
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers(tmp_path):
+    # 2 ranks: experts split in 2, FSDP2 over 1 rank each; 4 ranks: experts split in 2, each block
+    # sharded by FSDP2 over 2 ranks; the checkpoint is written shard by shard and re-sharded on load
+    path = str(tmp_path / "dcp")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "four").mkdir()
+    two = spawn(_sharded_checkpoint, 2, tmp_path / "two", path, True)
+    four = spawn(_sharded_checkpoint, 4, tmp_path / "four", path, False)
+    assert two[0]["losses"][1] != two[0]["losses"][0]
+    assert abs(four[0]["losses"][1] - two[0]["losses"][1]) <= 1e-12

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 import moelab
+from moelab.methods import get_method
 from moelab.routers import ROUTERS, build_router, router_options
 from moelab.routing import RoutingContext
 
@@ -446,6 +448,8 @@ def test_router_options_lists_keyword_options():
         "renormalize",
         "eval_k",
         "scale",
+        "selection_bias",
+        "bias_update_rate",
     ]
 
 
@@ -577,6 +581,67 @@ def test_every_router_has_every_hook_with_its_default():
     assert moelab.MoE(4, 3, 2, method="sigma-moe").router.rule_options()["selection_bias"] is None
 
 
+# ---------------------------------------------------------------- the selection bias of every router
+#: methods with a router that chooses: each takes the aux-loss-free selection bias as a layer option
+#: (remoe and expert-choice by design: no choice an offset shifts, and balanced by construction)
+BIASED = [m for m in moelab.methods() if m not in ("competition", "sharede-v3", "remoe", "expert-choice")]
+
+
+@pytest.mark.parametrize("method", [m for m in BIASED if get_method(m).router != "competition"])
+def test_every_router_takes_the_selection_bias_for_the_choice_only(method):
+    torch.manual_seed(0)
+    layer = moelab.MoE(6, 4, 2, method=method, selection_bias=True, bias_update_rate=0.01).eval()
+    router = layer.router.base_router
+    assert router.selection_bias is not None and any(k.endswith("selection_bias") for k in layer.state_dict())
+    x = torch.randn(20, 6)
+    unbiased = layer.router(x, layer.experts, None)
+    with torch.no_grad():
+        router.selection_bias[3] = 10.0  # expert 3 always chosen
+    r = layer.router(x, layer.experts, None)
+    assert (r.indices == 3).any(-1).all()
+    torch.testing.assert_close(r.probs, unbiased.probs)  # the scores and the distribution never see b
+    same = (r.indices == unbiased.indices).all(-1)  # tokens whose choice the bias did not change
+    assert same.any()
+    torch.testing.assert_close(r.weights[same], unbiased.weights[same])
+
+
+@pytest.mark.parametrize("method", ["smoe", "xmoe", "hyperrouter", "stablemoe", "sigma-moe", "competesmoe"])
+def test_every_router_moves_its_bias_once_per_step_from_the_load_of_the_step(method):
+    torch.manual_seed(0)
+    layer = moelab.MoE(6, 4, 1, method=method, selection_bias=True, bias_update_rate=0.01).train()
+    ctx = moelab.RoutingContext()
+    moelab.attach(layer, ctx)
+    router = layer.router.base_router
+    total = torch.zeros(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # competesmoe without a schedule routes like its base
+        for _ in range(3):  # three micro-batches, one optimizer step
+            layer(torch.randn(8, 6)).sum().backward()
+            total += torch.bincount(layer.last_routing.indices.reshape(-1), minlength=4).float()
+    assert torch.equal(router.selection_bias, torch.zeros(4))  # forwards change nothing
+    ctx.advance()
+    torch.testing.assert_close(router.selection_bias, 0.01 * torch.sign(total.mean() - total))
+    assert not router.pending_load.any()
+
+
+def test_the_selection_bias_composes_with_a_balance_loss():
+    layer = moelab.MoE(6, 4, 2, method="smoe", selection_bias=True, balance_coef=0.01)
+    layer(torch.randn(10, 6))
+    assert layer.aux_loss.item() > 0 and layer.router.selection_bias is not None
+
+
+def test_competition_has_no_router_to_bias():
+    with pytest.raises(ValueError, match=r"option 'selection_bias' is not accepted by method='competition'"):
+        moelab.MoE(6, 4, 2, method="competition", selection_bias=True)
+
+
+def test_sharede_v3_state_dict_keys_are_those_of_before():
+    layer = moelab.MoE(6, 4, 2, method="sharede-v3")
+    keys = [k for k in layer.state_dict() if k.startswith("router.")]
+    assert keys == ["router.weight", "router.selection_bias"]  # pending_load is not saved
+    assert moelab.MoE(6, 4, 2, method="smoe").router.selection_bias is None
+
+
 def test_xmoe_checkpoints_with_a_0_dim_temperature_still_load():
     # the temperature is shape (1,) (FSDP2 refuses 0-dim parameters); older checkpoints hold a scalar
     layer = moelab.MoE(6, 4, 2, method="xmoe", temperature=0.5)
@@ -585,3 +650,15 @@ def test_xmoe_checkpoints_with_a_0_dim_temperature_still_load():
     state["router.temperature"] = torch.tensor(0.7)
     layer.load_state_dict(state)
     assert layer.router.temperature.shape == (1,) and layer.router.temperature.item() == pytest.approx(0.7)
+
+
+def test_a_selection_bias_of_any_router_survives_save_and_load(tmp_path):
+    layer = moelab.MoE(6, 4, 2, method="xmoe", selection_bias=True, balance_scope="sequence")
+    with torch.no_grad():
+        layer.router.selection_bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    moelab.save(layer, tmp_path / "m")
+    again = moelab.load(tmp_path / "m")
+    assert torch.equal(again.router.selection_bias, layer.router.selection_bias)
+    assert again.balance_scope == "sequence"
+    x = torch.randn(2, 3, 6)
+    torch.testing.assert_close(again.eval()(x), layer.eval()(x))

@@ -18,8 +18,12 @@ from moelab.experiments import runner
     [
         (["--study", "nope", "--out", "X"],
          "--study='nope' is not allowed; expected one of ['cosine-vs-perturbed', 'misspecified', "
-         "'linear-vs-perturbed', 'softmax-vs-competition']"),
+         "'linear-vs-perturbed', 'softmax-vs-competition', 'shared-experts', 'sigmoid-vs-softmax', "
+         "'strong-vs-ridge', 'gaussian-vs-regression', 'attention-gating', 'replora', 'rate-grid', "
+         "'competition-v1', 'competition-ffn']"),
         (["--out", "X"], "--study is required"),
+        (["--study", "replora", "--optimizer", "sgd", "--out", "X"],
+         "--optimizer='sgd' is not allowed for study 'replora': its fits are batched L-BFGS from near the truth"),
         (["--study", "misspecified"], "--out is required"),
         (["--study", "cosine-vs-perturbed", "--tau", "-1", "--out", "X"], "--tau=-1.0 is not allowed"),
         (
@@ -136,7 +140,9 @@ def test_tiny_study_writes_config_metrics_csv_and_plot(study, tmp_path, capsys):
         assert row["ci_low"] <= row["mean"] <= row["ci_high"]
     # slope differences between the routers of each panel, and theory slopes on the rates
     assert metrics["differences"] and all(d["ci_low"] <= d["ci_high"] for d in metrics["differences"])
-    assert all(r["theory"] for r in metrics["rates"] if r["router"] == "perturbed" or r["loss"] == "voronoi")
+    # a stated rate beside the series it is stated for, blank beside the others
+    assert all(r["theory"] for r in metrics["rates"] if r["router"].startswith(("perturbed", "competition")))
+    assert not any(r["theory"] for r in metrics["rates"] if r["router"] in ("cosine", "softmax"))
     # every replicate's estimates, readable without pickle
     with np.load(out / "estimates.npz", allow_pickle=False) as z:
         assert z["sample_sizes"].tolist() == [200, 400]
@@ -154,3 +160,25 @@ def test_tiny_study_writes_config_metrics_csv_and_plot(study, tmp_path, capsys):
     assert main([*argv, "--resume", "--seed", "1"]) == 2  # the lifecycle's one sentence
     sentence = runner.refuse_change("--seed", 1, 0, out / "config.yaml").args[0]
     assert capsys.readouterr().err.endswith(sentence + "\n")
+
+
+def test_a_replicate_where_no_step_is_accepted_is_not_converged_and_the_table_says_why(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["simulate", "--study", "softmax-vs-competition", "--quick", "--replicates", "2", "--steps", "3",
+            "--sample-sizes", "200,400", "--lr", "1e308", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert all(row["converged"] == 0.0 for row in metrics["table"])
+    assert all("2/2" in row["why_not"] for row in metrics["table"])
+    lines = (out / "losses.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    for row in lines[1:]:
+        cells = dict(zip(header, row.split(",")))
+        assert float(cells["converged"]) == 0.0 and cells["stop_reason"] in (
+            "no step accepted",
+            "loss not finite",
+        )
+    printed = capsys.readouterr().out
+    assert "no step accepted" in printed
+    assert printed.count("no replicate converged") == len(metrics["rates"])
+    assert all(r["converged"] == 0.0 for r in metrics["rates"])

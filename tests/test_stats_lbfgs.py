@@ -84,3 +84,28 @@ def test_the_start_near_the_truth_centres_the_gate_bias_noise_for_every_gate():
         )
         shift = (start.beta0 - truth.beta0).mean(dim=1)
         torch.testing.assert_close(shift, torch.zeros(6, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_a_replicate_where_no_step_is_ever_accepted_is_not_converged():
+    from moelab.stats.lbfgs import REASONS
+
+    x = torch.zeros(3, 2, dtype=torch.float64, requires_grad=True)
+    start = x.detach().clone()
+    finite_rows = torch.tensor([True, True, False])
+
+    def loss():  # a slope of 1, but every move costs 1e9: no step length lowers it; row 2 is inf
+        moved = (x.detach() != start).any(1).to(x.dtype)
+        f = x.sum(1) + 1e9 * moved
+        return torch.where(finite_rows, f, f + torch.inf)
+
+    result = batched_lbfgs(loss, [x], max_iter=50)
+    assert not result.converged.any() and (result.n_iter == 0).all()
+    assert [REASONS[i] for i in result.reason] == ["no step accepted", "no step accepted", "loss not finite"]
+
+
+def test_a_start_at_the_minimum_is_converged_by_the_gradient_test():
+    from moelab.stats.lbfgs import REASONS
+
+    x = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    result = batched_lbfgs(lambda: (x**2).sum(1), [x], max_iter=10)
+    assert result.converged.all() and [REASONS[i] for i in result.reason] == ["gradient"] * 2

@@ -129,8 +129,9 @@ def test_resume_after_an_interruption_continues_the_same_curve(data, tmp_path):
     a, b = read_log(tmp_path / "full"), read_log(tmp_path / "cut")
     keys = ["step", "lr", "loss", "aux_loss", "grad_norm", "tokens", "val_loss", "val_bpc"]
     assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]  # bit-exact on CPU
-    for key in ("train_loss", "val_bpc", "test_bpc", "test_loss", "best_step"):
-        assert resumed[key] == full[key]
+    for key in ("train_loss", "val_bpc", "test_bpc", "test_loss", "best_step", "max_vio_run"):
+        assert resumed[key] == full[key]  # MaxVio over the run: the checkpoint carries the run's load
+    assert 0 < full["max_vio_run"] <= 3
 
 
 def test_resume_before_the_first_checkpoint_starts_over_with_a_clean_log(data, tmp_path):
@@ -269,6 +270,65 @@ def test_log_has_the_cheap_routing_diagnostics_and_overlap_only_on_competition_s
     rows = read_log(tmp_path / "c")
     assert all(0 < float(r["router_entropy"]) <= math.log(4) + 1e-6 for r in rows)
     assert all(float(r["load_cv"]) >= 0 for r in rows)
+    assert all(0 <= float(r["max_vio"]) <= 3 for r in rows)  # MaxVio of the batch: N - 1 at most
     overlap = [r["competition_overlap"] for r in rows]
     assert any(v for v in overlap) and any(v == "" for v in overlap)  # competes on some steps only
     assert all(0 <= float(v) <= 2 for v in overlap if v)
+
+
+def test_max_vio_run_is_the_max_violation_of_the_load_of_every_training_step(data, tmp_path):
+    from moelab.metrics import max_violation
+
+    torch.manual_seed(123)
+    model = TransformerLM(LMConfig(vocab_size=256, **TINY))
+    loads = []
+
+    class Recording(LMTask):
+        def loss(self, model, batch):
+            out = super().loss(model, batch)
+            if model.training:
+                loads.append([moelab.metrics.routing_loads(model)])
+            return out
+
+    cfg = TrainConfig(steps=3, batch_size=4, eval_every=3, eval_tokens=64, seed=5)
+    metrics = Trainer(model, Recording(data, 16), cfg, None, progress=False).fit()
+    layers = zip(*[step[0] for step in loads])
+    expected = [max_violation(sum(per_step)) for per_step in layers]
+    assert len(loads) == 3 and metrics["max_vio_run"] == pytest.approx(sum(expected) / len(expected))
+
+
+def test_every_run_writes_its_curves_png_before_its_metrics_and_a_resume_draws_the_same(data, tmp_path):
+    import matplotlib.image
+
+    run_training(data, tmp_path / "a", steps=4)
+    png = tmp_path / "a" / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(str(png))
+    assert pixels.shape[1] > pixels.shape[0] > 100 and pixels.std() > 0  # two panels, something drawn
+    first = png.read_bytes()
+    (tmp_path / "a" / "metrics.json").unlink()  # killed after the figure, before metrics.json
+    png.unlink()
+    run_training(data, tmp_path / "a", steps=4, resume=True)
+    assert png.read_bytes() == first  # drawn from log.csv: the same figure
+
+
+@pytest.mark.parametrize("opts", [[], ["--opt", "balance_scope=global"]])
+def test_log_csv_holds_every_weighted_aux_term_and_they_sum_to_the_aux_loss(tmp_path, opts):
+    # CompeteSMoE (2025) App. D.2 Fig. 7 plots the router's losses one by one
+    import csv
+
+    from moelab.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    out = tmp_path / "run"
+    args = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "4", "--steps", "3", "--eval-every", "3", "--eval-tokens", "64",
+            "--test-tokens", "64", "--no-progress", "--method", "competesmoe", "--out", str(out), *opts]  # fmt: skip
+    assert main(args) == 0
+    rows = list(csv.DictReader((out / "log.csv").open()))
+    terms = [k for k in rows[0] if k.startswith("aux_") and k != "aux_loss"]
+    assert {"aux_balance", "aux_z", "aux_distill", "aux_diversity"} <= set(terms)
+    for row in rows:
+        assert sum(float(row[t]) for t in terms) == pytest.approx(float(row["aux_loss"]), rel=1e-5)
+    assert float(rows[0]["aux_balance"]) > 0  # the global scope's balance is logged under its name

@@ -1,3 +1,4 @@
+import copy
 import json
 
 import pytest
@@ -77,7 +78,7 @@ def test_upcycled_language_model_equals_the_dense_model_at_init(arch, method):
     upcycle(model, num_experts=4, top_k=2, method=method)
     layers = moelab.attach(model, moelab.RoutingContext())
     assert len(layers) == 2 and all(m.method == method for m in layers)
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(model):
         sparse = model(ids).logits
     torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-10)
     for layer in layers:  # the routing really is sparse: different tokens pick different experts
@@ -345,3 +346,86 @@ def test_train_force_over_an_upcycled_run_leaves_nothing_of_it(tmp_path):
     assert main([*train, "--force"]) == 0
     assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
     assert isinstance(moelab.load(out), TransformerLM)
+
+
+@pytest.mark.parametrize("method", ["smoe", "sharede-v3", "competesmoe"])
+def test_top1_upcycling_keeps_the_dense_function_unless_switch_weighting_is_asked(method):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(5, 8)
+    layer = upcycle(copy.deepcopy(mlp), num_experts=4, top_k=1, method=method).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), mlp(x))  # weight 1: the dense MLP
+    switch = upcycle(copy.deepcopy(mlp), num_experts=4, top_k=1, renormalize=False).eval()
+    r = switch.router(x, switch.experts, None)
+    torch.testing.assert_close(r.weights, r.probs.gather(1, r.indices))  # Switch: p of the chosen
+
+
+def test_cli_refuses_more_experts_than_memory_holds_before_allocating(tmp_path, capsys):
+    _gpt2().float().save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "up"
+    capsys.readouterr()
+    assert main(["upcycle", "--model", str(tmp_path / "gpt2"), "--num-experts", "4096000000", "--top-k", "2",
+                 "--out", str(out)]) == 2  # fmt: skip
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own loading bar
+    assert line.startswith(
+        "moelab upcycle: error: --num-experts=4096000000 is not allowed here: the upcycled model would need at least"
+    )
+    assert line.endswith("expected a smaller --num-experts") and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("junk+bin", "holds .bin weights (a pickle, which moelab does not read)"),
+        ("junk", "holds ['junk.safetensors'] but no model.safetensors (or its index)"),
+        ("truncated", "transformers cannot load its weights (SafetensorError: "),
+    ],
+)
+def test_cli_refuses_weights_it_would_not_load_instead_of_a_random_init(tmp_path, capsys, damage, message):
+    model = tmp_path / "gpt2"
+    _gpt2().float().save_pretrained(model)
+    weights = model / "model.safetensors"
+    if damage.startswith("junk"):
+        weights.unlink()
+        (model / "junk.safetensors").write_bytes(b"not a safetensors file")
+        if damage == "junk+bin":
+            torch.save({}, model / "pytorch_model.bin")
+    else:
+        weights.write_bytes(weights.read_bytes()[:100])
+    out = tmp_path / "up"
+    capsys.readouterr()
+    assert (
+        main(["upcycle", "--model", str(model), "--num-experts", "2", "--top-k", "1", "--out", str(out)]) == 2
+    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"moelab upcycle: error: --model {str(model)!r}") and message in line
+    assert not out.exists()
+
+
+def test_resume_refuses_a_model_folder_whose_weights_changed(tmp_path, capsys):
+    _gpt2().float().save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "up"
+    argv = [
+        "upcycle",
+        "--model",
+        str(tmp_path / "gpt2"),
+        "--num-experts",
+        "2",
+        "--top-k",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    written = (out / "model.safetensors").read_bytes()
+    assert main([*argv, "--resume"]) == 0  # the same model: the same upcycled weights again
+    other = _gpt2().float()
+    with torch.no_grad():
+        other.transformer.wte.weight.add_(1.0)
+    other.save_pretrained(tmp_path / "gpt2")  # other weights under the same path
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"moelab upcycle: error: --resume: --model {str(tmp_path / 'gpt2')!r} has sha256 ")
+    assert (out / "model.safetensors").read_bytes() == written

@@ -16,6 +16,7 @@ from torch import Tensor
 __all__ = [
     "ACTIVATIONS",
     "activation",
+    "capacity_keep",
     "competition_affinity",
     "cosine_logits",
     "expert_counts",
@@ -65,8 +66,9 @@ def topk_gate(
     """The softmax top-K gate of every softmax router: ``(weights (T, K), indices (T, K), probs (T, N))``.
 
     * ``probs = softmax(h)`` over all N experts;
-    * the K chosen are ``TopK(h + b)``: ``bias`` ``b (N,)`` is a selection-only offset (the
-      aux-loss-free bias of DeepSeek-V3), absent by default;
+    * the K chosen are ``TopK(softmax(h) + b)``: ``bias`` ``b (N,)`` is a selection-only offset on
+      the gating scores (the aux-loss-free bias of DeepSeek-V3 and of Wang et al. 2024, added to
+      the scores after their activation, as torchtitan does), absent by default: ``TopK(h)``;
     * weights: renormalised over the chosen (``softmax`` of their logits, :func:`topk_softmax`), or
       ``probs`` at the chosen (Switch Transformer at K = 1; Qwen2-MoE / OLMoE with
       ``norm_topk_prob=False``); ``renormalize=None`` renormalises for K > 1 only
@@ -80,7 +82,7 @@ def topk_gate(
             indices = logits.argmax(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
             weights = probs.gather(1, indices)
         return weights, indices, probs
-    indices = (logits.detach() + bias.to(logits.dtype)).topk(k, dim=-1).indices
+    indices = (probs.detach() + bias.to(probs.dtype)).topk(k, dim=-1).indices
     if resolve_renormalize(renormalize, k):
         weights = logits.gather(1, indices).softmax(dim=-1)
     else:
@@ -223,3 +225,26 @@ def expert_counts(indices: Tensor, num_experts: int) -> Tensor:
     return flat.new_zeros(num_experts, dtype=torch.int64).scatter_add_(
         0, flat.long(), torch.ones_like(flat, dtype=torch.int64)
     )
+
+
+def capacity_keep(indices: Tensor, weights: Tensor, num_experts: int, capacity: int, policy: str) -> Tensor:
+    """``(T, K)`` bool: the token slots that fit their expert's capacity (GShard's / Switch's
+    capacity, Megatron-Core's ``--moe-token-drop-policy``).
+
+    Each expert takes at most ``capacity`` of the slots routed to it: those of the highest routing
+    weight (``policy="probs"``) or of the earliest tokens (``policy="position"``); the others are
+    dropped.  One ``topk`` over the tokens per expert, no loop and no host sync.
+    """
+    T = indices.shape[0]
+    routed = torch.zeros(T, num_experts, dtype=torch.bool, device=indices.device).scatter_(1, indices, True)
+    if policy == "probs":
+        score = torch.zeros(T, num_experts, dtype=torch.float32, device=indices.device)
+        score = score.scatter(1, indices, weights.detach().float())
+    else:  # "position": the earlier token first
+        position = -torch.arange(T, dtype=torch.float32, device=indices.device)
+        score = position.unsqueeze(1).expand(T, num_experts)
+    score = score.masked_fill(~routed, float("-inf"))
+    c = min(capacity, T)
+    chosen = score.topk(c, dim=0).indices  # (c, N): the tokens each expert keeps
+    fits = torch.zeros_like(routed).scatter_(0, chosen, True) & routed
+    return fits.gather(1, indices)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
+import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -10,14 +14,77 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
-from .losses import LOSS_NAMES, importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
+from .experts.dispatch import combine_densemixer, dispatch_masked
+from .functional import capacity_keep
+from .losses import (
+    LOAD_LOSSES,
+    LOSS_NAMES,
+    importance_loss,
+    mean_entropy_loss,
+    sequence_balance_loss,
+    switch_balance_loss,
+    z_loss,
+)
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
-__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "moe_layers"]
+__all__ = [
+    "MoE",
+    "NonFiniteError",
+    "attach",
+    "aux_loss",
+    "aux_terms",
+    "check_context",
+    "moe_layers",
+    "recording_routing",
+    "set_aux_scale",
+]
 
-_LAYER_OPTIONS = ("num_shared",)
+_LAYER_OPTIONS = (
+    "num_shared",
+    "balance_scope",
+    "densemixer",
+    "router_dtype",
+    "capacity_factor",
+    "token_drop_policy",
+)
+#: the router families whose weights are their softmax probabilities on the chosen experts (up to a
+#: per-token scale): those DenseMixer's dense router gradient is defined for
+_DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
+
+#: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
+BALANCE_SCOPES = ("micro", "sequence", "global")
+ROUTER_DTYPES = ("float32",)
+TOKEN_DROP_POLICIES = ("probs", "position")
+
+#: the most aux-loss terms a layer records by name (the standard losses and a router's own)
+_MAX_TERMS = 12
+
+#: the non-finite message under torch.compile: a constant, since a per-layer value (the layer's
+#: index, its method) read in the traced code becomes a guard and recompiles every layer
+_NON_FINITE_COMPILED = (
+    "MoE layer: router logits are not finite (NaN or inf); check the input and the learning rate, "
+    "or pass check_finite=False"
+)
+
+
+class _AuxLossInjection(torch.autograd.Function):
+    """Identity on the layer's output whose backward adds ``scale · ∂aux`` (the Megatron-Core /
+    torchtitan way to train on an aux loss): the aux loss leaves ``forward`` through the autograd
+    graph of the output, not through module state, so per-block ``torch.compile(fullgraph=True)``
+    and activation checkpointing trace it."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(scale)
+        ctx.aux_dtype = aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(ctx.aux_dtype), None
 
 
 class MoE(nn.Module):
@@ -40,13 +107,48 @@ class MoE(nn.Module):
             ``num_experts`` == N.
         check_finite: raise ``RuntimeError`` when router logits are NaN/inf (one host sync per
             forward; switch off for speed).  Under ``torch.compile`` the check is traced as
-            ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
+            ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``, with a
+            message that names no layer: a per-layer value would recompile every layer).
+        record_routing: keep ``last_routing`` after each forward: ``None`` (default) after a
+            forward with gradients enabled, not being compiled (an inference forward keeps no
+            tensor); ``True`` always (also under ``torch.compile``, without activation
+            checkpointing); ``False`` never.  :func:`recording_routing` switches it on for a block.
         **options: the method's options (router options, ``<loss>_coef`` with loss in
-            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses, and
-            ``num_shared``), overriding the preset.
+            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
+            ``num_shared``, ``balance_scope`` and ``densemixer``), overriding the preset.
+
+    ``densemixer=True``: in training forwards with autograd every expert runs and the router
+    receives the gradient of the dense mixture of their outputs, the output keeping its sparse value
+    (DenseMixer, Yao et al. 2025; :func:`moelab.experts.dispatch.combine_densemixer`); for the
+    softmax top-K routers (``topk``, ``cosine``, ``hyper`` families).
+
+    ``balance_scope`` — where the load-based losses (``balance``, ``importance``, ``entropy``)
+    measure the load (docs/methods.md, "Balance scope"):
+
+    * ``"micro"`` (default): over the tokens of this forward (one micro-batch of one rank);
+    * ``"sequence"``: per sequence, then averaged over the sequences (DeepSeek-V3's sequence-wise
+      balance loss); the input must keep its sequence structure ``(..., S, d)``;
+    * ``"global"``: over the whole optimizer step — every micro-batch on every data-parallel rank
+      (Qwen's global-batch balance, Qiu et al. 2025).  The step's statistics are gathered outside
+      the forward by a :class:`moelab.balance.StepBalance` that the training loop owns (the
+      :class:`moelab.train.Trainer` and ``moelab.hf.MoETrainer`` do); while one is attached it
+      forms these losses and this layer's ``aux_loss`` leaves them out.  Without one, in one
+      process, they are the micro-batch's (the same thing for one micro-batch a step).
+
+    A router with a variable number of experts per token (``Routing.mask``) takes ``"micro"``
+    only: the other scopes count every slot.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
-    ``last_routing`` (detached :class:`moelab.Routing`).
+    ``last_routing`` (detached :class:`moelab.Routing`, see ``record_routing``).
+
+    The aux loss trains without being added to a loss: a training forward (training mode,
+    gradients enabled) attaches it to the output's autograd graph, whose backward adds
+    ``scale · ∂aux_loss`` to the gradients (``scale`` 1, or what :func:`set_aux_scale` sets for a
+    loss divided over accumulation steps or multiplied by a gradient scaler).  ``aux_loss`` is its
+    value; ``loss = task + moelab.aux_loss(model)`` stays right (the value is added, the gradient
+    is not counted twice) and is refused in one line when the loss is scaled by another weight
+    than ``scale``.  Other forwards (evaluation, ``torch.no_grad``) compute no aux loss:
+    ``aux_loss`` reads 0 after them.
     """
 
     def __init__(
@@ -62,6 +164,7 @@ class MoE(nn.Module):
         impl: str = "auto",
         experts: nn.Module | None = None,
         check_finite: bool = True,
+        record_routing: bool | None = None,
         **options,
     ) -> None:
         super().__init__()
@@ -72,6 +175,11 @@ class MoE(nn.Module):
         preset = get_method(method)
         self.method = method
         self.check_finite = bool(check_finite)
+        if record_routing not in (None, True, False):
+            raise ValueError(
+                f"record_routing={record_routing!r} is not allowed; expected None, True or False"
+            )
+        self.record_routing = record_routing
         #: the constructor arguments, JSON-ready: what :func:`moelab.save` records of this layer
         #: (``custom_experts``: an ``experts`` module was given, which a config cannot rebuild)
         self.init_config = {
@@ -95,6 +203,7 @@ class MoE(nn.Module):
         r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
+        densemixer = preset.layer_options.get("densemixer", False)
         for key, value in options.items():
             if key in allowed_router:
                 r_opts[key] = value
@@ -102,12 +211,61 @@ class MoE(nn.Module):
                 coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
             elif key == "num_shared":
                 num_shared = value
+            elif key == "densemixer":
+                densemixer = value
+            elif key == "balance_scope":
+                _validate.one_of("balance_scope", value, BALANCE_SCOPES)
+                if value != "micro" and router_cls.variable_k:
+                    raise ValueError(
+                        f"balance_scope={value!r} is not allowed with method={method!r}: it routes a variable "
+                        "number of experts per token, which only the 'micro' scope counts; expected 'micro'"
+                    )
+            elif key in _LAYER_OPTIONS:
+                continue  # below
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
+        if not isinstance(densemixer, bool):
+            raise ValueError(f"densemixer={densemixer!r} is not allowed; expected True or False")
+        if densemixer and preset.router not in _DENSEMIXER_ROUTERS:
+            raise ValueError(
+                f"densemixer=True is not allowed with method={method!r}; expected a method whose weights are "
+                f"its softmax probabilities (routers {list(_DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
+            )
+        self.densemixer = densemixer
+        router_dtype = options.get("router_dtype")
+        if router_dtype is not None:
+            _validate.one_of("router_dtype", router_dtype, ROUTER_DTYPES)
+            if preset.router == "competition":
+                raise ValueError(
+                    f"router_dtype={router_dtype!r} is not allowed with method={method!r}, which has no router "
+                    "(the competition routes by the experts' outputs)"
+                )
+        self.router_dtype: str | None = router_dtype
+        capacity = options.get("capacity_factor")
+        self.capacity_factor = None if capacity is None else _validate.positive("capacity_factor", capacity)
+        self.token_drop_policy = _validate.one_of(
+            "token_drop_policy", options.get("token_drop_policy", "probs"), TOKEN_DROP_POLICIES
+        )
+        if "token_drop_policy" in options and capacity is None:
+            raise ValueError(
+                f"token_drop_policy={options['token_drop_policy']!r} is not allowed without capacity_factor; "
+                "expected capacity_factor=<float> with it"
+            )
+        if capacity is not None and router_cls.variable_k:
+            raise ValueError(
+                f"capacity_factor={capacity!r} is not allowed with method={method!r}: it routes a variable number "
+                "of experts per token; expected a method with a fixed top-K"
+            )
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
+        self.balance_scope: str = options.get("balance_scope", "micro")
+        #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
+        #: (set and cleared by it, outside the forward), or ``None``
+        self.step_balance = None
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
+        if router_dtype is not None:  # the scores of the base router (a composed router runs experts)
+            self.router.base_router.compute_dtype = getattr(torch, router_dtype)
         if experts is None:
             experts = ExpertBank(num_experts, d_model, d_hidden, activation=activation, bias=bias, impl=impl)
         elif not isinstance(experts, Experts):
@@ -126,26 +284,39 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
-        self._aux: Tensor | None = torch.zeros(())
-        self._aux_pending: tuple[Routing, Tensor] | None = None
+        # the aux values of the last training forward, ``[total, *terms by aux_names()]``, written in
+        # place (a buffer, as BatchNorm's statistics: compile- and checkpoint-clean), and the weight
+        # of the injected aux gradient (set_aux_scale); neither is saved with the model
+        self.register_buffer("_aux_values", torch.zeros(1 + _MAX_TERMS), persistent=False)
+        self.register_buffer("_aux_scale", torch.ones(()), persistent=False)
+        # the fraction of token slots the capacity dropped in the last forward (0 without capacity)
+        self.register_buffer("_dropped", torch.zeros(()), persistent=False)
+        # the routing of the last training forward, kept only while a StepBalance (the global balance
+        # scope) is attached: it reads and clears it after the forward (not compile-clean, see MoE)
+        self._step_routing: Routing | None = None
         self.last_routing: Routing | None = None
 
     @property
     def aux_loss(self) -> Tensor:
-        """The weighted sum of the aux losses of the last forward (0-dim, with autograd).
+        """The weighted sum of the aux losses of the last training forward (0-dim).
 
-        Computed when first read after a forward, from that forward's routing: an inference or
-        evaluation pass that never reads it does not pay for it (at a few tokens the losses
-        cost as much as the experts).
+        Its gradient already reaches the parameters through the layer's output (class
+        docstring); the tensor returned may be added to a loss (it checks in backward that the
+        loss weighs it by the layer's ``scale``, :func:`set_aux_scale`).  0 after a forward that
+        computed none (evaluation, ``torch.no_grad``).
         """
-        if self._aux_pending is not None:
-            routing, x = self._aux_pending
-            self._aux, self._aux_pending = self._aux_loss(routing, x), None
-        return self._aux
+        return _readout(self._aux_values[0], self._aux_scale)
 
-    @aux_loss.setter
-    def aux_loss(self, value: Tensor) -> None:
-        self._aux, self._aux_pending = value, None
+    def aux_names(self) -> tuple[str, ...]:
+        """The names of the aux terms this layer may compute, in the order :meth:`aux_values` uses."""
+        names = dict.fromkeys((*LOSS_NAMES, *type(self.router).loss_names))
+        return tuple(names)[:_MAX_TERMS]
+
+    def aux_values(self) -> dict[str, Tensor]:
+        """The weighted aux terms ``coef · loss`` of the last training forward by name (detached;
+        their sum is ``aux_loss``); the terms with a zero coefficient are left out."""
+        values = self._aux_values.detach().float().clone()
+        return {n: values[1 + i] for i, n in enumerate(self.aux_names()) if n in self.coefs}
 
     @property
     def layer_index(self) -> int:
@@ -156,10 +327,9 @@ class MoE(nn.Module):
         self.router.layer_index = value
 
     def __getstate__(self) -> dict:
-        """Copies and pickles keep the last ``aux_loss`` as a value, without its autograd graph
-        (``copy.deepcopy`` refuses a non-leaf tensor, so a used layer could not be copied)."""
+        """A copy is not attached to the original's training loop (nor holds its pending routing)."""
         state = super().__getstate__()
-        state["_aux"], state["_aux_pending"] = self.aux_loss.detach(), None
+        state["step_balance"], state["_step_routing"] = None, None
         return state
 
     def reset_parameters(self) -> None:
@@ -173,6 +343,26 @@ class MoE(nn.Module):
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset) and m is not self:
                     reset()
+        with torch.no_grad():
+            self._aux_values.zero_()
+            self._aux_scale.fill_(1.0)
+            self._dropped.zero_()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``to`` / ``half`` / ``bfloat16`` cast the layer; its aux bookkeeping stays float32 (a
+        bf16 aux scale of 1/3 would be 0.334, refused against the loss's exact 1/3)."""
+        super()._apply(fn, recurse)
+        for name in ("_aux_values", "_aux_scale", "_dropped"):
+            buffer = self._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
+
+    @property
+    def dropped_fraction(self) -> float:
+        """The fraction of the last forward's token slots (T·K) its expert capacity dropped
+        (``capacity_factor``); 0 without a capacity."""
+        return float(self._dropped)
 
     def extra_repr(self) -> str:
         return (
@@ -180,7 +370,15 @@ class MoE(nn.Module):
             f"top_k={self.top_k}, num_shared={self.num_shared}, coefs={self.coefs}"
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """``x (..., d) → (..., d)``.
+
+        ``token_mask`` (``x.shape[:-1]``, bool, True for a real token), e.g. a padding mask: only
+        the real tokens are routed, so padding counts in no routing statistic, aux loss, expert
+        load, selection-bias update or capacity, as transformers' balance loss with its
+        ``attention_mask``; masked tokens get output 0.  It costs one host sync (how many tokens
+        are real) and routes the real tokens in their order: ``last_routing`` has one row each.
+        """
         if not isinstance(x, Tensor):
             raise ValueError(
                 f"input of type {type(x).__name__} is not allowed; expected a torch.Tensor of shape "
@@ -199,41 +397,125 @@ class MoE(nn.Module):
                 f"input of dtype {x.dtype} is not allowed; expected the layer's dtype {weight.dtype} "
                 f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
             )
+        if self.training and not torch.compiler.is_compiling():  # a warning would break the graph
+            check_context(self)
         shape = x.shape
+        if self.balance_scope == "sequence" and x.dim() < 3:
+            raise ValueError(
+                f"input of shape {tuple(shape)} is not allowed with balance_scope='sequence'; expected the "
+                "sequence structure (..., S, d_model)"
+            )
+        seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
+        real = None
+        if token_mask is not None:
+            if self.balance_scope == "sequence":
+                raise ValueError(
+                    "token_mask is not allowed with balance_scope='sequence' (the masked tokens would break "
+                    "the sequences); expected balance_scope='micro' or 'global' with a mask"
+                )
+            real = self._real_tokens(token_mask, shape)
+            flat = flat.index_select(0, real)  # (T_real, d)
+        if self.router_dtype is not None:
+            self._check_router_dtype()
         routing = self.router(flat, self.experts, self.ctx)
         if self.check_finite:
             # the router's logits, or the routing weights of a router without logits (competition)
             scores = routing.logits if routing.logits is not None else routing.weights
-            message = (
-                f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
-                "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
-            )
             if torch.compiler.is_compiling():
                 # a Python ``if`` on a tensor is a graph break; the asserting op is traced instead
                 # (it raises RuntimeError when the graph runs; on CUDA it fires asynchronously)
-                torch._assert_async(torch.isfinite(scores).all(), message)
+                torch._assert_async(torch.isfinite(scores).all(), _NON_FINITE_COMPILED)
             # one reduction: the sum of finite scores is finite unless it overflows, which the
             # exact check below (run only then) tells apart
             elif not math.isfinite(scores.sum().item()) and not torch.isfinite(scores).all():
-                raise NonFiniteError(message)
+                raise NonFiniteError(
+                    f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
+                    "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
+                )
+        weights = routing.weights
+        if self.capacity_factor is not None:
+            weights = self._capacity(routing)
         if routing.outputs is not None:  # the router already ran the chosen experts
-            y = combine(routing.outputs, routing.weights)
+            y = combine(routing.outputs, weights)
+        elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
+            y = dispatch_masked(self.experts, flat, routing.indices, weights, routing.mask)
+        elif self.densemixer and self.training and torch.is_grad_enabled():  # every expert runs
+            y = combine_densemixer(self.experts.forward_all(flat), routing.indices, weights, routing.probs)
         else:
-            y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
+            y = self.experts(flat, routing.indices, weights)  # (T, d)
+        if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
+            y = y + routing.direct.to(y.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
-        self._aux_pending = (routing, flat)  # the aux loss, computed when read (``aux_loss``)
-        self.last_routing = routing.detach()
+        y = self._attach_aux(y, routing, flat, seq_len)
+        if self.step_balance is not None and self.training and torch.is_grad_enabled():
+            self._step_routing = routing  # the StepBalance reads (and clears) it after the forward
+        self._record(routing)
+        if real is not None:  # the real tokens' outputs in their places, 0 for the masked ones
+            y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
         return y.reshape(shape)
 
-    def _aux_loss(self, routing: Routing, x: Tensor) -> Tensor:
-        total = x.new_zeros(())
-        for term in self._aux_terms(routing, x).values():
-            total = total + term
-        return total
+    def _real_tokens(self, token_mask: Tensor, shape: torch.Size) -> Tensor:
+        if not isinstance(token_mask, Tensor) or token_mask.shape != shape[:-1]:
+            got = tuple(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
+            raise ValueError(
+                f"token_mask of shape {got} is not allowed; expected the input's shape without its last "
+                f"dimension, {tuple(shape[:-1])}"
+            )
+        if token_mask.dtype != torch.bool:
+            raise ValueError(f"token_mask of dtype {token_mask.dtype} is not allowed; expected torch.bool")
+        return token_mask.reshape(-1).nonzero().squeeze(1)
 
-    def _aux_terms(self, routing: Routing, x: Tensor) -> dict[str, Tensor]:
+    def _check_router_dtype(self) -> None:
+        want = getattr(torch, self.router_dtype)
+        for name, p in self.router.base_router.named_parameters():
+            if p.dtype != want:
+                raise ValueError(
+                    f"router_dtype={self.router_dtype!r} needs the router's parameters in {self.router_dtype}; "
+                    f"{name} is {p.dtype} (keep the router in float32, layer.router.float(), and run the rest "
+                    "under torch.autocast)"
+                )
+
+    def _capacity(self, routing: Routing) -> Tensor:
+        """The routing weights with the slots over their expert's capacity set to 0 (each expert takes
+        ``ceil(capacity_factor · T · K / N)`` slots); the dropped fraction goes into a buffer."""
+        T, K = routing.indices.shape
+        if T == 0:
+            self._dropped.zero_()
+            return routing.weights
+        capacity = math.ceil(self.capacity_factor * T * K / self.num_experts)
+        keep = capacity_keep(
+            routing.indices, routing.weights, self.num_experts, capacity, self.token_drop_policy
+        )
+        self._dropped.copy_(1.0 - keep.float().mean())
+        return routing.weights * keep.to(routing.weights.dtype)
+
+    def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor, seq_len: int | None) -> Tensor:
+        """Compute the aux loss of a training forward, record its values in place and attach its
+        gradient to ``y``; any other forward records zeros and computes nothing."""
+        terms = self._aux_terms(routing, x, seq_len) if self.training and torch.is_grad_enabled() else {}
+        if not terms:
+            self._aux_values.zero_()
+            return y
+        names = self.aux_names()
+        total = sum(terms.values(), y.new_zeros((), dtype=torch.float32))
+        values = [total.detach().float()]
+        values += [terms[n].detach().float() if n in terms else values[0].new_zeros(()) for n in names]
+        values += [values[0].new_zeros(())] * (1 + _MAX_TERMS - len(values))
+        self._aux_values.copy_(torch.stack(values))
+        return _AuxLossInjection.apply(y, total, self._aux_scale)
+
+    def _record(self, routing: Routing) -> None:
+        record = self.record_routing
+        if not torch.compiler.is_compiling():
+            if record is None:  # a forward with gradients: its routing is held by the graph anyway
+                record = torch.is_grad_enabled()
+            self.last_routing = routing.detach() if record else None
+        elif record:  # asked for under compile: a side effect dynamo replays (not under checkpointing)
+            self.last_routing = routing.detach()
+
+    def _aux_terms(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> dict[str, Tensor]:
         """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
         ``aux_loss``; :mod:`moelab.hf.trainer` logs them one by one)."""
         terms: dict[str, Tensor] = {}
@@ -242,25 +524,105 @@ class MoE(nn.Module):
         for name, coef in self.coefs.items():
             loss = routing.losses.get(name)
             if loss is None:
-                loss = self._standard_loss(name, routing)
+                loss = self._standard_loss(name, routing, seq_len)
             if loss is not None:
                 terms[name] = coef * loss
         return terms
 
-    def _standard_loss(self, name: str, routing: Routing) -> Tensor | None:
-        if name == "balance" and routing.probs is not None:
-            return switch_balance_loss(routing.probs, routing.indices, self.num_experts)
-        if name == "z" and routing.logits is not None:
-            return z_loss(routing.logits)
-        if name == "importance" and routing.probs is not None:
-            return importance_loss(routing.probs)
-        if name == "entropy" and routing.probs is not None:
-            return mean_entropy_loss(routing.probs)
-        return None
+    def _standard_loss(self, name: str, routing: Routing, seq_len: int | None = None) -> Tensor | None:
+        if name == "z":
+            return None if routing.logits is None else z_loss(routing.logits)
+        if routing.probs is None or name not in LOAD_LOSSES:
+            return None
+        if self.balance_scope == "global":
+            if self.step_balance is not None:  # it forms the step's loss (moelab.balance)
+                return None
+            _refuse_unsynchronised_global(self)
+        seq = seq_len if self.balance_scope == "sequence" else None
+        if name == "balance":
+            if seq is not None:
+                return sequence_balance_loss(routing.probs, routing.indices, self.num_experts, seq)
+            # a variable number of experts per token: the active slots (only the micro scope allows it)
+            return switch_balance_loss(routing.probs, routing.indices, self.num_experts, routing.mask)
+        if name == "importance":
+            return importance_loss(routing.probs, seq_len=seq)
+        return mean_entropy_loss(routing.probs, seq_len=seq)
+
+
+def _refuse_unsynchronised_global(layer: MoE) -> None:
+    """A global-scope loss read without the step's statistics under torch.distributed would be this
+    rank's micro-batch loss under another name."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                f"balance_scope='global' (MoE layer {layer.layer_index}) is not allowed without the step's "
+                "statistics under torch.distributed; expected a moelab.balance.StepBalance attached by the "
+                "training loop (moelab.train.Trainer and moelab.hf.MoETrainer attach one)"
+            )
+
+
+def _check_aux_weight(grad: Tensor, scale: Tensor) -> None:
+    g, s = float(grad.detach().float()), float(scale.detach().float())
+    if not math.isclose(g, s, rel_tol=1e-5, abs_tol=0.0):
+        raise ValueError(
+            f"moelab.aux_loss enters this loss with weight {g:.6g}, but the MoE layers already add its "
+            f"gradient with weight {s:.6g}; expected the same weight: call moelab.set_aux_scale(model, {g:.6g}) "
+            "before the forward (or add the aux loss to the loss unscaled)"
+        )
+
+
+def _readout(value: Tensor, scale: Tensor) -> Tensor:
+    """``value`` as a fresh leaf that may be added to a loss: its gradient only checks the weight
+    (the aux gradient itself was attached to the layer's output in forward)."""
+    out = value.detach().clone()
+    if torch.is_grad_enabled():
+        out.requires_grad_()
+        out.register_hook(lambda grad: _check_aux_weight(grad, scale))
+    return out
+
+
+def set_aux_scale(model: nn.Module, scale: float) -> None:
+    """Weigh the aux-loss gradient the MoE layers of ``model`` attach in training forwards by
+    ``scale`` (default 1): the weight the task loss gets in ``backward`` — ``1 / accumulation
+    steps`` for a loss divided over gradient accumulation, times a gradient scaler's scale (fp16).
+    Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``; :class:`moelab.hf.MoETrainer` sets it."""
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float, Tensor))
+        or not math.isfinite(float(scale))
+    ):
+        raise ValueError(f"scale={scale!r} is not allowed; expected a finite number")
+    for layer in moe_layers(model):
+        layer._aux_scale.fill_(float(scale))
+
+
+@contextlib.contextmanager
+def recording_routing(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """Within the block every MoE layer of ``model`` keeps ``last_routing`` after each forward,
+    also without gradients (the diagnostics run their forwards in it); restored after."""
+    layers = moe_layers(model)
+    saved = [layer.record_routing for layer in layers]
+    for layer in layers:
+        layer.record_routing = True
+    try:
+        yield layers
+    finally:
+        for layer, value in zip(layers, saved, strict=True):
+            layer.record_routing = value
+
+
+def aux_terms(model: nn.Module) -> dict[str, Tensor]:
+    """The weighted aux terms ``coef · loss`` of ``model``'s last training forward by name, summed
+    over its MoE layers (detached, sorted by name; their sum is :func:`aux_loss`)."""
+    terms: dict[str, Tensor] = {}
+    for layer in moe_layers(model):
+        for name, value in layer.aux_values().items():
+            terms[name] = terms[name] + value if name in terms else value
+    return dict(sorted(terms.items()))
 
 
 def aux_loss(model: nn.Module) -> Tensor:
-    """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last forward)."""
+    """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last training forward)."""
     layers = moe_layers(model)
     if not layers:  # a dense model: a zero on the model's device, so ``task_loss + aux`` works anywhere
         p = next(model.parameters(), None)
@@ -302,3 +664,69 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
             if isinstance(module, Router):
                 ctx.add_step_hook(module.on_step)
     return layers
+
+
+# ------------------------------------------------------------------ a context that drives the routing
+# What a training forward reads to tell, once, that a step-dependent method trains without a
+# context that advances.  Kept here, outside the modules: a forward sets no module attribute.
+#: the messages already given that a context is missing or lacks what a router needs: each once
+#: per process (as Python's "once" warning filter; every layer of a model gives the same one)
+_TOLD_NO_CONTEXT: set[str] = set()
+#: id(ctx) → (weak reference, its step at the last training forward, the optimizer steps counted
+#: then, the methods already told that it does not advance)
+_WATCHED: dict[int, tuple[weakref.ref, int, int, set[str]]] = {}
+_OPTIMIZER_STEPS = [0]  # every torch optimizer's steps, counted by a global post-step hook
+_STEP_HOOK: list = []
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def check_context(layer: MoE) -> None:
+    """Warn, once, when ``layer`` trains a method whose routing depends on the step (sharede-v3's
+    selection bias, StableMoE's stage, SMoE-Dropout's K, the competition schedules) without a
+    :class:`moelab.RoutingContext` that drives it: none attached, one without what the router
+    needs (a schedule, ``total_steps``, its step hook), or one whose step stays put while an
+    optimizer steps (``ctx.advance()`` forgotten).  Called by training forwards (not inside
+    ``torch.compile``); it reads the layer and records only in this module's own tables."""
+    router = layer.router
+    what = router.step_dependence()
+    if what is None:
+        return
+    ctx = layer.ctx
+    problem = router.context_problem(ctx)
+    if problem is not None:
+        message = (
+            f"MoE layer of method={layer.method!r} trains without a RoutingContext that drives its "
+            f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
+            "then call ctx.advance() once after every optimizer step"
+        )
+        if message not in _TOLD_NO_CONTEXT:
+            _TOLD_NO_CONTEXT.add(message)
+            warnings.warn(message, stacklevel=2)
+        return
+    if not _STEP_HOOK:  # counted from the first training forward that needs it on
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    key = id(ctx)
+    entry = _WATCHED.get(key)
+    if entry is None or entry[0]() is not ctx:
+        entry = (
+            weakref.ref(ctx, lambda _, k=key: _WATCHED.pop(k, None)),
+            ctx.step,
+            _OPTIMIZER_STEPS[0],
+            set(),
+        )
+        _WATCHED[key] = entry
+    if entry[1] != ctx.step:  # the context advanced (or was set): watch from here
+        _WATCHED[key] = (entry[0], ctx.step, _OPTIMIZER_STEPS[0], entry[3])
+    elif entry[2] != _OPTIMIZER_STEPS[0] and layer.method not in entry[3]:
+        entry[3].add(layer.method)
+        warnings.warn(
+            f"MoE layer of method={layer.method!r} trains with a RoutingContext that does not advance: an "
+            f"optimizer stepped since the last training forward, but ctx.step stayed {ctx.step}; {what}. "
+            "Call ctx.advance() once after every optimizer step",
+            stacklevel=2,
+        )

@@ -33,6 +33,8 @@ class Method:
     coefs: dict[str, float] = field(default_factory=dict)
     num_shared: int = 0
     schedule: str | None = None
+    #: options of the layer rather than of its router (``densemixer``), overridable as ``MoE`` options
+    layer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
@@ -191,9 +193,58 @@ for _m in [
     register_method(_m)
 
 
+# ---------------------------------------------------------------- the routers recent papers compare against
+for _m in [
+    Method(
+        "remoe",
+        "relu",
+        "R = relu(W x); every expert with R_e > 0 runs, weight R_e; load-balanced L1 on R with "
+        "λ ← λ·α^sign(1−K/N−sparsity) each step",
+        "ReMoE (Wang et al. 2025) §3; λ₀ = 1e-8, α = 1.2 from the authors' code",
+        coefs={"l1": 1.0},
+    ),
+    Method(
+        "top-p",
+        "top-p",
+        "P = softmax(W x); experts by decreasing P_i until their cumulative probability exceeds p = 0.4, "
+        "weights P_i; dynamic (per-token entropy) loss 1e-4 + balance 0.01",
+        "Huang et al. 2024 (Harder Tasks Need More Experts, ACL 2024) §3; p = 0.4 from the authors' code",
+        coefs={"balance": 0.01, "dynamic": 1e-4},
+    ),
+    Method(
+        "densemixer",
+        "topk",
+        "smoe forward; backward as if every expert were mixed with its router probability: "
+        "the router's gradient from every expert's output (straight-through)",
+        "DenseMixer (Yao et al. 2025); the densemixer=True option of any softmax top-K method",
+        coefs=_BALANCED,
+        layer_options={"densemixer": True},
+    ),
+    Method(
+        "expert-choice",
+        "expert-choice",
+        "S = softmax(W x); each expert takes its k = T·c/N highest-scoring tokens of the batch (c = top_k), "
+        "weight S; leaks future tokens in a causal LM (encoders, ablations)",
+        "Zhou et al. 2022 (Mixture-of-Experts with Expert Choice Routing) §3, EC-CF2",
+    ),
+    Method(
+        "moepp",
+        "moepp",
+        "N FFN experts + 2 constant, 1 copy, 1 zero expert; softmax top-K over all, zero weight 0, "
+        "renormalised; only FFN slots reach the bank; heterogeneous balance (τ = 0.75)",
+        "MoE++ (Jin et al. 2025, ICLR) §3; routing and expert counts from the authors' code",
+        coefs={"balance": 0.01},
+    ),
+]:
+    register_method(_m)
+
+
 # ---------------------------------------------------------------- building a preset's router
 #: options of the ``competesmoe`` router family that name its base by method (resolved here)
 _BASE_OPTIONS = ("base", "base_options")
+#: the aux-loss-free selection bias, a layer option of every method with a router: a router that
+#: wraps a base router hands it to the base (the one that chooses)
+_BIAS_OPTIONS = ("selection_bias", "bias_update_rate")
 
 
 def method_router_options(method: str) -> list[str]:
@@ -203,7 +254,7 @@ def method_router_options(method: str) -> list[str]:
 
     names = router_options(ROUTERS[get_method(method).router])
     if "base" in names:
-        names = [n for n in names if n != "base_method"] + ["base_options"]
+        names = [n for n in names if n != "base_method"] + ["base_options", *_BIAS_OPTIONS]
     return names
 
 
@@ -224,8 +275,13 @@ def build_method_router(method: str, d_model: int, num_experts: int, top_k: int,
         if base_options is not None and not isinstance(base_options, dict):
             raise ValueError(f"base_options={base_options!r} is not allowed; expected a dict or None")
         base_preset = get_method(base_name)  # the router checks that the base is a plain one
+        bias = {k: params.pop(k) for k in _BIAS_OPTIONS if k in params}
         base = build_router(
-            base_preset.router, d_model, num_experts, top_k, **{**base_preset.options, **(base_options or {})}
+            base_preset.router,
+            d_model,
+            num_experts,
+            top_k,
+            **{**base_preset.options, **(base_options or {}), **bias},
         )
         params.update(base=base, base_method=base_name)
     return build_router(preset.router, d_model, num_experts, top_k, **params)

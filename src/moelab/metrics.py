@@ -28,8 +28,10 @@ __all__ = [
     "competition_overlap",
     "expert_change_rate",
     "expert_output_norms",
+    "max_violation",
     "router_entropy",
     "routing_entropy",
+    "routing_loads",
     "routing_summary",
     "swap_top1",
     "topk_overlap",
@@ -110,10 +112,12 @@ def _call(model: nn.Module, batch: Any, forward: Callable | None) -> None:
 
 @contextlib.contextmanager
 def _evaluating(model: nn.Module) -> Iterator[None]:
+    from .layer import recording_routing
+
     was_training = model.training
     model.eval()
-    try:
-        with torch.no_grad():
+    try:  # an inference forward keeps no routing unless asked: the diagnostics read it
+        with torch.no_grad(), recording_routing(model):
             yield
     finally:
         model.train(was_training)
@@ -183,6 +187,8 @@ def competition_overlap(
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
         chosen = layer.last_routing.indices
+        if layer.last_routing.mask is not None:  # a variable K: the router's K best against the K winners
+            chosen = chosen[:, : layer.top_k]
         scores = competition_affinity(layer.experts.forward_all(x), kappa, reduce)
         winners = scores.topk(chosen.shape[-1], dim=-1).indices
         sums[i] = sums.get(i, 0.0) + float(topk_overlap(chosen, winners)) * x.shape[0]
@@ -298,6 +304,11 @@ def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
             raise ValueError(
                 f"swap_top1 is already active on MoE layer {layer.layer_index}; it does not nest"
             )
+        if layer.router.variable_k:
+            raise ValueError(
+                f"swap_top1 is not allowed on MoE layer {layer.layer_index} (method={layer.method!r}): it "
+                "routes a variable number of experts per token, so there is no K-th expert to replace"
+            )
         k = layer.router.top_k
         if k >= layer.num_experts:
             raise ValueError(
@@ -317,22 +328,46 @@ def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
             layer.router = router
 
 
+def max_violation(load: Tensor) -> float:
+    """MaxVio: the most-loaded expert's excess over the mean load, ``max_i load_i / mean_i load_i − 1``
+    (0 = perfectly balanced; N − 1 = every slot on one expert), from the counts or fractions
+    ``load (N,)`` — the balance measure of the aux-loss-free balancing paper (Wang et al. 2024,
+    "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"), measured on one batch
+    (MaxVio_batch) or on the load accumulated over a run or a data set (MaxVio_global).  ``None``-free:
+    an empty load gives 0."""
+    load = load.double()
+    mean = load.mean()
+    return float(load.max() / mean - 1) if mean > 0 else 0.0
+
+
 def load_cv(
     model: nn.Module, batches: Iterable[Any], forward: Callable | None = None
 ) -> list[dict[str, Any]]:
-    """Per MoE layer: the fraction of token slots each expert received over ``batches`` and its
-    coefficient of variation (std / mean; 0 = perfectly balanced)."""
+    """Per MoE layer: the fraction of token slots each expert received over ``batches``, its
+    coefficient of variation (std / mean; 0 = perfectly balanced) and its MaxVio
+    (:func:`max_violation`, over all of ``batches``); for a layer with an expert capacity
+    (``capacity_factor``) also ``dropped``, the fraction of the slots it dropped."""
     counts: dict[int, Tensor] = {}
+    dropped: dict[int, float] = {}
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
-        c = torch.bincount(layer.last_routing.indices.reshape(-1), minlength=layer.num_experts).double()
+        c = torch.bincount(layer.last_routing.active_indices, minlength=layer.num_experts).double()
         counts[i] = counts[i] + c if i in counts else c
+        dropped[i] = dropped.get(i, 0.0) + layer.dropped_fraction * float(c.sum())
 
     n = _run(model, batches, forward, on_layer)
+    layers = _layers(model)
     out = []
     for i in range(n):
         load = counts[i] / counts[i].sum()
-        out.append({"load": load.tolist(), "cv": float(load.std(unbiased=False) / load.mean())})
+        row = {
+            "load": load.tolist(),
+            "cv": float(load.std(unbiased=False) / load.mean()),
+            "max_vio": max_violation(load),
+        }
+        if layers[i].capacity_factor is not None:
+            row["dropped"] = dropped[i] / float(counts[i].sum())
+        out.append(row)
     return out
 
 
@@ -340,26 +375,52 @@ def routing_summary(model: nn.Module) -> dict[str, float | None]:
     """The cheap diagnostics of the last forward pass, averaged over ``model``'s MoE layers, read from
     each layer's ``last_routing`` (no extra forward): ``router_entropy`` (nats, mean over tokens of the
     router distribution's entropy; ``None`` without one), ``load_cv`` (std / mean of the experts' share
-    of the token slots) and ``competition_overlap`` (mean ``|TopK(router) ∩ winners|`` per token, K = learned, over the
+    of the token slots), ``max_vio`` (:func:`max_violation` of the batch's load, MaxVio_batch) and
+    ``competition_overlap`` (mean ``|TopK(router) ∩ winners|`` per token, K = learned, over the
     layers that competed in that pass, CompeteSMoE (2025) App. C.5; ``None`` when none did).  A layer
-    competed when its routing carries a ``distill`` loss."""
+    competed when its routing carries a ``distill`` loss.  :func:`routing_loads` gives the loads."""
     entropies: list[float] = []
     cvs: list[float] = []
+    vios: list[float] = []
     overlaps: list[float] = []
-    for layer in _layers(model):
+    for layer, load in zip(_layers(model), routing_loads(model)):
         routing = layer.last_routing
         if routing is None:
             continue
         if routing.probs is not None:
             entropies.append(float(routing_entropy(routing.probs)))
-        load = torch.bincount(routing.indices.reshape(-1), minlength=layer.num_experts).double()
         cvs.append(float(load.std(unbiased=False) / load.mean()))
+        vios.append(max_violation(load))
         if "distill" in routing.losses and routing.probs is not None:
             k = routing.indices.shape[-1]
             router_top = routing.probs.topk(k, dim=-1).indices
             overlaps.append(float(topk_overlap(router_top, routing.indices)))
     mean = lambda xs: sum(xs) / len(xs) if xs else None
-    return {"router_entropy": mean(entropies), "load_cv": mean(cvs), "competition_overlap": mean(overlaps)}
+    out = {
+        "router_entropy": mean(entropies),
+        "load_cv": mean(cvs),
+        "max_vio": mean(vios),
+        "competition_overlap": mean(overlaps),
+    }
+    capped = [layer.dropped_fraction for layer in _layers(model) if layer.capacity_factor is not None]
+    if capped:  # a model with an expert capacity: the mean fraction of token slots dropped
+        out["dropped"] = mean(capped)
+    return out
+
+
+def routing_loads(model: nn.Module) -> list[Tensor | None]:
+    """Per MoE layer of ``model``: the expert counts ``(N,)`` (float64) of its last forward's token
+    slots (the active ones, for a router with a variable number of experts per token), or ``None``
+    for a layer that has not run."""
+    loads: list[Tensor | None] = []
+    for layer in _layers(model):
+        routing = layer.last_routing
+        loads.append(
+            None
+            if routing is None
+            else torch.bincount(routing.active_indices, minlength=layer.num_experts).double()
+        )
+    return loads
 
 
 __all__ += [

@@ -62,6 +62,11 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
             continue
         resolved = layer.experts.resolved_impl(probe.expand(T, d), K)
         label = f"moelab {impl}" + (f" (={resolved})" if impl == "auto" else "")
+        if impl == "auto":
+            args.auto_picks = {
+                "train": resolved,
+                "infer": layer.experts.resolved_impl(probe.expand(T, d), K, grad=False),
+            }
         modules[label] = (layer, expert_flops_per_token(layer, K))
     if args.hf and ref is not None:
         if args.activation != "swiglu" or args.method not in ("smoe",):
@@ -172,6 +177,25 @@ def _check_layer_args(args: argparse.Namespace) -> None:
     args.impl = list(dict.fromkeys(impls))
 
 
+def auto_against_fastest(rows: list[dict], picks: dict[str, str]) -> dict[str, dict]:
+    """Per phase: the kernel ``impl="auto"`` picked, the fastest moelab kernel measured (by median
+    time among the ``moelab <kernel>`` rows, compiled ones aside) and auto's time over it."""
+    out = {}
+    for phase, pick in picks.items():
+        kernels = {r["name"].split()[1]: r for r in rows if r["phase"] == phase and r["name"].startswith("moelab ")
+                   and not r["name"].startswith("moelab auto")}  # fmt: skip
+        auto = next((r for r in rows if r["phase"] == phase and r["name"].startswith("moelab auto")), None)
+        if not kernels or auto is None:
+            continue
+        fastest = min(kernels, key=lambda k: kernels[k]["median_ms"])
+        out[phase] = {
+            "auto": pick,
+            "fastest": fastest,
+            "auto_over_fastest": auto["median_ms"] / kernels[fastest]["median_ms"],
+        }
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     _check_layer_args(args)
     if args.threads is not None:
@@ -206,10 +230,18 @@ def run(args: argparse.Namespace) -> int:
         dense_width=args.top_k * args.d_hidden,
     )
     machine = dict(before, loadavg_1min_after=load_after)
+    auto = auto_against_fastest(rows, getattr(args, "auto_picks", {}))
     if args.json:
         print(
             json.dumps(
-                {"bench": "layer", "config": config, "machine": machine, "results": rows, "notes": notes}
+                {
+                    "bench": "layer",
+                    "config": config,
+                    "machine": machine,
+                    "results": rows,
+                    "notes": notes,
+                    "auto": auto,
+                }
             )
         )
         return 0
@@ -229,6 +261,11 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"expert FLOPs/token: {candidates[0].flops} (every row; a mismatch is flagged)")
     print(format_table(rows))
+    for phase, a in auto.items():
+        print(
+            f"auto ({phase}): picks {a['auto']}; fastest moelab kernel measured: {a['fastest']}; "
+            f"auto / fastest = {a['auto_over_fastest']:.3f}"
+        )
     for note in notes:
         print(f"note: {note}")
     return 0

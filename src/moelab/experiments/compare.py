@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     requested = [m.strip() for m in config.methods.split(",") if m.strip()]
     if not requested:
         raise UsageError(f"--methods {config.methods!r} names no method")
-    known = set(methods())
+    known = set(methods()) | {
+        name for name, layout in (paper.layouts if paper else {}).items() if "method" in layout
+    }
     unknown_default = [m for m in requested if m not in known and m in DEFAULT_METHODS]
     unknown = [m for m in requested if m not in known and m not in DEFAULT_METHODS]
     if unknown:
@@ -113,25 +115,23 @@ def run(args: argparse.Namespace) -> int:
             f"--out {out} holds a moelab run of another command (config.yaml), not a comparison; choose "
             "another --out or pass --force to start afresh"
         )
+    # a run's settings and results take a few KiB: refuse a count the machine cannot even list
+    runner.check_memory(
+        config, lambda c: 4096 * len(chosen) * c.seeds, {"seeds": 1}, f"{len(chosen)} methods × --seeds runs"
+    )
     # the comparison's folder, locked while it runs; --force removes everything of an earlier run in
     # it, whichever command wrote it
+    plan = _plan(config, paper, chosen, given)
     top = RunDir(out, resume=args.resume, force=args.force)
     try:
-        return _compare(args, config, paper, chosen, unknown_default, out, given)
+        return _compare(args, config, paper, chosen, unknown_default, out, plan)
     finally:
         top.close()
 
 
-def _compare(args, config, paper, chosen, unknown_default, out: Path, given: dict) -> int:
-    set_threads(config.run)
-    if unknown_default:
-        print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
-    reference = config.reference if config.reference in chosen else chosen[0]
-    if reference != config.reference:
-        print(
-            f"reference {config.reference!r} is not among the methods run; p-values are against {reference!r}"
-        )
-
+def _plan(config: CompareConfig, paper, chosen: list[str], given: dict) -> tuple[list[int], str, list]:
+    """The seeds, the loss-settings line and every run's validated config ``(folder, seed, TrainRun)``:
+    all of it checked before the comparison's folder is touched."""
     seeds = list(range(config.seed_offset, config.seed_offset + config.seeds))
     shared = {} if config.losses == "preset" else dict(paper.losses if paper else SAME_LOSSES)
     losses_line = (
@@ -142,7 +142,6 @@ def _compare(args, config, paper, chosen, unknown_default, out: Path, given: dic
         + " for every method (plus each method's own losses: distillation, diversity, ...)"
         + (f", as {paper.citation}" if paper else "")
     )
-    print(losses_line)
     sweep = parse_sweep(config.sweep)
     configs = []
     points = list(zip(sweep.values, sweep.labels)) if sweep else [(None, None)]
@@ -163,8 +162,24 @@ def _compare(args, config, paper, chosen, unknown_default, out: Path, given: dic
                     if f"run.{k}" not in given
                 }
                 opts = {**layout.pop("opts", {}), **opts}
-                one = replace(config.run, method=method, seed=seed, opts=opts, **layout)
+                # a paper's row may name its method apart from the row (an ablation: a method + options)
+                one = replace(config.run, method=layout.pop("method", method), seed=seed, opts=opts, **layout)
                 configs.append((name, seed, runner.validate(lm.resolve(runner.validate(one)))))
+    return seeds, losses_line, configs
+
+
+def _compare(args, config, paper, chosen, unknown_default, out: Path, plan: tuple) -> int:
+    set_threads(config.run)
+    if unknown_default:
+        print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
+    reference = config.reference if config.reference in chosen else chosen[0]
+    if reference != config.reference:
+        print(
+            f"reference {config.reference!r} is not among the methods run; p-values are against {reference!r}"
+        )
+
+    seeds, losses_line, configs = plan
+    print(losses_line)
     data = load_text(configs[0][2].data, level=configs[0][2].level)
     print(
         f"compare: {len(chosen)} methods × {len(seeds)} seeds on {data.name} "

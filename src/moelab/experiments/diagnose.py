@@ -18,6 +18,7 @@ from .. import _validate, metrics
 from ..data.text import load_text
 from ..io.atomic import atomic_write_text
 from ..io.model import list_checkpoints, load
+from ..io.rundir import read_yaml
 from ..train.tasks import LMTask
 from . import runner
 from .lm import TrainRun
@@ -31,6 +32,7 @@ SCALARS = (
     "swap_topk_delta",
     "competition_overlap_mean",
     "load_cv_mean",
+    "max_vio_mean",
     "expert_change_rate",
 )
 
@@ -51,6 +53,13 @@ def _batches(task: LMTask, tokens: int) -> list[torch.Tensor]:
     return [blocks[i : i + 16] for i in range(0, n, 16)]
 
 
+def _run_kind(config_file: Path) -> str:
+    """The command that wrote the run's ``config.yaml`` (a damaged file is refused naming it)."""
+    data = read_yaml(config_file, repr(str(config_file)))
+    command = data.get("command", "train")  # runs of moelab < 0.3 recorded no command
+    return command if isinstance(command, str) else repr(command)
+
+
 def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     """The diagnostics of one run directory (see the module docstring); written to
     ``diagnostics.json`` there and returned."""
@@ -58,16 +67,31 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a moelab train run (no config.yaml)")
-    config, _ = runner.read_run_config(TrainRun, path, "train")
+    kind = _run_kind(config_file)
+    if kind != "train":
+        raise ValueError(
+            f"{path} is a moelab {kind} run; diagnose takes language-model runs of moelab train or compare"
+        )
+    config, recorded = runner.read_run_config(TrainRun, path, "train")
     if config.arch == "dense":
         raise ValueError(f"{path} is a dense model: it has no MoE layer to diagnose")
     data = load_text(config.data, level=config.level)
+    old, new = recorded.get("data_sha256"), (data.info or {}).get("sha256")
+    if old and new and old != new:
+        raise ValueError(
+            f"{path}: --data {config.data!r} now has sha256 {new[:12]}…, but the run was trained on "
+            f"{old[:12]}…; its diagnostics would describe other data (restore the file or train again)"
+        )
+    target = path / "diagnostics.json"
+    if target.exists() and not target.is_file():
+        raise ValueError(f"{str(target)!r} exists and is not a file; remove it to write the diagnostics")
     model = load(path)
     task = LMTask(data, model.cfg.block_size)
     batches = _batches(task, tokens)
     layers = metrics._layers(model)
     k = layers[0].top_k
-    spare = all(layer.top_k < layer.num_experts for layer in layers)
+    # the swaps replace the K-th expert: none with all N chosen, or with a variable number (remoe)
+    spare = all(layer.top_k < layer.num_experts and not layer.router.variable_k for layer in layers)
 
     def bpc() -> float:
         return task.evaluate(model, "test", len(batches) * 16 * task.block_size)[data.metric]
@@ -91,6 +115,10 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
         out["load"] = [x["load"] for x in loads]
         out["load_cv"] = [x["cv"] for x in loads]
         out["load_cv_mean"] = _mean(out["load_cv"])
+        out["max_vio"] = [x["max_vio"] for x in loads]  # MaxVio of the load over all the tokens
+        out["max_vio_mean"] = _mean(out["max_vio"])
+        if any("dropped" in x for x in loads):  # layers with an expert capacity: slots dropped
+            out["dropped"] = [x.get("dropped") for x in loads]
         out["expert_output_norms"] = metrics.expert_output_norms(model, batches).tolist()
         ckpts = list_checkpoints(path / "ckpt")
         out["expert_change_rate"] = None
@@ -110,7 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     _validate.positive_int("--tokens", args.tokens)
     rows = [diagnose_run(r, args.tokens) for r in args.runs]
-    header = f"{'run':<40} {'bpc':>7} {'swap1 Δ':>8} {'swapK Δ':>8} {'entropy':>8} {'overlap':>8} {'load CV':>8} {'change':>7}"
+    header = (
+        f"{'run':<40} {'bpc':>7} {'swap1 Δ':>8} {'swapK Δ':>8} {'entropy':>8} {'overlap':>8} {'load CV':>8} "
+        f"{'MaxVio':>7} {'change':>7}"
+    )
     print(header)
 
     def fmt(v: Any, spec: str) -> str:
@@ -121,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['run'][-40:]:<40} {r['bpc']:>7.4f} {fmt(r.get('swap_top1_delta'), '+.4f'):>8} "
             f"{fmt(r.get('swap_topk_delta'), '+.4f'):>8} {fmt(r['router_entropy_mean'], '.4f'):>8} "
             f"{fmt(r['competition_overlap_mean'], '.3f'):>8} {fmt(r['load_cv_mean'], '.3f'):>8} "
-            f"{fmt(r['expert_change_rate'], '.3f'):>7}"
+            f"{fmt(r['max_vio_mean'], '.3f'):>7} {fmt(r['expert_change_rate'], '.3f'):>7}"
         )
     print(f"\nwrote diagnostics.json in {len(rows)} run(s)")
     return 0

@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,14 +26,14 @@ from ..io.atomic import read_json, sha256_file
 from ..io.model import load
 from ..io.model import resolve as resolve_model
 from ..layer import moe_layers
-from ..models.classifier import LMClassifier, freeze_routers
+from ..models.classifier import LMClassifier, freeze_all_but_experts, freeze_routers
 from ..models.lm import TransformerLM
 from ..optim import OPTIMIZERS, check_optimizer
 from ..routing import RoutingContext
 from ..train.tasks import ClassificationTask, encode_texts
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
-from .lm import TrainRun
+from .lm import TrainRun, memory_needed
 from .runner import Interval, Options, setting
 
 __all__ = [
@@ -75,8 +76,12 @@ class FinetuneConfig:
     ``batch_size`` left ``None`` take CompeteSMoE (2024) App. C.3's value for the task (recorded
     resolved), ``steps`` left ``None`` follows from the epochs and the training set."""
 
-    task: str = setting(help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)")
-    source: str = setting(flag="--from", metavar="RUN_DIR", help="a `moelab train` run")
+    task: str = setting(
+        help=f"one of {', '.join(TASKS)}, or a local CSV/TSV of (text, label)", fingerprint="data_sha256"
+    )
+    source: str = setting(
+        flag="--from", metavar="RUN_DIR", help="a `moelab train` run", fingerprint="source_sha256"
+    )
     epochs: float | None = setting(
         None,
         help="epochs (CompeteSMoE (2024): 5; BANKING77 50)",
@@ -109,6 +114,12 @@ class FinetuneConfig:
         "low-rank updates of Q and V and the new head (moelab.adapters)",
         allowed=Options(("none", *ADAPTERS)),
     )
+    trainable: str = setting(
+        "experts",
+        help="experts: the MoE experts and the new head train, the rest of the LM is frozen (CompeteSMoE "
+        "(2024) §6.3: 'only optimize the experts' parameters'); trunk: every LM parameter but the routers",
+        allowed=Options(("experts", "trunk")),
+    )
     rank: int = setting(8, help="the adapter's rank r (alpha = r: scale 1)", allowed=Interval(int, 1))
     fraction: float = setting(
         1.0,
@@ -119,6 +130,11 @@ class FinetuneConfig:
 
     def check(self) -> None:
         check_optimizer(self.optimizer, self.weight_decay)
+        if self.adapter != "none" and self.trainable != "experts":
+            raise ValueError(
+                f"--trainable={self.trainable!r} is not allowed with --adapter {self.adapter}; an adapter "
+                "trains its low-rank updates and the new head only"
+            )
         if self.adapter == "none" and self.rank != 8:
             raise ValueError(
                 f"--rank={self.rank} is not allowed with --adapter none; it is an adapter's rank"
@@ -157,6 +173,8 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
     frozen = freeze_routers(model)
     if config.adapter != "none":  # the trunk frozen but for its Q/V updates; the new head trains
         add_adapter(model.lm, config.adapter, rank=config.rank)
+    elif config.trainable == "experts":
+        frozen += freeze_all_but_experts(model.lm)
     train = TrainConfig(
         steps=steps,
         batch_size=config.batch_size,
@@ -189,7 +207,13 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         progress=config.progress,
         extra_metrics={"method": lm_config.method, "task": config.task_name, "num_classes": data.num_classes},
     )
-    metrics = trainer.fit(resume=run.resume)
+    with warnings.catch_warnings():
+        # the routers are frozen: their context stays put by design (FrozenRouting), not by a
+        # forgotten ctx.advance()
+        warnings.filterwarnings(
+            "ignore", message=r"MoE layer of method=.* RoutingContext that does not advance"
+        )
+        metrics = trainer.fit(resume=run.resume)
     print(
         f"{metrics['method']} fine-tuned on {data.name}: test accuracy {metrics['test_acc']:.1f}% "
         f"(val {metrics['val_acc']:.1f}%, {data.num_classes} classes) -> {run.path}"
@@ -230,8 +254,14 @@ def lm_fingerprint(source: str | Path) -> str:
 
 
 def _prepare(config: FinetuneConfig, world: int) -> None:
-    """Before the run directory opens: ``--from`` must be a language-model run."""
-    read_lm_run(config.source)
+    """Before the run directory opens: ``--from`` must be a language-model run, and the batch must
+    fit the machine's memory."""
+    lm_run, _ = read_lm_run(config.source)
+
+    def need(c: FinetuneConfig) -> int:
+        return memory_needed(replace(lm_run, batch_size=c.batch_size, steps=1, method="smoe"))
+
+    runner.check_memory(config, need, {"batch_size": 16}, "the model, its training state and a batch")
 
 
 #: ``moelab finetune`` as the run lifecycle sees it

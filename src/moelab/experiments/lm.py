@@ -92,6 +92,7 @@ class TrainRun:
     data: str = setting(
         "default",
         help="enwik8, text8, wikitext103, default or stdlib (offline: Python's own sources) or a text file",
+        fingerprint="data_sha256",
     )
     level: str = setting("byte", help="tokens of a local --data file", allowed=Options(("byte", "word")))
     arch: str = setting("switch", help="model architecture", allowed=Options(ARCHS))
@@ -256,7 +257,34 @@ def resolve(config: TrainRun) -> TrainRun:
     }
     config = replace(config, **filled, method="dense" if config.arch == "dense" else config.method)
     lm_config(config.size, 1, **config.model_fields(), arch=config.arch)
+    ordinary = {name: preset.get(name) for name in _SIZE_FIELDS}
+    ordinary.update(num_experts=16, top_k=2, d_hidden=ordinary["d_model"])
+    runner.check_memory(config, memory_needed, ordinary, "the model, its training state and a batch")
     return config
+
+
+#: the settings that decide how much memory a run takes (see :func:`memory_needed`)
+_SIZE_FIELDS = ("d_model", "d_hidden", "num_experts", "top_k", "n_layer", "block_size", "batch_size", "steps")
+
+
+def memory_needed(config: TrainRun, vocab_size: int = 256) -> int:
+    """A lower bound of the bytes a run of ``config`` (resolved) holds at once, in float32: the
+    weights with their gradients and Adam's two moments (16 bytes a parameter), one batch's
+    activations kept for the backward pass, and a competition schedule's per-step table.
+    Counted in Python integers: it never allocates, however large the sizes."""
+    cfg = lm_config(config.size, vocab_size, **config.model_fields(), arch=config.arch)
+    d, n, layers = cfg.d_model, cfg.num_experts, cfg.n_layer
+    h = cfg.d_hidden or d
+    moe_layers = layers if config.arch != "dense" else 0
+    moe_layers = layers // 2 if config.arch == "glam" else moe_layers
+    params = (cfg.vocab_size + cfg.block_size) * d + layers * (4 * d * d + 2 * d * h)
+    params += moe_layers * ((n - 1) * 2 * d * h + n * d)
+    tokens = config.batch_size * cfg.block_size
+    activations = tokens * layers * (8 * d + 2 * cfg.top_k * h) + tokens * cfg.vocab_size
+    schedule = 0
+    if config.arch != "dense" and get_method(config.method).schedule is not None:
+        schedule = config.steps * (moe_layers + 17)  # a bool per layer, a count and a draw per step
+    return 16 * params + 4 * activations + schedule
 
 
 def build_model(config: TrainRun, vocab_size: int) -> TransformerLM:

@@ -28,7 +28,8 @@ class Paper:
     losses: dict[str, float]
     numbers: dict[str, float] = field(default_factory=dict)
     #: per method, the run settings of the paper's layout (``TrainRun`` fields; ``opts`` merged into
-    #: the method options); a flag given on the command line wins
+    #: the method options); a flag given on the command line wins.  A row that is a method with
+    #: options (an ablation) names its method under ``method``; the row's key names its folder
     layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -85,6 +86,40 @@ PAPERS = {
             "sharede-v2": {"num_experts": 16, "top_k": 2, "d_hidden": 16, "opts": {"num_shared": 2}},
             "sharede-v3": {"num_experts": 16, "top_k": 2, "d_hidden": 16, "opts": {"num_shared": 2}},
         },
+    ),
+    # CompeteSMoE (2025) App. C: its ablations, each row a method and its options (the folder and
+    # the row are named by the key); balance 0.01 and z 0.001 for every row, as its Table 2
+    "2025-table10": Paper(
+        citation="CompeteSMoE (2025)",
+        table="Table 10, component ablation, average zero-shot accuracy (%) of 9 benchmarks",
+        metric="Avg. Acc",
+        lower_is_better=False,
+        reference="competesmoe",
+        losses=dict(SAME_LOSSES),
+        numbers={
+            "competesmoe": 53.21,
+            "no-diversity": 52.90,
+            "no-competition": 52.71,
+            "densemoe": 52.70,
+            "densemoe-diversity": 52.79,
+            "smoe": 52.47,
+        },
+        layouts={
+            "no-diversity": {"method": "competesmoe", "opts": {"diversity_coef": 0.0}},  # row (1)
+            "no-competition": {"method": "competesmoe", "opts": {"mode": "router"}},  # row (2)
+            "densemoe": {"method": "densemoe"},  # row (3)
+            "densemoe-diversity": {"method": "densemoe", "opts": {"diversity_coef": 0.005}},  # row (4)
+        },
+    ),
+    "2025-table11": Paper(
+        citation="CompeteSMoE (2025)",
+        table="Table 11, task loss and competition policy, average zero-shot accuracy (%) of 9 benchmarks",
+        metric="Avg. Acc",
+        lower_is_better=False,
+        reference="competesmoe",
+        losses=dict(SAME_LOSSES),
+        numbers={"competesmoe": 53.21, "policy-only": 52.84, "smoe": 52.47},
+        layouts={"policy-only": {"method": "competesmoe", "opts": {"task_gradient": False}}},
     ),
 }
 

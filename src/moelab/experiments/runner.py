@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -34,11 +35,13 @@ __all__ = [
     "add_arguments",
     "build",
     "changed_input",
+    "check_memory",
     "check_run_flags",
     "config_from_mapping",
     "execute",
     "flag_of",
     "given_by_args",
+    "machine_memory",
     "new_config",
     "plain",
     "read_run_config",
@@ -122,6 +125,7 @@ class Setting:
     input: bool = True
     metavar: str | None = None
     aliases: tuple[str, ...] = ()
+    fingerprint: str | None = None
 
 
 def setting(
@@ -133,6 +137,7 @@ def setting(
     input: bool = True,
     metavar: str | None = None,
     aliases: tuple[str, ...] = (),
+    fingerprint: str | None = None,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
 ) -> Any:
     """A config field with its flag.
@@ -149,12 +154,22 @@ def setting(
             data lies when its fingerprint decides).
         metavar: the flag's metavar in ``--help``.
         aliases: other spellings of the flag (``-T`` beside ``--tokens``).
+        fingerprint: for a file or folder input, the key under ``recorded`` of its sha256
+            (:meth:`Run.check_fingerprint`): when the run recorded one and the value given to
+            ``--resume`` names an existing path, the digest decides, not the path (the same data
+            moved elsewhere continues the run).
     """
     if not isinstance(allowed, tuple):
         allowed = (allowed,)
     meta = {
         _META: Setting(
-            help=help, flag=flag, allowed=allowed, input=input, metavar=metavar, aliases=tuple(aliases)
+            help=help,
+            flag=flag,
+            allowed=allowed,
+            input=input,
+            metavar=metavar,
+            aliases=tuple(aliases),
+            fingerprint=fingerprint,
         )
     }
     if default_factory is not dataclasses.MISSING:
@@ -442,10 +457,20 @@ def build(cls: type, values: Mapping[str, Any]) -> Any:
         raise ValueError(f"{', '.join(flag_of(cls, m) for m in missing) or exc} is required") from None
 
 
-def config_from_mapping(cls: type, data: Mapping[str, Any], source: str) -> Any:
+def config_from_mapping(cls: type, data: Mapping[str, Any], source: str, *, recorded: bool = False) -> Any:
     """A config from a settings mapping (``--config`` file or a run's ``config.yaml``), validated;
-    errors name ``source``."""
+    errors name ``source``.  ``recorded``: the mapping is a run's own record, which holds every
+    input setting: one missing (a truncated or damaged file) is refused rather than read as its
+    default, a value the run never recorded."""
     values = _flatten(cls, {k: v for k, v in data.items() if k not in ("command", "recorded")}, source)
+    if recorded:
+        missing = [flag_of(cls, p) for p, f, _ in _items(cls) if _setting_of(f).input and p not in values]
+        if missing:
+            raise ValueError(
+                f"{source} lacks the recorded settings {', '.join(missing[:5])}"
+                f"{' and more' if len(missing) > 5 else ''} (a truncated or damaged file): the run's "
+                "settings are unknown"
+            )
     try:
         return validate(build(cls, values))
     except ValueError as exc:
@@ -462,6 +487,48 @@ def _file_values(cls: type, path: str, flag: str) -> dict[str, Any]:
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
     return values
+
+
+# ------------------------------------------------------------------------------ memory
+def machine_memory() -> int:
+    """This machine's physical memory in bytes (``os.sysconf``; ``psutil`` where that is missing;
+    ``0``: unknown, nothing is refused)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        try:
+            import psutil
+
+            return int(psutil.virtual_memory().total)
+        except ImportError:
+            return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n < 2**40 else f"{n / 2**40:,.0f} TiB"
+
+
+def check_memory(config: Any, need: Callable[[Any], int], candidates: Mapping[str, Any], what: str) -> None:
+    """Refuse, before anything is allocated, a run whose estimated memory ``need(config)`` (bytes,
+    a lower bound) exceeds the machine's, naming the flag that makes it so: of the fields
+    ``candidates`` (path → the ordinary value, e.g. the preset's), the one whose ordinary value
+    saves most.  ``what``: what the memory holds, for the message."""
+    total = machine_memory()
+    needed = need(config)
+    if not total or needed <= total:
+        return
+    saved = {}
+    for path, ordinary in candidates.items():
+        value = values(config).get(path)
+        if value is None or ordinary is None or value == ordinary:
+            continue
+        saved[path] = needed - need(build(type(config), {**values(config), path: ordinary}))
+    path = max(saved, key=saved.get) if saved else next(iter(candidates))
+    flag, value = flag_of(type(config), path), values(config).get(path)
+    raise ValueError(
+        f"{flag}={value!r} is not allowed here: {what} would need at least {_gib(needed)}, more than this "
+        f"machine's {_gib(total)} of memory; expected a smaller {flag}"
+    )
 
 
 # ------------------------------------------------------------------------------ resume checks
@@ -613,7 +680,7 @@ def read_run_config(cls: type, path: str | Path, command: str | None = None) -> 
         raise ValueError(
             f"{str(file)!r} is not the config of a moelab {command} run (command={data.get('command')!r})"
         )
-    return config_from_mapping(cls, data, repr(str(file))), dict(data.get("recorded") or {})
+    return config_from_mapping(cls, data, repr(str(file)), recorded=True), dict(data.get("recorded") or {})
 
 
 def check_run_flags(*, resume: bool, force: bool, allow_changes: bool) -> None:
@@ -645,11 +712,19 @@ def resume_config(
             f"--resume: {where} is not the config of a moelab {command.name} run "
             f"(command={stored.get('command')!r}); choose another --out or pass --force to start afresh"
         )
-    old = values(config_from_mapping(cls, stored, source))
+    old = values(config_from_mapping(cls, stored, source, recorded=True))
     candidate = validate(build(cls, {**old, **given}))
     if command.resolve is not None:
         candidate = validate(command.resolve(candidate))
-    new = {p: v for p, v in values(candidate).items() if p in given}
+    recorded = stored.get("recorded") or {}
+    by_digest = {  # files whose recorded sha256 decides, checked when the run reads them
+        p
+        for p, f, _ in _items(cls)
+        if _setting_of(f).fingerprint in recorded
+        and isinstance(given.get(p), str)
+        and Path(given[p]).is_file()
+    }
+    new = {p: v for p, v in values(candidate).items() if p in given and p not in by_digest}
     changed = changed_input(cls, new, old)
     if changed is not None and not allow_changes:
         raise refuse_change(*changed, where)

@@ -210,27 +210,37 @@ def write_study(rundir: RunDir, cfg: StudyConfig, result: StudyResult) -> None:
 
 
 def format_table(metrics: dict[str, Any]) -> str:
-    """The per-n table, the slopes and the slope differences of a study, as printed text."""
+    """The per-n table, the slopes beside the stated rates (blank where the papers state none) and
+    the slope differences of a study, as printed text; a row whose replicates did not all
+    converge says why."""
     lines = [
-        f"{'router':>16} {'setting':<16} {'loss':<8} {'n':>6} {'mean':>10} {'sd':>10} "
-        f"{'95% CI of the mean':>23} {'conv':>5} {'cap':>5} {'bound':>5}"
+        f"{'router':>20} {'setting':<15} {'loss':<9} {'n':>6} {'mean':>10} {'sd':>10} "
+        f"{'95% CI of the mean':>23} {'MC se':>9} {'conv':>5} {'cap':>5} {'bound':>5}  why not converged"
     ]
     for t in metrics["table"]:
+        se = t.get("mc_se", "")
         lines.append(
-            f"{t['router']:>16} {t['setting']:<16} {t['loss']:<8} {t['n']:>6} {t['mean']:>10.4g} "
-            f"{t['sd']:>10.3g} [{t['ci_low']:>10.4g}, {t['ci_high']:>10.4g}] {t['converged']:>5.2f} "
-            f"{t['hit_cap']:>5.2f} {t['at_bound']:>5.2f}"
+            f"{t['router']:>20} {t['setting']:<15} {t['loss']:<9} {t['n']:>6} {t['mean']:>10.4g} "
+            f"{t['sd']:>10.3g} [{t['ci_low']:>10.4g}, {t['ci_high']:>10.4g}] "
+            f"{(f'{se:9.2g}' if se != '' else ''):>9} {t['converged']:>5.2f} "
+            f"{t['hit_cap']:>5.2f} {t['at_bound']:>5.2f}  {t.get('why_not', '')}".rstrip()
         )
     lines.append("")
     for r in metrics["rates"]:
-        ref = ", ".join(f"{t['slope']:+.3f}" for t in r["theory"]) or "none"
+        ref = ", ".join(f"{t['slope']:+.3f} ({t['verdict']})" if "verdict" in t else f"{t['slope']:+.3f}"
+                        for t in r["theory"])  # fmt: skip
         lines.append(
-            f"{r['router']:>16} {r['setting']:<16} {r['loss']:<8} slope {r['slope']:+.3f} "
-            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]  theory {ref}"
+            f"{r['router']:>20} {r['setting']:<15} {r['loss']:<9} slope {r['slope']:+.3f} "
+            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]  theory {ref}".rstrip()
+            + (
+                "  (no replicate converged: the slope is of unfitted estimates)"
+                if r.get("converged") == 0.0
+                else ""
+            )
         )
     for d in metrics["differences"]:
         lines.append(
-            f"{d['setting']:<16} {d['loss']:<8} slope({d['router_a']}) - slope({d['router_b']}) "
+            f"{d['setting']:<15} {d['loss']:<9} slope({d['router_a']}) - slope({d['router_b']}) "
             f"{d['difference']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
         )
     return "\n".join(lines)

@@ -89,11 +89,19 @@ class ExpertBank(nn.Module):
     def expert_weights(self) -> ExpertWeights:
         """The weight tensors and activation the kernels run (:mod:`moelab.experts.kernels`).
 
-        Every method reads its weights here.  Weights that are ``DTensor`` (expert parallelism
-        shards them over the experts, :class:`moelab.train.parallelize.ExpertParallel`; FSDP2 over
-        an expert mesh) give this rank's block (``to_local``, with autograd): the kernels see
-        plain tensors of the experts held here."""
-        w = [_local(t) for t in (self.w_in, self.w_out, self.b_in, self.b_out)]
+        Every method reads its weights here: the sharded bank of expert parallelism
+        (:class:`moelab.experts.parallel.ExpertParallelBank`) gives its local block instead.  A bank
+        computes on whole experts, so weights that are ``DTensor`` in any other way (a tensor-parallel
+        style applied by hand, ``distribute_tensor``) are refused: taking their local part would
+        compute another model."""
+        w = (self.w_in, self.w_out, self.b_in, self.b_out)
+        for name, t in zip(("w_in", "w_out", "b_in", "b_out"), w):
+            if isinstance(t, DTensor):
+                raise ValueError(
+                    f"ExpertBank weight {name} as a DTensor with placements {tuple(t.placements)} is not allowed; "
+                    "a bank computes on whole experts: split the experts with moelab.train.parallelize "
+                    "(parallelize(model, ep=...) or its ExpertParallel style)"
+                )
         return ExpertWeights(*w, self.activation)
 
     @property
@@ -187,11 +195,6 @@ class ExpertBank(nn.Module):
         if self.impl != "auto":
             return self.impl
         return choose_kernel(x, top_k, self.expert_weights, grad)
-
-
-def _local(t: Tensor | None) -> Tensor | None:
-    """This rank's block of a ``DTensor`` weight (``to_local``, differentiable); others as they are."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class MLP(nn.Module):

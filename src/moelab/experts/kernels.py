@@ -8,6 +8,9 @@ slots per expert, autograd and the torch threads.  docs/kernels.md describes eac
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -29,12 +32,16 @@ __all__ = [
     "ExpertWeights",
     "Kernel",
     "all_experts",
+    "candidates",
     "choose_kernel",
     "fused",
     "grouped",
     "grouped_mm_available",
     "grouped_ok",
     "loop",
+    "omp_wait_policy",
+    "set_autotune",
+    "shape_class",
     "stream",
 ]
 
@@ -222,20 +229,74 @@ LOOP_ROWS_PER_EXPERT = 256
 STREAM_ROWS_PER_EXPERT = 256
 
 
+def omp_wait_policy() -> str:
+    """The OpenMP wait policy of this process's torch threads as its environment sets it:
+    ``"passive"`` (idle workers sleep at a barrier), ``"active"`` (they spin) or ``"default"``
+    (``OMP_WAIT_POLICY`` unset: libgomp spins for a while, then sleeps).  OpenMP reads the variable
+    when it starts, so a change later in the process does not count: set it before starting Python."""
+    value = os.environ.get("OMP_WAIT_POLICY", "").strip().lower()
+    return value if value in ("passive", "active") else "default"
+
+
+#: ``impl="auto"`` times the candidate kernels once per shape class and keeps the fastest
+#: (:func:`set_autotune`; the environment variable ``MOELAB_AUTOTUNE=1`` turns it on at import)
+_AUTOTUNE = {"on": os.environ.get("MOELAB_AUTOTUNE", "") == "1", "clock": time.perf_counter, "repeats": 3}
+#: the measured choice per shape class (:func:`shape_class`), for the life of the process
+_TUNED: dict[tuple, str] = {}
+
+
+def set_autotune(enabled: bool, *, clock: Callable[[], float] | None = None, repeats: int = 3) -> None:
+    """Turn on (or off) the measured choice of ``impl="auto"``, as cuDNN's benchmark mode: the first
+    call of each shape class (:func:`shape_class`) times every kernel that can run on a copy of its
+    input (``repeats`` calls each after one warm-up, median; forward and backward when training)
+    and every later call of the class runs the fastest.  ``clock`` replaces ``time.perf_counter``
+    (tests).  Turning it off or on forgets what was measured."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled={enabled!r} is not allowed; expected True or False")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} is not allowed; expected a positive integer")
+    _AUTOTUNE.update(on=enabled, clock=clock or time.perf_counter, repeats=repeats)
+    _TUNED.clear()
+
+
+def shape_class(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> tuple:
+    """What a measured choice is kept for: device, dtype, training or not, torch threads, the wait
+    policy, the widths and N, K, and the number of tokens rounded to a power of two."""
+    tokens = 1 << max(0, int(x.shape[0]) - 1).bit_length()
+    return (x.device.type, x.dtype, grad, torch.get_num_threads(), omp_wait_policy(),
+            experts.d_model, experts.d_hidden, experts.num_experts, top_k, tokens)  # fmt: skip
+
+
 def choose_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
     """The kernel ``impl="auto"`` runs for ``x (T, d)`` routed to ``top_k`` of the ``experts``,
     with (``grad``) or without autograd.
 
+    With :func:`set_autotune` on (and not under torch.compile): the kernel measured fastest for
+    the call's :func:`shape_class`.  Otherwise by rule, from what the call can know:
+
     On the CPU: ``"stream"`` for decoding-sized inference (``T·K ≤ N``) and wherever
-    ``grouped_mm`` cannot run without autograd; with several torch threads ``"loop"`` (experts
-    spread over the threads); with one, inference takes ``"stream"`` from
-    :data:`STREAM_ROWS_PER_EXPERT` slots per expert on and training ``"loop"`` from
-    :data:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices, ``"grouped"`` wherever
+    ``grouped_mm`` cannot run without autograd.  With several torch threads, ``"loop"`` (whole
+    experts spread over the threads) only where OpenMP's idle workers sleep
+    (``OMP_WAIT_POLICY=PASSIVE``, :func:`omp_wait_policy`); with the default policy their spinning
+    slows the loop's many small parallel regions and ``"grouped"`` is ahead (training, 2 threads:
+    1.17 against 1.37 times a dense FFN, docs/performance.md).  With one thread, inference takes
+    ``"stream"`` from :data:`STREAM_ROWS_PER_EXPERT` slots per expert on and training ``"loop"``
+    from :data:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices, ``"grouped"`` wherever
     :func:`grouped_ok` (no host sync), else ``"loop"`` (float64, unaligned sizes, older torch).
     While torch.compile traces, never ``"stream"`` (its host sync would break the graph) and never
     the threaded loop (``"grouped"`` where it can run).
     """
-    cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    tracing = torch.compiler.is_compiling()
+    if _AUTOTUNE["on"] and not tracing:
+        key = shape_class(x, top_k, experts, grad)
+        if key not in _TUNED:
+            _TUNED[key] = _measure(x, top_k, experts, grad)
+        return _TUNED[key]
+    return _rule(x, top_k, experts, grad, tracing)
+
+
+def _rule(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool, tracing: bool) -> str:
+    cpu = x.device.type == "cpu" and not tracing
     slots, n = x.shape[0] * top_k, experts.num_experts
     grouped_runs = grouped_ok(x, experts)
     one = cpu and torch.get_num_threads() == 1  # not read while tracing: a graph break
@@ -244,9 +305,59 @@ def choose_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> 
         large = slots >= STREAM_ROWS_PER_EXPERT * n and one
         if not grouped_runs or decoding or large:
             return "stream"
-    if not grouped_runs or (cpu and (not one or slots >= LOOP_ROWS_PER_EXPERT * n)):
+    if not grouped_runs:
+        return "loop"
+    if cpu and not one:  # the threaded loop wins only where idle OpenMP workers sleep
+        return "loop" if omp_wait_policy() == "passive" else "grouped"
+    if cpu and slots >= LOOP_ROWS_PER_EXPERT * n:
         return "loop"
     return "grouped"
+
+
+def candidates(x: Tensor, experts: ExpertWeights, grad: bool) -> list[str]:
+    """The kernels :func:`choose_kernel` may measure for ``x``: ``"loop"`` always, ``"grouped"``
+    where it runs, ``"stream"`` for inference on the CPU (``"triton"`` is never chosen by
+    ``auto``)."""
+    names = ["loop"]
+    if grouped_ok(x, experts):
+        names.append("grouped")
+    if not grad and x.device.type == "cpu":
+        names.append("stream")
+    return names
+
+
+def _measure(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
+    """The fastest of :func:`candidates` on a copy of ``x`` with a balanced routing (the median of
+    the repeats; ties go to the first candidate)."""
+    clock, repeats = _AUTOTUNE["clock"], _AUTOTUNE["repeats"]
+    t, n = x.shape[0], experts.num_experts
+    gen = torch.Generator().manual_seed(0)
+    indices = torch.stack([torch.randperm(n, generator=gen)[:top_k] for _ in range(min(t, 64))])
+    indices = indices.repeat((t + indices.shape[0] - 1) // indices.shape[0], 1)[:t].to(x.device)
+    weights = torch.full((t, top_k), 1.0 / top_k, dtype=x.dtype, device=x.device)
+    probe = x.detach().clone()
+    params = [w.detach().requires_grad_(grad) if w is not None else None for w in experts[:4]]
+    weights_ = ExpertWeights(*params, experts.activation)
+    best, best_time = None, math.inf
+    for name in candidates(x, experts, grad):
+        times = []
+        for i in range(repeats + 1):
+            with torch.set_grad_enabled(grad):
+                inp = probe.requires_grad_(grad) if grad else probe
+                start = clock()
+                y = KERNELS[name](inp, indices, weights, weights_)
+                if grad:
+                    y.sum().backward()
+                if x.device.type == "cuda":
+                    torch.cuda.synchronize(x.device)
+                elapsed = clock() - start
+            if i:  # the first call warms up
+                times.append(elapsed)
+            probe = x.detach().clone()
+        median = sorted(times)[len(times) // 2]
+        if median < best_time:
+            best, best_time = name, median
+    return best or "loop"
 
 
 def grouped_aligned(dtype: torch.dtype, *widths: int) -> bool:
@@ -481,6 +592,10 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
     """
     need_x, need_w_in, need_w_out, need_b_in, need_b_out = needs
     swiglu = act_name == "swiglu"
+    # under autocast the forward ran in the activations' dtype (bf16) on float32 weights: the
+    # backward computes in that dtype too and returns each gradient in its input's dtype
+    dtype, x_dtype, w_dtype = h.dtype, xs.dtype, (w_in.dtype, w_out.dtype)
+    grad, xs, w_in, w_out = (t.to(dtype) for t in (grad, xs, w_in, w_out))
     grad = grad.contiguous()
     g_x = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_x else None
     g_w_in = torch.empty_like(w_in, memory_format=torch.contiguous_format) if need_w_in else None
@@ -515,7 +630,17 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
     items = _expert_rows(counts)
     jobs = list(zip(items, aux if aux is not None else [None] * len(items)))
     over_experts(jobs, [stop - start for _, start, stop in items], expert, xs.device)
-    return g_x, g_w_in, g_w_out, g_b_in, g_b_out
+
+    def cast(g: Tensor | None, want: torch.dtype) -> Tensor | None:
+        return None if g is None else g.to(want)
+
+    return (
+        cast(g_x, x_dtype),
+        cast(g_w_in, w_dtype[0]),
+        cast(g_w_out, w_dtype[1]),
+        cast(g_b_in, w_dtype[0]),
+        cast(g_b_out, w_dtype[1]),
+    )
 
 
 def _grouped_forward(xs, w_in, w_out, b_in, b_out, offs, experts, act_name, act):

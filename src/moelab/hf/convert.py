@@ -23,10 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from ..experts import MLP
-from ..layer import MoE, moe_layers
+from ..layer import MoE, aux_loss, moe_layers
 from ..methods import get_method, method_router_options
+from ..routers import ROUTERS
 
-__all__ = ["GatedSharedExpert", "from_hf", "guard_save_pretrained", "set_method"]
+__all__ = ["GatedSharedExpert", "add_aux_to_output_loss", "from_hf", "guard_save_pretrained", "set_method"]
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
@@ -519,6 +520,7 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
     # what moelab.save records to rebuild the model offline (transformers config + this step)
     module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
     guard_save_pretrained(module)
+    add_aux_to_output_loss(module)
     if not getattr(module, "_moelab_router_logits_hook", False):  # called directly, not only by MoETrainer
         module.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
         module._moelab_router_logits_hook = True
@@ -532,13 +534,17 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
 
 def carried_options(layer: MoE) -> dict[str, Any]:
     """The router options of ``layer`` that describe its block's rule (normalisation, scaling,
-    group limits, selection bias), read from its router (a competition router's base)."""
+    group limits, selection bias), read from its router (a competition router's base).  A
+    sigmoid router without a selection bias carries ``selection_bias=False`` (Flint, LFM2 with
+    ``use_expert_bias=False``): the ``sharede-v3`` preset would add one."""
     rule = layer.router.base_router.rule_options()
     out: dict[str, Any] = {}
     for key in _CARRIED:
         if key == "selection_bias":
             if rule.get(key) is not None:
                 out[key] = rule[key].detach().clone()
+            elif key in rule:
+                out[key] = False
         elif key in rule:
             out[key] = rule[key]
     return out
@@ -551,7 +557,7 @@ def _neutral(key: str, value: Any, carried: dict[str, Any]) -> bool:
     if key in ("num_groups", "topk_groups"):
         return carried.get("topk_groups") == carried.get("num_groups")
     if key == "selection_bias":
-        return not bool(value.ne(0).any())
+        return value is False or not bool(value.ne(0).any())
     return False
 
 
@@ -575,34 +581,56 @@ def _translate(carried: dict[str, Any], accepted: list[str]) -> tuple[dict[str, 
     return out, lost
 
 
-def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
-    """Switch one layer in place; returns what of its rule the new method could not take."""
+def _coef_options(layer: MoE, method: str) -> dict[str, float]:
+    """Every loss coefficient of ``layer`` as ``<loss>_coef`` options, zeros included (a zero is
+    not kept in ``layer.coefs``, and leaving it out would bring back the preset's)."""
+    names = {*layer.coefs, *get_method(method).coefs}
+    return {f"{k}_coef": float(layer.coefs.get(k, 0.0)) for k in sorted(names)}
+
+
+def _router_options(layer: MoE, method: str, options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The options of the new layer (router, coefficients) and what of the old rule is lost."""
+    cfg = layer.init_config
+    if method == layer.method:  # the layer's own options and coefficients, changed where asked
+        return {**cfg["options"], **_coef_options(layer, method), **options}, []
     carried = carried_options(layer)
     accepted = method_router_options(method)
-    old_method = layer.method
-    lost: list[str] = []
     if "base" in accepted and "base" not in options:
-        base = old_method if get_method(old_method).router in ("topk", "sigmoid") else "smoe"
+        base = layer.method if get_method(layer.method).router in ("topk", "sigmoid") else "smoe"
         if base == "sharede-v2":
             base = "smoe"
-        base_opts, lost = _translate(carried, method_router_options(base))
+        base_opts, lost = _translate(carried, _bias_if_same_gate(layer, base, method_router_options(base)))
         router_opts = {"base": base, "base_options": {**base_opts, **options.pop("base_options", {})}}
     else:
-        router_opts, lost = _translate(carried, accepted)
-    bias = router_opts.get("selection_bias")
-    base_bias = router_opts.get("base_options", {}).get("selection_bias")
-    for opts in (router_opts, router_opts.get("base_options", {})):
-        if isinstance(opts.get("selection_bias"), Tensor):
-            opts["selection_bias"] = True
-    coef_opts = {f"{k}_coef": v for k, v in layer.coefs.items()} if method == old_method else {}
+        chooser = options.get("base", "smoe") if "base" in accepted else method  # the router that chooses
+        router_opts, lost = _translate(carried, _bias_if_same_gate(layer, chooser, accepted))
+    return {**router_opts, **options}, lost
+
+
+def _router_state(router: nn.Module) -> dict[str, Tensor]:
+    """A router's saved tensors (parameters, persistent buffers) by name, as live tensors."""
+    return dict(router.state_dict(keep_vars=True))
+
+
+def _switch(layer: MoE, method: str, options: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Switch one layer in place; returns what of its rule the new method could not take and
+    the new router's tensors initialised afresh (not copied from the old router)."""
     num_shared = options.pop("num_shared", layer.num_shared)
     if num_shared != layer.num_shared:
         raise ValueError(
             f"num_shared={num_shared!r} is not allowed; set_method keeps the layer's shared experts "
             f"(num_shared={layer.num_shared})"
         )
+    new_opts, lost = _router_options(layer, method, options)
+    selection = {}  # the carried selection bias tensors, handed to the router built below
+    for opts in (new_opts, new_opts.get("base_options") or {}):
+        if isinstance(opts.get("selection_bias"), Tensor):
+            selection[id(opts)] = opts["selection_bias"]
+            opts["selection_bias"] = True
+    new_opts["num_shared"] = layer.num_shared
+    if layer.balance_scope != "micro":  # a layer option: the layer keeps it, so does its config
+        new_opts.setdefault("balance_scope", layer.balance_scope)
     cfg = layer.init_config
-    new_opts = {**router_opts, **coef_opts, **options, "num_shared": layer.num_shared}
     # validate and build on the meta device, then move the router over
     with torch.device("meta"):
         tmp = MoE(
@@ -625,30 +653,64 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> list[str]:
     for m in router.modules():
         if m is not router and callable(getattr(m, "reset_parameters", None)):
             m.reset_parameters()
-    old_w = _own_tensor(old.base_router, "weight")
-    new_base = router.base_router
-    new_w = _own_tensor(new_base, "weight")
-    new_bias = new_base.rule_options().get("selection_bias")
-    with torch.no_grad():
-        if old_w is not None and new_w is not None and new_w.shape == old_w.shape:
-            new_w.copy_(old_w)
-        sel = bias if isinstance(bias, Tensor) else base_bias
-        if isinstance(sel, Tensor) and new_bias is not None:
-            new_bias.copy_(sel)
+    copied = _copy_router_state(old, router, [*selection.values()])
+    prefix = "base." if router.base_router is not router else ""
+    fresh = [n for n in _router_state(router) if n.removeprefix(prefix) not in copied]
     router.train(old.training)
     router.layer_index = old.layer_index
     layer.router = router
     layer.method = method
     layer.coefs = tmp.coefs
+    layer.densemixer = tmp.densemixer
+    layer.balance_scope = tmp.balance_scope
     layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
-    return lost
+    if layer.ctx is not None:  # the context keeps stepping the new router (sharede-v3's bias)
+        _rehook(layer.ctx, old, router)
+    return lost, fresh
 
 
-def _own_tensor(module: nn.Module, name: str) -> Tensor | None:
-    """``module``'s own parameter or buffer ``name`` (a router's ``(N, d)`` weight), or ``None``."""
-    return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}.get(
-        name
-    )
+def _copy_router_state(old: nn.Module, new: nn.Module, selection: list[Tensor]) -> set[str]:
+    """Copy into ``new``'s base router what it shares with ``old``'s: the ``(N, d)`` weight
+    whatever the family, every tensor of the same name, shape and kind within a family (a
+    cosine router's projection, embeddings and learned temperature), and the carried selection
+    bias.  Returns the names copied (relative to the base router)."""
+    old_base, new_base = old.base_router, new.base_router
+    old_state, new_state = _router_state(old_base), _router_state(new_base)
+    same_family = type(old_base) is type(new_base)
+    copied: set[str] = set()
+    with torch.no_grad():
+        for name, t in new_state.items():
+            src = old_state.get(name)
+            if name == "selection_bias" and selection:
+                src = selection[0]
+            if src is None or src.shape != t.shape:
+                continue
+            if name in ("weight", "selection_bias") or (
+                same_family and isinstance(src, nn.Parameter) == isinstance(t, nn.Parameter)
+            ):
+                t.copy_(src)
+                copied.add(name)
+    return copied
+
+
+def _rehook(ctx: Any, old: nn.Module, new: nn.Module) -> None:
+    """Replace the step hooks of ``old``'s routers in ``ctx`` by ``new``'s (as attach registers them)."""
+    from ..routers import Router
+
+    gone = {id(m) for m in old.modules()}
+    ctx.hooks[:] = [h for h in ctx.hooks if id(getattr(h, "__self__", None)) not in gone]
+    for module in new.modules():
+        if isinstance(module, Router):
+            ctx.add_step_hook(module.on_step)
+
+
+def _bias_if_same_gate(layer: MoE, method: str, accepted: list[str]) -> list[str]:
+    """``accepted`` without ``selection_bias`` when ``method``'s router gates with another activation
+    than the layer's (a bias on sigmoid scores is no bias on softmax probabilities): it is then
+    reported as lost, not carried."""
+    if ROUTERS[get_method(method).router].gate == layer.router.base_router.gate:
+        return accepted
+    return [name for name in accepted if name != "selection_bias"]
 
 
 def _json_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -658,16 +720,22 @@ def _json_options(options: dict[str, Any]) -> dict[str, Any]:
 def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
     """Switch every moelab MoE layer of ``model`` (``model`` itself if it is one) to ``method``.
 
-    The experts and shared experts are kept; the router becomes ``method``'s, its ``(N, d)``
-    weight copied over where the new router has one (the softmax and sigmoid routers, a
-    competition router's base) and freshly initialised otherwise (cosine routers).  The rule of
-    the old router is carried over: normalisation (``renormalize`` ↔ ``normalize``),
-    ``scale``, ``num_groups`` / ``topk_groups`` and the selection bias, as far as ``method``
-    takes them (a ``competesmoe``-family method gets the old rule as its base router:
-    ``base`` = the old method, ``base_options`` = its options).  Whatever ``method`` cannot take
-    is reported with a ``UserWarning`` naming it.  The loss coefficients become ``method``'s
-    preset (the layer's own are kept when the method stays the same).  ``options`` override all
-    of this; ``num_shared`` cannot change.
+    A layer already of ``method`` is left as it is when no ``options`` are given (its own
+    method is a no-op); with ``options`` it keeps its own options, coefficients and router
+    tensors, changed where asked.  Otherwise the experts and shared experts are kept; the router
+    becomes ``method``'s, its ``(N, d)`` weight copied over where the new router has one (the
+    softmax and sigmoid routers, a competition router's base), every tensor of the same name,
+    shape and kind copied within a router family (``xmoe`` → ``pcosine`` keeps the projection and
+    the expert embeddings), and the rest initialised afresh, which a ``UserWarning`` names.  The
+    rule of the old router is carried over: normalisation (``renormalize`` ↔ ``normalize``),
+    ``scale``, ``num_groups`` / ``topk_groups`` and the selection bias — or its absence — as far
+    as ``method`` takes them (a ``competesmoe``-family method gets the old rule as its base
+    router: ``base`` = the old method, ``base_options`` = its options).  Whatever ``method``
+    cannot take is reported with a ``UserWarning`` naming it.  The loss coefficients become
+    ``method``'s preset, announced with a ``UserWarning`` (old → new) unless every changed one was
+    passed as ``<loss>_coef``.  ``options`` override all of this; ``num_shared`` cannot change.
+    A layer attached to a :class:`moelab.RoutingContext` stays attached: the old router's step
+    hooks are replaced by the new router's (sharede-v3's selection bias keeps updating).
 
     Returns:
         ``model``.
@@ -685,13 +753,38 @@ def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
             f"model of type {_name(model)} holds no moelab MoE layer; convert it first (moelab.from_hf)"
         )
     lost_all: dict[str, list[int]] = {}
+    fresh_all: dict[str, list[int]] = {}
+    coefs_all: dict[tuple, list[int]] = {}
     for i, layer in enumerate(layers):
-        for item in _switch(layer, method, dict(options)):
+        if layer.method == method and not options:  # its own method: nothing to change
+            continue
+        before = dict(layer.coefs)
+        lost, fresh = _switch(layer, method, dict(options))
+        for item in lost:
             lost_all.setdefault(item, []).append(i)
+        if fresh:
+            fresh_all.setdefault(", ".join(fresh), []).append(i)
+        changed = {k for k in {*before, *layer.coefs} if before.get(k, 0.0) != layer.coefs.get(k, 0.0)}
+        if any(f"{k}_coef" not in options for k in changed):  # not all of them asked for
+            coefs_all.setdefault((str(before), str(layer.coefs)), []).append(i)
     if lost_all:
         what = "; ".join(f"{k} (layers {v})" for k, v in lost_all.items())
         warnings.warn(
             f"set_method(method={method!r}) drops what this method cannot express: {what}", stacklevel=2
+        )
+    if fresh_all:
+        what = "; ".join(f"{k} (layers {v})" for k, v in fresh_all.items())
+        warnings.warn(
+            f"set_method(method={method!r}) initialises router tensors the old router has no counterpart "
+            f"of afresh: {what}; the routing differs from the old one until they are trained",
+            stacklevel=2,
+        )
+    if coefs_all:
+        what = "; ".join(f"{old} -> {new} (layers {v})" for (old, new), v in coefs_all.items())
+        warnings.warn(
+            f"set_method(method={method!r}) changes the loss coefficients to the method's preset: {what}; "
+            "pass <loss>_coef options to set them",
+            stacklevel=2,
         )
     if not isinstance(model, MoE):
         step = {"op": "set_method", "method": method, **_json_options(options)}
@@ -735,6 +828,36 @@ def check_router_logits(model: nn.Module, requested: Any = None) -> None:
 
 def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
     check_router_logits(module, kwargs.get("output_router_logits"))
+
+
+def _aux_into_loss(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    if not module.training or not torch.is_grad_enabled() or getattr(module, "_moelab_aux_by_trainer", False):
+        return None
+    if isinstance(output, dict):  # a ModelOutput
+        loss = output.get("loss")
+        if loss is not None:
+            output["loss"] = loss + aux_loss(module).to(loss.device)
+            return output
+    elif (
+        isinstance(output, tuple)
+        and kwargs.get("labels") is not None
+        and output
+        and torch.is_tensor(output[0])
+    ):
+        if output[0].dim() == 0:  # return_dict=False: the loss first
+            return (output[0] + aux_loss(module).to(output[0].device), *output[1:])
+    return None
+
+
+def add_aux_to_output_loss(model: nn.Module) -> None:
+    """Add ``moelab.aux_loss(model)`` to the model's output loss in a training forward with labels,
+    as transformers' MoE models add their balance loss with ``output_router_logits``: the plain
+    ``transformers.Trainer`` then logs task + aux, and a loss it scales otherwise than the layers'
+    ``set_aux_scale`` (gradient accumulation, fp16 scaling) is refused in backward instead of
+    training on a wrongly weighted aux loss.  :class:`moelab.hf.MoETrainer` adds it its own way."""
+    if not getattr(model, "_moelab_aux_hook", False):
+        model.register_forward_hook(_aux_into_loss, with_kwargs=True)
+        model._moelab_aux_hook = True
 
 
 def guard_save_pretrained(model: nn.Module) -> None:

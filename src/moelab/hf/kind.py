@@ -95,7 +95,14 @@ def build(config: dict[str, Any], file: Path) -> nn.Module:
         for name in _IMPLEMENTATIONS:
             setattr(hf_config, f"_{name}", None)
         model = cls(hf_config)
-    for step in config.get("recipe", []):
+    with warnings.catch_warnings():  # said when the steps first ran; the saved weights follow
+        warnings.simplefilter("ignore", UserWarning)
+        _replay(model, config.get("recipe", []), file)
+    return model
+
+
+def _replay(model: nn.Module, recipe: list, file: Path) -> None:
+    for step in recipe:
         step = dict(step)
         op = step.pop("op", None)
         if op not in _STEPS:
@@ -109,7 +116,6 @@ def build(config: dict[str, Any], file: Path) -> nn.Module:
             from_hf(model)
         else:
             set_method(model, **step)
-    return model
 
 
 register_kind("transformers", Kind(describe=describe, build=build))

@@ -1,7 +1,9 @@
 """The transformers ``Trainer`` with moelab's layers: :class:`MoETrainer` attaches a
 :class:`moelab.RoutingContext` that follows the Trainer's optimizer steps and holds the schedule
 the layers' method declares (:class:`MoETrainerCallback`), adds ``moelab.aux_loss(model)`` inside
-the model's forward so that DDP sees every parameter it uses, logs each aux loss through
+the model's forward so that DDP sees every parameter it uses (with the losses of
+``balance_scope="global"`` layers formed by a :class:`moelab.balance.StepBalance` from the step's
+running statistics over the ranks and the accumulated micro-batches), logs each aux loss through
 ``Trainer.log``, decays only matrices, saves the routing state in every checkpoint and refuses
 transformers' own load-balancing loss; both classes are created on first access so that ``import
 moelab`` does not import transformers.  docs/scaling.md ("``MoETrainer``") describes each of these.
@@ -10,16 +12,18 @@ moelab`` does not import transformers.  docs/scaling.md ("``MoETrainer``") descr
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..layer import attach, moe_layers
+from ..balance import StepBalance, attached_step_balance
+from ..layer import attach, moe_layers, set_aux_scale
 from ..optim import decayed_parameter_names
 from ..routing import RoutingContext
-from ..schedules import model_schedule
+from ..schedules import default_a_max, model_schedule
 from .convert import check_router_logits
 
 __all__ = ["ROUTING_FILE", "MoETrainer", "MoETrainerCallback", "check_router_logits"]  # noqa: F822
@@ -32,22 +36,32 @@ AUX_OUTPUT_KEY = "moelab_aux_loss"
 
 
 def _collect_aux(layers: list[nn.Module]) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """The aux loss of the forward that just ran (sum over the layers that ran) and its weighted
-    terms by name (detached, summed over the layers); each layer's ``aux_loss`` is settled."""
+    """The value of the aux loss of the training forward that just ran (summed over the layers;
+    the layers attached its gradient to their outputs) and its weighted terms by name (summed over
+    the layers); ``None`` without layers."""
     total: Tensor | None = None
     terms: dict[str, Tensor] = {}
     for layer in layers:
-        pending = layer._aux_pending
-        if pending is None:  # did not run in this forward
-            continue
-        layer_total = pending[1].new_zeros(())
-        for name, term in layer._aux_terms(*pending).items():
-            layer_total = layer_total + term
-            value = term.detach().float()
+        for name, value in layer.aux_values().items():
             terms[name] = terms[name] + value if name in terms else value
-        layer.aux_loss = layer_total
-        total = layer_total if total is None else total + layer_total
+        value = layer._aux_values[0].detach().float().clone()
+        total = value if total is None else total + value
     return total, terms
+
+
+def _schedule_options(schedule: Any) -> dict[str, Any]:
+    """The schedule options (:data:`moelab.schedules.SCHEDULE_OPTIONS`) that rebuild ``schedule``
+    for another number of steps: ω, A_max and the warm-up fraction, or λ."""
+    if schedule is None or not callable(getattr(schedule, "state_dict", None)):
+        return {}
+    try:
+        state = schedule.state_dict()
+    except ValueError:  # a coin flip with a callable rate: the default
+        return {}
+    names = {"omega": "omega", "a_max": "a_max", "warmup": "competition_warmup", "rate": "rate"}
+    if state.get("a_max") == default_a_max(state.get("num_layers", 1)):
+        state = {k: v for k, v in state.items() if k != "a_max"}  # the default, as a fresh run has it
+    return {names[k]: v for k, v in state.items() if k in names}
 
 
 # ---------------------------------------------------------------------------------- transformers Trainer
@@ -72,23 +86,37 @@ def _trainer_classes() -> dict[str, type]:
         Args:
             ctx: the context to attach; default the one already attached to the model, else a
                 new one with ``total_steps`` = the Trainer's ``max_steps``.  A context that
-                already holds a schedule keeps it.
+                already holds a schedule keeps it.  The model's own context planned for another
+                number of steps (a model from :func:`moelab.load`, trained for 6 steps, now
+                trained for 20) is rebuilt for ``max_steps`` — its schedule drawn again with the
+                same options, StableMoE's switch and SMoE-Dropout's K following the new horizon —
+                and a warning names both numbers; a ``ctx`` given here that planned another
+                number of steps is refused, naming both.
             schedule_options: options of the schedule (:func:`model_schedule`).
         """
 
         def __init__(self, ctx: RoutingContext | None = None, schedule_options: dict | None = None) -> None:
             self.ctx = ctx
+            self._given = ctx is not None
             self.schedule_options = dict(schedule_options or {})
             #: the checkpoint folder a resumed run starts from (set by MoETrainer.train)
             self.resume_from: str | None = None
+            #: the statistics of the global-scope losses, from train begin to train end
+            self.step_balance: StepBalance | None = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if model is None:
                 return
             layers = moe_layers(model)
-            ctx = self.ctx or next((m.ctx for m in layers if m.ctx is not None), None) or RoutingContext()
-            if ctx.total_steps is None and state.max_steps and state.max_steps > 0:
-                ctx.total_steps = int(state.max_steps)
+            planned = int(state.max_steps) if state.max_steps and state.max_steps > 0 else None
+            ctx = self.ctx if self._given else next((m.ctx for m in layers if m.ctx is not None), None)
+            ctx = (
+                self._for_horizon(ctx, planned, model, int(args.seed))
+                if ctx is not None
+                else RoutingContext()
+            )
+            if ctx.total_steps is None and planned is not None:
+                ctx.total_steps = planned
             if ctx.schedule is None:
                 ctx.schedule = model_schedule(model, ctx.total_steps, int(args.seed), self.schedule_options)
             ctx.step = int(state.global_step)
@@ -97,6 +125,39 @@ def _trainer_classes() -> dict[str, type]:
                 self._restore(ctx, saved, int(state.global_step))
             attach(model, ctx)
             self.ctx = ctx
+            # balance_scope="global" layers: the statistics of each optimizer step over the ranks and
+            # the accumulated micro-batches (moelab.balance), cleared by the step hooks
+            stale = attached_step_balance(model)  # a run stopped before on_train_end left it attached
+            if stale is not None:
+                stale.close()
+            self.step_balance = StepBalance(model, ctx)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.step_balance is not None:
+                self.step_balance.close()
+                self.step_balance = None
+
+        def _for_horizon(
+            self, ctx: RoutingContext, planned: int | None, model: nn.Module, seed: int
+        ) -> RoutingContext:
+            """``ctx``, or a context rebuilt for ``planned`` steps when ``ctx`` planned others."""
+            if planned is None or ctx.total_steps in (None, planned):
+                return ctx
+            if self._given:
+                raise ValueError(
+                    f"ctx.total_steps={ctx.total_steps} is not allowed: the Trainer plans max_steps={planned}; "
+                    "expected a routing context planned for the steps it trains (or none: MoETrainer builds it)"
+                )
+            options = self.schedule_options or _schedule_options(ctx.schedule)
+            new = RoutingContext(total_steps=planned, schedule=model_schedule(model, planned, seed, options))
+            warnings.warn(
+                f"MoETrainer: the model's routing context planned {ctx.total_steps} steps (it is at step "
+                f"{ctx.step}); this training plans max_steps={planned}: the routing context is rebuilt for "
+                f"{planned} steps (the competition schedule drawn again, StableMoE's stage switch and "
+                "SMoE-Dropout's K follow the new horizon)",
+                stacklevel=2,
+            )
+            return new
 
         @staticmethod
         def _restore(ctx: RoutingContext, path: str, global_step: int) -> None:
@@ -188,6 +249,9 @@ def _trainer_classes() -> dict[str, type]:
                     return None
                 return trainer._add_aux(module, kwargs, output)
 
+            model._moelab_aux_by_trainer = (
+                True  # this trainer adds the aux loss (not the converted model's hook)
+            )
             _HOOKS[model] = (
                 ref,
                 [
@@ -197,14 +261,26 @@ def _trainer_classes() -> dict[str, type]:
             )
 
         def _add_aux(self, model: nn.Module, kwargs: dict, output: Any) -> Any:
+            balance = attached_step_balance(model)
+            if balance is not None:  # before the layers' aux losses are read: it reads their forward
+                balance.record()  # one all-reduce; micro-batch m sees the counts of 1..m of the step
+                global_loss = balance.loss()
             total, terms = _collect_aux(moe_layers(model))
             if total is None:
                 return None
+            if balance is not None:
+                total = total + global_loss.to(total.device)
+                for name, value in balance.last_terms.items():
+                    value = value.float().to(total.device)
+                    terms[name] = terms[name] + value if name in terms else value
             for name, value in terms.items():
                 self._aux_sums[name] = self._aux_sums[name] + value if name in self._aux_sums else value
             detached = total.detach().float()
             self._aux_sums[""] = self._aux_sums[""] + detached if "" in self._aux_sums else detached
             self._aux_count += 1
+            # the layers' aux losses are values here (their gradient is attached to the layers'
+            # outputs, weighted by set_aux_scale in compute_loss): the loss the Trainer logs is task +
+            # aux, as before; a global-scope balance loss (the StepBalance's) carries its gradient
             outside = self.label_smoother is not None or self.compute_loss_func is not None
             if isinstance(output, dict):
                 if output.get("loss") is not None and not outside:
@@ -227,6 +303,15 @@ def _trainer_classes() -> dict[str, type]:
                 f"a model output of type {type(output).__name__} is not allowed under MoETrainer; expected a "
                 "ModelOutput, a dict or a tuple (to carry the aux loss out of the forward)"
             )
+
+        def _aux_weight(self) -> float:
+            """The weight of the aux gradient in the backward to come: the mean over the
+            accumulated micro-batches, as the task loss, times the gradient scaler's scale (fp16)."""
+            weight = 1.0 / float(getattr(self, "current_gradient_accumulation_steps", 1) or 1)
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None and scaler.is_enabled():
+                weight *= float(scaler.get_scale())
+            return weight
 
         def _aux_divisors(self, num_items_in_batch: Any) -> tuple[float, float]:
             """``(gradient accumulation, world)``: what the Trainer will not divide the returned
@@ -263,6 +348,10 @@ def _trainer_classes() -> dict[str, type]:
                 self._install_aux_hooks(self.model)
             accumulation, world = self._aux_divisors(num_items_in_batch)
             self._aux_scale, self._aux_outside = 1.0 / (accumulation * world), None
+            layers = moe_layers(self.model)
+            for layer in layers:  # a layer that does not run in this forward adds nothing
+                layer._aux_values.zero_()
+            set_aux_scale(self.model, self._aux_weight())
             try:
                 loss, outputs = super().compute_loss(
                     model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch, **kwargs

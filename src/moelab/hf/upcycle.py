@@ -484,10 +484,31 @@ def find_mlps(model: nn.Module) -> list[str]:
     return [f.name for f in _find(model)]
 
 
-def _router_kwargs(method: str, options: dict[str, Any]) -> dict[str, Any]:
+def _router_kwargs(method: str, options: dict[str, Any], top_k: int = 2) -> dict[str, Any]:
     preset = get_method(method)
+    out: dict[str, Any] = {}
     if "init_std" in router_options(ROUTERS[preset.router]) and "init_std" not in options:
-        return {"init_std": ROUTER_INIT_STD}
+        out["init_std"] = ROUTER_INIT_STD
+    if top_k == 1:  # the weights sum to 1 at K = 1 too, so the upcycled model is the dense one
+        if "base" in router_options(ROUTERS[preset.router]):  # competesmoe: its base router's option
+            base = options.get("base", "smoe")
+            renorm = _weights_sum_to_one(base, options.get("base_options") or {})
+            if renorm and "base_options" not in options:
+                out["base_options"] = renorm
+        else:
+            out.update(_weights_sum_to_one(method, options))
+    return out
+
+
+def _weights_sum_to_one(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The option that makes ``method``'s K = 1 weight the constant 1, where its default at K = 1 is
+    Switch Transformer's weighting (the chosen expert's probability) and ``options`` leave it open."""
+    preset = get_method(method)
+    params = inspect.signature(ROUTERS[preset.router].__init__).parameters
+    for name in ("renormalize", "normalize"):
+        if name in params and name not in options:
+            if preset.options.get(name, params[name].default) is None:  # decided by K
+                return {name: True}
     return {}
 
 
@@ -503,7 +524,7 @@ def _build_moe(
         method=method,
         activation=dense.activation,
         bias=dense.b_in is not None or dense.b_out is not None,
-        **_router_kwargs(method, options),
+        **_router_kwargs(method, options, top_k),
         **options,
     )
     layer.to(device=w.device, dtype=w.dtype)
@@ -564,7 +585,12 @@ def upcycle(
         layers: indices into the model's recognised MLPs (:func:`find_mlps`, module order) to
             upcycle, e.g. ``range(1, L, 2)`` for every other block (GLaM); ``None``: all.
         **options: method options passed to every :class:`moelab.MoE` (the router's
-            ``init_std`` defaults to 0.02 when the router has one).
+            ``init_std`` defaults to 0.02 when the router has one).  At ``top_k=1`` the weight of
+            the chosen expert is the constant 1 (``renormalize=True``, or ``normalize=True`` for
+            the sigmoid routers), so the upcycled model is the dense one; the router then learns
+            from its aux losses only.  ``renormalize=False`` gives Switch Transformer's weighting
+            instead (the task loss reaches the router; the output starts scaled by the router's
+            probability of the chosen expert, about 1/N at the 0.02 init).
 
     Returns:
         ``model`` with its MLPs replaced; for a single MLP, the new layer.  The new layers keep
@@ -615,9 +641,10 @@ def upcycle(
                    "layers": layers, "options": dict(options)})  # fmt: skip
     model._moelab_recipe = recipe
     if hasattr(type(model), "save_pretrained"):  # a transformers model: it cannot read the layers back
-        from .convert import guard_save_pretrained
+        from .convert import add_aux_to_output_loss, guard_save_pretrained
 
         guard_save_pretrained(model)
+        add_aux_to_output_loss(model)
     return model
 
 
@@ -654,17 +681,30 @@ def load_hf_model(source: str | Path) -> nn.Module:
             f"--model {str(config_file)!r} has architectures[0]={arch!r}, which is not a transformers "
             "model class; expected e.g. 'LlamaForCausalLM'"
         )
-    if source.is_dir() and any(source.glob("*.bin")) and not any(source.glob("*.safetensors")):
-        raise ValueError(
-            f"--model {str(source)!r} holds .bin weights (a pickle, which moelab does not read); "
-            "save the model with safetensors (save_pretrained's default) and run again"
-        )
-    has_weights = source.is_dir() and any(source.glob("*.safetensors"))
+    # the weights transformers reads: model.safetensors or its shard index, never a pickle
+    has_weights = source.is_dir() and any(
+        (source / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")
+    )
+    if source.is_dir() and not has_weights:
+        if any(source.glob("*.bin")):
+            raise ValueError(
+                f"--model {str(source)!r} holds .bin weights (a pickle, which moelab does not read); "
+                "save the model with safetensors (save_pretrained's default) and run again"
+            )
+        others = sorted(p.name for p in source.glob("*.safetensors"))
+        if others:
+            raise ValueError(
+                f"--model {str(source)!r} holds {others[:3]} but no model.safetensors (or its index), the "
+                "weights transformers reads; rename the file, or pass the config.json alone for a random init"
+            )
     if cls is None:
         cls = transformers.AutoModel
-        return (
-            cls.from_config(config) if not has_weights else cls.from_pretrained(source, local_files_only=True)
-        )
-    if has_weights:
-        return cls.from_pretrained(source, local_files_only=True)
-    return cls(config)
+    if not has_weights:
+        return cls.from_config(config) if cls is transformers.AutoModel else cls(config)
+    try:
+        return cls.from_pretrained(source, local_files_only=True, use_safetensors=True)
+    except Exception as exc:  # a damaged or foreign weights file: transformers' own error, in one line
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"--model {str(source)!r}: transformers cannot load its weights ({type(exc).__name__}: {first})"
+        ) from None

@@ -20,7 +20,7 @@ from ..layer import moe_layers
 from ..optim import param_groups
 from .lm import TransformerLM
 
-__all__ = ["LMClassifier", "freeze_routers"]
+__all__ = ["LMClassifier", "freeze_all_but_experts", "freeze_routers"]
 
 
 def freeze_routers(model: nn.Module) -> int:
@@ -31,6 +31,20 @@ def freeze_routers(model: nn.Module) -> int:
             if p.requires_grad:
                 p.requires_grad_(False)
                 frozen += p.numel()
+    return frozen
+
+
+def freeze_all_but_experts(lm: nn.Module) -> int:
+    """Stop gradients to every parameter of ``lm`` but its MoE layers' experts (routed and
+    shared): CompeteSMoE (2024) §6.3 "only optimize the experts' parameters" (attention,
+    embeddings, norms, routers and dense FFNs frozen).  Returns how many parameters were frozen."""
+    keep = {id(p) for layer in moe_layers(lm) for part in (layer.experts, layer.shared) if part is not None
+            for p in part.parameters()}  # fmt: skip
+    frozen = 0
+    for p in lm.parameters():
+        if id(p) not in keep and p.requires_grad:
+            p.requires_grad_(False)
+            frozen += p.numel()
     return frozen
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from torch import nn
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 
 from .. import _validate
+from ..functional import expert_counts
 from ..routing import RoutingContext
 
 __all__ = ["ROUTERS", "Router", "build_router", "register", "router_options"]
@@ -64,10 +67,27 @@ class Router(nn.Module):
     #: names of the method-specific losses this router may put in ``Routing.losses``
     loss_names: tuple[str, ...] = ()
 
+    #: the activation of the gating scores its selection bias is added to (``softmax`` or
+    #: ``sigmoid``): a bias learned on one kind means nothing on the other
+    gate: str = "softmax"
+
+    #: the dtype the router computes its scores, weights and top-K in, autocast off
+    #: (``MoE(router_dtype="float32")``, Megatron-Core's ``--moe-router-dtype``); ``None``: the
+    #: activations' dtype
+    compute_dtype: torch.dtype | None = None
+
     #: whether the chosen experts' weights are renormalised to sum to 1 over the K chosen; the
     #: top-(K+1) swap evaluation (:func:`moelab.metrics.swap_top1`) renormalises after dropping the
     #: top-1 iff so
     weights_sum_to_one: bool = True
+
+    #: whether the router routes a variable number of experts per token (``Routing.mask``; K is then
+    #: the most a token may take): diagnostics that replace "the K-th expert" refuse such a router
+    variable_k: bool = False
+
+    #: whether a token's routing depends on the later tokens of its batch (expert-choice): a causal
+    #: language model built with such a router sees the future, and warns
+    leaks_future_tokens: bool = False
 
     def __init__(self, d_model: int, num_experts: int, top_k: int) -> None:
         super().__init__()
@@ -75,15 +95,111 @@ class Router(nn.Module):
         self.num_experts = _validate.positive_int("num_experts", num_experts)
         self.top_k = _validate.int_in_range("top_k", top_k, 1, num_experts)
         self.layer_index = 0
+        self.bias_update_rate = 0.0
+        #: the aux-loss-free selection bias ``b (N,)`` (DeepSeek-V3), or ``None``
+        #: (:meth:`init_selection_bias`)
+        self.register_buffer("selection_bias", None)
+        #: expert counts of the training forwards since the last step hook (not saved: a
+        #: checkpoint is written after the hook has consumed them)
+        self.register_buffer("pending_load", None, persistent=False)
+
+    # ------------------------------------------------------------ the aux-loss-free selection bias
+    def init_selection_bias(self, enabled: bool, rate: float = 1e-3) -> None:
+        """The aux-loss-free balancing of DeepSeek-V3 (its technical report; Wang et al. 2024,
+        "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"), one mechanism for
+        every router that calls :meth:`biased` on its selection scores and :meth:`count_load` on
+        its choice: a per-expert offset ``b`` added to the scores *for the selection only* (the
+        weights never see it), moved once per optimizer step by ``γ·sign(mean load − load_i)``
+        (γ = ``rate``) in the step hook :meth:`on_step`, from the load of the step's training
+        forwards summed over the ranks.  Each training forward only adds its counts to a pending
+        load, so gradient accumulation updates ``b`` once with every micro-batch's load, an
+        activation-checkpointing recomputation (run by the backward) is not counted twice, and a
+        loop of forwards without ``ctx.advance()`` never changes ``b``.  Composes with any balance
+        loss."""
+        self.bias_update_rate = _validate.non_negative("bias_update_rate", rate)
+        if enabled:
+            self.selection_bias = torch.zeros(self.num_experts)
+            self.pending_load = torch.zeros(self.num_experts)
+        else:
+            self.selection_bias = self.pending_load = None
+
+    def biased(self, select: Tensor) -> Tensor:
+        """``select + b``: the scores the choice is made on (``select`` itself without a bias)."""
+        return select if self.selection_bias is None else select + self.selection_bias
+
+    def count_load(self, indices: Tensor) -> None:
+        """Add a training forward's choice to the pending load of the selection bias (nothing
+        without one, in evaluation, or in an activation-checkpointing recomputation)."""
+        if self.training and self.selection_bias is not None and _counts_this_forward():
+            self.pending_load += expert_counts(indices, self.num_experts).to(self.pending_load.dtype)
+
+    def reset_selection_bias(self) -> None:
+        """The selection bias and the pending load back to zero."""
+        with torch.no_grad():
+            for b in (self.selection_bias, self.pending_load):
+                if b is not None:
+                    b.zero_()
+
+    def _apply(self, fn, *args, **kwargs):
+        """Keep ``selection_bias`` (and the pending load) in at least float32 when the model is cast
+        to bf16 / fp16: steps of γ = 1e-3 vanish in bfloat16 once ``|b| ≥ 0.5`` (DeepSeek-V3 keeps
+        this bias in float32)."""
+        super()._apply(fn, *args, **kwargs)
+        for name in ("selection_bias", "pending_load"):
+            b = getattr(self, name, None)
+            if b is not None and b.dtype in (torch.float16, torch.bfloat16):
+                setattr(self, name, b.float())
+        return self
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        dtype = self.compute_dtype
+        if dtype is None:
+            return super().__call__(x, *args, **kwargs)
+        with torch.autocast(x.device.type, enabled=False):
+            return super().__call__(x.to(dtype), *args, **kwargs)
 
     def reset_parameters(self) -> None:
         """Initialise the router's parameters and state as at construction (e.g. after
         ``to_empty`` from the meta device).  A router without parameters has nothing to do."""
 
+    @torch.no_grad()
     def on_step(self, ctx: RoutingContext | None = None) -> None:
-        """The step hook: update state once per optimizer step (sharede-v3's selection bias), run
-        by :meth:`moelab.RoutingContext.advance` (:func:`moelab.attach` registers it).  A router
-        without such state has nothing to do."""
+        """The step hook, run by :meth:`moelab.RoutingContext.advance` (:func:`moelab.attach`
+        registers it) once per optimizer step, on every rank: the selection bias moves by
+        ``γ·sign(mean load − load)`` with the load of the step's training forwards (summed over
+        the ranks), then the load is cleared.  A router without a bias has nothing to do; a router
+        with other per-step state extends it."""
+        if self.selection_bias is None:
+            return
+        load = self.pending_load.float()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load)
+        if self.bias_update_rate > 0:  # an empty load (no training forward) moves nothing
+            self.selection_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.pending_load.zero_()
+
+    def step_dependence(self) -> str | None:
+        """What of this router's training routing changes with the context's step (said when it
+        trains without a context that drives it, :func:`moelab.layer.check_context`), or ``None``
+        for a router whose routing does not depend on the step.  Here: the selection bias; a
+        router with other per-step behaviour adds its own (:func:`join_dependences`)."""
+        if self.selection_bias is None or self.bias_update_rate == 0:
+            return None
+        return (
+            "its selection bias moves only in the step hook ctx.advance() runs (aux-loss-free balancing); "
+            "without it the bias stays where it is and nothing balances the experts"
+        )
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        """Why ``ctx`` does not drive this router's step-dependent routing, or ``None`` (also for
+        a router without any).  Read in training forwards; it changes nothing."""
+        if self.step_dependence() is None:
+            return None
+        if ctx is None:
+            return "no RoutingContext is attached"
+        if self.selection_bias is not None and self.bias_update_rate > 0 and self.on_step not in ctx.hooks:
+            return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
+        return None
 
     @property
     def base_router(self) -> Router:
@@ -104,3 +220,17 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}"
+
+
+def join_dependences(*parts: str | None) -> str | None:
+    """The step dependences of a router's parts (:meth:`Router.step_dependence`), joined."""
+    given = [p for p in parts if p]
+    return "; ".join(given) if given else None
+
+
+def _counts_this_forward() -> bool:
+    """False while the autograd engine recomputes a forward (activation checkpointing runs the
+    forward again inside the backward pass): its tokens were counted by the first forward."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch._C._current_graph_task_id() == -1

@@ -8,7 +8,7 @@ the option ``grad_path`` chooses how those outputs get their gradient.  docs/met
 
 from __future__ import annotations
 
-import warnings
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -23,13 +23,33 @@ from ..losses import (
     switch_balance_loss,
 )
 from ..routing import Routing, RoutingContext
-from .base import Router, build_router, register
+from .base import Router, build_router, join_dependences, register
 
 __all__ = ["CompeteSMoERouter", "CompetitionRouter", "compete"]
 
 WEIGHTINGS = ("normalized", "softmax")
 GRAD_PATHS = ("winners", "all")
-MODES = ("compete", "v1", "dense")
+MODES = ("compete", "v1", "dense", "router")
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``forward``'s values; the gradient reaches ``forward`` unchanged and ``gradient`` scaled."""
+
+    @staticmethod
+    def forward(ctx, forward: Tensor, gradient: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return forward.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        return grad, grad * ctx.scale, None
+
+
+def straight_through_weights(forward: Tensor, gradient: Tensor, scale: float) -> Tensor:
+    """``forward``'s values exactly, with ``scale`` × the gradient that ``gradient`` would receive
+    in its place added to ``gradient``'s: CompeteSMoE (2024) eq. 5's α·NLL for a router that is off
+    the output path (``router_nll``)."""
+    return _StraightThrough.apply(forward, gradient, scale)
 
 
 def _choose(outputs: Tensor, k: int, kappa: str, reduce: str) -> tuple[Tensor, Tensor]:
@@ -98,11 +118,13 @@ def _check_competition_options(kappa: str, reduce: str, weighting: str, grad_pat
 # torch.compiler.disable, with torch._dynamo imported at the first call rather than with moelab (its
 # import time counts against every process start: docs/performance.md, "torch._dynamo loaded on first use")
 @torch._disable_dynamo
-def _schedule_active(ctx: RoutingContext, layer: int) -> bool:
+def _schedule_active(ctx: RoutingContext, router: Router) -> bool:
     """``ctx.schedule.active(layer, ctx.step)``, run outside torch.compile: the lookup is Python on a
-    step that changes every call, so tracing it would recompile every step.  Under compile this is
-    one graph break, and the code after it is compiled once per branch (competes or not)."""
-    return bool(ctx.schedule.active(layer, ctx.step))
+    step that changes every call, so tracing it would recompile every step.  The router's
+    ``layer_index`` is read here too, outside the traced code: read there it would become a guard, and
+    every layer would compile its own graph (past 8 layers, the recompile limit).  Under compile this
+    is one graph break, and the code after it is compiled once per branch (competes or not)."""
+    return bool(ctx.schedule.active(router.layer_index, ctx.step))
 
 
 @register("competition")
@@ -175,18 +197,22 @@ class CompeteSMoERouter(Router):
       experts actually received) against the router's mean probabilities.
     * ``mode="v1"`` (``competesmoe-v1``, CompeteSMoE (2024)): affinity ``‖g_i(x)‖₂``, weights
       ``softmax(TopK(s))``, loss ``distill`` = :func:`moelab.losses.competition_router_loss`
-      (CompeteSMoE (2024) eq. 3), weight ``distill_coef`` = α.  CompeteSMoE (2024) eq. (5) writes
-      the router update as ``∂[L_R + α·NLL]`` but §6.4.2 calls α = 0 "SMoE", which holds only
-      when α weights the router loss against the task loss; we follow §6.4.2: total loss = task +
-      α·L_R (α = 1 makes the two readings coincide).  The
+      (CompeteSMoE (2024) eq. 3), weight ``distill_coef`` = α, as the authors' public code
+      (eq. 5's ``α·NLL`` term: ``router_nll``; docs/methods.md says why).  The
       schedule is normally a :class:`moelab.schedules.CoinFlipSchedule` (λ = 0.05).
     * ``mode="dense"`` (``densemoe``, CompeteSMoE (2025) Table 10 rows 3-4): all N experts
       contribute, weighted by the router's softmax over all N; the balance loss keeps the
-      router's own top-K selection.
+      router's own top-K selection; ``diversity`` is the diversity loss of the outputs of the
+      router's top-K (row 4 gives it a weight: ``--opt diversity_coef=0.005``; row 3 none).
+    * ``mode="router"`` (CompeteSMoE (2025) Table 10 row 2, "diversity loss without
+      competition"): the router's own top-K produce the output, and ``diversity`` is the
+      diversity loss of their outputs (every expert runs with autograd on these steps).
 
     On competition steps the router receives no task-loss gradient (it is not on the output path);
-    it learns from ``distill``.  The task loss trains it on every other step (CompeteSMoE (2025)
-    §2.3, C.2).
+    it learns from ``distill``, as in the authors' public code.  The task loss trains it on every
+    other step (CompeteSMoE (2025) §2.3, C.2); ``task_gradient=False`` turns that off
+    (CompeteSMoE (2025) Table 11, "competition policy only").  ``router_nll`` is CompeteSMoE (2024)
+    eq. 5's α·NLL read literally (docs/methods.md, ``competesmoe-v1``).
 
     Options:
         base: the base router, built (default: a plain top-K softmax router, ``smoe``'s).  A
@@ -212,6 +238,16 @@ class CompeteSMoERouter(Router):
             ``balance_coef``, an ablation (it pushes the router away from the experts the
             competition chose, against the distillation); ``"off"``: no balance term and no
             router term but the distillation on competition steps.
+        task_gradient: ``True`` (default): the task loss trains the router whenever it routes;
+            ``False``: never (its weights are detached: it learns from the competition's
+            distillation and its own balance and z terms only; CompeteSMoE (2025) Table 11).
+        router_nll: α of CompeteSMoE (2024) eq. 5's ``α·NLL`` term of the router update on a
+            competing layer (default 0: the authors' public code, where the router is off the
+            output path there).  With ``router_nll = α > 0`` the output is unchanged (the
+            competition's winners and weights, eq. 2) and the router receives α × the task-loss
+            gradient it would receive if its own probabilities, renormalised over the winners,
+            weighted them (a straight-through estimator: the paper does not say how the NLL
+            reaches a router that is not on the output path).  ``mode="compete"`` or ``"v1"`` only.
 
     Without a context (or a schedule) in training the layer routes like its base router and warns
     once.
@@ -235,6 +271,8 @@ class CompeteSMoERouter(Router):
         diversity: str = "frobenius",
         distill: str = "paper",
         competition_balance: str = "affinity",
+        task_gradient: bool = True,
+        router_nll: float = 0.0,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
         if base is None:
@@ -261,6 +299,15 @@ class CompeteSMoERouter(Router):
         self.competition_balance = _validate.one_of(
             "competition_balance", competition_balance, ["affinity", "router", "off"]
         )
+        if not isinstance(task_gradient, bool):
+            raise ValueError(f"task_gradient={task_gradient!r} is not allowed; expected True or False")
+        self.task_gradient = task_gradient
+        self.router_nll = _validate.non_negative("router_nll", router_nll)
+        if self.router_nll and self.mode not in ("compete", "v1"):
+            raise ValueError(
+                f"router_nll={router_nll!r} is not allowed with mode={mode!r}; the router is on the output "
+                "path there: router_nll applies to mode='compete' or 'v1'"
+            )
         self.base_method = base_method
         self.base = base
         self.kappa, self.reduce, self.weighting, self.grad_path = (
@@ -269,7 +316,6 @@ class CompeteSMoERouter(Router):
             weighting,
             grad_path,
         )
-        self._warned = False
 
     def reset_parameters(self) -> None:
         """The base router's (the competition has no parameters)."""
@@ -297,30 +343,41 @@ class CompeteSMoERouter(Router):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, base={self.base_method!r}, mode={self.mode!r}"
 
+    def step_dependence(self) -> str | None:
+        own = (
+            f"it competes on the steps of the context's schedule; without one it routes like "
+            f"{self.base_method!r} and never competes"
+        )
+        base = self.base.step_dependence()
+        return join_dependences(own, None if base is None else f"its base: {base}", super().step_dependence())
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        if ctx is None:
+            return "no RoutingContext with a schedule is attached"
+        if ctx.schedule is None:
+            return "the RoutingContext holds no schedule"
+        return self.base.context_problem(ctx) or super().context_problem(ctx)
+
     def competes(self, ctx: RoutingContext | None) -> bool:
         """Whether this layer competes at the context's step (training only)."""
         if not self.training:
             return False
-        if ctx is None or ctx.schedule is None:
-            if not self._warned and not torch.compiler.is_compiling():  # a warning breaks the graph
-                warnings.warn(
-                    f"competesmoe layer {self.layer_index}: no RoutingContext with a schedule "
-                    "(moelab.routing_context(model, total_steps) builds one); it routes "
-                    f"like {self.base_method!r} and never competes",
-                    stacklevel=3,
-                )
-                self._warned = True
+        if ctx is None or ctx.schedule is None:  # the layer says so once (moelab.layer.check_context)
             return False
-        return _schedule_active(ctx, self.layer_index)
+        return _schedule_active(ctx, self)
 
     def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
         routing = self.base(x, experts, ctx)
+        if not self.task_gradient:  # CompeteSMoE (2025) Table 11: the task loss never reaches the router
+            routing = replace(routing, weights=routing.weights.detach())
         if not self.competes(ctx):
             return routing
         if routing.probs is None:
             raise ValueError(f"base={self.base_method!r} gives no router distribution (Routing.probs)")
         if self.mode == "dense":
-            return self._dense(routing)
+            return self._dense(routing, x, experts)
+        if self.mode == "router":
+            return self._router_diversity(routing, x, experts)
         k = self.base.top_k
         winners, weights, outputs, scores = compete(
             x, experts, k, self.kappa, self.reduce, self.weighting, self.grad_path
@@ -347,6 +404,10 @@ class CompeteSMoERouter(Router):
                 if self.competition_balance == "affinity":
                     affinity = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1)
                     losses["competition_balance"] = switch_balance_loss(affinity, winners, self.num_experts)
+        if self.router_nll:
+            router = routing.probs.gather(1, winners)
+            router = router / router.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(router.dtype).tiny)
+            weights = straight_through_weights(weights, router.to(weights.dtype), self.router_nll)
         return Routing(
             indices=winners,
             weights=weights,
@@ -356,9 +417,29 @@ class CompeteSMoERouter(Router):
             outputs=outputs,
         )
 
-    def _dense(self, routing: Routing) -> Routing:
+    def _chosen_outputs(self, x: Tensor, experts: nn.Module, indices: Tensor) -> Tensor:
+        """The outputs ``(T, K, d)`` of the experts ``indices`` chose, with autograd (every expert
+        runs: the ablations that need them activate all experts on their steps anyway)."""
+        all_out = experts.forward_all(x)  # (T, N, d)
+        return all_out.gather(1, indices.unsqueeze(-1).expand(-1, -1, all_out.shape[-1]))
+
+    def _dense(self, routing: Routing, x: Tensor, experts: nn.Module) -> Routing:
         probs = routing.probs
         weights, indices = probs.sort(dim=-1, descending=True)  # all N, top-1 first
         losses = dict(routing.losses)
         losses["balance"] = switch_balance_loss(probs, routing.indices, self.num_experts)
-        return Routing(indices=indices, weights=weights, probs=probs, logits=routing.logits, losses=losses)
+        outputs = self._chosen_outputs(x, experts, indices)  # (T, N, d), the router's top-K first
+        losses["diversity"] = diversity_loss(outputs[:, : routing.top_k], self.diversity)
+        return Routing(
+            indices=indices,
+            weights=weights,
+            probs=probs,
+            logits=routing.logits,
+            losses=losses,
+            outputs=outputs,
+        )
+
+    def _router_diversity(self, routing: Routing, x: Tensor, experts: nn.Module) -> Routing:
+        outputs = self._chosen_outputs(x, experts, routing.indices)
+        losses = {**routing.losses, "diversity": diversity_loss(outputs, self.diversity)}
+        return replace(routing, losses=losses, outputs=outputs)

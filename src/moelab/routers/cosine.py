@@ -30,6 +30,10 @@ class CosineRouter(Router):
         perturbation: τ added to both norms; 0 for ``xmoe``, 0.1 for ``pcosine`` (LibMoE's value;
             perturbed cosine router (2024) does not state the LM value, other code uses 1e-4 … 1e-3).
         init_gain: gain of the orthogonal init of the expert embeddings ``e_i`` (0.32, LibMoE).
+        selection_bias: carry the aux-loss-free selection bias of DeepSeek-V3 (added to
+            ``softmax(h)`` for the choice only, moved once per optimizer step towards the mean
+            load; :meth:`moelab.routers.Router.init_selection_bias`); default off.
+        bias_update_rate: its step γ (1e-3, DeepSeek-V3).
         renormalize: the chosen weights renormalised (``softmax(TopK_-inf(h))``, ``True``) or the
             softmax over all N at the chosen (``False``, Switch Transformer); default ``None``:
             renormalised when K > 1 (at K = 1 a renormalised weight is the constant 1, which no
@@ -47,8 +51,11 @@ class CosineRouter(Router):
         perturbation: float = 0.0,
         init_gain: float = 0.32,
         renormalize: bool | None = None,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        self.init_selection_bias(selection_bias, bias_update_rate)
         self.renormalize = resolve_renormalize(renormalize, top_k)
         proj_dim = (
             max(2, num_experts // 2) if proj_dim is None else _validate.positive_int("proj_dim", proj_dim)
@@ -75,6 +82,7 @@ class CosineRouter(Router):
         nn.init.orthogonal_(self.embeddings, gain=self.init_gain)
         with torch.no_grad():
             self.temperature.fill_(self.init_temperature)
+        self.reset_selection_bias()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # checkpoints written before the temperature became shape (1,) hold a 0-dim scalar
@@ -92,7 +100,8 @@ class CosineRouter(Router):
         self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = self.logits(x)
-        weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize)
+        weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize, self.selection_bias)
+        self.count_load(indices)
         return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
 
     @property

@@ -22,6 +22,10 @@ class HyperRouter(Router):
         hyper_dim: ``h`` (64, the enwik8 setting).
         embed_dim: ``d_e``; default ``d_model`` (docs/methods.md, ``hyperrouter``).
         embed_std: std of the N(0, σ²) init of ``e`` (1.0).
+        selection_bias: carry the aux-loss-free selection bias of DeepSeek-V3 (added to
+            ``softmax(h)`` for the choice only, moved once per optimizer step towards the mean
+            load; :meth:`moelab.routers.Router.init_selection_bias`); default off.
+        bias_update_rate: its step γ (1e-3, DeepSeek-V3).
         renormalize: the chosen weights renormalised (``softmax(TopK_-inf(h))``, ``True``) or the
             softmax over all N at the chosen (``False``, Switch Transformer); default ``None``:
             renormalised when K > 1 (at K = 1 a renormalised weight is the constant 1, which no
@@ -39,8 +43,11 @@ class HyperRouter(Router):
         embed_dim: int | None = None,
         embed_std: float = 1.0,
         renormalize: bool | None = None,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        self.init_selection_bias(selection_bias, bias_update_rate)
         self.renormalize = resolve_renormalize(renormalize, top_k)
         _validate.positive_int("hyper_dim", hyper_dim)
         embed_dim = d_model if embed_dim is None else _validate.positive_int("embed_dim", embed_dim)
@@ -66,6 +73,7 @@ class HyperRouter(Router):
             for name, tensor in (("h1_weight", h1.weight), ("h1_bias", h1.bias), ("h2_weight", h2.weight),
                                  ("h2_bias", h2.bias)):  # fmt: skip
                 getattr(self, name).copy_(tensor)
+        self.reset_selection_bias()
 
     def router_weights(self) -> tuple[Tensor, Tensor]:
         """The generated ``W_r (N, d)`` and ``b_r (N,)``."""
@@ -78,7 +86,8 @@ class HyperRouter(Router):
     ) -> Routing:
         w, b = self.router_weights()
         logits = F.linear(x, w, b)
-        weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize)
+        weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize, self.selection_bias)
+        self.count_load(indices)
         return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
 
     @property

@@ -6,12 +6,11 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
-from ..functional import expert_counts, normalized_weights, resolve_renormalize
+from ..functional import normalized_weights, resolve_renormalize
 from ..routing import Routing, RoutingContext
 from .base import Router, register
 
@@ -29,15 +28,10 @@ class SigmoidRouter(Router):
       ``normalize=None``, the preset: for K > 1, and the score ``s`` itself at K = 1);
       a per-expert bias ``b`` is added for the selection only, and updated without any loss once
       per optimizer step (aux-loss-free balancing): ``b_i -= γ`` if expert i received more than
-      the mean load of the step, ``b_i += γ`` if less (γ = ``bias_update_rate`` = 1e-3).  Each
-      training forward only adds its expert counts to a pending load; the update is the step hook
-      :meth:`on_step`, run by :meth:`moelab.RoutingContext.advance` after the optimizer step (the
-      trainer and ``moelab.hf.trainer.MoETrainer`` call it), where the load is summed over ranks
-      under torch.distributed so ``b`` stays identical everywhere.  So gradient accumulation
-      updates ``b`` once with the load of all micro-batches, an activation-checkpointing
-      recomputation (run by the backward pass) is not counted twice, and a forward loop without
-      ``ctx.advance()`` never changes ``b``.  (Both public re-implementations forget to use ``b``:
-      here it is used.)
+      the mean load of the step, ``b_i += γ`` if less (γ = ``bias_update_rate`` = 1e-3).  The
+      mechanism is every router's (:meth:`moelab.routers.Router.init_selection_bias`; the step hook
+      :meth:`on_step` sums the load over ranks, so ``b`` stays identical everywhere).  (Both public
+      re-implementations forget to use ``b``: here it is used.)
     * ``smoe-sg`` (Ho (2025) SMoE-SG): the normalised weights of ``sharede-v3`` without the
       selection bias and without shared experts.
 
@@ -51,6 +45,8 @@ class SigmoidRouter(Router):
     ``Routing.probs`` is ``softmax(W x)`` (the router's distribution, for the regulariser and the
     metrics); the weights are sigmoid scores.
     """
+
+    gate = "sigmoid"
 
     def __init__(
         self,
@@ -85,36 +81,26 @@ class SigmoidRouter(Router):
         #: K = 1 the normalised weight is the constant 1 and the task loss never reaches the router
         #: (Switch Transformer weights its one expert by its score)
         self.normalize = resolve_renormalize(normalize, top_k)
-        self.bias_update_rate = _validate.non_negative("bias_update_rate", bias_update_rate)
         self.expert_dropout = _validate.probability("expert_dropout", expert_dropout)
         if self.expert_dropout >= 1:
             raise ValueError(f"expert_dropout={expert_dropout!r} is not allowed; expected a number in [0, 1)")
         self.init_std = std
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        self.register_buffer("selection_bias", torch.zeros(num_experts) if selection_bias else None)
-        #: expert counts of the training forwards since the last step hook (not saved: a
-        #: checkpoint is written after the hook has consumed them)
-        self.register_buffer(
-            "pending_load", torch.zeros(num_experts) if selection_bias else None, persistent=False
-        )
+        self.init_selection_bias(selection_bias, bias_update_rate)  # the one mechanism (Router)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """``W ~ N(0, init_std²)``, the selection bias and the pending load zero."""
         with torch.no_grad():
             self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
-            for b in (self.selection_bias, self.pending_load):
-                if b is not None:
-                    b.zero_()
+        self.reset_selection_bias()
 
     def forward(
         self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = F.linear(x, self.weight)  # (T, N)
         scores = torch.sigmoid(logits)
-        select = scores.detach()
-        if self.selection_bias is not None:
-            select = select + self.selection_bias
+        select = self.biased(scores.detach())
         if self.training and self.expert_dropout > 0:
             select = select.masked_fill(torch.rand_like(select) < self.expert_dropout, float("-inf"))
         if self.topk_groups < self.num_groups:
@@ -125,19 +111,8 @@ class SigmoidRouter(Router):
             weights = normalized_weights(weights)
         if self.scale != 1.0:
             weights = weights * self.scale
-        if self.training and self.selection_bias is not None and _counts_this_forward():
-            self.pending_load += expert_counts(indices, self.num_experts).to(self.pending_load.dtype)
+        self.count_load(indices)
         return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
-
-    def _apply(self, fn, *args, **kwargs):
-        """Keep ``selection_bias`` (and the pending load) in at least float32 when the model is cast to bf16 / fp16: steps of
-        γ = 1e-3 vanish in bfloat16 once ``|b| ≥ 0.5`` (DeepSeek-V3 keeps this bias in float32)."""
-        super()._apply(fn, *args, **kwargs)
-        for name in ("selection_bias", "pending_load"):
-            b = getattr(self, name)
-            if b is not None and b.dtype in (torch.float16, torch.bfloat16):
-                setattr(self, name, b.float())
-        return self
 
     def _limit_groups(self, select: Tensor) -> Tensor:
         """Keep the ``topk_groups`` groups with the largest sum of their top-2 scores (DeepSeek-V3)."""
@@ -156,24 +131,3 @@ class SigmoidRouter(Router):
         return {"normalize": self.normalize, "scale": self.scale, "num_groups": self.num_groups,
                 "topk_groups": self.topk_groups, "selection_bias": self.selection_bias,
                 "expert_dropout": self.expert_dropout}  # fmt: skip
-
-    @torch.no_grad()
-    def on_step(self, ctx: RoutingContext | None = None) -> None:
-        """The step hook: move ``b`` by ``γ·sign(mean load − load)`` with the load of the step's
-        training forwards (summed over ranks), then clear it.  Run on every rank."""
-        if self.selection_bias is None:
-            return
-        load = self.pending_load.float()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(load)
-        if self.bias_update_rate > 0:  # an empty load (no training forward) moves nothing
-            self.selection_bias += self.bias_update_rate * torch.sign(load.mean() - load)
-        self.pending_load.zero_()
-
-
-def _counts_this_forward() -> bool:
-    """False while the autograd engine recomputes a forward (activation checkpointing runs the
-    forward again inside the backward pass): its tokens were counted by the first forward."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch._C._current_graph_task_id() == -1

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import Router, join_dependences, register
 
 
 @register("stable")
@@ -33,6 +33,10 @@ class StableRouter(Router):
         switch_fraction: stage 2 starts at this fraction of ``ctx.total_steps`` (0.1: 6k of 60k).
         switch_step: an explicit switch step (overrides ``switch_fraction``).
         init_gain: orthogonal-init gain of the centroids (0.1).
+        selection_bias: carry the aux-loss-free selection bias of DeepSeek-V3 (added to
+            ``softmax(h)`` for the choice only, moved once per optimizer step towards the mean
+            load; :meth:`moelab.routers.Router.init_selection_bias`); default off.
+        bias_update_rate: its step γ (1e-3, DeepSeek-V3).
         renormalize: the chosen weights renormalised (``softmax(TopK_-inf(h))``, ``True``) or the
             softmax over all N at the chosen (``False``, Switch Transformer); default ``None``:
             renormalised when K > 1 (StableMoE's own top-1 output is ``σ(s)·E(h)``, a weight with a gradient; at K = 1 a renormalised weight is the constant 1, which no
@@ -56,8 +60,11 @@ class StableRouter(Router):
         switch_step: int | None = None,
         init_gain: float = 0.1,
         renormalize: bool | None = None,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        self.init_selection_bias(selection_bias, bias_update_rate)
         self.renormalize = resolve_renormalize(renormalize, top_k)
         _validate.positive_int("distill_dim", distill_dim)
         self.switch_fraction = _validate.probability("switch_fraction", switch_fraction)
@@ -79,10 +86,29 @@ class StableRouter(Router):
         with torch.no_grad():
             d = self.light_centroids.shape[1]
             self.light_centroids.copy_(torch.randn(self.light_centroids.shape) / d**0.5)
+        self.reset_selection_bias()
 
     @property
     def weights_sum_to_one(self) -> bool:
         return self.renormalize
+
+    def step_dependence(self) -> str | None:
+        when = (
+            f"ctx.step={self.switch_step}"
+            if self.switch_step is not None
+            else (f"{self.switch_fraction:g} of ctx.total_steps")
+        )
+        own = (
+            f"it switches from stage 1 to its frozen light router (stage 2) at {when} (StableMoE); until "
+            "then it stays in stage 1"
+        )
+        return join_dependences(own, super().step_dependence())
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        if problem is None and ctx is not None and self.switch_step is None and ctx.total_steps is None:
+            return "the RoutingContext has no total_steps"
+        return problem
 
     def stage(self, ctx: RoutingContext | None) -> int:
         """1 (learn and distil) or 2 (frozen light router) at the context's step."""
@@ -104,10 +130,12 @@ class StableRouter(Router):
         if self.stage(ctx) == 2:
             with torch.no_grad():
                 logits = self.light_logits(x)
-            weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize)
+            weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize, self.selection_bias)
+            self.count_load(indices)
             return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
         logits = F.linear(x, self.centroids)  # (T, N)
-        weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize)
+        weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize, self.selection_bias)
+        self.count_load(indices)
         distill = F.cross_entropy(self.light_logits(x.detach()), logits.detach().argmax(dim=-1))
         return Routing(
             indices=indices,

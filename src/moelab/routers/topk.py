@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import Router, join_dependences, register
 
 
 @register("topk")
@@ -41,6 +41,10 @@ class TopKRouter(Router):
             constant 1 and the task loss would never reach the router
             (:func:`moelab.functional.resolve_renormalize`); with ``k_max`` (a K that grows, over a
             frozen router that has nothing to learn) ``True`` at every K, as SMoE-Dropout.
+        selection_bias: carry the aux-loss-free selection bias of DeepSeek-V3 (added to
+            ``softmax(h)`` for the choice only, moved once per optimizer step towards the mean
+            load; :meth:`moelab.routers.Router.init_selection_bias`); default off.
+        bias_update_rate: its step γ (1e-3, DeepSeek-V3).
         scale: multiplies the final weights (DeepSeek-V2's ``routed_scaling_factor``; kept when a
             DeepSeek-V3 layer is switched to ``smoe`` by :func:`moelab.set_method`); default 1.
     """
@@ -56,8 +60,11 @@ class TopKRouter(Router):
         renormalize: bool | None = None,
         eval_k: int | None = None,
         scale: float = 1.0,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__(d_model, num_experts, top_k)
+        self.init_selection_bias(selection_bias, bias_update_rate)
         std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
         if k_max == "all":
             k_max = num_experts
@@ -81,14 +88,31 @@ class TopKRouter(Router):
         """``W ~ N(0, init_std²)`` (also after ``to_empty`` from the meta device)."""
         with torch.no_grad():
             self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
+        self.reset_selection_bias()
 
     def rule_options(self) -> dict[str, Any]:
         return {"renormalize": self.renormalize, "scale": self.scale, "frozen": self.frozen,
-                "k_max": self.k_max, "eval_k": self.eval_k}  # fmt: skip
+                "k_max": self.k_max, "eval_k": self.eval_k,
+                "selection_bias": self.selection_bias}  # fmt: skip
 
     @property
     def weights_sum_to_one(self) -> bool:  # Switch's K = 1 weight is the chosen expert's probability
         return self.renormalize
+
+    def step_dependence(self) -> str | None:
+        grows = self.k_max is not None and self.k_max != self.top_k
+        own = (
+            f"its K grows from top_k={self.top_k} to k_max={self.k_max} with ctx.step / ctx.total_steps "
+            f"(SMoE-Dropout); without them it stays {self.top_k}"
+        )
+        return join_dependences(own if grows else None, super().step_dependence())
+
+    def context_problem(self, ctx: RoutingContext | None) -> str | None:
+        problem = super().context_problem(ctx)
+        grows = self.k_max is not None and self.k_max != self.top_k
+        if problem is None and ctx is not None and grows and ctx.total_steps is None:
+            return "the RoutingContext has no total_steps"
+        return problem
 
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
@@ -106,7 +130,10 @@ class TopKRouter(Router):
         self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = self.logits(x)  # (T, N)
-        weights, indices, probs = topk_gate(logits, self.current_k(ctx), self.renormalize)
+        weights, indices, probs = topk_gate(
+            logits, self.current_k(ctx), self.renormalize, self.selection_bias
+        )
+        self.count_load(indices)
         if self.scale != 1.0:
             weights = weights * self.scale
         return Routing(indices=indices, weights=weights, probs=probs, logits=logits)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._validate import non_negative, one_of, positive, positive_int
-from .lbfgs import LBFGSResult, batched_lbfgs
+from .lbfgs import REASONS, LBFGSResult, batched_lbfgs
 from .models import GaussianMoE, GaussianParams, MoEParams, RegressionMoE, inputs_t
 
 __all__ = ["INITS", "OPTIMIZERS", "GaussianMoEMLE", "LeastSquaresMoE", "from_ball", "minimize", "to_ball"]
@@ -116,10 +116,13 @@ def minimize(
     grad = torch.cat(
         [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(B, -1) for p in params], 1
     )
+    with torch.no_grad():
+        finite = torch.isfinite(loss_fn(None)) & torch.isfinite(grad).all(dim=1)
     return LBFGSResult(
         n_iter=torch.full((B,), iters, dtype=torch.long),
         grad_norm=grad.detach().abs().amax(dim=1),
         converged=torch.zeros(B, dtype=torch.bool),
+        reason=torch.where(finite, REASONS.index("not tested"), REASONS.index("loss not finite")),
     )
 
 
@@ -206,7 +209,9 @@ class _BatchedEstimator:
     Shared attributes (after ``fit``): ``model_``, ``params_``, ``loss_`` (``(R,)`` final training
     loss of the kept restart), ``restart_losses_`` (``(restarts, R)``), and per replicate, of the
     kept restart: ``n_iter_`` (iterations), ``grad_norm_`` (final gradient max-norm, in the
-    optimised coordinates), ``converged_`` (the stopping test held), ``hit_cap_`` (stopped by the
+    optimised coordinates), ``converged_`` (the stopping test held after at least one accepted
+    step, at a finite loss), ``stop_reason_`` (why it stopped: an entry of
+    :data:`moelab.stats.lbfgs.REASONS`), ``hit_cap_`` (stopped by the
     cap ``steps`` without converging); ``n_features_in_``.
     """
 
@@ -436,6 +441,8 @@ class _BatchedEstimator:
         self.n_iter_ = result.n_iter[pick]
         self.grad_norm_ = result.grad_norm[pick]
         self.converged_ = result.converged[pick]
+        #: why each replicate's kept restart stopped: an entry of moelab.stats.lbfgs.REASONS
+        self.stop_reason_ = [REASONS[int(i)] for i in result.reason[pick]]
         self.hit_cap_ = ~self.converged_ & (self.n_iter_ >= self.steps)
         self.restart_losses_ = final
         self.loss_ = loss

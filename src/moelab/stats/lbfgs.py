@@ -16,17 +16,33 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["LBFGSResult", "batched_lbfgs"]
+__all__ = ["REASONS", "LBFGSResult", "batched_lbfgs"]
+
+#: why a replicate stopped (``LBFGSResult.reason`` indexes this tuple).  The first three are
+#: convergence; a replicate where no step was ever accepted (its loss not finite, or no step
+#: length lowering it from the start) has not converged, whatever its iteration count says.
+REASONS = (
+    "gradient",  # max-norm of the gradient <= gtol
+    "loss change",  # the loss changed by <= ftol·max(1, |loss|) in an iteration
+    "stalled after progress",  # no step length lowers the loss any more, after accepted steps
+    "iteration cap",  # max_iter iterations without meeting a stopping test
+    "no step accepted",  # no step length ever lowered the loss from the start
+    "loss not finite",  # the loss (or its gradient) is inf or nan where the fit stopped
+    "not tested",  # sgd/adam: a fixed number of steps, no convergence test
+)
+CONVERGED_REASONS = (0, 1, 2)
 
 
 @dataclass
 class LBFGSResult:
     """Per replicate: ``n_iter`` the iterations taken, ``grad_norm`` the final max-norm of the
-    gradient, ``converged`` whether the stopping criterion held before the cap ``max_iter``."""
+    gradient, ``converged`` whether the stopping criterion held before the cap ``max_iter``,
+    ``reason`` why it stopped (an index into :data:`REASONS`; ``None`` = not recorded)."""
 
     n_iter: Tensor
     grad_norm: Tensor
     converged: Tensor
+    reason: Tensor | None = None
 
 
 def _flat(tensors: list[Tensor], B: int) -> Tensor:
@@ -79,6 +95,8 @@ def batched_lbfgs(
     gamma = torch.ones(B, dtype=dtype)
     n_iter = torch.zeros(B, dtype=torch.long)
     done = g.abs().amax(dim=1) <= gtol
+    # per replicate: 0 gradient, 1 loss change, 2 stalled (indices into REASONS); -1 still running
+    why = torch.where(done, torch.zeros(B, dtype=torch.long), torch.full((B,), -1, dtype=torch.long))
     slot = 0
     for _ in range(max_iter):
         if bool(done.all()):
@@ -133,9 +151,20 @@ def batched_lbfgs(
             torch.where(moved, f_new, f),
             torch.where(moved[:, None], g_new, g),
         )
+        grad_ok = moved & (g.abs().amax(dim=1) <= gtol)
+        change_ok = moved & small_change & ~grad_ok
+        fresh = why < 0
+        why = torch.where(fresh & grad_ok, torch.zeros_like(why), why)
+        why = torch.where(fresh & change_ok, torch.ones_like(why), why)
+        why = torch.where(fresh & stalled & ~done, torch.full_like(why, 2), why)
         done = done | stalled | (moved & (small_change | (g.abs().amax(dim=1) <= gtol)))
     set_x(x)
     grad_norm = g.abs().amax(dim=1)
-    return LBFGSResult(
-        n_iter=n_iter, grad_norm=grad_norm, converged=done & (n_iter < max_iter) | (grad_norm <= gtol)
-    )
+    finite = torch.isfinite(f) & torch.isfinite(g).all(dim=1)
+    reason = torch.where(why < 0, torch.full_like(why, 3), why)  # still running: the cap
+    never = (why == 2) & (n_iter == 0)  # stalled before any accepted step: nothing was fitted
+    reason = torch.where(never, torch.full_like(reason, 4), reason)
+    reason = torch.where(finite & (grad_norm <= gtol), torch.zeros_like(reason), reason)
+    reason = torch.where(finite, reason, torch.full_like(reason, 5))
+    converged = (reason == 0) | (reason == 1) | (reason == 2)
+    return LBFGSResult(n_iter=n_iter, grad_norm=grad_norm, converged=converged, reason=reason)

@@ -20,41 +20,67 @@ from tqdm import tqdm
 
 from .._validate import non_negative, one_of, positive, positive_int
 from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE, _check_bound
+from .lbfgs import CONVERGED_REASONS, REASONS
 from .models import GaussianMoE, MoEParams, RegressionMoE
+from .paper_studies import PAPER_STUDIES, PAPER_THEORY, paper_series, run_paper_study
 from .rates import fit_rate, mean_table, slope_difference
 from .simulate import gaussian_truth, regression_truth, simulate_gaussian, simulate_regression
 from .voronoi import gaussian_voronoi_loss, voronoi_loss
 
 __all__ = ["STUDIES", "THEORY", "StudyConfig", "StudyResult", "bench", "run_study", "study_config"]
 
-STUDIES = ("cosine-vs-perturbed", "misspecified", "linear-vs-perturbed", "softmax-vs-competition")
+STUDIES = (
+    "cosine-vs-perturbed",
+    "misspecified",
+    "linear-vs-perturbed",
+    "softmax-vs-competition",
+    *PAPER_STUDIES,
+)
+PAPER_THEORY_STUDIES = frozenset(PAPER_STUDIES)
 STUDY_INITS = ("near", "random")
 
-#: reference slopes drawn dashed on the plots and written next to each rate: (study, loss) or
-#: (study, setting, loss) → [(slope, label)].  Rates for D, the Voronoi loss of the perturbed
-#: cosine router (2024) eq. (11), and the expert loss of the Gaussian study (exponent 1 in every
-#: cell: its rate is the slowest parameter rate).  The cosine router (minimax slower than any
-#: polynomial) and misspecified fits have no polynomial rate to draw; n^-1/2 is drawn for scale.
-THEORY: dict[tuple[str, ...], list[tuple[float, str]]] = {
+#: the rates the papers state, drawn dashed on the plots and written beside each fitted slope:
+#: (study, loss) or (study, setting, loss) → [(slope, label, routers)].  ``routers`` names the
+#: series the rate is stated for; a row of any other router gets no theory (blank): the cosine
+#: router (minimax slower than any polynomial), ridge and linear experts under softmax gating, a
+#: misspecified fit.  An entry with ``routers=()`` is drawn for scale only and never printed.
+THEORY: dict[tuple[str, ...], list[tuple[float, str, tuple[str, ...]]]] = {
     ("cosine-vs-perturbed", "exact-specified", "voronoi"): [
-        (-0.5, "n^-1/2: perturbed (perturbed cosine router (2024) Thm. 3)")
+        (-0.5, "n^-1/2: perturbed (perturbed cosine router (2024) Thm. 3)", ("perturbed",))
     ],
     ("cosine-vs-perturbed", "over-specified", "voronoi"): [
-        (-0.5, "n^-1/2: perturbed, D (perturbed cosine router (2024) Thm. 4)")
+        (-0.5, "n^-1/2: perturbed, D (perturbed cosine router (2024) Thm. 4)", ("perturbed",))
     ],
-    ("misspecified", "voronoi"): [(-0.5, "n^-1/2 (parametric, for scale)")],
-    ("linear-vs-perturbed", "voronoi"): [(-0.5, "n^-1/2 (parametric, for scale)")],
+    ("misspecified", "voronoi"): [(-0.5, "n^-1/2 (parametric, for scale)", ())],
+    ("linear-vs-perturbed", "voronoi"): [
+        (
+            -0.5,
+            "n^-1/2: perturbed, polynomial experts (perturbed cosine router (2024) Thm. A.2)",
+            ("perturbed",),
+        )
+    ],
     ("softmax-vs-competition", "expert"): [
-        (-0.25, "n^-1/4: competition (CompeteSMoE (2025) Thm. 3.2)"),
-        (-0.5, "n^-1/2 (parametric)"),
+        (-0.25, "n^-1/4: competition (CompeteSMoE (2025) Thm. 3.2)", ("competition", "competition-bias")),
+        (-0.5, "n^-1/2 (parametric, for scale)", ()),
     ],
-    ("softmax-vs-competition", "voronoi"): [(-0.5, "n^-1/2: CompeteSMoE (2025) Thm. 3.2, App. J")],
+    ("softmax-vs-competition", "voronoi"): [
+        (-0.5, "n^-1/2: CompeteSMoE (2025) Thm. 3.2, App. J", ("competition", "competition-bias"))
+    ],
 }
 
 
 def theory_slopes(study: str, setting: str, loss: str) -> list[tuple[float, str]]:
-    """The reference slopes of :data:`THEORY` for one panel (empty if none)."""
-    return THEORY.get((study, setting, loss), THEORY.get((study, loss), []))
+    """Every reference slope of :data:`THEORY` for one panel, for the plot (empty if none)."""
+    table = PAPER_THEORY if study in PAPER_THEORY_STUDIES else THEORY
+    entries = table.get((study, setting, loss), table.get((study, loss), []))
+    return [(slope, label) for slope, label, _ in entries]
+
+
+def stated_rates(study: str, setting: str, loss: str, router: str) -> list[dict[str, Any]]:
+    """The rates the papers state for one series (blank — empty — where they state none)."""
+    table = PAPER_THEORY if study in PAPER_THEORY_STUDIES else THEORY
+    entries = table.get((study, setting, loss), table.get((study, loss), []))
+    return [{"slope": slope, "label": label} for slope, label, routers in entries if router in routers]
 
 
 @dataclass
@@ -97,6 +123,8 @@ class StudyConfig:
     reference_n: int = 128000
     reference_steps: int = 200
     n_boot: int = 2000
+    #: inputs drawn per replicate to measure the L², Hellinger and total-variation distances (paper studies)
+    eval_n: int = 2000
     quick: bool = False
 
     def validate(self) -> StudyConfig:
@@ -132,6 +160,7 @@ class StudyConfig:
         positive_int("n_boot", self.n_boot)
         positive_int("reference_n", self.reference_n)
         positive_int("reference_steps", self.reference_steps)
+        positive_int("eval_n", self.eval_n)
         if len(self.sample_sizes) < 2 or len(set(self.sample_sizes)) < 2:
             raise ValueError(
                 f"sample_sizes={self.sample_sizes!r} is not allowed; expected >= 2 distinct sizes"
@@ -155,6 +184,11 @@ STUDY_DEFAULTS: dict[str, dict[str, Any]] = {
     "misspecified": {},
     "linear-vs-perturbed": {"expert": "polynomial", "degree": 2},
     "softmax-vs-competition": {"d": 2, "init_noise": 0.05},
+    **{
+        name: {"d": 2, "sample_sizes": [500, 1000, 2000, 4000, 8000], "replicates": 12, "steps": 300}
+        for name in PAPER_STUDIES
+    },
+    "replora": {"d": 3, "sample_sizes": [500, 1000, 2000, 4000, 8000], "replicates": 12, "steps": 300},
 }
 
 QUICK: dict[str, Any] = {
@@ -166,6 +200,31 @@ QUICK: dict[str, Any] = {
     "n_boot": 500,
     "quick": True,
 }
+#: the quick reductions of the paper studies (each under a minute)
+PAPER_QUICK: dict[str, Any] = {
+    "sample_sizes": [300, 600, 1200],
+    "replicates": 3,
+    "steps": 40,
+    "eval_n": 500,
+    "n_boot": 300,
+    "quick": True,
+}
+
+
+#: settings of the four older studies that the paper studies' fits do not use: refused, not ignored
+_NOT_IN_PAPER_STUDIES = frozenset(
+    {
+        "optimizer",
+        "batch_size",
+        "init",
+        "restarts",
+        "beta1_bound",
+        "eta_bound",
+        "reference_n",
+        "reference_steps",
+        "init_scale",
+    }
+)
 
 
 def study_config(study: str, quick: bool = False, seed: int = 0, **overrides: Any) -> StudyConfig:
@@ -173,8 +232,20 @@ def study_config(study: str, quick: bool = False, seed: int = 0, **overrides: An
     one_of("study", study, STUDIES)
     values: dict[str, Any] = dict(STUDY_DEFAULTS[study])
     if quick:
-        values.update(QUICK)
-    values.update({k: v for k, v in overrides.items() if v is not None})
+        values.update(PAPER_QUICK if study in PAPER_THEORY_STUDIES else QUICK)
+        if study in ("rate-grid", "competition-v1"):  # nine series / a top-K gate: a smaller quick grid
+            values.update({"sample_sizes": [200, 400, 800], "replicates": 2, "steps": 25})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if study in PAPER_THEORY_STUDIES:  # a value other than the study's own would be silently unused
+        own = StudyConfig(study=study, seed=seed, **values).validate()
+        for name in sorted(given):
+            unused = name in _NOT_IN_PAPER_STUDIES or (name == "tau" and study != "rate-grid")
+            if unused and given[name] != getattr(own, name):
+                raise ValueError(
+                    f"{name}={given[name]!r} is not allowed for study {study!r}: its fits are batched "
+                    "L-BFGS from near the truth (moelab.stats.mixtures.fit_params), which do not use it"
+                )
+    values.update(given)
     names = {f.name for f in dataclasses.fields(StudyConfig)}
     unknown = sorted(set(values) - names)
     if unknown:
@@ -228,11 +299,13 @@ class _Collector:
 
     def __init__(self) -> None:
         self.train: list[list[float]] = []
+        self.reasons: list[list[str]] = []
         self.diag: dict[str, list[list[float]]] = {name: [] for name in DIAGNOSTICS}
         self.estimates: dict[str, list[np.ndarray]] = {}
 
     def add(self, est: Any) -> None:
         self.train.append(est.loss_.tolist())
+        self.reasons.append(list(est.stop_reason_))
         self.diag["n_iter"].append(est.n_iter_.tolist())
         self.diag["grad_norm"].append(est.grad_norm_.tolist())
         self.diag["converged"].append(est.converged_.tolist())
@@ -250,6 +323,7 @@ class _Collector:
             estimates[f"target_{name}"] = t.detach().cpu().numpy()
         return {
             "train": np.array(self.train),
+            "reasons": self.reasons,
             "diag": {name: np.array(v, dtype=float) for name, v in self.diag.items()},
             "estimates": estimates,
         }
@@ -421,9 +495,12 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
     cfg.validate()
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    total = len(_series_plan(cfg)) * len(cfg.sample_sizes)
+    n_series = len(paper_series(cfg)) if cfg.study in PAPER_THEORY_STUDIES else len(_series_plan(cfg))
+    total = n_series * len(cfg.sample_sizes)
     with tqdm(total=total, desc=cfg.study, disable=not progress, leave=False) as bar:
-        if cfg.study == "softmax-vs-competition":
+        if cfg.study in PAPER_THEORY_STUDIES:
+            results = run_paper_study(cfg, gen, bar)
+        elif cfg.study == "softmax-vs-competition":
             results = _run_gaussian(cfg, gen, bar)
         else:
             results = _run_regression(cfg, gen, bar)
@@ -435,11 +512,12 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
         fit = fit_rate(cfg.sample_sizes, positive_loss, n_boot=cfg.n_boot, seed=cfg.seed)
         key = {"router": res["router"], "setting": res["setting"], "loss": res["loss_name"]}
         theory = [
-            {"slope": t, "label": label}
-            for t, label in theory_slopes(cfg.study, res["setting"], res["loss_name"])
+            {**t, "verdict": verdict(t["slope"], fit.ci_low, fit.ci_high)}
+            for t in stated_rates(cfg.study, res["setting"], res["loss_name"], res["router"])
         ]
         rates.append({**key, "k": res["k"], "slope": fit.slope, "ci_low": fit.ci_low, "ci_high": fit.ci_high,
-                      "intercept": fit.intercept, "target": res.get("target", "truth"), "theory": theory})  # fmt: skip
+                      "intercept": fit.intercept, "target": res.get("target", "truth"), "theory": theory,
+                      "converged": float(np.mean(res["diag"]["converged"]))})  # fmt: skip
         means.append(
             {**key, "n": list(cfg.sample_sizes), "mean": loss.mean(1).tolist(), "std": loss.std(1).tolist()}
         )
@@ -450,7 +528,9 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
         ):
             table.append({**key, "k": res["k"], **row, "converged": float(diag["converged"][s].mean()),
                           "hit_cap": float(diag["hit_cap"][s].mean()), "at_bound": float(at_bound[s].mean()),
-                          "median_iter": float(np.median(diag["n_iter"][s]))})  # fmt: skip
+                          "median_iter": float(np.median(diag["n_iter"][s])),
+                          "mc_se": float(res["mc_se"][s].mean()) if res.get("mc_se") is not None else "",
+                          "why_not": why_not_converged(res["reasons"][s])})  # fmt: skip
         for s, n in enumerate(cfg.sample_sizes):
             for r in range(loss.shape[1]):
                 rows.append(
@@ -462,6 +542,7 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
                         "value": loss[s, r],  # "loss" names which loss (expert or voronoi)
                         "train": res["train"][s, r],
                         **{name: diag[name][s, r] for name in DIAGNOSTICS},
+                        "stop_reason": res["reasons"][s][r],
                     }
                 )
         for name, array in res["estimates"].items():
@@ -474,6 +555,22 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
     return StudyResult(metrics, rows, estimates)
 
 
+def verdict(stated: float, ci_low: float, ci_high: float) -> str:
+    """A stated rate against the bootstrap interval of the fitted slope: ``consistent`` (inside),
+    ``faster`` (the interval lies below it: the error falls faster than stated) or ``slower``."""
+    if ci_low <= stated <= ci_high:
+        return "consistent"
+    return "faster" if ci_high < stated else "slower"
+
+
+def why_not_converged(reasons: list[str]) -> str:
+    """Why the replicates that did not converge stopped, most common first: ``"iteration cap 3/4;
+    no step accepted 1/4"`` (empty when every replicate converged)."""
+    bad = [r for r in reasons if r not in [REASONS[i] for i in CONVERGED_REASONS]]
+    counts = sorted(((bad.count(r), r) for r in set(bad)), key=lambda t: (-t[0], t[1]))
+    return "; ".join(f"{r} {c}/{len(reasons)}" for c, r in counts)
+
+
 def _differences(cfg: StudyConfig, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Slope of router a − slope of router b, with its bootstrap CI, for every pair of routers in
     the same (setting, loss) panel (their data are independent samples)."""
@@ -483,6 +580,8 @@ def _differences(cfg: StudyConfig, results: list[dict[str, Any]]) -> list[dict[s
         series = [r for r in results if (r["setting"], r["loss_name"]) == (setting, loss_name)]
         for i, a in enumerate(series):
             for b in series[i + 1 :]:
+                if cfg.study == "rate-grid" and a["router"].split("-", 1)[1] != b["router"].split("-", 1)[1]:
+                    continue  # the grid compares routers at a fixed expert
                 diff = slope_difference(
                     cfg.sample_sizes, np.maximum(a["loss"], 1e-300), np.maximum(b["loss"], 1e-300),
                     n_boot=cfg.n_boot, seed=cfg.seed,

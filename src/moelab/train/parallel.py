@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..balance import step_balance_loss
 from ..layer import aux_loss
 from .parallelize import (
     clip_grad_norm_,
@@ -51,7 +52,11 @@ class TrainForward(nn.Module):
 
     def forward(self, batch: Any) -> tuple[Tensor, Tensor, int]:
         task_loss, tokens = self.task.loss(self.model, batch)
-        return task_loss, aux_loss(self.model), tokens
+        # the global-scope losses from the step's statistics (one all-reduce, between the model's
+        # forward and the loss; moelab.balance), then the layers' own aux losses
+        balance = step_balance_loss(self.model)
+        aux = aux_loss(self.model)
+        return task_loss, aux if balance is None else aux + balance.to(aux.device), tokens
 
 
 class Parallel:

@@ -7,10 +7,12 @@
   turns every layer's :class:`moelab.ExpertBank` weights into ``DTensor`` sharded over the experts
   (``Shard(0)``) on the ``"ep"`` dimension of a 2-D device mesh ``("efsdp", "ep")``; the tokens go
   to the ranks holding their experts and back by ``all_to_all`` around the unchanged bank, which
-  runs on its local block (``to_local`` at its boundary, :attr:`moelab.ExpertBank.expert_weights`);
+  runs on its local block (``to_local`` at its boundary, the parallel bank's
+  :attr:`moelab.ExpertBank.expert_weights`);
 * **data parallelism**: ``dp="fsdp"`` applies FSDP2's ``fully_shard`` — the experts on the
   ``"efsdp"`` dimension (the ranks holding the same experts; dim-1 sharding when that degree
-  exceeds the local experts), every MoE layer and the root over all ranks — ``dp="ddp"`` wraps the
+  exceeds the local experts), every MoE layer, every block of a ``ModuleList`` (a transformer's
+  layers) and the root over all ranks — ``dp="ddp"`` wraps the
   model in ``DistributedDataParallel`` (expert weights left out: each rank's block is its own),
   ``dp="none"`` leaves the replicated parameters to the caller (the trainer wraps its own
   training forward in DDP).
@@ -21,12 +23,15 @@ bank's boundary; FSDP averages it over the ``efsdp`` ranks.  :func:`clip_grad_no
 whole model's norm over the shards; :func:`full_state_dict` / :func:`load_full_state_dict` and
 :func:`full_optimizer_state` / :func:`load_full_optimizer_state` go between the sharded model and
 the full (layout-independent) state through ``torch.distributed.checkpoint.state_dict``, so a run
-saved on ``W`` ranks resumes on any other number.  docs/scaling.md ("parallelize") has the rules.
+saved on ``W`` ranks resumes on any other number; :func:`save_sharded` / :func:`load_sharded` write
+and read each rank's shards with ``torch.distributed.checkpoint`` itself, re-sharded on load.
+docs/scaling.md ("parallelize") has the rules.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -34,9 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..experts import ExpertBank
-from ..experts.dispatch import Slots, dispatch, tracks_grad, winners_by_rerun
-from ..experts.kernels import ExpertWeights
-from ..experts.parallel import ExpertParallelBank, _all_to_all
+from ..experts.parallel import ExpertParallelBank, parallel_class
 from ..layer import moe_layers
 
 __all__ = [
@@ -46,7 +49,9 @@ __all__ = [
     "full_state_dict",
     "load_full_optimizer_state",
     "load_full_state_dict",
+    "load_sharded",
     "parallelize",
+    "save_sharded",
 ]
 
 DP_MODES = ("ddp", "fsdp", "none")
@@ -76,7 +81,7 @@ class ExpertParallel(_style_base()):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
-        if not isinstance(module, ExpertBank) or isinstance(module, _ExpertParallelBank):
+        if not isinstance(module, ExpertBank) or isinstance(module, ExpertParallelBank):
             raise ValueError(
                 f"experts of type {type(module).__name__} are not allowed with expert parallelism; it shards "
                 "a moelab.ExpertBank (once)"
@@ -98,105 +103,9 @@ class ExpertParallel(_style_base()):
                 mod.register_parameter(key, sharded)
 
         distribute_module(module, device_mesh, shard)
-        module.__class__ = _parallel_class(type(module))
+        module.__class__ = parallel_class(type(module))
         module._ep = (device_mesh, size, device_mesh.get_local_rank())
         return module
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _parallel_class(cls: type) -> type:
-    """``cls`` with the expert-parallel methods in front (the way FSDP2 swaps a module's class)."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (_ExpertParallelBank, cls), {})
-    return _CLASSES[cls]
-
-
-class _ExpertParallelBank(ExpertBank):
-    """The collectives of :class:`ExpertParallel` around the bank's own computation (mixed in
-    before the bank's class; ``super()`` is the unchanged bank running its local block)."""
-
-    _ep: tuple[Any, int, int]
-
-    @property
-    def expert_weights(self) -> ExpertWeights:
-        # a local expert's gradient sums the tokens of every rank of the expert mesh: 1/E makes it
-        # the gradient of the mean over those ranks, as DDP / FSDP average the rest
-        w = super().expert_weights
-        scale = 1.0 / self._ep[1]
-        return ExpertWeights(
-            *(None if t is None else _ScaleGrad.apply(t, scale) for t in w[:4]), w.activation
-        )
-
-    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
-        return dispatch(x, indices, weights, self.num_experts, self._exchange, tracks_grad(self, x, weights))
-
-    def expert_forward(self, x: Tensor, e: int) -> Tensor:
-        idx = torch.full((x.shape[0], 1), int(e), dtype=torch.int64, device=x.device)
-        return self.forward(x, idx, x.new_ones(x.shape[0], 1))
-
-    def forward_all(self, x: Tensor) -> Tensor:
-        mesh, E, _ = self._ep
-        group = mesh.get_group()
-        L = self.num_experts // E
-        T = x.shape[0]
-        sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(E)]
-        dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=group)
-        sizes = [int(s.item()) for s in sizes]
-        xg = _all_to_all(x.repeat(E, 1), sizes, [T] * E, group)  # (ΣT, d): every rank's tokens
-        if xg.shape[0] == 0:  # no tokens on any rank
-            return x.new_zeros(0, self.num_experts, self.d_model)
-        yg = super().forward_all(xg)  # (ΣT, L, d) the local block on every rank's tokens
-        yb = _all_to_all(yg.reshape(yg.shape[0], -1), [T] * E, sizes, group)  # (E·T, L·d)
-        return yb.view(E, T, L, self.d_model).permute(1, 0, 2, 3).reshape(T, E * L, self.d_model)
-
-    def forward_winners(self, x: Tensor, choose) -> tuple[Tensor, Tensor, Any]:
-        # one collective forward_all (not chunked: ranks with other token counts would make
-        # another number of calls), the winners again through the collective forward
-        return winners_by_rerun(self, x, choose, None)
-
-    def _exchange(self, xs: Tensor, slots: Slots) -> Tensor:
-        """The ``run`` step of :meth:`forward`: the expert-sorted rows to the ranks holding their
-        experts, the local block on what arrived, the outputs back in the order sent."""
-        mesh, E, _ = self._ep
-        group = mesh.get_group()
-        L = self.num_experts // E
-        counts = slots.counts
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)  # (E·L,) from each source, my L experts
-        recv_matrix = recv_counts.view(E, L)
-        send_splits = counts.view(E, L).sum(1).tolist()
-        recv_splits = recv_matrix.sum(1).tolist()
-        xr = _all_to_all(xs, recv_splits, send_splits, group)  # (R, d) by source, then local expert
-        local_ids = torch.arange(L, device=xs.device).repeat(E)
-        local_ids = local_ids.repeat_interleave(recv_matrix.reshape(-1), output_size=xr.shape[0])  # (R,)
-        if xr.shape[0] == 0:
-            # keep the autograd graph the same on every rank: the backward all_to_all is a collective
-            w = self.expert_weights
-            anchor = sum(t.reshape(-1)[:1].sum() for t in w[:4] if t is not None) * 0
-            yr = xr * 0 + anchor
-        else:
-            yr = super().forward(xr, local_ids.unsqueeze(1), xr.new_ones(xr.shape[0], 1))
-        return _all_to_all(yr, send_splits, recv_splits, group)  # (S, d) in the order sent
-
-    def extra_repr(self) -> str:
-        _, E, r = self._ep
-        L = self.num_experts // E
-        return f"{super().extra_repr()}, ep={E}, local=[{r * L}, {(r + 1) * L})"
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale``."""
-
-    @staticmethod
-    def forward(ctx, t: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad * ctx.scale, None
 
 
 # ---------------------------------------------------------------------------- parallelize
@@ -300,6 +209,18 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
             for method in ("forward_all", "expert_forward"):
                 register_fsdp_forward_method(layer.experts, method)
         fully_shard(layer, mesh=dp_mesh)
+    # the blocks of a ModuleList (a transformer's layers) each their own unit, as torchtitan wraps
+    # every transformer block: one block's full weights exist at a time, not the whole model's
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    blocks = [
+        child
+        for lst in model.modules()
+        if isinstance(lst, nn.ModuleList) and id(lst) not in inside
+        for child in lst
+        if id(child) not in inside
+    ]
+    for block in reversed(blocks):  # inner lists before the lists holding them
+        fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
 
@@ -314,7 +235,7 @@ def _refuse_parallel(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     for name, m in model.named_modules():
-        if isinstance(m, (FSDPModule, ExpertParallelBank, _ExpertParallelBank)) or any(
+        if isinstance(m, (FSDPModule, ExpertParallelBank)) or any(
             _is_dtensor(p) for p in m.parameters(recurse=False)
         ):
             raise ValueError(
@@ -394,3 +315,41 @@ def load_full_optimizer_state(
     groups = [{**saved, "params": [fqns[i] for i in saved["params"]]} for saved in full["param_groups"]]
     state = {"state": {fqns[i]: v for i, v in full["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def save_sharded(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Write the model (and optimizer) state to the folder ``path`` with
+    ``torch.distributed.checkpoint.save``: every rank writes its own shards, nothing is gathered
+    (a collective).  :func:`load_sharded` reads it on any layout and number of ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(model, optimizer), checkpoint_id=os.fspath(path))
+
+
+def load_sharded(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Read a :func:`save_sharded` folder into the parallelized ``model`` (and ``optimizer``),
+    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(model, optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    set_state_dict(
+        model,
+        [] if optimizer is None else optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optimizer", {}),
+    )
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}

@@ -8,7 +8,9 @@ docs/architecture.md ("The training loop") and docs/scaling.md.
 from __future__ import annotations
 
 import math
+import pickle
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,16 +22,18 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from ..errors import NonFiniteError, TrainingError
+from ..balance import StepBalance, attached_step_balance
+from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
-from ..layer import attach, moe_layers
-from ..metrics import routing_summary
+from ..layer import attach, aux_terms, moe_layers
+from ..metrics import max_violation, routing_loads, routing_summary
 from ..optim import build_optimizer, check_optimizer
 from ..routing import RoutingContext
 from ..schedules import LR_SCHEDULES, lr_factor, routing_context
 from . import checkpoint as ckpt
 from .parallel import Parallel, choose
+from .plots import CURVES_NAME, plot_log
 
 __all__ = [
     "Task",
@@ -227,11 +231,19 @@ class Trainer:
     def ckpt_dir(self) -> Path | None:
         return None if self.run is None else self.run.file("ckpt")
 
-    def _mean_over_ranks(self, task_loss: Tensor, aux: Tensor) -> tuple[float, float]:
-        """``(task loss, aux loss)`` as floats, averaged over the ranks (what rank 0 logs)."""
-        values = self.parallel.mean(torch.stack([task_loss.detach(), aux.detach().to(task_loss)]))
-        task_value, aux_value = values.tolist()
-        return task_value, aux_value
+    def _mean_over_ranks(self, task_loss: Tensor, aux: Tensor) -> tuple[float, float, dict[str, float]]:
+        """``(task loss, aux loss, the weighted aux terms by name)`` as floats, averaged over the
+        ranks (what rank 0 logs), in one collective."""
+        terms = aux_terms(self.model)
+        balance = attached_step_balance(self.model)  # the global-scope terms, left out of the layers'
+        for name, value in (getattr(balance, "last_terms", None) or {}).items():
+            terms[name] = terms.get(name, 0.0) + value.detach().float().cpu()
+        values = self.parallel.mean(
+            torch.stack(
+                [task_loss.detach(), aux.detach().to(task_loss), *(t.to(task_loss) for t in terms.values())]
+            )
+        ).tolist()
+        return values[0], values[1], dict(zip(terms, values[2:]))
 
     def _evaluate(self, split: str, max_tokens: int | None) -> dict[str, float]:
         was_training = self.model.training
@@ -255,6 +267,7 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
         generator = torch.Generator().manual_seed(cfg.seed + 1)
+        self._prune_checkpoints()
         saved = self._latest_checkpoint() if resume else None
         self.parallel.apply(self.model)  # after a resume has loaded the full weights
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -270,6 +283,7 @@ class Trainer:
             "train_time": 0.0,
             "recent_losses": [],
             "last_val": None,
+            "run_load": [],  # per MoE layer, the expert counts of every training step on every rank
         }
         start = self._resume(saved, optimizer, scheduler, generator, state) if resume else 0
         if start >= cfg.steps and self.run is not None and self.run.file("metrics.json").exists():
@@ -277,32 +291,65 @@ class Trainer:
         forward = self.parallel.wrap(self.model, self.task)
         self.model.train()
         bar = self._progress_bar(start)
-        for step in range(start, cfg.steps):
-            row = self._step(step, forward, params, optimizer, scheduler, generator, state)
-            done = step + 1
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                self._evaluate_and_keep_best(done, row, state)
-            self.ctx.advance()  # the step hooks (sharede-v3's bias), then ctx.step = done
-            if self.is_main and self.run is not None:
-                self.run.append_log(row)
-            if self.run is not None and (
-                (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
-            ):
-                self._checkpoint(done, optimizer, scheduler, generator, state)
-            if bar is not None:
-                self._show(bar, row, state)
+        # balance_scope="global" layers: the step's statistics over the ranks (moelab.balance),
+        # cleared by the step hooks of ctx.advance()
+        balance = StepBalance(self.model, self.ctx)
+        try:
+            for step in range(start, cfg.steps):
+                row = self._step(step, forward, params, optimizer, scheduler, generator, state)
+                done = step + 1
+                if done % cfg.eval_every == 0 or done == cfg.steps:
+                    self._evaluate_and_keep_best(done, row, state)
+                self.ctx.advance()  # the step hooks (selection biases, step statistics), then ctx.step = done
+                if self.is_main and self.run is not None:
+                    self.run.append_log(row)
+                if self.run is not None and (
+                    (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+                ):
+                    self._checkpoint(done, optimizer, scheduler, generator, state)
+                if bar is not None:
+                    self._show(bar, row, state)
+        finally:
+            balance.close()
         if bar is not None:
             bar.close()
         return self._finish(state)
 
     # ------------------------------------------------------------------ the loop's parts
+    def _prune_checkpoints(self) -> None:
+        """Keep the newest ``keep_ckpts`` checkpoints, as every checkpoint write does: a kill
+        between a checkpoint's rename and the removal of the oldest leaves one more.  Only when the
+        ones kept all verify (an older one is the fallback of a damaged newer one)."""
+        if not (self.is_main and self.ckpt_dir is not None):
+            return
+        found = ckpt.list_checkpoints(self.ckpt_dir)
+        extra, kept = found[: -self.config.keep_ckpts], found[-self.config.keep_ckpts :]
+        if not extra:
+            return
+        try:
+            for path in kept:
+                ckpt.verify_checkpoint(path)
+        except CheckpointError:
+            return
+        for path in extra:
+            shutil.rmtree(path, ignore_errors=True)
+
     def _latest_checkpoint(self) -> dict[str, Any] | None:
         """The training state of the newest good checkpoint, its weights loaded into the full
         model (a checkpoint never depends on the parallel layout); ``None`` without one."""
         if self.ckpt_dir is None:
             return None
         path = ckpt.latest_checkpoint(self.ckpt_dir)
-        return None if path is None else ckpt.load_checkpoint(path, self.model)
+        if path is None:
+            return None
+        try:
+            return ckpt.load_checkpoint(path, self.model)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # digests that match a crafted file
+            raise CheckpointError(
+                f"checkpoint {path}: {ckpt.STATE} cannot be read as a training state "
+                f"({str(exc).splitlines()[0][:120]}); nothing of it was run. Remove {path} to resume from "
+                "an older checkpoint, or pass --force to start afresh"
+            ) from None
 
     def _resume(self, saved, optimizer, scheduler, generator, state: dict[str, Any]) -> int:
         """Restore the optimizer, schedules, RNG streams and trainer state of ``saved``; return
@@ -331,7 +378,7 @@ class Trainer:
                 f"non-finite values at step {step + 1} ({exc}); stopped; {self._last_good()}. "
                 "Lower --lr or check the data"
             ) from exc
-        task_value, aux_value = self._mean_over_ranks(task_loss, aux)
+        task_value, aux_value, term_values = self._mean_over_ranks(task_loss, aux)
         if not math.isfinite(task_value + aux_value):  # the same decision on every rank
             raise TrainingError(
                 f"non-finite loss at step {step + 1} (task {task_value:.4g}, aux {aux_value:.4g}); "
@@ -368,6 +415,9 @@ class Trainer:
             "lr": lr,
             "loss": task_value,
             "aux_loss": aux_value,
+            # each weighted term of the aux loss (CompeteSMoE (2025) App. D.2 Fig. 7: the router's
+            # dynamics), summed over the layers
+            **{f"aux_{name}": value for name, value in term_values.items()},
             "grad_norm": grad_norm,
             "tokens": state["train_tokens"],
             "time_s": round(state["train_time"], 4),
@@ -375,13 +425,35 @@ class Trainer:
         if moe_layers(self.model):  # this step's routing (this rank's shard), from the forward's routings
             summary = routing_summary(self.model)
             row.update({k: "" if v is None else v for k, v in summary.items()})
+            self._add_run_load(state)
         row.update({"val_loss": "", f"val_{metric}": ""})
         return row
+
+    def _add_run_load(self, state: dict[str, Any]) -> None:
+        """Add the step's expert counts (summed over the ranks) to the run's, for MaxVio over the run."""
+        loads = routing_loads(self.model)
+        if any(load is None for load in loads):
+            return
+        flat = torch.cat(loads)
+        if self.world_size > 1:  # the same on every rank: the whole step's load
+            flat = self.parallel.mean(flat.to(next(self.model.parameters()).device)).cpu() * self.world_size
+        sizes = [load.numel() for load in loads]
+        step = [part.tolist() for part in flat.split(sizes)]
+        run = state["run_load"]
+        if len(run) != len(step) or any(len(a) != len(b) for a, b in zip(run, step)):
+            run = [[0.0] * n for n in sizes]
+        state["run_load"] = [[a + b for a, b in zip(ra, rb)] for ra, rb in zip(run, step)]
 
     def _evaluate_and_keep_best(self, done: int, row: dict[str, Any], state: dict[str, Any]) -> None:
         """Validate, fill ``row``'s validation columns, and save ``best/`` on an improvement."""
         metric = self.task.metric
-        val = self._evaluate("valid", self.config.eval_tokens)
+        try:
+            val = self._evaluate("valid", self.config.eval_tokens)
+        except NonFiniteError as exc:  # the routers saw NaN/inf before the metric did
+            raise TrainingError(
+                f"validation {metric} is not finite at step {done} ({exc}) although the training loss was; "
+                f"stopped before saving this step; {self._last_good()}. Lower --lr or check the data"
+            ) from exc
         if not math.isfinite(val[metric]):  # the same decision on every rank (the values are reduced)
             raise TrainingError(
                 f"validation {metric} is not finite at step {done} ({val[metric]}) although the training "
@@ -452,7 +524,13 @@ class Trainer:
         )
         if best:
             self.parallel.load_weights(self.model, lambda module: load_weights(self.run.file("best"), module))
-        test = self._evaluate("test", cfg.test_tokens)
+        try:
+            test = self._evaluate("test", cfg.test_tokens)
+        except NonFiniteError as exc:
+            raise TrainingError(
+                f"the test {metric} of the best-validation weights is not finite ({exc}); "
+                f"{self._last_good()}. Check the data"
+            ) from exc
         if best and self.is_main:  # best/ now records the routing context the test ran with
             save(
                 self.parallel.full_model(self.model),
@@ -482,9 +560,17 @@ class Trainer:
             "world_size": self.world_size,
             "seed": cfg.seed,
             "method": "+".join(sorted({layer.method for layer in moe_layers(self.model)})) or None,
+            # MaxVio of the load accumulated over the run's training steps (every rank), mean over the layers
+            "max_vio_run": (
+                sum(max_violation(torch.tensor(load)) for load in state["run_load"]) / len(state["run_load"])
+                if state.get("run_load")
+                else None
+            ),
             **self.extra_metrics,
         }
         if self.is_main and self.run is not None:
+            # the figure before metrics.json, which marks the run finished: a finished run has it
+            plot_log(self.run.file("log.csv"), self.run.file(CURVES_NAME), metric, metrics["method"] or "")
             self.run.write_metrics(metrics)
         return metrics
 

@@ -1,0 +1,293 @@
+"""Errors of a fitted MoE against the truth, beyond the Voronoi losses of :mod:`.voronoi`: the L²
+distance between regression functions (the perturbed cosine router (2024) Thms. 1 and 3), the
+expected Hellinger and total-variation distances between conditional densities of Gaussian MoE
+(CompeteSMoE (2024) Thm. 4.1, CompeteSMoE (2025) Prop. 3.1, Ho (2025)), each a Monte Carlo mean
+over inputs with its standard error; Voronoi losses with per-block exponents (Ho (2025)'s D₁/D₂),
+the maximum over K-subsets (CompeteSMoE (2024) eq. (9)), the infimum over the translations a
+softmax gate is identifiable up to (Ho (2025)), and r̄(m), the order of Ho (2025)'s polynomial
+system, computed.  docs/methods.md ("Errors and losses of the paper studies") gives the formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .._validate import positive_int
+from .voronoi import voronoi_cells
+
+__all__ = [
+    "Block",
+    "Estimate",
+    "density_distances",
+    "k_subset_voronoi",
+    "l2_distance",
+    "rbar",
+    "translation_inf",
+    "voronoi_d",
+]
+
+
+@dataclass
+class Estimate:
+    """A Monte Carlo estimate per replicate: ``value (R,)`` and its standard error ``se (R,)``."""
+
+    value: Tensor
+    se: Tensor
+
+
+def l2_distance(f_hat: Tensor, f_true: Tensor) -> Estimate:
+    """``‖f̂ − f*‖_{L²(μ)} = (E_X (f̂(X) − f*(X))²)^{1/2}`` from the two functions evaluated at
+    ``m`` inputs drawn from μ: ``(R, m)`` each.  The standard error is the delta method's,
+    ``se(mean of squares) / (2·value)``."""
+    sq = (f_hat - f_true) ** 2
+    m = sq.shape[-1]
+    mean = sq.mean(dim=-1)
+    value = mean.sqrt()
+    se_sq = sq.std(dim=-1) / math.sqrt(m) if m > 1 else torch.zeros_like(mean)
+    return Estimate(value, se_sq / (2 * value.clamp_min(torch.finfo(value.dtype).tiny)))
+
+
+def _gauss_hermite(nodes: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Nodes z and weights w with ``Σ w f(z) ≈ E f(Z)``, Z ~ N(0, 1)."""
+    z, w = np.polynomial.hermite_e.hermegauss(nodes)
+    return torch.as_tensor(z, dtype=dtype), torch.as_tensor(w / math.sqrt(2 * math.pi), dtype=dtype)
+
+
+def density_distances(
+    log_p_hat: Callable[[Tensor], Tensor],
+    log_p_true: Callable[[Tensor], Tensor],
+    true_weights: Tensor,
+    true_means: Tensor,
+    true_vars: Tensor,
+    *,
+    nodes: int = 40,
+) -> dict[str, Estimate]:
+    """``E_X[h(p̂(·|X), p*(·|X))]`` and ``E_X[V(p̂(·|X), p*(·|X))]`` for conditional densities of y.
+
+    ``h² = ½∫(√p̂ − √p*)² = 1 − ∫√(p̂ p*)`` (CompeteSMoE (2024) Thm. 4.1), ``V = ½∫|p̂ − p*|``
+    (CompeteSMoE (2025) Prop. 3.1).  The true density is a Gaussian mixture in y at every x:
+    ``p*(y|x) = Σ_j π_j(x) N(y | μ_j(x), v_j(x))`` with ``true_weights``, ``true_means``,
+    ``true_vars`` ``(R, m, c)`` at ``m`` inputs; the integral over y is Gauss–Hermite quadrature
+    (``nodes`` per component) of ``√(p̂/p*)`` and ``|p̂/p* − 1|`` under each component, exact
+    as ``nodes`` grows; the mean over the ``m`` inputs is Monte Carlo, with its standard error.
+
+    ``log_p_hat(y)`` / ``log_p_true(y)`` take ``y (R, m, Q)`` (Q points per input) and return
+    ``log p(y | x)`` ``(R, m, Q)``.
+    """
+    positive_int("nodes", nodes)
+    z, w = _gauss_hermite(nodes, true_means.dtype)
+    y = true_means.unsqueeze(-1) + true_vars.sqrt().unsqueeze(-1) * z  # (R, m, c, nodes)
+    R, m, c, q = y.shape
+    flat = y.reshape(R, m, c * q)
+    ratio_log = (log_p_hat(flat) - log_p_true(flat)).reshape(R, m, c, q)
+    weight = true_weights.unsqueeze(-1) * w  # (R, m, c, nodes)
+    affinity = (weight * (0.5 * ratio_log).exp()).sum(dim=(-1, -2))  # ∫√(p̂ p*) per input
+    h = (1 - affinity).clamp_min(0).sqrt()
+    tv = 0.5 * (weight * (ratio_log.exp() - 1).abs()).sum(dim=(-1, -2))
+    out = {}
+    for name, per_x in (("hellinger", h), ("tv", tv)):
+        se = per_x.std(dim=-1) / math.sqrt(m) if m > 1 else torch.zeros_like(per_x[..., 0])
+        out[name] = Estimate(per_x.mean(dim=-1), se)
+    return out
+
+
+#: one parameter block of a Voronoi loss: (fitted (R, k, p) or (R, k), true (R, k*, p) or
+#: (R, k*), exponent in singleton cells, exponent in a cell of m > 1 atoms as a function of m);
+#: a singleton exponent of None places the cells without adding to the loss
+Block = tuple[Tensor, Tensor, float | None, Callable[[int], float] | None]
+
+
+def _as3(t: Tensor) -> Tensor:
+    return t.unsqueeze(-1) if t.dim() == 2 else t
+
+
+def voronoi_d(
+    weights: Tensor | None,
+    blocks: Sequence[Block],
+    weights_true: Tensor | None,
+    *,
+    mass_term: bool = True,
+) -> Tensor:
+    """``Σ_j |Σ_{i∈A_j} wᵢ − w*_j| + Σ_j Σ_{i∈A_j} wᵢ Σ_b ‖Δ_b‖^{e_b(|A_j|)}`` — the Voronoi
+    losses of Ho (2025) (D₁ with exponents 1 | 2, D₂ with r̄(|A_j|) and r̄/2 per block) with
+    each block's own exponent, singleton and multi-atom cells apart.
+
+    Args:
+        weights: ``(R, k)`` atom weights (``exp(β₀)``, or ω), ``None`` = 1.
+        blocks: :data:`Block` tuples; cells are built on the concatenated blocks.
+        weights_true: ``(R, k*)`` or ``None`` = 1.
+        mass_term: include ``Σ_j |Σ_{i∈A_j} wᵢ − w*_j|``.
+
+    Returns:
+        ``(R,)`` losses.
+    """
+    fitted = [_as3(b[0]) for b in blocks]
+    true = [_as3(b[1]) for b in blocks]
+    R, k = fitted[0].shape[:2]
+    k_true = true[0].shape[1]
+    dtype = fitted[0].dtype
+    w = torch.ones(R, k, dtype=dtype) if weights is None else weights
+    w_true = torch.ones(R, k_true, dtype=dtype) if weights_true is None else weights_true
+    cells = voronoi_cells(torch.cat(fitted, -1), torch.cat(true, -1))
+    counts = torch.zeros(R, k_true, dtype=torch.long).scatter_add_(1, cells, torch.ones_like(cells))
+    size = counts.gather(1, cells)
+    cost = torch.zeros(R, k, dtype=dtype)
+    for (_, _, e_single, e_multi), est, tru in zip(blocks, fitted, true):
+        if e_single is None:  # a block that places the cells but costs nothing
+            continue
+        matched = tru.gather(1, cells.unsqueeze(-1).expand(-1, -1, tru.shape[-1]))
+        exponent = torch.full_like(cost, float(e_single))
+        for s in sorted({int(v) for v in size.flatten().tolist() if v > 1}):
+            exponent = torch.where(size == s, torch.as_tensor(float(e_multi(s)), dtype=dtype), exponent)
+        cost = cost + (est - matched).norm(dim=-1) ** exponent
+    loss = (w * cost).sum(dim=-1)
+    if mass_term:
+        mass = torch.zeros(R, k_true, dtype=dtype).scatter_add_(1, cells, w)
+        loss = loss + (mass - w_true).abs().sum(dim=-1)
+    return loss
+
+
+def k_subset_voronoi(blocks: Sequence[tuple[Tensor, Tensor]], top_k: int) -> Tensor:
+    """CompeteSMoE (2024) eq. (9): ``max over K-subsets {τ₁..τ_K} of [k*] of
+    Σ_j Σ_{i∈A_τj} Σ_b ‖Δ_b‖`` for exact-specified fits with top-K competition.  ``blocks`` are
+    ``(fitted (R, k, p), true (R, k*, p))`` pairs (scalars may drop p).  Returns ``(R,)``."""
+    fitted = [_as3(b[0]) for b in blocks]
+    true = [_as3(b[1]) for b in blocks]
+    k_true = true[0].shape[1]
+    positive_int("top_k", top_k)
+    if top_k > k_true:
+        raise ValueError(f"top_k={top_k} is not allowed; expected at most k*={k_true}")
+    cells = voronoi_cells(torch.cat(fitted, -1), torch.cat(true, -1))
+    cost = sum(
+        (est - tru.gather(1, cells.unsqueeze(-1).expand(-1, -1, tru.shape[-1]))).norm(dim=-1)
+        for est, tru in zip(fitted, true)
+    )
+    per_true = torch.zeros(cost.shape[0], k_true, dtype=cost.dtype).scatter_add_(1, cells, cost)
+    # the maximum over K-subsets of a sum of non-negative per-cell costs: the K largest cells
+    return per_true.topk(top_k, dim=-1).values.sum(dim=-1)
+
+
+def translation_inf(
+    loss: Callable[[Tensor, Tensor], Tensor],
+    beta0: Tensor,
+    beta1: Tensor,
+    beta0_true: Tensor,
+    beta1_true: Tensor,
+    *,
+    steps: int = 150,
+    lr: float = 0.05,
+) -> Tensor:
+    """``inf_{t₁, t₂} loss(β₀ − t₁, β₁ − t₂)``: a softmax gate is unchanged by a common shift
+    (t₁, t₂) of every (β₀ᵢ, β₁ᵢ), so Ho (2025)'s Voronoi loss takes the infimum over them.
+
+    ``loss(beta0, beta1) -> (R,)`` evaluates the loss of the shifted fitted gate.  The search
+    starts from the better of no shift and the shift that centres the fitted gate on the true
+    one (weighted means; exact when the fit is the truth shifted), then runs Adam for ``steps``
+    steps and keeps the smallest value seen, so the result is never above the unshifted loss.
+    """
+    w = beta0.exp()
+    w_true = beta0_true.exp()
+    t1 = (w.sum(-1).log() - w_true.sum(-1).log()).detach()
+    # β₁ centre of mass of each side (weights normalised): the shift that maps one onto the other
+    c = (w / w.sum(-1, keepdim=True)).unsqueeze(-1)
+    c_true = (w_true / w_true.sum(-1, keepdim=True)).unsqueeze(-1)
+    t2 = ((c * beta1).sum(1) - (c_true * beta1_true).sum(1)).detach()
+    with torch.no_grad():
+        base = loss(beta0, beta1)
+        centred = loss(beta0 - t1.unsqueeze(-1), beta1 - t2.unsqueeze(1))
+    use = centred < base
+    best = torch.minimum(base, centred)
+    s1 = torch.where(use, t1, torch.zeros_like(t1)).clone().requires_grad_(True)
+    s2 = torch.where(use.unsqueeze(-1), t2, torch.zeros_like(t2)).clone().requires_grad_(True)
+    opt = torch.optim.Adam([s1, s2], lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        value = loss(beta0 - s1.unsqueeze(-1), beta1 - s2.unsqueeze(1))
+        best = torch.minimum(best, value.detach())
+        value.sum().backward()
+        opt.step()
+    with torch.no_grad():
+        best = torch.minimum(best, loss(beta0 - s1.unsqueeze(-1), beta1 - s2.unsqueeze(1)))
+    return best
+
+
+# ------------------------------------------------------------------------------------------- r̄(m)
+
+
+def _index_set(l1: int, l2: int) -> list[tuple[int, int, int, int]]:
+    """``I_{ℓ₁,ℓ₂}`` for d = 1: α₁ + α₂ = ℓ₁, α₂ + α₃ + 2α₄ = ℓ₂."""
+    out = []
+    for a2 in range(min(l1, l2) + 1):
+        for a4 in range((l2 - a2) // 2 + 1):
+            out.append((l1 - a2, a2, l2 - a2 - 2 * a4, a4))
+    return out
+
+
+def _system(r: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The monomials of the order-r system: exponents ``(T, 4)``, coefficients ``(T,)``, the
+    equation of each ``(T,)`` and each equation's degree ℓ₁ + ℓ₂ ``(Q,)``."""
+    exps, coefs, eqs, degrees = [], [], [], []
+    for order in range(1, r + 1):
+        for l1 in range(order + 1):
+            for a in _index_set(l1, order - l1):
+                exps.append(a)
+                coefs.append(1.0 / math.prod(math.factorial(v) for v in a))
+                eqs.append(len(degrees))
+            degrees.append(order)
+    return (
+        torch.tensor(exps, dtype=dtype),
+        torch.tensor(coefs, dtype=dtype),
+        torch.tensor(eqs),
+        torch.tensor(degrees, dtype=dtype),
+    )
+
+
+def _system_residual(p: Tensor, r: int) -> Tensor:
+    """Scale-free residual of Ho (2025)'s system at order r, d = 1: ``p (B, m, 5)`` holds
+    (p₁, p₂, p₃, p₄, v) per atom with p₅² = softmax(v) (every p₅ ≠ 0).  Each equation of degree
+    ℓ₁ + ℓ₂ (p₁, p₃ weight 1; p₂, p₄ weight 2) is divided by ``N^{(ℓ₁+ℓ₂)/2}``, N = Σ_j p₅ⱼ² p₃ⱼ²,
+    so a solution with every p₃ = 0 (trivial) is never a zero."""
+    exps, coefs, eqs, degrees = _system(r, p.dtype)
+    w = p[..., 4].softmax(dim=-1)  # (B, m)
+    mono = (p[..., :4].unsqueeze(-2) ** exps).prod(dim=-1)  # (B, m, T)
+    terms = (w.unsqueeze(-1) * mono).sum(dim=1) * coefs  # (B, T)
+    values = torch.zeros(p.shape[0], len(degrees), dtype=p.dtype).index_add_(1, eqs, terms)
+    norm = (w * p[..., 2] ** 2).sum(-1, keepdim=True).clamp_min(1e-300)
+    return (values**2 / norm**degrees).sum(dim=-1)
+
+
+def rbar(m: int, *, max_r: int = 8, starts: int = 256, seed: int = 0, tol: float = 1e-12) -> int:
+    """r̄(m) of Ho (2025): the smallest r for which the polynomial system of order r (d = 1) has
+    no non-trivial solution (every p₅ⱼ ≠ 0, some p₃ⱼ ≠ 0), found numerically: for r = 1, 2, …
+    minimise the scale-free residual from ``starts`` random points (batched L-BFGS); a minimum
+    below ``tol`` is a solution.  A numerical search, not a proof; returns ``max_r + 1`` when
+    every order up to ``max_r`` has a solution.
+    """
+    from .lbfgs import batched_lbfgs
+
+    positive_int("m", m)
+    positive_int("max_r", max_r)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread (10× faster on a loaded machine), restored after
+    try:
+        return _rbar(m, max_r, starts, seed, tol, batched_lbfgs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rbar(m: int, max_r: int, starts: int, seed: int, tol: float, batched_lbfgs) -> int:
+    gen = torch.Generator().manual_seed(seed)
+    for r in range(1, max_r + 1):
+        x = torch.randn(starts, m, 5, generator=gen, dtype=torch.float64).requires_grad_(True)
+        batched_lbfgs(lambda x=x, r=r: _system_residual(x, r), [x], max_iter=800, gtol=1e-14, ftol=0.0)
+        with torch.no_grad():
+            best = float(_system_residual(x, r).min())
+        if not best < tol:
+            return r
+    return max_r + 1
