@@ -65,7 +65,8 @@ def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
 def _check_layer(rank: int, world: int, method: str) -> dict[str, float]:
     """Forward, input/router/expert gradients and the sharede-v3 bias update of one layer."""
     torch.manual_seed(0)
-    ref = moelab.MoE(D, 8, 2, d_hidden=6, method=method, impl="loop").double()
+    # no aux loss: a training forward attaches it to the output, and a rank's balance is its shard's
+    ref = moelab.MoE(D, 8, 2, d_hidden=6, method=method, impl="loop", balance_coef=0.0, z_coef=0.0).double()
     ep = copy.deepcopy(ref)
     x, c, sizes = _data(1, world)
     xr = x.clone().requires_grad_()
@@ -157,7 +158,10 @@ def _check_competition(rank: int, world: int) -> dict[str, float]:
 def _check_ddp(rank: int, world: int) -> dict[str, float]:
     """DDP over the replicated parameters + expert parallelism = the gradient of the mean loss."""
     torch.manual_seed(5)
-    ref = nn.Sequential(nn.Linear(D, D), moelab.MoE(D, 8, 2, method="smoe", impl="loop")).double()
+    # no aux loss: a training forward attaches it to the output, where its per-rank balance differs from
+    # the whole batch's (the global balance scope is tested in test_balance.py)
+    moe = moelab.MoE(D, 8, 2, method="smoe", impl="loop", balance_coef=0.0, z_coef=0.0)
+    ref = nn.Sequential(nn.Linear(D, D), moe).double()
     model = copy.deepcopy(ref)
     x, c, sizes = _data(6, world)
     ((ref(x) * c).sum() / world).backward()

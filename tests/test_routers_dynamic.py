@@ -86,8 +86,7 @@ def test_top_p_dynamic_loss_lowers_the_experts_a_token_takes():
     before = layer.last_routing.mask.sum(1).float().mean().item()
     for _ in range(30):
         opt.zero_grad()
-        layer(x)
-        layer.aux_loss.backward()
+        (layer(x).sum() * 0.0).backward()  # the aux loss alone (its gradient rides on the output's graph)
         opt.step()
     layer(x)
     assert before > 2.0 and layer.last_routing.mask.sum(1).float().mean().item() < 1.5

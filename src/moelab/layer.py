@@ -242,7 +242,8 @@ class MoE(nn.Module):
                     "(the competition routes by the experts' outputs)"
                 )
         self.router_dtype: str | None = router_dtype
-        capacity = options.get("capacity_factor")
+        # a router with a capacity of its own (expert-choice) takes the option; the layer's is for top-K routers
+        capacity = None if "capacity_factor" in allowed_router else options.get("capacity_factor")
         self.capacity_factor = None if capacity is None else _validate.positive("capacity_factor", capacity)
         self.token_drop_policy = _validate.one_of(
             "token_drop_policy", options.get("token_drop_policy", "probs"), TOKEN_DROP_POLICIES
@@ -315,7 +316,7 @@ class MoE(nn.Module):
     def aux_values(self) -> dict[str, Tensor]:
         """The weighted aux terms ``coef · loss`` of the last training forward by name (detached;
         their sum is ``aux_loss``); the terms with a zero coefficient are left out."""
-        values = self._aux_values.detach().float().clone()
+        values = self._aux_values.detach().clone()
         return {n: values[1 + i] for i, n in enumerate(self.aux_names()) if n in self.coefs}
 
     @property
@@ -349,12 +350,13 @@ class MoE(nn.Module):
             self._dropped.zero_()
 
     def _apply(self, fn, recurse: bool = True):
-        """``to`` / ``half`` / ``bfloat16`` cast the layer; its aux bookkeeping stays float32 (a
-        bf16 aux scale of 1/3 would be 0.334, refused against the loss's exact 1/3)."""
+        """``to`` / ``half`` / ``bfloat16`` cast the layer; its aux bookkeeping stays at least float32
+        (a bf16 aux scale of 1/3 would be 0.334, refused against the loss's exact 1/3), and a float64
+        layer keeps its aux values in float64."""
         super()._apply(fn, recurse)
         for name in ("_aux_values", "_aux_scale", "_dropped"):
             buffer = self._buffers.get(name)
-            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+            if buffer is not None and buffer.dtype in (torch.float16, torch.bfloat16):
                 self._buffers[name] = buffer.float()
         return self
 
@@ -499,9 +501,10 @@ class MoE(nn.Module):
             self._aux_values.zero_()
             return y
         names = self.aux_names()
-        total = sum(terms.values(), y.new_zeros((), dtype=torch.float32))
-        values = [total.detach().float()]
-        values += [terms[n].detach().float() if n in terms else values[0].new_zeros(()) for n in names]
+        dtype = self._aux_values.dtype
+        total = sum(terms.values(), y.new_zeros((), dtype=torch.promote_types(dtype, torch.float32)))
+        values = [total.detach().to(dtype)]
+        values += [terms[n].detach().to(dtype) if n in terms else values[0].new_zeros(()) for n in names]
         values += [values[0].new_zeros(())] * (1 + _MAX_TERMS - len(values))
         self._aux_values.copy_(torch.stack(values))
         return _AuxLossInjection.apply(y, total, self._aux_scale)
