@@ -182,3 +182,13 @@ def test_a_replicate_where_no_step_is_accepted_is_not_converged_and_the_table_sa
     assert "no step accepted" in printed
     assert printed.count("no replicate converged") == len(metrics["rates"])
     assert all(r["converged"] == 0.0 for r in metrics["rates"])
+
+
+@pytest.mark.parametrize("flag", ["--replicates", "--restarts"])
+def test_sizes_beyond_the_machines_memory_are_refused_before_anything_runs(tmp_path, capsys, flag):
+    out = tmp_path / "sim"
+    args = ["simulate", "--study", "cosine-vs-perturbed", "--quick", flag, "4096000000", "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}=4096000000 is not allowed here: the batched fits would need at least" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -181,8 +181,21 @@ def _execute(config: SimulateConfig, run: runner.Run) -> dict[str, Any]:
     return result.metrics
 
 
+def _memory_need(config: SimulateConfig) -> int:
+    """A lower bound (bytes) of what the batched fits hold at once: every replicate and restart keeps
+    the largest sample's inputs, responses and the k experts' responsibilities in float64."""
+    n = max(config.sample_sizes or (1,))
+    k = (config.k_true or 2) + (config.extra_experts or 1)
+    return 8 * (config.replicates or 1) * (config.restarts or 1) * n * ((config.d or 4) + k + 1)
+
+
+def _prepare(config: SimulateConfig, world: int) -> None:
+    """Sizes that cannot fit in memory are refused before anything is allocated, naming the flag."""
+    runner.check_memory(config, _memory_need, {"replicates": 20, "restarts": 1}, "the batched fits")
+
+
 #: ``moelab simulate`` as the run lifecycle sees it
-SIMULATE = runner.Command("simulate", SimulateConfig, _execute, resolve=resolve)
+SIMULATE = runner.Command("simulate", SimulateConfig, _execute, resolve=resolve, prepare=_prepare)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
