@@ -111,7 +111,9 @@ def test_report_tabulates_the_diagnostics_over_runs(run_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 0
     text = capsys.readouterr().out
-    assert "routing diagnostics (moelab diagnose)" in text and "router_entropy_mean" in text
+    assert "routing diagnostics (moelab diagnose, on the first 128 test tokens)" in text
+    assert "router_entropy_mean" in text and "  jain_mean\n" in text and "  saturation_area\n" in text
+    assert (tmp_path / "rep" / "diagnostics_curves.png").is_file()
     assert (tmp_path / "rep" / "diagnostics.csv").read_text().startswith("diagnostic,group,mean,sd,n,p")
 
 
@@ -197,3 +199,12 @@ def test_diagnose_without_two_checkpoints_says_it_draws_no_curves(run_dir, tmp_p
     d = json.loads((run / "diagnostics.json").read_text())
     assert d["expert_change_rate"] is None and d["saturation_area"] is None and "saturation" not in d
     assert d["figures"] == {"router_distributions.png": 16} and not (run / "diagnostics_curves.png").exists()
+    assert main(["report", str(run), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "expert_change_rate (fewer than two kept checkpoints: train with --ckpt-every N --keep-ckpts all)"
+        in out
+    )
+    assert (
+        "\n  expert_change_rate\n" not in out and not (tmp_path / "rep" / "diagnostics_curves.png").exists()
+    )

@@ -471,45 +471,167 @@ def write_report(
     if diagnostics is not None:
         text += "\n\n" + diagnostics[0]
         atomic_write_text(out / "diagnostics.csv", _csv_text(diagnostics[1]))
+        diagnostic_rows = plot_diagnostic_curves(groups, out / "diagnostics_curves.png")
+        if diagnostic_rows:
+            atomic_write_text(out / "diagnostics_curves.csv", _csv_text(diagnostic_rows))
+            text += (
+                f"\nrouting curves over training ({_tokens_note(groups)}): diagnostics_curves.png, "
+                "diagnostics_curves.csv"
+            )
     if curve_rows:
         text += "\n\n" + curves_text
     atomic_write_text(out / "table.txt", text + "\n")
     return text
 
 
+def _diagnostics(run: Run) -> dict[str, Any] | None:
+    """The run's ``diagnostics.json`` (``moelab diagnose``), or ``None`` where it has none."""
+    f = run.path / "diagnostics.json"
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{f} cannot be read ({exc}); run moelab diagnose {run.path} again") from None
+
+
+def _tokens_note(groups: list[Group]) -> str:
+    """How many test tokens the diagnostics used: the first N of the test split, per run."""
+    used = sorted({d.get("tokens_used") for g in groups for r in g.runs if (d := _diagnostics(r))} - {None})
+    if not used:
+        return ""
+    n = str(used[0]) if len(used) == 1 else f"{used[0]} to {used[-1]}"
+    return f"on the first {n} test tokens"
+
+
 def diagnostics_table(groups: list[Group], reference: str | None) -> tuple[str, list[dict[str, Any]]] | None:
     """The scalar routing diagnostics (``moelab diagnose``'s ``diagnostics.json`` in the runs):
-    mean ± sd over each group's runs and the Welch p against the reference group; ``None`` when no
-    run has been diagnosed."""
+    mean ± sd over each group's runs and the Welch p against the reference group (the reference's
+    own line says ``reference``); a diagnostic no run has is named on one line, not given an empty
+    heading.  ``None`` when no run has been diagnosed."""
     from .diagnose import SCALARS
 
     def values(g: Group, key: str) -> list[float]:
         out = []
         for r in g.runs:
-            f = r.path / "diagnostics.json"
-            v = json.loads(f.read_text()).get(key) if f.is_file() else None
+            v = (_diagnostics(r) or {}).get(key)
             if v is not None:
                 out.append(float(v))
         return out
 
-    if not any((r.path / "diagnostics.json").is_file() for g in groups for r in g.runs):
+    if not any(_diagnostics(r) is not None for g in groups for r in g.runs):
         return None
     ref = next((g for g in groups if g.label == reference or g.method == reference), None)
-    lines = ["routing diagnostics (moelab diagnose): mean ± sd over runs, Welch p against "
-             f"{ref.label if ref else '—'}"]  # fmt: skip
+    lines = [f"routing diagnostics (moelab diagnose, {_tokens_note(groups)}): mean ± sd over runs, Welch p "
+             f"against {ref.label if ref else '—'}"]  # fmt: skip
     rows = []
+    absent = []
     for key in SCALARS:
+        if not any(values(g, key) for g in groups):
+            absent.append(key)
+            continue
         lines.append(f"  {key}")
         for g in groups:
             v = values(g, key)
             if not v:
                 continue
             m, s = summary.mean_sd(v)
-            p = summary.welch(v, values(ref, key)).p if ref is not None and g is not ref else None
-            p_text = MISSING if p is None or math.isnan(p) else f"{p:.3g}"
-            lines.append(f"    {g.label:<28} {_fmt(m):>10} ± {_fmt(s)} (n={len(v)})  p={p_text}")
+            if g is ref:
+                p, p_text = None, "reference"
+            else:
+                p = summary.welch(v, values(ref, key)).p if ref is not None else None
+                p_text = "p=" + (MISSING if p is None or math.isnan(p) else f"{p:.3g}")
+            lines.append(f"    {g.label:<28} {_fmt(m):>10} ± {_fmt(s)} (n={len(v)})  {p_text}")
             rows.append({"diagnostic": key, "group": g.label, "mean": m, "sd": s, "n": len(v), "p": p})
+    if absent:
+        # null in a file: the run cannot have it; missing: the file predates the key
+        why = {
+            "expert_change_rate": "fewer than two kept checkpoints: train with --ckpt-every N --keep-ckpts all",
+            "saturation_area": "fewer than two kept checkpoints",
+            "swap_top1_delta": "top_k = num_experts",
+            "swap_topk_delta": "top_k = num_experts",
+            "router_entropy_mean": "no router distribution",
+            "router_entropy_sd_mean": "no router distribution",
+        }
+        files = [d for g in groups for r in g.runs if (d := _diagnostics(r)) is not None]
+        named = [f"{k} ({why.get(k, 'null')})" for k in absent if any(k in d for d in files)]
+        missing = [k for k in absent if not any(k in d for d in files)]
+        if missing:
+            named.append(f"{', '.join(missing)} (not in diagnostics.json: run moelab diagnose again)")
+        lines.append("  not in any run: " + "; ".join(named))
     return "\n".join(lines), rows
+
+
+#: the curves over training ``report`` draws with seed bands: diagnostics.json key and panel title
+CURVES = (
+    ("saturation_mean", "router saturation vs final checkpoint"),
+    ("change_rate_mean", "change rate vs previous checkpoint"),
+    ("jain_curve_mean", "Jain's index of the load"),
+)
+
+
+def diagnostic_curve_stats(group: Group, key: str) -> tuple[list[int], list[float], list[float | None], int]:
+    """A diagnostics curve (``key`` of :data:`CURVES`, the mean over layers) over the group's diagnosed
+    runs with curves: ``(steps, mean, sd, n_runs)`` at the steps every such run has a value at (sd: the
+    sample standard deviation, ``None`` for one run)."""
+    curves = []
+    for r in group.runs:
+        d = _diagnostics(r) or {}
+        if d.get(key) is not None and d.get("curve_steps"):
+            curves.append({s: v for s, v in zip(d["curve_steps"], d[key]) if v is not None})
+    if not curves:
+        return [], [], [], 0
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    stats = [summary.mean_sd([c[step] for c in curves]) for step in common]
+    return common, [m for m, _ in stats], [s for _, s in stats], len(curves)
+
+
+def plot_diagnostic_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
+    """Ho (2025)'s curves over training per group (router saturation, change rate, Jain's index; each
+    the mean over layers): the mean over the group's runs with a band ± one sd, a panel each; drawn
+    only where some run has curves.  Returns the CSV rows (``curve, group, step, n, mean, sd``)."""
+    rows = []
+    for key, _ in CURVES:
+        for g in groups:
+            steps, mean, sd, n = diagnostic_curve_stats(g, key)
+            rows += [
+                {"curve": key, "group": g.label, "step": st, "n": n, "mean": m, "sd": s}
+                for st, m, s in zip(steps, mean, sd)
+            ]
+    if not rows:
+        return rows
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(13, 4))
+    colours = plt.get_cmap("tab10").colors
+    for ax, (key, title) in zip(axes, CURVES):
+        for i, g in enumerate(groups):
+            steps, mean, sd, n = diagnostic_curve_stats(g, key)
+            if not steps:
+                continue
+            colour = colours[i % len(colours)]
+            ax.plot(steps, mean, color=colour, marker="o", markersize=3, label=f"{g.label} (n={n})")
+            if n > 1:
+                low = [m - (s or 0.0) for m, s in zip(mean, sd)]
+                high = [m + (s or 0.0) for m, s in zip(mean, sd)]
+                ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"routing over training, mean over layers (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
