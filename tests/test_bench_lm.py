@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
+import moelab
 from moelab.bench.lm import format_throughput
 from moelab.cli import main
 
@@ -44,3 +46,17 @@ def test_bench_lm_rejects_bad_flags_in_one_line(capsys, flag, value, match):
     err = capsys.readouterr().err
     assert err.startswith("moelab bench: error: ") and err.count("\n") == 1
     assert re.search(match, err), err
+
+
+def test_mixtral_native_and_converted_compute_the_same_model_and_are_timed():
+    pytest.importorskip("transformers")
+    from moelab.bench.lm import benchmark_throughput, mixtral_models
+
+    models = mixtral_models("cpu")
+    x = torch.randint(256, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        native, converted = (m.eval()(input_ids=x).logits for m in models.values())
+    torch.testing.assert_close(converted, native, rtol=1e-4, atol=1e-5)
+    assert moelab.layer.moe_layers(models["mixtral converted"])  # moelab's layers inside
+    names = [name for name, tps in benchmark_throughput("cpu", ("smoe",), rounds=1, steps=1, mixtral=True)]
+    assert names == ["smoe", "dense", "mixtral native", "mixtral converted"]

@@ -178,16 +178,27 @@ def test_compare_sweep_is_validated(capsys, tmp_path):
             {"config.yaml": "command: finetune\n"},
             "is not the config of a moelab train run (command='finetune'); expected a language-model run",
         ),
-        ({"config.yaml": "command: train\n"}, "has no tokenizer.json"),
+        ({"config.yaml": None}, "has no tokenizer.json"),
+        ({"config.yaml": "command: train\n"}, "lacks the recorded settings --task, --data"),
     ],
 )
 def test_finetune_refuses_a_run_that_is_not_a_finished_lm(capsys, tmp_path, setup, message):
     run = tmp_path / "lm"
     run.mkdir()
     for name, text in setup.items():
-        (run / name).write_text(text)
+        (run / name).write_text(text if text is not None else _train_config_yaml())
     err = error_of(capsys, ["finetune", "--from", str(run), "--out", str(tmp_path / "o"), "--task", "x.csv"])
     assert err.startswith("moelab finetune: error: --from ") and message in err, err
+
+
+def _train_config_yaml(**fields) -> str:
+    """A complete config.yaml of a `moelab train` run (every recorded setting), as the runner writes it."""
+    import yaml
+
+    from moelab.experiments import runner
+    from moelab.experiments.lm import TrainRun
+
+    return yaml.safe_dump({"command": "train", **runner.plain(TrainRun(**fields)), "recorded": {}})
 
 
 def test_finetune_refuses_an_lm_run_without_weights(capsys, tmp_path):
@@ -195,9 +206,7 @@ def test_finetune_refuses_an_lm_run_without_weights(capsys, tmp_path):
 
     run = tmp_path / "lm"
     run.mkdir()
-    (run / "config.yaml").write_text(
-        "command: train\nsize: cpu\narch: switch\nmethod: smoe\nblock_size: 8\nnum_experts: 4\n"
-    )
+    (run / "config.yaml").write_text(_train_config_yaml(size="cpu", block_size=8, num_experts=4))
     (run / "tokenizer.json").write_text(json.dumps(ByteTokenizer().state()))
     err = error_of(capsys, ["finetune", "--from", str(run), "--out", str(tmp_path / "o"), "--task", "x.csv"])
     assert "holds no saved model (best/ or ckpt/step-*/)" in err
