@@ -182,15 +182,16 @@ def test_diagnose_curves_come_from_every_kept_checkpoint_and_match_the_metrics(r
     assert [p.shape for p in probs] == [(16, 4), (16, 4)]
 
 
-def test_diagnose_without_two_checkpoints_says_it_draws_no_curves(run_dir, tmp_path, capsys):
+def test_diagnose_without_two_checkpoints_says_it_draws_no_curves(run_dir, tmp_path, capsys, monkeypatch):
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     for step in (1, 2, 3):
         shutil.rmtree(run / "ckpt" / f"step-{step:08d}")
-    for name in ("diagnostics.json", "diagnostics_curves.png"):
-        (run / name).unlink(missing_ok=True)
+    (run / "diagnostics_curves.png").write_bytes(
+        b"\x89PNG"
+    )  # as an earlier diagnose with every checkpoint left it
     assert main(["diagnose", str(run), "--tokens", "64"]) == 0
     assert (
         "no curves over training (fewer than two checkpoints: train with --ckpt-every N --keep-ckpts all)"
@@ -208,3 +209,12 @@ def test_diagnose_without_two_checkpoints_says_it_draws_no_curves(run_dir, tmp_p
     assert (
         "\n  expert_change_rate\n" not in out and not (tmp_path / "rep" / "diagnostics_curves.png").exists()
     )
+    # a router without a distribution (pure competition): no heatmap, and the output says so
+    monkeypatch.setattr(metrics, "router_distributions", lambda model, batch: [None, None])
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    assert (
+        "router_distributions.png: not drawn (no MoE layer has a router distribution)"
+        in capsys.readouterr().out
+    )
+    assert json.loads((run / "diagnostics.json").read_text())["figures"] == {}
+    assert not (run / "router_distributions.png").exists()

@@ -281,6 +281,9 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     drawn = plot_router_distributions(probs, config.method, path / FIGURES[1])
     if drawn:
         figures[FIGURES[1]] = drawn
+    for name in FIGURES:  # a figure of an earlier diagnose that this one does not draw would mislead
+        if name not in figures and (path / name).is_file():
+            (path / name).unlink()
     out["figures"] = figures  # each figure's file and the test tokens it used (the first ones)
     atomic_write_text(path / "diagnostics.json", json.dumps(out, indent=2) + "\n")
     return out
@@ -320,5 +323,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['run']}: everything on the first {r['tokens_used']} test tokens{curves}")
         for name, n in r["figures"].items():
             print(f"  {name}: first {n} test tokens")
+        if FIGURES[1] not in r["figures"]:
+            print(f"  {FIGURES[1]}: not drawn (no MoE layer has a router distribution)")
     print(f"\nwrote diagnostics.json in {len(rows)} run(s)")
     return 0
