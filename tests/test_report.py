@@ -162,6 +162,8 @@ def diagnosed(path, method, seed, test, jain, saturation, change, tokens=16384):
         "saturation_mean": saturation,
         "change_rate_mean": [None, *change],
         "jain_curve_mean": [jain - 0.1, jain - 0.05, jain],
+        "jain": [jain - 0.05, jain + 0.05],
+        "saturation": [[s - 0.1, s + 0.1] for s in saturation],
     }
     (path / "diagnostics.json").write_text(json.dumps(d))
 
@@ -179,13 +181,35 @@ def test_report_tabulates_the_new_diagnostics_and_draws_their_curves_with_seed_b
     assert (tmp_path / "rep" / "diagnostics_curves.png").read_bytes().startswith(b"\x89PNG")
     with open(tmp_path / "rep" / "diagnostics_curves.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    sat = {int(r["step"]): r for r in rows if r["curve"] == "saturation_mean" and r["group"] == "smoe"}
+    sat = {
+        int(r["step"]): r
+        for r in rows
+        if r["curve"] == "saturation_mean" and r["layer"] == "mean" and r["group"] == "smoe"
+    }
     assert float(sat[2]["mean"]) == pytest.approx(0.6) and float(sat[2]["sd"]) == pytest.approx(
         0.1414, abs=1e-4
     )
     assert sat[2]["n"] == "2"
     change = [r for r in rows if r["curve"] == "change_rate_mean" and r["group"] == "xmoe"]
     assert [int(r["step"]) for r in change] == [4, 6] and change[0]["sd"] == ""  # one run: no sd
+    # per layer: Jain against the layer (CompeteSMoE (2025) Figs. 9-10 form) and the curves per layer
+    with open(tmp_path / "rep" / "diagnostics_layers.csv", newline="") as f:
+        layers = [r for r in csv.DictReader(f) if r["diagnostic"] == "jain" and r["group"] == "smoe"]
+    assert [(r["layer"], r["n"]) for r in layers] == [("0", "2"), ("1", "2")]
+    assert float(layers[1]["mean"]) == pytest.approx(0.9) and float(layers[1]["sd"]) == pytest.approx(
+        0.0707, abs=1e-4
+    )
+    for name in ("diagnostics_layers.png", "diagnostics_curves_layers.png"):
+        assert (tmp_path / "rep" / name).read_bytes().startswith(b"\x89PNG")
+    assert "per layer: diagnostics_curves_layers.png" in out and "diagnostics_layers.csv" in out
+    layer1 = {
+        int(r["step"]): r
+        for r in rows
+        if r["curve"] == "saturation" and r["layer"] == "1" and r["group"] == "smoe"
+    }
+    assert float(layer1[4]["mean"]) == pytest.approx(0.95) and float(layer1[4]["sd"]) == pytest.approx(
+        0.0707, abs=1e-4
+    )
 
 
 def test_report_names_a_damaged_diagnostics_file(tmp_path, capsys):

@@ -473,11 +473,18 @@ def write_report(
         atomic_write_text(out / "diagnostics.csv", _csv_text(diagnostics[1]))
         diagnostic_rows = plot_diagnostic_curves(groups, out / "diagnostics_curves.png")
         if diagnostic_rows:
-            atomic_write_text(out / "diagnostics_curves.csv", _csv_text(diagnostic_rows))
+            layer_curve_rows = plot_layer_curves(groups, out / "diagnostics_curves_layers.png")
+            atomic_write_text(out / "diagnostics_curves.csv", _csv_text(diagnostic_rows + layer_curve_rows))
             text += (
                 f"\nrouting curves over training ({_tokens_note(groups)}): diagnostics_curves.png, "
                 "diagnostics_curves.csv"
+                + ("; per layer: diagnostics_curves_layers.png" if layer_curve_rows else "")
             )
+        layer_rows = layer_diagnostics_rows(groups)
+        if layer_rows:
+            atomic_write_text(out / "diagnostics_layers.csv", _csv_text(layer_rows))
+            plot_layer_diagnostics(groups, layer_rows, out / "diagnostics_layers.png")
+            text += f"\nper-layer diagnostics ({_tokens_note(groups)}): diagnostics_layers.png, diagnostics_layers.csv"
     if curve_rows:
         text += "\n\n" + curves_text
     atomic_write_text(out / "table.txt", text + "\n")
@@ -595,7 +602,7 @@ def plot_diagnostic_curves(groups: list[Group], path: Path) -> list[dict[str, An
         for g in groups:
             steps, mean, sd, n = diagnostic_curve_stats(g, key)
             rows += [
-                {"curve": key, "group": g.label, "step": st, "n": n, "mean": m, "sd": s}
+                {"curve": key, "layer": "mean", "group": g.label, "step": st, "n": n, "mean": m, "sd": s}
                 for st, m, s in zip(steps, mean, sd)
             ]
     if not rows:
@@ -632,6 +639,168 @@ def plot_diagnostic_curves(groups: list[Group], path: Path) -> list[dict[str, An
     plt.close(fig)
     tmp.replace(path)
     return rows
+
+
+#: the per-layer diagnostics ``report`` draws against the layer (CompeteSMoE (2025) Figs. 9-10; Ho (2025))
+LAYER_DIAGNOSTICS = (
+    ("jain", "Jain's index"),
+    ("selection_entropy", "selection-frequency entropy (nats)"),
+    ("topk_weight_entropy", "top-K weight entropy (nats)"),
+    ("router_entropy", "router entropy (nats)"),
+)
+#: the per-layer curves over training ``report`` draws, a row per curve and a column per layer
+LAYER_CURVES = (
+    ("saturation", "saturation vs final"),
+    ("change_rate", "change rate vs previous"),
+    ("jain_curve", "Jain's index"),
+)
+
+
+def _layer_values(group: Group, key: str) -> list[list[float]]:
+    """Per diagnosed run of ``group`` with ``key``: its per-layer list (``null`` entries dropped runs)."""
+    out = []
+    for r in group.runs:
+        v = (_diagnostics(r) or {}).get(key)
+        if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            out.append([float(x) for x in v])
+    return out
+
+
+def layer_diagnostics_rows(groups: list[Group]) -> list[dict[str, Any]]:
+    """Per group, diagnostic of :data:`LAYER_DIAGNOSTICS` and layer: mean and sample sd over the runs
+    (``diagnostic, group, layer, n, mean, sd``); runs with another number of layers than the group's
+    first are left out of that diagnostic."""
+    rows = []
+    for key, _ in LAYER_DIAGNOSTICS:
+        for g in groups:
+            runs = _layer_values(g, key)
+            runs = [v for v in runs if len(v) == len(runs[0])] if runs else []
+            for layer, values in enumerate(zip(*runs)):
+                m, sd = summary.mean_sd(list(values))
+                rows.append(
+                    {
+                        "diagnostic": key,
+                        "group": g.label,
+                        "layer": layer,
+                        "n": len(values),
+                        "mean": m,
+                        "sd": sd,
+                    }
+                )
+    return rows
+
+
+def _layer_curve_stats(
+    group: Group, key: str, layer: int
+) -> tuple[list[int], list[float], list[float | None], int]:
+    curves = []
+    for r in group.runs:
+        d = _diagnostics(r) or {}
+        if d.get(key) and d.get("curve_steps"):
+            curves.append(
+                {
+                    s: row[layer]
+                    for s, row in zip(d["curve_steps"], d[key])
+                    if row is not None and layer < len(row)
+                }
+            )
+    curves = [c for c in curves if c]
+    if not curves:
+        return [], [], [], 0
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    stats = [summary.mean_sd([c[step] for c in curves]) for step in common]
+    return common, [m for m, _ in stats], [s for _, s in stats], len(curves)
+
+
+def plot_layer_diagnostics(groups: list[Group], rows: list[dict[str, Any]], path: Path) -> None:
+    """Each per-layer diagnostic against the layer, a line per group (mean over its runs, error bars ±
+    one sd): the selection-frequency and top-K-weight entropies of CompeteSMoE (2025) Figs. 9-10, Jain's
+    index (Ho (2025)) and the router entropy (CompeteSMoE (2024) Table 10)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, len(LAYER_DIAGNOSTICS), figsize=(4 * len(LAYER_DIAGNOSTICS), 3.8))
+    for ax, (key, title) in zip(axes, LAYER_DIAGNOSTICS):
+        for g in groups:
+            mine = [r for r in rows if r["diagnostic"] == key and r["group"] == g.label]
+            if mine:
+                ax.errorbar(
+                    [r["layer"] for r in mine], [r["mean"] for r in mine], yerr=[r["sd"] or 0.0 for r in mine],
+                    marker="o", markersize=3, capsize=3, label=f"{g.label} (n={mine[0]['n']})",
+                )  # fmt: skip
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("MoE layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"per-layer routing diagnostics (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10)
+    fig.tight_layout()
+    _save_figure(fig, path)
+
+
+def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
+    """Ho (2025)'s curves per layer: a row per curve of :data:`LAYER_CURVES`, a column per MoE layer, a
+    line per group (mean over its runs, band ± one sd).  Returns the CSV rows (``curve, layer, group,
+    step, n, mean, sd``); none (nothing drawn) without curves."""
+    layers = max(
+        (len(row) for g in groups for r in g.runs for row in (_diagnostics(r) or {}).get("saturation") or []),
+        default=0,
+    )
+    if layers == 0:
+        return []
+    rows = []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(
+        len(LAYER_CURVES), layers, figsize=(3.2 * layers + 1, 2.6 * len(LAYER_CURVES)), squeeze=False
+    )
+    colours = plt.get_cmap("tab10").colors
+    for row, (key, title) in enumerate(LAYER_CURVES):
+        for layer in range(layers):
+            ax = axes[row][layer]
+            for i, g in enumerate(groups):
+                steps, mean, sd, n = _layer_curve_stats(g, key, layer)
+                if not steps:
+                    continue
+                rows += [
+                    {"curve": key, "layer": layer, "group": g.label, "step": st, "n": n, "mean": m, "sd": v}
+                    for st, m, v in zip(steps, mean, sd)
+                ]
+                colour = colours[i % len(colours)]
+                ax.plot(steps, mean, color=colour, marker="o", markersize=2, label=f"{g.label} (n={n})")
+                if n > 1:
+                    low = [m - (s or 0.0) for m, s in zip(mean, sd)]
+                    high = [m + (s or 0.0) for m, s in zip(mean, sd)]
+                    ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
+            ax.set_title(f"{title}, layer {layer}", fontsize=8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            if row == len(LAYER_CURVES) - 1:
+                ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(
+        f"routing over training per layer (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
+    )
+    fig.tight_layout()
+    _save_figure(fig, path)
+    return rows
+
+
+def _save_figure(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
