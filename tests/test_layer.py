@@ -15,14 +15,16 @@ IMPLS = ["loop", "auto"] + (["grouped"] if GROUPED else [])
 
 
 def literal_layer_output(layer, x):
-    """``Σ_k w_k · expert_forward(x, i_k) (+ shared(x))`` from the layer's last routing, per token."""
+    """``Σ_k w_k · expert_forward(x, i_k) (+ shared(x))`` from the layer's last routing, per token (its
+    active slots, plus the output of the experts the router ran itself)."""
     r = layer.last_routing
     rows = []
     for t in range(x.shape[0]):
         y = sum(
             r.weights[t, k] * layer.experts.expert_forward(x[t : t + 1], int(r.indices[t, k]))[0]
             for k in range(r.indices.shape[1])
-        )
+            if r.mask is None or r.mask[t, k]
+        ) + (x.new_zeros(x.shape[-1]) if r.direct is None else r.direct[t])
         if layer.shared is not None:
             y = y + layer.shared(x[t : t + 1])[0]
         rows.append(y)
@@ -194,7 +196,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
         (
             {"temperature": 0.3},
-            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'selection_bias', 'z_coef'\]",
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'densemixer', 'entropy_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'selection_bias', 'z_coef'\]",
         ),
         ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
         (
@@ -234,6 +236,10 @@ def test_non_finite_router_logits_raise_a_clear_error(method, bad):
     layer.layer_index = 3
     x = torch.randn(5, 8)
     x[2, 1] = bad
+    if method == "moepp" and bad == float("inf"):  # its two-layer gate's tanh saturates: finite logits
+        layer(x)
+        assert torch.isfinite(layer.last_routing.logits).all()
+        return
     with pytest.raises(
         RuntimeError,
         match=rf"MoE layer 3 \(method='{method}'\): router logits are not finite.*check_finite=False",

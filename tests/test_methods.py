@@ -10,7 +10,11 @@ from moelab.methods import Method, get_method, register_method
 
 METHODS = moelab.methods()
 #: methods whose weights are not renormalised over the chosen K
-UNNORMALISED = {"sigma-moe"}
+UNNORMALISED = {"sigma-moe", "remoe", "top-p", "expert-choice", "moepp"}
+#: methods that route a variable number of experts per token (``Routing.mask``), at most this many
+VARIABLE_K = {"remoe": 4, "top-p": 4, "expert-choice": 4, "moepp": 2}
+#: methods whose router scores experts beyond the bank's N (MoE++'s zero-computation experts), and how many
+EXTRA_EXPERTS = {"moepp": 4}
 D, N, K = 8, 4, 2
 
 
@@ -49,7 +53,8 @@ def test_method_forward_backward_keeps_shape_and_gives_finite_gradients(method, 
         assert p.grad is not None, f"{method}: {name} received no gradient"
         assert torch.isfinite(p.grad).all(), f"{method}: {name} has a non-finite gradient"
     expert_grads = layer.experts.w_in.grad.flatten(1).abs().sum(-1)
-    used = layer.last_routing.indices.unique()
+    r = layer.last_routing
+    used = (r.indices if r.mask is None else r.indices[r.mask]).unique()
     assert (expert_grads[used] > 0).all()
 
 
@@ -62,15 +67,24 @@ def test_method_routing_invariants(method, mode):
     layer(x)
     r = layer.last_routing
     assert r.indices.dtype == torch.int64
-    assert r.indices.shape == (30, K) and r.weights.shape == (30, K)
-    assert ((r.indices >= 0) & (r.indices < N)).all()
+    k = VARIABLE_K.get(method, K)
+    assert r.indices.shape == (30, k) and r.weights.shape == (30, k)
+    assert (r.mask is not None) == (method in VARIABLE_K)
+    if r.mask is not None:  # inactive slots have weight 0, active ones a positive weight
+        assert r.mask.shape == (30, k) and r.mask.dtype == torch.bool
+        assert (r.weights[r.mask] > 0).all()
+        if method in EXTRA_EXPERTS:  # inactive: the experts beyond the bank, which the router ran itself
+            assert (r.indices[~r.mask] >= N).all() and (r.indices[r.mask] < N).all()
+        else:
+            assert (r.weights[~r.mask] == 0).all()
+    assert ((r.indices >= 0) & (r.indices < N + EXTRA_EXPERTS.get(method, 0))).all()
     s = r.indices.sort(-1).values
     assert (s[:, 1:] != s[:, :-1]).all(), "experts of a token must be distinct"
     assert (r.weights >= 0).all()
     if method not in UNNORMALISED:
         torch.testing.assert_close(r.weights.sum(-1), torch.ones(30))
     if r.probs is not None:
-        assert r.probs.shape == (30, N)
+        assert r.probs.shape == (30, N + EXTRA_EXPERTS.get(method, 0))
         torch.testing.assert_close(r.probs.sum(-1), torch.ones(30))
 
 

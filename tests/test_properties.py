@@ -33,7 +33,10 @@ def reference_output(layer: moelab.MoE, x: torch.Tensor) -> torch.Tensor:
         acc = sum(
             r.weights[t, k] * layer.experts.expert_forward(x[t : t + 1], int(r.indices[t, k]))
             for k in range(r.top_k)
-        )
+            if r.mask is None or r.mask[t, k]  # a variable number of experts per token
+        ) + x.new_zeros(1, x.shape[-1])
+        if r.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
+            acc = acc + r.direct[t : t + 1]
         rows.append(acc)
     y = torch.cat(rows)
     if layer.shared is not None:
@@ -53,10 +56,13 @@ def test_every_method_satisfies_routing_invariants_and_matches_the_literal_sum(c
     r = layer.last_routing
     assert y.shape == x.shape and torch.isfinite(y).all()
     assert r.indices.dtype == torch.int64 and r.indices.shape[0] == tokens
-    assert ((r.indices >= 0) & (r.indices < num_experts)).all()
+    scored = getattr(layer.router, "num_all", num_experts)  # MoE++ scores experts beyond the bank
+    assert ((r.indices >= 0) & (r.indices < scored)).all()
     assert (r.indices.sort(dim=-1).values.diff(dim=-1) != 0).all(), "experts repeat within a token"
     assert (r.weights >= 0).all()
-    if layer.router.weights_sum_to_one:  # σ-MoE never renormalises; at K = 1 the default is Switch's p_i
+    if (
+        layer.router.weights_sum_to_one
+    ):  # σ-MoE and ReMoE never renormalise; at K = 1 the default is Switch's p_i
         torch.testing.assert_close(r.weights.sum(-1), torch.ones(tokens, dtype=dtype))
     elif layer.router.base_router.gate == "softmax":  # probabilities of the chosen: at most 1 together
         assert (r.weights.sum(-1) <= 1 + 1e-6).all()

@@ -85,3 +85,12 @@ def test_attached_context_reaches_the_router():
     ctx.advance(4)  # the layer sees the shared object, not a copy
     layer(torch.randn(3, 4))
     assert layer.last_routing.top_k == 4
+
+
+def test_active_indices_are_the_experts_of_the_active_slots_only():
+    indices = torch.tensor([[2, 0, 1], [1, 3, 0]])
+    weights = torch.tensor([[0.5, 0.0, 0.0], [0.2, 0.3, 0.0]])
+    assert Routing(indices, weights).active_indices.tolist() == [2, 0, 1, 1, 3, 0]
+    masked = Routing(indices, weights, mask=weights > 0)
+    assert masked.active_indices.tolist() == [2, 1, 3]
+    assert torch.equal(masked.detach().mask, weights > 0)

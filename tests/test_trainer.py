@@ -295,3 +295,18 @@ def test_max_vio_run_is_the_max_violation_of_the_load_of_every_training_step(dat
     layers = zip(*[step[0] for step in loads])
     expected = [max_violation(sum(per_step)) for per_step in layers]
     assert len(loads) == 3 and metrics["max_vio_run"] == pytest.approx(sum(expected) / len(expected))
+
+
+def test_every_run_writes_its_curves_png_before_its_metrics_and_a_resume_draws_the_same(data, tmp_path):
+    import matplotlib.image
+
+    run_training(data, tmp_path / "a", steps=4)
+    png = tmp_path / "a" / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(str(png))
+    assert pixels.shape[1] > pixels.shape[0] > 100 and pixels.std() > 0  # two panels, something drawn
+    first = png.read_bytes()
+    (tmp_path / "a" / "metrics.json").unlink()  # killed after the figure, before metrics.json
+    png.unlink()
+    run_training(data, tmp_path / "a", steps=4, resume=True)
+    assert png.read_bytes() == first  # drawn from log.csv: the same figure

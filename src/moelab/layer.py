@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
+from .experts.dispatch import combine_densemixer, dispatch_masked
 from .losses import (
     LOAD_LOSSES,
     LOSS_NAMES,
@@ -27,7 +28,10 @@ from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "check_context", "moe_layers"]
 
-_LAYER_OPTIONS = ("num_shared", "balance_scope")
+_LAYER_OPTIONS = ("num_shared", "balance_scope", "densemixer")
+#: the router families whose weights are their softmax probabilities on the chosen experts (up to a
+#: per-token scale): those DenseMixer's dense router gradient is defined for
+_DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
 
 #: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
 BALANCE_SCOPES = ("micro", "sequence", "global")
@@ -56,7 +60,12 @@ class MoE(nn.Module):
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
-            ``num_shared`` and ``balance_scope``), overriding the preset.
+            ``num_shared``, ``balance_scope`` and ``densemixer``), overriding the preset.
+
+    ``densemixer=True``: in training forwards with autograd every expert runs and the router
+    receives the gradient of the dense mixture of their outputs, the output keeping its sparse value
+    (DenseMixer, Yao et al. 2025; :func:`moelab.experts.dispatch.combine_densemixer`); for the
+    softmax top-K routers (``topk``, ``cosine``, ``hyper`` families).
 
     ``balance_scope`` — where the load-based losses (``balance``, ``importance``, ``entropy``)
     measure the load (docs/methods.md, "Balance scope"):
@@ -70,6 +79,9 @@ class MoE(nn.Module):
       :class:`moelab.train.Trainer` and ``moelab.hf.MoETrainer`` do); while one is attached it
       forms these losses and this layer's ``aux_loss`` leaves them out.  Without one, in one
       process, they are the micro-batch's (the same thing for one micro-batch a step).
+
+    A router with a variable number of experts per token (``Routing.mask``) takes ``"micro"``
+    only: the other scopes count every slot.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`).
@@ -121,6 +133,7 @@ class MoE(nn.Module):
         r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
+        densemixer = preset.layer_options.get("densemixer", False)
         for key, value in options.items():
             if key in allowed_router:
                 r_opts[key] = value
@@ -128,11 +141,26 @@ class MoE(nn.Module):
                 coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
             elif key == "num_shared":
                 num_shared = value
+            elif key == "densemixer":
+                densemixer = value
             elif key == "balance_scope":
                 _validate.one_of("balance_scope", value, BALANCE_SCOPES)
+                if value != "micro" and router_cls.variable_k:
+                    raise ValueError(
+                        f"balance_scope={value!r} is not allowed with method={method!r}: it routes a variable "
+                        "number of experts per token, which only the 'micro' scope counts; expected 'micro'"
+                    )
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
+        if not isinstance(densemixer, bool):
+            raise ValueError(f"densemixer={densemixer!r} is not allowed; expected True or False")
+        if densemixer and preset.router not in _DENSEMIXER_ROUTERS:
+            raise ValueError(
+                f"densemixer=True is not allowed with method={method!r}; expected a method whose weights are "
+                f"its softmax probabilities (routers {list(_DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
+            )
+        self.densemixer = densemixer
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
         self.balance_scope: str = options.get("balance_scope", "micro")
         #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
@@ -259,8 +287,16 @@ class MoE(nn.Module):
                 raise NonFiniteError(message)
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, routing.weights)
+        elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
+            y = dispatch_masked(self.experts, flat, routing.indices, routing.weights, routing.mask)
+        elif self.densemixer and self.training and torch.is_grad_enabled():  # every expert runs
+            y = combine_densemixer(
+                self.experts.forward_all(flat), routing.indices, routing.weights, routing.probs
+            )
         else:
             y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
+        if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
+            y = y + routing.direct.to(y.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
         self._aux_pending = (routing, flat, seq_len)  # the aux loss, computed when read (``aux_loss``)
@@ -300,7 +336,8 @@ class MoE(nn.Module):
         if name == "balance":
             if seq is not None:
                 return sequence_balance_loss(routing.probs, routing.indices, self.num_experts, seq)
-            return switch_balance_loss(routing.probs, routing.indices, self.num_experts)
+            # a variable number of experts per token: the active slots (only the micro scope allows it)
+            return switch_balance_loss(routing.probs, routing.indices, self.num_experts, routing.mask)
         if name == "importance":
             return importance_loss(routing.probs, seq_len=seq)
         return mean_entropy_loss(routing.probs, seq_len=seq)

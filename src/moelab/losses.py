@@ -19,12 +19,15 @@ __all__ = [
     "distillation_loss",
     "diversity_loss",
     "entropy_from_mean",
+    "heterogeneous_balance_loss",
     "importance_from_sums",
     "importance_loss",
     "mean_entropy_loss",
+    "relu_l1_balance_loss",
     "sample_similarity_loss",
     "sequence_balance_loss",
     "switch_balance_loss",
+    "token_entropy_loss",
     "topk_softmax_dense",
     "z_loss",
 ]
@@ -44,7 +47,9 @@ def balance_from_load(load: Tensor, mean_probs: Tensor, num_experts: int) -> Ten
     return loss if loss.dim() == 0 else loss.mean()
 
 
-def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Tensor:
+def switch_balance_loss(
+    probs: Tensor, indices: Tensor, num_experts: int, mask: Tensor | None = None
+) -> Tensor:
     """Switch Transformer load-balancing loss ``N · Σ_i f_i P_i``.
 
     ``f_i`` is the fraction of the ``T·K`` token slots routed to expert ``i``; ``P_i`` the mean
@@ -54,9 +59,16 @@ def switch_balance_loss(probs: Tensor, indices: Tensor, num_experts: int) -> Ten
     Args:
         probs: ``(T, N)`` router distribution.
         indices: ``(T, K)`` chosen experts.
+        mask: ``(T, K)`` the active slots of a router that routes a variable number of experts per
+            token (``top-p``): ``f_i`` is then the fraction of the active slots routed to ``i``.
     """
     compute = torch.promote_types(probs.dtype, torch.float32)  # counts above 256 are not exact in bf16
-    f = expert_counts(indices, num_experts).to(compute) / indices.numel()
+    if mask is None:
+        f = expert_counts(indices, num_experts).to(compute) / indices.numel()
+    else:  # a scatter of the mask, not a boolean index: no data-dependent shape under torch.compile
+        active = mask.reshape(-1).to(compute)
+        counts = active.new_zeros(num_experts).scatter_add(0, indices.reshape(-1), active)
+        f = counts / active.sum().clamp_min(1)
     return balance_from_load(f, probs.to(compute).mean(dim=0), num_experts).to(probs.dtype)
 
 
@@ -78,6 +90,24 @@ def sequence_balance_loss(probs: Tensor, indices: Tensor, num_experts: int, seq_
     f = counts.to(compute) / (seq_len * k)
     p = probs.to(compute).reshape(-1, seq_len, num_experts).mean(dim=1)  # (B, N)
     return balance_from_load(f, p, num_experts).to(probs.dtype)
+
+
+def heterogeneous_balance_loss(probs: Tensor, indices: Tensor, eta: Tensor) -> Tensor:
+    """MoE++'s heterogeneous load-balance loss: ``M · Σ_i η_i f_i P_i`` over the ``M = N + Z`` FFN and
+    zero-computation experts, ``f_i`` the fraction of the ``T·K`` slots routed to ``i``, ``P_i`` its
+    mean router probability, ``η_i = 1`` for an FFN expert and ``τ`` for a zero-computation one
+    (MoE++, Jin et al. 2025, §3): with ``τ < 1`` the zero-computation experts may take more than
+    their share.  ``η ≡ 1`` is :func:`switch_balance_loss` over the ``M`` experts.
+
+    Args:
+        probs: ``(T, M)`` the router's distribution over every expert.
+        indices: ``(T, K)`` the chosen experts, in ``[0, M)``.
+        eta: ``(M,)`` the weights ``η``.
+    """
+    compute = torch.promote_types(probs.dtype, torch.float32)
+    num = probs.shape[-1]
+    f = expert_counts(indices, num).to(compute) / indices.numel()
+    return (num * (eta.to(compute) * f * probs.to(compute).mean(dim=0)).sum()).to(probs.dtype)
 
 
 def z_loss(logits: Tensor) -> Tensor:
@@ -117,6 +147,36 @@ def entropy_from_mean(mean: Tensor, eps: float = 1e-9) -> Tensor:
     """``Σ_i m_i log m_i`` of a mean distribution ``m (…, N)``, averaged over leading dimensions."""
     neg = (mean * (mean + eps).log()).sum(dim=-1)
     return neg if neg.dim() == 0 else neg.mean()
+
+
+def relu_l1_balance_loss(gates: Tensor, top_k: int) -> Tensor:
+    """ReMoE's L1 regulariser with load balancing (ReMoE (Wang et al. 2025) §3):
+    ``N · Σ_e f_e · mean_t R(x_t)_e`` with ``f_e = |{t : R(x_t)_e > 0}| / (T·K)``, the share of
+    the ``T·K`` target slots that expert ``e`` takes; ``R = relu(W x)``.  The Switch balance loss
+    with the ReLU gates as probabilities and the active gates as the routed slots (the authors'
+    Megatron-LM code computes it with ``switch_load_balancing_loss_func``); the counts carry no
+    gradient.  The adaptive coefficient ``λ`` multiplies it in the router.
+
+    Args:
+        gates: ``(T, N)`` the ReLU gates ``R(x)``.
+        top_k: K, the target number of active experts per token.
+    """
+    compute = torch.promote_types(gates.dtype, torch.float32)
+    g = gates.to(compute)
+    num_tokens, num_experts = g.shape
+    f = (g > 0).sum(dim=0).to(compute) / (num_tokens * top_k)
+    return (num_experts * (f * g.mean(dim=0)).sum()).to(gates.dtype)
+
+
+def token_entropy_loss(probs: Tensor, eps: float = 1e-9) -> Tensor:
+    """The dynamic loss of top-p routing, ``mean_t H(P(x_t)) = −mean_t Σ_i P_i log P_i``: the
+    entropy of each token's router distribution, averaged over tokens (Huang et al. 2024,
+    "Harder Tasks Need More Experts", §3).  Minimising it sharpens each distribution, so that
+    top-p routing does not take many experts of near-equal probability.  (Not
+    :func:`mean_entropy_loss`, the entropy of the batch-mean distribution.)"""
+    compute = torch.promote_types(probs.dtype, torch.float32)
+    p = probs.to(compute)
+    return -(p * (p + eps).log()).sum(dim=-1).mean().to(probs.dtype)
 
 
 # ---------------------------------------------------------------- CompeteSMoE (2024, 2025)

@@ -33,6 +33,8 @@ class Method:
     coefs: dict[str, float] = field(default_factory=dict)
     num_shared: int = 0
     schedule: str | None = None
+    #: options of the layer rather than of its router (``densemixer``), overridable as ``MoE`` options
+    layer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
@@ -186,6 +188,52 @@ for _m in [
         options={"mode": "v1", "reduce": "norm", "weighting": "softmax"},
         coefs={"distill": 1.0},
         schedule="coin-flip",
+    ),
+]:
+    register_method(_m)
+
+
+# ---------------------------------------------------------------- the routers recent papers compare against
+for _m in [
+    Method(
+        "remoe",
+        "relu",
+        "R = relu(W x); every expert with R_e > 0 runs, weight R_e; load-balanced L1 on R with "
+        "λ ← λ·α^sign(1−K/N−sparsity) each step",
+        "ReMoE (Wang et al. 2025) §3; λ₀ = 1e-8, α = 1.2 from the authors' code",
+        coefs={"l1": 1.0},
+    ),
+    Method(
+        "top-p",
+        "top-p",
+        "P = softmax(W x); experts by decreasing P_i until their cumulative probability exceeds p = 0.4, "
+        "weights P_i; dynamic (per-token entropy) loss 1e-4 + balance 0.01",
+        "Huang et al. 2024 (Harder Tasks Need More Experts, ACL 2024) §3; p = 0.4 from the authors' code",
+        coefs={"balance": 0.01, "dynamic": 1e-4},
+    ),
+    Method(
+        "densemixer",
+        "topk",
+        "smoe forward; backward as if every expert were mixed with its router probability: "
+        "the router's gradient from every expert's output (straight-through)",
+        "DenseMixer (Yao et al. 2025); the densemixer=True option of any softmax top-K method",
+        coefs=_BALANCED,
+        layer_options={"densemixer": True},
+    ),
+    Method(
+        "expert-choice",
+        "expert-choice",
+        "S = softmax(W x); each expert takes its k = T·c/N highest-scoring tokens of the batch (c = top_k), "
+        "weight S; leaks future tokens in a causal LM (encoders, ablations)",
+        "Zhou et al. 2022 (Mixture-of-Experts with Expert Choice Routing) §3, EC-CF2",
+    ),
+    Method(
+        "moepp",
+        "moepp",
+        "N FFN experts + 2 constant, 1 copy, 1 zero expert; softmax top-K over all, zero weight 0, "
+        "renormalised; only FFN slots reach the bank; heterogeneous balance (τ = 0.75)",
+        "MoE++ (Jin et al. 2025, ICLR) §3; routing and expert counts from the authors' code",
+        coefs={"balance": 0.01},
     ),
 ]:
     register_method(_m)

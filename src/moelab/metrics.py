@@ -185,6 +185,8 @@ def competition_overlap(
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
         chosen = layer.last_routing.indices
+        if layer.last_routing.mask is not None:  # a variable K: the router's K best against the K winners
+            chosen = chosen[:, : layer.top_k]
         scores = competition_affinity(layer.experts.forward_all(x), kappa, reduce)
         winners = scores.topk(chosen.shape[-1], dim=-1).indices
         sums[i] = sums.get(i, 0.0) + float(topk_overlap(chosen, winners)) * x.shape[0]
@@ -300,6 +302,11 @@ def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
             raise ValueError(
                 f"swap_top1 is already active on MoE layer {layer.layer_index}; it does not nest"
             )
+        if layer.router.variable_k:
+            raise ValueError(
+                f"swap_top1 is not allowed on MoE layer {layer.layer_index} (method={layer.method!r}): it "
+                "routes a variable number of experts per token, so there is no K-th expert to replace"
+            )
         k = layer.router.top_k
         if k >= layer.num_experts:
             raise ValueError(
@@ -340,7 +347,7 @@ def load_cv(
     counts: dict[int, Tensor] = {}
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
-        c = torch.bincount(layer.last_routing.indices.reshape(-1), minlength=layer.num_experts).double()
+        c = torch.bincount(layer.last_routing.active_indices, minlength=layer.num_experts).double()
         counts[i] = counts[i] + c if i in counts else c
 
     n = _run(model, batches, forward, on_layer)
@@ -392,14 +399,15 @@ def routing_summary(model: nn.Module) -> dict[str, float | None]:
 
 def routing_loads(model: nn.Module) -> list[Tensor | None]:
     """Per MoE layer of ``model``: the expert counts ``(N,)`` (float64) of its last forward's token
-    slots, or ``None`` for a layer that has not run."""
+    slots (the active ones, for a router with a variable number of experts per token), or ``None``
+    for a layer that has not run."""
     loads: list[Tensor | None] = []
     for layer in _layers(model):
         routing = layer.last_routing
         loads.append(
             None
             if routing is None
-            else torch.bincount(routing.indices.reshape(-1), minlength=layer.num_experts).double()
+            else torch.bincount(routing.active_indices, minlength=layer.num_experts).double()
         )
     return loads
 

@@ -31,6 +31,15 @@ class Routing:
         outputs: ``(T, K, d)`` the chosen experts' outputs when the router already computed them
             (competition runs every expert); the layer then combines them instead of running
             the experts again.  ``None`` otherwise.
+        mask: ``(T, K)`` bool, which slots are active, for a router that routes a variable
+            number of experts per token (``remoe``, ``top-p``): ``K`` is then the most a token
+            may take, an inactive slot's expert does not run in the bank
+            (:func:`moelab.experts.dispatch.dispatch_masked`) and its weight is 0 — unless the
+            router computed that expert itself (``direct``, MoE++'s copy and constant experts,
+            whose indices lie beyond the bank's N).  ``None``: every slot is active.
+        direct: ``(T, d)`` the weighted output of the experts the router computes itself, which
+            the expert bank does not hold (MoE++'s copy and constant experts); the layer adds it
+            to the bank's output.  ``None`` otherwise.
     """
 
     indices: Tensor
@@ -39,13 +48,23 @@ class Routing:
     logits: Tensor | None = None
     losses: dict[str, Tensor] = field(default_factory=dict)
     outputs: Tensor | None = None
+    mask: Tensor | None = None
+    direct: Tensor | None = None
 
     @property
     def top_k(self) -> int:
         return self.indices.shape[-1]
 
+    @property
+    def active_indices(self) -> Tensor:
+        """``(S,)`` the experts of the active slots, flattened: what an expert's load counts (all
+        ``T·K`` slots without a mask)."""
+        flat = self.indices.reshape(-1)
+        return flat if self.mask is None else flat[self.mask.reshape(-1)]
+
     def detach(self) -> Routing:
-        """A copy with every tensor detached (and no expert outputs): what ``last_routing`` keeps."""
+        """A copy with every tensor detached (and no ``(T, K, d)`` expert outputs): what
+        ``last_routing`` keeps."""
 
         def d(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.detach()
@@ -57,6 +76,8 @@ class Routing:
             logits=d(self.logits),
             losses={k: v.detach() for k, v in self.losses.items()},
             outputs=None,
+            mask=d(self.mask),
+            direct=d(self.direct),
         )
 
 

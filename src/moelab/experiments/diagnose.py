@@ -225,7 +225,8 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     batches = _batches(task, tokens)
     layers = metrics._layers(model)
     k = layers[0].top_k
-    spare = all(layer.top_k < layer.num_experts for layer in layers)
+    # the swaps replace the K-th expert: none with all N chosen, or with a variable number (remoe)
+    spare = all(layer.top_k < layer.num_experts and not layer.router.variable_k for layer in layers)
 
     used = sum(b.numel() for b in batches)  # whole blocks: the first ``used`` test tokens
 

@@ -26,8 +26,10 @@ from .protocol import Experts
 __all__ = [
     "Slots",
     "combine",
+    "combine_densemixer",
     "combine_slots",
     "dispatch",
+    "dispatch_masked",
     "gather",
     "sort_slots",
     "tracks_grad",
@@ -58,6 +60,43 @@ def dispatch(x: Tensor, indices: Tensor, weights: Tensor, num_experts: int, run:
     xs = gather(x, slots, indices.shape[1], track)  # (S, ...) grouped by expert
     ys = run(xs, slots)  # (S, ...) in the same order
     return combine_slots(ys, weights, slots, track)
+
+
+def dispatch_masked(experts: Experts, x: Tensor, indices: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
+    """``Σ_k [mask_k] · w_k · expert_{i_k}(x)``: a variable number of experts per token, where only
+    the active slots run (``remoe``, ``top-p``; :attr:`moelab.Routing.mask`).
+
+    Eagerly, the ``A ≤ T·K`` active slots are taken in token order, each one row of weight
+    ``w_k`` routed to its expert alone (``K = 1``, through the bank's own forward: every kernel
+    and every bank), and the rows are summed back into their tokens: on the CPU by an
+    ``index_add`` in slot order (deterministic there), elsewhere by putting each row at its own
+    slot of a zero ``(T·K, ...)`` buffer and summing over K, and gathering the tokens through the
+    same layout, so that no two rows are added by atomics.  Under ``torch.compile`` the number
+    of active slots would be a data-dependent shape (a graph break), so every slot runs with the
+    inactive weights set to 0 (and inactive indices to expert 0: they may lie beyond the bank): the
+    same output and gradients, without the skipped compute.
+
+    Args:
+        experts: the bank.
+        x: ``(T, ...)`` tokens.
+        indices, weights, mask: ``(T, K)`` experts, weights and active slots.
+    """
+    w = weights * mask.to(weights.dtype)  # an inactive slot has weight 0, and no gradient reaches it
+    if torch.compiler.is_compiling():  # inactive slots may name experts beyond the bank (MoE++): expert 0
+        return experts(x, indices.masked_fill(~mask, 0), w)
+    T, K = indices.shape
+    slot = mask.reshape(-1).nonzero().squeeze(1)  # (A,) in token order: the one host sync
+    token = slot // K
+    cpu = _scatter_adds(x.device)
+    if cpu:
+        xs = x.index_select(0, token)
+    else:  # the gather's backward then adds each row into its own slot: no atomics
+        xs = x.unsqueeze(1).expand(T, K, *x.shape[1:]).reshape(T * K, *x.shape[1:]).index_select(0, slot)
+    ys = experts(xs, indices.reshape(-1, 1).index_select(0, slot), w.reshape(-1, 1).index_select(0, slot))
+    if cpu:
+        return ys.new_zeros(T, *ys.shape[1:]).index_add(0, token, ys)
+    rows = ys.new_zeros(T * K, *ys.shape[1:]).index_copy(0, slot, ys)
+    return rows.view(T, K, *ys.shape[1:]).sum(1)
 
 
 class Slots(NamedTuple):
@@ -116,6 +155,30 @@ def combine(outputs: Tensor, weights: Tensor) -> Tensor:
     # an elementwise product and a sum over K, not ``bmm`` with T batches of (1, K) x (K, d), whose
     # backward makes one copy per token on the CPU (docs/performance.md)
     return (outputs * weights.unsqueeze(-1).to(outputs.dtype)).sum(1)
+
+
+def combine_densemixer(outputs: Tensor, indices: Tensor, weights: Tensor, probs: Tensor) -> Tensor:
+    """DenseMixer's straight-through combine (DenseMixer, Yao et al. 2025): the value of the sparse
+    output ``Σ_k w_k g_{i_k}(x)``, the router gradient of the dense mixture ``Σ_i w̃_i g_i(x)``.
+
+    ``w̃`` is the router's own weight on the chosen experts and ``p_i · (Σ_k w_k / Σ_k p_{i_k})``
+    (the scale detached) on the others — ``p_i / Σ_{TopK} p`` for the renormalised softmax, ``p_i``
+    without renormalisation, as the authors' code (its "partscale" form).  An expert's output
+    passes gradient only where the expert was chosen, so the experts (and the input, through
+    them) get the sparse gradient; the router gets ``<∂L/∂y, g_i(x)>`` from every expert.
+
+    Args:
+        outputs: ``(T, N, d)`` every expert on every token (with autograd).
+        indices, weights: ``(T, K)`` the router's choice and weights.
+        probs: ``(T, N)`` the router's softmax over all N.
+    """
+    chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(1, indices, True)
+    sparse = torch.zeros_like(probs, dtype=weights.dtype).scatter(1, indices, weights)
+    scale = (weights.sum(-1, keepdim=True) / probs.gather(1, indices).sum(-1, keepdim=True)).detach()
+    dense = torch.where(chosen, sparse, probs.to(weights.dtype) * scale)
+    mixed = sparse.detach() + (dense - dense.detach())  # the value of the sparse weights
+    outs = torch.where(chosen.unsqueeze(-1), outputs, outputs.detach())
+    return (outs * mixed.unsqueeze(-1).to(outs.dtype)).sum(1)
 
 
 def tracks_grad(module: nn.Module, *inputs: Tensor) -> bool:

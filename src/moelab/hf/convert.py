@@ -660,6 +660,7 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> tuple[list[str]
     layer.router = router
     layer.method = method
     layer.coefs = tmp.coefs
+    layer.densemixer = tmp.densemixer
     layer.balance_scope = tmp.balance_scope
     layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
     if layer.ctx is not None:  # the context keeps stepping the new router (sharede-v3's bias)

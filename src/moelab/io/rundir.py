@@ -62,11 +62,11 @@ RUN_ENTRIES = ("config.yaml", "metrics.json", "log.csv", "tokenizer.json", "best
 MARKERS = (*RUN_ENTRIES, "config.json", "results.csv")
 #: every other entry a moelab command writes into its folder (``--force`` removes them all, whichever
 #: command wrote them): a saved model, ``diagnose``'s, ``compare``'s and ``report``'s tables and plots,
-#: ``simulate``'s and ``specialize``'s outputs
+#: ``simulate``'s and ``specialize``'s outputs, the trainer's ``curves.png`` (:mod:`moelab.train.plots`)
 OUTPUTS = (
     *MARKERS, "model.safetensors", "diagnostics.json", "runs.csv", "count_models.csv", "val_curves.csv",
     "val_curves.png", "diagnostics.csv", "table.txt", "paper.txt", "losses.csv", "table.csv",
-    "estimates.npz", "rates.png", "table.md", "welch.md",
+    "estimates.npz", "rates.png", "table.md", "welch.md", "curves.png",
 )  # fmt: skip
 LOCK = ".lock"
 #: run directories this process owns (path → open lock file): a process may open its own run again

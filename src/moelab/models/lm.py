@@ -9,6 +9,7 @@ the presets with their parameter counts.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -117,6 +118,13 @@ class LMConfig:
             raise ValueError(f"dropout={self.dropout!r} is not allowed; expected a number in [0, 1)")
         if self.arch == "glam" and self.n_layer < 2:
             raise ValueError(f"n_layer={self.n_layer} is not allowed for arch='glam'; expected >= 2")
+        if self.arch != "dense" and _leaks_future_tokens(self.method):
+            warnings.warn(
+                f"method={self.method!r} routes each expert's top tokens over the whole batch, so a causal "
+                "language model sees future tokens through it (its loss is not a language model's); "
+                "use it as an ablation only",
+                stacklevel=3,
+            )
 
     @property
     def hidden(self) -> int:
@@ -246,6 +254,14 @@ class CausalSelfAttention(nn.Module):
         )  # (B, H, L, d/H)
         y = y.transpose(1, 2).reshape(B, L, d)
         return self.resid_drop(self.proj(y))
+
+
+def _leaks_future_tokens(method: str) -> bool:
+    """Whether ``method``'s router lets a token's routing depend on later tokens (expert-choice)."""
+    from ..methods import get_method
+    from ..routers import ROUTERS
+
+    return ROUTERS[get_method(method).router].leaks_future_tokens
 
 
 class Block(nn.Module):

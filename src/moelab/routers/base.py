@@ -76,6 +76,14 @@ class Router(nn.Module):
     #: top-1 iff so
     weights_sum_to_one: bool = True
 
+    #: whether the router routes a variable number of experts per token (``Routing.mask``; K is then
+    #: the most a token may take): diagnostics that replace "the K-th expert" refuse such a router
+    variable_k: bool = False
+
+    #: whether a token's routing depends on the later tokens of its batch (expert-choice): a causal
+    #: language model built with such a router sees the future, and warns
+    leaks_future_tokens: bool = False
+
     def __init__(self, d_model: int, num_experts: int, top_k: int) -> None:
         super().__init__()
         self.d_model = _validate.positive_int("d_model", d_model)
@@ -161,8 +169,8 @@ class Router(nn.Module):
     def step_dependence(self) -> str | None:
         """What of this router's training routing changes with the context's step (said when it
         trains without a context that drives it, :func:`moelab.layer.check_context`), or ``None``
-        for a router whose routing does not depend on the step.  Here: the selection bias, which
-        moves in the step hook only; a router with more step-dependent state adds its own."""
+        for a router whose routing does not depend on the step.  Here: the selection bias; a
+        router with other per-step behaviour adds its own (:func:`join_dependences`)."""
         if self.selection_bias is None or self.bias_update_rate == 0:
             return None
         return (
@@ -177,7 +185,7 @@ class Router(nn.Module):
             return None
         if ctx is None:
             return "no RoutingContext is attached"
-        if self.selection_bias is not None and self.bias_update_rate and self.on_step not in ctx.hooks:
+        if self.selection_bias is not None and self.bias_update_rate > 0 and self.on_step not in ctx.hooks:
             return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
         return None
 
@@ -200,6 +208,12 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}"
+
+
+def join_dependences(*parts: str | None) -> str | None:
+    """The step dependences of a router's parts (:meth:`Router.step_dependence`), joined."""
+    given = [p for p in parts if p]
+    return "; ".join(given) if given else None
 
 
 def _counts_this_forward() -> bool:

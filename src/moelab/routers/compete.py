@@ -23,7 +23,7 @@ from ..losses import (
     switch_balance_loss,
 )
 from ..routing import Routing, RoutingContext
-from .base import Router, build_router, register
+from .base import Router, build_router, join_dependences, register
 
 __all__ = ["CompeteSMoERouter", "CompetitionRouter", "compete"]
 
@@ -347,14 +347,14 @@ class CompeteSMoERouter(Router):
             f"{self.base_method!r} and never competes"
         )
         base = self.base.step_dependence()
-        return own if base is None else f"{own}; its base: {base}"
+        return join_dependences(own, None if base is None else f"its base: {base}", super().step_dependence())
 
     def context_problem(self, ctx: RoutingContext | None) -> str | None:
         if ctx is None:
             return "no RoutingContext with a schedule is attached"
         if ctx.schedule is None:
             return "the RoutingContext holds no schedule"
-        return self.base.context_problem(ctx)
+        return self.base.context_problem(ctx) or super().context_problem(ctx)
 
     def competes(self, ctx: RoutingContext | None) -> bool:
         """Whether this layer competes at the context's step (training only)."""

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import Router, join_dependences, register
 
 
 @register("stable")
@@ -98,9 +98,11 @@ class StableRouter(Router):
             if self.switch_step is not None
             else (f"{self.switch_fraction:g} of ctx.total_steps")
         )
-        own = f"it switches from stage 1 to its frozen light router (stage 2) at {when} (StableMoE); until then it stays in stage 1"
-        bias = super().step_dependence()
-        return own if bias is None else f"{own}; {bias}"
+        own = (
+            f"it switches from stage 1 to its frozen light router (stage 2) at {when} (StableMoE); until "
+            "then it stays in stage 1"
+        )
+        return join_dependences(own, super().step_dependence())
 
     def context_problem(self, ctx: RoutingContext | None) -> str | None:
         problem = super().context_problem(ctx)

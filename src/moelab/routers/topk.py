@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import Router, join_dependences, register
 
 
 @register("topk")
@@ -100,18 +100,17 @@ class TopKRouter(Router):
         return self.renormalize
 
     def step_dependence(self) -> str | None:
-        bias = super().step_dependence()
-        if self.k_max is None or self.k_max == self.top_k:
-            return bias
+        grows = self.k_max is not None and self.k_max != self.top_k
         own = (
             f"its K grows from top_k={self.top_k} to k_max={self.k_max} with ctx.step / ctx.total_steps "
             f"(SMoE-Dropout); without them it stays {self.top_k}"
         )
-        return own if bias is None else f"{own}; {bias}"
+        return join_dependences(own if grows else None, super().step_dependence())
 
     def context_problem(self, ctx: RoutingContext | None) -> str | None:
         problem = super().context_problem(ctx)
-        if problem is None and ctx is not None and self.step_dependence() and ctx.total_steps is None:
+        grows = self.k_max is not None and self.k_max != self.top_k
+        if problem is None and ctx is not None and grows and ctx.total_steps is None:
             return "the RoutingContext has no total_steps"
         return problem
 

@@ -32,6 +32,7 @@ from ..routing import RoutingContext
 from ..schedules import LR_SCHEDULES, lr_factor, routing_context
 from . import checkpoint as ckpt
 from .parallel import Parallel, choose
+from .plots import CURVES_NAME, plot_log
 
 __all__ = [
     "Task",
@@ -548,6 +549,8 @@ class Trainer:
             **self.extra_metrics,
         }
         if self.is_main and self.run is not None:
+            # the figure before metrics.json, which marks the run finished: a finished run has it
+            plot_log(self.run.file("log.csv"), self.run.file(CURVES_NAME), metric, metrics["method"] or "")
             self.run.write_metrics(metrics)
         return metrics
 

@@ -1,0 +1,61 @@
+"""The PNG every training run writes: ``curves.png``, its training loss and validation metric
+against the step, drawn from the run's ``log.csv`` (so a resumed run draws the same figure)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from pathlib import Path
+
+from ..io.atomic import atomic_write_bytes
+
+__all__ = ["CURVES_NAME", "plot_log"]
+
+#: the file name of the figure in a run directory
+CURVES_NAME = "curves.png"
+
+
+def _column(rows: list[dict[str, str]], name: str) -> tuple[list[int], list[float]]:
+    """``(steps, values)`` of the rows whose ``name`` holds a finite number."""
+    steps, values = [], []
+    for row in rows:
+        try:
+            step, value = int(row["step"]), float(row.get(name) or "nan")
+        except (KeyError, TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            steps.append(step)
+            values.append(value)
+    return steps, values
+
+
+def plot_log(log: str | os.PathLike, path: str | os.PathLike, metric: str, title: str = "") -> Path | None:
+    """Draw ``log`` (a run's ``log.csv``: ``step``, ``loss``, ``val_{metric}``) into ``path`` (PNG,
+    written atomically): the training loss on the left, the validation ``metric`` on the right.
+    ``None`` (nothing written) when the log holds no row."""
+    log = Path(log)
+    rows = list(csv.DictReader(io.StringIO(log.read_text(encoding="utf-8")))) if log.is_file() else []
+    if not rows:
+        return None
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no backend switch
+
+    fig = Figure(figsize=(9, 3.6))
+    left, right = fig.subplots(1, 2)
+    steps, loss = _column(rows, "loss")
+    left.plot(steps, loss, linewidth=1)
+    left.set_xlabel("step")
+    left.set_ylabel("training loss (task)")
+    val_steps, val = _column(rows, f"val_{metric}")
+    right.plot(val_steps, val, marker="o", markersize=3)
+    right.set_xlabel("step")
+    right.set_ylabel(f"validation {metric}")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})  # the same bytes on a resume
+    return atomic_write_bytes(path, buffer.getvalue())
