@@ -126,3 +126,62 @@ def test_router_distributions_are_the_softmax_of_each_layer():
     for probs, (p, _, _) in zip(got, direct(model, x)):
         assert torch.allclose(probs, p, atol=1e-6)
     assert metrics.router_distributions(stack("competition", layers=1), x) == [None]
+
+
+# ---------------------------------------------------------------- a variable number of experts per token
+def test_slot_agreement_counts_shared_experts_and_empty_slots_left_by_both():
+    a = torch.tensor([[0, 1], [2, -1], [-1, -1], [3, -1], [1, 0]])
+    b = torch.tensor([[1, 3], [2, -1], [1, -1], [-1, -1], [0, 1]])
+    assert metrics.slot_agreement(a, b).tolist() == [1, 2, 1, 1, 2]
+    assert metrics.slot_agreement(b, a).tolist() == [1, 2, 1, 1, 2]  # symmetric
+    full_a, full_b = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 0], [2, 4]])
+    agree = metrics.slot_agreement(full_a, full_b)
+    assert 1 - float(agree.sum()) / 4 == pytest.approx(metrics.assignment_change_rate(full_a, full_b))
+    with pytest.raises(ValueError, match=r"indices of shapes \(2, 2\) and \(1, 2\) are not allowed"):
+        metrics.slot_agreement(full_a, full_b[:1])
+
+
+def test_router_saturation_of_a_variable_k_router_compares_active_slots():
+    final, early = stack("top-p", seed=0), stack("top-p", seed=0)
+    with torch.no_grad():
+        early[0].router.weight.add_(torch.randn(N, D))
+    x = torch.randn(T, D)
+
+    def choices(model):
+        """Per layer: each token's set of active experts, and K (the most a token may take)."""
+        out = []
+        with torch.no_grad():
+            h = x
+            for layer in model:
+                h = layer(h)
+                r = layer.last_routing
+                sets = [
+                    {i for i, m in zip(row, mask) if m}
+                    for row, mask in zip(r.indices.tolist(), r.mask.tolist())
+                ]
+                out.append((sets, r.indices.shape[1]))
+        return out
+
+    expected = []
+    for (a, k), (b, _) in zip(choices(early), choices(final)):
+        per_token = [len(sa & sb) + min(k - len(sa), k - len(sb)) for sa, sb in zip(a, b)]
+        expected.append(sum(per_token) / (k * T))
+    assert expected[0] < 1
+    assert metrics.router_saturation(early, final, [x]) == pytest.approx(expected)
+    assert metrics.router_saturation(final, final, [x]) == [1.0, 1.0]
+
+
+def test_routing_balance_of_a_variable_k_router_counts_active_slots_only():
+    model = stack("top-p", seed=1)
+    x = torch.randn(T, D)
+    got = metrics.routing_balance(model, [x])
+    with torch.no_grad():
+        h = x
+        for row, layer in zip(got, model):
+            h = layer(h)
+            r = layer.last_routing
+            active = r.indices[r.mask]
+            assert active.numel() < r.indices.numel()  # some slots are empty
+            load = torch.bincount(active, minlength=N).double()
+            assert row["load"] == pytest.approx((load / load.sum()).tolist())
+            assert row["jain"] == pytest.approx(float(load.sum() ** 2 / (N * (load * load).sum())))

@@ -413,11 +413,13 @@ def routing_loads(model: nn.Module) -> list[Tensor | None]:
 
 
 __all__ += [
+    "active_choices",
     "jain_index",
     "router_distributions",
     "router_saturation",
     "routing_balance",
     "selection_entropy",
+    "slot_agreement",
     "topk_weight_entropy",
 ]
 
@@ -469,7 +471,7 @@ def routing_balance(
     model: nn.Module, batches: Iterable[Any], forward: Callable | None = None
 ) -> list[dict[str, Any]]:
     """Per MoE layer, over every token of ``batches``: ``load`` (each expert's share of the token
-    slots), ``jain`` (:func:`jain_index`), ``selection_entropy`` (:func:`selection_entropy`, nats),
+    slots, the active ones for a router with a variable number of experts per token), ``jain`` (:func:`jain_index`), ``selection_entropy`` (:func:`selection_entropy`, nats),
     ``max_vio`` (:func:`max_violation`), ``topk_weight_entropy`` (mean over tokens of
     :func:`topk_weight_entropy`, nats), ``router_entropy_mean`` / ``router_entropy_sd`` (mean and
     population sd over tokens of the entropy of ``Routing.probs``, nats, CompeteSMoE (2024) Table 10;
@@ -479,7 +481,7 @@ def routing_balance(
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
         routing = layer.last_routing
-        c = torch.bincount(routing.indices.reshape(-1), minlength=layer.num_experts).double()
+        c = torch.bincount(routing.active_indices, minlength=layer.num_experts).double()
         counts[i] = counts[i] + c if i in counts else c
         acc = sums.setdefault(i, [0.0, 0.0, 0.0, 0, 0])
         acc[0] += float(topk_weight_entropy(routing.weights).sum())
@@ -512,18 +514,51 @@ def routing_balance(
     return out
 
 
+def slot_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
+    """Per token, how many of its K slots two routings of it agree on, ``(T,)``: the experts both chose
+    (as sets: order is no change) plus, for a router with a variable number of experts per token, the
+    empty slots both left (an inactive slot is ``-1``, :func:`active_choices`), ``min(empty_a,
+    empty_b)``.  With every slot active it is ``|A ∩ B|``, so ``1 − Σ / (T·K)`` is
+    :func:`assignment_change_rate`."""
+    if indices_a.shape != indices_b.shape or indices_a.dim() != 2:
+        raise ValueError(
+            f"indices of shapes {tuple(indices_a.shape)} and {tuple(indices_b.shape)} are not allowed; "
+            "expected the same (T, K) (the same data through both checkpoints)"
+        )
+    hits = ((indices_a.unsqueeze(-1) == indices_b.unsqueeze(-2)) & (indices_a >= 0).unsqueeze(-1)).any(-1)
+    empty = torch.minimum((indices_a < 0).sum(-1), (indices_b < 0).sum(-1))
+    return hits.sum(-1) + empty
+
+
+def active_choices(model: nn.Module, batch: Any, forward: Callable | None = None) -> list[Tensor]:
+    """Per MoE layer, the ``(T, K)`` experts every token of ``batch`` chose, an inactive slot
+    (``Routing.mask``: a router with a variable number of experts per token) as ``-1``."""
+    out: dict[int, list[Tensor]] = {}
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        routing = layer.last_routing
+        idx = routing.indices
+        if routing.mask is not None:
+            idx = torch.where(routing.mask, idx, torch.full_like(idx, -1))
+        out.setdefault(i, []).append(idx)
+
+    n = _run(model, [batch], forward, on_layer)
+    return [torch.cat(out[i]) for i in range(n)]
+
+
 def router_saturation(
     model: nn.Module, final: nn.Module, batches: Iterable[Any], forward: Callable | None = None
 ) -> list[float]:
     """Router saturation of a checkpoint against the final one (Ho (2025)): per MoE layer, the mean
     over the tokens of ``batches`` of ``|TopK_t(x) ∩ TopK_final(x)| / K`` (1 = the final choice
-    already, order ignored).  Each batch goes through both models; each layer sees its own model's
+    already, order ignored; a router with a variable number of experts per token: the slots
+    :func:`slot_agreement` counts, over K).  Each batch goes through both models; each layer sees its own model's
     input (the choices of the whole network at step t, as Ho (2025) measures)."""
     hits: dict[int, float] = {}
     counts: dict[int, int] = {}
     n = None
     for batch in batches:
-        ra, rb = _routings(model, batch, forward), _routings(final, batch, forward)
+        ra, rb = active_choices(model, batch, forward), active_choices(final, batch, forward)
         if len(ra) != len(rb):
             raise ValueError(f"the models have {len(ra)} and {len(rb)} MoE layers; expected the same number")
         n = len(ra)
@@ -533,8 +568,7 @@ def router_saturation(
                     f"MoE layer {i} chose {tuple(a.shape)} and {tuple(b.shape)} experts; expected the same "
                     "(T, K) (the same top_k in both checkpoints)"
                 )
-            same = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(dim=-1).double().sum()
-            hits[i] = hits.get(i, 0.0) + float(same) / a.shape[1]
+            hits[i] = hits.get(i, 0.0) + float(slot_agreement(a, b).double().sum()) / a.shape[1]
             counts[i] = counts.get(i, 0) + a.shape[0]
     if n is None:
         raise ValueError("batches is empty; expected at least one batch")

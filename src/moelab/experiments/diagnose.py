@@ -68,25 +68,29 @@ def routing_curves(ckpts: list[Path], batches: list[torch.Tensor]) -> dict[str, 
     (Ho (2025): mean ``|TopK_t(x) ∩ TopK_final(x)| / K``, which is ``1 −`` the change rate between the
     two), the change rate against the checkpoint before (CompeteSMoE (2025) Fig. 3, Ho (2025);
     ``None`` at the first) and Jain's index of the load (Ho (2025)); the ``_mean`` keys average over the
-    layers (the change rate's mean is :func:`moelab.metrics.expert_change_rate` of the pair)."""
-    choices = []  # per checkpoint: per layer, the (T, K) choices of every token of ``batches``
+    layers (the change rate's: over every slot of every layer, :func:`moelab.metrics.expert_change_rate`
+    of the pair).  Slots are compared by :func:`moelab.metrics.slot_agreement` (a router with a variable
+    number of experts per token: an empty slot in both counts as the same choice)."""
+    choices = []  # per checkpoint: per layer, the (T, K) choices of every token (-1: an inactive slot)
     for ckpt in ckpts:
         model = load(ckpt)
-        per_batch = [metrics._routings(model, b, None) for b in batches]
+        per_batch = [metrics.active_choices(model, b) for b in batches]
         choices.append([torch.cat(layer) for layer in zip(*per_batch)])
         num_experts = [m.num_experts for m in metrics._layers(model)]
+
+    def agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
+        return [float(metrics.slot_agreement(x, y).double().sum()) / x.numel() for x, y in zip(a, b)]
+
+    def overall(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        same = sum(float(metrics.slot_agreement(x, y).double().sum()) for x, y in zip(a, b))
+        return 1 - same / sum(x.numel() for x in a)
+
     final = choices[-1]
-    saturation = [[1 - metrics.assignment_change_rate(a, b) for a, b in zip(c, final)] for c in choices]
+    saturation = [agreement(c, final) for c in choices]
     change: list[list[float] | None] = [None]
-    change += [
-        [metrics.assignment_change_rate(a, b) for a, b in zip(prev, cur)]
-        for prev, cur in itertools.pairwise(choices)
-    ]
+    change += [[1 - v for v in agreement(prev, cur)] for prev, cur in itertools.pairwise(choices)]
     jain = [
-        [
-            metrics.jain_index(torch.bincount(a.reshape(-1), minlength=n).double())
-            for a, n in zip(c, num_experts)
-        ]
+        [metrics.jain_index(torch.bincount(a[a >= 0], minlength=n).double()) for a, n in zip(c, num_experts)]
         for c in choices
     ]
     return {
@@ -95,8 +99,7 @@ def routing_curves(ckpts: list[Path], batches: list[torch.Tensor]) -> dict[str, 
         "saturation": saturation,
         "saturation_mean": [_mean(row) for row in saturation],
         "change_rate": change,
-        "change_rate_mean": [None]
-        + [metrics.assignment_change_rate(p, c) for p, c in itertools.pairwise(choices)],
+        "change_rate_mean": [None] + [overall(p, c) for p, c in itertools.pairwise(choices)],
         "jain_curve": jain,
         "jain_curve_mean": [_mean(row) for row in jain],
     }
