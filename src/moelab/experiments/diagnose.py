@@ -21,7 +21,7 @@ import torch
 
 from .. import _validate, metrics
 from ..data.text import load_text
-from ..io.atomic import atomic_write_text
+from ..io.atomic import atomic_write_bytes, atomic_write_text
 from ..io.model import list_checkpoints, load
 from ..io.rundir import read_yaml
 from ..train.tasks import LMTask
@@ -172,12 +172,15 @@ def plot_router_distributions(probs: list[torch.Tensor | None], method: str, pat
 
 
 def _save(fig: Any, path: Path) -> None:
+    """Write a pyplot figure to ``path`` atomically (a kill never leaves half a PNG) and close it."""
+    import io
+
     import matplotlib.pyplot as plt
 
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _batches(task: LMTask, tokens: int) -> list[torch.Tensor]:

@@ -635,12 +635,7 @@ def plot_diagnostic_curves(groups: list[Group], path: Path) -> list[dict[str, An
     fig.suptitle(
         f"routing over training, mean over layers (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    _save_png(fig, path)
     return rows
 
 
@@ -740,8 +735,7 @@ def plot_layer_diagnostics(groups: list[Group], rows: list[dict[str, Any]], path
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"per-layer routing diagnostics (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10)
-    fig.tight_layout()
-    _save_figure(fig, path)
+    _save_png(fig, path)
 
 
 def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
@@ -791,19 +785,8 @@ def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
     fig.suptitle(
         f"routing over training per layer (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
     )
-    fig.tight_layout()
-    _save_figure(fig, path)
+    _save_png(fig, path)
     return rows
-
-
-def _save_figure(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
