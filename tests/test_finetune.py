@@ -236,6 +236,8 @@ def test_finetune_resume_refuses_a_changed_data_file_or_lm_and_keeps_its_config(
 def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_path, monkeypatch):
     """SMoE-Dropout's K and StableMoE's stage during fine-tuning are the LM's at the end of its
     training (the frozen routers route as the LM they came from), not a fresh context's."""
+    import warnings
+
     from moelab.io.model import load
     from moelab.routers.stable import StableRouter
     from moelab.routers.topk import TopKRouter
@@ -269,9 +271,11 @@ def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_
         monkeypatch.setattr(StableRouter, "stage", stage)
         seen[key].clear()
         out = tmp_path / f"ft-{method}"
+        warnings.simplefilter("error", UserWarning)  # frozen by design: no "does not advance" warning
         assert main(["finetune", "--task", str(reviews), "--from", str(lm), "--steps", "8", "--eval-every", "8",
                      "--no-progress", "--out", str(out)]) == 0  # fmt: skip
         monkeypatch.undo()
+        warnings.resetwarnings()
         assert seen[key] and set(seen[key]) == {lm_value}, (method, seen[key])
         # the fine-tuned model keeps that routing when loaded
         ctx = next(m.ctx for m in load(out).modules() if getattr(m, "ctx", None) is not None)
@@ -295,6 +299,11 @@ def test_finetune_with_an_adapter_trains_only_the_adapter_and_the_head(
     assert head < recorded["trainable_params"] < head + 20_000
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["test_acc"] <= 100
+    import moelab
+    from moelab.adapters import adapter_config
+
+    back = moelab.load(out)  # the best weights rebuild with their adapter
+    assert adapter_config(back.lm)["kind"] == adapter and adapter_config(back.lm)["rank"] == 2
 
 
 def test_finetune_adapter_flags_are_checked(pretrained, reviews, tmp_path, capsys):
@@ -361,3 +370,26 @@ def test_finetune_refuses_a_batch_beyond_the_machines_memory(pretrained, reviews
         in err
     )
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_finetune_repeats_bit_for_bit_under_its_seed_and_is_silent_about_the_frozen_routing(
+    pretrained, reviews, tmp_path
+):
+    import warnings
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"good movie {i}. bad film {i}.\n" for i in range(200)))
+    lm = tmp_path / "lm"  # a method whose routing depends on the step (the competition schedule)
+    assert main(["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+                 "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+                 "--test-tokens", "64", "--no-progress", "--method", "competesmoe", "--out", str(lm)]) == 0  # fmt: skip
+    logs = []
+    for i in range(2):
+        out = tmp_path / f"ft{i}"
+        args = ["finetune", "--task", str(reviews), "--from", str(lm), "--steps", "2", "--no-progress",
+                "--out", str(out)]  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "trains without a RoutingContext" warning
+            assert main(args) == 0
+        logs.append([line.split(",")[:3] for line in (out / "log.csv").read_text().splitlines()])
+    assert logs[0] == logs[1]

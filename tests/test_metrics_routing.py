@@ -10,6 +10,7 @@ from torch import nn
 
 import moelab
 from moelab import metrics
+from moelab.layer import recording_routing
 
 D, N, K, T = 10, 5, 2, 24
 
@@ -150,7 +151,7 @@ def test_router_saturation_of_a_variable_k_router_compares_active_slots():
     def choices(model):
         """Per layer: each token's set of active experts, and K (the most a token may take)."""
         out = []
-        with torch.no_grad():
+        with torch.no_grad(), recording_routing(model):
             h = x
             for layer in model:
                 h = layer(h)
@@ -175,7 +176,7 @@ def test_routing_balance_of_a_variable_k_router_counts_active_slots_only():
     model = stack("top-p", seed=1)
     x = torch.randn(T, D)
     got = metrics.routing_balance(model, [x])
-    with torch.no_grad():
+    with torch.no_grad(), recording_routing(model):
         h = x
         for row, layer in zip(got, model):
             h = layer(h)

@@ -270,6 +270,8 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
         for key in ("jain", "selection_entropy", "topk_weight_entropy", "router_entropy_sd"):
             out[key] = [row[key] for row in balance]
             out[f"{key}_mean"] = _mean(out[key])
+        if any("dropped" in x for x in loads):  # layers with an expert capacity: slots dropped
+            out["dropped"] = [x.get("dropped") for x in loads]
         out["expert_output_norms"] = metrics.expert_output_norms(model, batches).tolist()
         ckpts = list_checkpoints(path / "ckpt")
         out["expert_change_rate"] = None
