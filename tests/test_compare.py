@@ -253,6 +253,15 @@ def test_compare_paper_2025_table11_runs_each_ablation_row_as_its_method_and_opt
     assert "Table 11" in side and "policy-only" in side and "52.840" in side
 
 
+def test_compare_keep_ckpts_all_reaches_every_run(corpus, tmp_path):
+    out = tmp_path / "cmp"
+    argv = tiny(corpus, out, "--methods", "smoe", "--seeds", "1", "--ckpt-every", "1", "--keep-ckpts", "all")
+    assert main(argv) == 0
+    assert sorted(p.name for p in (out / "smoe" / "seed0" / "ckpt").iterdir()) == [
+        "step-00000001", "step-00000002", "step-00000003",
+    ]  # fmt: skip
+
+
 def test_compare_refuses_more_seeds_than_the_machine_can_list(corpus, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--seeds", "40960000000")) == 2

@@ -20,7 +20,8 @@ def run_dir(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("diag") / "run"
     argv = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
             "--num-experts", "4", "--steps", "4", "--eval-every", "2", "--eval-tokens", "64",
-            "--test-tokens", "64", "--ckpt-every", "2", "--no-progress", "--out", str(out)]  # fmt: skip
+            "--test-tokens", "64", "--ckpt-every", "1", "--keep-ckpts", "all", "--no-progress",
+            "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     return out
 
@@ -35,12 +36,15 @@ def test_diagnose_writes_every_diagnostic_and_each_matches_a_direct_computation(
     layers = [m for m in model.modules() if isinstance(m, moelab.MoE)]
     # router entropy and load, by hand from each layer's routing
     entropies, loads = [[] for _ in layers], [torch.zeros(4) for _ in layers]
+    weight_entropies = [[] for _ in layers]
 
     def record(i):
         def hook(module, args, output):  # returns None: the output is unchanged
             r = module.last_routing
             entropies[i].append(-(r.probs * r.probs.log()).sum(-1))
             loads[i].add_(torch.bincount(r.indices.flatten(), minlength=4).float())
+            w = r.weights / r.weights.sum(-1, keepdim=True)
+            weight_entropies[i].append(-(w * w.log()).sum(-1))
 
         return hook
 
@@ -57,6 +61,19 @@ def test_diagnose_writes_every_diagnostic_and_each_matches_a_direct_computation(
     assert d["load_cv_mean"] == pytest.approx(sum(d["load_cv"]) / len(layers))
     assert d["max_vio"] == pytest.approx([float(s.max() / s.mean() - 1) for s in shares], rel=1e-5)
     assert d["max_vio_mean"] == pytest.approx(sum(d["max_vio"]) / len(layers))
+    # Jain's index, the selection-frequency and top-K-weight entropies, the router entropy's spread
+    assert d["jain"] == pytest.approx([float(s.sum() ** 2 / (4 * (s * s).sum())) for s in shares], rel=1e-5)
+    assert d["selection_entropy"] == pytest.approx(
+        [float(-(s[s > 0] * s[s > 0].log()).sum()) for s in shares], rel=1e-5
+    )
+    assert d["topk_weight_entropy"] == pytest.approx(
+        [float(torch.cat(e).mean()) for e in weight_entropies], rel=1e-5
+    )
+    assert d["router_entropy_sd"] == pytest.approx(
+        [float(torch.cat(e).std(unbiased=False)) for e in entropies], rel=1e-4
+    )
+    assert d["jain_mean"] == pytest.approx(sum(d["jain"]) / len(layers))
+    assert d["tokens_used"] == 256 and d["bpc"] == pytest.approx(task.evaluate(model, "test", 256)["bpc"])
     # the swap tests: the same evaluation with the swapped routing
     with torch.no_grad(), metrics.swap_top1(model, 1):
         swapped = task.evaluate(model, "test", len(batches) * 16 * 16)["bpc"]
@@ -64,7 +81,7 @@ def test_diagnose_writes_every_diagnostic_and_each_matches_a_direct_computation(
         swapped - d["bpc"]
     )
     assert 0 <= d["competition_overlap_mean"] <= 2
-    assert d["expert_change_between"] == ["step-00000002", "step-00000004"]
+    assert d["expert_change_between"] == ["step-00000003", "step-00000004"]
     assert 0 <= d["expert_change_rate"] <= 1
     assert len(d["expert_output_norms"]) == len(layers) and len(d["expert_output_norms"][0]) == 4
 
@@ -94,7 +111,9 @@ def test_report_tabulates_the_diagnostics_over_runs(run_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 0
     text = capsys.readouterr().out
-    assert "routing diagnostics (moelab diagnose)" in text and "router_entropy_mean" in text
+    assert "routing diagnostics (moelab diagnose, on the first 128 test tokens)" in text
+    assert "router_entropy_mean" in text and "  jain_mean\n" in text and "  saturation_area\n" in text
+    assert (tmp_path / "rep" / "diagnostics_curves.png").is_file()
     assert (tmp_path / "rep" / "diagnostics.csv").read_text().startswith("diagnostic,group,mean,sd,n,p")
 
 
@@ -129,3 +148,73 @@ def test_diagnose_refuses_changed_data_another_commands_run_and_a_folder_in_its_
     assert main(["diagnose", str(run), "--tokens", "64"]) == 2
     err = capsys.readouterr().err
     assert f"{run} is a moelab finetune run; diagnose takes language-model runs" in err
+
+
+def test_diagnose_curves_come_from_every_kept_checkpoint_and_match_the_metrics(run_dir, corpus, capsys):
+    assert main(["diagnose", str(run_dir), "--tokens", "200"]) == 0
+    text = capsys.readouterr().out
+    d = json.loads((run_dir / "diagnostics.json").read_text())
+    task = LMTask(load_text(str(corpus)), 16)
+    batches = _batches(task, 200)
+    ckpts = [moelab.load(run_dir / "ckpt" / f"step-{s:08d}") for s in (1, 2, 3, 4)]
+    assert d["curve_steps"] == [1, 2, 3, 4] and d["tokens_used"] == 192
+    for i, model in enumerate(ckpts):
+        assert d["saturation"][i] == pytest.approx(metrics.router_saturation(model, ckpts[-1], batches))
+        assert d["jain_curve"][i] == pytest.approx(
+            [row["jain"] for row in metrics.routing_balance(model, batches)]
+        )
+    assert d["saturation"][-1] == [1.0, 1.0] and d["change_rate"][0] is None
+    for i in (1, 2, 3):
+        assert d["change_rate_mean"][i] == pytest.approx(
+            metrics.expert_change_rate(ckpts[i - 1], ckpts[i], batches)
+        )
+        assert d["change_rate_mean"][i] == pytest.approx(sum(d["change_rate"][i]) / 2)
+    assert d["expert_change_rate"] == d["change_rate_mean"][-1]
+    assert d["saturation_area"] == pytest.approx(sum(d["saturation_mean"][:3]) / 3)
+    # the figures, and how many test tokens each one used
+    assert d["figures"] == {"diagnostics_curves.png": 192, "router_distributions.png": 16}
+    for name in d["figures"]:
+        assert (run_dir / name).read_bytes().startswith(b"\x89PNG")
+    assert "everything on the first 192 test tokens" in text
+    assert "diagnostics_curves.png: first 192 test tokens" in text
+    assert "router_distributions.png: first 16 test tokens" in text
+    probs = metrics.router_distributions(moelab.load(run_dir), batches[0][:1])
+    assert [p.shape for p in probs] == [(16, 4), (16, 4)]
+
+
+def test_diagnose_without_two_checkpoints_says_it_draws_no_curves(run_dir, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    for step in (1, 2, 3):
+        shutil.rmtree(run / "ckpt" / f"step-{step:08d}")
+    (run / "diagnostics_curves.png").write_bytes(
+        b"\x89PNG"
+    )  # as an earlier diagnose with every checkpoint left it
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    assert (
+        "no curves over training (fewer than two checkpoints: train with --ckpt-every N --keep-ckpts all)"
+        in (capsys.readouterr().out)
+    )
+    d = json.loads((run / "diagnostics.json").read_text())
+    assert d["expert_change_rate"] is None and d["saturation_area"] is None and "saturation" not in d
+    assert d["figures"] == {"router_distributions.png": 16} and not (run / "diagnostics_curves.png").exists()
+    assert main(["report", str(run), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "expert_change_rate (fewer than two kept checkpoints: train with --ckpt-every N --keep-ckpts all)"
+        in out
+    )
+    assert (
+        "\n  expert_change_rate\n" not in out and not (tmp_path / "rep" / "diagnostics_curves.png").exists()
+    )
+    # a router without a distribution (pure competition): no heatmap, and the output says so
+    monkeypatch.setattr(metrics, "router_distributions", lambda model, batch: [None, None])
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    assert (
+        "router_distributions.png: not drawn (no MoE layer has a router distribution)"
+        in capsys.readouterr().out
+    )
+    assert json.loads((run / "diagnostics.json").read_text())["figures"] == {}
+    assert not (run / "router_distributions.png").exists()

@@ -793,6 +793,23 @@ def test_a_size_beyond_the_machines_memory_is_refused_naming_its_flag_before_all
     assert machine_memory() > 0 and not (out / "config.yaml").exists()
 
 
+@pytest.mark.parametrize(("keep", "kept"), [("all", [1, 2, 3, 4]), ("3", [2, 3, 4])])
+def test_keep_ckpts_keeps_every_or_the_newest_n_checkpoints(corpus, tmp_path, keep, kept):
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out, "--ckpt-every", "1", "--keep-ckpts", keep)) == 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [f"step-{s:08d}" for s in kept]
+    assert f"keep_ckpts: {keep}" in (out / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("keep", ["0", "some", "-1"])
+def test_keep_ckpts_refuses_what_is_not_a_count_or_all(corpus, tmp_path, capsys, keep):
+    assert main(tiny_args(corpus, tmp_path / "run", "--keep-ckpts", keep)) == 2
+    shown = repr(int(keep)) if keep.lstrip("-").isdigit() else repr(keep)
+    assert f"--keep-ckpts={shown} is not allowed; expected a positive integer or one of ['all']" in (
+        _one_line_error(capsys)
+    )
+
+
 def test_a_crafted_state_pt_with_re_signed_digests_is_refused_in_one_line_and_runs_nothing(
     corpus, tmp_path, capsys
 ):

@@ -64,7 +64,12 @@ def test_one_run_and_no_spread_print_a_dash_never_nan(tmp_path, capsys):
     assert "nan" not in out
     smoe = next(line for line in out.splitlines() if line.startswith("smoe "))
     assert "1.2500 ± — *" in smoe and smoe.split()[-3] == "—"  # no sd of one run, no p-value
-    assert "0.4000 ± — (n=1)  p=—" in out and "0.5000 ± 0.0000 (n=2)  p=—" in out
+    assert "0.4000 ± — (n=1)  p=—" in out and "0.5000 ± 0.0000 (n=2)  reference" in out
+    # a diagnostic no run has gets no empty heading: it is named once, with why
+    assert "\n  expert_change_rate\n" not in out
+    assert "not in any run: " in out
+    assert "expert_change_rate (not in diagnostics.json: run moelab diagnose again)" in out
+    assert "max_vio_mean, jain_mean," in out  # the missing keys named once, together
     with open(tmp_path / "rep" / "results.csv", newline="") as f:
         row = next(r for r in csv.DictReader(f) if r["group"] == "smoe")
     assert row["test_bpc_std"] == "" and row["p_value"] == ""
@@ -145,3 +150,72 @@ def test_per_step_validation_table_is_mean_and_sd_over_seeds(tmp_path):
         pytest.approx(0.1)
     )
     assert "validation bpc by step" in (tmp_path / "rep" / "table.txt").read_text()
+
+
+def diagnosed(path, method, seed, test, jain, saturation, change, tokens=16384):
+    fake_run(path, method, seed, test)
+    d = {
+        "tokens_used": tokens,
+        "jain_mean": jain,
+        "expert_change_rate": change[-1],
+        "curve_steps": [2, 4, 6],
+        "saturation_mean": saturation,
+        "change_rate_mean": [None, *change],
+        "jain_curve_mean": [jain - 0.1, jain - 0.05, jain],
+        "jain": [jain - 0.05, jain + 0.05],
+        "saturation": [[s - 0.1, s + 0.1] for s in saturation],
+    }
+    (path / "diagnostics.json").write_text(json.dumps(d))
+
+
+def test_report_tabulates_the_new_diagnostics_and_draws_their_curves_with_seed_bands(tmp_path, capsys):
+    diagnosed(tmp_path / "r" / "a0", "smoe", 0, 1.3, 0.9, [0.5, 0.8, 1.0], [0.2, 0.1])
+    diagnosed(tmp_path / "r" / "a1", "smoe", 1, 1.31, 0.8, [0.7, 0.9, 1.0], [0.3, 0.2])
+    diagnosed(tmp_path / "r" / "b0", "xmoe", 0, 1.2, 0.6, [0.6, 0.6, 1.0], [0.4, 0.3])
+    assert main(["report", str(tmp_path / "r"), "--reference", "smoe", "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "routing diagnostics (moelab diagnose, on the first 16384 test tokens)" in out
+    assert "  jain_mean\n" in out and "0.8500 ± 0.0707 (n=2)  reference" in out and "nan" not in out
+    assert "routing curves over training (on the first 16384 test tokens): diagnostics_curves.png" in out
+    assert "saturation_area (not in diagnostics.json: run moelab diagnose again)" in out
+    assert (tmp_path / "rep" / "diagnostics_curves.png").read_bytes().startswith(b"\x89PNG")
+    with open(tmp_path / "rep" / "diagnostics_curves.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    sat = {
+        int(r["step"]): r
+        for r in rows
+        if r["curve"] == "saturation_mean" and r["layer"] == "mean" and r["group"] == "smoe"
+    }
+    assert float(sat[2]["mean"]) == pytest.approx(0.6) and float(sat[2]["sd"]) == pytest.approx(
+        0.1414, abs=1e-4
+    )
+    assert sat[2]["n"] == "2"
+    change = [r for r in rows if r["curve"] == "change_rate_mean" and r["group"] == "xmoe"]
+    assert [int(r["step"]) for r in change] == [4, 6] and change[0]["sd"] == ""  # one run: no sd
+    # per layer: Jain against the layer (CompeteSMoE (2025) Figs. 9-10 form) and the curves per layer
+    with open(tmp_path / "rep" / "diagnostics_layers.csv", newline="") as f:
+        layers = [r for r in csv.DictReader(f) if r["diagnostic"] == "jain" and r["group"] == "smoe"]
+    assert [(r["layer"], r["n"]) for r in layers] == [("0", "2"), ("1", "2")]
+    assert float(layers[1]["mean"]) == pytest.approx(0.9) and float(layers[1]["sd"]) == pytest.approx(
+        0.0707, abs=1e-4
+    )
+    for name in ("diagnostics_layers.png", "diagnostics_curves_layers.png"):
+        assert (tmp_path / "rep" / name).read_bytes().startswith(b"\x89PNG")
+    assert "per layer: diagnostics_curves_layers.png" in out and "diagnostics_layers.csv" in out
+    layer1 = {
+        int(r["step"]): r
+        for r in rows
+        if r["curve"] == "saturation" and r["layer"] == "1" and r["group"] == "smoe"
+    }
+    assert float(layer1[4]["mean"]) == pytest.approx(0.95) and float(layer1[4]["sd"]) == pytest.approx(
+        0.0707, abs=1e-4
+    )
+
+
+def test_report_names_a_damaged_diagnostics_file(tmp_path, capsys):
+    fake_run(tmp_path / "r" / "a0", "smoe", 0, 1.3)
+    (tmp_path / "r" / "a0" / "diagnostics.json").write_text("{not json")
+    assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "diagnostics.json cannot be read (" in err and "run moelab diagnose" in err
+    assert len(err.splitlines()) == 1

@@ -424,6 +424,188 @@ def routing_loads(model: nn.Module) -> list[Tensor | None]:
 
 
 __all__ += [
+    "active_choices",
+    "jain_index",
+    "router_distributions",
+    "router_saturation",
+    "routing_balance",
+    "selection_entropy",
+    "slot_agreement",
+    "topk_weight_entropy",
+]
+
+
+# ---------------------------------------------------------------- balance and stability (Ho (2025),
+# CompeteSMoE (2025) Figs. 9-10)
+def _shares(load: Tensor) -> Tensor:
+    if load.dim() != 1 or load.numel() == 0:
+        raise ValueError(f"load of shape {tuple(load.shape)} is not allowed; expected (N,) with N >= 1")
+    if bool((load < 0).any()):
+        raise ValueError("load has a negative entry; expected token counts or shares >= 0")
+    return load.double()
+
+
+def jain_index(load: Tensor) -> float:
+    """Jain's fairness index of expert utilisation (Ho (2025)): ``J = (Σ_i r_i)² / (N Σ_i r_i²)``
+    of the counts or shares ``load (N,)`` of token slots routed to each expert; 1 = uniform,
+    1/N = every slot on one expert.  An all-zero load (no token) gives 1: nothing is unfair."""
+    r = _shares(load)
+    sq = float((r * r).sum())
+    return float(r.sum()) ** 2 / (r.numel() * sq) if sq > 0 else 1.0
+
+
+def selection_entropy(load: Tensor, base: float = math.e) -> float:
+    """Entropy of the expert-selection frequency ``−Σ_i r_i log r_i`` with ``r = load / Σ load``
+    (CompeteSMoE (2025) Fig. 9), nats by default: ln N = uniform use, 0 = one expert.  An all-zero
+    load gives 0."""
+    r = _shares(load)
+    total = float(r.sum())
+    if total <= 0:
+        return 0.0
+    return float(entropy_bits(r / total)) * math.log(2) / math.log(base)
+
+
+def topk_weight_entropy(weights: Tensor, base: float = math.e) -> Tensor:
+    """Per token, the entropy of its K routing weights renormalised to sum 1 (CompeteSMoE (2025)
+    Fig. 10): ln K = the K experts weighted alike, 0 = one expert carries the token.  ``(T,)``;
+    negative weights count as 0 and a token whose weights are all 0 (ReMoE, a dropped token) has
+    entropy 0."""
+    if weights.dim() != 2:
+        raise ValueError(f"weights of shape {tuple(weights.shape)} is not allowed; expected (T, K)")
+    w = weights.detach().double().clamp_min(0)
+    total = w.sum(dim=-1, keepdim=True)
+    p = torch.where(total > 0, w / total.clamp_min(1e-300), torch.zeros_like(w))
+    return entropy_bits(p) * (math.log(2) / math.log(base))
+
+
+def routing_balance(
+    model: nn.Module, batches: Iterable[Any], forward: Callable | None = None
+) -> list[dict[str, Any]]:
+    """Per MoE layer, over every token of ``batches``: ``load`` (each expert's share of the token
+    slots, the active ones for a router with a variable number of experts per token), ``jain`` (:func:`jain_index`), ``selection_entropy`` (:func:`selection_entropy`, nats),
+    ``max_vio`` (:func:`max_violation`), ``topk_weight_entropy`` (mean over tokens of
+    :func:`topk_weight_entropy`, nats), ``router_entropy_mean`` / ``router_entropy_sd`` (mean and
+    population sd over tokens of the entropy of ``Routing.probs``, nats, CompeteSMoE (2024) Table 10;
+    ``None`` for a router without a distribution) and ``tokens``."""
+    counts: dict[int, Tensor] = {}
+    sums: dict[int, list[float]] = {}  # Σ weight entropy, Σ H, Σ H², tokens, tokens with probs
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        routing = layer.last_routing
+        c = torch.bincount(routing.active_indices, minlength=layer.num_experts).double()
+        counts[i] = counts[i] + c if i in counts else c
+        acc = sums.setdefault(i, [0.0, 0.0, 0.0, 0, 0])
+        acc[0] += float(topk_weight_entropy(routing.weights).sum())
+        acc[3] += routing.indices.shape[0]
+        if routing.probs is not None:
+            p = routing.probs.double()
+            h = -(p * p.clamp_min(1e-30).log()).sum(dim=-1)
+            acc[1] += float(h.sum())
+            acc[2] += float((h * h).sum())
+            acc[4] += h.shape[0]
+
+    n = _run(model, batches, forward, on_layer)
+    out = []
+    for i in range(n):
+        w_sum, h_sum, h2_sum, tokens, with_probs = sums[i]
+        mean = h_sum / with_probs if with_probs else None
+        sd = math.sqrt(max(h2_sum / with_probs - mean * mean, 0.0)) if with_probs else None
+        out.append(
+            {
+                "load": (counts[i] / counts[i].sum()).tolist(),
+                "jain": jain_index(counts[i]),
+                "selection_entropy": selection_entropy(counts[i]),
+                "max_vio": max_violation(counts[i]),
+                "topk_weight_entropy": w_sum / tokens,
+                "router_entropy_mean": mean,
+                "router_entropy_sd": sd,
+                "tokens": tokens,
+            }
+        )
+    return out
+
+
+def slot_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
+    """Per token, how many of its K slots two routings of it agree on, ``(T,)``: the experts both chose
+    (as sets: order is no change) plus, for a router with a variable number of experts per token, the
+    empty slots both left (an inactive slot is ``-1``, :func:`active_choices`), ``min(empty_a,
+    empty_b)``.  With every slot active it is ``|A ∩ B|``, so ``1 − Σ / (T·K)`` is
+    :func:`assignment_change_rate`."""
+    if indices_a.shape != indices_b.shape or indices_a.dim() != 2:
+        raise ValueError(
+            f"indices of shapes {tuple(indices_a.shape)} and {tuple(indices_b.shape)} are not allowed; "
+            "expected the same (T, K) (the same data through both checkpoints)"
+        )
+    hits = ((indices_a.unsqueeze(-1) == indices_b.unsqueeze(-2)) & (indices_a >= 0).unsqueeze(-1)).any(-1)
+    empty = torch.minimum((indices_a < 0).sum(-1), (indices_b < 0).sum(-1))
+    return hits.sum(-1) + empty
+
+
+def active_choices(model: nn.Module, batch: Any, forward: Callable | None = None) -> list[Tensor]:
+    """Per MoE layer, the ``(T, K)`` experts every token of ``batch`` chose, an inactive slot
+    (``Routing.mask``: a router with a variable number of experts per token) as ``-1``."""
+    out: dict[int, list[Tensor]] = {}
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        routing = layer.last_routing
+        idx = routing.indices
+        if routing.mask is not None:
+            idx = torch.where(routing.mask, idx, torch.full_like(idx, -1))
+        out.setdefault(i, []).append(idx)
+
+    n = _run(model, [batch], forward, on_layer)
+    return [torch.cat(out[i]) for i in range(n)]
+
+
+def router_saturation(
+    model: nn.Module, final: nn.Module, batches: Iterable[Any], forward: Callable | None = None
+) -> list[float]:
+    """Router saturation of a checkpoint against the final one (Ho (2025)): per MoE layer, the mean
+    over the tokens of ``batches`` of ``|TopK_t(x) ∩ TopK_final(x)| / K`` (1 = the final choice
+    already, order ignored; a router with a variable number of experts per token: the slots
+    :func:`slot_agreement` counts, over K).  Each batch goes through both models; each layer sees its own model's
+    input (the choices of the whole network at step t, as Ho (2025) measures)."""
+    hits: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    n = None
+    for batch in batches:
+        ra, rb = active_choices(model, batch, forward), active_choices(final, batch, forward)
+        if len(ra) != len(rb):
+            raise ValueError(f"the models have {len(ra)} and {len(rb)} MoE layers; expected the same number")
+        n = len(ra)
+        for i, (a, b) in enumerate(zip(ra, rb)):
+            if a.shape != b.shape:
+                raise ValueError(
+                    f"MoE layer {i} chose {tuple(a.shape)} and {tuple(b.shape)} experts; expected the same "
+                    "(T, K) (the same top_k in both checkpoints)"
+                )
+            hits[i] = hits.get(i, 0.0) + float(slot_agreement(a, b).double().sum()) / a.shape[1]
+            counts[i] = counts.get(i, 0) + a.shape[0]
+    if n is None:
+        raise ValueError("batches is empty; expected at least one batch")
+    return [hits[i] / counts[i] if counts[i] else 0.0 for i in range(n)]
+
+
+def router_distributions(
+    model: nn.Module, batch: Any, forward: Callable | None = None
+) -> list[Tensor | None]:
+    """Per MoE layer, the router distribution ``Routing.probs (T, N)`` of every token of ``batch`` (one
+    sample: CompeteSMoE (2024) Figs. 4-6 draw them), ``None`` for a layer whose router has none."""
+    out: dict[int, list[Tensor]] = {}
+    missing: set[int] = set()
+
+    def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
+        probs = layer.last_routing.probs
+        if probs is None:
+            missing.add(i)
+        else:
+            out.setdefault(i, []).append(probs.float().cpu())
+
+    n = _run(model, [batch], forward, on_layer)
+    return [None if i in missing or i not in out else torch.cat(out[i]) for i in range(n)]
+
+
+__all__ += [
     "entropy_bits",
     "mutual_information_bits",
     "plot_selection_table",

@@ -1,13 +1,18 @@
 """``moelab diagnose RUN...``: the routing diagnostics of trained language-model runs (router
-entropy, the swap tests, router/competition overlap, load, expert output norms, expert change
-rate), computed with the weights and routing context ``moelab.load(run)`` returns on the first
-``--tokens`` tokens of the test split and written to ``RUN/diagnostics.json``, which ``moelab
-report`` tabulates over seeds.  docs/methods.md ("Diagnostics") lists every key of that file.
+entropy with its spread, the swap tests, router/competition overlap, load, MaxVio, Jain's index, the
+selection-frequency and top-K-weight entropies, expert output norms), computed with the weights and
+routing context ``moelab.load(run)`` returns on the first ``--tokens`` tokens of the test split; the
+curves over training (router saturation against the final checkpoint, the change rate between
+consecutive checkpoints, Jain's index) from every checkpoint the run kept (``--keep-ckpts all``); all
+written to ``RUN/diagnostics.json``, which ``moelab report`` tabulates over seeds, with the curves and a
+sample's router distributions drawn into the run (:data:`FIGURES`).  docs/methods.md ("Diagnostics")
+lists every key of that file.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -16,7 +21,7 @@ import torch
 
 from .. import _validate, metrics
 from ..data.text import load_text
-from ..io.atomic import atomic_write_text
+from ..io.atomic import atomic_write_bytes, atomic_write_text
 from ..io.model import list_checkpoints, load
 from ..io.rundir import read_yaml
 from ..train.tasks import LMTask
@@ -33,13 +38,149 @@ SCALARS = (
     "competition_overlap_mean",
     "load_cv_mean",
     "max_vio_mean",
+    "jain_mean",
+    "selection_entropy_mean",
+    "topk_weight_entropy_mean",
+    "router_entropy_sd_mean",
+    "saturation_area",
     "expert_change_rate",
 )
+
+#: the figures ``diagnose`` draws into each run: the curves over training and the first test
+#: sequence's router distribution per layer (CompeteSMoE (2024) Figs. 4-6)
+FIGURES = ("diagnostics_curves.png", "router_distributions.png")
+#: tokens of the first test sequence drawn in router_distributions.png (at most)
+SAMPLE_TOKENS = 64
 
 
 def _mean(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return sum(kept) / len(kept) if kept else None
+
+
+def _step(ckpt: Path) -> int:
+    return int(ckpt.name.rsplit("-", 1)[-1])
+
+
+def routing_curves(ckpts: list[Path], batches: list[torch.Tensor]) -> dict[str, Any]:
+    """The curves over training from the checkpoints ``ckpts`` (oldest first, at least two), each run
+    once over ``batches``: per checkpoint and layer, router saturation against the last checkpoint
+    (Ho (2025): mean ``|TopK_t(x) ∩ TopK_final(x)| / K``, which is ``1 −`` the change rate between the
+    two), the change rate against the checkpoint before (CompeteSMoE (2025) Fig. 3, Ho (2025);
+    ``None`` at the first) and Jain's index of the load (Ho (2025)); the ``_mean`` keys average over the
+    layers (the change rate's: over every slot of every layer, :func:`moelab.metrics.expert_change_rate`
+    of the pair).  Slots are compared by :func:`moelab.metrics.slot_agreement` (a router with a variable
+    number of experts per token: an empty slot in both counts as the same choice)."""
+    choices = []  # per checkpoint: per layer, the (T, K) choices of every token (-1: an inactive slot)
+    for ckpt in ckpts:
+        model = load(ckpt)
+        per_batch = [metrics.active_choices(model, b) for b in batches]
+        choices.append([torch.cat(layer) for layer in zip(*per_batch)])
+        num_experts = [m.num_experts for m in metrics._layers(model)]
+
+    def agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
+        return [float(metrics.slot_agreement(x, y).double().sum()) / x.numel() for x, y in zip(a, b)]
+
+    def overall(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        same = sum(float(metrics.slot_agreement(x, y).double().sum()) for x, y in zip(a, b))
+        return 1 - same / sum(x.numel() for x in a)
+
+    final = choices[-1]
+    saturation = [agreement(c, final) for c in choices]
+    change: list[list[float] | None] = [None]
+    change += [[1 - v for v in agreement(prev, cur)] for prev, cur in itertools.pairwise(choices)]
+    jain = [
+        [metrics.jain_index(torch.bincount(a[a >= 0], minlength=n).double()) for a, n in zip(c, num_experts)]
+        for c in choices
+    ]
+    return {
+        "curve_checkpoints": [c.name for c in ckpts],
+        "curve_steps": [_step(c) for c in ckpts],
+        "saturation": saturation,
+        "saturation_mean": [_mean(row) for row in saturation],
+        "change_rate": change,
+        "change_rate_mean": [None] + [overall(p, c) for p, c in itertools.pairwise(choices)],
+        "jain_curve": jain,
+        "jain_curve_mean": [_mean(row) for row in jain],
+    }
+
+
+def plot_curves(out: dict[str, Any], path: Path) -> None:
+    """Router saturation, change rate and Jain's index per layer against the step (Ho (2025)'s curves;
+    CompeteSMoE (2025) Fig. 3 for the change rate), on the tokens ``out["tokens_used"]`` says."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = out["curve_steps"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = (
+        ("saturation", "router saturation vs final checkpoint", steps),
+        ("change_rate", "change rate vs previous checkpoint", steps[1:]),
+        ("jain_curve", "Jain's index of the load", steps),
+    )
+    for ax, (key, title, xs) in zip(axes, panels):
+        rows = [r for r in out[key] if r is not None]
+        for layer in range(len(rows[0])):
+            ax.plot(xs, [r[layer] for r in rows], marker="o", markersize=3, label=f"layer {layer}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"{out['method']}: routing over training, first {out['tokens_used']} test tokens", fontsize=10
+    )
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_router_distributions(probs: list[torch.Tensor | None], method: str, path: Path) -> int:
+    """The router distribution (softmax over the experts) of each token of one test sequence, a
+    heatmap per MoE layer (CompeteSMoE (2024) Figs. 4-6); returns the tokens drawn (0: no layer has a
+    router distribution, nothing drawn)."""
+    drawn = [(i, p) for i, p in enumerate(probs) if p is not None]
+    if not drawn:
+        return 0
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    tokens = drawn[0][1].shape[0]
+    cols = min(len(drawn), 4)
+    rows = -(-len(drawn) // cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.4 * cols + 1.2, 2.9 * rows + 0.6), squeeze=False, layout="constrained"
+    )
+    for ax in axes.flat[len(drawn) :]:
+        ax.axis("off")
+    for ax, (i, p) in zip(axes.flat, drawn):
+        im = ax.imshow(p.T.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(f"layer {i}", fontsize=9)
+        ax.set_xlabel("token")
+        ax.set_ylabel("expert")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(im, ax=axes, shrink=0.8, label="router probability")
+    fig.suptitle(
+        f"{method}: router distribution of the first {tokens} tokens of the first test sequence", fontsize=10
+    )
+    _save(fig, path)
+    return tokens
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Write a pyplot figure to ``path`` atomically (a kill never leaves half a PNG) and close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _batches(task: LMTask, tokens: int) -> list[torch.Tensor]:
@@ -93,12 +234,20 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     # the swaps replace the K-th expert: none with all N chosen, or with a variable number (remoe)
     spare = all(layer.top_k < layer.num_experts and not layer.router.variable_k for layer in layers)
 
+    used = sum(b.numel() for b in batches)  # whole blocks: the first ``used`` test tokens
+
     def bpc() -> float:
-        return task.evaluate(model, "test", len(batches) * 16 * task.block_size)[data.metric]
+        return task.evaluate(model, "test", used)[data.metric]
 
     with torch.no_grad():
         model.eval()
-        out: dict[str, Any] = {"run": str(path), "method": config.method, "tokens": tokens, "top_k": k}
+        out: dict[str, Any] = {
+            "run": str(path),
+            "method": config.method,
+            "tokens": tokens,
+            "tokens_used": used,
+            "top_k": k,
+        }
         out["bpc"] = bpc()
         if spare:
             with metrics.swap_top1(model, 0):
@@ -117,15 +266,34 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
         out["load_cv_mean"] = _mean(out["load_cv"])
         out["max_vio"] = [x["max_vio"] for x in loads]  # MaxVio of the load over all the tokens
         out["max_vio_mean"] = _mean(out["max_vio"])
+        balance = metrics.routing_balance(model, batches)
+        for key in ("jain", "selection_entropy", "topk_weight_entropy", "router_entropy_sd"):
+            out[key] = [row[key] for row in balance]
+            out[f"{key}_mean"] = _mean(out[key])
         if any("dropped" in x for x in loads):  # layers with an expert capacity: slots dropped
             out["dropped"] = [x.get("dropped") for x in loads]
         out["expert_output_norms"] = metrics.expert_output_norms(model, batches).tolist()
         ckpts = list_checkpoints(path / "ckpt")
         out["expert_change_rate"] = None
+        out["saturation_area"] = None
         if len(ckpts) >= 2:
-            older, newer = load(ckpts[-2]), load(ckpts[-1])
-            out["expert_change_rate"] = metrics.expert_change_rate(older, newer, batches)
+            out.update(routing_curves(ckpts, batches))
+            out["expert_change_rate"] = out["change_rate_mean"][-1]
             out["expert_change_between"] = [ckpts[-2].name, ckpts[-1].name]
+            out["saturation_area"] = _mean(out["saturation_mean"][:-1])
+        sample = batches[0][:1, :SAMPLE_TOKENS]
+        probs = metrics.router_distributions(model, sample)
+    figures: dict[str, int] = {}
+    if len(ckpts) >= 2:
+        plot_curves(out, path / FIGURES[0])
+        figures[FIGURES[0]] = used
+    drawn = plot_router_distributions(probs, config.method, path / FIGURES[1])
+    if drawn:
+        figures[FIGURES[1]] = drawn
+    for name in FIGURES:  # a figure of an earlier diagnose that this one does not draw would mislead
+        if name not in figures and (path / name).is_file():
+            (path / name).unlink()
+    out["figures"] = figures  # each figure's file and the test tokens it used (the first ones)
     atomic_write_text(path / "diagnostics.json", json.dumps(out, indent=2) + "\n")
     return out
 
@@ -154,5 +322,17 @@ def run(args: argparse.Namespace) -> int:
             f"{fmt(r['competition_overlap_mean'], '.3f'):>8} {fmt(r['load_cv_mean'], '.3f'):>8} "
             f"{fmt(r['max_vio_mean'], '.3f'):>7} {fmt(r['expert_change_rate'], '.3f'):>7}"
         )
+    for r in rows:
+        curves = (
+            ""
+            if r["expert_change_rate"] is not None
+            else "; no curves over training (fewer than two "
+            "checkpoints: train with --ckpt-every N --keep-ckpts all)"
+        )
+        print(f"{r['run']}: everything on the first {r['tokens_used']} test tokens{curves}")
+        for name, n in r["figures"].items():
+            print(f"  {name}: first {n} test tokens")
+        if FIGURES[1] not in r["figures"]:
+            print(f"  {FIGURES[1]}: not drawn (no MoE layer has a router distribution)")
     print(f"\nwrote diagnostics.json in {len(rows)} run(s)")
     return 0

@@ -161,6 +161,13 @@ class TrainRun:
     ckpt_every: int | None = setting(
         None, help="checkpoint every N steps", allowed=(Interval(int, 0, 1 << 40), None)
     )
+    keep_ckpts: int | str = setting(
+        2,
+        input=False,
+        metavar="N|all",
+        help="checkpoints kept, the newest (all: every one, for the curves over training of moelab diagnose)",
+        allowed=(Interval(int, 1), Options(("all",))),
+    )
     opts: dict[str, Any] = setting(
         default_factory=dict,
         flag="--opt",
@@ -225,7 +232,8 @@ class TrainRun:
         return split_schedule_options(options)[0]
 
     def train_config(self) -> TrainConfig:
-        return TrainConfig(**{name: getattr(self, name) for name in _TRAIN_FIELDS})
+        keep = 0 if self.keep_ckpts == "all" else self.keep_ckpts  # TrainConfig: 0 keeps every one
+        return TrainConfig(**{name: getattr(self, name) for name in _TRAIN_FIELDS}, keep_ckpts=keep)
 
 
 _MODEL_FIELDS = (

@@ -474,45 +474,319 @@ def write_report(
     if diagnostics is not None:
         text += "\n\n" + diagnostics[0]
         atomic_write_text(out / "diagnostics.csv", _csv_text(diagnostics[1]))
+        diagnostic_rows = plot_diagnostic_curves(groups, out / "diagnostics_curves.png")
+        if diagnostic_rows:
+            layer_curve_rows = plot_layer_curves(groups, out / "diagnostics_curves_layers.png")
+            atomic_write_text(out / "diagnostics_curves.csv", _csv_text(diagnostic_rows + layer_curve_rows))
+            text += (
+                f"\nrouting curves over training ({_tokens_note(groups)}): diagnostics_curves.png, "
+                "diagnostics_curves.csv"
+                + ("; per layer: diagnostics_curves_layers.png" if layer_curve_rows else "")
+            )
+        layer_rows = layer_diagnostics_rows(groups)
+        if layer_rows:
+            atomic_write_text(out / "diagnostics_layers.csv", _csv_text(layer_rows))
+            plot_layer_diagnostics(groups, layer_rows, out / "diagnostics_layers.png")
+            text += f"\nper-layer diagnostics ({_tokens_note(groups)}): diagnostics_layers.png, diagnostics_layers.csv"
     if curve_rows:
         text += "\n\n" + curves_text
     atomic_write_text(out / "table.txt", text + "\n")
     return text
 
 
+def _diagnostics(run: Run) -> dict[str, Any] | None:
+    """The run's ``diagnostics.json`` (``moelab diagnose``), or ``None`` where it has none."""
+    f = run.path / "diagnostics.json"
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{f} cannot be read ({exc}); run moelab diagnose {run.path} again") from None
+
+
+def _tokens_note(groups: list[Group]) -> str:
+    """How many test tokens the diagnostics used: the first N of the test split, per run."""
+    used = sorted({d.get("tokens_used") for g in groups for r in g.runs if (d := _diagnostics(r))} - {None})
+    if not used:
+        return ""
+    n = str(used[0]) if len(used) == 1 else f"{used[0]} to {used[-1]}"
+    return f"on the first {n} test tokens"
+
+
 def diagnostics_table(groups: list[Group], reference: str | None) -> tuple[str, list[dict[str, Any]]] | None:
     """The scalar routing diagnostics (``moelab diagnose``'s ``diagnostics.json`` in the runs):
-    mean ± sd over each group's runs and the Welch p against the reference group; ``None`` when no
-    run has been diagnosed."""
+    mean ± sd over each group's runs and the Welch p against the reference group (the reference's
+    own line says ``reference``); a diagnostic no run has is named on one line, not given an empty
+    heading.  ``None`` when no run has been diagnosed."""
     from .diagnose import SCALARS
 
     def values(g: Group, key: str) -> list[float]:
         out = []
         for r in g.runs:
-            f = r.path / "diagnostics.json"
-            v = json.loads(f.read_text()).get(key) if f.is_file() else None
+            v = (_diagnostics(r) or {}).get(key)
             if v is not None:
                 out.append(float(v))
         return out
 
-    if not any((r.path / "diagnostics.json").is_file() for g in groups for r in g.runs):
+    if not any(_diagnostics(r) is not None for g in groups for r in g.runs):
         return None
     ref = next((g for g in groups if g.label == reference or g.method == reference), None)
-    lines = ["routing diagnostics (moelab diagnose): mean ± sd over runs, Welch p against "
-             f"{ref.label if ref else '—'}"]  # fmt: skip
+    lines = [f"routing diagnostics (moelab diagnose, {_tokens_note(groups)}): mean ± sd over runs, Welch p "
+             f"against {ref.label if ref else '—'}"]  # fmt: skip
     rows = []
+    absent = []
     for key in SCALARS:
+        if not any(values(g, key) for g in groups):
+            absent.append(key)
+            continue
         lines.append(f"  {key}")
         for g in groups:
             v = values(g, key)
             if not v:
                 continue
             m, s = summary.mean_sd(v)
-            p = summary.welch(v, values(ref, key)).p if ref is not None and g is not ref else None
-            p_text = MISSING if p is None or math.isnan(p) else f"{p:.3g}"
-            lines.append(f"    {g.label:<28} {_fmt(m):>10} ± {_fmt(s)} (n={len(v)})  p={p_text}")
+            if g is ref:
+                p, p_text = None, "reference"
+            else:
+                p = summary.welch(v, values(ref, key)).p if ref is not None else None
+                p_text = "p=" + (MISSING if p is None or math.isnan(p) else f"{p:.3g}")
+            lines.append(f"    {g.label:<28} {_fmt(m):>10} ± {_fmt(s)} (n={len(v)})  {p_text}")
             rows.append({"diagnostic": key, "group": g.label, "mean": m, "sd": s, "n": len(v), "p": p})
+    if absent:
+        # null in a file: the run cannot have it; missing: the file predates the key
+        why = {
+            "expert_change_rate": "fewer than two kept checkpoints: train with --ckpt-every N --keep-ckpts all",
+            "saturation_area": "fewer than two kept checkpoints",
+            "swap_top1_delta": "top_k = num_experts",
+            "swap_topk_delta": "top_k = num_experts",
+            "router_entropy_mean": "no router distribution",
+            "router_entropy_sd_mean": "no router distribution",
+        }
+        files = [d for g in groups for r in g.runs if (d := _diagnostics(r)) is not None]
+        named = [f"{k} ({why.get(k, 'null')})" for k in absent if any(k in d for d in files)]
+        missing = [k for k in absent if not any(k in d for d in files)]
+        if missing:
+            named.append(f"{', '.join(missing)} (not in diagnostics.json: run moelab diagnose again)")
+        lines.append("  not in any run: " + "; ".join(named))
     return "\n".join(lines), rows
+
+
+#: the curves over training ``report`` draws with seed bands: diagnostics.json key and panel title
+CURVES = (
+    ("saturation_mean", "router saturation vs final checkpoint"),
+    ("change_rate_mean", "change rate vs previous checkpoint"),
+    ("jain_curve_mean", "Jain's index of the load"),
+)
+
+
+def diagnostic_curve_stats(group: Group, key: str) -> tuple[list[int], list[float], list[float | None], int]:
+    """A diagnostics curve (``key`` of :data:`CURVES`, the mean over layers) over the group's diagnosed
+    runs with curves: ``(steps, mean, sd, n_runs)`` at the steps every such run has a value at (sd: the
+    sample standard deviation, ``None`` for one run)."""
+    curves = []
+    for r in group.runs:
+        d = _diagnostics(r) or {}
+        if d.get(key) is not None and d.get("curve_steps"):
+            curves.append({s: v for s, v in zip(d["curve_steps"], d[key]) if v is not None})
+    if not curves:
+        return [], [], [], 0
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    stats = [summary.mean_sd([c[step] for c in curves]) for step in common]
+    return common, [m for m, _ in stats], [s for _, s in stats], len(curves)
+
+
+def plot_diagnostic_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
+    """Ho (2025)'s curves over training per group (router saturation, change rate, Jain's index; each
+    the mean over layers): the mean over the group's runs with a band ± one sd, a panel each; drawn
+    only where some run has curves.  Returns the CSV rows (``curve, group, step, n, mean, sd``)."""
+    rows = []
+    for key, _ in CURVES:
+        for g in groups:
+            steps, mean, sd, n = diagnostic_curve_stats(g, key)
+            rows += [
+                {"curve": key, "layer": "mean", "group": g.label, "step": st, "n": n, "mean": m, "sd": s}
+                for st, m, s in zip(steps, mean, sd)
+            ]
+    if not rows:
+        return rows
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(13, 4))
+    colours = plt.get_cmap("tab10").colors
+    for ax, (key, title) in zip(axes, CURVES):
+        for i, g in enumerate(groups):
+            steps, mean, sd, n = diagnostic_curve_stats(g, key)
+            if not steps:
+                continue
+            colour = colours[i % len(colours)]
+            ax.plot(steps, mean, color=colour, marker="o", markersize=3, label=f"{g.label} (n={n})")
+            if n > 1:
+                low = [m - (s or 0.0) for m, s in zip(mean, sd)]
+                high = [m + (s or 0.0) for m, s in zip(mean, sd)]
+                ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"routing over training, mean over layers (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
+    )
+    _save_png(fig, path)
+    return rows
+
+
+#: the per-layer diagnostics ``report`` draws against the layer (CompeteSMoE (2025) Figs. 9-10; Ho (2025))
+LAYER_DIAGNOSTICS = (
+    ("jain", "Jain's index"),
+    ("selection_entropy", "selection-frequency entropy (nats)"),
+    ("topk_weight_entropy", "top-K weight entropy (nats)"),
+    ("router_entropy", "router entropy (nats)"),
+)
+#: the per-layer curves over training ``report`` draws, a row per curve and a column per layer
+LAYER_CURVES = (
+    ("saturation", "saturation vs final"),
+    ("change_rate", "change rate vs previous"),
+    ("jain_curve", "Jain's index"),
+)
+
+
+def _layer_values(group: Group, key: str) -> list[list[float]]:
+    """Per diagnosed run of ``group`` with ``key``: its per-layer list (``null`` entries dropped runs)."""
+    out = []
+    for r in group.runs:
+        v = (_diagnostics(r) or {}).get(key)
+        if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            out.append([float(x) for x in v])
+    return out
+
+
+def layer_diagnostics_rows(groups: list[Group]) -> list[dict[str, Any]]:
+    """Per group, diagnostic of :data:`LAYER_DIAGNOSTICS` and layer: mean and sample sd over the runs
+    (``diagnostic, group, layer, n, mean, sd``); runs with another number of layers than the group's
+    first are left out of that diagnostic."""
+    rows = []
+    for key, _ in LAYER_DIAGNOSTICS:
+        for g in groups:
+            runs = _layer_values(g, key)
+            runs = [v for v in runs if len(v) == len(runs[0])] if runs else []
+            for layer, values in enumerate(zip(*runs)):
+                m, sd = summary.mean_sd(list(values))
+                rows.append(
+                    {
+                        "diagnostic": key,
+                        "group": g.label,
+                        "layer": layer,
+                        "n": len(values),
+                        "mean": m,
+                        "sd": sd,
+                    }
+                )
+    return rows
+
+
+def _layer_curve_stats(
+    group: Group, key: str, layer: int
+) -> tuple[list[int], list[float], list[float | None], int]:
+    curves = []
+    for r in group.runs:
+        d = _diagnostics(r) or {}
+        if d.get(key) and d.get("curve_steps"):
+            curves.append(
+                {
+                    s: row[layer]
+                    for s, row in zip(d["curve_steps"], d[key])
+                    if row is not None and layer < len(row)
+                }
+            )
+    curves = [c for c in curves if c]
+    if not curves:
+        return [], [], [], 0
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    stats = [summary.mean_sd([c[step] for c in curves]) for step in common]
+    return common, [m for m, _ in stats], [s for _, s in stats], len(curves)
+
+
+def plot_layer_diagnostics(groups: list[Group], rows: list[dict[str, Any]], path: Path) -> None:
+    """Each per-layer diagnostic against the layer, a line per group (mean over its runs, error bars ±
+    one sd): the selection-frequency and top-K-weight entropies of CompeteSMoE (2025) Figs. 9-10, Jain's
+    index (Ho (2025)) and the router entropy (CompeteSMoE (2024) Table 10)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, len(LAYER_DIAGNOSTICS), figsize=(4 * len(LAYER_DIAGNOSTICS), 3.8))
+    for ax, (key, title) in zip(axes, LAYER_DIAGNOSTICS):
+        for g in groups:
+            mine = [r for r in rows if r["diagnostic"] == key and r["group"] == g.label]
+            if mine:
+                ax.errorbar(
+                    [r["layer"] for r in mine], [r["mean"] for r in mine], yerr=[r["sd"] or 0.0 for r in mine],
+                    marker="o", markersize=3, capsize=3, label=f"{g.label} (n={mine[0]['n']})",
+                )  # fmt: skip
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("MoE layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"per-layer routing diagnostics (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10)
+    _save_png(fig, path)
+
+
+def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
+    """Ho (2025)'s curves per layer: a row per curve of :data:`LAYER_CURVES`, a column per MoE layer, a
+    line per group (mean over its runs, band ± one sd).  Returns the CSV rows (``curve, layer, group,
+    step, n, mean, sd``); none (nothing drawn) without curves."""
+    layers = max(
+        (len(row) for g in groups for r in g.runs for row in (_diagnostics(r) or {}).get("saturation") or []),
+        default=0,
+    )
+    if layers == 0:
+        return []
+    rows = []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(
+        len(LAYER_CURVES), layers, figsize=(3.2 * layers + 1, 2.6 * len(LAYER_CURVES)), squeeze=False
+    )
+    colours = plt.get_cmap("tab10").colors
+    for row, (key, title) in enumerate(LAYER_CURVES):
+        for layer in range(layers):
+            ax = axes[row][layer]
+            for i, g in enumerate(groups):
+                steps, mean, sd, n = _layer_curve_stats(g, key, layer)
+                if not steps:
+                    continue
+                rows += [
+                    {"curve": key, "layer": layer, "group": g.label, "step": st, "n": n, "mean": m, "sd": v}
+                    for st, m, v in zip(steps, mean, sd)
+                ]
+                colour = colours[i % len(colours)]
+                ax.plot(steps, mean, color=colour, marker="o", markersize=2, label=f"{g.label} (n={n})")
+                if n > 1:
+                    low = [m - (s or 0.0) for m, s in zip(mean, sd)]
+                    high = [m + (s or 0.0) for m, s in zip(mean, sd)]
+                    ax.fill_between(steps, low, high, color=colour, alpha=0.2, linewidth=0)
+            ax.set_title(f"{title}, layer {layer}", fontsize=8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            if row == len(LAYER_CURVES) - 1:
+                ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(
+        f"routing over training per layer (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
+    )
+    _save_png(fig, path)
+    return rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -233,6 +233,8 @@ def _check(flag: str, value: Any, hint: Any, s: Setting) -> Any:
     ok_type = (
         isinstance(value, bool)
         if base is bool
+        else (isinstance(value, typing.get_args(base)) and not isinstance(value, bool))
+        if origin in (typing.Union, types.UnionType)
         else (isinstance(value, origin) and not isinstance(value, bool))
         if isinstance(origin, type)
         else True
@@ -360,9 +362,18 @@ def add_arguments(
         )
 
 
+def _int_or_text(text: str) -> int | str:
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _scalar(base: Any) -> Callable[[str], Any]:
     if base is int:
         return int
+    if set(typing.get_args(base)) == {int, str}:  # a count or a word (--keep-ckpts 5 or all)
+        return _int_or_text
     if base is float:
         return float
     return str

@@ -74,7 +74,8 @@ class TrainConfig:
         eval_tokens: cap on the validation tokens per evaluation (``None`` = the whole split).
         test_tokens: cap on the test tokens of the final test (``None`` = the whole split).
         ckpt_every: write a checkpoint every this many steps (and at the end); 0 = only at the end.
-        keep_ckpts: how many checkpoints to keep.
+        keep_ckpts: how many checkpoints to keep (the newest); 0 = every checkpoint (the curves over
+            training of ``moelab diagnose``).
         seed: seeds python, numpy, torch and the data order.
         weight_decay: AdamW's decoupled weight decay, on the matrices only (:func:`moelab.optim.param_groups`).
             0 by default: CompeteSMoE (2024) trains with Adam and no decay, and 0 keeps every paper preset
@@ -121,7 +122,7 @@ class TrainConfig:
             if getattr(self, name) is not None:
                 _validate.positive_int(name, getattr(self, name))
         _validate.int_in_range("ckpt_every", self.ckpt_every, 0, 1 << 40)
-        _validate.positive_int("keep_ckpts", self.keep_ckpts)
+        _validate.int_in_range("keep_ckpts", self.keep_ckpts, 0, 1 << 40)
         _validate.int_in_range("seed", self.seed, 0, 2**63 - 1)
         check_optimizer(self.optimizer, self.weight_decay)
 
@@ -317,10 +318,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop's parts
     def _prune_checkpoints(self) -> None:
-        """Keep the newest ``keep_ckpts`` checkpoints, as every checkpoint write does: a kill
+        """Keep the newest ``keep_ckpts`` checkpoints (0: all), as every checkpoint write does: a kill
         between a checkpoint's rename and the removal of the oldest leaves one more.  Only when the
         ones kept all verify (an older one is the fallback of a damaged newer one)."""
-        if not (self.is_main and self.ckpt_dir is not None):
+        if not (self.is_main and self.ckpt_dir is not None) or self.config.keep_ckpts == 0:
             return
         found = ckpt.list_checkpoints(self.ckpt_dir)
         extra, kept = found[: -self.config.keep_ckpts], found[-self.config.keep_ckpts :]
