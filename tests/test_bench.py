@@ -228,3 +228,19 @@ def test_auto_uses_grouped_only_where_grouped_mm_can_run():
     assert ExpertBank(3, 8, 16).resolved_impl(torch.randn(2, 8)) == want
     assert ExpertBank(3, 8, 16).resolved_impl(torch.randn(2, 8, dtype=torch.float64)) == "loop"
     assert ExpertBank(3, 6, 10).resolved_impl(torch.randn(2, 6)) == "loop"  # rows not 16-byte aligned
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["bench", "layer", "--d-model", "4096000000"], "--d-model"),
+        (["bench", "layer", "--num-experts", "4096000000"], "--num-experts"),
+        (["bench", "layer", "--tokens", "4096000000"], "--tokens"),
+        (["bench", "suite", "--tokens", "4096000000"], "--tokens"),
+    ],
+)
+def test_bench_sizes_beyond_the_machines_memory_are_refused_before_allocating(capsys, argv, flag):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}=4096000000 is not allowed here: the layer, its dense twin and one batch would need" in err
+    assert len(err.strip().splitlines()) == 1

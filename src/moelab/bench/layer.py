@@ -33,6 +33,7 @@ from .harness import (
     train_step,
 )
 from .peers import mixtral_peers
+from .workload import check_fits
 
 __all__ = ["add_arguments", "build_layer_candidates", "run"]
 
@@ -167,6 +168,11 @@ def _check_layer_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"device={args.device!r} is not allowed; expected 'cpu' or 'cuda' (with a CUDA device)"
         )
+    check_fits(
+        {"--tokens": args.tokens, "--d-model": args.d_model, "--d-hidden": args.d_hidden,
+         "--num-experts": args.num_experts},
+        args.tokens, args.d_model, args.d_hidden, args.num_experts, args.top_k,
+    )  # fmt: skip
     impls = [s.strip() for s in str(args.impl).split(",") if s.strip()]
     if not impls:
         raise ValueError(

@@ -61,6 +61,7 @@ from .workload import (
     ROUTINGS,
     ZIPF_EXPONENT,
     ZIPF_MARGIN,
+    check_fits,
     favourite_experts,
     int_list,
     load_stats,
@@ -154,6 +155,11 @@ def parse_grid(args: argparse.Namespace) -> list[Case]:
         "threads": threads,
         "peers": args.peer_list,
     }
+    for n, k, h in shapes:
+        for d in widths:
+            check_fits(
+                {"--tokens": max(tokens), "--d-model": d, "--shapes": max(n, h)}, max(tokens), d, h, n, k
+            )
     return [
         Case(t, n, k, h, d, r, th)
         for th in threads

@@ -96,3 +96,24 @@ def load_stats(indices: Tensor, num_experts: int, favourites: Tensor | None = No
     if favourites is not None:
         out["favourite_hit"] = float((indices[:, 0].cpu() == favourites).double().mean())
     return out
+
+
+def check_fits(
+    flags: dict[str, int], tokens: int, d_model: int, d_hidden: int, num_experts: int, top_k: int
+) -> None:
+    """Refuse, before anything is allocated, a benchmark case whose layer, dense twin, gradients and one
+    batch cannot fit in this machine's memory (a lower bound in float32 bytes), naming the flag of
+    ``flags`` (flag → value) with the largest value."""
+    from ..experiments.runner import machine_memory
+
+    weights = 2 * num_experts * d_model * 2 * d_hidden  # the experts' SwiGLU in/out matrices and their grads
+    dense = 2 * d_model * 2 * top_k * d_hidden  # the dense FFN of equal active width
+    batch = tokens * (4 * d_model + top_k * (2 * d_hidden + d_model))  # inputs, outputs, grads, expert rows
+    need, total = 4 * (weights + dense + batch), machine_memory()
+    if total and need > total:
+        flag = max(flags, key=flags.get)
+        raise ValueError(
+            f"{flag}={flags[flag]!r} is not allowed here: the layer, its dense twin and one batch would need "
+            f"at least {need / 2**30:,.3g} GiB, more than this machine's {total / 2**30:.3g} GiB of memory; "
+            f"expected a smaller {flag}"
+        )
