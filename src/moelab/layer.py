@@ -16,6 +16,8 @@ from .experts.dispatch import combine_densemixer, dispatch_masked
 from .losses import (
     LOAD_LOSSES,
     LOSS_NAMES,
+    erc_loss,
+    erc_noise,
     importance_loss,
     mean_entropy_loss,
     sequence_balance_loss,
@@ -28,7 +30,9 @@ from .routing import Routing, RoutingContext
 
 __all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "check_context", "moe_layers"]
 
-_LAYER_OPTIONS = ("num_shared", "balance_scope", "densemixer")
+_LAYER_OPTIONS = ("num_shared", "balance_scope", "densemixer", "erc_alpha")
+#: the layer's own losses (of the router rows and the experts, not of a routing), each with ``<name>_coef``
+_LAYER_LOSSES = ("erc",)
 #: the router families whose weights are their softmax probabilities on the chosen experts (up to a
 #: per-token scale): those DenseMixer's dense router gradient is defined for
 _DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
@@ -60,7 +64,8 @@ class MoE(nn.Module):
             ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
-            ``num_shared``, ``balance_scope`` and ``densemixer``), overriding the preset.
+            ``num_shared``, ``balance_scope``, ``densemixer``, and ``erc_coef`` / ``erc_alpha``),
+            overriding the preset.
 
     ``densemixer=True``: in training forwards with autograd every expert runs and the router
     receives the gradient of the dense mixture of their outputs, the output keeping its sparse value
@@ -82,6 +87,13 @@ class MoE(nn.Module):
 
     A router with a variable number of experts per token (``Routing.mask``) takes ``"micro"``
     only: the other scopes count every slot.
+
+    ``erc_coef > 0``: the expert–router coupling loss (Lv et al. 2025, "Coupling Experts and Routers
+    in Mixture-of-Experts via an Auxiliary Loss"; :func:`moelab.losses.erc_loss`) between the router
+    rows ``R (N, d)`` and the experts' gate projections, margin ``erc_alpha`` (default 1), with
+    freshly drawn proxy-token noise each time ``aux_loss`` is formed; for any router with an
+    ``(N, d)`` weight (``smoe``, ``sharede-v3``, ``remoe``, ``top-p``, ``expert-choice``, ... and a
+    competition router's base) over an :class:`ExpertBank`.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`).
@@ -128,12 +140,13 @@ class MoE(nn.Module):
 
         router_cls = ROUTERS[preset.router]
         allowed_router = method_router_options(method)
-        loss_names = LOSS_NAMES + router_cls.loss_names
+        loss_names = LOSS_NAMES + router_cls.loss_names + _LAYER_LOSSES
         allowed = sorted([*allowed_router, *(f"{n}_coef" for n in loss_names), *_LAYER_OPTIONS])
         r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
         densemixer = preset.layer_options.get("densemixer", False)
+        erc_alpha = preset.layer_options.get("erc_alpha", 1.0)
         for key, value in options.items():
             if key in allowed_router:
                 r_opts[key] = value
@@ -143,6 +156,8 @@ class MoE(nn.Module):
                 num_shared = value
             elif key == "densemixer":
                 densemixer = value
+            elif key == "erc_alpha":
+                erc_alpha = value
             elif key == "balance_scope":
                 _validate.one_of("balance_scope", value, BALANCE_SCOPES)
                 if value != "micro" and router_cls.variable_k:
@@ -161,6 +176,7 @@ class MoE(nn.Module):
                 f"its softmax probabilities (routers {list(_DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
             )
         self.densemixer = densemixer
+        self.erc_alpha = _validate.positive("erc_alpha", erc_alpha)
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
         self.balance_scope: str = options.get("balance_scope", "micro")
         #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
@@ -168,8 +184,22 @@ class MoE(nn.Module):
         self.step_balance = None
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
+        gate_rank = getattr(self.router, "expert_gate_rank", None)  # Autonomy-of-Experts' factorised gates
         if experts is None:
-            experts = ExpertBank(num_experts, d_model, d_hidden, activation=activation, bias=bias, impl=impl)
+            experts = ExpertBank(
+                num_experts,
+                d_model,
+                d_hidden,
+                activation=activation,
+                bias=bias,
+                impl=impl,
+                gate_rank=gate_rank,
+            )
+        elif gate_rank is not None and getattr(experts, "gate_rank", None) != gate_rank:
+            raise ValueError(
+                f"experts of type {type(experts).__name__} are not allowed with method={method!r}; expected an "
+                f"ExpertBank with gate_rank={gate_rank} (leave experts=None and the layer builds it)"
+            )
         elif not isinstance(experts, Experts):
             raise ValueError(
                 f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
@@ -180,6 +210,8 @@ class MoE(nn.Module):
                 f"experts.num_experts={experts.num_experts!r} does not match num_experts={num_experts}"
             )
         self.experts = experts
+        if self.coefs.get("erc", 0.0) > 0:
+            _check_erc(self, method)
         self.shared = (
             MLP(d_model, self.num_shared * d_hidden, activation=activation, bias=bias)
             if self.num_shared
@@ -324,6 +356,8 @@ class MoE(nn.Module):
         return terms
 
     def _standard_loss(self, name: str, routing: Routing, seq_len: int | None = None) -> Tensor | None:
+        if name == "erc":
+            return self.erc_loss()
         if name == "z":
             return None if routing.logits is None else z_loss(routing.logits)
         if routing.probs is None or name not in LOAD_LOSSES:
@@ -341,6 +375,34 @@ class MoE(nn.Module):
         if name == "importance":
             return importance_loss(routing.probs, seq_len=seq)
         return mean_entropy_loss(routing.probs, seq_len=seq)
+
+    def erc_loss(self, noise: Tensor | bool | None = True) -> Tensor:
+        """The ERC loss of the router rows and the experts' gate projections
+        (:func:`moelab.losses.erc_loss`, margin ``erc_alpha``): ``noise=True`` draws the proxy
+        tokens' noise (:func:`moelab.losses.erc_noise`), a tensor is used as it is, ``None`` or
+        ``False`` leaves the router rows unperturbed."""
+        r = self.router.base_router.weight
+        w = self.experts.expert_weights
+        gate = w.w_in[:, : w.d_hidden]  # [gate | up] for swiglu, else the whole input projection
+        if noise is True:
+            noise = erc_noise(r)
+        return erc_loss(r, gate, self.erc_alpha, noise if isinstance(noise, Tensor) else None)
+
+
+def _check_erc(layer: MoE, method: str) -> None:
+    """The ERC loss needs router rows ``(N, d)`` and experts with gate projections."""
+    weight = getattr(layer.router.base_router, "weight", None)
+    if not isinstance(weight, Tensor) or tuple(weight.shape) != (layer.num_experts, layer.d_model):
+        raise ValueError(
+            f"erc_coef > 0 is not allowed with method={method!r}: its router has no (num_experts, d_model) "
+            "weight whose rows the ERC loss couples to the experts; expected a linear router (smoe, "
+            "sharede-v3, remoe, top-p, expert-choice, ...)"
+        )
+    if not isinstance(layer.experts, ExpertBank):
+        raise ValueError(
+            f"erc_coef > 0 is not allowed with experts of type {type(layer.experts).__name__}: the ERC loss "
+            "reads each expert's gate projection; expected an ExpertBank"
+        )
 
 
 def _refuse_unsynchronised_global(layer: MoE) -> None:
