@@ -12,7 +12,7 @@ import torch
 import moelab
 from moelab.experts import ModuleExperts
 from moelab.losses import erc_loss, erc_noise
-from router_grid import D, H, IMPLS, K, N, check_compile, check_kernel, check_save_load
+from router_grid import IMPLS, D, H, K, N, check_compile, check_kernel, check_save_load
 
 
 def literal_erc(r, wg, alpha, delta):
