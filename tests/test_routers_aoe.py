@@ -167,6 +167,34 @@ def test_aoe_set_method_refuses_full_rank_experts():
     ):
         moelab.set_method(layer, "aoe")
     assert layer.method == "smoe"
+    aoe = moelab.MoE(8, 4, 2, method="aoe")
+    with pytest.raises(
+        ValueError,
+        match=r"^set_method\(method='smoe'\) is not allowed on a layer of method='aoe': its experts' gate "
+        r"projections are low-rank factors \(W_g = B A\) that the new method's experts are not; build a new "
+        r"layer instead$",
+    ):
+        moelab.set_method(aoe, "smoe")
+    moelab.set_method(aoe, "aoe", renormalize=True)  # its own router family: options change
+    assert aoe.router.renormalize is True and aoe.experts.gate_rank == 2
+
+
+def test_aoe_upcycle_refuses_in_one_line():
+    dense = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    with pytest.raises(ValueError, match=r"^upcycle\(method='aoe'\) is not allowed: Autonomy-of-Experts "):
+        moelab.upcycle(dense, num_experts=4, top_k=2, method="aoe")
+
+
+def test_aoe_expert_parallelism_refuses_the_factorised_bank():
+    from moelab.train.parallelize import ExpertParallel
+
+    bank = moelab.MoE(8, 4, 2, method="aoe").experts
+    with pytest.raises(
+        ValueError,
+        match=r"^an ExpertBank with gate_rank=2 \(method='aoe'\) is not allowed with expert parallelism; expected "
+        r"full-rank gate projections \(sharding factorised gates is not implemented\)$",
+    ):
+        ExpertParallel()._apply(bank, None)  # refused before the mesh is read
 
 
 # ------------------------------------------------------------------ the layer grid

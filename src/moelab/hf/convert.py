@@ -766,6 +766,13 @@ def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
         )
     if any(get_method(layer.method).router != get_method(method).router for layer in layers):
         _refuse_factorised_gates(method, "set_method")
+        for layer in layers:
+            if layer.method != method and get_method(layer.method).router == "aoe":
+                raise ValueError(
+                    f"set_method(method={method!r}) is not allowed on a layer of method={layer.method!r}: its "
+                    "experts' gate projections are low-rank factors (W_g = B A) that the new method's experts "
+                    "are not; build a new layer instead"
+                )
     lost_all: dict[str, list[int]] = {}
     fresh_all: dict[str, list[int]] = {}
     coefs_all: dict[tuple, list[int]] = {}
