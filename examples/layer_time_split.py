@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from moelab import MoE
+from moelab import MoE, recording_routing
 from moelab.experts import MLP
 from moelab.experts.dispatch import sort_slots
 from moelab.experts.kernels import loop_rows
@@ -42,7 +42,7 @@ def main() -> None:
     layer = MoE(d, N, K, d_hidden=h, method="smoe", activation="swiglu")
     dense = MLP(d, K * h, activation="swiglu")
     x, g = torch.randn(T, d), torch.randn(T, d)
-    with torch.no_grad():
+    with torch.no_grad(), recording_routing(layer):  # an inference forward keeps its routing on request
         layer(x)
     routing = layer.last_routing
     indices, weights = routing.indices, routing.weights

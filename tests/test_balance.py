@@ -126,7 +126,7 @@ def test_global_scope_per_micro_batch_backward_uses_the_running_counts_of_the_st
     w = scoped.router.weight
     for mb in x.chunk(2):
         scoped(mb)
-        routing = scoped._aux_pending[0]
+        routing = scoped._step_routing  # this forward's routing (the StepBalance clears it)
         counts += torch.bincount(routing.indices.flatten(), minlength=N)
         probs.append(routing.probs.detach())
         loss = step_balance_loss(scoped)

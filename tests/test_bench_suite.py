@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 
+import moelab
 import moelab.bench.suite as suite
 import moelab.bench.workload as workload
 from moelab import MoE
@@ -242,7 +243,7 @@ def test_zipf_routing_is_skewed_and_balanced_is_not(top_k):
         gen = torch.Generator().manual_seed(0)
         fav = workload.favourite_experts(T, N, routing, gen)
         x = workload.routed_inputs(layer.router.weight, fav, gen)
-        with torch.no_grad():
+        with torch.no_grad(), moelab.recording_routing(layer):
             layer(x)
         load = workload.load_stats(layer.last_routing.indices, N, fav)
         assert load["favourite_hit"] == 1.0  # every token's top-1 is its favourite

@@ -165,3 +165,19 @@ def test_resume_with_force_is_refused_by_every_command_in_one_sentence(command, 
         "in --out, --force starts it afresh\n"
     )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["upcycle", "--model", "m", "--num-experts", "2", "--top-k", "1", "--seed", "-1"],
+         "--seed=-1 is not allowed; expected an integer in [0, 9223372036854775807]"),
+        (["bench", "suite", "--seed", "-1"], "--seed=-1 is not allowed; expected an integer in [0, 9223372036854775807]"),
+        (["finetune", "--task", "t.csv", "--from", "r", "--eval-every", "0"],
+         "--eval-every=0 is not allowed; expected a positive integer"),
+    ],
+)  # fmt: skip
+def test_seed_and_eval_every_are_checked_alike_by_every_command(argv, message, tmp_path, capsys):
+    assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: {message}\n") and len(err.strip().splitlines()) == 1

@@ -251,3 +251,13 @@ def test_compare_paper_2025_table11_runs_each_ablation_row_as_its_method_and_opt
     assert router.task_gradient is False
     side = (out / "paper.txt").read_text()
     assert "Table 11" in side and "policy-only" in side and "52.840" in side
+
+
+def test_compare_refuses_more_seeds_than_the_machine_can_list(corpus, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--seeds", "40960000000")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "moelab compare: error: --seeds=40960000000 is not allowed here: 2 methods × --seeds runs would need at least"
+    )
+    assert err.endswith("expected a smaller --seeds\n") and not out.exists()

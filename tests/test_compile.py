@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
+import moelab
 from moelab import MoE
 from moelab.cli import main
 from moelab.experts import ExpertBank
@@ -218,3 +219,102 @@ def test_bench_compile_adds_compiled_candidates_in_both_phases(capsys):
         assert ("compiled moelab auto (=grouped)", phase) in names
     assert out["config"]["compile"] == "default"
     assert all(r["note"] == "" for r in out["results"])  # same FLOPs as dense
+
+
+# ------------------------------------------------------------------ per-block compile (torchtitan's way)
+# methods whose routing does not change with the step: their 12 blocks share one graph
+STEP_FREE_METHODS = [
+    "smoe", "smoe-fixed", "xmoe", "pcosine", "sigma-moe", "sharede-v2", "sharede-v3", "hyperrouter", "densemoe",
+]  # fmt: skip
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, method: str, checkpointed: bool) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.moe = MoE(16, 4, 2, 16, method=method)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        if self.checkpointed:
+            return x + torch.utils.checkpoint.checkpoint(self.moe, h, use_reentrant=False)
+        return x + self.moe(h)
+
+
+def _per_block_steps(method: str, checkpointed: bool, compiled: bool, steps: int = 2):
+    """``steps`` training steps of 12 blocks, each compiled alone with ``fullgraph=True`` (or eager):
+    losses, the gradients and the frames compiled after each step."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_Block(method, checkpointed) for _ in range(12)])
+    ctx = RoutingContext(total_steps=10)
+    attach(blocks, ctx)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    run = [torch.compile(b, backend=counter, fullgraph=True) for b in blocks] if compiled else list(blocks)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        blocks.zero_grad(set_to_none=True)
+        x = torch.randn(2, 8, 16, generator=gen, requires_grad=True)  # as an embedding's output
+        h = x
+        for block in run:
+            h = block(h)
+        loss = h.square().mean() + moelab.aux_loss(blocks)
+        loss.backward()
+        ctx.advance()
+        out.append(
+            (loss.detach(), {n: p.grad.clone() for n, p in blocks.named_parameters()}, counter.frame_count)
+        )
+    return out
+
+
+def _assert_same_training(got, want) -> None:
+    for (loss, grads, _), (loss_want, grads_want, _) in zip(got, want, strict=True):
+        torch.testing.assert_close(loss, loss_want)
+        for name in grads_want:
+            torch.testing.assert_close(grads[name], grads_want[name], msg=name)
+
+
+def _check_per_block(method: str, checkpointed: bool) -> None:
+    got = _per_block_steps(method, checkpointed, compiled=True)
+    assert [frames for *_, frames in got] == [1, 1]  # 12 blocks, one graph, no recompile at step 2
+    _assert_same_training(got, _per_block_steps(method, checkpointed, compiled=False))
+
+
+def test_twelve_blocks_compile_per_block_fullgraph_once():
+    _check_per_block("sharede-v3", checkpointed=False)
+
+
+def test_twelve_blocks_compile_per_block_with_activation_checkpointing():
+    _check_per_block("xmoe", checkpointed=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("method", STEP_FREE_METHODS)
+def test_twelve_blocks_compile_per_block_every_method(method, checkpointed):
+    _check_per_block(method, checkpointed)
+
+
+@pytest.mark.slow
+def test_competesmoe_blocks_compile_once_per_branch_not_per_layer():
+    """The schedule lookup (and the layer index it needs) runs outside the traced code: the
+    competesmoe blocks compile their frames once per branch (a per-layer guard would compile each
+    of the 4 layers' frames apart, past the limit of 2 set here), and later steps compile nothing."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_Block("competesmoe", False) for _ in range(4)])
+    ctx = moelab.routing_context(blocks, 10)
+    attach(blocks, ctx)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    run = [torch.compile(b, backend=counter) for b in blocks]
+    frames = []
+    # a per-layer guard would exceed a limit of 2 (a branch each) and raise
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        for _ in range(3):
+            h = torch.randn(2, 8, 16, requires_grad=True)
+            for block in run:
+                h = block(h)
+            (h.square().mean() + moelab.aux_loss(blocks)).backward()
+            ctx.advance()
+            frames.append(counter.frame_count)
+    assert frames[1:] == [frames[0]] * 2

@@ -1,6 +1,7 @@
-"""The SIGKILL crash harness: ``moelab train``, ``moelab compare`` and ``moelab specialize`` killed at
-every file-system write event, resumed with ``--resume``, and compared bit for bit with an uninterrupted
-run.
+"""The SIGKILL crash harness: ``moelab train``, ``moelab compare``, ``moelab specialize`` and ``moelab
+finetune`` killed at every file-system write event, resumed with ``--resume``, and compared bit for bit
+with an uninterrupted run; ``moelab compare --jobs 2`` killed while its workers train leaves no process
+behind and resumes bit for bit.
 
 Each command is first run once uninterrupted (the reference); then, for ``N = 1, 2, ...``, it is run
 with a write hook (:func:`moelab.io.atomic.set_write_hook`, installed by this harness in the child
@@ -45,14 +46,41 @@ _LM = ["--block-size", "16", "--batch-size", "4", "--num-experts", "4", "--steps
 
 
 def commands(corpus: Path) -> dict[str, list[str]]:
-    """The three short runs of the harness (``--out`` appended per run)."""
+    """The four short runs of the harness (``--out`` appended per run); ``finetune`` fine-tunes the
+    LM and reads the table that :func:`prepare_finetune` writes beside ``corpus``."""
     return {
         "train": ["train", "--data", str(corpus), "--size", "cpu", *_LM],
         "compare": ["compare", "--data", str(corpus), *_LM, "--methods", "smoe,competesmoe", "--seeds", "1",
                     "--jobs", "1"],
         "specialize": ["specialize", "--gate", "attentive", "--reg", "ls", "--distill", "--epochs", "2",
                        "--train-samples", "96", "--test-samples", "48"],
+        "finetune": ["finetune", "--task", str(corpus.parent / "reviews.csv"), "--from",
+                     str(corpus.parent / "finetune-lm"), "--steps", "4", "--eval-every", "2", "--batch-size", "8",
+                     "--no-progress"],
     }  # fmt: skip
+
+
+def prepare_finetune(corpus: Path, runner: Runner) -> None:
+    """The LM (a StableMoE run, so that its routing context matters) and the table ``finetune`` reads."""
+    lm = corpus.parent / "finetune-lm"
+    if not (lm / "metrics.json").exists():
+        argv = [
+            "train",
+            "--data",
+            str(corpus),
+            "--size",
+            "cpu",
+            *_LM,
+            "--method",
+            "stablemoe",
+            "--out",
+            str(lm),
+        ]
+        assert runner(argv, corpus.parent / "finetune-lm.log") == 0, (
+            corpus.parent / "finetune-lm.log"
+        ).read_text()
+    rows = ["text,label"] + [f"{'the cat sat' if i % 2 else 'a dog ran far'} {i},{i % 2}" for i in range(80)]
+    (corpus.parent / "reviews.csv").write_text("\n".join(rows) + "\n")
 
 
 def write_corpus(path: Path) -> Path:
@@ -238,16 +266,77 @@ def harness(name: str, argv: list[str], work: Path, runner: Runner, limit: int |
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["train", "compare", "specialize"])
+@pytest.mark.parametrize("name", ["train", "compare", "specialize", "finetune"])
 def test_a_run_killed_at_any_write_resumes_bit_identically(name, tmp_path):
     runner = Runner(fork=sys.platform == "linux")
     try:
-        argv = commands(write_corpus(tmp_path / "corpus.txt"))[name]
+        corpus = write_corpus(tmp_path / "corpus.txt")
+        if name == "finetune":
+            prepare_finetune(corpus, runner)
+        argv = commands(corpus)[name]
         result = harness(name, argv, tmp_path, runner)
     finally:
         runner.close()
     assert result["kill_points"] >= 5  # the hook fired: each command writes several files
     assert result["failures"] == [] and result["identical"] == result["kill_points"]
+
+
+def _descendants(pid: int) -> list[int]:
+    """The PIDs of every process below ``pid`` (Linux: ``/proc/PID/task/*/children``)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent has not reaped it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc (Linux)")
+def test_a_killed_compare_with_two_jobs_leaves_no_worker_and_resumes_bit_identically(tmp_path):
+    """SIGKILL of ``moelab compare --jobs 2`` while both workers train: no process outlives it (none
+    goes on writing into --out or holds a run's lock), and ``--resume`` finishes the comparison
+    exactly as an uninterrupted one."""
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    argv = ["compare", "--data", str(corpus), *_LM, "--methods", "smoe", "--seeds", "2", "--jobs", "2"]
+    argv = [*argv[: argv.index("--steps") + 1], "400", *argv[argv.index("--steps") + 2 :]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_SRC, os.environ.get("PYTHONPATH")]))}
+    moelab = [sys.executable, "-m", "moelab"]
+    ref, out = tmp_path / "reference", tmp_path / "killed"
+    subprocess.run([*moelab, *argv, "--out", str(ref)], env=env, check=True, capture_output=True)
+    with open(tmp_path / "killed.log", "w") as log:
+        parent = subprocess.Popen([*moelab, *argv, "--out", str(out)], env=env, stdout=log, stderr=log)
+    logs = [out / "smoe" / f"seed{s}" / "log.csv" for s in (0, 1)]
+    deadline = time.monotonic() + 300
+    while not all(p.exists() and p.stat().st_size > 200 for p in logs) and parent.poll() is None:
+        assert time.monotonic() < deadline, (tmp_path / "killed.log").read_text()
+        time.sleep(0.05)
+    workers = _descendants(parent.pid)
+    assert parent.poll() is None and len(workers) >= 2  # both training, in their own processes
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [w for w in workers if _alive(w)] == []
+    resumed = subprocess.run(
+        [*moelab, *argv, "--out", str(out), "--resume"], env=env, capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert differences(ref, out) == []
 
 
 def test_compare_resumes_a_run_killed_between_its_tokenizer_and_its_config(tmp_path, monkeypatch, capsys):
@@ -281,7 +370,9 @@ def main(argv: list[str]) -> int:
     runner = Runner(fork=sys.platform == "linux")
     results = []
     try:
-        for name, command in commands(write_corpus(work / "corpus.txt")).items():
+        corpus = write_corpus(work / "corpus.txt")
+        prepare_finetune(corpus, runner)
+        for name, command in commands(corpus).items():
             r = harness(name, command, work, runner)
             results.append(r)
             print(

@@ -45,7 +45,7 @@ def test_diagnose_writes_every_diagnostic_and_each_matches_a_direct_computation(
         return hook
 
     hooks = [layer.register_forward_hook(record(i)) for i, layer in enumerate(layers)]
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(model):  # an inference forward keeps none unless asked
         model.eval()
         for b in batches:
             model(b)
@@ -74,7 +74,7 @@ def test_swap_of_the_kth_expert_keeps_the_top_ones_and_takes_the_next():
     layer = moelab.MoE(8, 6, 3, method="smoe").eval()
     x = torch.randn(10, 8)
     ranked = layer.router.logits(x).topk(4, dim=-1).indices
-    with torch.no_grad(), metrics.swap_top1(layer, rank=2):
+    with torch.no_grad(), metrics.swap_top1(layer, rank=2), moelab.recording_routing(layer):
         layer(x)
     assert torch.equal(layer.last_routing.indices, ranked[:, [0, 1, 3]])
     assert not isinstance(layer.router, metrics.SwappedRouter) and layer.router.top_k == 3

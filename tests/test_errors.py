@@ -171,6 +171,18 @@ def test_compare_sweep_is_validated(capsys, tmp_path):
     assert "--sweep 'omega=' is not allowed; VALUE is empty (expected KEY=V1,V2,..." in err
 
 
+def _lm_config_yaml(**changes) -> str:
+    """A complete ``config.yaml`` of a ``moelab train`` run (every recorded setting)."""
+    import dataclasses
+
+    import yaml
+
+    from moelab.experiments.lm import TrainRun, resolve
+
+    config = dataclasses.replace(resolve(TrainRun()), **changes)
+    return yaml.safe_dump({"command": "train", **dataclasses.asdict(config), "recorded": {}}, sort_keys=False)
+
+
 @pytest.mark.parametrize(
     "setup,message",
     [
@@ -178,8 +190,8 @@ def test_compare_sweep_is_validated(capsys, tmp_path):
             {"config.yaml": "command: finetune\n"},
             "is not the config of a moelab train run (command='finetune'); expected a language-model run",
         ),
-        ({"config.yaml": None}, "has no tokenizer.json"),
-        ({"config.yaml": "command: train\n"}, "lacks the recorded settings --task, --data"),
+        ({"config.yaml": "command: train\n"}, "config.yaml' lacks the recorded settings --task, --data"),
+        ({"config.yaml": _lm_config_yaml()}, "has no tokenizer.json"),
     ],
 )
 def test_finetune_refuses_a_run_that_is_not_a_finished_lm(capsys, tmp_path, setup, message):
@@ -206,7 +218,7 @@ def test_finetune_refuses_an_lm_run_without_weights(capsys, tmp_path):
 
     run = tmp_path / "lm"
     run.mkdir()
-    (run / "config.yaml").write_text(_train_config_yaml(size="cpu", block_size=8, num_experts=4))
+    (run / "config.yaml").write_text(_lm_config_yaml(block_size=8, num_experts=4))
     (run / "tokenizer.json").write_text(json.dumps(ByteTokenizer().state()))
     err = error_of(capsys, ["finetune", "--from", str(run), "--out", str(tmp_path / "o"), "--task", "x.csv"])
     assert "holds no saved model (best/ or ckpt/step-*/)" in err

@@ -236,6 +236,8 @@ def test_finetune_resume_refuses_a_changed_data_file_or_lm_and_keeps_its_config(
 def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_path, monkeypatch):
     """SMoE-Dropout's K and StableMoE's stage during fine-tuning are the LM's at the end of its
     training (the frozen routers route as the LM they came from), not a fresh context's."""
+    import warnings
+
     from moelab.io.model import load
     from moelab.routers.stable import StableRouter
     from moelab.routers.topk import TopKRouter
@@ -269,9 +271,11 @@ def test_finetune_routes_with_the_lms_routing_context_and_keeps_it(reviews, tmp_
         monkeypatch.setattr(StableRouter, "stage", stage)
         seen[key].clear()
         out = tmp_path / f"ft-{method}"
+        warnings.simplefilter("error", UserWarning)  # frozen by design: no "does not advance" warning
         assert main(["finetune", "--task", str(reviews), "--from", str(lm), "--steps", "8", "--eval-every", "8",
                      "--no-progress", "--out", str(out)]) == 0  # fmt: skip
         monkeypatch.undo()
+        warnings.resetwarnings()
         assert seen[key] and set(seen[key]) == {lm_value}, (method, seen[key])
         # the fine-tuned model keeps that routing when loaded
         ctx = next(m.ctx for m in load(out).modules() if getattr(m, "ctx", None) is not None)
@@ -295,6 +299,11 @@ def test_finetune_with_an_adapter_trains_only_the_adapter_and_the_head(
     assert head < recorded["trainable_params"] < head + 20_000
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["test_acc"] <= 100
+    import moelab
+    from moelab.adapters import adapter_config
+
+    back = moelab.load(out)  # the best weights rebuild with their adapter
+    assert adapter_config(back.lm)["kind"] == adapter and adapter_config(back.lm)["rank"] == 2
 
 
 def test_finetune_adapter_flags_are_checked(pretrained, reviews, tmp_path, capsys):

@@ -82,7 +82,7 @@ def test_converted_block_has_identical_outputs_and_routing(kind, overrides, meth
     layer = from_hf(block)
     assert isinstance(layer, moelab.MoE) and layer.method == method and not layer.training
     x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(layer):
         expected = block(x.clone())
         got = layer(x)
         _, hf_weights, hf_indices = block.gate(x.reshape(-1, D))
@@ -99,7 +99,7 @@ def test_deepseek_group_limited_routing_only_uses_the_chosen_groups():
     block = _block("deepseek", n_group=4, topk_group=1)
     layer = from_hf(block)
     x = torch.randn(64, D)
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(layer):
         layer(x)
     groups = layer.last_routing.indices // (N // 4)  # (T, K) group of each chosen expert
     assert (groups == groups[:, :1]).all()  # both experts of a token come from its one group
@@ -137,6 +137,7 @@ def test_whole_model_conversion_keeps_the_logits():
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    model.train()(ids)  # a training forward computes the aux losses (an inference one, none)
     assert moelab.aux_loss(model).item() > 0  # router_aux_loss_coef became balance_coef
 
 

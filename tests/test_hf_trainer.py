@@ -407,6 +407,60 @@ def test_the_trainer_trains_every_method(tmp_path, method):
     assert changed, f"{method}: no MoE parameter moved"
 
 
+# ------------------------------------------------------------------------------------ the plain Trainer
+def test_a_converted_models_training_loss_includes_the_aux_loss():
+    """As transformers' MoE models with output_router_logits: a training forward with labels
+    returns task + aux (its gradient is attached to the layers' outputs); evaluation returns the
+    task loss alone."""
+    model = _model("smoe")
+    ids = _data(4)[0]["input_ids"].unsqueeze(0).repeat(2, 1)
+    out = model(input_ids=ids, labels=ids)
+    logits = out.logits[:, :-1].reshape(-1, V)
+    task = torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1))
+    aux = moelab.aux_loss(model)
+    assert aux.item() > 0
+    torch.testing.assert_close(out.loss.detach(), (task + aux).detach())
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, task)
+
+
+def test_the_plain_trainer_trains_with_the_aux_loss(tmp_path):
+    model = _model("smoe")
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_steps=2), train_dataset=_data())
+    trainer.train()
+    assert all(math.isfinite(h["loss"]) for h in _train_logs(trainer))
+
+
+def test_the_plain_trainer_with_gradient_accumulation_is_refused_in_one_line(tmp_path):
+    """The plain Trainer divides the loss of a model that takes no loss kwargs by the accumulation
+    steps; the layers' aux gradient would keep weight 1: refused at the first backward, naming the
+    fix.  (A model taking ``num_items_in_batch`` is not divided: its aux loss counts once per
+    micro-batch, as in transformers' own MoE models.)"""
+    model = _model("smoe")
+    args = _args(tmp_path, max_steps=1, gradient_accumulation_steps=2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_data())
+    trainer.model_accepts_loss_kwargs = False
+    with pytest.raises(
+        ValueError, match=r"aux_loss enters this loss with weight 0.5, .*set_aux_scale\(model, 0.5\)"
+    ):
+        trainer.train()
+
+
+def test_competesmoe_trains_under_bf16_through_its_competition_steps(tmp_path):
+    """``TrainingArguments(bf16=True)``: the forward runs under bf16 autocast (the competition's
+    expert backward once refused its bf16 rows); the losses stay finite and the distillation is
+    logged on the competition steps."""
+    model = _model()
+    args = _args(tmp_path, bf16=True, max_steps=4)
+    trainer = MoETrainer(model=model, args=args, train_dataset=_data(), schedule_options=COMPETE)
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert len(logs) == 4 and all(math.isfinite(h["loss"]) for h in logs)
+    assert any(h["aux_distill"] > 0 for h in logs)
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
 # ------------------------------------------------------------------------- global balance scope
 def test_global_balance_in_one_process_trains_as_the_micro_batch_balance(tmp_path):
     """One process, one micro-batch a step: the step's load is the micro-batch's, so the StepBalance the

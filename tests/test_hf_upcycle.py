@@ -125,7 +125,7 @@ def test_upcycled_model_runs_and_equals_the_dense_model_at_init(arch):
     upcycle(model, num_experts=4, top_k=2)
     layers = moelab.attach(model, moelab.RoutingContext())
     assert len(layers) == EXPECTED[arch][0]
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(model):
         sparse = _out(model, inputs)
     torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-10)
     assert all(layer.last_routing.indices.shape[-1] == 2 for layer in layers)  # every MoE layer ran

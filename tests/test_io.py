@@ -354,6 +354,46 @@ def test_a_saved_routing_context_whose_schedule_does_not_rebuild_is_refused_nami
     )
 
 
+def test_load_weights_restores_the_routing_context_so_a_stablemoe_model_routes_as_saved(tmp_path):
+    """StableMoE past its stage switch routes with its frozen light router, a function of the
+    context: ``moelab.load_weights`` into a model without a context attaches the saved one (the
+    logits match exactly); a context already attached (a trainer's) stays as it is."""
+    torch.manual_seed(0)
+    saved = _lm("stablemoe")
+    moelab.attach(saved, moelab.RoutingContext(step=90, total_steps=100))
+    saved.eval()
+    ids = torch.randint(0, 40, (2, 16))
+    with torch.no_grad():
+        want = saved(ids)
+    moelab.save(saved, tmp_path / "m")
+    torch.manual_seed(1)
+    fresh = _lm("stablemoe").eval()
+    with torch.no_grad():
+        assert not torch.equal(fresh(ids), want)
+    moelab.load_weights(tmp_path / "m", fresh)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), want)
+    ctx = moelab.RoutingContext(step=3, total_steps=100)
+    other = _lm("stablemoe").eval()
+    moelab.attach(other, ctx)
+    moelab.load_weights(tmp_path / "m", other)
+    assert ctx.step == 3 and next(m for m in other.modules() if isinstance(m, moelab.MoE)).ctx is ctx
+
+
+def test_a_run_without_best_config_json_says_it_loads_the_newest_checkpoint(corpus, tmp_path):
+    from moelab.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+                 "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+                 "--test-tokens", "64", "--no-progress", "--out", str(out)]) == 0  # fmt: skip
+    (out / "best" / "config.json").unlink()
+    with pytest.warns(
+        UserWarning, match=r"best/config.json' is missing; loading the newest checkpoint step-00000002"
+    ):
+        moelab.load(out)
+
+
 def test_load_keeps_each_tensors_dtype_bf16_experts_with_float32_routers(tmp_path):
     lm = _lm("sharede-v3")
     for layer in lm.moe_layers:  # the experts in bf16, the routers (and the selection bias) in float32

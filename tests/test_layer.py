@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -113,11 +115,67 @@ def test_aux_loss_preset_coefficients_and_zero_switches_a_loss_off():
     assert off.coefs == {} and off.aux_loss.item() == 0.0
 
 
-def test_aux_loss_carries_gradient_to_the_router():
+def test_aux_loss_gradient_reaches_the_router_through_the_output():
+    """A training forward attaches ``∂aux`` to its output: a backward through the output (with a
+    zero task gradient) gives the router exactly the gradient of the weighted losses."""
     layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0)
-    layer(torch.randn(10, 8))
-    layer.aux_loss.backward()
-    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    x = torch.randn(10, 8)
+    (layer(x) * 0).sum().backward()
+    r = layer.router(x)
+    want = torch.autograd.grad(
+        switch_balance_loss(r.probs, r.indices, 4) + 0.001 * z_loss(r.logits), layer.router.weight
+    )[0]
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(layer.router.weight.grad, want)
+
+
+def test_aux_gradient_is_weighted_by_set_aux_scale():
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0)
+    x = torch.randn(10, 8)
+    grads = []
+    for scale in (1.0, 0.25):
+        moelab.set_aux_scale(layer, scale)
+        layer.zero_grad()
+        (layer(x) * 0).sum().backward()
+        grads.append(layer.router.weight.grad.clone())
+    torch.testing.assert_close(grads[1], 0.25 * grads[0])
+
+
+def test_adding_aux_loss_to_the_loss_does_not_count_its_gradient_twice():
+    torch.manual_seed(0)
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0)
+    x, g = torch.randn(10, 8), torch.randn(10, 8)
+    (layer(x) * g).sum().backward()
+    without = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    ((layer(x) * g).sum() + moelab.aux_loss(layer)).backward()
+    torch.testing.assert_close(layer.router.weight.grad, without)
+
+
+def test_aux_loss_weighed_otherwise_than_the_scale_is_refused_in_backward():
+    layer = moelab.MoE(8, 4, 2, method="smoe")
+    y = layer(torch.randn(10, 8))
+    with pytest.raises(
+        ValueError, match=r"aux_loss enters this loss with weight 0.5, but .* weight 1; .*set_aux_scale"
+    ):
+        ((y.sum() + moelab.aux_loss(layer)) / 2).backward()
+    moelab.set_aux_scale(layer, 0.5)
+    y = layer(torch.randn(10, 8))
+    ((y.sum() + moelab.aux_loss(layer)) / 2).backward()  # the same weight: accepted
+
+
+def test_a_bf16_layer_keeps_its_aux_scale_exact():
+    layer = moelab.MoE(8, 4, 2, method="smoe").to(torch.bfloat16)
+    assert layer._aux_scale.dtype == layer._aux_values.dtype == torch.float32
+    moelab.set_aux_scale(layer, 1 / 3)
+    y = layer(torch.randn(10, 8, dtype=torch.bfloat16))
+    ((y.float().sum() + moelab.aux_loss(layer)) / 3).backward()  # the weight 1/3, exactly: accepted
+    assert layer.router.weight.grad is not None
+
+
+def test_set_aux_scale_refuses_a_non_number():
+    with pytest.raises(ValueError, match=r"scale=nan is not allowed; expected a finite number"):
+        moelab.set_aux_scale(moelab.MoE(8, 4, 2), float("nan"))
 
 
 def test_moelab_aux_loss_sums_every_layer():
@@ -196,7 +254,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
         (
             {"temperature": 0.3},
-            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'densemixer', 'entropy_coef', 'erc_alpha', 'erc_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'scale', 'selection_bias', 'z_coef'\]",
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'capacity_factor', 'densemixer', 'entropy_coef', 'erc_alpha', 'erc_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'router_dtype', 'scale', 'selection_bias', 'token_drop_policy', 'z_coef'\]",
         ),
         ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
         (
@@ -302,18 +360,45 @@ def test_layer_passes_gradcheck_in_float64(method):
     assert torch.autograd.gradcheck(f, (x, *params))
 
 
-def test_aux_loss_is_computed_only_when_read(monkeypatch):
-    layer = moelab.MoE(8, 4, 2, method="smoe")
+def test_an_inference_forward_computes_no_aux_loss_and_keeps_no_tensor(monkeypatch):
+    """Under ``torch.no_grad`` the layer neither computes the aux losses nor keeps its input or
+    routing: every tensor it held before the forward is all it holds after."""
+    layer = moelab.MoE(8, 4, 2, method="smoe", record_routing=False)
+    layer(torch.randn(6, 8))  # a training forward first: nothing of it may survive either
     calls = []
-    original = layer._aux_loss
-    monkeypatch.setattr(layer, "_aux_loss", lambda *a: calls.append(1) or original(*a))
-    with torch.inference_mode():
+    original = layer._aux_terms
+    monkeypatch.setattr(layer, "_aux_terms", lambda *a: calls.append(1) or original(*a))
+
+    def held() -> set[int]:
+        seen = {id(t) for t in [*layer.parameters(), *layer.buffers()]}
+        return {id(v) for v in vars(layer).values() if torch.is_tensor(v)} - seen
+
+    with torch.no_grad():
         layer(torch.randn(3, 8))
-    assert calls == []  # an inference pass that never reads it does not pay for it
-    first = layer.aux_loss
-    assert calls == [1] and layer.aux_loss is first  # computed once, then kept
+    assert calls == [] and layer.last_routing is None and held() == set()
+    assert layer.aux_loss.item() == 0.0
     layer(torch.randn(3, 8))
-    assert layer.aux_loss is not first and calls == [1, 1]
+    assert calls == [1] and layer.last_routing is None and held() == set()
+
+
+def test_recording_routing_keeps_the_routing_of_an_inference_forward():
+    layer = moelab.MoE(8, 4, 2, method="smoe")
+    with torch.no_grad(), moelab.recording_routing(layer):
+        layer(torch.randn(3, 8))
+    layer.record_routing = False
+    with torch.no_grad(), moelab.recording_routing(layer):
+        layer(torch.randn(3, 8))
+    assert layer.last_routing.indices.shape == (3, 2) and layer.record_routing is False
+    off = moelab.MoE(8, 4, 2, method="smoe", record_routing=False)
+    off(torch.randn(3, 8))
+    assert off.last_routing is None
+
+
+def test_record_routing_refuses_a_non_bool():
+    with pytest.raises(
+        ValueError, match=r"record_routing='yes' is not allowed; expected None, True or False"
+    ):
+        moelab.MoE(8, 4, 2, record_routing="yes")
 
 
 @pytest.mark.parametrize("method", moelab.methods())
@@ -352,6 +437,155 @@ def test_inputs_of_a_wrong_dtype_are_refused_in_one_line():
         match=r"input of dtype torch.float16 is not allowed; expected the layer's dtype torch.float32",
     ):
         layer(torch.ones(3, 8, dtype=torch.float16))
+
+
+class _AlwaysCompete:
+    def active(self, layer: int, step: int) -> bool:
+        return True
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("method", moelab.methods())
+def test_every_method_trains_under_bf16_autocast(method):
+    """A training step under ``torch.autocast(bfloat16)`` on float32 parameters, on a competition
+    step for the competition methods (whose expert backward once refused bf16 rows): finite
+    float32 gradients for every parameter that gets one."""
+    layer = moelab.MoE(16, 4, 2, 32, method=method)
+    moelab.attach(layer, moelab.RoutingContext(total_steps=10, schedule=_AlwaysCompete()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.randn(32, 16))
+    y.float().square().mean().backward()
+    grads = [p.grad for p in layer.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+# ------------------------------------------------------------------------------------------ router dtype
+def test_router_dtype_float32_routes_under_bf16_autocast_as_in_float32():
+    """Under bf16 autocast the router's logits run in bf16 and some tokens change their experts;
+    ``router_dtype="float32"`` computes logits, softmax and top-K in float32: the experts chosen
+    are those of a float32 forward."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 32)
+    plain = moelab.MoE(32, 16, 2, method="smoe")
+    fp32 = moelab.MoE(32, 16, 2, method="smoe", router_dtype="float32")
+    fp32.load_state_dict(plain.state_dict())
+    want = plain.router(x).indices
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain(x)
+        fp32(x)
+    assert not torch.equal(plain.last_routing.indices, want)  # bf16 logits move some tokens
+    assert torch.equal(fp32.last_routing.indices, want)
+    assert fp32.last_routing.logits.dtype == torch.float32
+
+
+def test_router_dtype_applies_to_the_base_router_of_competesmoe():
+    layer = moelab.MoE(16, 4, 2, method="competesmoe", router_dtype="float32")
+    assert layer.router.base.compute_dtype == torch.float32 and layer.router.compute_dtype is None
+
+
+def test_router_dtype_refusals():
+    with pytest.raises(
+        ValueError, match=r"router_dtype='float16' is not allowed; expected one of \['float32'\]"
+    ):
+        moelab.MoE(8, 4, 2, router_dtype="float16")
+    with pytest.raises(
+        ValueError, match=r"router_dtype='float32' is not allowed with method='competition', which"
+    ):
+        moelab.MoE(8, 4, 2, method="competition", router_dtype="float32")
+    layer = moelab.MoE(8, 4, 2, router_dtype="float32").to(torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"router_dtype='float32' needs the router's parameters in float32; weight"
+    ):
+        layer(torch.randn(3, 8, dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------------ token mask
+def test_masked_tokens_count_in_no_statistic_and_get_output_zero():
+    """A padded batch with a mask: the real tokens get the outputs, aux loss and routing of the
+    batch without the padding (transformers' balance loss with attention_mask)."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(8, 4, 2, method="sharede-v3")
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[True, True, True, False, False], [True, True, True, True, False]])
+    y = layer(x, token_mask=mask)
+    aux, routing = layer.aux_loss, layer.last_routing
+    real = layer(x[mask])
+    torch.testing.assert_close(y[mask], real)
+    assert (y[~mask] == 0).all()
+    torch.testing.assert_close(aux, layer.aux_loss)
+    assert torch.equal(routing.indices, layer.last_routing.indices) and routing.indices.shape == (7, 2)
+
+
+def test_token_mask_refusals():
+    layer = moelab.MoE(8, 4, 2)
+    with pytest.raises(
+        ValueError, match=r"token_mask of shape \(2, 4\) is not allowed; expected .*, \(2, 5\)"
+    ):
+        layer(torch.randn(2, 5, 8), token_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(
+        ValueError, match=r"token_mask of dtype torch.int64 is not allowed; expected torch.bool"
+    ):
+        layer(torch.randn(2, 5, 8), token_mask=torch.ones(2, 5, dtype=torch.long))
+    scoped = moelab.MoE(8, 4, 2, balance_scope="sequence")
+    with pytest.raises(
+        ValueError, match=r"token_mask is not allowed with balance_scope='sequence' \(the masked"
+    ):
+        scoped(torch.randn(2, 5, 8), token_mask=torch.ones(2, 5, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------------------ capacity
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_drops_the_slots_over_each_experts_capacity(policy):
+    """Each expert keeps at most ``ceil(factor · T · K / N)`` slots — its highest weights
+    (``probs``) or its earliest tokens (``position``) — and a dropped slot adds nothing."""
+    torch.manual_seed(0)
+    T, N, K, factor = 64, 4, 2, 0.5
+    free = moelab.MoE(8, N, K, method="smoe")
+    capped = moelab.MoE(8, N, K, method="smoe", capacity_factor=factor, token_drop_policy=policy)
+    capped.load_state_dict(free.state_dict())
+    x = torch.randn(T, 8)
+    r = free.router(x)
+    capacity = math.ceil(factor * T * K / N)
+    keep = torch.zeros(T, K, dtype=torch.bool)
+    for e in range(N):  # the literal rule, expert by expert
+        t, k = (r.indices == e).nonzero(as_tuple=True)
+        order = (
+            r.weights[t, k].argsort(descending=True, stable=True)
+            if policy == "probs"
+            else torch.arange(len(t))
+        )
+        keep[t[order[:capacity]], k[order[:capacity]]] = True
+    want = free.experts(x, r.indices, r.weights * keep)
+    torch.testing.assert_close(capped(x), want)
+    assert capped.dropped_fraction == pytest.approx(1 - keep.float().mean().item())
+    assert capped.dropped_fraction > 0
+
+
+def test_a_large_capacity_drops_nothing():
+    torch.manual_seed(0)
+    free = moelab.MoE(8, 4, 2, method="xmoe")
+    capped = moelab.MoE(8, 4, 2, method="xmoe", capacity_factor=4.0)
+    capped.load_state_dict(free.state_dict())
+    x = torch.randn(32, 8)
+    torch.testing.assert_close(capped(x), free(x))
+    assert capped.dropped_fraction == 0.0
+
+
+def test_capacity_refusals():
+    with pytest.raises(ValueError, match=r"capacity_factor=0 is not allowed; expected a number > 0"):
+        moelab.MoE(8, 4, 2, capacity_factor=0)
+    with pytest.raises(ValueError, match=r"token_drop_policy='random' is not allowed; expected one of"):
+        moelab.MoE(8, 4, 2, capacity_factor=1.0, token_drop_policy="random")
+    with pytest.raises(
+        ValueError, match=r"token_drop_policy='position' is not allowed without capacity_factor"
+    ):
+        moelab.MoE(8, 4, 2, token_drop_policy="position")
+    with pytest.raises(
+        ValueError, match=r"capacity_factor=1.0 is not allowed with method='top-p': it routes a variable"
+    ):
+        moelab.MoE(8, 4, 2, method="top-p", capacity_factor=1.0)
 
 
 def test_an_input_that_is_not_a_tensor_or_model_is_refused_naming_it():

@@ -791,3 +791,39 @@ def test_a_size_beyond_the_machines_memory_is_refused_naming_its_flag_before_all
     )
     assert f"of memory; expected a smaller {flag}" in err and len(err.strip().splitlines()) == 1
     assert machine_memory() > 0 and not (out / "config.yaml").exists()
+
+
+def test_a_crafted_state_pt_with_re_signed_digests_is_refused_in_one_line_and_runs_nothing(
+    corpus, tmp_path, capsys
+):
+    import hashlib
+    import pickle
+
+    from moelab.io.model import _canonical
+
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, "--steps", "4", "--eval-every", "2", "--ckpt-every", "2")
+    assert main(argv) == 0
+    (out / "metrics.json").unlink()
+    witness = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(witness), "w"))
+
+    for step in sorted((out / "ckpt").iterdir()):
+        data = pickle.dumps({"step": Payload()})
+        (step / "state.pt").write_bytes(data)
+        config = json.loads((step / "config.json").read_text())
+        config["files"]["state.pt"] = hashlib.sha256(data).hexdigest()
+        config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+        (step / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    newest = sorted((out / "ckpt").iterdir())[-1]
+    assert err.startswith(
+        f"moelab train: error: checkpoint {newest}: state.pt cannot be read as a training state ("
+    )
+    assert "nothing of it was run. Remove" in err and len(err.strip().splitlines()) == 1
+    assert not witness.exists()

@@ -13,7 +13,12 @@ D, N, K, T = 10, 5, 2, 16
 
 def stack(method, layers=2, seed=0, **options):
     torch.manual_seed(seed)
-    return nn.Sequential(*[moelab.MoE(D, N, K, method=method, impl="loop", **options) for _ in range(layers)])
+    return nn.Sequential(
+        *[
+            moelab.MoE(D, N, K, method=method, impl="loop", record_routing=True, **options)
+            for _ in range(layers)
+        ]
+    )
 
 
 def layer_inputs(model, x):
@@ -249,6 +254,24 @@ def test_routing_summary_overlap_is_router_topk_against_the_winners_on_competiti
     model.eval()  # evaluation never competes
     model(x)
     assert metrics.routing_summary(model)["competition_overlap"] is None
+
+
+def test_load_cv_and_routing_summary_report_the_fraction_a_capacity_dropped():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        moelab.MoE(D, N, K, capacity_factor=0.5),
+        moelab.MoE(D, N, K),
+        moelab.MoE(D, N, K, capacity_factor=8.0),
+    )
+    x = torch.randn(T, D)
+    model(x)
+    summary = metrics.routing_summary(model)
+    assert summary["dropped"] == pytest.approx((model[0].dropped_fraction + 0.0) / 2)
+    assert model[0].dropped_fraction > 0 and model[2].dropped_fraction == 0.0
+    loads = metrics.load_cv(model, [x])
+    assert loads[0]["dropped"] == pytest.approx(model[0].dropped_fraction)
+    assert "dropped" not in loads[1] and loads[2]["dropped"] == 0.0
+    assert "dropped" not in metrics.routing_summary(model[1])
 
 
 def test_max_violation_is_the_most_loaded_experts_excess_over_the_mean():

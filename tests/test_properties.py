@@ -49,7 +49,11 @@ def reference_output(layer: moelab.MoE, x: torch.Tensor) -> torch.Tensor:
 def test_every_method_satisfies_routing_invariants_and_matches_the_literal_sum(case):
     num_experts, top_k, tokens, d_model, method, dtype, seed = case
     torch.manual_seed(seed)
-    layer = moelab.MoE(d_model, num_experts, top_k, d_hidden=6, method=method).to(dtype).eval()
+    layer = (
+        moelab.MoE(d_model, num_experts, top_k, d_hidden=6, method=method, record_routing=True)
+        .to(dtype)
+        .eval()
+    )
     x = torch.randn(tokens, d_model, dtype=dtype)
     with torch.no_grad():
         y = layer(x)

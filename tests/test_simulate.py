@@ -22,6 +22,8 @@ from moelab.experiments import runner
          "'strong-vs-ridge', 'gaussian-vs-regression', 'attention-gating', 'replora', 'rate-grid', "
          "'competition-v1', 'competition-ffn']"),
         (["--out", "X"], "--study is required"),
+        (["--study", "replora", "--optimizer", "sgd", "--out", "X"],
+         "--optimizer='sgd' is not allowed for study 'replora': its fits are batched L-BFGS from near the truth"),
         (["--study", "misspecified"], "--out is required"),
         (["--study", "cosine-vs-perturbed", "--tau", "-1", "--out", "X"], "--tau=-1.0 is not allowed"),
         (
@@ -176,4 +178,7 @@ def test_a_replicate_where_no_step_is_accepted_is_not_converged_and_the_table_sa
             "no step accepted",
             "loss not finite",
         )
-    assert "no step accepted" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "no step accepted" in printed
+    assert printed.count("no replicate converged") == len(metrics["rates"])
+    assert all(r["converged"] == 0.0 for r in metrics["rates"])

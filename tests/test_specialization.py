@@ -388,3 +388,35 @@ def test_no_progress_hides_the_bars_and_a_resume_may_change_it(tmp_path, capsys)
     assert cli.main([*argv, "--no-progress"]) == 0
     assert "it/s" not in capsys.readouterr().err
     assert cli.main([*argv, "--resume"]) == 0  # how a run shows itself is not one of its inputs
+
+
+@pytest.mark.parametrize("flag", ["--w-importance", "--beta-s", "--beta-d"])
+def test_a_loss_weight_float32_cannot_hold_is_refused_up_front(flag, tmp_path, capsys):
+    from moelab.cli import main
+
+    out = tmp_path / "run"
+    assert main(["specialize", "--reg", "ls" if "beta" in flag else "importance", flag, "1e308",
+                 "--out", str(out)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"moelab specialize: error: {flag}=1e+308 is not allowed; expected a number in [0, 3.40282e+38]\n"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, flag, value",
+    [(["--experts", "4096000000"], "--experts", "4096000000"),
+     (["--mode", "scaling", "--counts", "2,4096000000"], "--counts", "(2, 4096000000)")],
+)  # fmt: skip
+def test_more_experts_than_memory_holds_are_refused_naming_the_flag(extra, flag, value, tmp_path, capsys):
+    from moelab.cli import main
+
+    out = tmp_path / "run"
+    assert main(["specialize", *extra, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"moelab specialize: error: {flag}={value} is not allowed here: the model and its training"
+    )
+    assert err.endswith(f"expected a smaller {flag}\n") and not out.exists()

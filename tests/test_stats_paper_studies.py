@@ -71,3 +71,15 @@ def test_rates_are_blank_where_the_papers_state_none():
     assert [
         t["slope"] for t in stated_rates("competition-ffn", "over-specified", "expert", "competition")
     ] == [-0.25]
+
+
+@pytest.mark.parametrize(
+    "setting,value",
+    [("optimizer", "sgd"), ("restarts", 3), ("beta1_bound", 5.0), ("reference_n", 100), ("tau", 0.5)],
+)
+def test_settings_the_paper_studies_do_not_use_are_refused(setting, value):
+    with pytest.raises(
+        ValueError, match=rf"^{setting}={value!r} is not allowed for study 'replora': its fits are"
+    ):
+        study_config("replora", **{setting: value})
+    assert study_config("rate-grid", tau=0.5).tau == 0.5  # the perturbed router's τ: used by the grid

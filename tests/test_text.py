@@ -171,3 +171,18 @@ def test_bad_sources_are_clear_errors(tmp_path):
     short.write_text("x" * 200)
     with pytest.raises(ValueError, match="too short: its valid split has 10 tokens"):
         T.load_text(str(short)).check_block(64)
+
+
+def test_a_damaged_wikitext103_token_cache_is_rebuilt_and_written_atomically(offline):
+    folder = offline / "wikitext103"
+    folder.mkdir(parents=True)
+    for split, text in (("train", "a b c\na b\n" * 50), ("valid", "a d\n"), ("test", "b c\n")):
+        (folder / f"wiki.{split}.tokens").write_text(text)
+    first = T.load_text("wikitext103")
+    cache = folder / "tokens.pt"
+    cache.write_bytes(cache.read_bytes()[:100])  # a kill while a former moelab wrote it
+    with pytest.warns(UserWarning, match=r"token cache .*tokens\.pt is damaged \(.*\); rebuilding it"):
+        again = T.load_text("wikitext103")
+    assert torch.equal(again.train, first.train) and again.tokenizer.vocab == first.tokenizer.vocab
+    assert T.load_text("wikitext103").test.tolist() == first.test.tolist()  # the rebuilt cache reads back
+    assert not list(folder.glob(".tokens.pt.*.tmp"))

@@ -78,7 +78,7 @@ def test_upcycled_language_model_equals_the_dense_model_at_init(arch, method):
     upcycle(model, num_experts=4, top_k=2, method=method)
     layers = moelab.attach(model, moelab.RoutingContext())
     assert len(layers) == 2 and all(m.method == method for m in layers)
-    with torch.no_grad():
+    with torch.no_grad(), moelab.recording_routing(model):
         sparse = model(ids).logits
     torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-10)
     for layer in layers:  # the routing really is sparse: different tokens pick different experts
@@ -372,3 +372,60 @@ def test_cli_refuses_more_experts_than_memory_holds_before_allocating(tmp_path, 
         "moelab upcycle: error: --num-experts=4096000000 is not allowed here: the upcycled model would need at least"
     )
     assert line.endswith("expected a smaller --num-experts") and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("junk+bin", "holds .bin weights (a pickle, which moelab does not read)"),
+        ("junk", "holds ['junk.safetensors'] but no model.safetensors (or its index)"),
+        ("truncated", "transformers cannot load its weights (SafetensorError: "),
+    ],
+)
+def test_cli_refuses_weights_it_would_not_load_instead_of_a_random_init(tmp_path, capsys, damage, message):
+    model = tmp_path / "gpt2"
+    _gpt2().float().save_pretrained(model)
+    weights = model / "model.safetensors"
+    if damage.startswith("junk"):
+        weights.unlink()
+        (model / "junk.safetensors").write_bytes(b"not a safetensors file")
+        if damage == "junk+bin":
+            torch.save({}, model / "pytorch_model.bin")
+    else:
+        weights.write_bytes(weights.read_bytes()[:100])
+    out = tmp_path / "up"
+    capsys.readouterr()
+    assert (
+        main(["upcycle", "--model", str(model), "--num-experts", "2", "--top-k", "1", "--out", str(out)]) == 2
+    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"moelab upcycle: error: --model {str(model)!r}") and message in line
+    assert not out.exists()
+
+
+def test_resume_refuses_a_model_folder_whose_weights_changed(tmp_path, capsys):
+    _gpt2().float().save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "up"
+    argv = [
+        "upcycle",
+        "--model",
+        str(tmp_path / "gpt2"),
+        "--num-experts",
+        "2",
+        "--top-k",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    written = (out / "model.safetensors").read_bytes()
+    assert main([*argv, "--resume"]) == 0  # the same model: the same upcycled weights again
+    other = _gpt2().float()
+    with torch.no_grad():
+        other.transformer.wte.weight.add_(1.0)
+    other.save_pretrained(tmp_path / "gpt2")  # other weights under the same path
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"moelab upcycle: error: --resume: --model {str(tmp_path / 'gpt2')!r} has sha256 ")
+    assert (out / "model.safetensors").read_bytes() == written

@@ -3,8 +3,8 @@
 from ._version import __version__
 from .experts import ExpertBank, ModuleExperts
 from .hf import from_hf, set_method, to_hf, upcycle
-from .io import load, save
-from .layer import MoE, attach, aux_loss
+from .io import load, load_weights, save
+from .layer import MoE, attach, aux_loss, recording_routing, set_aux_scale
 from .methods import methods
 from .routing import Routing, RoutingContext
 from .schedules import CoinFlipSchedule, CompetitionSchedule, routing_context
@@ -22,9 +22,12 @@ __all__ = [
     "aux_loss",
     "from_hf",
     "load",
+    "load_weights",
     "methods",
+    "recording_routing",
     "routing_context",
     "save",
+    "set_aux_scale",
     "set_method",
     "to_hf",
     "upcycle",

@@ -56,6 +56,7 @@ __all__ = [
     "add_adapter",
     "load_adapter",
     "merge_adapter",
+    "restore_adapter",
     "save_adapter",
 ]
 
@@ -354,16 +355,7 @@ def load_adapter(model: nn.Module, path: str | Path, freeze: bool = True) -> lis
     if meta is None:
         raise ValueError(f"{str(path)!r} holds no moelab adapter (no {_METADATA_KEY!r} metadata)")
     cfg = json.loads(meta)
-    names = add_adapter(
-        model,
-        cfg["kind"],
-        rank=cfg["rank"],
-        alpha=cfg["alpha"],
-        dropout=cfg["dropout"],
-        targets=[_exact(t) for t in cfg["targets"]],
-        hidden=cfg["hidden"],
-        freeze=freeze,
-    )
+    names = restore_adapter(model, cfg, freeze=freeze)
     params = adapter_parameters(model)
     if names != cfg["targets"] or set(params) != set(tensors):
         merge_adapter(model)  # nothing half-loaded stays behind (the factors are still at zero update)
@@ -380,6 +372,21 @@ def load_adapter(model: nn.Module, path: str | Path, freeze: bool = True) -> lis
                 )
             p.copy_(t)
     return names
+
+
+def restore_adapter(model: nn.Module, config: dict[str, Any], freeze: bool = True) -> list[str]:
+    """Add the adapter :func:`adapter_config` described (its exact targets, zero update) to ``model``;
+    its weights come from a state dict or :func:`load_adapter`."""
+    return add_adapter(
+        model,
+        config["kind"],
+        rank=config["rank"],
+        alpha=config["alpha"],
+        dropout=config["dropout"],
+        targets=[_exact(t) for t in config["targets"]],
+        hidden=config["hidden"],
+        freeze=freeze,
+    )
 
 
 def _exact(name: str) -> str:

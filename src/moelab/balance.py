@@ -102,7 +102,9 @@ class StepBalance:
         forward, on every rank, before anything reads the layers' ``aux_loss``)."""
         if not self.layers:
             return
-        routings = [None if layer._aux_pending is None else layer._aux_pending[0] for layer in self.layers]
+        routings = [layer._step_routing for layer in self.layers]  # this forward's, with autograd
+        for layer in self.layers:  # read once: nothing of the forward stays on the layer
+            layer._step_routing = None
         # the statistics live where the model does (a collective over NCCL needs CUDA tensors)
         first = next(iter(self.layers[0].parameters()), None)
         device = next(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +15,7 @@ from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
 from .experts.dispatch import combine_densemixer, dispatch_masked
+from .functional import capacity_keep
 from .losses import (
     LOAD_LOSSES,
     LOSS_NAMES,
@@ -28,9 +31,26 @@ from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
 from .routing import Routing, RoutingContext
 
-__all__ = ["MoE", "NonFiniteError", "attach", "aux_loss", "check_context", "moe_layers"]
+__all__ = [
+    "MoE",
+    "NonFiniteError",
+    "attach",
+    "aux_loss",
+    "check_context",
+    "moe_layers",
+    "recording_routing",
+    "set_aux_scale",
+]
 
-_LAYER_OPTIONS = ("num_shared", "balance_scope", "densemixer", "erc_alpha")
+_LAYER_OPTIONS = (
+    "num_shared",
+    "balance_scope",
+    "densemixer",
+    "router_dtype",
+    "capacity_factor",
+    "token_drop_policy",
+    "erc_alpha",
+)
 #: the layer's own losses (of the router rows and the experts, not of a routing), each with ``<name>_coef``
 _LAYER_LOSSES = ("erc",)
 #: the router families whose weights are their softmax probabilities on the chosen experts (up to a
@@ -39,6 +59,36 @@ _DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
 
 #: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
 BALANCE_SCOPES = ("micro", "sequence", "global")
+ROUTER_DTYPES = ("float32",)
+TOKEN_DROP_POLICIES = ("probs", "position")
+
+#: the most aux-loss terms a layer records by name (the standard losses and a router's own)
+_MAX_TERMS = 12
+
+#: the non-finite message under torch.compile: a constant, since a per-layer value (the layer's
+#: index, its method) read in the traced code becomes a guard and recompiles every layer
+_NON_FINITE_COMPILED = (
+    "MoE layer: router logits are not finite (NaN or inf); check the input and the learning rate, "
+    "or pass check_finite=False"
+)
+
+
+class _AuxLossInjection(torch.autograd.Function):
+    """Identity on the layer's output whose backward adds ``scale · ∂aux`` (the Megatron-Core /
+    torchtitan way to train on an aux loss): the aux loss leaves ``forward`` through the autograd
+    graph of the output, not through module state, so per-block ``torch.compile(fullgraph=True)``
+    and activation checkpointing trace it."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(scale)
+        ctx.aux_dtype = aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(ctx.aux_dtype), None
 
 
 class MoE(nn.Module):
@@ -61,7 +111,12 @@ class MoE(nn.Module):
             ``num_experts`` == N.
         check_finite: raise ``RuntimeError`` when router logits are NaN/inf (one host sync per
             forward; switch off for speed).  Under ``torch.compile`` the check is traced as
-            ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``).
+            ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``, with a
+            message that names no layer: a per-layer value would recompile every layer).
+        record_routing: keep ``last_routing`` after each forward: ``None`` (default) after a
+            forward with gradients enabled, not being compiled (an inference forward keeps no
+            tensor); ``True`` always (also under ``torch.compile``, without activation
+            checkpointing); ``False`` never.  :func:`recording_routing` switches it on for a block.
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
             ``num_shared``, ``balance_scope``, ``densemixer``, and ``erc_coef`` / ``erc_alpha``),
@@ -96,7 +151,16 @@ class MoE(nn.Module):
     competition router's base) over an :class:`ExpertBank`.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
-    ``last_routing`` (detached :class:`moelab.Routing`).
+    ``last_routing`` (detached :class:`moelab.Routing`, see ``record_routing``).
+
+    The aux loss trains without being added to a loss: a training forward (training mode,
+    gradients enabled) attaches it to the output's autograd graph, whose backward adds
+    ``scale · ∂aux_loss`` to the gradients (``scale`` 1, or what :func:`set_aux_scale` sets for a
+    loss divided over accumulation steps or multiplied by a gradient scaler).  ``aux_loss`` is its
+    value; ``loss = task + moelab.aux_loss(model)`` stays right (the value is added, the gradient
+    is not counted twice) and is refused in one line when the loss is scaled by another weight
+    than ``scale``.  Other forwards (evaluation, ``torch.no_grad``) compute no aux loss:
+    ``aux_loss`` reads 0 after them.
     """
 
     def __init__(
@@ -112,6 +176,7 @@ class MoE(nn.Module):
         impl: str = "auto",
         experts: nn.Module | None = None,
         check_finite: bool = True,
+        record_routing: bool | None = None,
         **options,
     ) -> None:
         super().__init__()
@@ -122,6 +187,11 @@ class MoE(nn.Module):
         preset = get_method(method)
         self.method = method
         self.check_finite = bool(check_finite)
+        if record_routing not in (None, True, False):
+            raise ValueError(
+                f"record_routing={record_routing!r} is not allowed; expected None, True or False"
+            )
+        self.record_routing = record_routing
         #: the constructor arguments, JSON-ready: what :func:`moelab.save` records of this layer
         #: (``custom_experts``: an ``experts`` module was given, which a config cannot rebuild)
         self.init_config = {
@@ -165,6 +235,8 @@ class MoE(nn.Module):
                         f"balance_scope={value!r} is not allowed with method={method!r}: it routes a variable "
                         "number of experts per token, which only the 'micro' scope counts; expected 'micro'"
                     )
+            elif key in _LAYER_OPTIONS:
+                continue  # below
             else:
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
@@ -177,6 +249,30 @@ class MoE(nn.Module):
             )
         self.densemixer = densemixer
         self.erc_alpha = _validate.positive("erc_alpha", erc_alpha)
+        router_dtype = options.get("router_dtype")
+        if router_dtype is not None:
+            _validate.one_of("router_dtype", router_dtype, ROUTER_DTYPES)
+            if preset.router == "competition":
+                raise ValueError(
+                    f"router_dtype={router_dtype!r} is not allowed with method={method!r}, which has no router "
+                    "(the competition routes by the experts' outputs)"
+                )
+        self.router_dtype: str | None = router_dtype
+        capacity = options.get("capacity_factor")
+        self.capacity_factor = None if capacity is None else _validate.positive("capacity_factor", capacity)
+        self.token_drop_policy = _validate.one_of(
+            "token_drop_policy", options.get("token_drop_policy", "probs"), TOKEN_DROP_POLICIES
+        )
+        if "token_drop_policy" in options and capacity is None:
+            raise ValueError(
+                f"token_drop_policy={options['token_drop_policy']!r} is not allowed without capacity_factor; "
+                "expected capacity_factor=<float> with it"
+            )
+        if capacity is not None and router_cls.variable_k:
+            raise ValueError(
+                f"capacity_factor={capacity!r} is not allowed with method={method!r}: it routes a variable number "
+                "of experts per token; expected a method with a fixed top-K"
+            )
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
         self.balance_scope: str = options.get("balance_scope", "micro")
         #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
@@ -184,6 +280,8 @@ class MoE(nn.Module):
         self.step_balance = None
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
+        if router_dtype is not None:  # the scores of the base router (a composed router runs experts)
+            self.router.base_router.compute_dtype = getattr(torch, router_dtype)
         gate_rank = getattr(self.router, "expert_gate_rank", None)  # Autonomy-of-Experts' factorised gates
         if experts is None:
             experts = ExpertBank(
@@ -218,25 +316,39 @@ class MoE(nn.Module):
             else None
         )
         self.ctx: RoutingContext | None = None
-        self._aux: Tensor | None = torch.zeros(())
-        self._aux_pending: tuple[Routing, Tensor, int | None] | None = None
+        # the aux values of the last training forward, ``[total, *terms by aux_names()]``, written in
+        # place (a buffer, as BatchNorm's statistics: compile- and checkpoint-clean), and the weight
+        # of the injected aux gradient (set_aux_scale); neither is saved with the model
+        self.register_buffer("_aux_values", torch.zeros(1 + _MAX_TERMS), persistent=False)
+        self.register_buffer("_aux_scale", torch.ones(()), persistent=False)
+        # the fraction of token slots the capacity dropped in the last forward (0 without capacity)
+        self.register_buffer("_dropped", torch.zeros(()), persistent=False)
+        # the routing of the last training forward, kept only while a StepBalance (the global balance
+        # scope) is attached: it reads and clears it after the forward (not compile-clean, see MoE)
+        self._step_routing: Routing | None = None
         self.last_routing: Routing | None = None
 
     @property
     def aux_loss(self) -> Tensor:
-        """The weighted sum of the aux losses of the last forward (0-dim, with autograd).
+        """The weighted sum of the aux losses of the last training forward (0-dim).
 
-        Computed when first read after a forward, from that forward's routing: an inference or
-        evaluation pass that never reads it does not pay for it (at a few tokens the losses
-        cost as much as the experts).
+        Its gradient already reaches the parameters through the layer's output (class
+        docstring); the tensor returned may be added to a loss (it checks in backward that the
+        loss weighs it by the layer's ``scale``, :func:`set_aux_scale`).  0 after a forward that
+        computed none (evaluation, ``torch.no_grad``).
         """
-        if self._aux_pending is not None:
-            self._aux, self._aux_pending = self._aux_loss(*self._aux_pending), None
-        return self._aux
+        return _readout(self._aux_values[0], self._aux_scale)
 
-    @aux_loss.setter
-    def aux_loss(self, value: Tensor) -> None:
-        self._aux, self._aux_pending = value, None
+    def aux_names(self) -> tuple[str, ...]:
+        """The names of the aux terms this layer may compute, in the order :meth:`aux_values` uses."""
+        names = dict.fromkeys((*LOSS_NAMES, *type(self.router).loss_names, *_LAYER_LOSSES))
+        return tuple(names)[:_MAX_TERMS]
+
+    def aux_values(self) -> dict[str, Tensor]:
+        """The weighted aux terms ``coef · loss`` of the last training forward by name (detached;
+        their sum is ``aux_loss``); the terms with a zero coefficient are left out."""
+        values = self._aux_values.detach().float().clone()
+        return {n: values[1 + i] for i, n in enumerate(self.aux_names()) if n in self.coefs}
 
     @property
     def layer_index(self) -> int:
@@ -247,11 +359,9 @@ class MoE(nn.Module):
         self.router.layer_index = value
 
     def __getstate__(self) -> dict:
-        """Copies and pickles keep the last ``aux_loss`` as a value, without its autograd graph
-        (``copy.deepcopy`` refuses a non-leaf tensor, so a used layer could not be copied)."""
+        """A copy is not attached to the original's training loop (nor holds its pending routing)."""
         state = super().__getstate__()
-        state["_aux"], state["_aux_pending"] = self.aux_loss.detach(), None
-        state["step_balance"] = None  # a copy is not attached to the original's training loop
+        state["step_balance"], state["_step_routing"] = None, None
         return state
 
     def reset_parameters(self) -> None:
@@ -265,6 +375,26 @@ class MoE(nn.Module):
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset) and m is not self:
                     reset()
+        with torch.no_grad():
+            self._aux_values.zero_()
+            self._aux_scale.fill_(1.0)
+            self._dropped.zero_()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``to`` / ``half`` / ``bfloat16`` cast the layer; its aux bookkeeping stays float32 (a
+        bf16 aux scale of 1/3 would be 0.334, refused against the loss's exact 1/3)."""
+        super()._apply(fn, recurse)
+        for name in ("_aux_values", "_aux_scale", "_dropped"):
+            buffer = self._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
+
+    @property
+    def dropped_fraction(self) -> float:
+        """The fraction of the last forward's token slots (T·K) its expert capacity dropped
+        (``capacity_factor``); 0 without a capacity."""
+        return float(self._dropped)
 
     def extra_repr(self) -> str:
         return (
@@ -272,7 +402,15 @@ class MoE(nn.Module):
             f"top_k={self.top_k}, num_shared={self.num_shared}, coefs={self.coefs}"
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """``x (..., d) → (..., d)``.
+
+        ``token_mask`` (``x.shape[:-1]``, bool, True for a real token), e.g. a padding mask: only
+        the real tokens are routed, so padding counts in no routing statistic, aux loss, expert
+        load, selection-bias update or capacity, as transformers' balance loss with its
+        ``attention_mask``; masked tokens get output 0.  It costs one host sync (how many tokens
+        are real) and routes the real tokens in their order: ``last_routing`` has one row each.
+        """
         if not isinstance(x, Tensor):
             raise ValueError(
                 f"input of type {type(x).__name__} is not allowed; expected a torch.Tensor of shape "
@@ -301,45 +439,113 @@ class MoE(nn.Module):
             )
         seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
+        real = None
+        if token_mask is not None:
+            if self.balance_scope == "sequence":
+                raise ValueError(
+                    "token_mask is not allowed with balance_scope='sequence' (the masked tokens would break "
+                    "the sequences); expected balance_scope='micro' or 'global' with a mask"
+                )
+            real = self._real_tokens(token_mask, shape)
+            flat = flat.index_select(0, real)  # (T_real, d)
+        if self.router_dtype is not None:
+            self._check_router_dtype()
         routing = self.router(flat, self.experts, self.ctx)
         if self.check_finite:
             # the router's logits, or the routing weights of a router without logits (competition)
             scores = routing.logits if routing.logits is not None else routing.weights
-            message = (
-                f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
-                "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
-            )
             if torch.compiler.is_compiling():
                 # a Python ``if`` on a tensor is a graph break; the asserting op is traced instead
                 # (it raises RuntimeError when the graph runs; on CUDA it fires asynchronously)
-                torch._assert_async(torch.isfinite(scores).all(), message)
+                torch._assert_async(torch.isfinite(scores).all(), _NON_FINITE_COMPILED)
             # one reduction: the sum of finite scores is finite unless it overflows, which the
             # exact check below (run only then) tells apart
             elif not math.isfinite(scores.sum().item()) and not torch.isfinite(scores).all():
-                raise NonFiniteError(message)
+                raise NonFiniteError(
+                    f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
+                    "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
+                )
+        weights = routing.weights
+        if self.capacity_factor is not None:
+            weights = self._capacity(routing)
         if routing.outputs is not None:  # the router already ran the chosen experts
-            y = combine(routing.outputs, routing.weights)
+            y = combine(routing.outputs, weights)
         elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
-            y = dispatch_masked(self.experts, flat, routing.indices, routing.weights, routing.mask)
+            y = dispatch_masked(self.experts, flat, routing.indices, weights, routing.mask)
         elif self.densemixer and self.training and torch.is_grad_enabled():  # every expert runs
-            y = combine_densemixer(
-                self.experts.forward_all(flat), routing.indices, routing.weights, routing.probs
-            )
+            y = combine_densemixer(self.experts.forward_all(flat), routing.indices, weights, routing.probs)
         else:
-            y = self.experts(flat, routing.indices, routing.weights)  # (T, d)
+            y = self.experts(flat, routing.indices, weights)  # (T, d)
         if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
             y = y + routing.direct.to(y.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
-        self._aux_pending = (routing, flat, seq_len)  # the aux loss, computed when read (``aux_loss``)
-        self.last_routing = routing.detach()
+        y = self._attach_aux(y, routing, flat, seq_len)
+        if self.step_balance is not None and self.training and torch.is_grad_enabled():
+            self._step_routing = routing  # the StepBalance reads (and clears) it after the forward
+        self._record(routing)
+        if real is not None:  # the real tokens' outputs in their places, 0 for the masked ones
+            y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
         return y.reshape(shape)
 
-    def _aux_loss(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> Tensor:
-        total = x.new_zeros(())
-        for term in self._aux_terms(routing, x, seq_len).values():
-            total = total + term
-        return total
+    def _real_tokens(self, token_mask: Tensor, shape: torch.Size) -> Tensor:
+        if not isinstance(token_mask, Tensor) or token_mask.shape != shape[:-1]:
+            got = tuple(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
+            raise ValueError(
+                f"token_mask of shape {got} is not allowed; expected the input's shape without its last "
+                f"dimension, {tuple(shape[:-1])}"
+            )
+        if token_mask.dtype != torch.bool:
+            raise ValueError(f"token_mask of dtype {token_mask.dtype} is not allowed; expected torch.bool")
+        return token_mask.reshape(-1).nonzero().squeeze(1)
+
+    def _check_router_dtype(self) -> None:
+        want = getattr(torch, self.router_dtype)
+        for name, p in self.router.base_router.named_parameters():
+            if p.dtype != want:
+                raise ValueError(
+                    f"router_dtype={self.router_dtype!r} needs the router's parameters in {self.router_dtype}; "
+                    f"{name} is {p.dtype} (keep the router in float32, layer.router.float(), and run the rest "
+                    "under torch.autocast)"
+                )
+
+    def _capacity(self, routing: Routing) -> Tensor:
+        """The routing weights with the slots over their expert's capacity set to 0 (each expert takes
+        ``ceil(capacity_factor · T · K / N)`` slots); the dropped fraction goes into a buffer."""
+        T, K = routing.indices.shape
+        if T == 0:
+            self._dropped.zero_()
+            return routing.weights
+        capacity = math.ceil(self.capacity_factor * T * K / self.num_experts)
+        keep = capacity_keep(
+            routing.indices, routing.weights, self.num_experts, capacity, self.token_drop_policy
+        )
+        self._dropped.copy_(1.0 - keep.float().mean())
+        return routing.weights * keep.to(routing.weights.dtype)
+
+    def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor, seq_len: int | None) -> Tensor:
+        """Compute the aux loss of a training forward, record its values in place and attach its
+        gradient to ``y``; any other forward records zeros and computes nothing."""
+        terms = self._aux_terms(routing, x, seq_len) if self.training and torch.is_grad_enabled() else {}
+        if not terms:
+            self._aux_values.zero_()
+            return y
+        names = self.aux_names()
+        total = sum(terms.values(), y.new_zeros((), dtype=torch.float32))
+        values = [total.detach().float()]
+        values += [terms[n].detach().float() if n in terms else values[0].new_zeros(()) for n in names]
+        values += [values[0].new_zeros(())] * (1 + _MAX_TERMS - len(values))
+        self._aux_values.copy_(torch.stack(values))
+        return _AuxLossInjection.apply(y, total, self._aux_scale)
+
+    def _record(self, routing: Routing) -> None:
+        record = self.record_routing
+        if not torch.compiler.is_compiling():
+            if record is None:  # a forward with gradients: its routing is held by the graph anyway
+                record = torch.is_grad_enabled()
+            self.last_routing = routing.detach() if record else None
+        elif record:  # asked for under compile: a side effect dynamo replays (not under checkpointing)
+            self.last_routing = routing.detach()
 
     def _aux_terms(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> dict[str, Tensor]:
         """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
@@ -417,8 +623,58 @@ def _refuse_unsynchronised_global(layer: MoE) -> None:
             )
 
 
+def _check_aux_weight(grad: Tensor, scale: Tensor) -> None:
+    g, s = float(grad.detach().float()), float(scale.detach().float())
+    if not math.isclose(g, s, rel_tol=1e-5, abs_tol=0.0):
+        raise ValueError(
+            f"moelab.aux_loss enters this loss with weight {g:.6g}, but the MoE layers already add its "
+            f"gradient with weight {s:.6g}; expected the same weight: call moelab.set_aux_scale(model, {g:.6g}) "
+            "before the forward (or add the aux loss to the loss unscaled)"
+        )
+
+
+def _readout(value: Tensor, scale: Tensor) -> Tensor:
+    """``value`` as a fresh leaf that may be added to a loss: its gradient only checks the weight
+    (the aux gradient itself was attached to the layer's output in forward)."""
+    out = value.detach().clone()
+    if torch.is_grad_enabled():
+        out.requires_grad_()
+        out.register_hook(lambda grad: _check_aux_weight(grad, scale))
+    return out
+
+
+def set_aux_scale(model: nn.Module, scale: float) -> None:
+    """Weigh the aux-loss gradient the MoE layers of ``model`` attach in training forwards by
+    ``scale`` (default 1): the weight the task loss gets in ``backward`` — ``1 / accumulation
+    steps`` for a loss divided over gradient accumulation, times a gradient scaler's scale (fp16).
+    Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``; :class:`moelab.hf.MoETrainer` sets it."""
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float, Tensor))
+        or not math.isfinite(float(scale))
+    ):
+        raise ValueError(f"scale={scale!r} is not allowed; expected a finite number")
+    for layer in moe_layers(model):
+        layer._aux_scale.fill_(float(scale))
+
+
+@contextlib.contextmanager
+def recording_routing(model: nn.Module) -> Iterator[list[nn.Module]]:
+    """Within the block every MoE layer of ``model`` keeps ``last_routing`` after each forward,
+    also without gradients (the diagnostics run their forwards in it); restored after."""
+    layers = moe_layers(model)
+    saved = [layer.record_routing for layer in layers]
+    for layer in layers:
+        layer.record_routing = True
+    try:
+        yield layers
+    finally:
+        for layer, value in zip(layers, saved, strict=True):
+            layer.record_routing = value
+
+
 def aux_loss(model: nn.Module) -> Tensor:
-    """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last forward)."""
+    """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last training forward)."""
     layers = moe_layers(model)
     if not layers:  # a dense model: a zero on the model's device, so ``task_loss + aux`` works anywhere
         p = next(model.parameters(), None)

@@ -112,10 +112,12 @@ def _call(model: nn.Module, batch: Any, forward: Callable | None) -> None:
 
 @contextlib.contextmanager
 def _evaluating(model: nn.Module) -> Iterator[None]:
+    from .layer import recording_routing
+
     was_training = model.training
     model.eval()
-    try:
-        with torch.no_grad():
+    try:  # an inference forward keeps no routing unless asked: the diagnostics read it
+        with torch.no_grad(), recording_routing(model):
             yield
     finally:
         model.train(was_training)
@@ -343,24 +345,29 @@ def load_cv(
 ) -> list[dict[str, Any]]:
     """Per MoE layer: the fraction of token slots each expert received over ``batches``, its
     coefficient of variation (std / mean; 0 = perfectly balanced) and its MaxVio
-    (:func:`max_violation`, over all of ``batches``)."""
+    (:func:`max_violation`, over all of ``batches``); for a layer with an expert capacity
+    (``capacity_factor``) also ``dropped``, the fraction of the slots it dropped."""
     counts: dict[int, Tensor] = {}
+    dropped: dict[int, float] = {}
 
     def on_layer(i: int, layer: nn.Module, x: Tensor) -> None:
         c = torch.bincount(layer.last_routing.active_indices, minlength=layer.num_experts).double()
         counts[i] = counts[i] + c if i in counts else c
+        dropped[i] = dropped.get(i, 0.0) + layer.dropped_fraction * float(c.sum())
 
     n = _run(model, batches, forward, on_layer)
+    layers = _layers(model)
     out = []
     for i in range(n):
         load = counts[i] / counts[i].sum()
-        out.append(
-            {
-                "load": load.tolist(),
-                "cv": float(load.std(unbiased=False) / load.mean()),
-                "max_vio": max_violation(load),
-            }
-        )
+        row = {
+            "load": load.tolist(),
+            "cv": float(load.std(unbiased=False) / load.mean()),
+            "max_vio": max_violation(load),
+        }
+        if layers[i].capacity_factor is not None:
+            row["dropped"] = dropped[i] / float(counts[i].sum())
+        out.append(row)
     return out
 
 
@@ -389,12 +396,16 @@ def routing_summary(model: nn.Module) -> dict[str, float | None]:
             router_top = routing.probs.topk(k, dim=-1).indices
             overlaps.append(float(topk_overlap(router_top, routing.indices)))
     mean = lambda xs: sum(xs) / len(xs) if xs else None
-    return {
+    out = {
         "router_entropy": mean(entropies),
         "load_cv": mean(cvs),
         "max_vio": mean(vios),
         "competition_overlap": mean(overlaps),
     }
+    capped = [layer.dropped_fraction for layer in _layers(model) if layer.capacity_factor is not None]
+    if capped:  # a model with an expert capacity: the mean fraction of token slots dropped
+        out["dropped"] = mean(capped)
+    return out
 
 
 def routing_loads(model: nn.Module) -> list[Tensor | None]:

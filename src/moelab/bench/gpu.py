@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..experts import MLP
-from ..layer import MoE
+from ..layer import MoE, recording_routing
 from .harness import (
     Candidate,
     device_peak_tflops,
@@ -347,7 +347,8 @@ def run_case(
     favourites = favourite_experts(case.tokens, case.num_experts, case.routing, gen)
     x = routed_inputs(group.layer.router.weight, favourites, gen).to(device, dtype)
     grad = torch.randn(case.tokens, case.d_model, generator=gen).to(device, dtype)
-    cands, notes = _case_candidates(group, x, grad)
+    with recording_routing(group.layer):
+        cands, notes = _case_candidates(group, x, grad)
     load = load_stats(group.layer.last_routing.indices, case.num_experts, favourites)
     clock = "cuda" if device.type == "cuda" else "wall"
     rounds = interleaved(

@@ -29,7 +29,7 @@ from ..experiments import runner
 from ..experiments.runner import Interval, Options, setting
 from ..experts import MLP, ExpertBank, sort_slots
 from ..experts.kernels import grouped_rows, loop_rows
-from ..layer import MoE
+from ..layer import MoE, recording_routing
 from .gpu import GPU_DTYPES, GPU_PEERS, GPU_TOKENS, MODELS, run_gpu
 from .harness import (
     CLOCKS,
@@ -326,7 +326,7 @@ def build_case(case: Case, args: argparse.Namespace) -> tuple[list[SuiteCandidat
     # routing, load, parity checks (eval mode, no autograd)
     for m in modules:
         m.eval()
-    with torch.no_grad():
+    with torch.no_grad(), recording_routing(main):
         y_ref = {name: layer(x) for name, layer in moelab.items()}
     routing = main.last_routing
     indices, weights = routing.indices, routing.weights

@@ -12,6 +12,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import warnings
 import zipfile
 from collections import Counter
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..io.atomic import atomic_write_torch
 from .download import DataError, cache_dir, fetch
 
 __all__ = [
@@ -296,12 +298,19 @@ def _wikitext103() -> TextData:
     text = {s: _verified(p).read_text(encoding="utf-8") for s, p in files.items()}
     cache = root / "tokens.pt"
     if cache.exists():
-        blob = torch.load(cache, weights_only=True)  # tensors, strings and lists only: no code runs
-        tok = WordTokenizer(blob["vocab"])
-        return TextData("wikitext103", blob["train"], blob["valid"], blob["test"], tok, "ppl")
+        try:  # tensors, strings and lists only: no code runs
+            blob = torch.load(cache, weights_only=True)
+            tok = WordTokenizer(blob["vocab"])
+            return TextData("wikitext103", blob["train"], blob["valid"], blob["test"], tok, "ppl")
+        except Exception as exc:  # a truncated or damaged cache (a cache of moelab < 0.3 was not atomic)
+            warnings.warn(
+                f"the WikiText-103 token cache {cache} is damaged ({type(exc).__name__}); rebuilding it "
+                "from the verified text",
+                stacklevel=2,
+            )
     data = parse_wikitext("wikitext103", text["train"], text["valid"], text["test"])
-    torch.save(
-        {"vocab": data.tokenizer.vocab, "train": data.train, "valid": data.valid, "test": data.test}, cache
+    atomic_write_torch(
+        cache, {"vocab": data.tokenizer.vocab, "train": data.train, "valid": data.valid, "test": data.test}
     )
     return data
 

@@ -115,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
             f"--out {out} holds a moelab run of another command (config.yaml), not a comparison; choose "
             "another --out or pass --force to start afresh"
         )
+    # a run's settings and results take a few KiB: refuse a count the machine cannot even list
+    runner.check_memory(
+        config, lambda c: 4096 * len(chosen) * c.seeds, {"seeds": 1}, f"{len(chosen)} methods × --seeds runs"
+    )
     # the comparison's folder, locked while it runs; --force removes everything of an earlier run in
     # it, whichever command wrote it
     plan = _plan(config, paper, chosen, given)

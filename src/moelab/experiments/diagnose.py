@@ -117,6 +117,8 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
         out["load_cv_mean"] = _mean(out["load_cv"])
         out["max_vio"] = [x["max_vio"] for x in loads]  # MaxVio of the load over all the tokens
         out["max_vio_mean"] = _mean(out["max_vio"])
+        if any("dropped" in x for x in loads):  # layers with an expert capacity: slots dropped
+            out["dropped"] = [x.get("dropped") for x in loads]
         out["expert_output_norms"] = metrics.expert_output_norms(model, batches).tolist()
         ckpts = list_checkpoints(path / "ckpt")
         out["expert_change_rate"] = None

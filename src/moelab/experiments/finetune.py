@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,13 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         progress=config.progress,
         extra_metrics={"method": lm_config.method, "task": config.task_name, "num_classes": data.num_classes},
     )
-    metrics = trainer.fit(resume=run.resume)
+    with warnings.catch_warnings():
+        # the routers are frozen: their context stays put by design (FrozenRouting), not by a
+        # forgotten ctx.advance()
+        warnings.filterwarnings(
+            "ignore", message=r"MoE layer of method=.* RoutingContext that does not advance"
+        )
+        metrics = trainer.fit(resume=run.resume)
     print(
         f"{metrics['method']} fine-tuned on {data.name}: test accuracy {metrics['test_acc']:.1f}% "
         f"(val {metrics['val_acc']:.1f}%, {data.num_classes} classes) -> {run.path}"

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ..io.atomic import atomic_write_text
+from ..io.atomic import atomic_write_bytes, atomic_write_text
 from . import summary
 
 __all__ = [
@@ -326,12 +326,21 @@ def plot_sensitivity(groups: list[Group], path: Path) -> Path | None:
     ax.set_title(f"Test {metric.upper()} against {key} (mean ± sd over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save_png(fig, path)
+
+
+def _save_png(fig: Any, path: Path) -> Path:
+    """Write a pyplot figure to ``path`` atomically (a kill never leaves half a PNG) and close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
     plt.close(fig)
-    tmp.replace(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buffer.getvalue())
     return path
 
 
@@ -410,13 +419,7 @@ def plot_curves(groups: list[Group], path: Path) -> Path:
     ax.set_title(f"Validation {metric.upper()} during training (mean ± sd over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return _save_png(fig, path)
 
 
 def _csv_text(rows: list[dict[str, Any]]) -> str:

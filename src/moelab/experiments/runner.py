@@ -468,8 +468,8 @@ def config_from_mapping(cls: type, data: Mapping[str, Any], source: str, *, reco
         if missing:
             raise ValueError(
                 f"{source} lacks the recorded settings {', '.join(missing[:5])}"
-                f"{' and more' if len(missing) > 5 else ''} (a truncated or damaged file); the run's "
-                "settings are unknown: pass --force to start afresh"
+                f"{' and more' if len(missing) > 5 else ''} (a truncated or damaged file): the run's "
+                "settings are unknown"
             )
     try:
         return validate(build(cls, values))

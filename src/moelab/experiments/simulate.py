@@ -232,6 +232,11 @@ def format_table(metrics: dict[str, Any]) -> str:
         lines.append(
             f"{r['router']:>20} {r['setting']:<15} {r['loss']:<9} slope {r['slope']:+.3f} "
             f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]  theory {ref}".rstrip()
+            + (
+                "  (no replicate converged: the slope is of unfitted estimates)"
+                if r.get("converged") == 0.0
+                else ""
+            )
         )
     for d in metrics["differences"]:
         lines.append(

@@ -95,7 +95,9 @@ TABLE_ROWS = (
 )
 
 _COUNT = (Interval(int, 1), None)
-_WEIGHT = (Interval(float, 0), None)
+#: float32's largest number: a loss weight above it is infinite in the model's dtype, and so is the loss
+_FLOAT32_MAX = 3.4028234663852886e38
+_WEIGHT = (Interval(float, 0, _FLOAT32_MAX), None)
 _per_data = lambda i: ", ".join(f"{d} {b[i]:g}" for d, b in BETA_DEFAULTS.items())
 
 
@@ -112,7 +114,9 @@ class SpecConfig:
     )
     gate: str = setting("original", help="gate", allowed=Options(GATES))
     reg: str = setting("none", help="gate regulariser", allowed=Options(REGULARISERS))
-    w_importance: float = setting(0.2, help="weight of L_importance", allowed=Interval(float, 0))
+    w_importance: float = setting(
+        0.2, help="weight of L_importance", allowed=Interval(float, 0, _FLOAT32_MAX)
+    )
     beta_s: float | None = setting(
         None, help=f"L_s β_s (default per dataset: {_per_data(0)})", allowed=_WEIGHT
     )
@@ -600,6 +604,22 @@ def _execute(config: SpecConfig, run: runner.Run) -> dict[str, Any]:
 
 def _prepare(config: SpecConfig, world: int) -> None:
     torch.set_num_threads(config.threads)
+    # the parameters grow linearly with the experts: measured on models of 2 and 3 experts
+    sizes = [
+        sum(
+            p.numel()
+            for p in ImageMoE(vision_config(config.data, n, config.output_relu), "attentive").parameters()
+        )
+        for n in (2, 3)
+    ]
+    per_expert, base = sizes[1] - sizes[0], sizes[0] - 2 * (sizes[1] - sizes[0])
+
+    def need(c: SpecConfig) -> int:  # weights, gradients and Adam's two moments of the largest model
+        largest = max([c.experts or 2, *(c.counts if c.mode == "scaling" else ())])
+        return 16 * (base + per_expert * largest)
+
+    ordinary = {"experts": vision_config(config.data).num_experts, "counts": (5, 10, 15)}
+    runner.check_memory(config, need, ordinary, "the model and its training state")
 
 
 #: ``moelab specialize`` as the run lifecycle sees it

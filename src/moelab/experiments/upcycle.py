@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..hf.upcycle import find_mlps, load_hf_model, upcycle
+from ..io.atomic import sha256_file
 from ..io.model import save
 from . import runner
 from .runner import Interval, setting
@@ -28,7 +31,8 @@ class UpcycleConfig:
 
     model: str = setting(
         help="a local transformers model directory (save_pretrained: config.json + weights) or a "
-        "config.json (random init under --seed); no hub access"
+        "config.json (random init under --seed); no hub access",
+        fingerprint="model_sha256",
     )
     num_experts: int = setting(help="experts per MoE layer", allowed=Interval(int, 1))
     top_k: int = setting(help="experts per token", allowed=Interval(int, 1))
@@ -68,6 +72,23 @@ def _upcycled(config: UpcycleConfig) -> tuple[nn.Module, dict[str, Any]]:
     }
 
 
+def model_fingerprint(source: str | Path) -> str:
+    """The sha256 of what ``--model`` is read from: its ``config.json`` and the safetensors weights
+    beside it (by name and content)."""
+    source = Path(source)
+    files = (
+        [source]
+        if source.is_file()
+        else sorted(
+            p for p in source.iterdir() if p.name == "config.json" or p.name.startswith("model.safetensors")
+        )
+    )
+    h = hashlib.sha256()
+    for file in files:
+        h.update(file.name.encode() + b"\0" + sha256_file(file).encode())
+    return h.hexdigest()
+
+
 def _modules(model: nn.Module, name: str) -> list[nn.Module]:
     """The modules of an MLP that :func:`moelab.hf.upcycle.find_mlps` names (``"<layer>.fc1+fc2"``:
     the pair)."""
@@ -79,6 +100,7 @@ def _execute(
     config: UpcycleConfig, run: runner.Run, built: tuple[nn.Module, dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     model, metrics = built or _upcycled(config)
+    run.check_fingerprint("--model", config.model, model_fingerprint(config.model))
     run.record(model_class=type(model).__name__)
     run.write_config()
     info = {**runner.plain(config), "model_class": type(model).__name__}

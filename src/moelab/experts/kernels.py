@@ -592,6 +592,10 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
     """
     need_x, need_w_in, need_w_out, need_b_in, need_b_out = needs
     swiglu = act_name == "swiglu"
+    # under autocast the forward ran in the activations' dtype (bf16) on float32 weights: the
+    # backward computes in that dtype too and returns each gradient in its input's dtype
+    dtype, x_dtype, w_dtype = h.dtype, xs.dtype, (w_in.dtype, w_out.dtype)
+    grad, xs, w_in, w_out = (t.to(dtype) for t in (grad, xs, w_in, w_out))
     grad = grad.contiguous()
     g_x = torch.empty_like(xs, memory_format=torch.contiguous_format) if need_x else None
     g_w_in = torch.empty_like(w_in, memory_format=torch.contiguous_format) if need_w_in else None
@@ -626,7 +630,17 @@ def _mlp_backward(grad, xs, h, aux, w_in, w_out, counts, act_name, act, needs, h
     items = _expert_rows(counts)
     jobs = list(zip(items, aux if aux is not None else [None] * len(items)))
     over_experts(jobs, [stop - start for _, start, stop in items], expert, xs.device)
-    return g_x, g_w_in, g_w_out, g_b_in, g_b_out
+
+    def cast(g: Tensor | None, want: torch.dtype) -> Tensor | None:
+        return None if g is None else g.to(want)
+
+    return (
+        cast(g_x, x_dtype),
+        cast(g_w_in, w_dtype[0]),
+        cast(g_w_out, w_dtype[1]),
+        cast(g_b_in, w_dtype[0]),
+        cast(g_b_out, w_dtype[1]),
+    )
 
 
 def _grouped_forward(xs, w_in, w_out, b_in, b_out, offs, experts, act_name, act):

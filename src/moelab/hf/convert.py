@@ -23,11 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from ..experts import MLP
-from ..layer import MoE, moe_layers
+from ..layer import MoE, aux_loss, moe_layers
 from ..methods import get_method, method_router_options
 from ..routers import ROUTERS
 
-__all__ = ["GatedSharedExpert", "from_hf", "guard_save_pretrained", "set_method"]
+__all__ = ["GatedSharedExpert", "add_aux_to_output_loss", "from_hf", "guard_save_pretrained", "set_method"]
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
@@ -521,6 +521,7 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
     # what moelab.save records to rebuild the model offline (transformers config + this step)
     module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
     guard_save_pretrained(module)
+    add_aux_to_output_loss(module)
     if not getattr(module, "_moelab_router_logits_hook", False):  # called directly, not only by MoETrainer
         module.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
         module._moelab_router_logits_hook = True
@@ -849,6 +850,36 @@ def check_router_logits(model: nn.Module, requested: Any = None) -> None:
 
 def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
     check_router_logits(module, kwargs.get("output_router_logits"))
+
+
+def _aux_into_loss(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    if not module.training or not torch.is_grad_enabled() or getattr(module, "_moelab_aux_by_trainer", False):
+        return None
+    if isinstance(output, dict):  # a ModelOutput
+        loss = output.get("loss")
+        if loss is not None:
+            output["loss"] = loss + aux_loss(module).to(loss.device)
+            return output
+    elif (
+        isinstance(output, tuple)
+        and kwargs.get("labels") is not None
+        and output
+        and torch.is_tensor(output[0])
+    ):
+        if output[0].dim() == 0:  # return_dict=False: the loss first
+            return (output[0] + aux_loss(module).to(output[0].device), *output[1:])
+    return None
+
+
+def add_aux_to_output_loss(model: nn.Module) -> None:
+    """Add ``moelab.aux_loss(model)`` to the model's output loss in a training forward with labels,
+    as transformers' MoE models add their balance loss with ``output_router_logits``: the plain
+    ``transformers.Trainer`` then logs task + aux, and a loss it scales otherwise than the layers'
+    ``set_aux_scale`` (gradient accumulation, fp16 scaling) is refused in backward instead of
+    training on a wrongly weighted aux loss.  :class:`moelab.hf.MoETrainer` adds it its own way."""
+    if not getattr(model, "_moelab_aux_hook", False):
+        model.register_forward_hook(_aux_into_loss, with_kwargs=True)
+        model._moelab_aux_hook = True
 
 
 def guard_save_pretrained(model: nn.Module) -> None:

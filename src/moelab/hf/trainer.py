@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..balance import StepBalance, attached_step_balance
-from ..layer import attach, moe_layers
+from ..layer import attach, moe_layers, set_aux_scale
 from ..optim import decayed_parameter_names
 from ..routing import RoutingContext
 from ..schedules import default_a_max, model_schedule
@@ -36,21 +36,16 @@ AUX_OUTPUT_KEY = "moelab_aux_loss"
 
 
 def _collect_aux(layers: list[nn.Module]) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """The aux loss of the forward that just ran (sum over the layers that ran) and its weighted
-    terms by name (detached, summed over the layers); each layer's ``aux_loss`` is settled."""
+    """The value of the aux loss of the training forward that just ran (summed over the layers;
+    the layers attached its gradient to their outputs) and its weighted terms by name (summed over
+    the layers); ``None`` without layers."""
     total: Tensor | None = None
     terms: dict[str, Tensor] = {}
     for layer in layers:
-        pending = layer._aux_pending
-        if pending is None:  # did not run in this forward
-            continue
-        layer_total = pending[1].new_zeros(())
-        for name, term in layer._aux_terms(*pending).items():
-            layer_total = layer_total + term
-            value = term.detach().float()
+        for name, value in layer.aux_values().items():
             terms[name] = terms[name] + value if name in terms else value
-        layer.aux_loss = layer_total
-        total = layer_total if total is None else total + layer_total
+        value = layer._aux_values[0].detach().float().clone()
+        total = value if total is None else total + value
     return total, terms
 
 
@@ -254,6 +249,9 @@ def _trainer_classes() -> dict[str, type]:
                     return None
                 return trainer._add_aux(module, kwargs, output)
 
+            model._moelab_aux_by_trainer = (
+                True  # this trainer adds the aux loss (not the converted model's hook)
+            )
             _HOOKS[model] = (
                 ref,
                 [
@@ -280,6 +278,9 @@ def _trainer_classes() -> dict[str, type]:
             detached = total.detach().float()
             self._aux_sums[""] = self._aux_sums[""] + detached if "" in self._aux_sums else detached
             self._aux_count += 1
+            # the layers' aux losses are values here (their gradient is attached to the layers'
+            # outputs, weighted by set_aux_scale in compute_loss): the loss the Trainer logs is task +
+            # aux, as before; a global-scope balance loss (the StepBalance's) carries its gradient
             outside = self.label_smoother is not None or self.compute_loss_func is not None
             if isinstance(output, dict):
                 if output.get("loss") is not None and not outside:
@@ -302,6 +303,15 @@ def _trainer_classes() -> dict[str, type]:
                 f"a model output of type {type(output).__name__} is not allowed under MoETrainer; expected a "
                 "ModelOutput, a dict or a tuple (to carry the aux loss out of the forward)"
             )
+
+        def _aux_weight(self) -> float:
+            """The weight of the aux gradient in the backward to come: the mean over the
+            accumulated micro-batches, as the task loss, times the gradient scaler's scale (fp16)."""
+            weight = 1.0 / float(getattr(self, "current_gradient_accumulation_steps", 1) or 1)
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None and scaler.is_enabled():
+                weight *= float(scaler.get_scale())
+            return weight
 
         def _aux_divisors(self, num_items_in_batch: Any) -> tuple[float, float]:
             """``(gradient accumulation, world)``: what the Trainer will not divide the returned
@@ -338,6 +348,10 @@ def _trainer_classes() -> dict[str, type]:
                 self._install_aux_hooks(self.model)
             accumulation, world = self._aux_divisors(num_items_in_batch)
             self._aux_scale, self._aux_outside = 1.0 / (accumulation * world), None
+            layers = moe_layers(self.model)
+            for layer in layers:  # a layer that does not run in this forward adds nothing
+                layer._aux_values.zero_()
+            set_aux_scale(self.model, self._aux_weight())
             try:
                 loss, outputs = super().compute_loss(
                     model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch, **kwargs

@@ -644,9 +644,10 @@ def upcycle(
                    "layers": layers, "options": dict(options)})  # fmt: skip
     model._moelab_recipe = recipe
     if hasattr(type(model), "save_pretrained"):  # a transformers model: it cannot read the layers back
-        from .convert import guard_save_pretrained
+        from .convert import add_aux_to_output_loss, guard_save_pretrained
 
         guard_save_pretrained(model)
+        add_aux_to_output_loss(model)
     return model
 
 
@@ -683,17 +684,30 @@ def load_hf_model(source: str | Path) -> nn.Module:
             f"--model {str(config_file)!r} has architectures[0]={arch!r}, which is not a transformers "
             "model class; expected e.g. 'LlamaForCausalLM'"
         )
-    if source.is_dir() and any(source.glob("*.bin")) and not any(source.glob("*.safetensors")):
-        raise ValueError(
-            f"--model {str(source)!r} holds .bin weights (a pickle, which moelab does not read); "
-            "save the model with safetensors (save_pretrained's default) and run again"
-        )
-    has_weights = source.is_dir() and any(source.glob("*.safetensors"))
+    # the weights transformers reads: model.safetensors or its shard index, never a pickle
+    has_weights = source.is_dir() and any(
+        (source / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")
+    )
+    if source.is_dir() and not has_weights:
+        if any(source.glob("*.bin")):
+            raise ValueError(
+                f"--model {str(source)!r} holds .bin weights (a pickle, which moelab does not read); "
+                "save the model with safetensors (save_pretrained's default) and run again"
+            )
+        others = sorted(p.name for p in source.glob("*.safetensors"))
+        if others:
+            raise ValueError(
+                f"--model {str(source)!r} holds {others[:3]} but no model.safetensors (or its index), the "
+                "weights transformers reads; rename the file, or pass the config.json alone for a random init"
+            )
     if cls is None:
         cls = transformers.AutoModel
-        return (
-            cls.from_config(config) if not has_weights else cls.from_pretrained(source, local_files_only=True)
-        )
-    if has_weights:
-        return cls.from_pretrained(source, local_files_only=True)
-    return cls(config)
+    if not has_weights:
+        return cls.from_config(config) if cls is transformers.AutoModel else cls(config)
+    try:
+        return cls.from_pretrained(source, local_files_only=True, use_safetensors=True)
+    except Exception as exc:  # a damaged or foreign weights file: transformers' own error, in one line
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"--model {str(source)!r}: transformers cannot load its weights ({type(exc).__name__}: {first})"
+        ) from None

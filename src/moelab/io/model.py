@@ -314,6 +314,12 @@ def resolve(path: str | os.PathLike) -> Path:
             return path / "best"
         latest = latest_checkpoint(path / "ckpt")
         if latest is not None:
+            if (path / "best").exists():  # deleted, or a save killed before its last file
+                warnings.warn(
+                    f"{str(path / 'best' / CONFIG_NAME)!r} is missing; loading the newest checkpoint "
+                    f"{latest.name}, not the best-validation weights",
+                    stacklevel=2,
+                )
             return latest
         if (path / "best.safetensors").is_file():
             raise CheckpointError(
@@ -405,8 +411,18 @@ def _load_tensors(directory: Path, config: dict[str, Any]) -> dict[str, Tensor]:
 
 def load_weights(path: str | os.PathLike, model: nn.Module, *, strict: bool = True) -> dict[str, Any]:
     """Load the verified weights of a saved folder (or a run: :func:`resolve`) into ``model``,
-    bit-exactly; returns the verified ``config.json``.  The model's routing context is left as it
-    is (:func:`load` restores the saved one)."""
+    bit-exactly, and its routing context; returns the verified ``config.json``.
+
+    A model whose MoE layers have no routing context gets the saved one (its step, planned steps and
+    schedule), attached: it routes as the saved model (StableMoE past its stage switch routes with
+    its frozen light router).  A context already attached (a trainer's) is left as it is."""
+    return _load_weights(path, model, strict, keep_attached=True)
+
+
+def _load_weights(
+    path: str | os.PathLike, model: nn.Module, strict: bool, keep_attached: bool
+) -> dict[str, Any]:
+    """:func:`load_weights`; ``keep_attached=False`` replaces an attached context (:func:`load`)."""
     config = read_config(path)
     directory = Path(config["directory"])
     tensors = _load_tensors(directory, config)
@@ -425,7 +441,30 @@ def load_weights(path: str | os.PathLike, model: nn.Module, *, strict: bool = Tr
         raise CheckpointError(
             f"{str(file)!r} does not fit the model: {' '.join(lines[1:3] or lines)}"
         ) from None
+    _restore_routing(model, config, directory / CONFIG_NAME, keep_attached)
     return config
+
+
+def _restore_routing(model: nn.Module, config: dict[str, Any], file: Path, keep_attached: bool) -> None:
+    from ..layer import attach, moe_layers
+    from ..routing import RoutingContext
+    from ..schedules import schedule_from_state
+
+    state = config.get("routing_context")
+    layers = moe_layers(model)
+    if state is None or not layers:
+        return
+    if keep_attached and any(layer.ctx is not None for layer in layers):
+        return  # the caller's context (a trainer's) is its own
+    try:
+        saved = {**state, "schedule": _schedule_state(state)}
+        ctx = RoutingContext(
+            total_steps=state.get("total_steps"), schedule=schedule_from_state(saved["schedule"])
+        )
+        ctx.load_state_dict(saved)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{str(file)!r} has a routing_context that does not rebuild: {e}") from None
+    attach(model, ctx)
 
 
 def _build(kind: str, config: dict[str, Any], file: Path) -> nn.Module:
@@ -494,10 +533,6 @@ def load(path: str | os.PathLike) -> nn.Module:
     :class:`moelab.RoutingContext` at the saved step (so StableMoE routes with its frozen light
     router after the stage switch, as at the end of training).
     """
-    from ..layer import attach, moe_layers
-    from ..routing import RoutingContext
-    from ..schedules import schedule_from_state
-
     config = read_config(path)
     directory = Path(config["directory"])
     file = directory / CONFIG_NAME
@@ -516,15 +551,5 @@ def load(path: str | os.PathLike) -> nn.Module:
             f"{str(file)!r}: the rebuilt model's MoE layers do not match moe_layers "
             f"({sorted(rebuilt)[:3]} vs {sorted(config.get('moe_layers', {}))[:3]})"
         )
-    load_weights(directory, model)
-    state = config.get("routing_context")
-    if state is not None and moe_layers(model):
-        try:
-            ctx = RoutingContext(
-                total_steps=state.get("total_steps"), schedule=schedule_from_state(_schedule_state(state))
-            )
-            ctx.load_state_dict({**state, "schedule": _schedule_state(state)})
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{str(file)!r} has a routing_context that does not rebuild: {e}") from None
-        attach(model, ctx)
+    _load_weights(directory, model, True, keep_attached=False)  # and a new routing context
     return model.eval()

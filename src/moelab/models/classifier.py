@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..adapters import adapter_config, restore_adapter
 from ..io.model import Persistent
 from ..layer import moe_layers
 from ..optim import param_groups
@@ -71,13 +72,20 @@ class LMClassifier(Persistent, nn.Module):
 
     def moelab_config(self) -> dict[str, Any]:
         """What :func:`moelab.save` records: the trunk's :class:`LMConfig`, classes, dropout."""
-        return {"lm": self.lm.cfg.to_dict(), "num_classes": self.fc2.out_features, "dropout": self.drop.p}
+        config = {"lm": self.lm.cfg.to_dict(), "num_classes": self.fc2.out_features, "dropout": self.drop.p}
+        adapter = adapter_config(self.lm)
+        if adapter is not None:  # a LoRA / RepLoRA trunk (moelab finetune --adapter) rebuilds with it
+            config["adapter"] = adapter
+        return config
 
     @classmethod
     def from_moelab_config(cls, config: dict[str, Any]) -> LMClassifier:
         from .lm import LMConfig
 
-        return cls(TransformerLM(LMConfig.from_dict(config["lm"])), config["num_classes"], config["dropout"])
+        model = cls(TransformerLM(LMConfig.from_dict(config["lm"])), config["num_classes"], config["dropout"])
+        if config.get("adapter"):
+            restore_adapter(model.lm, config["adapter"], freeze=False)
+        return model
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         """The optimizer groups: weight decay on the matrices only (:func:`moelab.optim.param_groups`)."""

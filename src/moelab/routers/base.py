@@ -71,6 +71,11 @@ class Router(nn.Module):
     #: ``sigmoid``): a bias learned on one kind means nothing on the other
     gate: str = "softmax"
 
+    #: the dtype the router computes its scores, weights and top-K in, autocast off
+    #: (``MoE(router_dtype="float32")``, Megatron-Core's ``--moe-router-dtype``); ``None``: the
+    #: activations' dtype
+    compute_dtype: torch.dtype | None = None
+
     #: whether the chosen experts' weights are renormalised to sum to 1 over the K chosen; the
     #: top-(K+1) swap evaluation (:func:`moelab.metrics.swap_top1`) renormalises after dropping the
     #: top-1 iff so
@@ -145,6 +150,13 @@ class Router(nn.Module):
             if b is not None and b.dtype in (torch.float16, torch.bfloat16):
                 setattr(self, name, b.float())
         return self
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        dtype = self.compute_dtype
+        if dtype is None:
+            return super().__call__(x, *args, **kwargs)
+        with torch.autocast(x.device.type, enabled=False):
+            return super().__call__(x.to(dtype), *args, **kwargs)
 
     def reset_parameters(self) -> None:
         """Initialise the router's parameters and state as at construction (e.g. after

@@ -118,11 +118,13 @@ def _check_competition_options(kappa: str, reduce: str, weighting: str, grad_pat
 # torch.compiler.disable, with torch._dynamo imported at the first call rather than with moelab (its
 # import time counts against every process start: docs/performance.md, "torch._dynamo loaded on first use")
 @torch._disable_dynamo
-def _schedule_active(ctx: RoutingContext, layer: int) -> bool:
+def _schedule_active(ctx: RoutingContext, router: Router) -> bool:
     """``ctx.schedule.active(layer, ctx.step)``, run outside torch.compile: the lookup is Python on a
-    step that changes every call, so tracing it would recompile every step.  Under compile this is
-    one graph break, and the code after it is compiled once per branch (competes or not)."""
-    return bool(ctx.schedule.active(layer, ctx.step))
+    step that changes every call, so tracing it would recompile every step.  The router's
+    ``layer_index`` is read here too, outside the traced code: read there it would become a guard, and
+    every layer would compile its own graph (past 8 layers, the recompile limit).  Under compile this
+    is one graph break, and the code after it is compiled once per branch (competes or not)."""
+    return bool(ctx.schedule.active(router.layer_index, ctx.step))
 
 
 @register("competition")
@@ -362,7 +364,7 @@ class CompeteSMoERouter(Router):
             return False
         if ctx is None or ctx.schedule is None:  # the layer says so once (moelab.layer.check_context)
             return False
-        return _schedule_active(ctx, self.layer_index)
+        return _schedule_active(ctx, self)
 
     def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
         routing = self.base(x, experts, ctx)

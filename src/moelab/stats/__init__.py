@@ -8,6 +8,8 @@ worked example; the studies are :mod:`moelab.stats.studies` (``moelab simulate -
 """
 
 from .fit import GaussianMoEMLE, LeastSquaresMoE, minimize
+from .measures import density_distances, k_subset_voronoi, l2_distance, rbar, translation_inf, voronoi_d
+from .mixtures import LoRAMixture, Mixture, fit_params
 from .models import GaussianMoE, GaussianParams, MoEParams, RegressionMoE
 from .rates import RateDifference, RateFit, fit_rate, mean_table, slope_difference
 from .simulate import gaussian_truth, regression_truth, sample_inputs, simulate_gaussian, simulate_regression
@@ -18,21 +20,30 @@ __all__ = [
     "GaussianMoEMLE",
     "GaussianParams",
     "LeastSquaresMoE",
+    "LoRAMixture",
+    "Mixture",
     "MoEParams",
     "RateDifference",
     "RateFit",
     "RegressionMoE",
     "block_voronoi_loss",
+    "density_distances",
+    "fit_params",
     "fit_rate",
     "gaussian_truth",
     "gaussian_voronoi_loss",
+    "k_subset_voronoi",
+    "l2_distance",
     "mean_table",
     "minimize",
+    "rbar",
     "regression_truth",
     "sample_inputs",
     "simulate_gaussian",
     "simulate_regression",
     "slope_difference",
+    "translation_inf",
     "voronoi_cells",
+    "voronoi_d",
     "voronoi_loss",
 ]

@@ -36,10 +36,9 @@ PAPER_STUDIES = (
     "competition-ffn",
 )
 
-#: r̄(m) of Ho (2025) for d = 1: r̄(1) = 1 and r̄(2) = 4 computed by
-#: :func:`moelab.stats.measures.rbar` (tests/test_stats_measures.py); r̄(3) = 6 as tabulated (the
-#: search did not finish in 15 minutes here).  The slides' "m = 1: 4, m = 2: 6" counts the atoms
-#: beyond the first: a cell of 2 atoms has r̄ = 4.
+#: r̄(m) of Ho (2025) for d = 1, computed by :func:`moelab.stats.measures.rbar` (r̄(1), r̄(2) in
+#: tests/test_stats_measures.py; r̄(3) = 6 in 190 s on one thread, docs/results.md).  The slides'
+#: "m = 1: 4, m = 2: 6" counts the atoms beyond the first: a cell of 2 atoms has r̄ = 4.
 RBAR = {1: 1, 2: 4, 3: 6}
 
 
@@ -404,7 +403,7 @@ def _measure(
         w, mu, var = data_model.components(x_eval, true)
         dist = density_distances(
             lambda y: fit_model.log_density(x_eval, y, fit), lambda y: data_model.log_density(x_eval, y, true),
-            w, mu, var, nodes=cfg_nodes(cfg),
+            w, mu, var, nodes=_nodes(cfg),
         )  # fmt: skip
         for name in ("hellinger", "tv"):
             out[name], out[f"{name}_se"] = dist[name].value, dist[name].se
@@ -435,7 +434,7 @@ def _measure(
     return out
 
 
-def cfg_nodes(cfg: Any) -> int:
+def _nodes(cfg: Any) -> int:
     return 24 if cfg.quick else 40
 
 

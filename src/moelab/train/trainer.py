@@ -8,6 +8,7 @@ docs/architecture.md ("The training loop") and docs/scaling.md.
 from __future__ import annotations
 
 import math
+import pickle
 import random
 import shutil
 import time
@@ -331,7 +332,16 @@ class Trainer:
         if self.ckpt_dir is None:
             return None
         path = ckpt.latest_checkpoint(self.ckpt_dir)
-        return None if path is None else ckpt.load_checkpoint(path, self.model)
+        if path is None:
+            return None
+        try:
+            return ckpt.load_checkpoint(path, self.model)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # digests that match a crafted file
+            raise CheckpointError(
+                f"checkpoint {path}: {ckpt.STATE} cannot be read as a training state "
+                f"({str(exc).splitlines()[0][:120]}); nothing of it was run. Remove {path} to resume from "
+                "an older checkpoint, or pass --force to start afresh"
+            ) from None
 
     def _resume(self, saved, optimizer, scheduler, generator, state: dict[str, Any]) -> int:
         """Restore the optimizer, schedules, RNG streams and trainer state of ``saved``; return
