@@ -189,6 +189,21 @@ def test_erc_is_refused_where_it_is_not_defined(build, match):
     assert "\n" not in str(e.value)
 
 
+def test_erc_refuses_a_bank_that_holds_only_some_experts(monkeypatch):
+    """An expert-parallel bank gives its local block: the coupling of all N experts is not there."""
+    from moelab.experts import ExpertBank, ExpertWeights
+
+    layer = _layer()
+    local = property(lambda self: ExpertWeights(self.w_in[:2], self.w_out[:2], None, None, self.activation))
+    monkeypatch.setattr(ExpertBank, "expert_weights", local)
+    with pytest.raises(
+        ValueError,
+        match=r"^erc_coef > 0 is not allowed with expert parallelism \(this rank holds 2 of 4 experts\); "
+        r"expected every expert's gate projection on every rank$",
+    ):
+        layer.erc_loss()
+
+
 # ------------------------------------------------------------------ the layer grid
 @pytest.mark.parametrize("impl", IMPLS)
 def test_erc_every_kernel_gives_the_literal_output_and_gradients(impl):

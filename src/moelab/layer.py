@@ -146,7 +146,7 @@ class MoE(nn.Module):
     ``erc_coef > 0``: the expert–router coupling loss (Lv et al. 2025, "Coupling Experts and Routers
     in Mixture-of-Experts via an Auxiliary Loss"; :func:`moelab.losses.erc_loss`) between the router
     rows ``R (N, d)`` and the experts' gate projections, margin ``erc_alpha`` (default 1), with
-    freshly drawn proxy-token noise each time ``aux_loss`` is formed; for any router with an
+    proxy-token noise drawn afresh in each training forward; for any router with an
     ``(N, d)`` weight (``smoe``, ``sharede-v3``, ``remoe``, ``top-p``, ``expert-choice``, ... and a
     competition router's base) over an :class:`ExpertBank`.
 
@@ -589,6 +589,11 @@ class MoE(nn.Module):
         ``False`` leaves the router rows unperturbed."""
         r = self.router.base_router.weight
         w = self.experts.expert_weights
+        if w.num_experts != self.num_experts:  # an expert-parallel bank computes on its local block
+            raise ValueError(
+                f"erc_coef > 0 is not allowed with expert parallelism (this rank holds {w.num_experts} of "
+                f"{self.num_experts} experts); expected every expert's gate projection on every rank"
+            )
         gate = w.w_in[:, : w.d_hidden]  # [gate | up] for swiglu, else the whole input projection
         if noise is True:
             noise = erc_noise(r)
