@@ -131,6 +131,10 @@ def test_aoe_renormalize_and_selection_bias_options():
             r"^rank=0 is not allowed; expected a positive integer",
         ),
         (
+            lambda: ExpertBank(4, 8, 8, gate_rank=0),
+            r"^gate_rank=0 is not allowed; expected a positive integer",
+        ),
+        (
             lambda: moelab.MoE(8, 4, 2, method="aoe", renormalize="yes"),
             r"^renormalize='yes' is not allowed; expected True, False or None$",
         ),
