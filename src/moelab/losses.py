@@ -304,7 +304,7 @@ def erc_noise(router_weight: Tensor, generator: torch.Generator | None = None) -
     """The multiplicative noise ``δ (N, d)`` of the ERC loss's proxy tokens ``R̃_i = R_i ⊙ δ_i``:
     ``δ_ik ~ U(1 − ε_i, 1 + ε_i)`` with ``ε_i = ‖R_i − R_j‖ / (2‖R_i‖)``, ``R_j`` the router row
     nearest to ``R_i`` (Lv et al. 2025, "Coupling Experts and Routers in Mixture-of-Experts via an
-    Auxiliary Loss", §3: the bound that keeps ``R̃_i`` in its own cluster; as we read it, ``ε_i``
+    Auxiliary Loss", arXiv 2512.23447: the bound that keeps ``R̃_i`` in its own cluster; as we read it, ``ε_i``
     is the bound itself).  Drawn without autograd."""
     with torch.no_grad():
         r = router_weight.detach().float()
@@ -320,7 +320,7 @@ def erc_loss(
     router_weight: Tensor, gate_weight: Tensor, alpha: float = 1.0, noise: Tensor | None = None
 ) -> Tensor:
     """The expert–router coupling (ERC) loss (Lv et al. 2025, "Coupling Experts and Routers in
-    Mixture-of-Experts via an Auxiliary Loss", §3), as we read it:
+    Mixture-of-Experts via an Auxiliary Loss", arXiv 2512.23447), as we read it:
 
     ``M[i, j] = ‖W_g^j R̃_i‖`` — the norm of expert ``j``'s gate pre-activation on the proxy token
     ``R̃_i = R_i ⊙ δ_i`` of router row ``i`` (:func:`erc_noise`); then

@@ -18,7 +18,7 @@ class AoERouter(Router):
     """No router: each expert's gate projection is factorised, ``W_g^e = B_e A_e`` of rank ``r``, every
     expert computes its low-rank pre-activation ``a_e = A_e x`` on every token, and the experts are
     ranked by its L2 norm ``s_e = ‖a_e‖`` — Autonomy-of-Experts (Lv, Xie, Qian, Wu, Sun, Kang, Wang,
-    Yan, *Autonomy-of-Experts Models*, 2025), §3.  The top-K experts finish their computation with
+    Yan, *Autonomy-of-Experts Models*, 2025, arXiv 2501.13074).  The top-K experts finish their computation with
     the factorised ``W_g`` (the expert bank built with ``gate_rank=r``,
     :class:`moelab.ExpertBank`; the others stop after ``A_e x``).
 
