@@ -198,19 +198,9 @@ def test_finetune_refuses_a_run_that_is_not_a_finished_lm(capsys, tmp_path, setu
     run = tmp_path / "lm"
     run.mkdir()
     for name, text in setup.items():
-        (run / name).write_text(text if text is not None else _train_config_yaml())
+        (run / name).write_text(text)
     err = error_of(capsys, ["finetune", "--from", str(run), "--out", str(tmp_path / "o"), "--task", "x.csv"])
     assert err.startswith("moelab finetune: error: --from ") and message in err, err
-
-
-def _train_config_yaml(**fields) -> str:
-    """A complete config.yaml of a `moelab train` run (every recorded setting), as the runner writes it."""
-    import yaml
-
-    from moelab.experiments import runner
-    from moelab.experiments.lm import TrainRun
-
-    return yaml.safe_dump({"command": "train", **runner.plain(TrainRun(**fields)), "recorded": {}})
 
 
 def test_finetune_refuses_an_lm_run_without_weights(capsys, tmp_path):

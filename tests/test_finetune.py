@@ -370,3 +370,26 @@ def test_finetune_refuses_a_batch_beyond_the_machines_memory(pretrained, reviews
         in err
     )
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_finetune_repeats_bit_for_bit_under_its_seed_and_is_silent_about_the_frozen_routing(
+    pretrained, reviews, tmp_path
+):
+    import warnings
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"good movie {i}. bad film {i}.\n" for i in range(200)))
+    lm = tmp_path / "lm"  # a method whose routing depends on the step (the competition schedule)
+    assert main(["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+                 "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+                 "--test-tokens", "64", "--no-progress", "--method", "competesmoe", "--out", str(lm)]) == 0  # fmt: skip
+    logs = []
+    for i in range(2):
+        out = tmp_path / f"ft{i}"
+        args = ["finetune", "--task", str(reviews), "--from", str(lm), "--steps", "2", "--no-progress",
+                "--out", str(out)]  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "trains without a RoutingContext" warning
+            assert main(args) == 0
+        logs.append([line.split(",")[:3] for line in (out / "log.csv").read_text().splitlines()])
+    assert logs[0] == logs[1]

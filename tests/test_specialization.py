@@ -118,9 +118,12 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys, tmp_path):
         (["--top-k", "0"], "--top-k=0 is not allowed; expected a positive integer"),
         (["--seed", "-1"], "--seed=-1 is not allowed; expected an integer >= 0"),
         (["--experts", "2.5"], "argument --experts: invalid int value: '2.5'"),
-        (["--w-importance", "-1"], "--w-importance=-1.0 is not allowed; expected a number >= 0"),
-        (["--beta-s", "nan"], "--beta-s=nan is not allowed; expected a number >= 0"),
-        (["--beta-d", "inf"], "--beta-d=inf is not allowed; expected a number >= 0"),
+        (
+            ["--w-importance", "-1"],
+            "--w-importance=-1.0 is not allowed; expected a number in [0, 3.40282e+38]",
+        ),
+        (["--beta-s", "nan"], "--beta-s=nan is not allowed; expected a number in [0, 3.40282e+38]"),
+        (["--beta-d", "inf"], "--beta-d=inf is not allowed; expected a number in [0, 3.40282e+38]"),
     ],
 )
 def test_bad_numbers_exit_2_naming_the_flag_and_the_allowed_range(argv, message, capsys, tmp_path):

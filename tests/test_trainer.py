@@ -310,3 +310,25 @@ def test_every_run_writes_its_curves_png_before_its_metrics_and_a_resume_draws_t
     png.unlink()
     run_training(data, tmp_path / "a", steps=4, resume=True)
     assert png.read_bytes() == first  # drawn from log.csv: the same figure
+
+
+@pytest.mark.parametrize("opts", [[], ["--opt", "balance_scope=global"]])
+def test_log_csv_holds_every_weighted_aux_term_and_they_sum_to_the_aux_loss(tmp_path, opts):
+    # CompeteSMoE (2025) App. D.2 Fig. 7 plots the router's losses one by one
+    import csv
+
+    from moelab.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    out = tmp_path / "run"
+    args = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "4", "--steps", "3", "--eval-every", "3", "--eval-tokens", "64",
+            "--test-tokens", "64", "--no-progress", "--method", "competesmoe", "--out", str(out), *opts]  # fmt: skip
+    assert main(args) == 0
+    rows = list(csv.DictReader((out / "log.csv").open()))
+    terms = [k for k in rows[0] if k.startswith("aux_") and k != "aux_loss"]
+    assert {"aux_balance", "aux_z", "aux_distill", "aux_diversity"} <= set(terms)
+    for row in rows:
+        assert sum(float(row[t]) for t in terms) == pytest.approx(float(row["aux_loss"]), rel=1e-5)
+    assert float(rows[0]["aux_balance"]) > 0  # the global scope's balance is logged under its name

@@ -36,6 +36,7 @@ __all__ = [
     "NonFiniteError",
     "attach",
     "aux_loss",
+    "aux_terms",
     "check_context",
     "moe_layers",
     "recording_routing",
@@ -678,6 +679,16 @@ def recording_routing(model: nn.Module) -> Iterator[list[nn.Module]]:
             layer.record_routing = value
 
 
+def aux_terms(model: nn.Module) -> dict[str, Tensor]:
+    """The weighted aux terms ``coef · loss`` of ``model``'s last training forward by name, summed
+    over its MoE layers (detached, sorted by name; their sum is :func:`aux_loss`)."""
+    terms: dict[str, Tensor] = {}
+    for layer in moe_layers(model):
+        for name, value in layer.aux_values().items():
+            terms[name] = terms[name] + value if name in terms else value
+    return dict(sorted(terms.items()))
+
+
 def aux_loss(model: nn.Module) -> Tensor:
     """The sum of ``aux_loss`` over every MoE layer of ``model`` (their last training forward)."""
     layers = moe_layers(model)
@@ -749,9 +760,9 @@ def check_context(layer: MoE) -> None:
     ``torch.compile``); it reads the layer and records only in this module's own tables."""
     router = layer.router
     what = router.step_dependence()
-    if what is None:
-        return
     ctx = layer.ctx
+    if what is None or (ctx is not None and ctx.frozen):  # a frozen context: no step moves it, on purpose
+        return
     problem = router.context_problem(ctx)
     if problem is not None:
         message = (

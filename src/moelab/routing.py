@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -102,7 +102,12 @@ class RoutingContext:
         extra: free-form state for user routers.
         hooks: the step hooks ``fn(ctx)`` :meth:`advance` runs (registered by
             :func:`moelab.attach`; not part of :meth:`state_dict`).
+        frozen: a class flag: ``True`` for a context whose routing state never moves by design
+            (fine-tuning with frozen routers keeps the LM's), so a step-dependent method training
+            under it is not warned about (:func:`moelab.layer.check_context`).
     """
+
+    frozen: ClassVar[bool] = False
 
     step: int = 0
     total_steps: int | None = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..adapters import ADAPTERS, add_adapter
@@ -169,6 +170,7 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
     run.check_fingerprint("--task", config.task, data_fingerprint(data))
     run.check_fingerprint("--from", config.source, lm_fingerprint(config.source), key="source_sha256")
     routing = frozen_routing(lm)  # before the classifier's Trainer attaches it
+    torch.manual_seed(config.seed)  # the new head (and an adapter) start from the seed: a run repeats
     model = LMClassifier(lm, data.num_classes)
     frozen = freeze_routers(model)
     if config.adapter != "none":  # the trunk frozen but for its Q/V updates; the new head trains
@@ -226,6 +228,8 @@ class FrozenRouting(RoutingContext):
     training, which :meth:`advance` never changes (no step hook runs, the step is not counted), so
     StableMoE stays in the stage, SMoE-Dropout at the K and sharede-v3 at the bias the LM was tested
     with.  No competition schedule: a frozen router routes as in evaluation."""
+
+    frozen = True
 
     def advance(self, steps: int = 1) -> None:
         return None

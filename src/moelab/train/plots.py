@@ -1,5 +1,6 @@
-"""The PNG every training run writes: ``curves.png``, its training loss and validation metric
-against the step, drawn from the run's ``log.csv`` (so a resumed run draws the same figure)."""
+"""The PNG every training run writes: ``curves.png``, its training loss, validation metric and (for
+an MoE model) each weighted aux term against the step, drawn from the run's ``log.csv`` (so a
+resumed run draws the same figure)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ def plot_log(log: str | os.PathLike, path: str | os.PathLike, metric: str, title
         return None
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no backend switch
 
-    fig = Figure(figsize=(9, 3.6))
-    left, right = fig.subplots(1, 2)
+    terms = [k for k in rows[0] if k.startswith("aux_") and k != "aux_loss"]
+    fig = Figure(figsize=(13.5 if terms else 9, 3.6))
+    axes = fig.subplots(1, 3 if terms else 2)
+    left, right = axes[0], axes[1]
     steps, loss = _column(rows, "loss")
     left.plot(steps, loss, linewidth=1)
     left.set_xlabel("step")
@@ -51,7 +54,14 @@ def plot_log(log: str | os.PathLike, path: str | os.PathLike, metric: str, title
     right.plot(val_steps, val, marker="o", markersize=3)
     right.set_xlabel("step")
     right.set_ylabel(f"validation {metric}")
-    for ax in (left, right):
+    if terms:  # the weighted aux terms one by one (CompeteSMoE (2025) App. D.2 Fig. 7)
+        for name in terms:
+            term_steps, values = _column(rows, name)
+            axes[2].plot(term_steps, values, linewidth=1, label=name[4:])
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("weighted aux term")
+        axes[2].legend(fontsize=7)
+    for ax in axes:
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)

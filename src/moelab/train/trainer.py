@@ -22,11 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from ..balance import StepBalance
+from ..balance import StepBalance, attached_step_balance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
-from ..layer import attach, moe_layers
+from ..layer import attach, aux_terms, moe_layers
 from ..metrics import max_violation, routing_loads, routing_summary
 from ..optim import build_optimizer, check_optimizer
 from ..routing import RoutingContext
@@ -231,11 +231,19 @@ class Trainer:
     def ckpt_dir(self) -> Path | None:
         return None if self.run is None else self.run.file("ckpt")
 
-    def _mean_over_ranks(self, task_loss: Tensor, aux: Tensor) -> tuple[float, float]:
-        """``(task loss, aux loss)`` as floats, averaged over the ranks (what rank 0 logs)."""
-        values = self.parallel.mean(torch.stack([task_loss.detach(), aux.detach().to(task_loss)]))
-        task_value, aux_value = values.tolist()
-        return task_value, aux_value
+    def _mean_over_ranks(self, task_loss: Tensor, aux: Tensor) -> tuple[float, float, dict[str, float]]:
+        """``(task loss, aux loss, the weighted aux terms by name)`` as floats, averaged over the
+        ranks (what rank 0 logs), in one collective."""
+        terms = aux_terms(self.model)
+        balance = attached_step_balance(self.model)  # the global-scope terms, left out of the layers'
+        for name, value in (getattr(balance, "last_terms", None) or {}).items():
+            terms[name] = terms.get(name, 0.0) + value.detach().float().cpu()
+        values = self.parallel.mean(
+            torch.stack(
+                [task_loss.detach(), aux.detach().to(task_loss), *(t.to(task_loss) for t in terms.values())]
+            )
+        ).tolist()
+        return values[0], values[1], dict(zip(terms, values[2:]))
 
     def _evaluate(self, split: str, max_tokens: int | None) -> dict[str, float]:
         was_training = self.model.training
@@ -370,7 +378,7 @@ class Trainer:
                 f"non-finite values at step {step + 1} ({exc}); stopped; {self._last_good()}. "
                 "Lower --lr or check the data"
             ) from exc
-        task_value, aux_value = self._mean_over_ranks(task_loss, aux)
+        task_value, aux_value, term_values = self._mean_over_ranks(task_loss, aux)
         if not math.isfinite(task_value + aux_value):  # the same decision on every rank
             raise TrainingError(
                 f"non-finite loss at step {step + 1} (task {task_value:.4g}, aux {aux_value:.4g}); "
@@ -407,6 +415,9 @@ class Trainer:
             "lr": lr,
             "loss": task_value,
             "aux_loss": aux_value,
+            # each weighted term of the aux loss (CompeteSMoE (2025) App. D.2 Fig. 7: the router's
+            # dynamics), summed over the layers
+            **{f"aux_{name}": value for name, value in term_values.items()},
             "grad_norm": grad_norm,
             "tokens": state["train_tokens"],
             "time_s": round(state["train_time"], 4),
