@@ -4,7 +4,6 @@ the forward (DDP), per-loss logging (TensorBoard), exact resume, output_router_l
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -184,10 +183,8 @@ def test_the_aux_loss_is_part_of_the_forward_that_ddp_wraps(tmp_path):
     moelab.attach(model, ctx)
     batch = {"input_ids": torch.stack([d["input_ids"] for d in _data(4)])}
     batch["labels"] = batch["input_ids"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # a file store: no port to race for (a port picked and released can be taken before gloo binds it)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         loss = trainer.compute_loss(ddp, dict(batch))
