@@ -3,6 +3,7 @@ the 95 % Student-t interval of the mean and Welch's t-test against the baseline
 (:mod:`moelab.experiments.summary`).
 
     python examples/ho2025_summary.py aa runs/h29/aa          # Active-Attention: test BPC per σ
+    python examples/ho2025_summary.py vit runs/h29/vit        # Active-Attention: digits test accuracy per σ
     python examples/ho2025_summary.py rep runs/h29/rep        # RepLoRA vs LoRA: test accuracy per fraction
     python examples/ho2025_summary.py table runs/h29/ho2025   # the LM table: test BPC per method
 """
@@ -46,6 +47,10 @@ def main(kind: str, root: str) -> None:
         names = ["standard", "gelu", "tanh", "relu", "sigmoid", "silu"]
         key, digits, base_name, lower = "test_bpc", 4, "standard", "lower"
         groups = {n: _values(root_path / n, key) for n in names}
+    elif kind == "vit":
+        names = ["standard", "gelu", "tanh", "relu", "sigmoid", "silu"]
+        key, digits, base_name, lower = "test_acc", 2, "standard", "higher"
+        groups = {n: _values(root_path / n, key) for n in names}
     elif kind == "table":
         names = ["smoe", "sharede-v2", "sharede-v3", "smoe-sg"]
         key, digits, base_name, lower = "test_bpc", 4, "smoe", "lower"
@@ -55,7 +60,7 @@ def main(kind: str, root: str) -> None:
         key, digits, base_name, lower = "test_acc", 2, None, "higher"
         groups = {n: _values(root_path / n, key) for n in names}
     else:
-        raise SystemExit(f"kind={kind!r}: expected aa, table or rep")
+        raise SystemExit(f"kind={kind!r}: expected aa, vit, table or rep")
     print(
         f"{key} ({lower} is better); p: Welch's two-sided t-test against the baseline (paired seeds not used)"
     )
