@@ -17,6 +17,7 @@ import torch.distributed as dist
 import moelab
 from moelab.hf.upcycle import upcycle
 from moelab.layer import moe_layers
+from moelab.methods import get_method
 from moelab.schedules import CoinFlipSchedule, CompetitionSchedule, build_schedule
 
 transformers = pytest.importorskip("transformers")
@@ -34,6 +35,15 @@ def _model(method: str = "competesmoe", **options):
         attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(cfg)
+    if get_method(method).router == "aoe":
+        # Autonomy-of-Experts' factorised gates have no exact upcycling (upcycle refuses it): fresh aoe
+        # layers of the upcycled shape take the MLPs' places
+        model = upcycle(model, 4, 2, method="smoe")
+        for block in model.transformer.h:
+            old = block.mlp  # resid_pdrop=0: the layer itself, no dropout after it
+            block.mlp = moelab.MoE(16, 4, 2, d_hidden=old.experts.d_hidden, method=method,
+                                      activation=old.experts.activation, bias=True, **options)  # fmt: skip
+        return model.train()
     return upcycle(model, 4, 2, method=method, **options).train()
 
 

@@ -10,7 +10,7 @@ from moelab.methods import Method, get_method, register_method
 
 METHODS = moelab.methods()
 #: methods whose weights are not renormalised over the chosen K
-UNNORMALISED = {"sigma-moe", "remoe", "top-p", "expert-choice", "moepp"}
+UNNORMALISED = {"sigma-moe", "remoe", "top-p", "expert-choice", "moepp", "aoe"}
 #: methods that route a variable number of experts per token (``Routing.mask``), at most this many
 VARIABLE_K = {"remoe": 4, "top-p": 4, "expert-choice": 4, "moepp": 2}
 #: methods whose router scores experts beyond the bank's N (MoE++'s zero-computation experts), and how many
@@ -52,7 +52,8 @@ def test_method_forward_backward_keeps_shape_and_gives_finite_gradients(method, 
     for name, p in trainable:
         assert p.grad is not None, f"{method}: {name} received no gradient"
         assert torch.isfinite(p.grad).all(), f"{method}: {name} has a non-finite gradient"
-    expert_grads = layer.experts.w_in.grad.flatten(1).abs().sum(-1)
+    # w_out: every expert has one (aoe's w_in holds no rows with a non-GLU activation)
+    expert_grads = layer.experts.w_out.grad.flatten(1).abs().sum(-1)
     r = layer.last_routing
     used = (r.indices if r.mask is None else r.indices[r.mask]).unique()
     assert (expert_grads[used] > 0).all()
@@ -186,6 +187,9 @@ def test_method_layer_can_be_copied_saved_and_reloaded_after_a_forward(method, t
 #: methods whose router has nothing a task loss could train, by design: a router frozen at its
 #: random init (smoe-fixed, smoe-dropout) or no router at all (competition: the experts decide)
 NO_TRAINABLE_ROUTER = {"smoe-fixed", "smoe-dropout", "competition"}
+#: methods whose routing scores come from parameters outside the router: Autonomy-of-Experts ranks
+#: the experts by their own low-rank gate factors ``A``
+ROUTING_PARAMS = {"aoe": lambda layer: [layer.experts.gate_down]}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -194,10 +198,12 @@ def test_method_router_learns_from_the_task_loss_alone_at_k1_and_k2(method, k):
     torch.manual_seed(0)
     layer = moelab.MoE(D, N, k, d_hidden=12, method=method).train()
     params = [p for p in layer.router.parameters() if p.requires_grad]
+    params += ROUTING_PARAMS.get(method, lambda _: [])(layer)
     if method in NO_TRAINABLE_ROUTER:
         assert params == []  # the exception is what the preset is, not a lost gradient
         return
-    layer(torch.randn(2, 6, D)).pow(2).mean().backward()  # the task loss only: no aux loss is read
+    layer.coefs = {}  # the task loss only: a training forward would inject the aux losses' gradient
+    layer(torch.randn(2, 6, D)).pow(2).mean().backward()
     total = sum(float(p.grad.abs().sum()) for p in params if p.grad is not None)
     assert total > 1e-6, f"{method} at K={k}: the router's parameters get no gradient from the task loss"
 

@@ -19,6 +19,8 @@ from .functional import capacity_keep
 from .losses import (
     LOAD_LOSSES,
     LOSS_NAMES,
+    erc_loss,
+    erc_noise,
     importance_loss,
     mean_entropy_loss,
     sequence_balance_loss,
@@ -48,7 +50,10 @@ _LAYER_OPTIONS = (
     "router_dtype",
     "capacity_factor",
     "token_drop_policy",
+    "erc_alpha",
 )
+#: the layer's own losses (of the router rows and the experts, not of a routing), each with ``<name>_coef``
+_LAYER_LOSSES = ("erc",)
 #: the router families whose weights are their softmax probabilities on the chosen experts (up to a
 #: per-token scale): those DenseMixer's dense router gradient is defined for
 _DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
@@ -115,7 +120,8 @@ class MoE(nn.Module):
             checkpointing); ``False`` never.  :func:`recording_routing` switches it on for a block.
         **options: the method's options (router options, ``<loss>_coef`` with loss in
             ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
-            ``num_shared``, ``balance_scope`` and ``densemixer``), overriding the preset.
+            ``num_shared``, ``balance_scope``, ``densemixer``, and ``erc_coef`` / ``erc_alpha``),
+            overriding the preset.
 
     ``densemixer=True``: in training forwards with autograd every expert runs and the router
     receives the gradient of the dense mixture of their outputs, the output keeping its sparse value
@@ -137,6 +143,13 @@ class MoE(nn.Module):
 
     A router with a variable number of experts per token (``Routing.mask``) takes ``"micro"``
     only: the other scopes count every slot.
+
+    ``erc_coef > 0``: the expert–router coupling loss (Lv et al. 2025, "Coupling Experts and Routers
+    in Mixture-of-Experts via an Auxiliary Loss"; :func:`moelab.losses.erc_loss`) between the router
+    rows ``R (N, d)`` and the experts' gate projections, margin ``erc_alpha`` (default 1), with
+    proxy-token noise drawn afresh in each training forward; for any router with an
+    ``(N, d)`` weight (``smoe``, ``sharede-v3``, ``remoe``, ``top-p``, ``expert-choice``, ... and a
+    competition router's base) over an :class:`ExpertBank`.
 
     After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
     ``last_routing`` (detached :class:`moelab.Routing`, see ``record_routing``).
@@ -198,12 +211,13 @@ class MoE(nn.Module):
 
         router_cls = ROUTERS[preset.router]
         allowed_router = method_router_options(method)
-        loss_names = LOSS_NAMES + router_cls.loss_names
+        loss_names = LOSS_NAMES + router_cls.loss_names + _LAYER_LOSSES
         allowed = sorted([*allowed_router, *(f"{n}_coef" for n in loss_names), *_LAYER_OPTIONS])
         r_opts: dict = {}
         coefs = dict(preset.coefs)
         num_shared = preset.num_shared
         densemixer = preset.layer_options.get("densemixer", False)
+        erc_alpha = preset.layer_options.get("erc_alpha", 1.0)
         for key, value in options.items():
             if key in allowed_router:
                 r_opts[key] = value
@@ -213,6 +227,8 @@ class MoE(nn.Module):
                 num_shared = value
             elif key == "densemixer":
                 densemixer = value
+            elif key == "erc_alpha":
+                erc_alpha = value
             elif key == "balance_scope":
                 _validate.one_of("balance_scope", value, BALANCE_SCOPES)
                 if value != "micro" and router_cls.variable_k:
@@ -233,6 +249,7 @@ class MoE(nn.Module):
                 f"its softmax probabilities (routers {list(_DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
             )
         self.densemixer = densemixer
+        self.erc_alpha = _validate.positive("erc_alpha", erc_alpha)
         router_dtype = options.get("router_dtype")
         if router_dtype is not None:
             _validate.one_of("router_dtype", router_dtype, ROUTER_DTYPES)
@@ -267,8 +284,22 @@ class MoE(nn.Module):
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
         if router_dtype is not None:  # the scores of the base router (a composed router runs experts)
             self.router.base_router.compute_dtype = getattr(torch, router_dtype)
+        gate_rank = getattr(self.router, "expert_gate_rank", None)  # Autonomy-of-Experts' factorised gates
         if experts is None:
-            experts = ExpertBank(num_experts, d_model, d_hidden, activation=activation, bias=bias, impl=impl)
+            experts = ExpertBank(
+                num_experts,
+                d_model,
+                d_hidden,
+                activation=activation,
+                bias=bias,
+                impl=impl,
+                gate_rank=gate_rank,
+            )
+        elif gate_rank is not None and getattr(experts, "gate_rank", None) != gate_rank:
+            raise ValueError(
+                f"experts of type {type(experts).__name__} are not allowed with method={method!r}; expected an "
+                f"ExpertBank with gate_rank={gate_rank} (leave experts=None and the layer builds it)"
+            )
         elif not isinstance(experts, Experts):
             raise ValueError(
                 f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
@@ -279,6 +310,8 @@ class MoE(nn.Module):
                 f"experts.num_experts={experts.num_experts!r} does not match num_experts={num_experts}"
             )
         self.experts = experts
+        if self.coefs.get("erc", 0.0) > 0:
+            _check_erc(self, method)
         self.shared = (
             MLP(d_model, self.num_shared * d_hidden, activation=activation, bias=bias)
             if self.num_shared
@@ -310,7 +343,7 @@ class MoE(nn.Module):
 
     def aux_names(self) -> tuple[str, ...]:
         """The names of the aux terms this layer may compute, in the order :meth:`aux_values` uses."""
-        names = dict.fromkeys((*LOSS_NAMES, *type(self.router).loss_names))
+        names = dict.fromkeys((*LOSS_NAMES, *type(self.router).loss_names, *_LAYER_LOSSES))
         return tuple(names)[:_MAX_TERMS]
 
     def aux_values(self) -> dict[str, Tensor]:
@@ -533,6 +566,8 @@ class MoE(nn.Module):
         return terms
 
     def _standard_loss(self, name: str, routing: Routing, seq_len: int | None = None) -> Tensor | None:
+        if name == "erc":
+            return self.erc_loss()
         if name == "z":
             return None if routing.logits is None else z_loss(routing.logits)
         if routing.probs is None or name not in LOAD_LOSSES:
@@ -550,6 +585,39 @@ class MoE(nn.Module):
         if name == "importance":
             return importance_loss(routing.probs, seq_len=seq)
         return mean_entropy_loss(routing.probs, seq_len=seq)
+
+    def erc_loss(self, noise: Tensor | bool | None = True) -> Tensor:
+        """The ERC loss of the router rows and the experts' gate projections
+        (:func:`moelab.losses.erc_loss`, margin ``erc_alpha``): ``noise=True`` draws the proxy
+        tokens' noise (:func:`moelab.losses.erc_noise`), a tensor is used as it is, ``None`` or
+        ``False`` leaves the router rows unperturbed."""
+        r = self.router.base_router.weight
+        w = self.experts.expert_weights
+        if w.num_experts != self.num_experts:  # an expert-parallel bank computes on its local block
+            raise ValueError(
+                f"erc_coef > 0 is not allowed with expert parallelism (this rank holds {w.num_experts} of "
+                f"{self.num_experts} experts); expected every expert's gate projection on every rank"
+            )
+        gate = w.w_in[:, : w.d_hidden]  # [gate | up] for swiglu, else the whole input projection
+        if noise is True:
+            noise = erc_noise(r)
+        return erc_loss(r, gate, self.erc_alpha, noise if isinstance(noise, Tensor) else None)
+
+
+def _check_erc(layer: MoE, method: str) -> None:
+    """The ERC loss needs router rows ``(N, d)`` and experts with gate projections."""
+    weight = getattr(layer.router.base_router, "weight", None)
+    if not isinstance(weight, Tensor) or tuple(weight.shape) != (layer.num_experts, layer.d_model):
+        raise ValueError(
+            f"erc_coef > 0 is not allowed with method={method!r}: its router has no (num_experts, d_model) "
+            "weight whose rows the ERC loss couples to the experts; expected a linear router (smoe, "
+            "sharede-v3, remoe, top-p, expert-choice, ...)"
+        )
+    if not isinstance(layer.experts, ExpertBank):
+        raise ValueError(
+            f"erc_coef > 0 is not allowed with experts of type {type(layer.experts).__name__}: the ERC loss "
+            "reads each expert's gate projection; expected an ExpertBank"
+        )
 
 
 def _refuse_unsynchronised_global(layer: MoE) -> None:

@@ -19,6 +19,8 @@ __all__ = [
     "distillation_loss",
     "diversity_loss",
     "entropy_from_mean",
+    "erc_loss",
+    "erc_noise",
     "heterogeneous_balance_loss",
     "importance_from_sums",
     "importance_loss",
@@ -296,3 +298,47 @@ def sample_similarity_loss(probs: Tensor, x: Tensor, beta_s: float, beta_d: floa
     s = beta_s / m * same * dist
     d = beta_d / (m * m - m) * different * dist
     return (s - d).sum() / (n * n - n)
+
+
+def erc_noise(router_weight: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """The multiplicative noise ``δ (N, d)`` of the ERC loss's proxy tokens ``R̃_i = R_i ⊙ δ_i``:
+    ``δ_ik ~ U(1 − ε_i, 1 + ε_i)`` with ``ε_i = ‖R_i − R_j‖ / (2‖R_i‖)``, ``R_j`` the router row
+    nearest to ``R_i`` (Lv et al. 2025, "Coupling Experts and Routers in Mixture-of-Experts via an
+    Auxiliary Loss", arXiv 2512.23447: the bound that keeps ``R̃_i`` in its own cluster; as we read it, ``ε_i``
+    is the bound itself).  Drawn without autograd."""
+    with torch.no_grad():
+        r = router_weight.detach().float()
+        dist = torch.cdist(r, r)
+        dist.fill_diagonal_(float("inf"))
+        eps = dist.min(dim=1).values / (2 * r.norm(dim=1).clamp_min(1e-12))
+        eps = torch.where(torch.isfinite(eps), eps, torch.zeros_like(eps))  # one expert: no noise
+        u = torch.rand(r.shape, generator=generator, device=r.device)
+        return (1 - eps[:, None] + 2 * eps[:, None] * u).to(router_weight.dtype)
+
+
+def erc_loss(
+    router_weight: Tensor, gate_weight: Tensor, alpha: float = 1.0, noise: Tensor | None = None
+) -> Tensor:
+    """The expert–router coupling (ERC) loss (Lv et al. 2025, "Coupling Experts and Routers in
+    Mixture-of-Experts via an Auxiliary Loss", arXiv 2512.23447), as we read it:
+
+    ``M[i, j] = ‖W_g^j R̃_i‖`` — the norm of expert ``j``'s gate pre-activation on the proxy token
+    ``R̃_i = R_i ⊙ δ_i`` of router row ``i`` (:func:`erc_noise`); then
+    ``L = (1/N²) Σ_i Σ_{j≠i} [relu(M[i,j] − α M[i,i]) + relu(M[j,i] − α M[i,i])]``: each expert
+    reacts more to its own proxy token than to any other's, and each proxy token excites its own
+    expert more than any other, by the margin ``α ≤ 1``.  Cost ``N²`` gate products, independent of
+    the tokens.
+
+    Args:
+        router_weight: ``R (N, d)``, the router rows.
+        gate_weight: ``W_g (N, h, d)``, each expert's gate projection (``nn.Linear`` layout).
+        alpha: ``α``.
+        noise: ``δ (N, d)``; ``None``: no perturbation (``R̃ = R``).
+    """
+    proxy = router_weight if noise is None else router_weight * noise
+    m = torch.einsum("id,jhd->ijh", proxy, gate_weight.to(proxy.dtype)).norm(dim=-1)  # (N, N)
+    diag = m.diagonal()
+    off = ~torch.eye(m.shape[0], dtype=torch.bool, device=m.device)
+    rows = torch.relu(m - alpha * diag[:, None])  # M[i, j] vs M[i, i]
+    cols = torch.relu(m.T - alpha * diag[:, None])  # M[j, i] vs M[i, i]
+    return ((rows + cols) * off).sum() / m.shape[0] ** 2

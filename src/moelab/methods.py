@@ -235,6 +235,23 @@ for _m in [
         "MoE++ (Jin et al. 2025, ICLR) §3; routing and expert counts from the authors' code",
         coefs={"balance": 0.01},
     ),
+    Method(
+        "aoe",
+        "aoe",
+        "no router: each expert's gate W_g = B A (rank r = d/4); s_e = ‖A_e x‖, P = softmax(s), the K largest "
+        "run with weight P_e (not renormalised); balance 0.01",
+        "Autonomy-of-Experts (Lv et al. 2025); weights and balance loss as the authors' code (VanillaAoE)",
+        coefs={"balance": 0.01},
+    ),
+    Method(
+        "erc",
+        "topk",
+        "smoe + the ERC loss: M_ij = ‖W_g^j (R_i ⊙ δ_i)‖, penalise M_ij and M_ji above α·M_ii (α = 1); "
+        "the erc_coef option of any linear router",
+        "ERC loss (Lv et al. 2025, Coupling Experts and Routers in MoE via an Auxiliary Loss), as we read it",
+        coefs={**_BALANCED, "erc": 1.0},
+        layer_options={"erc_alpha": 1.0},
+    ),
 ]:
     register_method(_m)
 

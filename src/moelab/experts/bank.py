@@ -43,6 +43,15 @@ class ExpertBank(nn.Module):
             or one a user added), which then always runs.
         chunk_elements: bound on the hidden activations (elements) that :meth:`forward_all`
             materialises at once.
+        gate_rank: ``r`` to factorise each expert's gate projection ``W_g`` (the gate half of
+            ``w_in`` for ``swiglu``, all of it otherwise) into ``W_g = B A`` of rank ``r``:
+            ``gate_down = A (N, r, d)``, ``gate_up = B (N, h, r)``, and ``w_in`` holds the rest (the
+            ``up`` half for ``swiglu``; no rows otherwise).  Autonomy-of-Experts (Lv et al. 2025,
+            "Autonomy-of-Experts Models") ranks the experts by ``‖A x‖`` (:meth:`gate_low_rank`,
+            the ``aoe`` router); the chosen experts compute with ``B A`` (:attr:`expert_weights`
+            composes the full ``w_in``, so every kernel runs unchanged and the gradient reaches
+            ``A`` and ``B``).  Init ``A ~ U(±1/√d)``, ``B ~ U(±1/√r)`` (the ``nn.Linear`` bound of
+            each factor).  ``None`` (default): a full-rank ``w_in``.
     """
 
     def __init__(
@@ -54,6 +63,7 @@ class ExpertBank(nn.Module):
         bias: bool = False,
         impl: str = "auto",
         chunk_elements: int = 1 << 24,
+        gate_rank: int | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = _validate.positive_int("num_experts", num_experts)
@@ -65,7 +75,15 @@ class ExpertBank(nn.Module):
         self.activation = activation
         self.act = get_activation(activation)
         h_in = 2 * d_hidden if activation == "swiglu" else d_hidden
-        self.w_in = nn.Parameter(torch.empty(num_experts, h_in, d_model))
+        self.h_in = h_in
+        self.gate_rank = None if gate_rank is None else _validate.positive_int("gate_rank", gate_rank)
+        if self.gate_rank is None:
+            self.w_in = nn.Parameter(torch.empty(num_experts, h_in, d_model))
+            self.gate_down = self.gate_up = None
+        else:  # W_g = B A; w_in keeps the rows that are not the gate's (swiglu's up half)
+            self.w_in = nn.Parameter(torch.empty(num_experts, h_in - d_hidden, d_model))
+            self.gate_down = nn.Parameter(torch.empty(num_experts, self.gate_rank, d_model))
+            self.gate_up = nn.Parameter(torch.empty(num_experts, d_hidden, self.gate_rank))
         self.w_out = nn.Parameter(torch.empty(num_experts, d_model, d_hidden))
         self.b_in = nn.Parameter(torch.zeros(num_experts, h_in)) if bias else None
         self.b_out = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
@@ -95,14 +113,28 @@ class ExpertBank(nn.Module):
         style applied by hand, ``distribute_tensor``) are refused: taking their local part would
         compute another model."""
         w = (self.w_in, self.w_out, self.b_in, self.b_out)
-        for name, t in zip(("w_in", "w_out", "b_in", "b_out"), w):
+        for name, t in zip(
+            ("w_in", "w_out", "b_in", "b_out", "gate_down", "gate_up"), (*w, self.gate_down, self.gate_up)
+        ):
             if isinstance(t, DTensor):
                 raise ValueError(
                     f"ExpertBank weight {name} as a DTensor with placements {tuple(t.placements)} is not allowed; "
                     "a bank computes on whole experts: split the experts with moelab.train.parallelize "
                     "(parallelize(model, ep=...) or its ExpertParallel style)"
                 )
+        if self.gate_rank is not None:  # the gate rows [W_g | ...] composed from their factors
+            w = (torch.cat([self.gate_up @ self.gate_down, self.w_in], dim=1), *w[1:])
         return ExpertWeights(*w, self.activation)
+
+    def gate_low_rank(self, x: Tensor) -> Tensor:
+        """``A_e x`` for every expert: ``x (T, d)`` → ``(T, N, r)``, the low-rank gate
+        pre-activations Autonomy-of-Experts ranks the experts by (``gate_rank`` banks only)."""
+        if self.gate_down is None:
+            raise ValueError(
+                "gate_low_rank is not allowed on an ExpertBank with gate_rank=None; expected a bank built "
+                "with gate_rank=r (its gate projections factorised, as method='aoe' builds it)"
+            )
+        return torch.einsum("td,nrd->tnr", x, self.gate_down)
 
     @property
     def out_features(self) -> int:
@@ -110,6 +142,9 @@ class ExpertBank(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.w_in, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+        if self.gate_rank is not None:
+            nn.init.uniform_(self.gate_down, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+            nn.init.uniform_(self.gate_up, -1 / math.sqrt(self.gate_rank), 1 / math.sqrt(self.gate_rank))
         nn.init.uniform_(self.w_out, -1 / math.sqrt(self.d_hidden), 1 / math.sqrt(self.d_hidden))
         for b in (self.b_in, self.b_out):
             if b is not None:
@@ -119,6 +154,7 @@ class ExpertBank(nn.Module):
         return (
             f"num_experts={self.num_experts}, d_model={self.d_model}, d_hidden={self.d_hidden}, "
             f"activation={self.activation!r}, bias={self.b_in is not None}, impl={self.impl!r}"
+            + ("" if self.gate_rank is None else f", gate_rank={self.gate_rank}")
         )
 
     # ------------------------------------------------------------------ per-expert calls
@@ -146,7 +182,7 @@ class ExpertBank(nn.Module):
         Computed in token chunks so that at most ``chunk_elements`` hidden activations exist at
         once (plus the ``(T, N, d)`` result).
         """
-        h_in = self.w_in.shape[1]
+        h_in = self.h_in
         chunk = max(1, self.chunk_elements // (self.num_experts * h_in))
         outs = []
         for xc in x.split(chunk):
@@ -166,7 +202,7 @@ class ExpertBank(nn.Module):
         Returns:
             ``(indices (T, K), outputs (T, K, d), extra)``, ``extra`` concatenated over chunks.
         """
-        h_in = self.w_in.shape[1]
+        h_in = self.h_in
         chunk = max(1, min(self.chunk_elements, 1 << 22) // (self.num_experts * h_in))
         idx_l, h_l, y_l, extra_l = [], [], [], []
         with torch.no_grad():

@@ -497,6 +497,7 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
         raise ValueError(f"options {sorted(options)} are not allowed without method=; pass method='...' too")
     if method is not None:
         get_method(method)  # checked before anything changes
+        _refuse_factorised_gates(method, "from_hf")
     if _is_candidate(module):
         layer = _convert_block(module)
         if method is not None:
@@ -662,6 +663,7 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> tuple[list[str]
     layer.method = method
     layer.coefs = tmp.coefs
     layer.densemixer = tmp.densemixer
+    layer.erc_alpha = tmp.erc_alpha
     layer.balance_scope = tmp.balance_scope
     layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
     if layer.ctx is not None:  # the context keeps stepping the new router (sharede-v3's bias)
@@ -717,6 +719,17 @@ def _json_options(options: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in options.items()}
 
 
+def _refuse_factorised_gates(method: str, op: str) -> None:
+    """Autonomy-of-Experts' experts have low-rank gate projections ``W_g = B A``: full-rank experts
+    (a transformers block's, another method's) have no exact counterpart."""
+    if get_method(method).router == "aoe":
+        raise ValueError(
+            f"{op}(method={method!r}) is not allowed: Autonomy-of-Experts needs experts whose gate projections "
+            "are low-rank factors (W_g = B A), which full-rank experts are not; build the layer with "
+            "moelab.MoE(..., method='aoe') instead"
+        )
+
+
 def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
     """Switch every moelab MoE layer of ``model`` (``model`` itself if it is one) to ``method``.
 
@@ -752,6 +765,15 @@ def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
         raise ValueError(
             f"model of type {_name(model)} holds no moelab MoE layer; convert it first (moelab.from_hf)"
         )
+    if any(get_method(layer.method).router != get_method(method).router for layer in layers):
+        _refuse_factorised_gates(method, "set_method")
+        for layer in layers:
+            if layer.method != method and get_method(layer.method).router == "aoe":
+                raise ValueError(
+                    f"set_method(method={method!r}) is not allowed on a layer of method={layer.method!r}: its "
+                    "experts' gate projections are low-rank factors (W_g = B A) that the new method's experts "
+                    "are not; build a new layer instead"
+                )
     lost_all: dict[str, list[int]] = {}
     fresh_all: dict[str, list[int]] = {}
     coefs_all: dict[tuple, list[int]] = {}

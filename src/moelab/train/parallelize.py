@@ -86,6 +86,11 @@ class ExpertParallel(_style_base()):
                 f"experts of type {type(module).__name__} are not allowed with expert parallelism; it shards "
                 "a moelab.ExpertBank (once)"
             )
+        if module.gate_rank is not None:  # its local block would drop the factorised gates
+            raise ValueError(
+                f"an ExpertBank with gate_rank={module.gate_rank} (method='aoe') is not allowed with expert "
+                "parallelism; expected full-rank gate projections (sharding factorised gates is not implemented)"
+            )
         if device_mesh.ndim != 1:
             raise ValueError(
                 f"an expert mesh of {device_mesh.ndim} dimensions is not allowed; expected a 1-D mesh"
