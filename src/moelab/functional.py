@@ -15,11 +15,13 @@ from torch import Tensor
 
 __all__ = [
     "ACTIVATIONS",
+    "ATTENTION_ACTIVATIONS",
     "activation",
     "capacity_keep",
     "competition_affinity",
     "cosine_logits",
     "expert_counts",
+    "multi_head_attention",
     "normalized_weights",
     "resolve_renormalize",
     "topk_gate",
@@ -248,3 +250,50 @@ def capacity_keep(indices: Tensor, weights: Tensor, num_experts: int, capacity: 
     chosen = score.topk(c, dim=0).indices  # (c, N): the tokens each expert keeps
     fits = torch.zeros_like(routed).scatter_(0, chosen, True) & routed
     return fits.gather(1, indices)
+
+
+#: the σ of Active-Attention (Ho (2025)): the activations of its time-series table (GELU, ReLU,
+#: sigmoid, SiLU, tanh), applied elementwise to V = X W_V + b_V
+ATTENTION_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "tanh": torch.tanh,
+    "relu": F.relu,
+    "sigmoid": torch.sigmoid,
+    "silu": F.silu,
+}
+
+
+def multi_head_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    n_head: int,
+    *,
+    causal: bool,
+    value_activation: str | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Multi-head scaled dot-product attention ``softmax(QKᵀ/√d_h) V`` per head, or with
+    ``value_activation`` Active-Attention of Ho (2025), ``softmax(QKᵀ/√d_h) σ(V)``: each row of
+    attention then mixes non-linear experts ``σ(x_j W_V)`` instead of linear ones.
+
+    The one computation every moelab attention (the LMs' causal attention, the image patch
+    transformer's) calls, so that the two options mean the same everywhere.
+
+    Args:
+        q, k, v: ``(B, L, d)`` projections, ``d`` divisible by ``n_head``.
+        n_head: heads, each of width ``d / n_head``.
+        causal: mask out later positions (language models) or not (image patches).
+        value_activation: ``None`` for standard attention, else a key of
+            :data:`ATTENTION_ACTIVATIONS` (σ applied to V before the heads are split).
+        dropout_p: attention dropout (pass 0 at evaluation).
+
+    Returns:
+        ``(B, L, d)``, the heads concatenated (before the output projection).
+    """
+    B, L, d = q.shape
+    if value_activation is not None:
+        v = ATTENTION_ACTIVATIONS[value_activation](v)
+    q, k, v = (t.view(B, L, n_head, d // n_head).transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)  # (B, H, L, d/H)
+    return y.transpose(1, 2).reshape(B, L, d)

@@ -54,6 +54,7 @@ _KIND_MODULES = {
     "LMClassifier": "moelab.models.classifier",
     "ImageMoE": "moelab.models.vision",
     "SingleModel": "moelab.models.vision",
+    "PatchTransformer": "moelab.models.vit",
     "transformers": "moelab.hf.kind",
 }
 #: the kinds :func:`load` rebuilds: the table's and a bare :class:`moelab.MoE`

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
 from ..experts import MLP, Experts
+from ..functional import ATTENTION_ACTIVATIONS, multi_head_attention
 from ..io.model import Persistent
 from ..layer import MoE, moe_layers
 from ..optim import param_groups
@@ -38,15 +38,6 @@ __all__ = [
 ARCHS = ("switch", "glam", "dense")
 #: ``standard``: softmax(QKᵀ/√d) V; ``active``: Active-Attention of Ho (2025), softmax(QKᵀ/√d) σ(V)
 ATTENTIONS = ("standard", "active")
-#: the σ of Active-Attention: the activations of Ho (2025)'s time-series table (GELU, ReLU, sigmoid,
-#: SiLU, tanh), applied elementwise to V = X W_V + b_V
-ATTENTION_ACTIVATIONS = {
-    "gelu": F.gelu,
-    "tanh": torch.tanh,
-    "relu": F.relu,
-    "sigmoid": torch.sigmoid,
-    "silu": F.silu,
-}
 
 
 @dataclass
@@ -237,22 +228,22 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
-        # Active-Attention (Ho (2025)): σ on the values, so each row of attention mixes non-linear
-        # experts σ(x_j W_V) instead of linear ones; None keeps the standard attention untouched
-        self.value_activation = (
-            ATTENTION_ACTIVATIONS[cfg.attention_activation] if cfg.attention == "active" else None
-        )
+        # Active-Attention (Ho (2025)): σ on the values (functional.multi_head_attention); None
+        # keeps the standard attention untouched
+        self.value_activation = cfg.attention_activation if cfg.attention == "active" else None
 
     def forward(self, x: Tensor) -> Tensor:
-        B, L, d = x.shape
+        d = x.shape[-1]
         q, k, v = self.qkv(x).split(d, dim=2)  # 3 × (B, L, d)
-        if self.value_activation is not None:
-            v = self.value_activation(v)
-        q, k, v = (t.view(B, L, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, H, L, d/H)
-        y = y.transpose(1, 2).reshape(B, L, d)
+        y = multi_head_attention(
+            q,
+            k,
+            v,
+            self.n_head,
+            causal=True,
+            value_activation=self.value_activation,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         return self.resid_drop(self.proj(y))
 
 
