@@ -278,8 +278,8 @@ def choose_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> 
     ``grouped_mm`` cannot run without autograd.  With several torch threads, ``"loop"`` (whole
     experts spread over the threads) only where OpenMP's idle workers sleep
     (``OMP_WAIT_POLICY=PASSIVE``, :func:`omp_wait_policy`); with the default policy their spinning
-    slows the loop's many small parallel regions and ``"grouped"`` is ahead (training, 2 threads:
-    1.17 against 1.37 times a dense FFN, docs/performance.md).  With one thread, inference takes
+    slows the loop's many small parallel regions, and ``"grouped"`` is ahead in training and
+    ``"stream"`` in inference (docs/performance.md, "impl='auto' and the OpenMP wait policy").  With one thread, inference takes
     ``"stream"`` from :data:`STREAM_ROWS_PER_EXPERT` slots per expert on and training ``"loop"``
     from :data:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices, ``"grouped"`` wherever
     :func:`grouped_ok` (no host sync), else ``"loop"`` (float64, unaligned sizes, older torch).
@@ -303,7 +303,10 @@ def _rule(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool, tracing: bo
     if not grad and cpu:
         decoding = slots <= n
         large = slots >= STREAM_ROWS_PER_EXPERT * n and one
-        if not grouped_runs or decoding or large:
+        # several threads whose idle workers spin (the default policy): the stream's per-expert work
+        # is ahead of one grouped pass and of the threaded loop (docs/performance.md)
+        spinning = not one and omp_wait_policy() != "passive"
+        if not grouped_runs or decoding or large or spinning:
             return "stream"
     if not grouped_runs:
         return "loop"
