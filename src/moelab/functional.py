@@ -13,10 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _validate
+
 __all__ = [
     "ACTIVATIONS",
+    "ATTENTIONS",
     "ATTENTION_ACTIVATIONS",
     "activation",
+    "attention_activation",
     "capacity_keep",
     "competition_affinity",
     "cosine_logits",
@@ -252,6 +256,8 @@ def capacity_keep(indices: Tensor, weights: Tensor, num_experts: int, capacity: 
     return fits.gather(1, indices)
 
 
+#: the attentions a model may build: the standard one and Active-Attention (Ho (2025))
+ATTENTIONS = ("standard", "active")
 #: the σ of Active-Attention (Ho (2025)): the activations of its time-series table (GELU, ReLU,
 #: sigmoid, SiLU, tanh), applied elementwise to V = X W_V + b_V
 ATTENTION_ACTIVATIONS = {
@@ -261,6 +267,22 @@ ATTENTION_ACTIVATIONS = {
     "sigmoid": torch.sigmoid,
     "silu": F.silu,
 }
+
+
+def attention_activation(attention: str, activation: str | None) -> str | None:
+    """The σ of ``attention``, checked: ``None`` for ``"standard"`` (which takes none), ``activation``
+    (default ``"gelu"``) for ``"active"``; anything else is refused naming the argument."""
+    _validate.one_of("attention", attention, ATTENTIONS)
+    if attention == "active":
+        activation = "gelu" if activation is None else activation
+        _validate.one_of("attention_activation", activation, list(ATTENTION_ACTIVATIONS))
+        return activation
+    if activation is not None:
+        raise ValueError(
+            f"attention_activation={activation!r} is not allowed with attention={attention!r}; it is the σ "
+            "of attention='active'"
+        )
+    return None
 
 
 def multi_head_attention(

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import _validate
 from ..experts import MLP, Experts
-from ..functional import ATTENTION_ACTIVATIONS, multi_head_attention
+from ..functional import ATTENTION_ACTIVATIONS, ATTENTIONS, attention_activation, multi_head_attention
 from ..io.model import Persistent
 from ..layer import MoE, moe_layers
 from ..optim import param_groups
@@ -37,7 +37,6 @@ __all__ = [
 
 ARCHS = ("switch", "glam", "dense")
 #: ``standard``: softmax(QKᵀ/√d) V; ``active``: Active-Attention of Ho (2025), softmax(QKᵀ/√d) σ(V)
-ATTENTIONS = ("standard", "active")
 
 
 @dataclass
@@ -81,16 +80,7 @@ class LMConfig:
     attention_activation: str | None = None
 
     def __post_init__(self) -> None:
-        _validate.one_of("attention", self.attention, ATTENTIONS)
-        if self.attention == "active":
-            if self.attention_activation is None:
-                self.attention_activation = "gelu"
-            _validate.one_of("attention_activation", self.attention_activation, list(ATTENTION_ACTIVATIONS))
-        elif self.attention_activation is not None:
-            raise ValueError(
-                f"attention_activation={self.attention_activation!r} is not allowed with "
-                f"attention={self.attention!r}; it is the σ of attention='active'"
-            )
+        self.attention_activation = attention_activation(self.attention, self.attention_activation)
         _validate.positive_int("vocab_size", self.vocab_size)
         _validate.positive_int("block_size", self.block_size)
         _validate.positive_int("n_layer", self.n_layer)

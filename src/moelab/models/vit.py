@@ -14,14 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import _validate
-from ..functional import ATTENTION_ACTIVATIONS, multi_head_attention
+from ..functional import attention_activation, multi_head_attention
 from ..io.model import Persistent
 
 __all__ = ["PatchTransformer", "ViTConfig"]
 
 #: ``standard``: softmax(QKᵀ/√d) V; ``active``: Active-Attention of Ho (2025), softmax(QKᵀ/√d) σ(V)
-ATTENTIONS = ("standard", "active")
 
 
 @dataclass
@@ -66,16 +64,7 @@ class ViTConfig:
             raise ValueError(
                 f"n_head={self.n_head} is not allowed with d_model={self.d_model}; it must divide d_model"
             )
-        _validate.one_of("attention", self.attention, ATTENTIONS)
-        if self.attention == "active":
-            if self.attention_activation is None:
-                self.attention_activation = "gelu"
-            _validate.one_of("attention_activation", self.attention_activation, list(ATTENTION_ACTIVATIONS))
-        elif self.attention_activation is not None:
-            raise ValueError(
-                f"attention_activation={self.attention_activation!r} is not allowed with "
-                f"attention={self.attention!r}; it is the σ of attention='active'"
-            )
+        self.attention_activation = attention_activation(self.attention, self.attention_activation)
 
     @property
     def num_patches(self) -> int:
