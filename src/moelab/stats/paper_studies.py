@@ -37,7 +37,7 @@ PAPER_STUDIES = (
 )
 
 #: r̄(m) of Ho (2025) for d = 1, computed by :func:`moelab.stats.measures.rbar` (r̄(1), r̄(2) in
-#: tests/test_stats_measures.py; r̄(3) = 6 in 190 s on one thread, docs/results.md).  The slides'
+#: tests/test_stats_measures.py; r̄(3) in docs/results.md with its command and time).  The slides'
 #: "m = 1: 4, m = 2: 6" counts the atoms beyond the first: a cell of 2 atoms has r̄ = 4.
 RBAR = {1: 1, 2: 4, 3: 6}
 
