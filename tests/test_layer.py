@@ -667,6 +667,21 @@ def test_pad_to_capacity_gives_every_expert_exactly_c_rows_kept_tokens_first(mon
     assert max(max(load) for load in loads) == C  # and dropped slots
 
 
+def test_pad_to_capacity_under_bfloat16_autocast_returns_the_unpadded_dtype_to_bf16_rounding():
+    torch.manual_seed(0)
+    plain = moelab.MoE(64, 8, 2, 128, activation="swiglu", capacity_factor=1.0, router_dtype="float32")
+    padded = moelab.MoE(
+        64, 8, 2, 128, activation="swiglu", capacity_factor=1.0, router_dtype="float32", pad_to_capacity=True
+    )
+    padded.load_state_dict(plain.state_dict())
+    x = torch.randn(256, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = plain(x), padded(x)
+    assert got.dtype == want.dtype == torch.float32
+    assert padded.dropped_fraction == plain.dropped_fraction > 0
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()  # bf16 matmuls in both (8 mantissa bits)
+
+
 def test_pad_to_capacity_runs_another_bank_through_its_forward():
     torch.manual_seed(0)
     experts = [nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 8)) for _ in range(4)]

@@ -390,13 +390,16 @@ def padded_rows(xs: Tensor, experts: ExpertWeights) -> Tensor:
     """Every expert on its ``C`` rows of the padded layout ``xs (N, C, d)`` → ``(N, C, d)``
     (``MoE(pad_to_capacity=True)``): two batched matmuls of a shape fixed by ``C``, the same
     whatever the routing, with plain autograd (the padding rows get no gradient: they are
-    never combined)."""
+    never combined).  In ``xs``' dtype, as every kernel (under autocast the matmuls run in its
+    dtype and the outputs return to ``xs``')."""
     w_in, w_out, b_in, b_out, name = experts
     h = torch.bmm(xs, w_in.transpose(1, 2))
     if b_in is not None:
         h = h + b_in.unsqueeze(1)
     y = torch.bmm(get_activation(name)(h), w_out.transpose(1, 2))
-    return y if b_out is None else y + b_out.unsqueeze(1)
+    if b_out is not None:
+        y = y + b_out.unsqueeze(1)
+    return y.to(xs.dtype)
 
 
 def loop_rows(xs: Tensor, counts: Sequence[int], experts: ExpertWeights) -> Tensor:
