@@ -102,7 +102,12 @@ def test_benchmark_resume_refuses_cost_measured_with_other_settings(corpus, fini
         == 2
     )
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "cost settings" in err and "cost.json" in err
+    assert len(err.splitlines()) == 1
+    assert err.endswith(
+        "--resume: --timing-rounds=4 differs from 3 recorded in "
+        f"{finished / 'smoe' / 'cost.json'}; the run cannot continue with other settings (pass "
+        "--allow-changes to continue it with the new ones, or --force to start afresh)"
+    )
 
 
 @pytest.mark.parametrize(

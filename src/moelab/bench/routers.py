@@ -166,10 +166,12 @@ def _benchmark(args, config: BenchmarkConfig, names: list[str], cmp, plan, out: 
         target = out / name / COST_FILE
         settings = _cost_settings(config, first[name])
         if target.is_file():
-            old = read_json(target)
-            if old.get("settings") != settings and not args.allow_changes:
-                raise runner.refuse_change("cost settings", settings, old.get("settings"), target)
-            continue
+            old = read_json(target).get("settings") or {}
+            changed = next((k for k in settings if old.get(k) != settings[k]), None)
+            if changed is None:
+                continue
+            if not args.allow_changes:
+                raise runner.refuse_change(_COST_FLAGS[changed], settings[changed], old.get(changed), target)
         t0 = time.perf_counter()
         cost = measure_cost(runs[(name, seeds[0])], first[name], out / name / "checks", config)
         atomic_write_text(target, json.dumps({"settings": settings, **cost}, indent=2) + "\n")
@@ -233,6 +235,15 @@ def _diagnose_in_worker(run_dir: Path, tokens: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- cost
+#: the flag of each cost setting (``run``: the training settings, checked with the runs first)
+_COST_FLAGS = {
+    "repeat_steps": "--repeat-steps",
+    "timing_rounds": "--timing-rounds",
+    "two_ranks": "--no-ranks (two_ranks)",
+    "run": "the run settings",
+}
+
+
 def _cost_settings(config: BenchmarkConfig, one: TrainRun) -> dict[str, Any]:
     return {
         "repeat_steps": config.repeat_steps,
