@@ -173,7 +173,7 @@ def _benchmark(args, config: BenchmarkConfig, names: list[str], cmp, plan, out: 
             if not args.allow_changes:
                 raise runner.refuse_change(_COST_FLAGS[changed], settings[changed], old.get(changed), target)
         t0 = time.perf_counter()
-        cost = measure_cost(runs[(name, seeds[0])], first[name], out / name / "checks", config)
+        cost = measure_cost(runs[(name, seeds[0])], first[name], config)
         atomic_write_text(target, json.dumps({"settings": settings, **cost}, indent=2) + "\n")
         print(f"{name}: cost measured ({time.perf_counter() - t0:.0f}s): " + _cost_line(cost))
     # phase 4: the table, from the files alone
@@ -371,11 +371,20 @@ def _same_weights(a: Path, b: Path) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa)
 
 
-def repeat_checks(one: TrainRun, folder: Path, steps: int, two_ranks: bool) -> dict[str, Any]:
+def repeat_checks(one: TrainRun, steps: int, two_ranks: bool) -> dict[str, Any]:
     """Train the method's seed twice for ``steps`` steps in this process (the protocol's settings,
     one thread) and once on two gloo ranks under ``torchrun`` (data parallel: each rank half of
     every batch): whether the two single-process runs agree bit for bit (every logged loss and the
-    final weights), and the largest difference of a logged loss between one and two ranks."""
+    final weights), and the largest difference of a logged loss between one and two ranks.  The
+    short runs live in a temporary folder, removed afterwards: they are measurements, and a
+    ``moelab report`` of the benchmark's folder must not find them."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="moelab-benchmark-") as tmp:
+        return _repeat_checks(one, Path(tmp), steps, two_ranks)
+
+
+def _repeat_checks(one: TrainRun, folder: Path, steps: int, two_ranks: bool) -> dict[str, Any]:
     from ..experiments.lm import train_lm
 
     short = replace(
@@ -413,12 +422,12 @@ def repeat_checks(one: TrainRun, folder: Path, steps: int, two_ranks: bool) -> d
     return out
 
 
-def measure_cost(run_dir: Path, one: TrainRun, folder: Path, config: BenchmarkConfig) -> dict[str, Any]:
+def measure_cost(run_dir: Path, one: TrainRun, config: BenchmarkConfig) -> dict[str, Any]:
     """Every cost column of one method: :func:`layer_cost` on its first seed's trained run and
     :func:`repeat_checks`."""
     return {
         **layer_cost(run_dir, one, config.timing_rounds),
-        **repeat_checks(one, folder, config.repeat_steps, config.two_ranks),
+        **repeat_checks(one, config.repeat_steps, config.two_ranks),
     }
 
 
