@@ -125,19 +125,18 @@ def test_global_scope_per_micro_batch_backward_uses_the_running_counts_of_the_st
     counts, probs = torch.zeros(N), []
     w = scoped.router.weight
     for mb in x.chunk(2):
-        scoped(mb)
-        routing = scoped._step_routing  # this forward's routing (the StepBalance clears it)
+        w.grad = None
+        y = scoped(mb)
+        routing = scoped.last_routing  # this forward's routing (detached)
         counts += torch.bincount(routing.indices.flatten(), minlength=N)
-        probs.append(routing.probs.detach())
+        probs.append(routing.probs)
         loss = step_balance_loss(scoped)
         f = counts / counts.sum()
         torch.testing.assert_close(loss, N * (f * torch.cat(probs).mean(0)).sum())
-        megatron = N * (f * routing.probs.mean(0)).sum()
-        got, expected = (
-            torch.autograd.grad(loss, w, retain_graph=True)[0],
-            torch.autograd.grad(megatron, w)[0],
-        )
-        torch.testing.assert_close(got, expected)
+        # no task loss: the balance gradient reaches the router through the layer's output
+        (0.0 * y.sum() + loss).backward()
+        megatron = N * (f * scoped.router(mb.reshape(-1, D)).probs.mean(0)).sum()
+        torch.testing.assert_close(w.grad, torch.autograd.grad(megatron, w)[0])
         firsts.append(loss.detach())
     ctx.advance()  # the step hook forgets the step's statistics
     scoped(x[:2])
@@ -157,6 +156,57 @@ def test_copies_of_a_layer_are_not_attached():
     scoped, _ = pair()
     StepBalance(scoped)
     assert copy.deepcopy(scoped).step_balance is None
+
+
+def test_step_balance_refuses_a_loss_before_the_last_ones_backward():
+    """The layers read the gradient of the last loss() in their backward: a second loss() before the
+    first one's backward would give the first forward the second's gradient."""
+    scoped, _ = pair()
+    balance = StepBalance(scoped)
+    x = torch.randn(2, 6, D)
+    y = scoped(x)
+    balance.record()
+    loss = balance.loss()
+    scoped(x)
+    balance.record()
+    with pytest.raises(
+        ValueError, match=r"StepBalance.loss\(\) is not allowed before the backward of the previous loss"
+    ):
+        balance.loss()
+    (y.sum() + loss).backward()  # the first one's backward: the next loss() is allowed
+    assert balance.loss().item() > 0
+
+
+def test_step_balance_refuses_one_loss_over_forwards_that_form_different_losses():
+    """One gradient buffer per layer: one loss() over two forwards needs the same losses in both (a
+    router that formed a load loss itself on one of them, as densemoe on its dense steps, does not)."""
+    scoped, _ = pair()
+    balance = StepBalance(scoped)
+    x = torch.randn(2, 6, D)
+    scoped(x)
+    balance.record()
+    scoped(x)
+    scoped._step_stats[2 * N + 1] = 1.0  # as if the router had formed its balance loss itself this time
+    balance.record()
+    with pytest.raises(
+        ValueError, match=r"StepBalance.loss\(\) over forwards whose global losses differ \(MoE layer 0\)"
+    ):
+        balance.loss()
+
+
+def test_closing_a_step_balance_leaves_nothing_on_the_layer():
+    scoped, ref = pair()
+    balance = StepBalance(scoped)
+    scoped(torch.randn(2, 6, D))
+    balance.close()
+    assert (
+        scoped.step_balance is None
+        and not hasattr(scoped, "_step_stats")
+        and not hasattr(scoped, "_step_grad")
+    )
+    x = torch.randn(2, 6, D)
+    scoped(x), ref(x)
+    torch.testing.assert_close(scoped.aux_loss, ref.aux_loss)  # the layer forms its global-scope losses again
 
 
 # ---------------------------------------------------------------- two gloo processes

@@ -17,6 +17,7 @@ import torch._dynamo.testing
 
 import moelab
 from moelab import MoE
+from moelab.balance import StepBalance
 from moelab.cli import main
 from moelab.experts import ExpertBank
 from moelab.layer import attach
@@ -230,10 +231,10 @@ STEP_FREE_METHODS = [
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, method: str, checkpointed: bool) -> None:
+    def __init__(self, method: str, checkpointed: bool, **options) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(16)
-        self.moe = MoE(16, 4, 2, 16, method=method)
+        self.moe = MoE(16, 4, 2, 16, method=method, **options)
         self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -416,3 +417,60 @@ def test_step_watchers_follow_every_change_of_the_step():
     assert len(set(seen)) > 2  # K and the stage did change
     other = RoutingContext(step=6, total_steps=6)  # not attached: computed from the context
     assert (k.current_k(other), stage.stage(other)) == (8, 2)
+
+
+# ------------------------------------------------------------------ the global balance scope, compiled per block
+def _global_balance_steps(checkpointed: bool, compiled: bool, backend: str = "aot_eager", steps: int = 2):
+    """12 blocks of ``balance_scope="global"`` under a StepBalance, two micro-batches a step and one
+    backward (the step's exact loss): the global losses, the gradients and the frames compiled."""
+    torch.manual_seed(0)
+    options = {"balance_scope": "global", "importance_coef": 0.1}
+    blocks = torch.nn.ModuleList([_Block("smoe", checkpointed, **options) for _ in range(12)])
+    ctx = RoutingContext(total_steps=10)
+    attach(blocks, ctx)
+    balance = StepBalance(blocks, ctx)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    run = [torch.compile(b, backend=counter, fullgraph=True) for b in blocks] if compiled else list(blocks)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        blocks.zero_grad(set_to_none=True)
+        task = 0.0
+        for _ in range(2):
+            h = torch.randn(2, 8, 16, generator=gen, requires_grad=True)
+            for block in run:
+                h = block(h)
+            task = task + h.square().mean() / 2
+            balance.record()
+        loss = balance.loss()
+        (task + loss + moelab.aux_loss(blocks)).backward()
+        ctx.advance()
+        grads = {n: p.grad.clone() for n, p in blocks.named_parameters()}
+        out.append((loss.detach(), grads, counter.frame_count))
+    return out
+
+
+@pytest.mark.parametrize("checkpointed", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_global_balance_compiles_per_block_and_trains_as_eager(checkpointed):
+    """The global scope keeps no routing on the layer (its statistics go into a buffer in place, its
+    gradient comes back through the output): 12 blocks compile with fullgraph, with activation
+    checkpointing too, one graph for the 12 and no recompile at step 2, and the loss and every
+    gradient equal eager's."""
+    got = _global_balance_steps(checkpointed, compiled=True)
+    assert [frames for *_, frames in got] == [1, 1]
+    want = _global_balance_steps(checkpointed, compiled=False)
+    _assert_same_training(got, want)
+    assert want[0][0] > 0
+    if checkpointed:  # the recomputation writes no statistics again: eager checkpointed = plain eager
+        _assert_same_training(want, _global_balance_steps(False, compiled=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_global_balance_compiled_with_inductor_trains_as_eager(checkpointed):
+    """Inductor's partition may move work of the backward into the forward: the gradient the
+    StepBalance writes after the forward is still read in the backward (an opaque op tied to it)."""
+    _assert_same_training(
+        _global_balance_steps(checkpointed, compiled=True, backend="inductor"),
+        _global_balance_steps(checkpointed, compiled=False),
+    )

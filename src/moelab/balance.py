@@ -11,6 +11,16 @@ from the statistics of the step so far, with this micro-batch's own probability 
 gradient.  The layers of ``balance_scope="global"`` then leave these losses out of their
 ``aux_loss``.  docs/methods.md ("Balance scope") gives the formulas.
 
+Nothing of a forward stays on the module but numbers written in place: each layer writes its
+statistics into a buffer, and the gradient reaches its probability sums through its output, as the
+layers' own aux losses do (:class:`moelab.layer._StepGradInjection`): :meth:`StepBalance.loss`
+computes the gradient of the losses with respect to each layer's sums and puts it in a buffer the
+layer's backward reads.  So a block compiled with ``torch.compile(fullgraph=True)``, with or without
+activation checkpointing, trains with the global scope, and the loss :meth:`StepBalance.loss`
+returns is a value to add to the micro-batch's loss (its gradient checks only that the loss weighs it
+as :func:`moelab.set_aux_scale` says, like :func:`moelab.aux_loss`).  Run the backward of each
+:meth:`StepBalance.loss` before the next one.
+
 The gradient.  For a loss ``L(S)`` of additive statistics ``S = Σ_pieces S_piece`` (a piece: one
 micro-batch on one rank) the piece contributes ``L(S_g + P·(S_piece − sg(S_piece)))`` with ``S_g``
 the statistics gathered so far, ``P`` = ranks × micro-batches recorded in the step and ``sg`` the
@@ -34,8 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .functional import expert_counts
-from .layer import moe_layers
+from .layer import _readout, moe_layers
 from .losses import LOAD_LOSSES, balance_from_load, entropy_from_mean, importance_from_sums
 from .routing import RoutingContext
 
@@ -74,14 +83,28 @@ class StepBalance:
                     f"MoE layer {layer.layer_index} is already attached to another StepBalance; "
                     "expected one training loop at a time (close() the other first)"
                 )
+        for layer in self.layers:
+            n = layer.num_experts
+            p = next(iter(layer.parameters()), None)
+            device = None if p is None else p.device
+            grad_dtype = torch.float32 if p is None else torch.promote_types(p.dtype, torch.float32)
+            # per forward: counts (N), probability sums (N), tokens, the load losses the router formed
+            # itself (3), whether it was written (1); the gradient of the step's losses for the sums (N)
+            layer.register_buffer(
+                "_step_stats", torch.zeros(2 * n + 5, dtype=torch.float64, device=device), persistent=False
+            )
+            layer.register_buffer(
+                "_step_grad", torch.zeros(n, dtype=grad_dtype, device=device), persistent=False
+            )
             layer.step_balance = self
         self.group = group
+        self._awaiting_backward = False
         #: the step's statistics so far, float64, layer after layer: counts (N), probability sums (N), tokens
         self._totals: Tensor | None = None
         self._offsets = [0]
         for layer in self.layers:
             self._offsets.append(self._offsets[-1] + 2 * layer.num_experts + 1)
-        self._local: list[list[Tensor | None]] = []  # per forward not yet formed: each layer's Σ p
+        self._local: list[list[Tensor | None]] = []  # per forward not yet formed: each layer's Σ p (detached)
         self._names: list[list[tuple[str, ...]]] = []  # the losses each layer forms for that forward
         self._forwards = 0
         #: the weighted losses of the last :meth:`loss` by name, detached (summed over the layers)
@@ -102,31 +125,25 @@ class StepBalance:
         forward, on every rank, before anything reads the layers' ``aux_loss``)."""
         if not self.layers:
             return
-        routings = [layer._step_routing for layer in self.layers]  # this forward's, with autograd
-        for layer in self.layers:  # read once: nothing of the forward stays on the layer
-            layer._step_routing = None
         # the statistics live where the model does (a collective over NCCL needs CUDA tensors)
-        first = next(iter(self.layers[0].parameters()), None)
-        device = next(
-            (r.probs.device for r in routings if r is not None and r.probs is not None),
-            None if first is None else first.device,
-        )
+        device = self.layers[0]._step_stats.device
+        written = [layer._step_stats.detach().clone().to(device) for layer in self.layers]
+        for layer in self.layers:  # read once: a layer that does not run in the next forward adds nothing
+            layer._step_stats.zero_()
+        # per layer: tokens, the losses the router formed itself (3), written; one host read for all
+        flags = torch.cat([w[2 * layer.num_experts :] for w, layer in zip(written, self.layers)]).tolist()
         rows, local, names = [], [], []
-        for layer, routing in zip(self.layers, routings):
+        for i, (layer, w) in enumerate(zip(self.layers, written)):
             n = layer.num_experts
-            if routing is None or routing.probs is None or routing.indices.shape[0] == 0:
+            tokens, *own, fresh = flags[5 * i : 5 * i + 5]
+            if not fresh or not tokens:  # no training forward, or no tokens
                 rows.append(torch.zeros(2 * n + 1, dtype=torch.float64, device=device))
                 local.append(None)
                 names.append(())
                 continue
-            compute = torch.promote_types(routing.probs.dtype, torch.float32)
-            sums = routing.probs.to(compute).sum(dim=0)  # (N,), with autograd
-            counts = expert_counts(routing.indices, n).to(torch.float64)
-            tokens = counts.new_full((1,), routing.indices.shape[0])
-            rows.append(torch.cat([counts, sums.detach().double(), tokens]))
-            local.append(sums)
-            # a loss the router computed itself on this forward (densemoe's dense steps) stays its own
-            names.append(tuple(k for k in LOAD_LOSSES if k in layer.coefs and k not in routing.losses))
+            rows.append(w[: 2 * n + 1])
+            local.append(w[n : 2 * n])
+            names.append(tuple(k for k, o in zip(LOAD_LOSSES, own) if k in layer.coefs and not o))
         stats = torch.cat(rows)  # layers of different N: one flat tensor, one collective
         if self._world() > 1:  # the one collective of a micro-batch, outside the forward
             torch.distributed.all_reduce(stats, group=self.group)
@@ -137,13 +154,29 @@ class StepBalance:
 
     def loss(self) -> Tensor:
         """The global losses of the forwards recorded since the last call, averaged over them,
-        each from the step's statistics so far (module docstring); 0 without any."""
+        each from the step's statistics so far (module docstring); 0 without any.  Their gradient
+        with respect to each layer's probability sums goes into the layer's buffer, which the
+        backward to come reads (the returned value carries none: add it to the loss as
+        :func:`moelab.aux_loss`).
+
+        Raises:
+            ValueError: the backward of the previous :meth:`loss` has not run yet (its layers would
+                read this call's gradient), or the forwards formed since differ in which losses
+                they take (their layers share one gradient buffer): call :meth:`record` and
+                :meth:`loss` after each micro-batch's forward, and its backward before the next.
+        """
+        if self._awaiting_backward:
+            raise ValueError(
+                "StepBalance.loss() is not allowed before the backward of the previous loss() (the layers "
+                "read the gradient of the last one); expected the backward of each loss() before the next"
+            )
         device = self._totals.device if self._totals is not None else torch.device("cpu")
         total = torch.zeros((), device=device)
         if not self._local:
             return total
         pieces = self._world() * self._forwards
         terms: dict[str, Tensor] = {}
+        leaves: list[tuple[int, Tensor]] = []  # (layer, this forward's sums as a leaf)
         for local, names in zip(self._local, self._names):
             for i, (layer, sums) in enumerate(zip(self.layers, local)):
                 if sums is None or not names[i]:
@@ -151,6 +184,8 @@ class StepBalance:
                 n = layer.num_experts
                 row = self._totals[self._offsets[i] : self._offsets[i + 1]]
                 counts, sums_g, tokens = row[:n], row[n : 2 * n], row[2 * n]
+                sums = sums.to(layer._step_grad.dtype).requires_grad_()
+                leaves.append((i, sums))
                 swapped = sums_g.to(sums.dtype) + pieces * (sums - sums.detach())  # value S_g, gradient P·∂S
                 for name in names[i]:
                     if name == "balance":
@@ -165,18 +200,53 @@ class StepBalance:
         forwards = len(self._local)
         self._local, self._names = [], []
         self.last_terms = {k: v / forwards for k, v in terms.items()}
-        return total / forwards
+        total = total / forwards
+        if not leaves:
+            return total.detach()
+        grads: dict[int, Tensor] = {}
+        for (i, _), g in zip(leaves, torch.autograd.grad(total, [leaf for _, leaf in leaves])):
+            if i in grads and not torch.equal(grads[i], g):
+                raise ValueError(
+                    f"StepBalance.loss() over forwards whose global losses differ (MoE layer "
+                    f"{self.layers[i].layer_index}) is not allowed; expected record() and loss() after each "
+                    "micro-batch's forward, then its backward"
+                )
+            grads[i] = g
+        for i, layer in enumerate(self.layers):
+            g = grads.get(i)
+            # through .data: the forward saved this buffer for its backward (_StepGradInjection)
+            if g is None:
+                layer._step_grad.data.zero_()
+            else:
+                layer._step_grad.data.copy_(g)
+        out = _readout(total, self.layers[0]._aux_scale)
+        if out.requires_grad:
+            self._awaiting_backward = True
+            out.register_hook(self._backward_ran)
+        return out
+
+    def _backward_ran(self, grad: Tensor) -> None:
+        self._awaiting_backward = False
 
     def end_step(self, ctx: RoutingContext | None = None) -> None:
         """The optimizer has stepped: forget the step's statistics (a step hook with ``ctx``)."""
         self._totals, self._local, self._names, self._forwards = None, [], [], 0
+        self._awaiting_backward = False
+        for layer in self.layers:
+            for name in ("_step_stats", "_step_grad"):
+                buffer = getattr(layer, name, None)
+                if buffer is not None:
+                    buffer.data.zero_()
 
     def close(self) -> None:
         """Detach from the layers (their ``aux_loss`` forms the global-scope losses again)."""
+        self.end_step()
         for layer in self.layers:
             if layer.step_balance is self:
                 layer.step_balance = None
-        self.end_step()
+                for name in ("_step_stats", "_step_grad"):
+                    if name in layer._buffers:
+                        del layer._buffers[name]
 
 
 def attached_step_balance(model: nn.Module) -> StepBalance | None:

@@ -16,7 +16,7 @@ from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
 from .experts.dispatch import combine_densemixer, combine_padded, dispatch_masked, gather_padded, pad_slots
 from .experts.kernels import padded_rows
-from .functional import capacity_keep
+from .functional import capacity_keep, expert_counts
 from .losses import (
     LOAD_LOSSES,
     LOSS_NAMES,
@@ -30,6 +30,7 @@ from .losses import (
 )
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
+from .routers.base import _counts_this_forward
 from .routing import Routing, RoutingContext
 
 __all__ = [
@@ -92,6 +93,40 @@ class _AuxLossInjection(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
         (scale,) = ctx.saved_tensors
         return grad, scale.to(ctx.aux_dtype), None
+
+
+@torch.library.custom_op("moelab::step_balance_grad", mutates_args=())
+def _step_balance_grad(grad: Tensor, scale: Tensor, anchor: Tensor) -> Tensor:
+    """``grad · scale``, read when the backward runs: ``anchor`` (the incoming gradient of the
+    layer's output, unused) ties the read to the backward, and the op is opaque, so a compiler's
+    partition cannot compute it in the forward, before :meth:`moelab.balance.StepBalance.loss` has
+    written ``grad`` (``grad * scale`` alone would be: both are forward inputs)."""
+    return grad * scale
+
+
+@_step_balance_grad.register_fake
+def _(grad: Tensor, scale: Tensor, anchor: Tensor) -> Tensor:
+    return grad.new_empty(grad.shape, dtype=torch.promote_types(grad.dtype, scale.dtype))
+
+
+class _StepGradInjection(torch.autograd.Function):
+    """Identity on the layer's output whose backward gives this forward's router probability sums
+    ``Σ p (N,)`` the gradient ``scale · g``, ``g`` the buffer :meth:`moelab.balance.StepBalance.loss`
+    fills (after the forward, before the backward) with the gradient of the step's global-scope
+    losses: the global balance of a compiled, activation-checkpointed layer, with no routing kept on
+    the module.  ``g`` is written through ``.data`` (autograd's version check would refuse a saved
+    tensor changed in place; here the change is the point)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, sums: Tensor, grad: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(grad, scale)
+        ctx.sums_dtype = sums.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        grad, scale = ctx.saved_tensors
+        return g, _step_balance_grad(grad, scale, g).to(ctx.sums_dtype), None, None
 
 
 class MoE(nn.Module):
@@ -332,9 +367,6 @@ class MoE(nn.Module):
         self.register_buffer("_aux_scale", torch.ones(()), persistent=False)
         # the fraction of token slots the capacity dropped in the last forward (0 without capacity)
         self.register_buffer("_dropped", torch.zeros(()), persistent=False)
-        # the routing of the last training forward, kept only while a StepBalance (the global balance
-        # scope) is attached: it reads and clears it after the forward (not compile-clean, see MoE)
-        self._step_routing: Routing | None = None
         self.last_routing: Routing | None = None
 
     @property
@@ -370,7 +402,7 @@ class MoE(nn.Module):
     def __getstate__(self) -> dict:
         """A copy is not attached to the original's training loop (nor holds its pending routing)."""
         state = super().__getstate__()
-        state["step_balance"], state["_step_routing"] = None, None
+        state["step_balance"] = None
         return state
 
     def reset_parameters(self) -> None:
@@ -394,10 +426,13 @@ class MoE(nn.Module):
         (a bf16 aux scale of 1/3 would be 0.334, refused against the loss's exact 1/3), and a float64
         layer keeps its aux values in float64."""
         super()._apply(fn, recurse)
-        for name in ("_aux_values", "_aux_scale", "_dropped"):
+        for name in ("_aux_values", "_aux_scale", "_dropped", "_step_grad"):
             buffer = self._buffers.get(name)
             if buffer is not None and buffer.dtype in (torch.float16, torch.bfloat16):
                 self._buffers[name] = buffer.float()
+        stats = self._buffers.get("_step_stats")  # counts and sums of the global scope: float64, as gathered
+        if stats is not None and stats.dtype != torch.float64:
+            self._buffers["_step_stats"] = stats.double()
         return self
 
     @property
@@ -494,7 +529,7 @@ class MoE(nn.Module):
             y = y + self.shared(flat)
         y = self._attach_aux(y, routing, flat, seq_len)
         if self.step_balance is not None and self.training and torch.is_grad_enabled():
-            self._step_routing = routing  # the StepBalance reads (and clears) it after the forward
+            y = self._step_statistics(y, routing)
         self._record(routing)
         if real is not None:  # the real tokens' outputs in their places, 0 for the masked ones
             y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
@@ -574,6 +609,28 @@ class MoE(nn.Module):
         values += [values[0].new_zeros(())] * (1 + _MAX_TERMS - len(values))
         self._aux_values.copy_(torch.stack(values))
         return _AuxLossInjection.apply(y, total, self._aux_scale)
+
+    def _step_statistics(self, y: Tensor, routing: Routing) -> Tensor:
+        """The global balance scope (a :class:`moelab.balance.StepBalance` attached): this forward's
+        expert counts, router probability sums and token count go into a buffer, written in place
+        (as ``_aux_values``: compile- and checkpoint-clean; not again in a checkpoint's
+        recomputation), which :meth:`StepBalance.record` reads after the forward; the gradient of
+        the step's losses reaches the sums through ``y`` (:class:`_StepGradInjection`)."""
+        n = self.num_experts
+        if routing.probs is None or routing.indices.shape[0] == 0:
+            if _counts_this_forward():
+                self._step_stats.zero_()  # nothing to gather (the last slot, "written", stays 0)
+            return y
+        compute = torch.promote_types(routing.probs.dtype, torch.float32)
+        sums = routing.probs.to(compute).sum(dim=0)  # (N,), with autograd
+        if _counts_this_forward():
+            stats = self._step_stats
+            counts = expert_counts(routing.indices, n).to(stats.dtype)
+            # the load losses the router formed itself on this forward (densemoe's dense steps) stay its own
+            own = [float(name in routing.losses) for name in LOAD_LOSSES]
+            extra = counts.new_tensor([float(routing.indices.shape[0]), *own, 1.0])  # tokens, own, written
+            stats.copy_(torch.cat([counts, sums.detach().to(stats.dtype), extra]))
+        return _StepGradInjection.apply(y, sums, self._step_grad, self._aux_scale)
 
     def _record(self, routing: Routing) -> None:
         record = self.record_routing
