@@ -3,6 +3,14 @@ model) plus ``state.pt`` with the optimizer, scheduler, routing-context, RNG and
 written atomically by the one atomic writer, the newest ``keep`` kept; :func:`latest_checkpoint`
 verifies the digests and falls back to the newest good one.  docs/errors.md ("Training
 checkpoints") gives the layout, what a kill or a failed write leaves and the refusals.
+
+A sharded run (FSDP2 / expert parallelism) writes the same folder with its model and optimizer
+tensors as ``torch.distributed.checkpoint`` shards instead of ``model.safetensors``
+(:func:`save_sharded_checkpoint`: every rank writes its own, nothing is gathered), listed with their
+sha256 in ``config.json``; :func:`load_sharded_checkpoint` reads them re-sharded to any layout and
+number of ranks, :func:`load_checkpoint` and :func:`moelab.load` gather them on one process
+(:mod:`moelab.io.sharded`: nothing in them is unpickled unrestricted).  docs/scaling.md ("Sharded
+checkpoints").
 """
 
 from __future__ import annotations
@@ -17,16 +25,21 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..io.atomic import atomic_directory
+from ..io import sharded as dcp_io
+from ..io.atomic import atomic_directory, fsync_dir, sha256_file, write_event
 from ..io.model import CONFIG_NAME, list_checkpoints, load_weights, read_config, save
 from ..io.model import latest_checkpoint as _latest_verified
 
 __all__ = [
     "CheckpointError",
+    "is_sharded",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_sharded_checkpoint",
+    "read_state",
     "save_checkpoint",
+    "save_sharded_checkpoint",
     "verify_checkpoint",
 ]
 
@@ -41,16 +54,11 @@ def save_checkpoint(
     ``state`` (tensors, numbers, strings, containers) goes to ``state.pt``; its ``"ctx"`` entry,
     when given, is the routing context recorded in ``config.json`` (else the model's own).
     """
-    from ..routing import RoutingContext
-
     root = Path(root)
     final = root / f"step-{step:08d}"
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    ctx = None
-    if isinstance(state.get("ctx"), dict):
-        ctx = RoutingContext(step=int(state["ctx"]["step"]), total_steps=state["ctx"].get("total_steps"))
-        ctx.schedule = _schedule_of(model)
+    ctx = _context(state, model)
     try:
         with atomic_directory(final) as tmp:
             save(model, tmp, ctx=ctx, metadata={"step": step}, extra_files={STATE: buffer.getvalue()})
@@ -60,9 +68,184 @@ def save_checkpoint(
             f"cannot write checkpoint {final}: {exc.strerror or exc}; the previous checkpoints are kept "
             f"({', '.join(kept) or 'none'}); free disk space and run again with --resume"
         ) from exc
+    _keep_newest(root, keep)
+    return final
+
+
+def _context(state: dict[str, Any], model: nn.Module) -> Any:
+    from ..routing import RoutingContext
+
+    if not isinstance(state.get("ctx"), dict):
+        return None
+    ctx = RoutingContext(step=int(state["ctx"]["step"]), total_steps=state["ctx"].get("total_steps"))
+    ctx.schedule = _schedule_of(model)
+    return ctx
+
+
+def _keep_newest(root: Path, keep: int) -> None:
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def save_sharded_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    structure: nn.Module,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint ``root/step-{step:08d}`` of a sharded run; a collective (every rank calls it).
+
+    Every rank writes its own shards of ``model``'s and ``optimizer``'s tensors with
+    ``torch.distributed.checkpoint`` (``.metadata`` + ``__{rank}_0.distcp``) into a temporary
+    folder; rank 0 then adds ``state.pt`` (``state`` and the optimizer's param groups, by
+    parameter name) and ``config.json`` (``structure``: the unsharded model, for its kind, config and
+    dtype; the sha256 of every file) and renames the folder into place.  A failure on any rank is
+    one :class:`CheckpointError` on every rank.  The newest ``keep`` checkpoints are kept.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(root)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-{final.name}"
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # left by a killed write
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+
+    _on_rank0(prepare, final)  # every rank waits for a clean folder
+    model_state, optim_state = get_state_dict(model, optimizer)
+    tensors = {"model": model_state, "optimizer": optim_state["state"]}
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.fspath(tmp), thread_count=1))
+    except Exception as exc:  # DCP reports one rank's failure on every rank
+        raise CheckpointError(
+            f"cannot write checkpoint {final}: {dcp_io._first_line(exc)}{_kept(root)}"
+        ) from None
+    groups = optim_state["param_groups"]
+
+    def finish() -> None:
+        buffer = io.BytesIO()
+        torch.save({**state, "optimizer_groups": groups}, buffer)
+        shards = {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+        save(structure, tmp, ctx=_context(state, structure), metadata={"step": step},
+             extra_files={STATE: buffer.getvalue()}, sharded_files=shards)  # fmt: skip
+        fsync_dir(tmp)
+        write_event()
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        _keep_newest(root, keep)
+
+    _on_rank0(finish, final)
     return final
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _kept(root: Path) -> str:
+    kept = [p.name for p in list_checkpoints(root)]
+    return (
+        f"; the previous checkpoints are kept ({', '.join(kept) or 'none'}); free disk space and run "
+        "again with --resume"
+    )
+
+
+def _on_rank0(fn: Any, final: Path) -> None:
+    """Run ``fn`` on rank 0 and tell every rank how it went (an error on rank 0 is raised
+    everywhere, not left for the others to hang on)."""
+    dist = torch.distributed
+    error = None
+    if _rank() == 0:
+        try:
+            fn()
+        except OSError as exc:  # a full disk, a quota, a read-only folder
+            error = f"cannot write checkpoint {final}: {exc.strerror or exc}{_kept(final.parent)}"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether the verified checkpoint ``path`` holds its weights as DCP shards."""
+    return read_config(path).get("weights") == dcp_io.SHARDED
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """Verify checkpoint ``path`` and return its training state (``torch.load(...,
+    weights_only=True)``), leaving the weights where they are."""
+    verify_checkpoint(path)
+    return torch.load(Path(path) / STATE, weights_only=True)
+
+
+def load_sharded_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
+) -> None:
+    """Read the shards of the sharded checkpoint ``path`` into the (parallelized) ``model`` and
+    ``optimizer``, re-sharded to their layout whatever layout and number of ranks wrote them, and
+    give the optimizer the saved param ``groups`` (:func:`read_state`'s ``"optimizer_groups"``);
+    a collective."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    config = read_config(path)
+    model_state, optim_state = get_state_dict(model, optimizer)  # the layout's tensors, filled below
+    names = [list(g["params"]) for g in optim_state["param_groups"]]
+    if [list(g.get("params", [])) for g in groups] != names:
+        raise CheckpointError(
+            f"checkpoint {path} has optimizer groups of other parameters ({sum(map(len, groups))} "
+            f"saved, {sum(map(len, names))} here); it was written for another model or another "
+            "trainable set"
+        )
+    dist = torch.distributed
+    dcp_io.load(
+        {"model": model_state, "optimizer": optim_state["state"]},
+        path,
+        config["files"],
+        no_dist=not (dist.is_available() and dist.is_initialized()),
+    )
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict={"state": optim_state["state"], "param_groups": groups},
+    )
+
+
+def _full_optimizer(path: Path, files: dict[str, str], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The optimizer state of a sharded checkpoint as an unsharded optimizer holds it
+    (``optimizer.state_dict()``: parameters by index), gathered on this process."""
+    entries = dcp_io.entry_keys(path, files)
+    fqns = [fqn for g in groups for fqn in g["params"]]
+    template: dict[str, torch.Tensor] = {}
+    for fqn in fqns:
+        prefix = f"optimizer.{fqn}."
+        for key, entry in entries.items():
+            if key.startswith(prefix) and "." not in key[len(prefix) :]:
+                template[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    full = dcp_io.read_tensors(path, files, "", template)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for i, fqn in enumerate(fqns):
+        prefix = f"optimizer.{fqn}."
+        values = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
+        if values:
+            state[i] = values
+    index = {fqn: i for i, fqn in enumerate(fqns)}
+    return {
+        "state": state,
+        "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in groups],
+    }
 
 
 def _schedule_of(model: nn.Module) -> Any:
@@ -91,8 +274,13 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module) -> dict[str, Any]:
     """Verify checkpoint ``path``, load its weights into ``model`` and return its training state
-    (``torch.load(..., weights_only=True)``)."""
+    (``torch.load(..., weights_only=True)``); a sharded checkpoint's weights and optimizer state
+    are gathered on this process (``"optimizer"`` then holds the full state, as an unsharded
+    run's)."""
     path = Path(path)
     verify_checkpoint(path)
-    load_weights(path, model)
-    return torch.load(path / STATE, weights_only=True)
+    config = load_weights(path, model)
+    state = torch.load(path / STATE, weights_only=True)
+    if config.get("weights") == dcp_io.SHARDED:
+        state["optimizer"] = _full_optimizer(path, config["files"], state.pop("optimizer_groups"))
+    return state
