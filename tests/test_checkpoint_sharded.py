@@ -197,3 +197,98 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four_with_the_same_losses(
     assert json.loads((run / "metrics.json").read_text())["world_size"] == 4
     names = sorted(p.name for p in (run / "ckpt" / "step-00000004").iterdir())
     assert [n for n in names if n.endswith(".distcp")] == [f"__{r}_0.distcp" for r in range(4)]
+
+
+def _reseal(folder: Path) -> None:
+    """The manifest of ``folder`` rewritten to vouch for its files as they are now (a crafted folder)."""
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    config["files"] = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in config["files"]}
+    config["sha256"] = hashlib.sha256(_canonical(config)).hexdigest()
+    (folder / CONFIG_NAME).write_text(json.dumps(config))
+    verify_checkpoint(folder)
+
+
+def _load_message(folder: Path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        moelab.load(folder)
+    return str(info.value)
+
+
+def test_an_index_that_is_no_dcp_metadata_or_points_outside_the_manifest_is_refused(two_rank_run, tmp_path):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from moelab.io.sharded import read_metadata
+
+    folder = _copy(two_rank_run, tmp_path)
+    index = folder / ".metadata"
+    files = json.loads((folder / CONFIG_NAME).read_text())["files"]
+    metadata = read_metadata(folder, files)
+
+    index.write_bytes(pickle.dumps(torch.Size([3])))
+    _reseal(folder)
+    assert _load_message(folder) == f"{str(index)!r} is not a torch.distributed.checkpoint index"
+
+    index.write_bytes(pickle.dumps(metadata)[:40])
+    _reseal(folder)
+    assert _load_message(folder).startswith(f"{str(index)!r} cannot be read (UnpicklingError: ")
+
+    # a bytes entry: DCP would torch.load it with weights_only=False
+    extra = pickle.loads(pickle.dumps(metadata))
+    extra.state_dict_metadata["optimizer.extra"] = BytesStorageMetadata()
+    index.write_bytes(pickle.dumps(extra))
+    _reseal(folder)
+    assert _load_message(folder) == (
+        f"{str(index)!r} holds a non-tensor entry 'optimizer.extra'; a sharded checkpoint holds tensors only"
+    )
+
+    outside = pickle.loads(pickle.dumps(metadata))
+    next(iter(outside.storage_data.values())).relative_path = "../../elsewhere.distcp"
+    index.write_bytes(pickle.dumps(outside))
+    _reseal(folder)
+    assert _load_message(folder) == (
+        f"{str(index)!r} points to the file '../../elsewhere.distcp', which the manifest does not list as a shard"
+    )
+
+
+def test_sharded_weights_that_do_not_fit_the_model_are_refused_in_one_line(two_rank_run, tmp_path):
+    from moelab.train.checkpoint import load_sharded_checkpoint, read_state
+
+    folder = _copy(two_rank_run, tmp_path)
+    model = moelab.load(folder)
+    bigger = copy.deepcopy(model)
+    bigger.lm_head = torch.nn.Linear(16, 99)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(folder, bigger)
+    assert str(info.value).startswith(f"{str(folder / '.metadata')!r} does not fit the model: ")
+
+    groups = read_state(folder)["optimizer_groups"]
+    params = list(model.parameters())
+    fewer = torch.optim.AdamW(params[1:])  # another trainable set
+    with pytest.raises(CheckpointError) as info:
+        load_sharded_checkpoint(folder, model, fewer, groups)
+    n = sum(len(g["params"]) for g in groups)
+    assert str(info.value) == (
+        f"checkpoint {folder} has optimizer groups of other parameters ({n} saved, {n - 1} here); it was "
+        "written for another model or another trainable set"
+    )
+
+
+def test_a_sharded_checkpoint_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    from moelab.train.checkpoint import save_sharded_checkpoint
+
+    (tmp_path / "file").write_text("")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    root = tmp_path / "file" / "ckpt"
+    with pytest.raises(CheckpointError) as info:
+        save_sharded_checkpoint(root, 1, model, model, optimizer, {"step": 1})
+    assert str(info.value) == (
+        f"cannot write checkpoint {root / 'step-00000001'}: Not a directory; the previous checkpoints are kept "
+        "(none); free disk space and run again with --resume"
+    )
+    with pytest.raises(ValueError) as info:
+        moelab.save(model, tmp_path / "m", sharded_files={"__0_0.distcp": "0" * 64})
+    assert str(info.value) == (
+        "sharded_files=['__0_0.distcp'] is not allowed; expected the folder's torch.distributed.checkpoint "
+        "files, .metadata included"
+    )

@@ -435,7 +435,7 @@ def _load_tensors(directory: Path, config: dict[str, Any], model: nn.Module) -> 
     from .sharded import SHARDED, read_tensors
 
     if config.get("weights") == SHARDED:  # every rank's shards, gathered here (no process group)
-        return read_tensors(directory, config["files"], "model.", model.state_dict())
+        return read_tensors(directory, config["files"], "model.")
 
     file = directory / WEIGHTS_NAME
     try:

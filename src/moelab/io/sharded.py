@@ -25,7 +25,16 @@ from torch import Tensor
 
 from ..errors import CheckpointError
 
-__all__ = ["METADATA_NAME", "SHARDED", "read_metadata", "read_tensors", "reader"]
+__all__ = [
+    "METADATA_NAME",
+    "SHARDED",
+    "entry_keys",
+    "load",
+    "planner",
+    "read_metadata",
+    "read_tensors",
+    "reader",
+]
 
 #: ``config.json``'s ``"weights"`` value of a folder whose weights are DCP shards
 SHARDED = "dcp"
@@ -154,25 +163,21 @@ def _first_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def read_tensors(
-    directory: str | os.PathLike, files: dict[str, str], prefix: str, template: dict[str, Tensor]
-) -> dict[str, Tensor]:
-    """The full tensors ``prefix + key`` for each key of ``template`` (shapes and dtypes as
-    saved, gathered from every rank's shards) on this process alone, without a process group."""
+def read_tensors(directory: str | os.PathLike, files: dict[str, str], prefix: str) -> dict[str, Tensor]:
+    """Every tensor saved under ``prefix`` (the key without it -> the full tensor, shape and dtype
+    as saved, gathered from every rank's shards) on this process alone, without a process group."""
     metadata = read_metadata(directory, files)
-    entries = metadata.state_dict_metadata
-    state: dict[str, Tensor] = {}
-    for key in template:
-        entry = entries.get(prefix + key)
-        if entry is None:
-            raise CheckpointError(f"sharded checkpoint {directory} has no entry {prefix + key!r}")
-        state[prefix + key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    state = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix)
+    }
     import warnings
 
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": meant
         warnings.simplefilter("ignore", UserWarning)
         load(state, directory, files, no_dist=True)
-    return {key: state[prefix + key] for key in template}
+    return {key[len(prefix) :]: value for key, value in state.items()}
 
 
 def entry_keys(directory: str | os.PathLike, files: dict[str, str]) -> dict[str, Any]:

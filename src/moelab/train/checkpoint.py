@@ -226,19 +226,16 @@ def load_sharded_checkpoint(
 def _full_optimizer(path: Path, files: dict[str, str], groups: list[dict[str, Any]]) -> dict[str, Any]:
     """The optimizer state of a sharded checkpoint as an unsharded optimizer holds it
     (``optimizer.state_dict()``: parameters by index), gathered on this process."""
-    entries = dcp_io.entry_keys(path, files)
+    full = dcp_io.read_tensors(path, files, "optimizer.")
     fqns = [fqn for g in groups for fqn in g["params"]]
-    template: dict[str, torch.Tensor] = {}
-    for fqn in fqns:
-        prefix = f"optimizer.{fqn}."
-        for key, entry in entries.items():
-            if key.startswith(prefix) and "." not in key[len(prefix) :]:
-                template[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    full = dcp_io.read_tensors(path, files, "", template)
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, fqn in enumerate(fqns):
-        prefix = f"optimizer.{fqn}."
-        values = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
+    for i, fqn in enumerate(fqns):  # "{fqn}.{name}": a name has no dot, a parameter's FQN may
+        prefix = f"{fqn}."
+        values = {
+            k[len(prefix) :]: v
+            for k, v in full.items()
+            if k.startswith(prefix) and "." not in k[len(prefix) :]
+        }
         if values:
             state[i] = values
     index = {fqn: i for i, fqn in enumerate(fqns)}
