@@ -262,15 +262,25 @@ def test_sharded_weights_that_do_not_fit_the_model_are_refused_in_one_line(two_r
     assert str(info.value).startswith(f"{str(folder / '.metadata')!r} does not fit the model: ")
 
     groups = read_state(folder)["optimizer_groups"]
-    params = list(model.parameters())
-    fewer = torch.optim.AdamW(params[1:])  # another trainable set
+
+    def optimizer(m: torch.nn.Module, drop: int = 0) -> torch.optim.Optimizer:  # the saved groups' layout
+        named = dict(m.named_parameters())
+        return torch.optim.AdamW([{"params": [named[f] for f in g["params"]][drop if i == 0 else 0 :]}
+                                  for i, g in enumerate(groups)])  # fmt: skip
+
+    sizes = [len(g["params"]) for g in groups]
     with pytest.raises(CheckpointError) as info:
-        load_sharded_checkpoint(folder, model, fewer, groups)
-    n = sum(len(g["params"]) for g in groups)
+        load_sharded_checkpoint(folder, model, optimizer(model, drop=1), groups)  # another trainable set
     assert str(info.value) == (
-        f"checkpoint {folder} has optimizer groups of other parameters ({n} saved, {n - 1} here); it was "
-        "written for another model or another trainable set"
+        f"checkpoint {folder} has optimizer groups of other parameters (saved: groups of {sizes} parameters, "
+        f"here: {[sizes[0] - 1, *sizes[1:]]}); it was written for another model or another trainable set"
     )
+    wider = moelab.load(folder)  # the same names, one shape changed: DCP's own refusal, in one line
+    wider.pos_emb.weight = torch.nn.Parameter(torch.zeros(99, wider.pos_emb.weight.shape[1]))
+    with pytest.raises(CheckpointError) as info:
+        load_sharded_checkpoint(folder, wider, optimizer(wider), groups)
+    assert str(info.value).startswith(f"sharded checkpoint {folder} does not fit: ")
+    assert "\n" not in str(info.value)
 
 
 def test_a_sharded_checkpoint_that_cannot_be_written_is_refused_in_one_line(tmp_path):

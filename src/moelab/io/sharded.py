@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -146,21 +147,35 @@ def load(state: dict[str, Any], directory: str | os.PathLike, files: dict[str, s
     """``torch.distributed.checkpoint.load`` of ``state`` (tensors or DTensors, filled in place,
     re-sharded to their layout) from the verified ``directory``; ``no_dist``: this process alone."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    read_metadata(directory, files)  # its refusals here, not wrapped in DCP's collective error
     try:
-        dcp.load(state, storage_reader=reader(directory, files), planner=planner(), no_dist=no_dist)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # DCP wraps a rank's failure (a missing key, a shape) in its own error
-        raise CheckpointError(f"sharded checkpoint {directory} does not fit: {_first_line(exc)}") from None
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": meant, with no_dist
+            if no_dist:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader(directory, files), planner=planner(), no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        cause = reason(exc)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        raise CheckpointError(f"sharded checkpoint {directory} does not fit: {describe(cause)}") from None
 
 
-def _first_line(exc: BaseException) -> str:
-    for line in str(exc).splitlines():
-        line = line.strip()
-        if line and not line.startswith(("Traceback", "File ", "^")):
-            return line[:200]
-    return type(exc).__name__
+def reason(exc: BaseException) -> BaseException:
+    """The error behind DCP's ``CheckpointException`` (the first failing rank's), else ``exc``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]
+    return exc
+
+
+def describe(exc: BaseException) -> str:
+    """``{type}: {first line}`` of an error, for a one-line message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {(lines or [''])[0][:200]}"
 
 
 def read_tensors(directory: str | os.PathLike, files: dict[str, str], prefix: str) -> dict[str, Tensor]:
@@ -172,11 +187,7 @@ def read_tensors(directory: str | os.PathLike, files: dict[str, str], prefix: st
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith(prefix)
     }
-    import warnings
-
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": meant
-        warnings.simplefilter("ignore", UserWarning)
-        load(state, directory, files, no_dist=True)
+    load(state, directory, files, no_dist=True)
     return {key[len(prefix) :]: value for key, value in state.items()}
 
 

@@ -106,6 +106,7 @@ def save_sharded_checkpoint(
     one :class:`CheckpointError` on every rank.  The newest ``keep`` checkpoints are kept.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = Path(root)
@@ -123,10 +124,10 @@ def save_sharded_checkpoint(
     tensors = {"model": model_state, "optimizer": optim_state["state"]}
     try:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.fspath(tmp), thread_count=1))
-    except Exception as exc:  # DCP reports one rank's failure on every rank
-        raise CheckpointError(
-            f"cannot write checkpoint {final}: {dcp_io._first_line(exc)}{_kept(root)}"
-        ) from None
+    except (Exception, CheckpointException) as exc:  # DCP reports one rank's failure on every rank
+        cause = dcp_io.reason(exc)
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else dcp_io.describe(cause)
+        raise CheckpointError(f"cannot write checkpoint {final}: {why}{_kept(root)}") from None
     groups = optim_state["param_groups"]
 
     def finish() -> None:
@@ -204,9 +205,9 @@ def load_sharded_checkpoint(
     names = [list(g["params"]) for g in optim_state["param_groups"]]
     if [list(g.get("params", [])) for g in groups] != names:
         raise CheckpointError(
-            f"checkpoint {path} has optimizer groups of other parameters ({sum(map(len, groups))} "
-            f"saved, {sum(map(len, names))} here); it was written for another model or another "
-            "trainable set"
+            f"checkpoint {path} has optimizer groups of other parameters (saved: groups of "
+            f"{[len(g.get('params', [])) for g in groups]} parameters, here: {[len(n) for n in names]}); it "
+            "was written for another model or another trainable set"
         )
     dist = torch.distributed
     dcp_io.load(
