@@ -8,10 +8,14 @@ TORCH   ?= torch==2.13.0
 
 .PHONY: test test-slow demo lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+# requirements-titan.txt: torchtitan (tests/test_titan.py) and the four packages its MoE imports, installed
+# without their dependencies: torchtitan 0.3 asks for datasets<4.8, which would downgrade the pinned
+# datasets / huggingface_hub (docs/scaling.md)
+$(STAMP): pyproject.toml constraints.txt requirements-titan.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt "$(TORCH)"
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps -r requirements-titan.txt
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,5 +1,6 @@
-"""The SIGKILL crash harness: ``moelab train``, ``moelab compare``, ``moelab specialize`` and ``moelab
-finetune`` killed at every file-system write event, resumed with ``--resume``, and compared bit for bit
+"""The SIGKILL crash harness: ``moelab train``, ``moelab compare``, ``moelab specialize``, ``moelab
+finetune`` and ``moelab benchmark`` killed at every file-system write event (the benchmark: at every
+seventh), resumed with ``--resume``, and compared bit for bit
 with an uninterrupted run; ``moelab compare --jobs 2`` killed while its workers train leaves no process
 behind and resumes bit for bit.
 
@@ -39,7 +40,7 @@ import pytest
 
 #: metrics / CSV columns that measure wall time (the only numbers a resumed run may change) or name the
 #: run's own folder
-TIMING = {"seconds", "tokens_per_s", "train_time_s", "time_s", "train_tokens_per_s", "path"}
+TIMING = {"seconds", "tokens_per_s", "train_time_s", "time_s", "train_tokens_per_s", "path", "layer_ratio"}
 
 _LM = ["--block-size", "16", "--batch-size", "4", "--num-experts", "4", "--steps", "4", "--eval-every", "2",
        "--eval-tokens", "64", "--test-tokens", "64", "--ckpt-every", "2", "--no-progress"]  # fmt: skip
@@ -54,6 +55,9 @@ def commands(corpus: Path) -> dict[str, list[str]]:
                     "--jobs", "1"],
         "specialize": ["specialize", "--gate", "attentive", "--reg", "ls", "--distill", "--epochs", "2",
                        "--train-samples", "96", "--test-samples", "48"],
+        "benchmark": ["benchmark", "--data", str(corpus), "--size", "cpu", *_LM, "--methods", "smoe,competesmoe",
+                      "--seeds", "2", "--jobs", "1", "--diagnose-tokens", "64", "--repeat-steps", "2",
+                      "--timing-rounds", "3", "--no-ranks"],
         "finetune": ["finetune", "--task", str(corpus.parent / "reviews.csv"), "--from",
                      str(corpus.parent / "finetune-lm"), "--steps", "4", "--eval-every", "2", "--batch-size", "8",
                      "--no-progress"],
@@ -224,8 +228,11 @@ def differences(ref: Path, run: Path) -> list[str]:
     return found
 
 
-def harness(name: str, argv: list[str], work: Path, runner: Runner, limit: int | None = None) -> dict:
-    """Kill ``moelab ARGV`` at each of its write events in turn, resume it, compare with the reference.
+def harness(
+    name: str, argv: list[str], work: Path, runner: Runner, limit: int | None = None, stride: int = 1
+) -> dict:
+    """Kill ``moelab ARGV`` at each of its write events in turn (``stride``: every ``stride``-th,
+    from the first), resume it, compare with the reference.
 
     Returns ``{"command", "kill_points", "identical", "failures", "seconds"}``; ``failures`` lists
     ``(N, what differs or why the resume failed)``."""
@@ -255,7 +262,7 @@ def harness(name: str, argv: list[str], work: Path, runner: Runner, limit: int |
             else:
                 identical += 1
         shutil.rmtree(out, ignore_errors=True)
-        n += 1
+        n += stride
     return {
         "command": name,
         "kill_points": tried,
@@ -265,8 +272,13 @@ def harness(name: str, argv: list[str], work: Path, runner: Runner, limit: int |
     }
 
 
+#: kill every n-th write event only: the benchmark writes over a hundred files (its runs, their
+#: diagnostics, the short runs of its cost checks), and each kill point is a run and a resume
+STRIDE = {"benchmark": 7}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["train", "compare", "specialize", "finetune"])
+@pytest.mark.parametrize("name", ["train", "compare", "specialize", "finetune", "benchmark"])
 def test_a_run_killed_at_any_write_resumes_bit_identically(name, tmp_path):
     runner = Runner(fork=sys.platform == "linux")
     try:
@@ -274,7 +286,7 @@ def test_a_run_killed_at_any_write_resumes_bit_identically(name, tmp_path):
         if name == "finetune":
             prepare_finetune(corpus, runner)
         argv = commands(corpus)[name]
-        result = harness(name, argv, tmp_path, runner)
+        result = harness(name, argv, tmp_path, runner, stride=STRIDE.get(name, 1))
     finally:
         runner.close()
     assert result["kill_points"] >= 5  # the hook fired: each command writes several files
@@ -373,7 +385,7 @@ def main(argv: list[str]) -> int:
         corpus = write_corpus(work / "corpus.txt")
         prepare_finetune(corpus, runner)
         for name, command in commands(corpus).items():
-            r = harness(name, command, work, runner)
+            r = harness(name, command, work, runner, stride=STRIDE.get(name, 1))
             results.append(r)
             print(
                 f"moelab {name}: {r['kill_points']} kill points tried, {r['identical']} bit-identical after "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -254,7 +255,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
         (
             {"temperature": 0.3},
-            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'capacity_factor', 'densemixer', 'entropy_coef', 'erc_alpha', 'erc_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'renormalize', 'router_dtype', 'scale', 'selection_bias', 'token_drop_policy', 'z_coef'\]",
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'capacity_factor', 'densemixer', 'entropy_coef', 'erc_alpha', 'erc_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'pad_to_capacity', 'renormalize', 'router_dtype', 'scale', 'selection_bias', 'token_drop_policy', 'z_coef'\]",
         ),
         ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
         (
@@ -586,6 +587,165 @@ def test_capacity_refusals():
         ValueError, match=r"capacity_factor=1.0 is not allowed with method='top-p': it routes a variable"
     ):
         moelab.MoE(8, 4, 2, method="top-p", capacity_factor=1.0)
+
+
+def _padded_pair(K: int, policy: str, factor: float = 0.6, **kw) -> tuple[moelab.MoE, moelab.MoE]:
+    """A capacity layer and its ``pad_to_capacity`` twin with the same weights (float64)."""
+    torch.manual_seed(0)
+    opts = dict(
+        method="smoe", activation="swiglu", bias=True, capacity_factor=factor, token_drop_policy=policy
+    )
+    plain = moelab.MoE(8, 4, K, 16, **opts, **kw).double()
+    padded = moelab.MoE(8, 4, K, 16, **opts, pad_to_capacity=True, **kw).double()
+    padded.load_state_dict(plain.state_dict())
+    return plain, padded
+
+
+def _forward_backward(layer: moelab.MoE, x: torch.Tensor, g: torch.Tensor):
+    x = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y = layer(x)
+    ((y * g).sum() + layer.aux_loss).backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("K", [1, 2])
+def test_pad_to_capacity_equals_the_unpadded_capacity_path_forward_and_gradients(policy, K):
+    plain, padded = _padded_pair(K, policy)
+    gen = torch.Generator().manual_seed(1)
+    x, g = (
+        torch.randn(48, 8, generator=gen, dtype=torch.float64),
+        torch.randn(48, 8, generator=gen, dtype=torch.float64),
+    )
+    want, got = _forward_backward(plain, x, g), _forward_backward(padded, x, g)
+    assert padded.dropped_fraction == plain.dropped_fraction > 0.1  # the capacity drops slots here
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        assert got[2][name] is not None, name
+        torch.testing.assert_close(got[2][name], want[2][name], msg=name)
+
+
+def test_pad_to_capacity_gives_every_expert_exactly_c_rows_kept_tokens_first(monkeypatch):
+    """The experts see ``(N, C, d)`` for two routings with different per-expert loads: each
+    expert's kept tokens (in token order), then zero rows; the dropped slots are not there."""
+    from moelab import layer as layer_module
+    from moelab.functional import capacity_keep
+
+    _, padded = _padded_pair(2, "probs", factor=1.25)
+    seen = []
+    real = layer_module.padded_rows
+
+    def spy(xs, experts):
+        seen.append(xs.detach().clone())
+        return real(xs, experts)
+
+    monkeypatch.setattr(layer_module, "padded_rows", spy)
+    T, N, K = 40, 4, 2
+    C = math.ceil(1.25 * T * K / N)
+    loads = []
+    for seed in (0, 1):
+        x = torch.randn(T, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        with torch.no_grad():
+            padded(x)
+            r = padded.router(x)
+        keep = capacity_keep(r.indices, r.weights, N, C, "probs")
+        xs = seen[-1]
+        assert xs.shape == (N, C, 8)
+        load = []
+        for e in range(N):
+            tokens = (r.indices == e).logical_and(keep).any(1).nonzero().squeeze(1)  # kept, in token order
+            n = tokens.numel()
+            load.append(n)
+            torch.testing.assert_close(xs[e, :n], x[tokens], rtol=0, atol=0)
+            assert (xs[e, n:] == 0).all()
+        loads.append(load)
+    assert loads[0] != loads[1]  # different routings, the same shape
+    assert min(min(load) for load in loads) < C  # padding rows
+    assert max(max(load) for load in loads) == C  # and dropped slots
+
+
+def test_pad_to_capacity_under_bfloat16_autocast_returns_the_unpadded_dtype_to_bf16_rounding():
+    torch.manual_seed(0)
+    plain = moelab.MoE(64, 8, 2, 128, activation="swiglu", capacity_factor=1.0, router_dtype="float32")
+    padded = moelab.MoE(
+        64, 8, 2, 128, activation="swiglu", capacity_factor=1.0, router_dtype="float32", pad_to_capacity=True
+    )
+    padded.load_state_dict(plain.state_dict())
+    x = torch.randn(256, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = plain(x), padded(x)
+    assert got.dtype == want.dtype == torch.float32
+    assert padded.dropped_fraction == plain.dropped_fraction > 0
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()  # bf16 matmuls in both (8 mantissa bits)
+
+
+def test_pad_to_capacity_runs_another_bank_through_its_forward():
+    torch.manual_seed(0)
+    experts = [nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 8)) for _ in range(4)]
+    plain = moelab.MoE(8, 4, 2, experts=ModuleExperts(experts), capacity_factor=0.5).double()
+    twins = ModuleExperts(copy.deepcopy(experts))
+    padded = moelab.MoE(8, 4, 2, experts=twins, capacity_factor=0.5, pad_to_capacity=True).double()
+    padded.load_state_dict(plain.state_dict())
+    x, g = torch.randn(32, 8, dtype=torch.float64), torch.randn(32, 8, dtype=torch.float64)
+    want, got = _forward_backward(plain, x, g), _forward_backward(padded, x, g)
+    assert padded.dropped_fraction > 0
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], msg=name)
+
+
+def test_pad_to_capacity_compiles_once_for_different_routings():
+    """``torch.compile(fullgraph=True, dynamic=False)``: two batches whose experts receive
+    different numbers of tokens run the one graph (no recompilation), equal to eager."""
+    import torch._dynamo.testing
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    layer = moelab.MoE(16, 4, 2, 32, activation="swiglu", capacity_factor=1.0, pad_to_capacity=True)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=False)
+    loads = []
+    try:
+        for seed in (0, 1):
+            x = torch.randn(32, 16, generator=torch.Generator().manual_seed(seed)) * (1 + seed)
+            y = compiled(x)
+            y.sum().backward()
+            torch.testing.assert_close(y, layer(x))
+            loads.append(torch.bincount(layer.router(x).indices.flatten(), minlength=4).tolist())
+        assert loads[0] != loads[1]
+        assert counter.frame_count == 1
+        assert sum(counters["recompiles"].values()) == 0
+    finally:
+        torch._dynamo.reset()
+
+
+def test_pad_to_capacity_refusals():
+    with pytest.raises(
+        ValueError,
+        match=r"^pad_to_capacity=True is not allowed without capacity_factor; expected capacity_factor",
+    ):
+        moelab.MoE(8, 4, 2, pad_to_capacity=True)
+    with pytest.raises(ValueError, match=r"^pad_to_capacity='yes' is not allowed; expected True or False$"):
+        moelab.MoE(8, 4, 2, capacity_factor=1.0, pad_to_capacity="yes")
+    with pytest.raises(
+        ValueError, match=r"^pad_to_capacity=True is not allowed with method='competesmoe': its router runs"
+    ):
+        moelab.MoE(8, 4, 2, method="competesmoe", capacity_factor=1.0, pad_to_capacity=True)
+    with pytest.raises(
+        ValueError, match=r"^pad_to_capacity=True is not allowed with densemixer=True: DenseMixer"
+    ):
+        moelab.MoE(8, 4, 2, capacity_factor=1.0, pad_to_capacity=True, densemixer=True)
+    with pytest.raises(
+        ValueError, match=r"^pad_to_capacity=True is not allowed with impl='loop': the padded"
+    ):
+        moelab.MoE(8, 4, 2, impl="loop", capacity_factor=1.0, pad_to_capacity=True)
+    moelab.MoE(8, 4, 2, capacity_factor=1.0, pad_to_capacity=False)  # False needs nothing
 
 
 def test_an_input_that_is_not_a_tensor_or_model_is_refused_naming_it():

@@ -11,10 +11,13 @@ import pytest
 from scipy import stats
 
 from moelab.experiments.summary import (
+    bootstrap_ranks,
     format_interval,
     format_mean_sd,
+    holm,
     mean,
     mean_sd,
+    paired,
     sd,
     seed_summary,
     t_interval,
@@ -138,3 +141,51 @@ def test_mean_sd_prints_a_placeholder_for_an_undefined_sd():
 def test_interval_prints_a_placeholder_when_undefined():
     assert format_interval((0.1234, 0.5678)) == "[0.123, 0.568]"
     assert format_interval(None) == "n/a" and format_interval(None, missing="NA") == "NA"
+
+
+# ------------------------------------------------------------------ paired comparisons, TOST, Holm, ranks
+def test_paired_test_matches_scipys_related_samples_t_test_and_its_interval():
+    a, b = [2.01, 2.05, 1.98, 2.10, 2.03], [2.00, 2.02, 1.99, 2.05, 2.00]
+    r = paired(a, b, margin=0.05)
+    d = np.subtract(a, b)
+    assert r.n == 5 and r.diff == pytest.approx(d.mean(), abs=1e-15)
+    assert r.p == pytest.approx(stats.ttest_rel(a, b).pvalue, rel=1e-12)
+    half = stats.t.ppf(0.975, 4) * d.std(ddof=1) / math.sqrt(5)
+    assert (r.low, r.high) == pytest.approx((d.mean() - half, d.mean() + half), rel=1e-12)
+
+
+def test_tost_is_the_larger_of_the_two_one_sided_tests_against_the_margin():
+    a, b = [2.01, 2.05, 1.98, 2.10, 2.03], [2.00, 2.02, 1.99, 2.05, 2.00]
+    d = np.subtract(a, b)
+    for margin in (0.01, 0.05, 0.2):
+        lower = stats.ttest_1samp(d, -margin, alternative="greater").pvalue
+        upper = stats.ttest_1samp(d, margin, alternative="less").pvalue
+        assert paired(a, b, margin).p_equivalent == pytest.approx(max(lower, upper), rel=1e-12)
+    # a wide margin makes the same differences equivalent, a narrow one does not
+    assert paired(a, b, 0.2).p_equivalent < 0.05 < paired(a, b, 0.01).p_equivalent
+
+
+def test_paired_without_spread_has_no_test_and_refuses_unequal_lengths_and_a_bad_margin():
+    r = paired([1.0, 2.0], [0.5, 1.5], margin=0.1)
+    assert r.diff == 0.5 and r.p is None and r.p_equivalent is None and r.low is None
+    with pytest.raises(ValueError, match=r"a and b have 2 and 1 values; expected the same number"):
+        paired([1.0, 2.0], [1.0], 0.1)
+    with pytest.raises(ValueError, match=r"margin=0 is not allowed; expected a number > 0"):
+        paired([1.0, 2.0], [1.0, 3.0], 0)
+
+
+def test_holm_adjusts_step_down_keeps_order_and_skips_none():
+    # m = 3: sorted 0.01, 0.02, 0.04 -> 0.03, 0.04, 0.04 (monotone), back in the input order
+    assert holm([0.04, None, 0.01, 0.02]) == pytest.approx([0.04, None, 0.03, 0.04])
+    assert holm([0.5, 0.6]) == [1.0, 1.0]
+    assert holm([]) == [] and holm([None]) == [None]
+
+
+def test_bootstrap_ranks_rank_by_mean_and_resample_the_same_seeds_for_every_method():
+    values = {"a": [1.0, 1.1, 0.9, 1.0], "b": [2.0, 2.1, 1.9, 2.0], "c": [1.05, 1.0, 1.0, 1.1]}
+    r = bootstrap_ranks(values, resamples=500, seed=3)
+    assert r["a"][0] == 1 and r["c"][0] == 2 and r["b"] == (3, 3, 3)  # b is last in every resample
+    assert r["a"][1] == 1 and r["a"][2] == 2 and r == bootstrap_ranks(values, resamples=500, seed=3)
+    # paired resampling: a method that is another plus a constant never swaps rank with it
+    shifted = {"x": [1.0, 3.0, 2.0], "y": [1.01, 3.01, 2.01]}
+    assert bootstrap_ranks(shifted, resamples=300) == {"x": (1, 1, 1), "y": (2, 2, 2)}

@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moelab.experiments.compare",
         "compare MoE methods x seeds on language modelling (CompeteSMoE (2024) Table 2)",
     ),
+    "benchmark": (
+        "moelab.bench.routers",
+        "every router under one protocol: quality with CIs and equivalence tests, balance, stability, cost",
+    ),
     "finetune": (
         "moelab.experiments.finetune",
         "fine-tune a trained MoE LM on text classification (CompeteSMoE (2024) Table 3)",

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from . import _validate
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts, combine
-from .experts.dispatch import combine_densemixer, dispatch_masked
+from .experts.dispatch import combine_densemixer, combine_padded, dispatch_masked, gather_padded, pad_slots
+from .experts.kernels import padded_rows
 from .functional import capacity_keep
 from .losses import (
     LOAD_LOSSES,
@@ -50,6 +51,7 @@ _LAYER_OPTIONS = (
     "router_dtype",
     "capacity_factor",
     "token_drop_policy",
+    "pad_to_capacity",
     "erc_alpha",
 )
 #: the layer's own losses (of the router rows and the experts, not of a routing), each with ``<name>_coef``
@@ -275,6 +277,9 @@ class MoE(nn.Module):
                 f"capacity_factor={capacity!r} is not allowed with method={method!r}: it routes a variable number "
                 "of experts per token; expected a method with a fixed top-K"
             )
+        self.pad_to_capacity = _check_pad_to_capacity(
+            options.get("pad_to_capacity", False), capacity, method, preset.router, densemixer
+        )
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
         self.balance_scope: str = options.get("balance_scope", "micro")
         #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
@@ -310,6 +315,8 @@ class MoE(nn.Module):
                 f"experts.num_experts={experts.num_experts!r} does not match num_experts={num_experts}"
             )
         self.experts = experts
+        if self.pad_to_capacity:
+            _padded_bank(experts)
         if self.coefs.get("erc", 0.0) > 0:
             _check_erc(self, method)
         self.shared = (
@@ -468,15 +475,17 @@ class MoE(nn.Module):
                     f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
                     "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
                 )
-        weights = routing.weights
+        weights, keep = routing.weights, None
         if self.capacity_factor is not None:
-            weights = self._capacity(routing)
+            weights, keep = self._capacity(routing)
         if routing.outputs is not None:  # the router already ran the chosen experts
             y = combine(routing.outputs, weights)
         elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
             y = dispatch_masked(self.experts, flat, routing.indices, weights, routing.mask)
         elif self.densemixer and self.training and torch.is_grad_enabled():  # every expert runs
             y = combine_densemixer(self.experts.forward_all(flat), routing.indices, weights, routing.probs)
+        elif self.pad_to_capacity and keep is not None:
+            y = self._padded_experts(flat, routing.indices, weights, keep)
         else:
             y = self.experts(flat, routing.indices, weights)  # (T, d)
         if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
@@ -512,19 +521,43 @@ class MoE(nn.Module):
                     "under torch.autocast)"
                 )
 
-    def _capacity(self, routing: Routing) -> Tensor:
+    def _capacity(self, routing: Routing) -> tuple[Tensor, Tensor | None]:
         """The routing weights with the slots over their expert's capacity set to 0 (each expert takes
-        ``ceil(capacity_factor · T · K / N)`` slots); the dropped fraction goes into a buffer."""
+        ``ceil(capacity_factor · T · K / N)`` slots), and the ``(T, K)`` slots kept (``None`` for no
+        tokens); the dropped fraction goes into a buffer."""
         T, K = routing.indices.shape
         if T == 0:
             self._dropped.zero_()
-            return routing.weights
-        capacity = math.ceil(self.capacity_factor * T * K / self.num_experts)
+            return routing.weights, None
         keep = capacity_keep(
-            routing.indices, routing.weights, self.num_experts, capacity, self.token_drop_policy
+            routing.indices,
+            routing.weights,
+            self.num_experts,
+            self._expert_capacity(T, K),
+            self.token_drop_policy,
         )
         self._dropped.copy_(1.0 - keep.float().mean())
-        return routing.weights * keep.to(routing.weights.dtype)
+        return routing.weights * keep.to(routing.weights.dtype), keep
+
+    def _expert_capacity(self, T: int, K: int) -> int:
+        """C = ``min(ceil(capacity_factor · T · K / N), T)``: an expert takes at most one slot a token."""
+        return min(math.ceil(self.capacity_factor * T * K / self.num_experts), T)
+
+    def _padded_experts(self, x: Tensor, indices: Tensor, weights: Tensor, keep: Tensor) -> Tensor:
+        """``pad_to_capacity``: every expert runs on exactly C rows, its kept slots then zero padding
+        (:func:`moelab.experts.dispatch.pad_slots`); the dropped slots do not run.  An
+        :class:`ExpertBank` runs them as one ``(N, C, d)`` batched matmul
+        (:func:`moelab.experts.kernels.padded_rows`), another bank through its own forward, each
+        row routed to its expert with weight 1."""
+        N = self.num_experts
+        padded = pad_slots(indices, keep, N, self._expert_capacity(*indices.shape))
+        xs = gather_padded(x, padded, indices.shape[1])  # (N·C, ...)
+        if _padded_bank(self.experts):
+            ys = padded_rows(xs.view(N, padded.capacity, -1), self.experts.expert_weights).flatten(0, 1)
+        else:
+            expert = torch.arange(N, device=x.device).repeat_interleave(padded.capacity).unsqueeze(1)
+            ys = self.experts(xs, expert, xs.new_ones(expert.shape))
+        return combine_padded(ys, weights, padded)
 
     def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor, seq_len: int | None) -> Tensor:
         """Compute the aux loss of a training forward, record its values in place and attach its
@@ -602,6 +635,51 @@ class MoE(nn.Module):
         if noise is True:
             noise = erc_noise(r)
         return erc_loss(r, gate, self.erc_alpha, noise if isinstance(noise, Tensor) else None)
+
+
+#: the routers that run the experts themselves (CompeteSMoE's competition): a padded layout has
+#: nothing to pad there
+_ROUTERS_RUNNING_EXPERTS = ("competition", "competesmoe")
+
+
+def _check_pad_to_capacity(
+    pad: object, capacity: float | None, method: str, router: str, densemixer: bool
+) -> bool:
+    """``pad_to_capacity``, checked against the options it needs and those it cannot serve."""
+    if not isinstance(pad, bool):
+        raise ValueError(f"pad_to_capacity={pad!r} is not allowed; expected True or False")
+    if not pad:
+        return False
+    if capacity is None:
+        raise ValueError(
+            "pad_to_capacity=True is not allowed without capacity_factor; expected capacity_factor=<float> "
+            "with it (each expert is padded to its capacity)"
+        )
+    if router in _ROUTERS_RUNNING_EXPERTS:
+        raise ValueError(
+            f"pad_to_capacity=True is not allowed with method={method!r}: its router runs the experts itself "
+            "(competition); expected a method whose experts run after the routing"
+        )
+    if densemixer:
+        raise ValueError(
+            "pad_to_capacity=True is not allowed with densemixer=True: DenseMixer runs every expert on every "
+            "token in training; expected densemixer=False"
+        )
+    return True
+
+
+def _padded_bank(experts: nn.Module) -> bool:
+    """Whether ``pad_to_capacity`` runs ``experts`` as one batched matmul (an :class:`ExpertBank`
+    whose forward is the stock one, ``impl="auto"``); an explicit ``impl`` is refused, since that
+    kernel would not run."""
+    if not isinstance(experts, ExpertBank) or type(experts).forward is not ExpertBank.forward:
+        return False
+    if experts.impl != "auto":
+        raise ValueError(
+            f"pad_to_capacity=True is not allowed with impl={experts.impl!r}: the padded experts run as one "
+            "batched matmul (torch.bmm) of fixed shape (N, C, d); expected impl='auto'"
+        )
+    return True
 
 
 def _check_erc(layer: MoE, method: str) -> None:

@@ -4,7 +4,8 @@
 Mixtral block; ``compete`` (:mod:`moelab.bench.compete`) the competition's cost; ``suite``
 (:mod:`moelab.bench.suite`; ``--device cuda``: :mod:`moelab.bench.gpu`) the whole grid against
 every peer (:mod:`moelab.bench.peers`); ``lm`` (:mod:`moelab.bench.lm`) a language model's
-training throughput.  The timing method is :mod:`moelab.bench.harness`.
+training throughput.  The ``moelab benchmark`` command (:mod:`moelab.bench.routers`)
+puts every router through one protocol: quality, balance, stability and cost.  The timing method is :mod:`moelab.bench.harness`.
 """
 
 from __future__ import annotations

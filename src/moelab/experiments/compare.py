@@ -26,7 +26,17 @@ from .report import COUNT_MODELS, collect_runs, write_count_models, write_report
 from .runner import Interval, Options, setting
 from .summary import mean_sd
 
-__all__ = ["DEFAULT_METHODS", "add_arguments", "parse_sweep", "run"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "add_arguments",
+    "compare_runs",
+    "die_with_parent",
+    "jobs_of",
+    "parse_sweep",
+    "plan_runs",
+    "run",
+    "train_all",
+]
 
 #: the baselines of CompeteSMoE (2024) Table 2 and the method itself
 DEFAULT_METHODS = ("smoe", "smoe-fixed", "xmoe", "stablemoe", "competesmoe")
@@ -121,15 +131,15 @@ def run(args: argparse.Namespace) -> int:
     )
     # the comparison's folder, locked while it runs; --force removes everything of an earlier run in
     # it, whichever command wrote it
-    plan = _plan(config, paper, chosen, given)
+    plan = plan_runs(config, paper, chosen, given)
     top = RunDir(out, resume=args.resume, force=args.force)
     try:
-        return _compare(args, config, paper, chosen, unknown_default, out, plan)
+        return compare_runs(args, config, paper, chosen, unknown_default, out, plan)
     finally:
         top.close()
 
 
-def _plan(config: CompareConfig, paper, chosen: list[str], given: dict) -> tuple[list[int], str, list]:
+def plan_runs(config: CompareConfig, paper, chosen: list[str], given: dict) -> tuple[list[int], str, list]:
     """The seeds, the loss-settings line and every run's validated config ``(folder, seed, TrainRun)``:
     all of it checked before the comparison's folder is touched."""
     seeds = list(range(config.seed_offset, config.seed_offset + config.seeds))
@@ -168,7 +178,7 @@ def _plan(config: CompareConfig, paper, chosen: list[str], given: dict) -> tuple
     return seeds, losses_line, configs
 
 
-def _compare(args, config, paper, chosen, unknown_default, out: Path, plan: tuple) -> int:
+def compare_runs(args, config, paper, chosen, unknown_default, out: Path, plan: tuple) -> int:
     set_threads(config.run)
     if unknown_default:
         print(f"not available in this moelab (skipped): {', '.join(unknown_default)}")
@@ -200,10 +210,10 @@ def _compare(args, config, paper, chosen, unknown_default, out: Path, plan: tupl
         # folder that only --resume may continue
         resume = args.resume and any((run_dir / name).exists() for name in RUN_ENTRIES)
         tasks.append((method, seed, one, run_dir, resume))
-    jobs = min(_jobs(config), max(1, len(tasks)))
+    jobs = min(jobs_of(config), max(1, len(tasks)))
     key = f"test_{data.metric}"
     count_line = None
-    for i, (method, seed, m) in enumerate(_train_all(tasks, jobs, args, data), 1):
+    for i, (method, seed, m) in enumerate(train_all(tasks, jobs, args, data), 1):
         print(
             f"[{i}/{len(tasks)}] {method} seed {seed}: {key} {m[key]:.4f} "
             f"({time.perf_counter() - start:.0f}s elapsed{f', {jobs} jobs' if jobs > 1 else ''})"
@@ -239,11 +249,11 @@ def _count_model_line(data, out: Path) -> str:
     return write_count_models(out, count_models(data), data.metric)
 
 
-def _jobs(config: CompareConfig) -> int:
+def jobs_of(config: CompareConfig) -> int:
     return config.jobs or os.cpu_count() or 1
 
 
-def _train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
+def train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
     """Train ``tasks`` (method, seed, config, run dir, resume) and yield ``(method, seed, metrics)``
     as they finish: in this process, or in ``jobs`` worker processes of one thread each."""
     options = {"force": args.force, "allow_changes": args.allow_changes}
@@ -258,7 +268,7 @@ def _train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
     # spawn: a fresh interpreter per worker (forking a process that has started OpenMP threads can hang)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
-        jobs, mp_context=context, initializer=_die_with_parent, initargs=(os.getpid(),)
+        jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
     ) as pool:
         futures = {
             pool.submit(_train_in_worker, config, run_dir, resume, options): (method, seed)
@@ -274,7 +284,7 @@ def _train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
             raise
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Make this worker process end when ``parent`` (the ``compare`` process) ends, however it ends
     (a SIGKILL included): an orphaned worker would go on training into ``--out`` and hold its runs'
     locks.  On Linux the kernel sends SIGKILL on the parent's death (``PR_SET_PDEATHSIG``); a

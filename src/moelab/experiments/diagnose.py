@@ -272,6 +272,14 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
             out[f"{key}_mean"] = _mean(out[key])
         if any("dropped" in x for x in loads):  # layers with an expert capacity: slots dropped
             out["dropped"] = [x.get("dropped") for x in loads]
+        # expert FFNs each token runs at inference (a variable-K router's empty slots and MoE++'s
+        # null experts are not counted)
+        chosen = [metrics.active_choices(model, b) for b in batches]
+        out["active_experts"] = [
+            sum(int((c[i] >= 0).sum()) for c in chosen) / sum(c[i].shape[0] for c in chosen)
+            for i in range(len(layers))
+        ]
+        out["active_experts_mean"] = _mean(out["active_experts"])
         out["expert_output_norms"] = metrics.expert_output_norms(model, batches).tolist()
         ckpts = list_checkpoints(path / "ckpt")
         out["expert_change_rate"] = None

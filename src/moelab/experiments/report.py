@@ -326,10 +326,10 @@ def plot_sensitivity(groups: list[Group], path: Path) -> Path | None:
     ax.set_title(f"Test {metric.upper()} against {key} (mean ± sd over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save_png(fig, path)
+    return save_png(fig, path)
 
 
-def _save_png(fig: Any, path: Path) -> Path:
+def save_png(fig: Any, path: Path) -> Path:
     """Write a pyplot figure to ``path`` atomically (a kill never leaves half a PNG) and close it."""
     import io
 
@@ -419,7 +419,7 @@ def plot_curves(groups: list[Group], path: Path) -> Path:
     ax.set_title(f"Validation {metric.upper()} during training (mean ± sd over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save_png(fig, path)
+    return save_png(fig, path)
 
 
 def _csv_text(rows: list[dict[str, Any]]) -> str:
@@ -635,7 +635,7 @@ def plot_diagnostic_curves(groups: list[Group], path: Path) -> list[dict[str, An
     fig.suptitle(
         f"routing over training, mean over layers (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
     )
-    _save_png(fig, path)
+    save_png(fig, path)
     return rows
 
 
@@ -735,7 +735,7 @@ def plot_layer_diagnostics(groups: list[Group], rows: list[dict[str, Any]], path
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"per-layer routing diagnostics (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10)
-    _save_png(fig, path)
+    save_png(fig, path)
 
 
 def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
@@ -785,7 +785,7 @@ def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
     fig.suptitle(
         f"routing over training per layer (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
     )
-    _save_png(fig, path)
+    save_png(fig, path)
     return rows
 
 

@@ -1,5 +1,7 @@
-"""Summary statistics over seeds, shared by ``moelab report``, ``compare`` and ``specialize``: mean ±
-sample standard deviation, the Student-t interval of the mean and Welch's unequal-variance t-test.
+"""Summary statistics over seeds, shared by ``moelab report``, ``compare``, ``specialize`` and
+``benchmark``: mean ± sample standard deviation, the Student-t interval of the mean, Welch's
+unequal-variance t-test, the paired t-test with its equivalence twin (TOST), Holm's adjustment and
+bootstrap intervals of ranks.
 A statistic the values leave undefined (the spread of one value, a test without two values a side
 or without any spread) is ``None``, never NaN, and the formatters print it as a placeholder, so no
 table shows ``nan``.  docs/results.md ("Notes").
@@ -14,11 +16,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "Paired",
     "Welch",
+    "bootstrap_ranks",
     "format_interval",
     "format_mean_sd",
+    "holm",
     "mean",
     "mean_sd",
+    "paired",
     "sd",
     "seed_summary",
     "t_interval",
@@ -111,6 +117,85 @@ def welch(a: Sequence[float], b: Sequence[float]) -> Welch:
         warnings.filterwarnings("ignore", "Precision loss occurred", RuntimeWarning)
         result = stats.ttest_ind(list(a), list(b), equal_var=False)
     return Welch(**sizes, t=float(result.statistic), df=float(result.df), p=float(result.pvalue))
+
+
+@dataclass(frozen=True)
+class Paired:
+    """The paired comparison of two methods over the seeds both ran (``diff``: the mean of
+    ``a − b`` per seed): its Student-t interval at ``level``, the two-sided paired t-test ``p`` of
+    ``diff = 0`` and the equivalence test ``p_equivalent`` of ``|diff| ≥ margin`` (TOST: the larger
+    of the two one-sided p-values, Schuirmann 1987).  The tests and the interval are ``None`` for
+    fewer than two seeds or differences without spread."""
+
+    n: int
+    diff: float
+    low: float | None
+    high: float | None
+    p: float | None
+    p_equivalent: float | None
+    margin: float
+
+
+def paired(a: Sequence[float], b: Sequence[float], margin: float, level: float = 0.95) -> Paired:
+    """Paired t-test and TOST of ``a`` against ``b`` (equal lengths: ``a[i]`` and ``b[i]`` share a
+    seed) with the equivalence ``margin`` (> 0, in the values' unit)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"a and b have {len(a)} and {len(b)} values; expected the same number, at least one")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
+        raise ValueError(f"margin={margin!r} is not allowed; expected a number > 0")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    diff, s = mean(d), sd(d)
+    if s is None or len(set(d)) == 1:
+        return Paired(len(d), diff, None, None, None, None, float(margin))
+    from scipy import stats
+
+    n = len(d)
+    se = s / math.sqrt(n)
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * se
+    p = float(2 * stats.t.sf(abs(diff) / se, n - 1))
+    p_low = float(stats.t.sf((diff + margin) / se, n - 1))  # H0: diff <= -margin
+    p_high = float(stats.t.cdf((diff - margin) / se, n - 1))  # H0: diff >= +margin
+    return Paired(n, diff, diff - half, diff + half, p, max(p_low, p_high), float(margin))
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of a family of p-values (``None`` entries are left out of the
+    family and stay ``None``): the k-th smallest of m becomes ``max_{j≤k} min(1, (m − j + 1)·p_(j))``."""
+    kept = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
+    m = len(kept)
+    out: list[float | None] = [None] * len(pvalues)
+    running = 0.0
+    for j, (p, i) in enumerate(kept):
+        running = max(running, min(1.0, (m - j) * p))
+        out[i] = running
+    return out
+
+
+def bootstrap_ranks(
+    values: dict[str, Sequence[float]], resamples: int = 2000, seed: int = 0, level: float = 0.95
+) -> dict[str, tuple[int, int, int]]:
+    """Each method's rank by mean (1 = lowest) and its bootstrap percentile interval at ``level``:
+    the seeds are resampled with replacement, the same seeds for every method (``values[m][i]``
+    of every method share seed ``i``), ``resamples`` times from a generator seeded with ``seed``.
+    Returns ``{method: (rank, low, high)}``; ties share the lower rank."""
+    import numpy as np
+
+    names = list(values)
+    table = np.array([[float(v) for v in values[m]] for m in names])  # (methods, seeds)
+    if table.ndim != 2 or table.shape[1] == 0:
+        raise ValueError("values must give every method the same, non-zero number of seeds")
+
+    def ranks(means) -> np.ndarray:  # ties share the lower rank: 1 + how many are strictly lower
+        return 1 + (means[None, :] < means[:, None]).sum(axis=1)
+
+    point = ranks(table.mean(axis=1))
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, table.shape[1], size=(resamples, table.shape[1]))
+    boot = np.stack([ranks(table[:, idx].mean(axis=1)) for idx in picks])  # (resamples, methods)
+    tail = (1 - level) / 2
+    low = np.floor(np.quantile(boot, tail, axis=0, method="lower"))
+    high = np.ceil(np.quantile(boot, 1 - tail, axis=0, method="higher"))
+    return {m: (int(point[i]), int(low[i]), int(high[i])) for i, m in enumerate(names)}
 
 
 def format_mean_sd(mean: float, sd: float | None, digits: int = 4, missing: str = "n/a") -> str:

@@ -24,13 +24,17 @@ from ..functional import expert_counts
 from .protocol import Experts
 
 __all__ = [
+    "PaddedSlots",
     "Slots",
     "combine",
     "combine_densemixer",
+    "combine_padded",
     "combine_slots",
     "dispatch",
     "dispatch_masked",
     "gather",
+    "gather_padded",
+    "pad_slots",
     "sort_slots",
     "tracks_grad",
     "winners_by_rerun",
@@ -148,6 +152,62 @@ def combine_slots(ys: Tensor, weights: Tensor, slots: Slots, track: bool) -> Ten
     args = (rows, weights, slots.inverse, slots.order, slots.tokens)
     out = _CombineSlots.apply(*args) if track else _combine_slots(*args)[0]
     return out.view(weights.shape[0], *ys.shape[1:])
+
+
+class PaddedSlots(NamedTuple):
+    """The kept token slots laid out ``C`` per expert (:func:`pad_slots`): ``N·C`` rows,
+    expert-major, each expert's kept slots first (in slot order), then padding."""
+
+    rows: Tensor  #: ``(N·C,)`` the slot of each row; ``S = T·K`` for a padding row
+    dest: Tensor  #: ``(S,)`` the row of each slot; ``N·C`` for a dropped slot
+    capacity: int  #: C, the rows of every expert
+
+
+def pad_slots(indices: Tensor, keep: Tensor, num_experts: int, capacity: int) -> PaddedSlots:
+    """The padded layout of GShard's capacity (DeepSpeed's / Megatron-Core's
+    ``--moe-pad-expert-input-to-capacity``): every expert gets exactly ``capacity`` rows, its
+    kept slots first and padding after, so the experts run on a fixed ``(N, C, ...)`` whatever
+    the routing (CUDA graphs, ``torch.compile(dynamic=False)``).  One stable sort, no host sync,
+    no shape that depends on the data.
+
+    Args:
+        indices: ``(T, K)`` chosen experts.
+        keep: ``(T, K)`` bool, the slots within their expert's capacity
+            (:func:`moelab.functional.capacity_keep`): at most ``capacity`` per expert.
+        num_experts: N.
+        capacity: C.
+    """
+    T, K = indices.shape
+    S, N, C = T * K, num_experts, capacity
+    key = torch.where(keep.reshape(-1), indices.reshape(-1), N)  # a dropped slot sorts after every expert
+    order = key.argsort(stable=True)  # (S,): the kept slots by expert, each expert's in slot order
+    counts = expert_counts(key, N + 1)[:N]  # kept slots per expert, at most C
+    start = counts.cumsum(0) - counts
+    r = torch.arange(C, device=indices.device)
+    at = (start.unsqueeze(1) + r).clamp(max=max(S - 1, 0))  # (N, C) positions in ``order``
+    rows = torch.where(r < counts.unsqueeze(1), order[at], S).reshape(-1)
+    # the inverse map by the sorted positions (a permutation: a scatter without duplicates)
+    sorted_key = key[order]
+    rank = torch.arange(S, device=indices.device) - torch.cat([start, start.new_full((1,), S)])[sorted_key]
+    pos = torch.where(sorted_key < N, sorted_key * C + rank, N * C)
+    dest = torch.empty_like(order).scatter_(0, order, pos)
+    return PaddedSlots(rows, dest, C)
+
+
+def gather_padded(x: Tensor, padded: PaddedSlots, top_k: int) -> Tensor:
+    """``(N·C, ...)``: the token of every row of the padded layout, zero for a padding row.
+    Backward sums each token's K slot gradients by a gather (no atomics): deterministic."""
+    rows = _PaddedGather.apply(x.flatten(1), padded.rows // top_k, padded.dest, top_k)
+    return rows.view(rows.shape[0], *x.shape[1:])
+
+
+def combine_padded(ys: Tensor, weights: Tensor, padded: PaddedSlots) -> Tensor:
+    """``(T, ...)``: the expert outputs of the padded rows ``ys (N·C, ...)`` weighted and summed
+    into their tokens; a dropped slot adds 0 (the padding rows are never read, and get a zero
+    gradient)."""
+    T, K = weights.shape
+    slots = _PaddedGather.apply(ys.flatten(1), padded.dest, padded.rows, 1)  # (T·K, d), row N·C: 0
+    return combine(slots.view(T, K, -1), weights).view(T, *ys.shape[1:])
 
 
 def combine(outputs: Tensor, weights: Tensor) -> Tensor:
@@ -283,6 +343,29 @@ class _GatherTokens(torch.autograd.Function):
             return _scatter_rows(grad, tokens, inverse, ctx.top_k), None, None, None
         slots = grad.index_select(0, inverse)  # (T*K, d) in (token, k) order
         return slots.view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _PaddedGather(torch.autograd.Function):
+    """``[src; 0].index_select(0, index)``, the gathers between tokens, slots and the padded rows
+    (:func:`gather_padded`, :func:`combine_padded`; the index ``len(src)`` reads the zero row).
+    Backward is a gather too, by the inverse map ``back`` (the zero row where nothing was read),
+    summing ``groups`` consecutive rows (a token's K slots): no scatter-add, deterministic on every
+    device, and the many dropped slots that read the one zero row add nothing anywhere."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, index: Tensor, back: Tensor, groups: int) -> Tensor:
+        ctx.save_for_backward(back)
+        ctx.groups = groups
+        return torch.cat([src, src.new_zeros(1, src.shape[1])]).index_select(0, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (back,) = ctx.saved_tensors
+        rows = torch.cat([grad, grad.new_zeros(1, grad.shape[1])]).index_select(0, back)
+        if ctx.groups > 1:
+            rows = rows.view(-1, ctx.groups, grad.shape[1]).sum(1)
+        return rows, None, None, None
 
 
 def _combine_slots(

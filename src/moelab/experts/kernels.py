@@ -40,6 +40,7 @@ __all__ = [
     "grouped_ok",
     "loop",
     "omp_wait_policy",
+    "padded_rows",
     "set_autotune",
     "shape_class",
     "stream",
@@ -383,6 +384,22 @@ def expert_mlp(
 ) -> Tensor:
     """One expert ``W_out · act(W_in x + b_in) + b_out`` on tokens ``x (T, d)`` → ``(T, d)``."""
     return F.linear(act(F.linear(x, w_in, b_in)), w_out, b_out)
+
+
+def padded_rows(xs: Tensor, experts: ExpertWeights) -> Tensor:
+    """Every expert on its ``C`` rows of the padded layout ``xs (N, C, d)`` → ``(N, C, d)``
+    (``MoE(pad_to_capacity=True)``): two batched matmuls of a shape fixed by ``C``, the same
+    whatever the routing, with plain autograd (the padding rows get no gradient: they are
+    never combined).  In ``xs``' dtype, as every kernel (under autocast the matmuls run in its
+    dtype and the outputs return to ``xs``')."""
+    w_in, w_out, b_in, b_out, name = experts
+    h = torch.bmm(xs, w_in.transpose(1, 2))
+    if b_in is not None:
+        h = h + b_in.unsqueeze(1)
+    y = torch.bmm(get_activation(name)(h), w_out.transpose(1, 2))
+    if b_out is not None:
+        y = y + b_out.unsqueeze(1)
+    return y.to(xs.dtype)
 
 
 def loop_rows(xs: Tensor, counts: Sequence[int], experts: ExpertWeights) -> Tensor:
