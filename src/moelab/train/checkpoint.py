@@ -16,6 +16,7 @@ checkpoints").
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 from pathlib import Path
@@ -37,7 +38,6 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_sharded_checkpoint",
-    "read_state",
     "save_checkpoint",
     "save_sharded_checkpoint",
     "verify_checkpoint",
@@ -169,8 +169,9 @@ def _on_rank0(fn: Any, final: Path) -> None:
     if _rank() == 0:
         try:
             fn()
-        except OSError as exc:  # a full disk, a quota, a read-only folder
-            error = f"cannot write checkpoint {final}: {exc.strerror or exc}{_kept(final.parent)}"
+        except Exception as exc:  # a full disk, a quota, a read-only folder: every rank is told
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else dcp_io.describe(exc)
+            error = f"cannot write checkpoint {final}: {why}{_kept(final.parent)}"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
         dist.broadcast_object_list(box, src=0)
@@ -180,15 +181,13 @@ def _on_rank0(fn: Any, final: Path) -> None:
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether the verified checkpoint ``path`` holds its weights as DCP shards."""
-    return read_config(path).get("weights") == dcp_io.SHARDED
-
-
-def read_state(path: str | os.PathLike) -> dict[str, Any]:
-    """Verify checkpoint ``path`` and return its training state (``torch.load(...,
-    weights_only=True)``), leaving the weights where they are."""
-    verify_checkpoint(path)
-    return torch.load(Path(path) / STATE, weights_only=True)
+    """Whether checkpoint ``path`` (verified by the caller: :func:`latest_checkpoint`) holds its
+    weights as DCP shards; reads the one field, without hashing the files again."""
+    try:
+        config = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("weights") == dcp_io.SHARDED
 
 
 def load_sharded_checkpoint(
@@ -196,8 +195,8 @@ def load_sharded_checkpoint(
 ) -> None:
     """Read the shards of the sharded checkpoint ``path`` into the (parallelized) ``model`` and
     ``optimizer``, re-sharded to their layout whatever layout and number of ranks wrote them, and
-    give the optimizer the saved param ``groups`` (:func:`read_state`'s ``"optimizer_groups"``);
-    a collective."""
+    give the optimizer the saved param ``groups`` (``state.pt``'s ``"optimizer_groups"``); a
+    collective.  The folder is verified first (its digests)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     config = read_config(path)

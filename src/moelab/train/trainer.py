@@ -346,8 +346,8 @@ class Trainer:
         if path is None:
             return None
         try:
-            if self.parallel.sharded_checkpoints and ckpt.is_sharded(path):
-                return {**ckpt.read_state(path), "sharded_path": path}
+            if self.parallel.sharded_checkpoints and ckpt.is_sharded(path):  # verified just above
+                return {**torch.load(path / ckpt.STATE, weights_only=True), "sharded_path": path}
             return ckpt.load_checkpoint(path, self.model)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # digests that match a crafted file
             raise CheckpointError(
