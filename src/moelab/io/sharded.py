@@ -94,7 +94,7 @@ def read_metadata(directory: str | os.PathLike, files: dict[str, str]) -> Any:
     except CheckpointError:
         raise
     except Exception as exc:  # a truncated or foreign pickle: the digest matched a crafted file
-        raise CheckpointError(f"{str(path)!r} cannot be read ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{str(path)!r} cannot be read ({describe(exc)})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{str(path)!r} is not a torch.distributed.checkpoint index")
     for key, entry in metadata.state_dict_metadata.items():
