@@ -302,3 +302,25 @@ def test_a_sharded_checkpoint_that_cannot_be_written_is_refused_in_one_line(tmp_
         "sharded_files=['__0_0.distcp'] is not allowed; expected the folder's torch.distributed.checkpoint "
         "files, .metadata included"
     )
+
+
+def test_a_sharded_write_killed_midway_leaves_only_a_temporary_folder_the_next_write_removes(
+    two_rank_run, tmp_path
+):
+    from moelab.train.checkpoint import save_sharded_checkpoint
+
+    folder = _copy(two_rank_run, tmp_path)
+    stale = folder.parent / ".tmp-step-00000006"  # a kill while the ranks wrote their shards
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    assert latest_checkpoint(folder.parent) == folder
+    model = torch.nn.Linear(2, 2)  # one process: DCP writes this rank's (all) shards
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    written = save_sharded_checkpoint(folder.parent, 6, model, model, optimizer, {"step": 6}, keep=0)
+    assert not stale.exists() and latest_checkpoint(folder.parent) == written
+    fresh = torch.nn.Linear(2, 2)
+    state = load_checkpoint(written, fresh)
+    assert torch.equal(fresh.weight, model.weight) and state["step"] == 6
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], optimizer.state[model.weight]["exp_avg"])

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,14 @@ def save_sharded_checkpoint(
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = {"model": model_state, "optimizer": optim_state["state"]}
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.fspath(tmp), thread_count=1))
+        with warnings.catch_warnings():  # one process: DCP's "assuming a single process" is meant
+            if _rank_count() == 1:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.save(
+                tensors,
+                storage_writer=dcp.FileSystemWriter(os.fspath(tmp), thread_count=1),
+                no_dist=_rank_count() == 1,
+            )
     except (Exception, CheckpointException) as exc:  # DCP reports one rank's failure on every rank
         cause = dcp_io.reason(exc)
         why = cause.strerror if isinstance(cause, OSError) and cause.strerror else dcp_io.describe(cause)
@@ -151,6 +159,11 @@ def save_sharded_checkpoint(
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _rank_count() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _kept(root: Path) -> str:
