@@ -146,3 +146,28 @@ def test_scheduled_fraction_counts_the_competing_layer_steps():
             return layer == 0 and step % 3 == 0
 
     assert _scheduled_fraction(Every3(), 2, 9) == 3 / 18
+
+
+def test_a_method_that_cannot_train_on_two_ranks_is_named_not_measured(corpus, tmp_path, monkeypatch):
+    import subprocess
+
+    from moelab.bench import routers
+    from moelab.experiments import lm, runner
+
+    def fail(*args, **kwargs):
+        return subprocess.CompletedProcess(args, 1, "", "Traceback ...\nRuntimeError: no second rank here\n")
+
+    monkeypatch.setattr(routers.subprocess, "run", fail)
+    one = lm.TrainRun(
+        data=str(corpus), size="cpu", block_size=16, batch_size=4, num_experts=4, progress=False
+    )
+    out = routers.repeat_checks(lm.resolve(runner.validate(one)), steps=2, two_ranks=True)
+    assert out["bit_repeat"] is True and out["rank_gap"] is None
+    assert out["rank_note"] == "the 2-rank run failed (exit 1): RuntimeError: no second rank here"
+
+
+def test_benchmark_keeps_no_run_of_its_checks_where_report_would_pool_them(finished):
+    runs = sorted(p.parent.relative_to(finished) for p in finished.rglob("metrics.json"))
+    assert [str(r) for r in runs] == [
+        f"{m}/seed{s}" for m in ("competesmoe", "smoe", "xmoe") for s in range(3)
+    ]

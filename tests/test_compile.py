@@ -20,6 +20,7 @@ from moelab import MoE
 from moelab.cli import main
 from moelab.experts import ExpertBank
 from moelab.layer import attach
+from moelab.methods import get_method, methods
 from moelab.routing import RoutingContext
 from moelab.schedules import CompetitionSchedule
 
@@ -242,12 +243,12 @@ class _Block(torch.nn.Module):
         return x + self.moe(h)
 
 
-def _per_block_steps(method: str, checkpointed: bool, compiled: bool, steps: int = 2):
+def _per_block_steps(method: str, checkpointed: bool, compiled: bool, steps: int = 2, total_steps: int = 10):
     """``steps`` training steps of 12 blocks, each compiled alone with ``fullgraph=True`` (or eager):
     losses, the gradients and the frames compiled after each step."""
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList([_Block(method, checkpointed) for _ in range(12)])
-    ctx = RoutingContext(total_steps=10)
+    ctx = RoutingContext(total_steps=total_steps)
     attach(blocks, ctx)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     run = [torch.compile(b, backend=counter, fullgraph=True) for b in blocks] if compiled else list(blocks)
@@ -263,7 +264,11 @@ def _per_block_steps(method: str, checkpointed: bool, compiled: bool, steps: int
         loss.backward()
         ctx.advance()
         out.append(
-            (loss.detach(), {n: p.grad.clone() for n, p in blocks.named_parameters()}, counter.frame_count)
+            (
+                loss.detach(),
+                {n: p.grad.clone() for n, p in blocks.named_parameters() if p.grad is not None},
+                counter.frame_count,
+            )
         )
     return out
 
@@ -271,6 +276,7 @@ def _per_block_steps(method: str, checkpointed: bool, compiled: bool, steps: int
 def _assert_same_training(got, want) -> None:
     for (loss, grads, _), (loss_want, grads_want, _) in zip(got, want, strict=True):
         torch.testing.assert_close(loss, loss_want)
+        assert grads.keys() == grads_want.keys()  # the same parameters trained (stablemoe's stage 2: fewer)
         for name in grads_want:
             torch.testing.assert_close(grads[name], grads_want[name], msg=name)
 
@@ -318,3 +324,95 @@ def test_competesmoe_blocks_compile_once_per_branch_not_per_layer():
             ctx.advance()
             frames.append(counter.frame_count)
     assert frames[1:] == [frames[0]] * 2
+
+
+# the methods whose routing needs no schedule (the competition methods compete on the steps of a
+# schedule looked up outside the traced code, one graph break: test_competesmoe_* above)
+# (``competition``, every expert on every step, cannot: test_competition_cannot_compile_as_one_graph)
+ROUTER_ONLY_METHODS = [m for m in methods() if get_method(m).schedule is None and m != "competition"]
+
+
+def _check_compiles_once(method: str, checkpointed: bool, steps: int = 3) -> None:
+    # 40 planned steps: smoe-dropout's K (2 of 4 → 4) and stablemoe's stage (switch at step 4) stay
+    # put over the first 3 steps; their changes are tested below
+    got = _per_block_steps(method, checkpointed, compiled=True, steps=steps, total_steps=40)
+    assert [frames for *_, frames in got] == [1] * steps  # 12 blocks, one graph, no recompile
+    _assert_same_training(
+        got, _per_block_steps(method, checkpointed, compiled=False, steps=steps, total_steps=40)
+    )
+
+
+@pytest.mark.parametrize(("method", "checkpointed"), [("stablemoe", True), ("remoe", True)])
+def test_step_dependent_and_stateful_routers_compile_per_block_once(method, checkpointed):
+    """stablemoe reads its stage from a step watcher, not from ``ctx.step`` (a guard on the step
+    recompiled every step); remoe counts its active gates in place (a ``+=`` on the buffer was an
+    attribute store, refused under activation checkpointing)."""
+    _check_compiles_once(method, checkpointed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("method", ROUTER_ONLY_METHODS)
+def test_twelve_blocks_compile_per_block_every_router_only_method(method, checkpointed):
+    _check_compiles_once(method, checkpointed)
+
+
+def test_competition_cannot_compile_as_one_graph():
+    """The one router-only method that does not trace as one graph: the competition runs the winners'
+    experts with the expert-sorted kernel, whose backward loops over the experts on the host
+    (``if c == 0`` per expert count, moelab.experts.kernels), a data-dependent branch dynamo cannot
+    trace with ``fullgraph=True``."""
+    block = torch.compile(_Block("competition", False), backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.UserError, match="data-dependent expression"):
+        block(torch.randn(2, 8, 16, requires_grad=True))
+
+
+def test_smoe_dropout_compiles_once_per_distinct_k_not_per_step():
+    """K grows 2 → 4 over 4 planned steps (2, 2, 3, 4 at steps 0-3): a new K is a new shape, one
+    compilation each (at most k_max − top_k + 1 in a run); a step that keeps K compiles nothing."""
+    got = _per_block_steps("smoe-dropout", False, compiled=True, steps=5, total_steps=4)
+    assert [frames for *_, frames in got] == [1, 1, 2, 3, 3]
+    _assert_same_training(
+        got, _per_block_steps("smoe-dropout", False, compiled=False, steps=5, total_steps=4)
+    )
+
+
+@pytest.mark.slow
+def test_stablemoe_compiles_once_per_stage_with_checkpointing():
+    """Stage 2 starts at step round(0.1 · 10) = 1: two compilations in the run, none after."""
+    got = _per_block_steps("stablemoe", True, compiled=True, steps=4, total_steps=10)
+    assert [frames for *_, frames in got] == [1, 2, 2, 2]
+    _assert_same_training(got, _per_block_steps("stablemoe", True, compiled=False, steps=4, total_steps=10))
+
+
+def test_step_watchers_follow_every_change_of_the_step():
+    """The values a compiled forward reads follow ``ctx.step`` however it changes: advance (also by
+    several steps), an assignment, load_state_dict, a new total_steps; a context the router does not
+    watch is read directly."""
+    dropout, stable = MoE(16, 8, 2, 16, method="smoe-dropout"), MoE(16, 8, 2, 16, method="stablemoe")
+    ctx = RoutingContext(total_steps=6)
+    attach(torch.nn.ModuleList([dropout, stable]), ctx)
+    k, stage = dropout.router, stable.router
+
+    def expected(c):  # the formulas, from the context itself
+        return 2 + round(6 * min(c.step / c.total_steps, 1.0)), 2 if c.step >= round(
+            0.1 * c.total_steps
+        ) else 1
+
+    seen = []
+    for change in (
+        lambda: None,
+        ctx.advance,
+        lambda: ctx.advance(3),
+        lambda: setattr(ctx, "step", 0),
+        lambda: ctx.load_state_dict({"step": 5, "total_steps": 6, "schedule": None}),
+        lambda: setattr(ctx, "total_steps", 100),
+    ):
+        change()
+        got = (k.current_k(ctx), stable.router.stage(ctx))
+        assert got == expected(ctx), ctx
+        assert k._step_values[0] is ctx and stage._step_values[0] is ctx  # read from the watcher
+        seen.append(got)
+    assert len(set(seen)) > 2  # K and the stage did change
+    other = RoutingContext(step=6, total_steps=6)  # not attached: computed from the context
+    assert (k.current_k(other), stage.stage(other)) == (8, 2)

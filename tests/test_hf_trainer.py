@@ -1,6 +1,7 @@
 """moelab.hf.trainer: the transformers Trainer with moelab layers — schedules, the aux loss inside
 the forward (DDP), per-loss logging (TensorBoard), exact resume, output_router_logits."""
 
+import copy
 import json
 import math
 import os
@@ -466,6 +467,61 @@ def test_competesmoe_trains_under_bf16_through_its_competition_steps(tmp_path):
     assert len(logs) == 4 and all(math.isfinite(h["loss"]) for h in logs)
     assert any(h["aux_distill"] > 0 for h in logs)
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------- fp16: the gradient scaler
+def _two_micro_batch_grads(layer, xs, scaler=None):
+    """Gradient accumulation over two micro-batches as MoETrainer runs it: each loss ``(task + aux) / 2``,
+    the layers' aux gradient weighted by ``1/2`` times the scaler's scale (``set_aux_scale``), the backward
+    of the scaled loss, then the scaler's ``unscale_``."""
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    scale = 1.0 if scaler is None else float(scaler.get_scale())
+    moelab.set_aux_scale(layer, scale / 2)
+    for x in xs:
+        loss = (layer(x).pow(2).mean() + layer.aux_loss) / 2
+        (loss if scaler is None else scaler.scale(loss)).backward()
+    if scaler is not None:
+        scaler.unscale_(opt)
+    return {n: p.grad for n, p in layer.named_parameters()}
+
+
+def test_a_gradient_scaler_scales_the_aux_gradient_as_the_task_loss():
+    """fp16 training (a GradScaler, as MoETrainer under ``fp16=True``): with the aux weight times the
+    scaler's scale, the unscaled gradients, the router's aux part included, are those of the float32
+    step without a scaler (a power-of-two scale: exact); left at the unscaled weight, the aux loss's
+    weight check refuses in backward."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0, z_coef=0.1).train()
+    ref, task_only = copy.deepcopy(layer), copy.deepcopy(layer)
+    xs = torch.randn(2, 16, 8).unbind()
+    want = _two_micro_batch_grads(ref, xs)
+    got = _two_micro_batch_grads(layer, xs, torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    moelab.set_aux_scale(task_only, 0.0)  # the aux gradient is a real part of the router's: not lost in noise
+    for x in xs:
+        (task_only(x).pow(2).mean() / 2).backward()
+    aux_part = want["router.weight"] - task_only.router.weight.grad
+    assert aux_part.norm() > 0.1 * want["router.weight"].norm()
+    layer.zero_grad()
+    moelab.set_aux_scale(layer, 0.5)  # the scaler's scale forgotten
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    with pytest.raises(
+        ValueError, match=r"aux_loss enters this loss with weight 2048, .*set_aux_scale\(model, 2048\)"
+    ):
+        scaler.scale((layer(xs[0]).pow(2).mean() + layer.aux_loss) / 2).backward()
+
+
+def test_the_trainer_weighs_the_aux_gradient_by_its_gradient_scalers_scale(tmp_path):
+    """On a device with fp16 the accelerator holds a GradScaler (on CPU it has none: one is set here):
+    the weight MoETrainer gives the layers is the scaler's scale over the accumulation steps."""
+    trainer = MoETrainer(model=_model("smoe"), args=_args(tmp_path, max_steps=1), train_dataset=_data(4))
+    trainer.current_gradient_accumulation_steps = 4
+    assert trainer._aux_weight() == 0.25
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    assert trainer._aux_weight() == 2.0**10 / 4
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", enabled=False)
+    assert trainer._aux_weight() == 0.25
 
 
 # ------------------------------------------------------------------------- global balance scope

@@ -219,3 +219,21 @@ def test_report_names_a_damaged_diagnostics_file(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "diagnostics.json cannot be read (" in err and "run moelab diagnose" in err
     assert len(err.splitlines()) == 1
+
+
+def test_runs_of_other_budgets_or_data_are_never_pooled_into_one_row(tmp_path):
+    from moelab.experiments.report import Run
+
+    def run(seed, **config):
+        base = {"command": "train", "method": "smoe", "seed": seed, "steps": 500, "size": "mini", "opts": {},
+                "keep_ckpts": "all", "recorded": {"data_sha256": "a" * 64}}  # fmt: skip
+        return Run(tmp_path / f"r{seed}", {**base, **config}, {"method": "smoe", "test_bpc": 3.0})
+
+    same = group_runs([run(0), run(1, keep_ckpts=2, threads=2)])  # neither changes what a run measures
+    assert [g.label for g in same] == ["smoe"] and len(same[0].runs) == 2
+    split = group_runs([run(0), run(1), run(2, steps=30), run(3, recorded={"data_sha256": "b" * 64})])
+    assert [(g.label, len(g.runs)) for g in split] == [
+        ("smoe data_sha256=aaaaaaaaaaaa steps=500", 2),
+        ("smoe data_sha256=aaaaaaaaaaaa steps=30", 1),
+        ("smoe data_sha256=bbbbbbbbbbbb steps=500", 1),
+    ]

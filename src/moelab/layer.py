@@ -795,7 +795,8 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
     Returns the layers, numbered ``0 .. L-1`` in their ``layer_index`` attribute.  Every router's
     ``on_step(ctx)`` (state updated once per optimizer step, e.g. sharede-v3's selection bias; a
     composed router's base too) is registered as a step hook of ``ctx``
-    (:meth:`RoutingContext.advance`).  If the context
+    (:meth:`RoutingContext.advance`), and a router's ``on_step_change(ctx)`` (SMoE-Dropout's K,
+    StableMoE's stage, derived outside the forward) as a step watcher. If the context
     holds a schedule with a ``num_layers`` attribute it must match the model's MoE layer count.
     """
     if not isinstance(ctx, RoutingContext):
@@ -812,6 +813,8 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
         for module in layer.router.modules():  # a composed router's base router too
             if isinstance(module, Router):
                 ctx.add_step_hook(module.on_step)
+                if type(module).on_step_change is not Router.on_step_change:  # a step-derived value
+                    ctx.add_step_watcher(module.on_step_change)
     return layers
 
 

@@ -102,6 +102,8 @@ class RoutingContext:
         extra: free-form state for user routers.
         hooks: the step hooks ``fn(ctx)`` :meth:`advance` runs (registered by
             :func:`moelab.attach`; not part of :meth:`state_dict`).
+        watchers: the step watchers ``fn(ctx)`` run whenever :attr:`step` or :attr:`total_steps`
+            is set (:meth:`add_step_watcher`; not an argument, not copied by :meth:`replace`).
         frozen: a class flag: ``True`` for a context whose routing state never moves by design
             (fine-tuning with frozen routers keeps the LM's), so a step-dependent method training
             under it is not warned about (:func:`moelab.layer.check_context`).
@@ -114,6 +116,15 @@ class RoutingContext:
     schedule: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     hooks: list[Callable[[RoutingContext], None]] = field(default_factory=list, repr=False, compare=False)
+    watchers: list[Callable[[RoutingContext], None]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in ("step", "total_steps"):
+            for watcher in self.__dict__.get("watchers", ()):  # none yet while __init__ runs
+                watcher(self)
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -134,6 +145,18 @@ class RoutingContext:
             raise ValueError(f"hook={hook!r} is not allowed; expected a callable taking the context")
         if hook not in self.hooks:
             self.hooks.append(hook)
+
+    def add_step_watcher(self, watcher: Callable[[RoutingContext], None]) -> None:
+        """Run ``watcher(ctx)`` now and whenever :attr:`step` or :attr:`total_steps` is set
+        (:meth:`advance`, :meth:`load_state_dict`, an assignment; once, however often it is added).
+        A router derives from the step, here, the values its traced ``forward`` reads (SMoE-Dropout's
+        K, StableMoE's stage), so ``torch.compile`` guards on those few values rather than on the
+        step, which changes every call."""
+        if not callable(watcher):
+            raise ValueError(f"watcher={watcher!r} is not allowed; expected a callable taking the context")
+        if watcher not in self.watchers:
+            self.watchers.append(watcher)
+        watcher(self)
 
     def advance(self, steps: int = 1) -> None:
         """The optimizer has stepped: run the step hooks (in registration order), then count

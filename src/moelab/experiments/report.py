@@ -154,9 +154,20 @@ def collect_runs(paths: list[str | Path]) -> list[Run]:
     return runs
 
 
+#: run settings that do not change what a run measures (the seed is what a group is over)
+_NOT_SETTINGS = {
+    "command", "method", "seed", "opts", "recorded", "progress", "threads", "keep_ckpts", "ckpt_every",
+}  # fmt: skip
+
+
 def _settings(run: Run) -> dict[str, Any]:
+    """The method options and every other run setting (budget, size, data, ...): runs that differ
+    in one are never pooled into one row."""
     s = dict(run.config.get("opts") or {})
-    s["arch"] = run.config.get("arch")
+    s.update({k: v for k, v in run.config.items() if k not in _NOT_SETTINGS and k not in s})
+    s.setdefault("arch", run.config.get("arch"))
+    if "data_sha256" in (run.config.get("recorded") or {}):  # the same name, other bytes: other data
+        s["data_sha256"] = run.config["recorded"]["data_sha256"][:12]
     return s
 
 

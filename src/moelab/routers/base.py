@@ -4,6 +4,7 @@ sizes, validation, the step a context reports, and a default for every optional 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -131,7 +132,9 @@ class Router(nn.Module):
         """Add a training forward's choice to the pending load of the selection bias (nothing
         without one, in evaluation, or in an activation-checkpointing recomputation)."""
         if self.training and self.selection_bias is not None and _counts_this_forward():
-            self.pending_load += expert_counts(indices, self.num_experts).to(self.pending_load.dtype)
+            # in place, not `+=`: that stores the buffer attribute again, a side effect compile refuses
+            # under activation checkpointing
+            self.pending_load.add_(expert_counts(indices, self.num_experts).to(self.pending_load.dtype))
 
     def reset_selection_bias(self) -> None:
         """The selection bias and the pending load back to zero."""
@@ -177,6 +180,30 @@ class Router(nn.Module):
         if self.bias_update_rate > 0:  # an empty load (no training forward) moves nothing
             self.selection_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.pending_load.zero_()
+
+    def on_step_change(self, ctx: RoutingContext) -> None:
+        """The step watcher (:meth:`moelab.RoutingContext.add_step_watcher`, registered by
+        :func:`moelab.attach`): run whenever the context's step or planned steps are set, outside
+        any forward.  A router whose routing is a function of the step (SMoE-Dropout's K,
+        StableMoE's stage) derives its value here and keeps it with the context it came from
+        (:meth:`step_value`), so its ``forward`` reads one Python value that changes at a few
+        steps: under ``torch.compile`` that is a guard on that value, which recompiles once per
+        distinct value, not a guard on the step, which would recompile every step.  A router
+        without such values has nothing to do."""
+
+    def step_value(self, ctx: RoutingContext | None, name: str, compute: Callable[[], Any]) -> Any:
+        """The step-derived value ``name`` kept by :meth:`on_step_change` for ``ctx``, else
+        ``compute()`` (a context this router is not watching: correct, but a compiled forward then
+        guards on what ``compute`` reads)."""
+        kept = getattr(self, "_step_values", None)
+        if kept is not None and ctx is not None and kept[0] is ctx:
+            return kept[1][name]
+        return compute()
+
+    def keep_step_values(self, ctx: RoutingContext, **values: Any) -> None:
+        """Keep the values :meth:`on_step_change` derived from ``ctx`` (a plain attribute, set
+        outside any forward: not state, not saved)."""
+        self._step_values = (ctx, values)
 
     def step_dependence(self) -> str | None:
         """What of this router's training routing changes with the context's step (said when it

@@ -98,8 +98,9 @@ class TopPRouter(Router):
         mask = ~over | (over & (over.cumsum(dim=-1) == 1))  # up to and with the rank that crosses p
         if self.training and self.selection_bias is not None and _counts_this_forward():
             active = mask.reshape(-1).to(self.pending_load.dtype)
-            self.pending_load += active.new_zeros(self.num_experts).scatter_add(
-                0, indices.reshape(-1), active
+            # in place, not `+=` (an attribute store, which compile refuses under activation checkpointing)
+            self.pending_load.add_(
+                active.new_zeros(self.num_experts).scatter_add(0, indices.reshape(-1), active)
             )
         weights = ranked * mask.to(ranked.dtype)
         losses = {"dynamic": token_entropy_loss(probs)}

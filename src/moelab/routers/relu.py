@@ -101,7 +101,8 @@ class ReLURouter(Router):
         l1 = self.l1_lambda.to(gates.dtype) * relu_l1_balance_loss(gates, self.top_k)
         if self.training and _counts_this_forward():
             active = mask.sum().to(self.pending_active.dtype)
-            self.pending_active += torch.stack((active, torch.full_like(active, mask.numel())))
+            # in place, not `+=` (an attribute store, which compile refuses under activation checkpointing)
+            self.pending_active.add_(torch.stack((active, torch.full_like(active, mask.numel()))))
         return Routing(
             indices=indices, weights=weights, probs=None, logits=logits, losses={"l1": l1}, mask=mask
         )

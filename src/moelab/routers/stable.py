@@ -111,9 +111,18 @@ class StableRouter(Router):
         return problem
 
     def stage(self, ctx: RoutingContext | None) -> int:
-        """1 (learn and distil) or 2 (frozen light router) at the context's step."""
+        """1 (learn and distil) or 2 (frozen light router) at the context's step.  With a context
+        that drives it (:func:`moelab.attach`), the stage :meth:`on_step_change` derived when the
+        step was set: a compiled forward guards on the stage, not on the step (two compilations
+        in a run, one per stage)."""
         if ctx is None:
             return 1
+        return self.step_value(ctx, "stage", lambda: self._stage_at(ctx))
+
+    def on_step_change(self, ctx: RoutingContext) -> None:
+        self.keep_step_values(ctx, stage=self._stage_at(ctx))
+
+    def _stage_at(self, ctx: RoutingContext) -> int:
         switch = self.switch_step
         if switch is None:
             if ctx.total_steps is None:

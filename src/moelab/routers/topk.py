@@ -116,12 +116,22 @@ class TopKRouter(Router):
 
     def current_k(self, ctx: RoutingContext | None) -> int:
         """K at the context's step (SMoE-Dropout's linear growth), else ``top_k``; in evaluation
-        mode ``eval_k`` when set."""
+        mode ``eval_k`` when set.  With a context that drives it (:func:`moelab.attach`), K is the
+        one :meth:`on_step_change` derived when the step was set: a compiled forward guards on K,
+        not on the step (one compilation per distinct K, at most ``k_max - top_k + 1``)."""
         if not self.training and self.eval_k is not None:
             return self.eval_k
-        if self.k_max is None or ctx is None or ctx.progress is None:
+        if self.k_max is None or ctx is None:
+            return self.top_k
+        return self.step_value(ctx, "k", lambda: self._k_at(ctx))
+
+    def _k_at(self, ctx: RoutingContext) -> int:
+        if self.k_max is None or ctx.progress is None:
             return self.top_k
         return self.top_k + round((self.k_max - self.top_k) * ctx.progress)
+
+    def on_step_change(self, ctx: RoutingContext) -> None:
+        self.keep_step_values(ctx, k=self._k_at(ctx))
 
     def logits(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)

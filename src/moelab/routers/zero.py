@@ -140,7 +140,8 @@ class ZeroComputationRouter(Router):
         indices = self.biased(probs.detach()).topk(self.top_k, dim=-1).indices
         top = probs.gather(1, indices)
         if self.training and self.selection_bias is not None and _counts_this_forward():
-            self.pending_load += expert_counts(indices, self.num_all).to(self.pending_load.dtype)
+            # in place, not `+=` (an attribute store, which compile refuses under activation checkpointing)
+            self.pending_load.add_(expert_counts(indices, self.num_all).to(self.pending_load.dtype))
         top = top.masked_fill(indices >= n + c + p, 0.0)  # a zero expert's weight is 0
         weights = (
             top / top.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top.dtype).tiny)
