@@ -218,7 +218,7 @@ def test_expert_parallel_training_follows_the_data_parallel_curve(corpus, tmp_pa
     m_ep = json.loads((ep / "metrics.json").read_text())
     assert m_ep["params"] == m_dp["params"]  # the whole model, not one rank's block
     assert m_ep["test_bpc"] == pytest.approx(m_dp["test_bpc"], rel=1e-4)
-    # the checkpoints hold the full model and optimizer: they load into a plain model
+    # the checkpoints are each rank's shards (torch.distributed.checkpoint): gathered, they load into a plain model
     config, _ = runner.read_run_config(TrainRun, ep, "train")
     model = build_model(config, load_text(str(corpus)).vocab_size)
     from moelab.train.checkpoint import load_checkpoint
@@ -345,7 +345,8 @@ def test_fsdp2_training_follows_the_data_parallel_curve(corpus, tmp_path, layout
 @pytest.mark.slow
 def test_a_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers(corpus, tmp_path):
     # written by 2 ranks (experts split in 2, FSDP2), resumed by 4 (experts split in 4): the
-    # checkpoint holds the full model and Adam state, re-sharded on load
+    # checkpoint holds each rank's shards of the model and Adam state (torch.distributed.checkpoint),
+    # re-sharded on load
     out = tmp_path / "run"
     argv = tiny_args(corpus, out, *_TOKEN_MEANS, "--fsdp", "--expert-parallel")
     assert [r["code"] for r in launch(argv, tmp_path, world=2)] == [0, 0]

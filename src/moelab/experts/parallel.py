@@ -8,8 +8,8 @@ exchange as its ``run`` step:
 
 1. sort the ``T·K`` slots by expert once (:func:`moelab.experts.dispatch.sort_slots`) — the slots
    for each rank are then contiguous — and gather the tokens;
-2. exchange the per-expert counts (``all_to_all``, no gradient), then the tokens (``all_to_all``
-   with autograd: its backward is the reverse ``all_to_all``);
+2. exchange the per-expert counts (``all_to_all``, no gradient), then the tokens (torch's functional
+   ``all_to_all_single_autograd``: its backward is the reverse ``all_to_all``);
 3. each rank runs its local experts on what it received (the ordinary sorted dispatch);
 4. send the outputs back (``all_to_all`` again), weight them and sum over K into their tokens.
 
@@ -154,20 +154,9 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; the backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _AllToAll.apply(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
-
-
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    """``all_to_all_single`` with uneven splits and autograd (the backward sends the gradients
+    back): torch's functional collective, waited on here so that the bank computes on a plain tensor."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))

@@ -230,6 +230,7 @@ def save(
     ctx: Any = None,
     metadata: Mapping[str, Any] | None = None,
     extra_files: Mapping[str, bytes] | None = None,
+    sharded_files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``model`` to ``directory`` as ``config.json`` + ``model.safetensors``.
 
@@ -244,6 +245,11 @@ def save(
         metadata: JSON-serialisable extra facts (step, validation metric), under ``"metadata"``.
         extra_files: more files of the folder (name → bytes), written with the same writer and
             recorded with their sha256 (a training checkpoint's ``state.pt``).
+        sharded_files: the weights are already in ``directory`` as ``torch.distributed.checkpoint``
+            shards (name → sha256 of each file, ``.metadata`` included; a sharded training
+            checkpoint): no ``model.safetensors`` is written, ``config.json`` records
+            ``"weights": "dcp"`` and vouches for those files (:mod:`moelab.io.sharded`); ``model``
+            then gives only the structure (kind, config, dtype).
 
     Returns:
         the directory.
@@ -260,8 +266,11 @@ def save(
     module = model if isinstance(model, nn.Module) else nn.Module()  # a state dict: weights only
     kind, config = describe(module) if module is model else ("module", None)
     ctx = _context_of(module) if ctx is None else ctx
-    tensors, tied = _tensors(model)
-    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    if sharded_files is None:
+        tensors, tied = _tensors(model)
+        floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    else:  # the structure's own dtypes, nothing copied (its weights are not the saved ones)
+        tied, floating = {}, [t.dtype for t in module.state_dict().values() if t.is_floating_point()]
     payload: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -277,12 +286,26 @@ def save(
     from safetensors.torch import save as st_save
 
     directory.mkdir(parents=True, exist_ok=True)
-    files = {WEIGHTS_NAME: st_save(tensors, metadata={"format": FORMAT})}
+    files = {} if sharded_files is not None else {WEIGHTS_NAME: st_save(tensors, metadata={"format": FORMAT})}
     for name, data in (extra_files or {}).items():
-        if name in (CONFIG_NAME, WEIGHTS_NAME) or "/" in name or name.startswith("."):
+        if (
+            name in (CONFIG_NAME, WEIGHTS_NAME)
+            or "/" in name
+            or name.startswith(".")
+            or name in (sharded_files or {})
+        ):
             raise ValueError(f"extra_files name {name!r} is not allowed; expected a plain new file name")
         files[name] = data
-    digests = {}
+    digests = dict(sharded_files or {})
+    if sharded_files is not None:
+        from .sharded import METADATA_NAME, SHARDED
+
+        if METADATA_NAME not in digests:
+            raise ValueError(
+                f"sharded_files={sorted(digests)[:4]} is not allowed; expected the folder's "
+                f"torch.distributed.checkpoint files, {METADATA_NAME} included"
+            )
+        payload["weights"] = SHARDED
     for name, data in files.items():
         atomic_write_bytes(directory / name, data)
         digests[name] = hashlib.sha256(data).hexdigest()
@@ -372,9 +395,10 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     if hashlib.sha256(_canonical(config)).hexdigest() != config.get("sha256"):
         raise CheckpointError(f"{str(file)!r} is corrupted or was edited (sha256 does not match its content)")
     files = config.get("files")
-    if not isinstance(files, dict) or WEIGHTS_NAME not in files:
+    weights = _weights_file(config)
+    if not isinstance(files, dict) or weights not in files:
         raise CheckpointError(
-            f"{str(file)!r} lists no {WEIGHTS_NAME} in its files; a moelab.save folder lists (and "
+            f"{str(file)!r} lists no {weights} in its files; a moelab.save folder lists (and "
             "verifies) every file it holds"
         )
     for name, digest in files.items():
@@ -397,8 +421,21 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def _load_tensors(directory: Path, config: dict[str, Any]) -> dict[str, Tensor]:
+def _weights_file(config: Mapping[str, Any]) -> str:
+    """The file that holds (or indexes) the weights: ``model.safetensors``, or DCP's ``.metadata``
+    for a sharded checkpoint (``"weights": "dcp"``)."""
+    from .sharded import METADATA_NAME, SHARDED
+
+    return METADATA_NAME if config.get("weights") == SHARDED else WEIGHTS_NAME
+
+
+def _load_tensors(directory: Path, config: dict[str, Any], model: nn.Module) -> dict[str, Tensor]:
     from safetensors.torch import load_file
+
+    from .sharded import SHARDED, read_tensors
+
+    if config.get("weights") == SHARDED:  # every rank's shards, gathered here (no process group)
+        return read_tensors(directory, config["files"], "model.")
 
     file = directory / WEIGHTS_NAME
     try:
@@ -426,8 +463,8 @@ def _load_weights(
     """:func:`load_weights`; ``keep_attached=False`` replaces an attached context (:func:`load`)."""
     config = read_config(path)
     directory = Path(config["directory"])
-    tensors = _load_tensors(directory, config)
-    file = directory / WEIGHTS_NAME
+    tensors = _load_tensors(directory, config, model)
+    file = directory / _weights_file(config)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if strict and (missing or unexpected):
@@ -512,17 +549,30 @@ def _match_saved_dtypes(model: nn.Module, file: Path) -> None:
     back so, not cast to one dtype."""
     from safetensors import safe_open
 
-    try:
-        with safe_open(str(file), "pt") as f:
-            saved = {k: _SAFETENSORS_FLOATS.get(f.get_slice(k).get_dtype()) for k in f.keys()}
-    except Exception as exc:  # safetensors raises its own error types
-        raise CheckpointError(f"{str(file)!r} cannot be read: {str(exc).splitlines()[0]}") from None
+    from .sharded import METADATA_NAME, entry_keys
+
+    if file.name == METADATA_NAME:  # a sharded checkpoint: its index records the dtypes
+        files = read_config(file.parent)["files"]
+        saved = {
+            k.removeprefix("model."): e.properties.dtype for k, e in entry_keys(file.parent, files).items()
+        }
+        saved = {k: v for k, v in saved.items() if v.is_floating_point}
+    else:
+        saved = _safetensors_dtypes(file, safe_open)
     tensors = [*model.named_parameters(), *model.named_buffers()]
     with torch.no_grad():
         for name, t in tensors:
             dtype = saved.get(name)
             if t is not None and t.is_floating_point() and dtype is not None and t.dtype != dtype:
                 t.data = t.data.to(dtype)
+
+
+def _safetensors_dtypes(file: Path, safe_open: Any) -> dict[str, Any]:
+    try:
+        with safe_open(str(file), "pt") as f:
+            return {k: _SAFETENSORS_FLOATS.get(f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(f"{str(file)!r} cannot be read: {str(exc).splitlines()[0]}") from None
 
 
 def load(path: str | os.PathLike) -> nn.Module:
@@ -545,7 +595,7 @@ def load(path: str | os.PathLike) -> nn.Module:
             raise CheckpointError(f"{str(file)!r} has dtype={dtype!r}; expected a torch dtype name")
         if any(p.is_floating_point() and p.dtype != target for p in model.parameters()):
             model.to(target)
-    _match_saved_dtypes(model, directory / WEIGHTS_NAME)  # mixed dtypes (bf16 experts, fp32 routers)
+    _match_saved_dtypes(model, directory / _weights_file(config))  # mixed dtypes (bf16 experts, fp32 routers)
     rebuilt = _layer_records(model)
     if rebuilt != config.get("moe_layers", {}):
         raise CheckpointError(

@@ -2,8 +2,9 @@
 :class:`moelab.train.Trainer` (:class:`Parallel` for one process, :class:`DataParallel` for DDP,
 :class:`ExpertParallel` for experts spread over the ranks, :class:`Parallelized` for any layout of
 :func:`moelab.train.parallelize.parallelize`, FSDP2 included), the way torchtitan applies its parallel
-plans from outside; the trainer calls the same hooks whatever the strategy, and checkpoints hold the
-full model and optimizer state so a run resumes on any layout.  docs/scaling.md ("`moelab train`
+plans from outside; the trainer calls the same hooks whatever the strategy; checkpoints hold the
+full model and optimizer state (sharded layouts: each rank's shards, re-sharded on resume), so a
+run resumes on any layout.  docs/scaling.md ("`moelab train`
 under torchrun") lists the hooks and what each strategy does.
 """
 
@@ -63,6 +64,8 @@ class Parallel:
     """One process: the model trains as it is."""
 
     name = "none"
+    #: checkpoints as torch.distributed.checkpoint shards, each rank its own (else full, from rank 0)
+    sharded_checkpoints = False
 
     def __init__(self) -> None:
         self.rank, self.world_size = process_group()
@@ -141,11 +144,12 @@ class Parallelized(DataParallel):
     """Expert parallelism and / or FSDP2 applied by :func:`moelab.train.parallelize.parallelize`:
     the experts of every MoE layer split over ``ep`` ranks (``DTensor`` ``Shard(0)``), the rest
     data parallel — replicated under DDP, or every parameter sharded by FSDP2 (``fsdp=True``).
-    Checkpoints hold the full model and optimizer state (gathered through
-    ``torch.distributed.checkpoint.state_dict``), so a run resumes on any layout and any number
-    of ranks."""
+    Checkpoints are ``torch.distributed.checkpoint`` shards, each rank writing its own
+    (:func:`moelab.train.checkpoint.save_sharded_checkpoint`), re-sharded on resume, so a run
+    resumes on any layout and any number of ranks; ``best/`` holds the gathered full model."""
 
     name = "parallelize"
+    sharded_checkpoints = True
 
     def __init__(self, ep: int | None = None, fsdp: bool = False) -> None:
         super().__init__()

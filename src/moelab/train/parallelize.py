@@ -327,28 +327,50 @@ def save_sharded(
 ) -> None:
     """Write the model (and optimizer) state to the folder ``path`` with
     ``torch.distributed.checkpoint.save``: every rank writes its own shards, nothing is gathered
-    (a collective).  :func:`load_sharded` reads it on any layout and number of ranks."""
+    (a collective); the optimizer's param groups go to ``param_groups.pt`` (rank 0,
+    ``torch.save``), so the shards hold tensors only.  :func:`load_sharded` reads it on any layout
+    and number of ranks."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_dcp_state(model, optimizer), checkpoint_id=os.fspath(path))
+    from ..io.atomic import atomic_write_torch
+
+    state = _dcp_state(model, optimizer)
+    groups = state.pop("param_groups", None)
+    dcp.save(state, checkpoint_id=os.fspath(path))
+    if groups is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        atomic_write_torch(os.path.join(path, PARAM_GROUPS), groups)
+    if dist.is_initialized():
+        dist.barrier()  # the param groups are there before any rank reads the folder
 
 
 def load_sharded(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Read a :func:`save_sharded` folder into the parallelized ``model`` (and ``optimizer``),
-    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective)."""
-    import torch.distributed.checkpoint as dcp
+    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective).
+    Nothing is unpickled unrestricted (:mod:`moelab.io.sharded`): the index ``.metadata`` builds
+    only DCP's metadata classes, a non-tensor entry is refused, the param groups are read with
+    ``weights_only=True``."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    from ..io import sharded as dcp_io
+
     state = _dcp_state(model, optimizer)
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    groups = state.pop("param_groups", None)
+    files = {f.name: "" for f in os.scandir(path) if f.is_file()}
+    dcp_io.load(state, path, files, no_dist=not dist.is_initialized())
+    if groups is not None:
+        groups = torch.load(os.path.join(path, PARAM_GROUPS), weights_only=True)
     set_state_dict(
         model,
         [] if optimizer is None else optimizer,
         model_state_dict=state["model"],
-        optim_state_dict=state.get("optimizer", {}),
+        optim_state_dict={} if optimizer is None else {"state": state["optimizer"], "param_groups": groups},
     )
+
+
+#: the optimizer's param groups of a :func:`save_sharded` folder (the shards hold tensors only)
+PARAM_GROUPS = "param_groups.pt"
 
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -357,4 +379,8 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dic
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
+    return {
+        "model": model_state,
+        "optimizer": optimizer_state["state"],
+        "param_groups": optimizer_state["param_groups"],
+    }

@@ -337,13 +337,17 @@ class Trainer:
 
     def _latest_checkpoint(self) -> dict[str, Any] | None:
         """The training state of the newest good checkpoint, its weights loaded into the full
-        model (a checkpoint never depends on the parallel layout); ``None`` without one."""
+        model (a checkpoint never depends on the parallel layout); ``None`` without one.  A sharded
+        checkpoint resumed by a sharded run keeps its weights for :meth:`_resume` (read shard by
+        shard into the layout: ``"sharded_path"``); any other pairing goes through the full model."""
         if self.ckpt_dir is None:
             return None
         path = ckpt.latest_checkpoint(self.ckpt_dir)
         if path is None:
             return None
         try:
+            if self.parallel.sharded_checkpoints and ckpt.is_sharded(path):  # verified just above
+                return {**torch.load(path / ckpt.STATE, weights_only=True), "sharded_path": path}
             return ckpt.load_checkpoint(path, self.model)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # digests that match a crafted file
             raise CheckpointError(
@@ -357,7 +361,12 @@ class Trainer:
         the step to continue from (0 without a checkpoint)."""
         start = 0
         if saved is not None:
-            self.parallel.load_optimizer_state(optimizer, self.model, saved["optimizer"])
+            if "sharded_path" in saved:  # every rank reads the pieces of its own shards
+                ckpt.load_sharded_checkpoint(
+                    saved["sharded_path"], self.model, optimizer, saved["optimizer_groups"]
+                )
+            else:
+                self.parallel.load_optimizer_state(optimizer, self.model, saved["optimizer"])
             scheduler.load_state_dict(saved["scheduler"])
             self.ctx.load_state_dict(saved["ctx"])  # refuses another competition schedule
             _set_rng_state(saved["rng"], generator)
@@ -477,25 +486,32 @@ class Trainer:
             self.on_eval(done, val)
 
     def _checkpoint(self, done: int, optimizer, scheduler, generator, state: dict[str, Any]) -> None:
-        """Write ``ckpt/step-{done}`` (the full model and optimizer state, from rank 0)."""
-        weights = self.parallel.weights(self.model)
-        optimizer_state = self.parallel.optimizer_state(optimizer, self.model)
+        """Write ``ckpt/step-{done}``: the full model and optimizer state from rank 0, or, for a
+        sharded layout (FSDP2 / expert parallelism), each rank's shards (a collective)."""
         log = self.run.file("log.csv")
         log_text = log.read_text() if self.is_main and log.exists() else ""
+        record = {
+            "step": done,
+            "scheduler": scheduler.state_dict(),
+            "ctx": self.ctx.state_dict(),
+            "rng": _rng_state(generator),
+            "trainer": state,
+            "log": log_text,  # log.csv up to this step: resume rewrites it exactly
+        }
+        if self.parallel.sharded_checkpoints:
+            ckpt.save_sharded_checkpoint(
+                self.ckpt_dir, done, self.parallel.full_model(self.model), self.model, optimizer, record,
+                keep=self.config.keep_ckpts,
+            )  # fmt: skip
+            return
+        weights = self.parallel.weights(self.model)
+        optimizer_state = self.parallel.optimizer_state(optimizer, self.model)
         if self.is_main:
             ckpt.save_checkpoint(
                 self.ckpt_dir,
                 done,
                 weights,
-                {
-                    "step": done,
-                    "optimizer": optimizer_state,
-                    "scheduler": scheduler.state_dict(),
-                    "ctx": self.ctx.state_dict(),
-                    "rng": _rng_state(generator),
-                    "trainer": state,
-                    "log": log_text,  # log.csv up to this step: resume rewrites it exactly
-                },
+                {**record, "optimizer": optimizer_state},
                 keep=self.config.keep_ckpts,
             )
 
