@@ -218,3 +218,23 @@ def test_diagnose_without_two_checkpoints_says_it_draws_no_curves(run_dir, tmp_p
     )
     assert json.loads((run / "diagnostics.json").read_text())["figures"] == {}
     assert not (run / "router_distributions.png").exists()
+
+
+def test_curves_of_a_router_whose_k_grows_compare_with_the_final_choices(corpus, tmp_path):
+    out = tmp_path / "dropout"
+    argv = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "4", "--steps", "4", "--eval-every", "2", "--eval-tokens", "64", "--test-tokens",
+            "64", "--ckpt-every", "1", "--keep-ckpts", "all", "--no-progress", "--method", "smoe-dropout",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert main(["diagnose", str(out), "--tokens", "64"]) == 0
+    d = json.loads((out / "diagnostics.json").read_text())
+    batches = _batches(LMTask(load_text(str(corpus)), 16), 64)
+    first, final = (moelab.load(out / "ckpt" / f"step-{s:08d}") for s in (1, 4))
+    a = [torch.cat(x) for x in zip(*[metrics.active_choices(first, b) for b in batches])]
+    b = [torch.cat(x) for x in zip(*[metrics.active_choices(final, b) for b in batches])]
+    assert a[0].shape[1] < b[0].shape[1]  # K grew between the two checkpoints
+    for layer, (x, y) in enumerate(zip(a, b)):  # |A ∩ B| / (T · K_final), every choice active
+        hits = (x.unsqueeze(-1) == y.unsqueeze(-2)).any(-1).sum()
+        assert d["saturation"][0][layer] == pytest.approx(float(hits) / y.numel())
+    assert d["saturation"][-1] == [1.0, 1.0]

@@ -78,6 +78,14 @@ def routing_curves(ckpts: list[Path], batches: list[torch.Tensor]) -> dict[str, 
         choices.append([torch.cat(layer) for layer in zip(*per_batch)])
         num_experts = [m.num_experts for m in metrics._layers(model)]
 
+    # a router whose K changes over training (SMoE-Dropout): the narrower routings padded with
+    # empty slots, so a checkpoint's share of the final choices is |A ∩ B| / K_final
+    widths = [max(c[i].shape[1] for c in choices) for i in range(len(choices[0]))]
+    choices = [
+        [torch.nn.functional.pad(x, (0, w - x.shape[1]), value=-1) for x, w in zip(c, widths)]
+        for c in choices
+    ]
+
     def agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
         return [float(metrics.slot_agreement(x, y).double().sum()) / x.numel() for x, y in zip(a, b)]
 
