@@ -474,6 +474,8 @@ def benchmark_rows(
             "change_rate": _mean_or_none([d["expert_change_rate"] for d in diags]),
             "saturation_mid": _mean_or_none([s for s, _ in saturation]),
             "saturation_step": saturation[0][1],
+            # shared experts run for every token: a routed expert's width each (moelab.MoE num_shared)
+            "shared_experts": _shared_experts(out / name / f"seed{seeds[0]}"),
             "active_experts": mean([d["active_experts_mean"] for d in diags]),
             **{
                 k: cost.get(k)
@@ -498,6 +500,13 @@ def benchmark_rows(
     for r in rows:
         r["rank"], r["rank_low"], r["rank_high"] = ranks[r["method"]]
     return sorted(rows, key=lambda r: (r["mean"], r["method"]))
+
+
+def _shared_experts(run_dir: Path) -> int:
+    from ..io.model import load
+    from ..layer import moe_layers
+
+    return moe_layers(load(run_dir))[0].num_shared
 
 
 def _mean_or_none(values: list[float | None]) -> float | None:
@@ -528,8 +537,8 @@ def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int]) ->
     metric = rows[0]["metric"].removeprefix("test_").upper()
     step = next((r["saturation_step"] for r in rows if r["saturation_step"] is not None), None)
     head = [
-        "method", f"test {metric} (mean [95 % CI])", f"Δ vs {config.reference} [95 % CI]", "p (Holm)",
-        f"TOST p (Holm), ±{config.margin:g}", "verdict", "rank [95 % bootstrap]", "MaxVio", "Jain",
+        "method", f"test {metric} (mean [95 % CI])", f"Δ vs {config.reference} [95 % CI]", "p (raw / Holm)",
+        f"TOST p (raw / Holm), ±{config.margin:g}", "verdict", "rank [95 % bootstrap]", "MaxVio", "Jain",
         "change rate (last interval)", f"saturation at step {step}", "expert FFNs / token",
         "layer time ÷ dense", "peak MiB (dense)", "repeats bit for bit", "1 vs 2 ranks max |Δloss|",
     ]  # fmt: skip
@@ -544,15 +553,18 @@ def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int]) ->
             r["method"],
             f"{r['mean']:.4f} [{_f(r['ci_low'], '.4f')}, {_f(r['ci_high'], '.4f')}]",
             delta,
-            _f(r["p_holm"], ".3g"),
-            _f(r["p_equivalent_holm"], ".3g"),
+            "—" if r["p"] is None else f"{_f(r['p'], '.2g')} / {_f(r['p_holm'], '.2g')}",
+            "—"
+            if r["p_equivalent"] is None
+            else f"{_f(r['p_equivalent'], '.2g')} / {_f(r['p_equivalent_holm'], '.2g')}",
             r["verdict"],
             f"{r['rank']} [{r['rank_low']}, {r['rank_high']}]",
             _f(r["max_vio"], ".3f"),
             _f(r["jain"], ".3f"),
             _f(r["change_rate"], ".3f"),
             _f(r["saturation_mid"], ".3f"),
-            _f(r["active_experts"], ".2f"),
+            _f(r["active_experts"], ".2f")
+            + (f" + {r['shared_experts']} shared" if r["shared_experts"] else ""),
             _f(r["layer_ratio"], ".2f") + (" (sched.)" if r["competing_fraction"] is not None else ""),
             f"{_f(r['peak_mib'], '.1f')} ({_f(r['dense_peak_mib'], '.1f')})",
             "—" if r["bit_repeat"] is None else ("yes" if r["bit_repeat"] else "no"),
@@ -571,7 +583,8 @@ def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int]) ->
         f"MaxVio, Jain, change rate, saturation, expert FFNs / token: diagnostics on the first "
         f"{config.diagnose_tokens} test tokens, mean over seeds; change rate between the last two kept "
         "checkpoints; saturation = share of the final checkpoint's top-K choices the named checkpoint "
-        "already makes; expert FFNs / token at inference (null experts and empty slots not counted).",
+        "already makes; expert FFNs / token: routed experts a token runs at inference (null experts and empty slots not "
+        "counted), plus the shared experts every token runs.",
         f"layer time ÷ dense: the first MoE layer of seed {seeds[0]}'s model, training step (forward + "
         "backward) on one batch of tokens against a dense FFN of width K·d_hidden, median over "
         f"{config.timing_rounds} interleaved rounds of process CPU time, 1 thread; (sched.): the plain and "
