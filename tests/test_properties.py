@@ -141,7 +141,7 @@ def no_training(monkeypatch, tiny_text):
 
     monkeypatch.setattr(lm, "load_text", lambda *a, **k: tiny_text)
     monkeypatch.setattr(compare, "load_text", lambda *a, **k: tiny_text)
-    monkeypatch.setattr(compare, "_jobs", lambda args: 1)  # in this process, where fit is patched
+    monkeypatch.setattr(compare, "jobs_of", lambda args: 1)  # in this process, where fit is patched
     monkeypatch.setattr(Trainer, "fit", _stop)
     monkeypatch.setattr(finetune, "load_classification", _stop)
     monkeypatch.setattr(upcycle, "load_hf_model", _stop)
