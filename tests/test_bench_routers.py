@@ -16,13 +16,6 @@ from moelab.cli import main
 from moelab.experiments.summary import holm
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "c.txt"
-    path.write_text("".join(f"a line of text number {i} with {i % 9} words.\n" for i in range(400)))
-    return path
-
-
 def tiny(corpus, out, *extra):
     return ["benchmark", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
             "--num-experts", "4", "--steps", "4", "--eval-every", "2", "--ckpt-every", "2", "--eval-tokens",
