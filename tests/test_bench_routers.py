@@ -72,6 +72,8 @@ def test_benchmark_writes_one_row_per_method_from_its_runs(finished):
     )
     table = (finished / "benchmark.md").read_text()
     assert table.count("\n| ") == 4 and "TOST p (raw / Holm), ±0.02" in table and "(sched.)" in table
+    # compare's report, rewritten after the diagnostics: their tables are in the folder
+    assert (finished / "diagnostics.csv").is_file() and (finished / "diagnostics_curves.csv").is_file()
     for png in ("benchmark_bpc.png", "benchmark_cost.png"):
         assert (finished / png).stat().st_size > 1000
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..experiments import compare, runner
 from ..experiments.lm import TrainRun, set_threads
+from ..experiments.report import collect_runs, write_report
 from ..experiments.runner import Interval, setting
 from ..experiments.summary import bootstrap_ranks, holm, mean, paired, t_interval
 from ..io.atomic import atomic_write_text, read_json
@@ -159,6 +160,9 @@ def _benchmark(args, config: BenchmarkConfig, names: list[str], cmp, plan, out: 
     todo = [d for d in runs.values() if not _diagnosed(d, config.diagnose_tokens)]
     print(f"\ndiagnosing {len(todo)} of {len(runs)} runs on {config.diagnose_tokens} test tokens each")
     _diagnose_all(todo, config.diagnose_tokens, min(compare.jobs_of(cmp), max(1, len(todo))))
+    # compare's report again, now with the diagnostics' tables and curves (whatever phase a resumed
+    # benchmark started in, the folder ends the same)
+    write_report(collect_runs(list(runs.values())), out, config.reference, header=plan[1])
     # phase 3: the cost of each method, measured in this process, one thread
     set_threads(replace(config.run, threads=1))
     first = {name: one for name, seed, one in configs if seed == seeds[0]}
