@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moelab.bench import compete
+from moelab.bench.harness import FixedSchedule
 from moelab.experts import grouped_mm_available
 from moelab.layer import aux_loss
 
@@ -30,7 +31,7 @@ def test_grouped_competition_pass_trains_exactly_as_the_einsums(grad_path):
     results = []
     for all_pass in ("einsum", "grouped"):
         model, _ = compete._model(
-            dataclasses.replace(cfg, all_pass=all_pass), "competesmoe", compete._Fixed(2, {0, 1})
+            dataclasses.replace(cfg, all_pass=all_pass), "competesmoe", FixedSchedule(2, {0, 1})
         )
         x = torch.randn(cfg.tokens, cfg.d_model, generator=torch.Generator().manual_seed(1))
         loss = model(x).square().mean() + aux_loss(model)

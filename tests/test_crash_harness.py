@@ -39,8 +39,8 @@ from pathlib import Path
 import pytest
 
 #: metrics / CSV columns that measure time or memory (the only numbers a resumed run may change: a
-#: measurement repeated; the benchmark's profiler peaks move by a few KiB between runs) or name the run's
-#: own folder
+#: measurement repeated, and the profiler's memory peaks are not bit-stable between repeats) or name the
+#: run's own folder
 TIMING = {"seconds", "tokens_per_s", "train_time_s", "time_s", "train_tokens_per_s", "path", "layer_ratio",
           "peak_mib", "dense_peak_mib"}  # fmt: skip
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from .harness import Candidate, interleaved, peak_memory_bytes
+from .harness import Candidate, FixedSchedule, interleaved, peak_memory_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -114,17 +114,6 @@ def _pass_unavailable(impl: str, cfg: Config) -> str | None:
     return None
 
 
-class _Fixed:
-    """A schedule with a fixed set of competing layers at every step."""
-
-    def __init__(self, num_layers: int, active: set[int]) -> None:
-        self.num_layers = num_layers
-        self.active_layers = active
-
-    def active(self, layer: int, step: int) -> bool:
-        return layer in self.active_layers
-
-
 def _model(cfg: Config, method: str, schedule) -> tuple[nn.Module, object]:
     from ..layer import attach
     from ..routing import RoutingContext
@@ -160,7 +149,7 @@ def _time_steps(cfg: Config) -> dict:
     comp, ctx_c = _model(cfg, "competesmoe", schedule)
     opts = {id(m): torch.optim.Adam(m.parameters(), lr=1e-4) for m in (smoe, comp)}
     x = torch.randn(cfg.tokens, cfg.d_model, device=cfg.device)
-    warm = _Fixed(cfg.layers, set())
+    warm = FixedSchedule(cfg.layers, set())
     ctx_c.schedule = warm
     for _ in range(3):  # warm-up, no competition
         for m in (smoe, comp):
@@ -201,7 +190,7 @@ def _expert_share(cfg: Config, smoe_step: float, repeats: int = 20) -> float:
 
 def _saved_bytes(cfg: Config, method: str, active: set[int]) -> int:
     """Bytes of the tensors autograd saves for backward in one training forward."""
-    model, _ = _model(cfg, method, _Fixed(cfg.layers, active))
+    model, _ = _model(cfg, method, FixedSchedule(cfg.layers, active))
     x = torch.randn(cfg.tokens, cfg.d_model, device=cfg.device)
     seen: dict[tuple[int, int], int] = {}
 
@@ -238,7 +227,7 @@ def _rss_probe(cfg_json: str) -> None:
     spec = json.loads(cfg_json)
     cfg = Config(**spec["config"])
     torch.set_num_threads(cfg.threads)
-    model, _ = _model(cfg, spec["method"], _Fixed(cfg.layers, set(spec["active"])))
+    model, _ = _model(cfg, spec["method"], FixedSchedule(cfg.layers, set(spec["active"])))
     x = torch.randn(cfg.tokens, cfg.d_model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     try:
@@ -255,7 +244,7 @@ def _rss_probe(cfg_json: str) -> None:
 
 def _peak_memory(cfg: Config, method: str, active: set[int]) -> int:
     if cfg.device.startswith("cuda"):
-        model, _ = _model(cfg, method, _Fixed(cfg.layers, active))
+        model, _ = _model(cfg, method, FixedSchedule(cfg.layers, active))
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         x = torch.randn(cfg.tokens, cfg.d_model, device=cfg.device)
         return peak_memory_bytes(lambda: _step(model, opt, x), cfg.device)

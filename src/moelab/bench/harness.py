@@ -35,6 +35,7 @@ __all__ = [
     "CLOCKS",
     "PEAKS",
     "Candidate",
+    "FixedSchedule",
     "device_peak_tflops",
     "expert_flops_per_token",
     "flag_flops",
@@ -464,6 +465,18 @@ def write_document(path: Path, doc: dict, markdown: str | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------- steps
+class FixedSchedule:
+    """A competition schedule with a fixed set of competing layers at every step: the kind of
+    training step a benchmark times (none, some or all layers competing)."""
+
+    def __init__(self, num_layers: int, active: set[int]) -> None:
+        self.num_layers = num_layers
+        self.active_layers = set(active)
+
+    def active(self, layer: int, step: int) -> bool:
+        return layer in self.active_layers
+
+
 def train_step(module: nn.Module, x: Tensor, grad: Tensor) -> Callable[[], None]:
     """Forward and backward of ``grad`` in training mode, the gradients of the last step freed first."""
     params = list(module.parameters())

@@ -40,8 +40,8 @@ from ..methods import methods
 __all__ = ["PROTOCOL", "BenchmarkConfig", "add_arguments", "run"]
 
 #: the protocol's run settings (flags given on the command line win): the ``mini`` model of the
-#: decisive CPU experiment on the standard library's sources, at a budget that fits every method
-#: and five seeds into about an hour of the 2-core development machine (docs/benchmark.md)
+#: decisive CPU experiment on the standard library's sources, at a budget planned from measured
+#: throughput so that every method and five seeds fit a CPU session (docs/benchmark.md)
 PROTOCOL: dict[str, Any] = {
     "size": "mini",
     "data": "stdlib",
@@ -182,7 +182,7 @@ def _benchmark(args, config: BenchmarkConfig, names: list[str], cmp, plan, out: 
         print(f"{name}: cost measured ({time.perf_counter() - t0:.0f}s): " + _cost_line(cost))
     # phase 4: the table, from the files alone
     rows = benchmark_rows(out, names, seeds, config.reference, config.margin)
-    table = render_table(rows, config, seeds)
+    table = render_table(rows, config, seeds, plan[1])
     atomic_write_text(out / OUTPUTS[0], _csv_text(rows))
     atomic_write_text(out / OUTPUTS[1], table + "\n")
     plot_quality(rows, config, out / OUTPUTS[2])
@@ -266,16 +266,6 @@ def _cost_line(cost: dict[str, Any]) -> str:
     )
 
 
-class _Fixed:
-    """A competition schedule that always (or never) competes: the two kinds of training step."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def active(self, layer: int, step: int) -> bool:
-        return self.on
-
-
 def _scheduled_fraction(schedule: Any, num_layers: int, steps: int) -> float:
     """The fraction of (layer, step) pairs of the run on which ``schedule`` competes."""
     hits = sum(bool(schedule.active(layer, s)) for layer in range(num_layers) for s in range(steps))
@@ -296,6 +286,7 @@ def layer_cost(run_dir: Path, one: TrainRun, rounds: int) -> dict[str, Any]:
     from ..routing import RoutingContext
     from .harness import (
         Candidate,
+        FixedSchedule,
         free_grads,
         interleaved,
         measure_peak_memory,
@@ -326,7 +317,11 @@ def layer_cost(run_dir: Path, one: TrainRun, rounds: int) -> dict[str, Any]:
     for kind, on in kinds.items():
         twin = layer if kind == "plain" else copy.deepcopy(layer)
         twin.ctx = RoutingContext(
-            step=max(total - 1, 0), total_steps=total, schedule=None if schedule is None else _Fixed(on)
+            step=max(total - 1, 0),
+            total_steps=total,
+            schedule=None
+            if schedule is None
+            else FixedSchedule(len(layers), set(range(len(layers))) if on else set()),
         )
         modules[kind] = twin
     for name, module in modules.items():
@@ -536,7 +531,7 @@ def _f(x: float | None, spec: str) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int]) -> str:
+def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int], losses: str) -> str:
     """The markdown table of :func:`benchmark_rows` with the lines that say how to read it."""
     metric = rows[0]["metric"].removeprefix("test_").upper()
     step = next((r["saturation_step"] for r in rows if r["saturation_step"] is not None), None)
@@ -580,7 +575,7 @@ def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int]) ->
         f"{len(rows)} methods × {len(seeds)} seeds ({seeds[0]}–{seeds[-1]}; a seed fixes the initial weights "
         f"and the batches, so the differences are paired by seed); size {run.size}, {run.steps} steps, "
         f"data {run.data}; test {metric} on the first {run.test_tokens or 'all'} test tokens of the best-"
-        "validation checkpoint; aux losses balance 0.01 + z 0.001 for every method plus its own.",
+        f"validation checkpoint; {losses}.",
         f"p: paired t-test of the difference to {config.reference}; TOST: equivalence within ±{config.margin:g}; "
         f"both Holm-adjusted over the {len(rows) - 1} comparisons; verdicts at 0.05.",
         "rank: by mean test metric (1 = lowest), interval from 2,000 bootstrap resamples of the seeds.",
@@ -667,7 +662,7 @@ def plot_cost(rows: list[dict], config: BenchmarkConfig, path: Path) -> None:
         )
     ax.axhspan(-config.margin, config.margin, color="0.9")
     ax.axhline(0, color="0.5", lw=0.8)
-    ax.set_xscale("log")  # the dense-gradient routers cost an order of magnitude more
+    ax.set_xscale("log")  # a router that runs every expert and one that runs K sit on one axis
     ax.set_xlabel("layer training step time ÷ dense FFN of equal active width (log scale)")
     ax.set_ylabel(f"Δ test {rows[0]['metric'].removeprefix('test_').upper()} vs {config.reference}")
     _save(plt, fig, path)
