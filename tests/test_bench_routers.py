@@ -81,7 +81,7 @@ def test_benchmark_writes_one_row_per_method_from_its_runs(finished):
 def test_benchmark_resume_reuses_every_file_and_changes_no_number(corpus, finished, capsys):
     before = {p: p.read_bytes() for p in finished.rglob("*") if p.is_file() and p.suffix in (".json", ".csv")}
     assert main(tiny(corpus, finished, "--methods", "smoe,xmoe,competesmoe")) == 2
-    assert "already holds a benchmark; pass --resume" in capsys.readouterr().err
+    assert "already holds a benchmark or a comparison; pass --resume" in capsys.readouterr().err
     assert main(tiny(corpus, finished, "--methods", "smoe,xmoe,competesmoe", "--resume")) == 0
     out = capsys.readouterr().out
     assert (

@@ -128,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
             "another --out or pass --force to start afresh"
         )
     if any((out / name).exists() for name in ("results.csv", OUTPUTS[0])) and not (args.resume or args.force):
-        raise FileExistsError(f"--out {out} already holds a benchmark; pass --resume to reuse it or --force")
+        raise FileExistsError(
+            f"--out {out} already holds a benchmark or a comparison; pass --resume to reuse it or --force"
+        )
     runner.check_memory(
         config, lambda c: 4096 * len(names) * c.seeds, {"seeds": 2}, f"{len(names)} methods × --seeds runs"
     )
