@@ -92,15 +92,18 @@ def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert_with_one_thread():
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
 @pytest.mark.parametrize("policy,want", [("PASSIVE", "loop"), (None, "grouped"), ("active", "grouped")])
-def test_auto_takes_the_threaded_loop_only_where_idle_openmp_workers_sleep(monkeypatch, policy, want):
-    # docs/performance.md: with 2 threads the threaded loop is ahead under OMP_WAIT_POLICY=PASSIVE
-    # and behind grouped_mm under the default policy, whose workers spin
+def test_auto_rule_takes_the_threaded_loop_only_where_idle_openmp_workers_sleep(monkeypatch, policy, want):
+    # docs/performance.md: with 2 threads the threaded loop is ahead under OMP_WAIT_POLICY=PASSIVE;
+    # with spinning workers the ranking differs between hosts (there auto measures by default)
+    from moelab.experts import kernels
+
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     bank = ExpertBank(4, 8, 16)
     threads = torch.get_num_threads()
+    kernels.set_autotune("never")
     try:
         torch.set_num_threads(2)
         for tokens in (3, 64, 4096):
@@ -114,6 +117,70 @@ def test_auto_takes_the_threaded_loop_only_where_idle_openmp_workers_sleep(monke
         assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
     finally:
         torch.set_num_threads(threads)
+        kernels.set_autotune("unsure")
+
+
+def _fake_kernels(monkeypatch, cost, now, calls, off=()):
+    """Kernels that advance the fake clock ``now`` by ``cost[name]`` and return ``x`` (those in
+    ``off``: ``x`` a little changed)."""
+    from moelab.experts import kernels
+
+    def fake(name):
+        def kernel(x, indices, weights, experts):
+            calls.append(name)
+            now[0] += cost[name]
+            return x * (1.0 + 1e-6) if name in off else x * 1.0
+
+        return kernel
+
+    monkeypatch.setattr(kernels, "KERNELS", {name: fake(name) for name in cost})
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+@pytest.mark.parametrize("policy,threads,measures", [
+    (None, 2, True), ("active", 4, True), ("PASSIVE", 2, False), (None, 1, False), ("active", 1, False),
+])  # fmt: skip
+def test_auto_measures_by_default_only_with_several_threads_whose_idle_workers_spin(
+    monkeypatch, policy, threads, measures
+):
+    from moelab.experts import kernels
+
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    now, calls = [0.0], []
+    _fake_kernels(monkeypatch, {"loop": 1.0, "grouped": 5.0, "stream": 3.0}, now, calls)
+    kernels.set_autotune("unsure", clock=lambda: now[0])
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        bank = ExpertBank(4, 8, 16)
+        pick = bank.resolved_impl(torch.randn(64, 8), top_k=2)
+        if measures:  # the loop is fastest on this clock; the rule would say grouped
+            assert pick == "loop" and calls.count("loop") == calls.count("grouped") == 1 + 5
+        else:
+            assert calls == [] and pick == kernels._rule(
+                torch.randn(64, 8), 2, bank.expert_weights, True, False
+            )
+    finally:
+        torch.set_num_threads(saved)
+        kernels.set_autotune("unsure")
+
+
+def test_the_autotune_setting_is_read_from_the_environment_and_refuses_other_words(monkeypatch):
+    from moelab.experts import kernels
+
+    for value, want in [("", "unsure"), ("never", "never"), (" Always ", "always"), ("unsure", "unsure")]:
+        monkeypatch.setenv("MOELAB_AUTOTUNE", value)
+        assert kernels._autotune_from_env() == want
+    monkeypatch.setenv("MOELAB_AUTOTUNE", "1")
+    with pytest.raises(
+        ValueError, match=r"MOELAB_AUTOTUNE='1' is not allowed; expected one of never, unsure, always"
+    ):
+        kernels._autotune_from_env()
+    with pytest.raises(ValueError, match=r"when=True is not allowed; expected one of never, unsure, always"):
+        kernels.set_autotune(True)
 
 
 def test_the_wait_policy_is_read_from_the_environment(monkeypatch):
@@ -130,20 +197,10 @@ def test_the_wait_policy_is_read_from_the_environment(monkeypatch):
 def test_autotune_measures_each_shape_class_once_and_keeps_the_fastest(monkeypatch):
     from moelab.experts import kernels
 
-    now = [0.0]
+    now, calls = [0.0], []
     cost = {"loop": 5.0, "grouped": 2.0, "stream": 3.0}
-    calls = []
-
-    def fake(name):
-        def kernel(x, indices, weights, experts):
-            calls.append(name)
-            now[0] += cost[name]
-            return x * 1.0
-
-        return kernel
-
-    monkeypatch.setattr(kernels, "KERNELS", {name: fake(name) for name in cost})
-    kernels.set_autotune(True, clock=lambda: now[0], repeats=3)
+    _fake_kernels(monkeypatch, cost, now, calls)
+    kernels.set_autotune("always", clock=lambda: now[0], repeats=3)
     try:
         bank = ExpertBank(4, 8, 16)
         x = torch.randn(64, 8)
@@ -157,10 +214,26 @@ def test_autotune_measures_each_shape_class_once_and_keeps_the_fastest(monkeypat
         assert calls.count("stream") == 4
         assert bank.resolved_impl(torch.randn(300, 8), top_k=2) == "loop"  # 512 tokens: measured anew
     finally:
-        kernels.set_autotune(False)
+        kernels.set_autotune("unsure")
     assert kernels._TUNED == {}
     with pytest.raises(ValueError, match="repeats=0 is not allowed; expected a positive integer"):
-        kernels.set_autotune(True, repeats=0)
+        kernels.set_autotune("always", repeats=0)
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_autotune_never_picks_a_kernel_whose_numbers_differ_from_the_loop(monkeypatch):
+    from moelab.experts import kernels
+
+    now, calls = [0.0], []
+    _fake_kernels(monkeypatch, {"loop": 5.0, "grouped": 2.0, "stream": 1.0}, now, calls, off=("stream",))
+    kernels.set_autotune("always", clock=lambda: now[0], repeats=3)
+    try:
+        bank = ExpertBank(4, 8, 16)
+        # inference: stream is fastest but its output differs in the last bits; grouped is next
+        assert bank.resolved_impl(torch.randn(64, 8), top_k=2, grad=False) == "grouped"
+        assert calls.count("stream") == 1  # checked once, then never timed
+    finally:
+        kernels.set_autotune("unsure")
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
@@ -352,15 +425,43 @@ def test_a_kernel_registered_as_one_entry_runs_by_its_name(monkeypatch):
     torch.testing.assert_close(y, reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)
 
 
-def test_autotune_with_the_real_kernels_picks_one_that_runs():
+def test_autotune_with_the_real_kernels_picks_one_that_gives_the_loops_numbers():
     from moelab.experts import kernels
 
-    kernels.set_autotune(True, repeats=1)
+    kernels.set_autotune("always", repeats=1)
     try:
-        bank = ExpertBank(4, 8, 16)
-        x = torch.randn(32, 8)
+        bank = ExpertBank(4, 8, 16, activation="swiglu")
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(32, 8, generator=g)
+        idx, w = random_routing(32, 4, 2, g)
         for grad in (True, False):
             pick = bank.resolved_impl(x, top_k=2, grad=grad)
             assert pick in kernels.candidates(x, bank.expert_weights, grad)
+            with torch.set_grad_enabled(grad):
+                picked = KERNELS[pick](x, idx, w, bank.expert_weights)
+                looped = KERNELS["loop"](x, idx, w, bank.expert_weights)
+            assert torch.equal(picked, looped)
     finally:
-        kernels.set_autotune(False)
+        kernels.set_autotune("unsure")
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_a_measurement_inside_an_activation_checkpoint_leaves_its_recomputation_intact():
+    from torch.utils.checkpoint import checkpoint
+
+    from moelab.experts import kernels
+
+    kernels.set_autotune("always", repeats=1)
+    try:
+        bank = ExpertBank(4, 8, 16, activation="swiglu")
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(32, 8, generator=g, requires_grad=True)
+        idx, w = random_routing(32, 4, 2, g)
+        y = checkpoint(bank, x, idx, w, use_reentrant=False)  # measures inside the checkpoint
+        y.square().sum().backward()
+        kernels.set_autotune("never")
+        x2 = x.detach().requires_grad_()
+        bank(x2, idx, w).square().sum().backward()
+        assert torch.equal(x.grad, x2.grad)
+    finally:
+        kernels.set_autotune("unsure")

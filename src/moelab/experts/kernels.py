@@ -2,13 +2,13 @@
 :data:`KERNELS` maps each name (``loop``, ``grouped``, ``stream``, ``triton``) to one function of
 the tokens, the routing and the experts' weight tensors (:class:`ExpertWeights`), so nothing here
 knows the bank; ``impl="auto"`` runs the kernel :func:`choose_kernel` names from the device, the
-slots per expert, autograd and the torch threads.  docs/kernels.md describes each kernel and when
+slots per expert, autograd, the torch threads and the OpenMP wait policy, or from a one-time
+measurement where those cannot tell (:func:`set_autotune`).  docs/kernels.md describes each kernel and when
 ``auto`` picks it.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +25,7 @@ from .threads import over_experts
 
 __all__ = [
     "ALL_PASSES",
+    "AUTOTUNE_MODES",
     "IMPLS",
     "KERNELS",
     "LOOP_ROWS_PER_EXPERT",
@@ -239,24 +240,47 @@ def omp_wait_policy() -> str:
     return value if value in ("passive", "active") else "default"
 
 
-#: ``impl="auto"`` times the candidate kernels once per shape class and keeps the fastest
-#: (:func:`set_autotune`; the environment variable ``MOELAB_AUTOTUNE=1`` turns it on at import)
-_AUTOTUNE = {"on": os.environ.get("MOELAB_AUTOTUNE", "") == "1", "clock": time.perf_counter, "repeats": 3}
+#: when ``impl="auto"`` times the candidate kernels instead of following its rule
+#: (:func:`set_autotune`; the environment variable ``MOELAB_AUTOTUNE`` sets it at import)
+AUTOTUNE_MODES = ("never", "unsure", "always")
+
+
+def _autotune_from_env() -> str:
+    value = os.environ.get("MOELAB_AUTOTUNE", "").strip().lower() or "unsure"
+    if value not in AUTOTUNE_MODES:
+        raise ValueError(
+            f"MOELAB_AUTOTUNE={value!r} is not allowed; expected one of {', '.join(AUTOTUNE_MODES)} (or unset)"
+        )
+    return value
+
+
+_AUTOTUNE = {"when": _autotune_from_env(), "clock": time.perf_counter, "repeats": 5}
 #: the measured choice per shape class (:func:`shape_class`), for the life of the process
 _TUNED: dict[tuple, str] = {}
 
 
-def set_autotune(enabled: bool, *, clock: Callable[[], float] | None = None, repeats: int = 3) -> None:
-    """Turn on (or off) the measured choice of ``impl="auto"``, as cuDNN's benchmark mode: the first
-    call of each shape class (:func:`shape_class`) times every kernel that can run on a copy of its
-    input (``repeats`` calls each after one warm-up, median; forward and backward when training)
-    and every later call of the class runs the fastest.  ``clock`` replaces ``time.perf_counter``
-    (tests).  Turning it off or on forgets what was measured."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"enabled={enabled!r} is not allowed; expected True or False")
+def set_autotune(when: str, *, clock: Callable[[], float] | None = None, repeats: int = 5) -> None:
+    """When ``impl="auto"`` measures, as cuDNN's benchmark mode, instead of following its rule:
+
+    - ``"unsure"`` (the default): only where the rule cannot know which kernel is fastest — on the
+      CPU with several torch threads whose idle OpenMP workers spin (``OMP_WAIT_POLICY`` unset or
+      ``active``), where the ranking of the kernels differs from host to host
+      (docs/performance.md);
+    - ``"always"``: for every shape class;
+    - ``"never"``: the rule alone.
+
+    A measurement runs once per :func:`shape_class`, on the first call of the class: every
+    candidate kernel (:func:`candidates`) on a copy of the call's input with a balanced routing,
+    one warm-up call each and then ``repeats`` interleaved rounds (forward and backward when
+    training); the fastest by median runs every later call of the class.  Only kernels whose
+    outputs (and gradients, when training) equal the ``"loop"`` kernel's bit for bit on that copy
+    compete, so a measured choice never changes a number.  ``clock`` replaces
+    ``time.perf_counter`` (tests).  Every call forgets what was measured."""
+    if when not in AUTOTUNE_MODES:
+        raise ValueError(f"when={when!r} is not allowed; expected one of {', '.join(AUTOTUNE_MODES)}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} is not allowed; expected a positive integer")
-    _AUTOTUNE.update(on=enabled, clock=clock or time.perf_counter, repeats=repeats)
+    _AUTOTUNE.update(when=when, clock=clock or time.perf_counter, repeats=repeats)
     _TUNED.clear()
 
 
@@ -272,28 +296,37 @@ def choose_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> 
     """The kernel ``impl="auto"`` runs for ``x (T, d)`` routed to ``top_k`` of the ``experts``,
     with (``grad``) or without autograd.
 
-    With :func:`set_autotune` on (and not under torch.compile): the kernel measured fastest for
-    the call's :func:`shape_class`.  Otherwise by rule, from what the call can know:
+    Measured where :func:`set_autotune` says (by default: on the CPU with several torch threads
+    whose idle OpenMP workers spin, :func:`omp_wait_policy`), never while torch.compile traces:
+    the kernel measured fastest for the call's :func:`shape_class` among those that give the
+    ``"loop"`` kernel's numbers bit for bit.  Otherwise by rule, from what the call can know:
 
     On the CPU: ``"stream"`` for decoding-sized inference (``T·K ≤ N``) and wherever
-    ``grouped_mm`` cannot run without autograd.  With several torch threads, ``"loop"`` (whole
-    experts spread over the threads) only where OpenMP's idle workers sleep
-    (``OMP_WAIT_POLICY=PASSIVE``, :func:`omp_wait_policy`); with the default policy their spinning
-    slows the loop's many small parallel regions, and ``"grouped"`` is ahead in training and
-    ``"stream"`` in inference (docs/performance.md, "impl='auto' and the OpenMP wait policy").  With one thread, inference takes
-    ``"stream"`` from :data:`STREAM_ROWS_PER_EXPERT` slots per expert on and training ``"loop"``
-    from :data:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices, ``"grouped"`` wherever
+    ``grouped_mm`` cannot run without autograd.  With several torch threads whose idle workers
+    sleep (``OMP_WAIT_POLICY=PASSIVE``), ``"loop"`` (whole experts spread over the threads); with
+    spinning workers (where the rule runs only with ``set_autotune("never")``) ``"grouped"`` in
+    training and ``"stream"`` in inference.  With one thread, inference takes ``"stream"`` from
+    :data:`STREAM_ROWS_PER_EXPERT` slots per expert on and training ``"loop"`` from
+    :data:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices, ``"grouped"`` wherever
     :func:`grouped_ok` (no host sync), else ``"loop"`` (float64, unaligned sizes, older torch).
     While torch.compile traces, never ``"stream"`` (its host sync would break the graph) and never
     the threaded loop (``"grouped"`` where it can run).
     """
     tracing = torch.compiler.is_compiling()
-    if _AUTOTUNE["on"] and not tracing:
+    if not tracing and _measures(x):
         key = shape_class(x, top_k, experts, grad)
         if key not in _TUNED:
             _TUNED[key] = _measure(x, top_k, experts, grad)
         return _TUNED[key]
     return _rule(x, top_k, experts, grad, tracing)
+
+
+def _measures(x: Tensor) -> bool:
+    """Whether :func:`choose_kernel` measures for ``x`` (:func:`set_autotune`)."""
+    when = _AUTOTUNE["when"]
+    if when != "unsure":
+        return when == "always"
+    return x.device.type == "cpu" and torch.get_num_threads() > 1 and omp_wait_policy() != "passive"
 
 
 def _rule(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool, tracing: bool) -> str:
@@ -331,37 +364,51 @@ def candidates(x: Tensor, experts: ExpertWeights, grad: bool) -> list[str]:
 
 
 def _measure(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
-    """The fastest of :func:`candidates` on a copy of ``x`` with a balanced routing (the median of
-    the repeats; ties go to the first candidate)."""
+    """The fastest of :func:`candidates` whose results equal the first's (``"loop"``) bit for bit,
+    on a copy of ``x`` with a balanced routing: the median of interleaved rounds after one warm-up
+    call each, ties to the earlier candidate.  Runs under its own saved-tensor hooks, so an
+    enclosing activation checkpoint does not see the probe's autograd graph."""
     clock, repeats = _AUTOTUNE["clock"], _AUTOTUNE["repeats"]
     t, n = x.shape[0], experts.num_experts
     gen = torch.Generator().manual_seed(0)
     indices = torch.stack([torch.randperm(n, generator=gen)[:top_k] for _ in range(min(t, 64))])
     indices = indices.repeat((t + indices.shape[0] - 1) // indices.shape[0], 1)[:t].to(x.device)
     weights = torch.full((t, top_k), 1.0 / top_k, dtype=x.dtype, device=x.device)
-    probe = x.detach().clone()
     params = [w.detach().requires_grad_(grad) if w is not None else None for w in experts[:4]]
-    weights_ = ExpertWeights(*params, experts.activation)
-    best, best_time = None, math.inf
-    for name in candidates(x, experts, grad):
-        times = []
-        for i in range(repeats + 1):
-            with torch.set_grad_enabled(grad):
-                inp = probe.requires_grad_(grad) if grad else probe
-                start = clock()
-                y = KERNELS[name](inp, indices, weights, weights_)
-                if grad:
-                    y.sum().backward()
-                if x.device.type == "cuda":
-                    torch.cuda.synchronize(x.device)
-                elapsed = clock() - start
-            if i:  # the first call warms up
-                times.append(elapsed)
-            probe = x.detach().clone()
-        median = sorted(times)[len(times) // 2]
-        if median < best_time:
-            best, best_time = name, median
-    return best or "loop"
+    probe_experts = ExpertWeights(*params, experts.activation)
+    leaves = [p for p in params if p is not None]
+
+    def run(name: str) -> tuple[float, list[Tensor]]:
+        inp = x.detach().clone().requires_grad_(grad)
+        for p in leaves:
+            p.grad = None
+        with torch.set_grad_enabled(grad):
+            start = clock()
+            y = KERNELS[name](inp, indices, weights, probe_experts)
+            if grad:
+                y.sum().backward()
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            elapsed = clock() - start
+        return elapsed, [y.detach()] + ([inp.grad] + [p.grad for p in leaves] if grad else [])
+
+    names = candidates(x, experts, grad)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        first = run(names[0])[1]  # the warm-up calls, and the results each must equal
+        same = [names[0]] + [name for name in names[1:] if _identical(run(name)[1], first)]
+        times: dict[str, list[float]] = {name: [] for name in same}
+        for _ in range(repeats):
+            for name in same:
+                times[name].append(run(name)[0])
+    median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return min(same, key=median.__getitem__)
+
+
+def _identical(results: list[Tensor], reference: list[Tensor]) -> bool:
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(results, reference, strict=True)
+    )
 
 
 def grouped_aligned(dtype: torch.dtype, *widths: int) -> bool:
