@@ -61,14 +61,9 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
                 f"d_model={d}, d_hidden={h}: float32 rows must be 16-byte aligned)"
             )
             continue
-        resolved = layer.experts.resolved_impl(probe.expand(T, d), K)
-        label = f"moelab {impl}" + (f" (={resolved})" if impl == "auto" else "")
         if impl == "auto":
-            args.auto_picks = {
-                "train": resolved,
-                "infer": layer.experts.resolved_impl(probe.expand(T, d), K, grad=False),
-            }
-        modules[label] = (layer, expert_flops_per_token(layer, K))
+            args.auto_layer = layer  # its picks are read after the timing (:func:`auto_picks`)
+        modules[f"moelab {impl}"] = (layer, expert_flops_per_token(layer, K))
     if args.hf and ref is not None:
         if args.activation != "swiglu" or args.method not in ("smoe",):
             notes.append("Mixtral rows skipped: they need --activation swiglu and --method smoe")
@@ -183,14 +178,28 @@ def _check_layer_args(args: argparse.Namespace) -> None:
     args.impl = list(dict.fromkeys(impls))
 
 
+def auto_picks(args: argparse.Namespace) -> dict[str, str]:
+    """Per phase, the kernel the ``moelab auto`` row ran: asked after the timing, so a choice
+    ``auto`` measured on its first call (:func:`moelab.experts.kernels.set_autotune`) is the one
+    it kept."""
+    layer = getattr(args, "auto_layer", None)
+    if layer is None:
+        return {}
+    x = torch.zeros(args.tokens, args.d_model, device=args.device, dtype=getattr(torch, args.dtype))
+    return {
+        phase: layer.experts.resolved_impl(x, args.top_k, grad=phase == "train")
+        for phase in ("train", "infer")
+    }
+
+
 def auto_against_fastest(rows: list[dict], picks: dict[str, str]) -> dict[str, dict]:
     """Per phase: the kernel ``impl="auto"`` picked, the fastest moelab kernel measured (by median
     time among the ``moelab <kernel>`` rows, compiled ones aside) and auto's time over it."""
     out = {}
     for phase, pick in picks.items():
         kernels = {r["name"].split()[1]: r for r in rows if r["phase"] == phase and r["name"].startswith("moelab ")
-                   and not r["name"].startswith("moelab auto")}  # fmt: skip
-        auto = next((r for r in rows if r["phase"] == phase and r["name"].startswith("moelab auto")), None)
+                   and r["name"] != "moelab auto"}  # fmt: skip
+        auto = next((r for r in rows if r["phase"] == phase and r["name"] == "moelab auto"), None)
         if not kernels or auto is None:
             continue
         fastest = min(kernels, key=lambda k: kernels[k]["median_ms"])
@@ -236,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         dense_width=args.top_k * args.d_hidden,
     )
     machine = dict(before, loadavg_1min_after=load_after)
-    auto = auto_against_fastest(rows, getattr(args, "auto_picks", {}))
+    auto = auto_against_fastest(rows, auto_picks(args))
     if args.json:
         print(
             json.dumps(

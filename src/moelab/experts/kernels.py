@@ -365,21 +365,23 @@ def candidates(x: Tensor, experts: ExpertWeights, grad: bool) -> list[str]:
 
 def _measure(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
     """The fastest of :func:`candidates` whose results equal the first's (``"loop"``) bit for bit,
-    on a copy of ``x`` with a balanced routing: the median of interleaved rounds after one warm-up
-    call each, ties to the earlier candidate.  Runs under its own saved-tensor hooks, so an
-    enclosing activation checkpoint does not see the probe's autograd graph."""
+    on random tokens of ``x``'s shape with a balanced routing and the experts' own weights: the
+    median of interleaved rounds after one warm-up call each, ties to the earlier candidate.  Runs
+    under its own saved-tensor hooks, so an enclosing activation checkpoint does not see the
+    probe's autograd graph."""
     clock, repeats = _AUTOTUNE["clock"], _AUTOTUNE["repeats"]
     t, n = x.shape[0], experts.num_experts
     gen = torch.Generator().manual_seed(0)
     indices = torch.stack([torch.randperm(n, generator=gen)[:top_k] for _ in range(min(t, 64))])
     indices = indices.repeat((t + indices.shape[0] - 1) // indices.shape[0], 1)[:t].to(x.device)
     weights = torch.full((t, top_k), 1.0 / top_k, dtype=x.dtype, device=x.device)
+    tokens = torch.randn(x.shape, generator=gen).to(x.device, x.dtype)  # not x: it may hold NaNs
     params = [w.detach().requires_grad_(grad) if w is not None else None for w in experts[:4]]
     probe_experts = ExpertWeights(*params, experts.activation)
     leaves = [p for p in params if p is not None]
 
     def run(name: str) -> tuple[float, list[Tensor]]:
-        inp = x.detach().clone().requires_grad_(grad)
+        inp = tokens.clone().requires_grad_(grad)
         for p in leaves:
             p.grad = None
         with torch.set_grad_enabled(grad):
