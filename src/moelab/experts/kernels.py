@@ -365,16 +365,17 @@ def candidates(x: Tensor, experts: ExpertWeights, grad: bool) -> list[str]:
 
 def _measure(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
     """The fastest of :func:`candidates` whose results equal the first's (``"loop"``) bit for bit,
-    on random tokens of ``x``'s shape with a balanced routing and the experts' own weights: the
+    on random tokens of ``x``'s shape with a random routing and the experts' own weights: the
     median of interleaved rounds after one warm-up call each, ties to the earlier candidate.  Runs
     under its own saved-tensor hooks, so an enclosing activation checkpoint does not see the
     probe's autograd graph."""
     clock, repeats = _AUTOTUNE["clock"], _AUTOTUNE["repeats"]
     t, n = x.shape[0], experts.num_experts
     gen = torch.Generator().manual_seed(0)
-    indices = torch.stack([torch.randperm(n, generator=gen)[:top_k] for _ in range(min(t, 64))])
-    indices = indices.repeat((t + indices.shape[0] - 1) // indices.shape[0], 1)[:t].to(x.device)
-    weights = torch.full((t, top_k), 1.0 / top_k, dtype=x.dtype, device=x.device)
+    # a random routing: uneven rows per expert and weights that round, so that a kernel whose sums
+    # or products differ from the loop's in any bit shows it
+    indices = torch.rand(t, n, generator=gen).topk(top_k, dim=1).indices.to(x.device)
+    weights = torch.rand(t, top_k, generator=gen).softmax(dim=1).to(x.device, x.dtype)
     tokens = torch.randn(x.shape, generator=gen).to(x.device, x.dtype)  # not x: it may hold NaNs
     params = [w.detach().requires_grad_(grad) if w is not None else None for w in experts[:4]]
     probe_experts = ExpertWeights(*params, experts.activation)
