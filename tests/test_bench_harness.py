@@ -22,15 +22,22 @@ def _logged(log: list[str], name: str, phase: str = "train") -> Candidate:
     )
 
 
-def test_interleaved_rotates_the_order_each_round_and_resets_before_every_call():
+def test_interleaved_runs_each_round_in_a_fresh_seeded_order_and_resets_before_every_call():
     log: ClassVar[list[str]] = []
     cands = [_logged(log, n) for n in ("a", "b", "c")]
-    rounds = interleaved(cands, repeats=3, warmup=1, progress=False)
-    assert rounds == 3
+    rounds = interleaved(cands, repeats=12, warmup=1, progress=False)
+    assert rounds == 12
     calls = [e for e in log if not e.startswith("reset")]
-    assert calls == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]  # warm-up, then rotations
+    assert calls[:3] == ["a", "b", "c"]  # warm-up in the given order
+    timed = [calls[3 + 3 * r : 6 + 3 * r] for r in range(12)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in timed)  # every candidate once a round
+    before_b = {r[r.index("b") - 1] if r.index("b") else "start" for r in timed}
+    assert len(before_b) > 1  # not always after the same candidate (as a rotation would be)
     assert all(log[i] == f"reset {log[i + 1]}" for i in range(0, len(log), 2))
-    assert [len(c.times) for c in cands] == [3, 3, 3]
+    assert [len(c.times) for c in cands] == [12, 12, 12]
+    log.clear()
+    interleaved([_logged(log, n) for n in ("a", "b", "c")], repeats=12, warmup=1, progress=False)
+    assert [e for e in log if not e.startswith("reset")] == calls  # the same orders every run
 
 
 def test_interleaved_stops_at_the_budget_but_not_before_the_minimum_rounds():

@@ -1,8 +1,10 @@
 """What every ``moelab bench`` kind shares: the machine record, interleaved timing with medians and
 ratios, peak memory, FLOP accounting and the table.
 
-Method: every candidate lives in one process; repetitions are interleaved round-robin (the order
-rotates each round), so slow phases of a shared machine hit every candidate alike; a table gives
+Method: every candidate lives in one process; repetitions are interleaved, each round every
+candidate once in a fresh seeded random order, so slow phases of a shared machine hit every
+candidate alike and no candidate always follows the same one (what ran just before a call moves its
+time by a few per cent: caches, OpenMP workers still spinning); a table gives
 medians, the interquartile range, and each candidate's ratio to the baseline as the median over
 rounds of ``t_candidate / t_baseline`` within the same round.  A call is timed by a host clock
 (``wall``: ``perf_counter``; ``cpu``: the process's CPU time), which waits for a CUDA device to
@@ -16,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -226,8 +229,9 @@ def interleaved(
     progress: bool | None = None,
     notes: list[str] | None = None,
 ) -> int:
-    """Time every candidate ``repeats`` times, round-robin, rotating the order each round, after
-    ``warmup`` untimed rounds; each call follows its candidate's ``reset``.
+    """Time every candidate ``repeats`` times, each round every candidate once in a random order
+    (seeded: the same orders every run), after ``warmup`` untimed rounds in the given order; each
+    call follows its candidate's ``reset``.
 
     ``clock``: ``"wall"``, ``"cpu"`` (the process's CPU time, all threads: on a shared,
     oversubscribed machine with one torch thread it counts the work done rather than the time
@@ -265,13 +269,15 @@ def interleaved(
         candidates[:] = [c for c in list(candidates) if call(c, timed=False)]
     timer.sync()
     progress = sys.stderr.isatty() if progress is None else progress
+    shuffle = random.Random(0)
     start = time.perf_counter()
     rounds = 0
     for r in range(repeats):
         if progress:
             print(f"\rround {r + 1}/{repeats}", end="", file=sys.stderr, flush=True)
-        n = len(candidates)
-        kept = {id(c) for c in [candidates[(r + i) % n] for i in range(n)] if call(c, timed=True)}
+        order = list(candidates)
+        shuffle.shuffle(order)
+        kept = {id(c) for c in order if call(c, timed=True)}
         candidates[:] = [c for c in candidates if id(c) in kept]
         rounds += 1
         if (
