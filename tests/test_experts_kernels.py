@@ -168,6 +168,25 @@ def test_auto_measures_by_default_only_with_several_threads_whose_idle_workers_s
         kernels.set_autotune("unsure")
 
 
+def test_auto_never_measures_off_the_cpu_by_default_nor_while_compiling(monkeypatch):
+    from moelab.experts import kernels
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(kernels, "_measure", lambda *a: pytest.fail("measured"))
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        x = torch.empty(64, 8, device="meta")  # another device: the rule
+        bank = ExpertBank(4, 8, 16).to("meta")
+        assert bank.resolved_impl(x, top_k=2) == kernels._rule(x, 2, bank.expert_weights, True, False)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        cpu = ExpertBank(4, 8, 16)
+        want = "grouped" if GROUPED else "loop"  # never the threaded loop, never a measurement
+        assert cpu.resolved_impl(torch.randn(64, 8), top_k=2) == want
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_the_autotune_setting_is_read_from_the_environment_and_refuses_other_words(monkeypatch):
     from moelab.experts import kernels
 
