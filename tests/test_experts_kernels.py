@@ -239,6 +239,16 @@ def test_autotune_measures_each_shape_class_once_and_keeps_the_fastest(monkeypat
         kernels.set_autotune("always", repeats=0)
 
 
+def test_autotune_measures_anew_under_autocast():
+    from moelab.experts import kernels
+
+    bank, x = ExpertBank(4, 8, 16), torch.randn(16, 8)
+    plain = kernels.shape_class(x, 2, bank.expert_weights, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = kernels.shape_class(x, 2, bank.expert_weights, True)
+    assert plain != under and torch.bfloat16 in under and None in plain
+
+
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
 def test_autotune_never_picks_a_kernel_whose_numbers_differ_from_the_loop(monkeypatch):
     from moelab.experts import kernels

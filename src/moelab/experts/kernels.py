@@ -285,10 +285,13 @@ def set_autotune(when: str, *, clock: Callable[[], float] | None = None, repeats
 
 
 def shape_class(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> tuple:
-    """What a measured choice is kept for: device, dtype, training or not, torch threads, the wait
-    policy, the widths and N, K, and the number of tokens rounded to a power of two."""
+    """What a measured choice is kept for: device, dtype, the autocast dtype (``None`` outside
+    autocast), training or not, torch threads, the wait policy, the widths and N, K, and the number
+    of tokens rounded to a power of two."""
     tokens = 1 << max(0, int(x.shape[0]) - 1).bit_length()
-    return (x.device.type, x.dtype, grad, torch.get_num_threads(), omp_wait_policy(),
+    device = x.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return (device, x.dtype, autocast, grad, torch.get_num_threads(), omp_wait_policy(),
             experts.d_model, experts.d_hidden, experts.num_experts, top_k, tokens)  # fmt: skip
 
 
