@@ -244,3 +244,24 @@ def test_bench_sizes_beyond_the_machines_memory_are_refused_before_allocating(ca
     err = capsys.readouterr().err
     assert f"{flag}=4096000000 is not allowed here: the layer, its dense twin and one batch would need" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("policy", [None, "active", "PASSIVE"])
+def test_bench_layer_says_which_wait_policy_to_try_when_workers_spin(capsys, monkeypatch, policy):
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    out = _bench_json(capsys, "--no-hf", "--impl", "loop", "--threads", "2")
+    said = [n for n in out["notes"] if "OMP_WAIT_POLICY=PASSIVE" in n]
+    if policy == "PASSIVE":
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith(
+            f"OMP_WAIT_POLICY is {(policy or 'default').lower()} with 2 torch"
+        )
+    assert not [
+        n
+        for n in _bench_json(capsys, "--no-hf", "--impl", "loop", "--threads", "1")["notes"]
+        if "PASSIVE" in n
+    ]

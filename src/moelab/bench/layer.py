@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import _validate
 from ..experts import IMPLS, MLP
-from ..experts.kernels import grouped_ok
+from ..experts.kernels import grouped_ok, omp_wait_policy
 from ..layer import MoE
 from .harness import (
     CLOCKS,
@@ -216,6 +216,12 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     candidates, notes = build_layer_candidates(args)
+    if torch.get_num_threads() > 1 and omp_wait_policy() != "passive" and args.device == "cpu":
+        notes.append(
+            f"OMP_WAIT_POLICY is {omp_wait_policy()} with {torch.get_num_threads()} torch threads: idle OpenMP "
+            "workers spin, which slows the MoE kernels' small GEMMs more than the dense one; rerun with "
+            "OMP_WAIT_POLICY=PASSIVE (set before Python starts) to compare here (docs/performance.md)"
+        )
     before = machine_info()
     interleaved(candidates, args.repeats, args.warmup, args.clock, device=args.device)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
