@@ -6,44 +6,46 @@ import pytest
 import torch
 
 import moelab
-from moelab.train.titan import TitanRouter
+from moelab.train.titan import TitanRouter, titan_moe
 
 D, N, K, H = 16, 4, 2, 8
 
 
-def _titan_moe(load_balance_coeff=None):
-    moe = pytest.importorskip("torchtitan.models.common.moe")
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-
-    config = moe.MoE.Config(
-        num_experts=N,
-        routed_experts=moe.RoutedExperts.Config(
-            inner_experts=moe.GroupedExperts.Config(dim=D, hidden_dim=H, num_experts=N),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=N, top_k=K),
-        ),
-        router=moe.TokenChoiceTopKRouter.Config(
-            gate=Linear.Config(in_features=D, out_features=N), num_experts=N, top_k=K
-        ),
-        load_balance_coeff=load_balance_coeff,
-    )
-    return config.build()
-
-
 def _titan_with_moelab_router(method: str):
     """torchtitan's MoE with the router of a moelab layer and that layer's expert weights."""
+    pytest.importorskip("torchtitan.models.common.moe")
     # no shared experts: the comparison is of the routed part (torchtitan adds its own shared experts)
     layer = moelab.MoE(
         D, N, K, d_hidden=H, activation="swiglu", method=method, num_shared=0, balance_coef=0.0, z_coef=0.0
     )
-    titan = _titan_moe()
+    titan = titan_moe(layer)
     titan.router = TitanRouter(layer)
-    experts = titan.routed_experts.inner_experts
-    with torch.no_grad():  # moelab's swiglu w_in is [gate | up]; torchtitan's w1 gate, w3 up
-        experts.w1_EFD.copy_(layer.experts.w_in[:, :H])
-        experts.w3_EFD.copy_(layer.experts.w_in[:, H:])
-        experts.w2_EDF.copy_(layer.experts.w_out)
     return layer, titan
+
+
+@pytest.mark.parametrize("num_shared", [0, 1])
+def test_titan_moe_computes_a_softmax_top_k_layer_with_its_weights(num_shared):
+    pytest.importorskip("torchtitan.models.common.moe")
+    torch.manual_seed(0)
+    layer = moelab.MoE(D, N, K, d_hidden=H, activation="swiglu", method="smoe", num_shared=num_shared).eval()
+    titan = titan_moe(layer)
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        ours, theirs = layer(x), titan(x)
+    # torchtitan's experts compute in bfloat16: agreement to its rounding, not bit for bit
+    assert (theirs - ours).abs().max() < 2e-2 * ours.abs().max()
+
+
+def test_titan_moe_refuses_what_torchtitans_moe_cannot_compute():
+    pytest.importorskip("torchtitan.models.common.moe")
+    with pytest.raises(ValueError, match=r"^layer of type Linear is not allowed; expected a moelab\.MoE$"):
+        titan_moe(torch.nn.Linear(D, D))
+    with pytest.raises(
+        ValueError, match=r"^layer with activation='relu', bias=False is not allowed; expected SwiGLU"
+    ):
+        titan_moe(moelab.MoE(D, N, K, d_hidden=H, activation="relu"))
+    with pytest.raises(ValueError, match=r"^layer with activation='swiglu', bias=True is not allowed"):
+        titan_moe(moelab.MoE(D, N, K, d_hidden=H, activation="swiglu", bias=True))
 
 
 @pytest.mark.slow

@@ -266,55 +266,15 @@ def _megablocks(layer: MoE, dtype: torch.dtype) -> nn.Module:
 
 
 def _torchtitan(layer: MoE, dtype: torch.dtype) -> nn.Module:
-    """torchtitan's MoE (its token-choice softmax router, renormalised top-K, grouped experts, shared
-    experts) with ``layer``'s weights: the 0.3 config API, else the earlier ``MoEArgs`` one.  Its
-    experts compute in bfloat16 whatever ``dtype`` is (torchtitan's ``GroupedExperts``)."""
+    """torchtitan's MoE with ``layer``'s weights (:func:`moelab.train.titan.titan_moe` for 0.3, the
+    earlier ``MoEArgs`` API before it); its experts compute in bfloat16 whatever ``dtype`` is."""
     try:
-        from torchtitan.models.common import moe as titan  # torchtitan ≥ 0.3
+        import torchtitan.models.common.moe  # noqa: F401  torchtitan ≥ 0.3
     except ImportError:
         return _torchtitan_before_0_3(layer, dtype)
-    from torchtitan.models.common.feed_forward import FeedForward
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    from ..train.titan import titan_moe
 
-    bank, h, d, n, k = layer.experts, layer.experts.d_hidden, layer.d_model, layer.num_experts, layer.top_k
-    sh = layer.num_shared * h
-    shared = None
-    if layer.shared is not None:
-        shared = FeedForward.Config(
-            w1=Linear.Config(in_features=d, out_features=sh),
-            w2=Linear.Config(in_features=sh, out_features=d),
-            w3=Linear.Config(in_features=d, out_features=sh),
-        )
-    config = titan.MoE.Config(
-        num_experts=n,
-        routed_experts=titan.RoutedExperts.Config(
-            inner_experts=titan.GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=n),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=n, top_k=k),
-        ),
-        router=titan.TokenChoiceTopKRouter.Config(
-            gate=Linear.Config(in_features=d, out_features=n),
-            num_experts=n,
-            top_k=k,
-            score_func="softmax",
-            route_norm=True,
-        ),
-        load_balance_coeff=None,
-        shared_experts=shared,
-    )
-    with torch.device(bank.w_in.device):
-        moe = config.build()
-    experts = moe.routed_experts.inner_experts
-    with torch.no_grad():  # moelab's swiglu w_in is [gate | up]; torchtitan's w1 gate, w3 up
-        moe.router.gate.weight.copy_(layer.router.weight)
-        experts.w1_EFD.copy_(bank.w_in[:, :h])
-        experts.w3_EFD.copy_(bank.w_in[:, h:])
-        experts.w2_EDF.copy_(bank.w_out)
-        if layer.shared is not None:
-            moe.shared_experts.w1.weight.copy_(layer.shared.fc_in.weight[:sh])
-            moe.shared_experts.w3.weight.copy_(layer.shared.fc_in.weight[sh:])
-            moe.shared_experts.w2.weight.copy_(layer.shared.fc_out.weight)
-    return Batched(moe.to(dtype))
+    return Batched(titan_moe(layer).to(dtype))
 
 
 def _torchtitan_before_0_3(layer: MoE, dtype: torch.dtype) -> nn.Module:

@@ -8,14 +8,16 @@ losses and never gives the router its experts.  What cannot be right there is re
 a method with auxiliary losses (their coefficients must be 0: torchtitan would drop them), a
 competition method (it runs the experts itself), a step schedule, and torchtitan's own
 aux-loss-free bias (``load_balance_coeff``: ``sharede-v3`` carries its own selection bias).
-docs/scaling.md ("torchtitan") has the recipe.
+:func:`titan_moe` builds torchtitan's MoE with a moelab layer's weights (its own softmax router,
+experts and shared experts), for comparisons.  docs/scaling.md ("torchtitan") has the recipe.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["TitanRouter"]
+__all__ = ["TitanRouter", "titan_moe"]
 
 
 class TitanRouter(nn.Module):
@@ -76,3 +78,74 @@ class TitanRouter(nn.Module):
             routing.indices.reshape(B, L, K),
             scores.reshape(B, L, self.num_experts),
         )
+
+
+def titan_moe(layer: nn.Module) -> nn.Module:
+    """torchtitan 0.3's ``MoE`` computing what ``layer`` (a :class:`moelab.MoE` of SwiGLU experts
+    without biases) computes with top-K softmax routing: its token-choice router (softmax over the
+    experts, top-K, renormalised) with the layer's router weight, its grouped experts and shared
+    experts with the layer's weights, no aux-loss-free bias.  torchtitan's experts compute in
+    bfloat16, so the outputs agree to that rounding.  A method whose routing is not a softmax
+    top-K gets torchtitan's softmax routing here (and, without a linear ``(N, d)`` gate, its
+    initial gate): put :class:`TitanRouter` in its ``router`` slot for the method's own.
+
+    Raises:
+        ValueError: the layer is not a moelab.MoE of SwiGLU experts without biases.
+        ImportError: torchtitan ≥ 0.3 is not installed.
+    """
+    from torchtitan.models.common import moe as titan
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    from ..layer import MoE
+
+    if not isinstance(layer, MoE):
+        raise ValueError(f"layer of type {type(layer).__name__} is not allowed; expected a moelab.MoE")
+    bank = layer.experts
+    bias = bank.b_in is not None or (layer.shared is not None and layer.shared.fc_in.bias is not None)
+    if bank.activation != "swiglu" or bias:
+        raise ValueError(
+            f"layer with activation={bank.activation!r}, bias={bias} is not allowed; expected SwiGLU experts "
+            "without biases (torchtitan's GroupedExperts and FeedForward)"
+        )
+    h, d, n, k = bank.d_hidden, layer.d_model, layer.num_experts, layer.top_k
+    sh = layer.num_shared * h
+    shared = None
+    if layer.shared is not None:
+        shared = FeedForward.Config(
+            w1=Linear.Config(in_features=d, out_features=sh),
+            w2=Linear.Config(in_features=sh, out_features=d),
+            w3=Linear.Config(in_features=d, out_features=sh),
+        )
+    config = titan.MoE.Config(
+        num_experts=n,
+        routed_experts=titan.RoutedExperts.Config(
+            inner_experts=titan.GroupedExperts.Config(dim=d, hidden_dim=h, num_experts=n),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=n, top_k=k),
+        ),
+        router=titan.TokenChoiceTopKRouter.Config(
+            gate=Linear.Config(in_features=d, out_features=n),
+            num_experts=n,
+            top_k=k,
+            score_func="softmax",
+            route_norm=True,
+        ),
+        load_balance_coeff=None,
+        shared_experts=shared,
+    )
+    with torch.device(bank.w_in.device):
+        moe = config.build()
+    experts = moe.routed_experts.inner_experts
+    with torch.no_grad():  # moelab's swiglu w_in is [gate | up]; torchtitan's w1 gate, w3 up
+        gate = getattr(layer.router, "weight", None)
+        if isinstance(gate, Tensor) and gate.shape == (n, d):  # a linear gate (not e.g. a cosine router's)
+            moe.router.gate.weight.copy_(gate)
+        experts.w1_EFD.copy_(bank.w_in[:, :h])
+        experts.w3_EFD.copy_(bank.w_in[:, h:])
+        experts.w2_EDF.copy_(bank.w_out)
+        if layer.shared is not None:
+            moe.shared_experts.w1.weight.copy_(layer.shared.fc_in.weight[:sh])
+            moe.shared_experts.w3.weight.copy_(layer.shared.fc_in.weight[sh:])
+            moe.shared_experts.w2.weight.copy_(layer.shared.fc_out.weight)
+    return moe
