@@ -18,16 +18,20 @@ def _titan_with_moelab_router(method: str):
     layer = moelab.MoE(
         D, N, K, d_hidden=H, activation="swiglu", method=method, num_shared=0, balance_coef=0.0, z_coef=0.0
     )
-    titan = titan_moe(layer)
-    titan.router = TitanRouter(layer)
-    return layer, titan
+    return layer, titan_moe(layer, router=TitanRouter(layer))
 
 
-@pytest.mark.parametrize("num_shared", [0, 1])
-def test_titan_moe_computes_a_softmax_top_k_layer_with_its_weights(num_shared):
+@pytest.mark.parametrize(
+    ("method", "top_k", "num_shared", "options"),
+    [("smoe", K, 0, {}), ("smoe", K, 1, {}), ("smoe", 1, 0, {}), ("sharede-v2", K, 1, {"scale": 2.5})],
+)
+def test_titan_moe_computes_a_softmax_top_k_layer_with_its_weights(method, top_k, num_shared, options):
     pytest.importorskip("torchtitan.models.common.moe")
     torch.manual_seed(0)
-    layer = moelab.MoE(D, N, K, d_hidden=H, activation="swiglu", method="smoe", num_shared=num_shared).eval()
+    layer = moelab.MoE(
+        D, N, top_k, d_hidden=H, activation="swiglu", method=method, num_shared=num_shared, **options
+    )
+    layer.eval()
     titan = titan_moe(layer)
     x = torch.randn(2, 5, D)
     with torch.no_grad():
@@ -46,6 +50,16 @@ def test_titan_moe_refuses_what_torchtitans_moe_cannot_compute():
         titan_moe(moelab.MoE(D, N, K, d_hidden=H, activation="relu"))
     with pytest.raises(ValueError, match=r"^layer with activation='swiglu', bias=True is not allowed"):
         titan_moe(moelab.MoE(D, N, K, d_hidden=H, activation="swiglu", bias=True))
+    with pytest.raises(
+        ValueError, match=r"^capacity_factor=1.0 is not allowed; expected None \(torchtitan's MoE keeps"
+    ):
+        titan_moe(moelab.MoE(D, N, K, d_hidden=H, activation="swiglu", capacity_factor=1.0))
+    swiglu = {"d_hidden": H, "activation": "swiglu"}
+    for method, options in [("xmoe", {}), ("smoe-dropout", {}), ("sharede-v3", {}), ("smoe", {"eval_k": 1})]:
+        with pytest.raises(
+            ValueError, match=rf"^method='{method}' is not allowed without router=: its routing is not"
+        ):
+            titan_moe(moelab.MoE(D, N, K, method=method, **swiglu, **options))
 
 
 @pytest.mark.slow

@@ -270,11 +270,11 @@ def set_autotune(when: str, *, clock: Callable[[], float] | None = None, repeats
     - ``"never"``: the rule alone.
 
     A measurement runs once per :func:`shape_class`, on the first call of the class: every
-    candidate kernel (:func:`candidates`) on a copy of the call's input with a balanced routing,
-    one warm-up call each and then ``repeats`` interleaved rounds (forward and backward when
-    training); the fastest by median runs every later call of the class.  Only kernels whose
-    outputs (and gradients, when training) equal the ``"loop"`` kernel's bit for bit on that copy
-    compete, so a measured choice never changes a number.  ``clock`` replaces
+    candidate kernel (:func:`candidates`) on random tokens of the call's shape with a random
+    routing and the experts' own weights, one warm-up call each and then ``repeats`` interleaved
+    rounds (forward and backward when training); the fastest by median runs every later call of
+    the class.  Only kernels whose outputs (and gradients, when training) equal the ``"loop"``
+    kernel's bit for bit on that probe compete, so a measured choice never changes a number.  ``clock`` replaces
     ``time.perf_counter`` (tests).  Every call forgets what was measured."""
     if when not in AUTOTUNE_MODES:
         raise ValueError(f"when={when!r} is not allowed; expected one of {', '.join(AUTOTUNE_MODES)}")

@@ -8,8 +8,8 @@ losses and never gives the router its experts.  What cannot be right there is re
 a method with auxiliary losses (their coefficients must be 0: torchtitan would drop them), a
 competition method (it runs the experts itself), a step schedule, and torchtitan's own
 aux-loss-free bias (``load_balance_coeff``: ``sharede-v3`` carries its own selection bias).
-:func:`titan_moe` builds torchtitan's MoE with a moelab layer's weights (its own softmax router,
-experts and shared experts), for comparisons.  docs/scaling.md ("torchtitan") has the recipe.
+:func:`titan_moe` builds torchtitan's MoE with a moelab layer's weights (experts, shared experts, and
+its own softmax router or a :class:`TitanRouter`), for comparisons.  docs/scaling.md ("torchtitan") has the recipe.
 """
 
 from __future__ import annotations
@@ -80,17 +80,19 @@ class TitanRouter(nn.Module):
         )
 
 
-def titan_moe(layer: nn.Module) -> nn.Module:
+def titan_moe(layer: nn.Module, router: nn.Module | None = None) -> nn.Module:
     """torchtitan 0.3's ``MoE`` computing what ``layer`` (a :class:`moelab.MoE` of SwiGLU experts
-    without biases) computes with top-K softmax routing: its token-choice router (softmax over the
-    experts, top-K, renormalised) with the layer's router weight, its grouped experts and shared
-    experts with the layer's weights, no aux-loss-free bias.  torchtitan's experts compute in
-    bfloat16, so the outputs agree to that rounding.  A method whose routing is not a softmax
-    top-K gets torchtitan's softmax routing here (and, without a linear ``(N, d)`` gate, its
-    initial gate): put :class:`TitanRouter` in its ``router`` slot for the method's own.
+    without biases) computes: its grouped experts and shared experts with the layer's weights, no
+    aux-loss-free bias, and in its router slot ``router`` (e.g. :class:`TitanRouter` of the layer)
+    or, by default, torchtitan's token-choice router (softmax over the experts, top-K, renormalised
+    as the layer's router is, times its scale) with the layer's gate weight.  torchtitan's experts
+    compute in bfloat16, so the outputs agree to that rounding.
 
     Raises:
-        ValueError: the layer is not a moelab.MoE of SwiGLU experts without biases.
+        ValueError: the layer is not a moelab.MoE of SwiGLU experts without biases and without a
+            capacity; or, without
+            ``router``, its routing is not a softmax top-K of one linear gate (another router, a K
+            that grows or differs in evaluation, a selection bias).
         ImportError: torchtitan ≥ 0.3 is not installed.
     """
     from torchtitan.models.common import moe as titan
@@ -99,6 +101,7 @@ def titan_moe(layer: nn.Module) -> nn.Module:
     from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
     from ..layer import MoE
+    from ..routers.topk import TopKRouter
 
     if not isinstance(layer, MoE):
         raise ValueError(f"layer of type {type(layer).__name__} is not allowed; expected a moelab.MoE")
@@ -108,6 +111,21 @@ def titan_moe(layer: nn.Module) -> nn.Module:
         raise ValueError(
             f"layer with activation={bank.activation!r}, bias={bias} is not allowed; expected SwiGLU experts "
             "without biases (torchtitan's GroupedExperts and FeedForward)"
+        )
+    if layer.capacity_factor is not None:
+        raise ValueError(
+            f"capacity_factor={layer.capacity_factor} is not allowed; expected None (torchtitan's MoE keeps every token)"
+        )
+    gate = layer.router
+    if router is None and not (
+        isinstance(gate, TopKRouter)
+        and gate.k_max in (None, gate.top_k)
+        and gate.eval_k in (None, gate.top_k)
+        and gate.selection_bias is None
+    ):
+        raise ValueError(
+            f"method={layer.method!r} is not allowed without router=: its routing is not torchtitan's softmax "
+            "top-K of one linear gate; pass router=TitanRouter(layer)"
         )
     h, d, n, k = bank.d_hidden, layer.d_model, layer.num_experts, layer.top_k
     sh = layer.num_shared * h
@@ -129,7 +147,8 @@ def titan_moe(layer: nn.Module) -> nn.Module:
             num_experts=n,
             top_k=k,
             score_func="softmax",
-            route_norm=True,
+            route_norm=router is not None or gate.renormalize,
+            route_scale=1.0 if router is not None else gate.scale,
         ),
         load_balance_coeff=None,
         shared_experts=shared,
@@ -138,9 +157,8 @@ def titan_moe(layer: nn.Module) -> nn.Module:
         moe = config.build()
     experts = moe.routed_experts.inner_experts
     with torch.no_grad():  # moelab's swiglu w_in is [gate | up]; torchtitan's w1 gate, w3 up
-        gate = getattr(layer.router, "weight", None)
-        if isinstance(gate, Tensor) and gate.shape == (n, d):  # a linear gate (not e.g. a cosine router's)
-            moe.router.gate.weight.copy_(gate)
+        if router is None:
+            moe.router.gate.weight.copy_(gate.weight)
         experts.w1_EFD.copy_(bank.w_in[:, :h])
         experts.w3_EFD.copy_(bank.w_in[:, h:])
         experts.w2_EDF.copy_(bank.w_out)
@@ -148,4 +166,6 @@ def titan_moe(layer: nn.Module) -> nn.Module:
             moe.shared_experts.w1.weight.copy_(layer.shared.fc_in.weight[:sh])
             moe.shared_experts.w3.weight.copy_(layer.shared.fc_in.weight[sh:])
             moe.shared_experts.w2.weight.copy_(layer.shared.fc_out.weight)
+    if router is not None:
+        moe.router = router
     return moe
