@@ -36,7 +36,7 @@ def main() -> None:
         mask[:, :active] = True
         w = weights * mask
         masked = best_ms(lambda w=w, mask=mask: dispatch_masked(bank, x, indices, w, mask))
-        every = best_ms(lambda w=w: bank(x, indices, w))
+        every = best_ms(lambda w=w: bank.mix(x, indices, w))
         print(
             f"active {active}/{n}: masked {masked:.1f} ms, all {n} slots with inactive weights 0 {every:.1f} ms"
         )

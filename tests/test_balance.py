@@ -108,7 +108,7 @@ def test_global_scope_two_micro_batches_give_the_loss_and_gradient_of_the_whole_
     torch.testing.assert_close(global_loss, expected)
     torch.testing.assert_close(router_grad(scoped), router_grad(ref))
     balance.close()
-    assert scoped.step_balance is None
+    assert scoped.step_statistics.balance is None
 
 
 def test_global_scope_per_micro_batch_backward_uses_the_running_counts_of_the_step():
@@ -155,7 +155,7 @@ def test_copies_of_a_layer_are_not_attached():
 
     scoped, _ = pair()
     StepBalance(scoped)
-    assert copy.deepcopy(scoped).step_balance is None
+    assert copy.deepcopy(scoped).step_statistics.balance is None
 
 
 def test_step_balance_refuses_a_loss_before_the_last_ones_backward():
@@ -186,7 +186,7 @@ def test_step_balance_refuses_one_loss_over_forwards_that_form_different_losses(
     scoped(x)
     balance.record()
     scoped(x)
-    scoped._step_stats[2 * N + 1] = 1.0  # as if the router had formed its balance loss itself this time
+    scoped.step_statistics.stats[2 * N + 1] = 1.0  # as if the router had formed its balance loss itself this time
     balance.record()
     with pytest.raises(
         ValueError, match=r"StepBalance.loss\(\) over forwards whose global losses differ \(MoE layer 0\)"
@@ -200,7 +200,7 @@ def test_closing_a_step_balance_leaves_nothing_on_the_layer():
     scoped(torch.randn(2, 6, D))
     balance.close()
     assert (
-        scoped.step_balance is None
+        scoped.step_statistics.balance is None
         and not hasattr(scoped, "_step_stats")
         and not hasattr(scoped, "_step_grad")
     )

@@ -189,7 +189,7 @@ def test_dispatch_output_and_gradients_equal_the_literal_sum(impl, act, bias, t,
     x = torch.randn(t, 8)
     g = torch.randn(t, 8)
     leaves = [x.requires_grad_(), w.requires_grad_(), *bank.parameters()]
-    got = bank(x, idx, w)
+    got = bank.mix(x, idx, w)
     grads = torch.autograd.grad(got, leaves, g)
     want = _literal(bank, x, idx, w)
     want_grads = torch.autograd.grad(want, leaves, g)
@@ -207,7 +207,7 @@ def test_loop_dispatch_passes_gradcheck_in_float64(act):
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     w = w.double().requires_grad_()
     params = list(bank.parameters())
-    assert torch.autograd.gradcheck(lambda x, w, *p: bank(x, idx, w), (x, w, *params))
+    assert torch.autograd.gradcheck(lambda x, w, *p: bank.mix(x, idx, w), (x, w, *params))
 
 
 @pytest.mark.parametrize("impl", IMPL_CASES)
@@ -217,7 +217,7 @@ def test_dispatch_is_bitwise_deterministic(impl):
     x = torch.randn(64, 16, requires_grad=True)
     runs = []
     for _ in range(2):
-        y = bank(x, idx, w)
+        y = bank.mix(x, idx, w)
         runs.append([y, *torch.autograd.grad(y.square().sum(), [x, *bank.parameters()])])
     for a, b in zip(*runs):
         assert torch.equal(a, b)

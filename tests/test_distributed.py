@@ -130,7 +130,7 @@ def _compete(bank: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
     with torch.no_grad():
         scores = competition_affinity(bank.forward_all(x))  # (T, N)
     winners = scores.topk(k, dim=-1).indices
-    outs = bank(x.repeat_interleave(k, dim=0), winners.reshape(-1, 1), x.new_ones(x.shape[0] * k, 1))
+    outs = bank.mix(x.repeat_interleave(k, dim=0), winners.reshape(-1, 1), x.new_ones(x.shape[0] * k, 1))
     outs = outs.view(x.shape[0], k, D)
     s = competition_affinity(outs)  # (T, K) the winners' affinities, with autograd
     return combine(outs, s / s.sum(-1, keepdim=True))

@@ -33,7 +33,7 @@ def test_module_experts_dispatch_equals_weighted_sum(t, n, k):
     bank = _module_experts(n, 6, 3)
     x = torch.randn(t, 6, generator=g)
     idx, w = random_routing(t, n, k, g, experts=list(range(n - 1)) if k < n else None)
-    out = bank(x, idx, w)
+    out = bank.mix(x, idx, w)
     assert out.shape == (t, 3)
     torch.testing.assert_close(out, reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)
 
@@ -64,10 +64,10 @@ def test_gather_combine_of_the_gpu_equals_the_cpu_scatter_add_in_values_and_grad
     for scatter in (True, False):
         monkeypatch.setattr("moelab.experts.dispatch._scatter_adds", lambda device, s=scatter: s)
         xi = x.clone().requires_grad_()
-        y = bank(xi, idx, w)
+        y = bank.mix(xi, idx, w)
         grads = torch.autograd.grad((y * y).sum(), [xi, w, *bank.parameters()])
         with torch.inference_mode():
-            plain = bank(x, idx, w.detach())
+            plain = bank.mix(x, idx, w.detach())
         runs.append([y.detach(), plain, *grads])
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -76,7 +76,7 @@ def test_gather_combine_of_the_gpu_equals_the_cpu_scatter_add_in_values_and_grad
 
 def test_module_experts_dispatch_of_zero_tokens_is_empty():
     modules = _module_experts(3, 6, 2)
-    assert modules(torch.randn(0, 6), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1)).shape == (0, 2)
+    assert modules.mix(torch.randn(0, 6), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1)).shape == (0, 2)
 
 
 def test_every_bank_implements_the_experts_protocol():
@@ -99,7 +99,7 @@ def test_module_experts_on_images_dispatch_with_deterministic_gradients():
     x = torch.randn(6, 2, 5, 5, generator=g, requires_grad=True)
     idx, w = random_routing(6, 4, 2, g)
     w.requires_grad_()
-    y = bank(x, idx, w)
+    y = bank.mix(x, idx, w)
     assert y.shape == (6, 3, 5, 5)
     want = torch.stack(
         [sum(w[t, k] * bank.experts[int(idx[t, k])](x[t : t + 1])[0] for k in range(2)) for t in range(6)]

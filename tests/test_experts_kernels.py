@@ -28,7 +28,7 @@ def test_grouped_gradients_equal_loop_gradients(act, bias):
     grads = []
     for bank in (loop, grouped):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        (bank(xi, idx, wi) * torch.linspace(-1, 1, 8)).sum().backward()
+        (bank.mix(xi, idx, wi) * torch.linspace(-1, 1, 8)).sum().backward()
         grads.append([xi.grad, wi.grad] + [p.grad for p in bank.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -56,7 +56,7 @@ def test_grouped_impl_rejects_float64_with_a_clear_message():
     with pytest.raises(
         ValueError, match=r"impl='grouped' is not available for device=cpu, dtype=torch.float64"
     ):
-        bank(torch.randn(3, 4, dtype=torch.float64), idx, w.double())
+        bank.mix(torch.randn(3, 4, dtype=torch.float64), idx, w.double())
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm not available in this torch")
@@ -64,7 +64,7 @@ def test_grouped_impl_rejects_unaligned_sizes_naming_them():
     bank = ExpertBank(2, 6, 10, impl="grouped")
     idx, w = random_routing(3, 2, 1, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"multiples of 4 .*d_model=6, d_hidden=10"):
-        bank(torch.randn(3, 6), idx, w)
+        bank.mix(torch.randn(3, 6), idx, w)
 
 
 def test_auto_falls_back_to_loop_where_grouped_cannot_run():
@@ -73,7 +73,7 @@ def test_auto_falls_back_to_loop_where_grouped_cannot_run():
     assert bank.resolved_impl(x) == "loop"
     assert bank.resolved_impl(x.double()) == "loop"
     idx, w = random_routing(5, 3, 2, torch.Generator().manual_seed(0))
-    torch.testing.assert_close(bank(x, idx, w), reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bank.mix(x, idx, w), reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm not available in this torch")
@@ -307,7 +307,7 @@ def test_few_token_inference_equals_weighted_sum_without_sorting(monkeypatch, ac
     monkeypatch.setattr("moelab.experts.kernels.sort_slots", no_sort)
     monkeypatch.setattr("moelab.experts.dispatch.sort_slots", no_sort)
     with torch.inference_mode():
-        y = bank(x, idx, w)
+        y = bank.mix(x, idx, w)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -321,9 +321,9 @@ def test_auto_streams_in_cpu_inference_only(monkeypatch):
     assert bank.resolved_impl(x, 2, grad=False) == "stream"
     with torch.no_grad():
         expected = reference(bank, x, idx, w)
-        torch.testing.assert_close(bank(x, idx, w), expected)
+        torch.testing.assert_close(bank.mix(x, idx, w), expected)
     monkeypatch.setitem(KERNELS, "stream", lambda *a: pytest.fail("stream kernel taken with autograd"))
-    y = bank(x, idx, w)  # parameters require grad: the autograd path
+    y = bank.mix(x, idx, w)  # parameters require grad: the autograd path
     assert y.grad_fn is not None
 
 
@@ -345,7 +345,7 @@ def test_explicit_loop_runs_the_loop_kernel_where_auto_would_stream(monkeypatch)
     assert bank.resolved_impl(x, 2, grad=False) == bank.resolved_impl(x, 2, grad=True) == "loop"
     calls = _spy(monkeypatch)
     with torch.inference_mode():
-        y = bank(x, idx, w)
+        y = bank.mix(x, idx, w)
     assert calls == ["loop"]
     torch.testing.assert_close(y, reference(bank, x, idx, w).detach(), rtol=1e-5, atol=1e-6)
 
@@ -358,7 +358,7 @@ def test_an_explicit_impl_runs_exactly_its_kernel(monkeypatch, impl, grad):
     for t in (1, 3, 600):  # decoding, a few tokens, many slots per expert
         idx, w = random_routing(t, 4, 2, torch.Generator().manual_seed(t))
         with torch.set_grad_enabled(grad):
-            bank(torch.randn(t, 8), idx, w)
+            bank.mix(torch.randn(t, 8), idx, w)
     assert calls == [impl] * 3
 
 
@@ -379,10 +379,10 @@ def test_every_kernel_gives_the_outputs_and_gradients_of_loop(impl, act, bias):
         runs = []
         for b in (loop, bank):
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-            y = b(xi, idx, wi)
+            y = b.mix(xi, idx, wi)
             grads = torch.autograd.grad((y * torch.linspace(-1, 1, 8)).sum(), [xi, wi, *b.parameters()])
             with torch.inference_mode():
-                plain = b(x, idx, w)
+                plain = b.mix(x, idx, w)
             runs.append([y.detach(), plain, *grads])
         for a, c in zip(*runs):
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
@@ -395,7 +395,7 @@ def test_stream_rejects_devices_other_than_the_cpu_naming_impl():
     with pytest.raises(
         ValueError, match=r"impl='stream' is not available for device=meta: it runs on the CPU only"
     ):
-        bank(x, idx, torch.ones(3, 1, device="meta"))
+        bank.mix(x, idx, torch.ones(3, 1, device="meta"))
 
 
 def test_few_token_path_repeats_bitwise():
@@ -403,7 +403,7 @@ def test_few_token_path_repeats_bitwise():
     idx, w = random_routing(4, 16, 3, torch.Generator().manual_seed(3))
     x = torch.randn(4, 8)
     with torch.no_grad():
-        assert torch.equal(bank(x, idx, w), bank(x, idx, w))
+        assert torch.equal(bank.mix(x, idx, w), bank.mix(x, idx, w))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -416,10 +416,10 @@ def test_inference_dispatch_without_autograd_equals_the_autograd_path(impl, bias
             p.normal_(generator=g)
     x = torch.randn(9, 8, generator=g)  # T·K = 18 > N: the sorted dispatch, not the few-token path
     idx, w = random_routing(9, 4, 2, g)
-    tracked = bank(x, idx, w)
+    tracked = bank.mix(x, idx, w)
     assert tracked.grad_fn is not None
     with torch.inference_mode():
-        plain = bank(x, idx, w)
+        plain = bank.mix(x, idx, w)
     assert plain.grad_fn is None
     torch.testing.assert_close(plain, tracked.detach(), rtol=0, atol=0)
 
@@ -448,7 +448,7 @@ def test_a_kernel_registered_as_one_entry_runs_by_its_name(monkeypatch):
     bank = ExpertBank(4, 8, 8, impl="mine")
     idx, w = random_routing(5, 4, 2, torch.Generator().manual_seed(0))
     x = torch.randn(5, 8)
-    y = bank(x, idx, w)
+    y = bank.mix(x, idx, w)
     (experts,) = calls
     assert experts.w_in is bank.w_in and experts.w_out is bank.w_out and experts.activation == "relu"
     torch.testing.assert_close(y, reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)
@@ -490,7 +490,7 @@ def test_a_measurement_inside_an_activation_checkpoint_leaves_its_recomputation_
         y.square().sum().backward()
         kernels.set_autotune("never")
         x2 = x.detach().requires_grad_()
-        bank(x2, idx, w).square().sum().backward()
+        bank.mix(x2, idx, w).square().sum().backward()
         assert torch.equal(x.grad, x2.grad)
     finally:
         kernels.set_autotune("unsure")

@@ -64,7 +64,7 @@ def test_the_threaded_loop_gives_the_bits_of_one_thread(act, bias):
             torch.set_num_threads(threads)
             bank.zero_grad()
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-            y = bank(xi, idx, wi)
+            y = bank.mix(xi, idx, wi)
             (y * torch.linspace(-1, 1, 16)).sum().backward()
             assert torch.get_num_threads() == threads
             results[threads] = [y, xi.grad, wi.grad] + [p.grad for p in bank.parameters()]
@@ -81,7 +81,7 @@ def test_the_threaded_loop_keeps_inference_mode(two_threads):
     x = torch.randn(64, 8)
     idx, w = random_routing(64, 4, 2, torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        y = bank(x, idx, w)
+        y = bank.mix(x, idx, w)
     torch.testing.assert_close(y, reference(bank, x, idx, w).detach(), rtol=1e-5, atol=1e-6)
 
 

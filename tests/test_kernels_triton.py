@@ -51,7 +51,7 @@ def _pair(act: str, n: int, d: int, h: int, bias: bool = False) -> tuple[ExpertB
 
 def _outputs_and_grads(bank: ExpertBank, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> list:
     xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = bank(xi, idx, wi)
+    y = bank.mix(xi, idx, wi)
     (y * torch.linspace(-1, 1, x.shape[1], device=x.device)).sum().backward()
     return [y.detach(), xi.grad, wi.grad] + [p.grad for p in bank.parameters()]
 
@@ -141,7 +141,7 @@ def test_triton_refuses_float64_naming_what_runs(tk):
         r"bias=False: it takes dtypes \['torch.float32', 'torch.bfloat16', 'torch.float16'\]; "
         r"use impl='loop', 'grouped' or 'auto'",
     ):
-        bank(torch.randn(3, 8, dtype=torch.float64), idx, w.double())
+        bank.mix(torch.randn(3, 8, dtype=torch.float64), idx, w.double())
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter runs on the CPU")
@@ -156,7 +156,7 @@ def test_triton_under_the_interpreter_refuses_bfloat16_which_it_computes_wrongly
         r"magnitude\); under TRITON_INTERPRET=1 it takes torch.float32 and torch.float16; "
         r"use impl='loop', 'grouped' or 'auto'$",
     ):
-        bank(torch.randn(3, 8, dtype=torch.bfloat16), idx, w.to(torch.bfloat16))
+        bank.mix(torch.randn(3, 8, dtype=torch.bfloat16), idx, w.to(torch.bfloat16))
     assert not tk.available(torch.device("cpu"), torch.bfloat16)
     assert tk.available(torch.device("cpu"), torch.float16)  # float16 computes right there
 

@@ -167,7 +167,7 @@ def test_aux_loss_weighed_otherwise_than_the_scale_is_refused_in_backward():
 
 def test_a_bf16_layer_keeps_its_aux_scale_exact():
     layer = moelab.MoE(8, 4, 2, method="smoe").to(torch.bfloat16)
-    assert layer._aux_scale.dtype == layer._aux_values.dtype == torch.float32
+    assert layer.aux_scale.dtype == layer._aux_values.dtype == torch.float32
     moelab.set_aux_scale(layer, 1 / 3)
     y = layer(torch.randn(10, 8, dtype=torch.bfloat16))
     ((y.float().sum() + moelab.aux_loss(layer)) / 3).backward()  # the weight 1/3, exactly: accepted
@@ -558,7 +558,7 @@ def test_capacity_drops_the_slots_over_each_experts_capacity(policy):
             else torch.arange(len(t))
         )
         keep[t[order[:capacity]], k[order[:capacity]]] = True
-    want = free.experts(x, r.indices, r.weights * keep)
+    want = free.experts.mix(x, r.indices, r.weights * keep)
     torch.testing.assert_close(capped(x), want)
     assert capped.dropped_fraction == pytest.approx(1 - keep.float().mean().item())
     assert capped.dropped_fraction > 0
@@ -631,18 +631,18 @@ def test_pad_to_capacity_equals_the_unpadded_capacity_path_forward_and_gradients
 def test_pad_to_capacity_gives_every_expert_exactly_c_rows_kept_tokens_first(monkeypatch):
     """The experts see ``(N, C, d)`` for two routings with different per-expert loads: each
     expert's kept tokens (in token order), then zero rows; the dropped slots are not there."""
-    from moelab import layer as layer_module
-    from moelab.functional import capacity_keep
+    from moelab.experts import bank as bank_module
+    from moelab.experts.capacity import capacity_keep
 
     _, padded = _padded_pair(2, "probs", factor=1.25)
     seen = []
-    real = layer_module.padded_rows
+    real = bank_module.padded_rows
 
     def spy(xs, experts):
         seen.append(xs.detach().clone())
         return real(xs, experts)
 
-    monkeypatch.setattr(layer_module, "padded_rows", spy)
+    monkeypatch.setattr(bank_module, "padded_rows", spy)
     T, N, K = 40, 4, 2
     C = math.ceil(1.25 * T * K / N)
     loads = []
@@ -776,7 +776,7 @@ def _train(model, steps, ctx=None, advance=False, before_step=False, micro=1):
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
     model.train()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        warnings.simplefilter("default")
         for _ in range(steps):
             for _ in range(micro):  # gradient accumulation: several forwards per optimizer step
                 (model(x).pow(2).mean() + moelab.aux_loss(model)).backward()
@@ -794,8 +794,14 @@ def _two_layers(method):
 
 
 @pytest.fixture
-def _fresh_context_warnings(monkeypatch):
-    monkeypatch.setattr(moelab.layer, "_TOLD_NO_CONTEXT", set(), raising=False)
+def _fresh_context_warnings():
+    """Python's default warning filter: a warning shown once per place and text (the no-context
+    warning relies on it, as any library warning)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        yield
 
 
 @pytest.mark.usefixtures("_fresh_context_warnings")

@@ -100,7 +100,7 @@ def _parallelize_refusals(world: int) -> dict[str, str | None]:
     )
     return {
         "tp_bank": _message(lambda: tp(x, idx, torch.ones(3, 1))),
-        "ep_layout": _message(lambda: bank(x, idx, torch.ones(3, 1))),
+        "ep_layout": _message(lambda: bank.mix(x, idx, torch.ones(3, 1))),
         "dp": _message(lambda: parallelize(layer(), dp="zero")),
         "ep_world": _message(lambda: parallelize(layer(), ep=3)),
         "ep_experts": _message(lambda: parallelize(layer(3), dp="none", ep=2)),

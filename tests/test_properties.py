@@ -99,7 +99,7 @@ def test_loop_and_grouped_dispatch_agree_in_value_and_gradient(num_experts, toke
     outs, grads = [], []
     for impl in ("loop", "grouped"):
         bank.impl = impl
-        y = bank(x, indices, weights)
+        y = bank.mix(x, indices, weights)
         g = torch.autograd.grad(y.square().sum(), [x, bank.w_in, bank.w_out])
         outs.append(y.detach())
         grads.append(g)

@@ -11,15 +11,17 @@ from the statistics of the step so far, with this micro-batch's own probability 
 gradient.  The layers of ``balance_scope="global"`` then leave these losses out of their
 ``aux_loss``.  docs/methods.md ("Balance scope") gives the formulas.
 
-Nothing of a forward stays on the module but numbers written in place: each layer writes its
-statistics into a buffer, and the gradient reaches its probability sums through its output, as the
-layers' own aux losses do (:class:`moelab.layer._StepGradInjection`): :meth:`StepBalance.loss`
-computes the gradient of the losses with respect to each layer's sums and puts it in a buffer the
-layer's backward reads.  So a block compiled with ``torch.compile(fullgraph=True)``, with or without
-activation checkpointing, trains with the global scope, and the loss :meth:`StepBalance.loss`
-returns is a value to add to the micro-batch's loss (its gradient checks only that the loss weighs it
-as :func:`moelab.set_aux_scale` says, like :func:`moelab.aux_loss`).  Run the backward of each
-:meth:`StepBalance.loss` before the next one.
+Nothing of a forward stays on the module but numbers written in place: each global-scope layer owns
+a :class:`StepStatistics` (its submodule ``step_statistics``, built with the layer) that writes the
+statistics of its training forward into its buffers, and the gradient reaches the layer's
+probability sums through its output, as the layers' own aux losses do
+(:class:`moelab.aux_grad.StepGradInjection`): :meth:`StepBalance.loss` computes the gradient of the
+losses with respect to each layer's sums and puts it in a buffer the layer's backward reads.  So a
+block compiled with ``torch.compile(fullgraph=True)``, with or without activation checkpointing,
+trains with the global scope, and the loss :meth:`StepBalance.loss` returns is a value to add to the
+micro-batch's loss (its gradient checks only that the loss weighs it as :func:`moelab.set_aux_scale`
+says, like :func:`moelab.aux_loss`).  Run the backward of each :meth:`StepBalance.loss` before the
+next one.
 
 The gradient.  For a loss ``L(S)`` of additive statistics ``S = Σ_pieces S_piece`` (a piece: one
 micro-batch on one rank) the piece contributes ``L(S_g + P·(S_piece − sg(S_piece)))`` with ``S_g``
@@ -44,11 +46,79 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .layer import _readout, moe_layers
+from .aux_grad import StepGradInjection, readout
+from .functional import expert_counts
 from .losses import LOAD_LOSSES, balance_from_load, entropy_from_mean, importance_from_sums
-from .routing import RoutingContext
+from .routers.base import counts_this_forward
+from .routing import Routing, RoutingContext
 
-__all__ = ["StepBalance", "attached_step_balance", "step_balance_loss"]
+__all__ = ["BALANCE_SCOPES", "StepBalance", "StepStatistics", "attached_step_balance", "step_balance_loss"]
+
+#: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
+BALANCE_SCOPES = ("micro", "sequence", "global")
+
+
+class StepStatistics(nn.Module):
+    """What one ``balance_scope="global"`` layer gives its step: per training forward, its expert
+    counts, router probability sums and token count, written in place into :attr:`stats` (as
+    BatchNorm's running statistics: compile- and checkpoint-clean; not again in a checkpoint's
+    recomputation), which :meth:`StepBalance.record` reads after the forward; and :attr:`grad`, the
+    gradient of the step's losses for this forward's sums, which :meth:`StepBalance.loss` writes
+    and the layer's backward reads.  Owned by the layer (``layer.step_statistics``); neither buffer
+    is saved with the model.
+
+    Args:
+        num_experts: N.
+        coefs: the layer's coefficients of the load-based losses it forms over the step.
+    """
+
+    def __init__(self, num_experts: int, coefs: dict[str, float]) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.coefs = dict(coefs)
+        # per forward: counts (N), probability sums (N), tokens, the load losses the router formed
+        # itself (3), whether it was written (1)
+        self.register_buffer("stats", torch.zeros(2 * num_experts + 5, dtype=torch.float64), persistent=False)
+        self.register_buffer("grad", torch.zeros(num_experts), persistent=False)
+        #: the :class:`StepBalance` forming this layer's losses (set and cleared by it), or ``None``
+        self.balance: StepBalance | None = None
+
+    def forward(self, y: Tensor, routing: Routing, scale: Tensor) -> Tensor:
+        """Record this training forward's statistics and tie the step's gradient to ``y``."""
+        n = self.num_experts
+        if routing.probs is None or routing.indices.shape[0] == 0:
+            if counts_this_forward():
+                self.stats.zero_()  # nothing to gather (the last slot, "written", stays 0)
+            return y
+        compute = torch.promote_types(routing.probs.dtype, torch.float32)
+        sums = routing.probs.to(compute).sum(dim=0)  # (N,), with autograd
+        if counts_this_forward():
+            counts = expert_counts(routing.indices, n).to(self.stats.dtype)
+            # the load losses the router formed itself on this forward (densemoe's dense steps) stay its own
+            own = [float(name in routing.losses) for name in LOAD_LOSSES]
+            extra = counts.new_tensor([float(routing.indices.shape[0]), *own, 1.0])  # tokens, own, written
+            self.stats.copy_(torch.cat([counts, sums.detach().to(self.stats.dtype), extra]))
+        return StepGradInjection.apply(y, sums, self.grad, scale)
+
+    def _apply(self, fn, recurse: bool = True):
+        """The counts and sums stay float64, as gathered; the gradient at least float32."""
+        super()._apply(fn, recurse)
+        if self.stats.dtype != torch.float64:
+            self.stats = self.stats.double()
+        if self.grad.dtype in (torch.float16, torch.bfloat16):
+            self.grad = self.grad.float()
+        return self
+
+    def __getstate__(self) -> dict:
+        """A copy is not attached to the original's training loop."""
+        state = super().__getstate__()
+        state["balance"] = None
+        return state
+
+    def clear(self) -> None:
+        with torch.no_grad():
+            self.stats.zero_()
+            self.grad.zero_()
 
 
 class StepBalance:
@@ -72,38 +142,31 @@ class StepBalance:
     """
 
     def __init__(self, model: nn.Module, ctx: RoutingContext | None = None, group=None) -> None:
-        self.layers = [
-            layer
-            for layer in moe_layers(model)
-            if layer.balance_scope == "global" and any(n in layer.coefs for n in LOAD_LOSSES)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model={model!r} is not allowed; expected a torch.nn.Module")
+        #: (the layer's name in ``model``, the layer, its statistics), in module order
+        self._owners = [
+            (name, m, m.step_statistics)
+            for name, m in model.named_modules()
+            if isinstance(getattr(m, "step_statistics", None), StepStatistics)
         ]
-        for layer in self.layers:
-            if layer.step_balance is not None and layer.step_balance is not self:
+        self.layers = [layer for _, layer, _ in self._owners]
+        for _, layer, stats in self._owners:
+            if stats.balance is not None and stats.balance is not self:
                 raise ValueError(
                     f"MoE layer {layer.layer_index} is already attached to another StepBalance; "
                     "expected one training loop at a time (close() the other first)"
                 )
-        for layer in self.layers:
-            n = layer.num_experts
-            p = next(iter(layer.parameters()), None)
-            device = None if p is None else p.device
-            grad_dtype = torch.float32 if p is None else torch.promote_types(p.dtype, torch.float32)
-            # per forward: counts (N), probability sums (N), tokens, the load losses the router formed
-            # itself (3), whether it was written (1); the gradient of the step's losses for the sums (N)
-            layer.register_buffer(
-                "_step_stats", torch.zeros(2 * n + 5, dtype=torch.float64, device=device), persistent=False
-            )
-            layer.register_buffer(
-                "_step_grad", torch.zeros(n, dtype=grad_dtype, device=device), persistent=False
-            )
-            layer.step_balance = self
+        for _, _, stats in self._owners:
+            stats.clear()
+            stats.balance = self
         self.group = group
         self._awaiting_backward = False
         #: the step's statistics so far, float64, layer after layer: counts (N), probability sums (N), tokens
         self._totals: Tensor | None = None
         self._offsets = [0]
-        for layer in self.layers:
-            self._offsets.append(self._offsets[-1] + 2 * layer.num_experts + 1)
+        for _, _, stats in self._owners:
+            self._offsets.append(self._offsets[-1] + 2 * stats.num_experts + 1)
         self._local: list[list[Tensor | None]] = []  # per forward not yet formed: each layer's Σ p (detached)
         self._names: list[list[tuple[str, ...]]] = []  # the losses each layer forms for that forward
         self._forwards = 0
@@ -126,14 +189,15 @@ class StepBalance:
         if not self.layers:
             return
         # the statistics live where the model does (a collective over NCCL needs CUDA tensors)
-        device = self.layers[0]._step_stats.device
-        written = [layer._step_stats.detach().clone().to(device) for layer in self.layers]
-        for layer in self.layers:  # read once: a layer that does not run in the next forward adds nothing
-            layer._step_stats.zero_()
+        owners = [stats for _, _, stats in self._owners]
+        device = owners[0].stats.device
+        written = [stats.stats.detach().clone().to(device) for stats in owners]
+        for stats in owners:  # read once: a layer that does not run in the next forward adds nothing
+            stats.stats.zero_()
         # per layer: tokens, the losses the router formed itself (3), written; one host read for all
-        flags = torch.cat([w[2 * layer.num_experts :] for w, layer in zip(written, self.layers)]).tolist()
+        flags = torch.cat([w[2 * st.num_experts :] for w, st in zip(written, owners)]).tolist()
         rows, local, names = [], [], []
-        for i, (layer, w) in enumerate(zip(self.layers, written)):
+        for i, (layer, w) in enumerate(zip(owners, written)):
             n = layer.num_experts
             tokens, *own, fresh = flags[5 * i : 5 * i + 5]
             if not fresh or not tokens:  # no training forward, or no tokens
@@ -178,13 +242,13 @@ class StepBalance:
         terms: dict[str, Tensor] = {}
         leaves: list[tuple[int, Tensor]] = []  # (layer, this forward's sums as a leaf)
         for local, names in zip(self._local, self._names):
-            for i, (layer, sums) in enumerate(zip(self.layers, local)):
+            for i, ((_, _, layer), sums) in enumerate(zip(self._owners, local)):
                 if sums is None or not names[i]:
                     continue
                 n = layer.num_experts
                 row = self._totals[self._offsets[i] : self._offsets[i + 1]]
                 counts, sums_g, tokens = row[:n], row[n : 2 * n], row[2 * n]
-                sums = sums.to(layer._step_grad.dtype).requires_grad_()
+                sums = sums.to(layer.grad.dtype).requires_grad_()
                 leaves.append((i, sums))
                 swapped = sums_g.to(sums.dtype) + pieces * (sums - sums.detach())  # value S_g, gradient P·∂S
                 for name in names[i]:
@@ -208,18 +272,18 @@ class StepBalance:
             if i in grads and not torch.equal(grads[i], g):
                 raise ValueError(
                     f"StepBalance.loss() over forwards whose global losses differ (MoE layer "
-                    f"{self.layers[i].layer_index}) is not allowed; expected record() and loss() after each "
+                    f"{self._owners[i][1].layer_index}) is not allowed; expected record() and loss() after each "
                     "micro-batch's forward, then its backward"
                 )
             grads[i] = g
-        for i, layer in enumerate(self.layers):
+        for i, (_, _, layer) in enumerate(self._owners):
             g = grads.get(i)
-            # through .data: the forward saved this buffer for its backward (_StepGradInjection)
+            # through .data: the forward saved this buffer for its backward (StepGradInjection)
             if g is None:
-                layer._step_grad.data.zero_()
+                layer.grad.data.zero_()
             else:
-                layer._step_grad.data.copy_(g)
-        out = _readout(total, self.layers[0]._aux_scale)
+                layer.grad.data.copy_(g)
+        out = readout(total, self._owners[0][1].aux_scale)
         if out.requires_grad:
             self._awaiting_backward = True
             out.register_hook(self._backward_ran)
@@ -232,26 +296,23 @@ class StepBalance:
         """The optimizer has stepped: forget the step's statistics (a step hook with ``ctx``)."""
         self._totals, self._local, self._names, self._forwards = None, [], [], 0
         self._awaiting_backward = False
-        for layer in self.layers:
-            for name in ("_step_stats", "_step_grad"):
-                buffer = getattr(layer, name, None)
-                if buffer is not None:
-                    buffer.data.zero_()
+        for _, _, stats in self._owners:
+            stats.stats.data.zero_()
+            stats.grad.data.zero_()
 
     def close(self) -> None:
         """Detach from the layers (their ``aux_loss`` forms the global-scope losses again)."""
         self.end_step()
-        for layer in self.layers:
-            if layer.step_balance is self:
-                layer.step_balance = None
-                for name in ("_step_stats", "_step_grad"):
-                    if name in layer._buffers:
-                        del layer._buffers[name]
+        for _, _, stats in self._owners:
+            if stats.balance is self:
+                stats.balance = None
 
 
 def attached_step_balance(model: nn.Module) -> StepBalance | None:
     """The :class:`StepBalance` attached to ``model``'s layers, or ``None``."""
-    return next((m.step_balance for m in moe_layers(model) if m.step_balance is not None), None)
+    return next(
+        (m.balance for m in model.modules() if isinstance(m, StepStatistics) and m.balance is not None), None
+    )
 
 
 def step_balance_loss(model: nn.Module) -> Tensor | None:

@@ -21,7 +21,6 @@ __all__ = [
     "ATTENTION_ACTIVATIONS",
     "activation",
     "attention_activation",
-    "capacity_keep",
     "competition_affinity",
     "cosine_logits",
     "expert_counts",
@@ -231,29 +230,6 @@ def expert_counts(indices: Tensor, num_experts: int) -> Tensor:
     return flat.new_zeros(num_experts, dtype=torch.int64).scatter_add_(
         0, flat.long(), torch.ones_like(flat, dtype=torch.int64)
     )
-
-
-def capacity_keep(indices: Tensor, weights: Tensor, num_experts: int, capacity: int, policy: str) -> Tensor:
-    """``(T, K)`` bool: the token slots that fit their expert's capacity (GShard's / Switch's
-    capacity, Megatron-Core's ``--moe-token-drop-policy``).
-
-    Each expert takes at most ``capacity`` of the slots routed to it: those of the highest routing
-    weight (``policy="probs"``) or of the earliest tokens (``policy="position"``); the others are
-    dropped.  One ``topk`` over the tokens per expert, no loop and no host sync.
-    """
-    T = indices.shape[0]
-    routed = torch.zeros(T, num_experts, dtype=torch.bool, device=indices.device).scatter_(1, indices, True)
-    if policy == "probs":
-        score = torch.zeros(T, num_experts, dtype=torch.float32, device=indices.device)
-        score = score.scatter(1, indices, weights.detach().float())
-    else:  # "position": the earlier token first
-        position = -torch.arange(T, dtype=torch.float32, device=indices.device)
-        score = position.unsqueeze(1).expand(T, num_experts)
-    score = score.masked_fill(~routed, float("-inf"))
-    c = min(capacity, T)
-    chosen = score.topk(c, dim=0).indices  # (c, N): the tokens each expert keeps
-    fits = torch.zeros_like(routed).scatter_(0, chosen, True) & routed
-    return fits.gather(1, indices)
 
 
 #: the attentions a model may build: the standard one and Active-Attention (Ho (2025))

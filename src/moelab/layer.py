@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
-import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from . import _validate
+from .aux_grad import AuxLossInjection, readout
+from .balance import BALANCE_SCOPES, StepStatistics
 from .errors import NonFiniteError
-from .experts import MLP, ExpertBank, Experts, combine
-from .experts.dispatch import combine_densemixer, combine_padded, dispatch_masked, gather_padded, pad_slots
-from .experts.kernels import padded_rows
-from .functional import capacity_keep, expert_counts
+from .experts import MLP, ExpertBank, Experts
+from .experts.capacity import TOKEN_DROP_POLICIES, limit
 from .losses import (
     LOAD_LOSSES,
     LOSS_NAMES,
@@ -30,7 +30,6 @@ from .losses import (
 )
 from .methods import build_method_router, get_method, method_router_options
 from .routers import ROUTERS, Router
-from .routers.base import _counts_this_forward
 from .routing import Routing, RoutingContext
 
 __all__ = [
@@ -39,7 +38,6 @@ __all__ = [
     "attach",
     "aux_loss",
     "aux_terms",
-    "check_context",
     "moe_layers",
     "recording_routing",
     "set_aux_scale",
@@ -61,10 +59,7 @@ _LAYER_LOSSES = ("erc",)
 #: per-token scale): those DenseMixer's dense router gradient is defined for
 _DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
 
-#: where the load-based losses (``balance``, ``importance``, ``entropy``) measure the load
-BALANCE_SCOPES = ("micro", "sequence", "global")
 ROUTER_DTYPES = ("float32",)
-TOKEN_DROP_POLICIES = ("probs", "position")
 
 #: the most aux-loss terms a layer records by name (the standard losses and a router's own)
 _MAX_TERMS = 12
@@ -75,58 +70,6 @@ _NON_FINITE_COMPILED = (
     "MoE layer: router logits are not finite (NaN or inf); check the input and the learning rate, "
     "or pass check_finite=False"
 )
-
-
-class _AuxLossInjection(torch.autograd.Function):
-    """Identity on the layer's output whose backward adds ``scale · ∂aux`` (the Megatron-Core /
-    torchtitan way to train on an aux loss): the aux loss leaves ``forward`` through the autograd
-    graph of the output, not through module state, so per-block ``torch.compile(fullgraph=True)``
-    and activation checkpointing trace it."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
-        ctx.save_for_backward(scale)
-        ctx.aux_dtype = aux.dtype
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        (scale,) = ctx.saved_tensors
-        return grad, scale.to(ctx.aux_dtype), None
-
-
-@torch.library.custom_op("moelab::step_balance_grad", mutates_args=())
-def _step_balance_grad(grad: Tensor, scale: Tensor, anchor: Tensor) -> Tensor:
-    """``grad · scale``, read when the backward runs: ``anchor`` (the incoming gradient of the
-    layer's output, unused) ties the read to the backward, and the op is opaque, so a compiler's
-    partition cannot compute it in the forward, before :meth:`moelab.balance.StepBalance.loss` has
-    written ``grad`` (``grad * scale`` alone would be: both are forward inputs)."""
-    return grad * scale
-
-
-@_step_balance_grad.register_fake
-def _(grad: Tensor, scale: Tensor, anchor: Tensor) -> Tensor:
-    return grad.new_empty(grad.shape, dtype=torch.promote_types(grad.dtype, scale.dtype))
-
-
-class _StepGradInjection(torch.autograd.Function):
-    """Identity on the layer's output whose backward gives this forward's router probability sums
-    ``Σ p (N,)`` the gradient ``scale · g``, ``g`` the buffer :meth:`moelab.balance.StepBalance.loss`
-    fills (after the forward, before the backward) with the gradient of the step's global-scope
-    losses: the global balance of a compiled, activation-checkpointed layer, with no routing kept on
-    the module.  ``g`` is written through ``.data`` (autograd's version check would refuse a saved
-    tensor changed in place; here the change is the point)."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, sums: Tensor, grad: Tensor, scale: Tensor) -> Tensor:
-        ctx.save_for_backward(grad, scale)
-        ctx.sums_dtype = sums.dtype
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        grad, scale = ctx.saved_tensors
-        return g, _step_balance_grad(grad, scale, g).to(ctx.sums_dtype), None, None
 
 
 class MoE(nn.Module):
@@ -317,9 +260,6 @@ class MoE(nn.Module):
         )
         self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
         self.balance_scope: str = options.get("balance_scope", "micro")
-        #: the :class:`moelab.balance.StepBalance` that forms this layer's global-scope losses
-        #: (set and cleared by it, outside the forward), or ``None``
-        self.step_balance = None
 
         self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
         if router_dtype is not None:  # the scores of the base router (a composed router runs experts)
@@ -343,15 +283,19 @@ class MoE(nn.Module):
         elif not isinstance(experts, Experts):
             raise ValueError(
                 f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
-                "moelab.experts.Experts (num_experts, d_model, forward, expert_forward, forward_all, forward_winners)"
+                "moelab.experts.Experts (num_experts, d_model, forward(x, routing), mix, expert_forward, forward_all, "
+                "forward_winners; subclass moelab.experts.SparseExperts)"
             )
         elif experts.num_experts != num_experts:
             raise ValueError(
                 f"experts.num_experts={experts.num_experts!r} does not match num_experts={num_experts}"
             )
         self.experts = experts
-        if self.pad_to_capacity:
-            _padded_bank(experts)
+        if self.pad_to_capacity and isinstance(experts, ExpertBank) and experts.impl != "auto":
+            raise ValueError(
+                f"pad_to_capacity=True is not allowed with impl={experts.impl!r}: the padded experts run as one "
+                "batched matmul (torch.bmm) of fixed shape (N, C, d); expected impl='auto'"
+            )
         if self.coefs.get("erc", 0.0) > 0:
             _check_erc(self, method)
         self.shared = (
@@ -364,9 +308,15 @@ class MoE(nn.Module):
         # place (a buffer, as BatchNorm's statistics: compile- and checkpoint-clean), and the weight
         # of the injected aux gradient (set_aux_scale); neither is saved with the model
         self.register_buffer("_aux_values", torch.zeros(1 + _MAX_TERMS), persistent=False)
-        self.register_buffer("_aux_scale", torch.ones(()), persistent=False)
+        self.register_buffer("aux_scale", torch.ones(()), persistent=False)
         # the fraction of token slots the capacity dropped in the last forward (0 without capacity)
         self.register_buffer("_dropped", torch.zeros(()), persistent=False)
+        #: the global scope's statistics of each training forward (moelab.balance), for a layer with a
+        #: load-based loss over the step; ``None`` otherwise
+        load = {n: c for n, c in self.coefs.items() if n in LOAD_LOSSES}
+        self.step_statistics = (
+            StepStatistics(num_experts, load) if self.balance_scope == "global" and load else None
+        )
         self.last_routing: Routing | None = None
 
     @property
@@ -378,7 +328,7 @@ class MoE(nn.Module):
         loss weighs it by the layer's ``scale``, :func:`set_aux_scale`).  0 after a forward that
         computed none (evaluation, ``torch.no_grad``).
         """
-        return _readout(self._aux_values[0], self._aux_scale)
+        return readout(self._aux_values[0], self.aux_scale)
 
     def aux_names(self) -> tuple[str, ...]:
         """The names of the aux terms this layer may compute, in the order :meth:`aux_values` uses."""
@@ -399,12 +349,6 @@ class MoE(nn.Module):
     def layer_index(self, value: int) -> None:
         self.router.layer_index = value
 
-    def __getstate__(self) -> dict:
-        """A copy is not attached to the original's training loop (nor holds its pending routing)."""
-        state = super().__getstate__()
-        state["step_balance"] = None
-        return state
-
     def reset_parameters(self) -> None:
         """Initialise router, experts and shared experts as at construction: after
         ``to_empty`` from the meta device a layer is usable again (``MoE(..., device="meta")``
@@ -418,7 +362,7 @@ class MoE(nn.Module):
                     reset()
         with torch.no_grad():
             self._aux_values.zero_()
-            self._aux_scale.fill_(1.0)
+            self.aux_scale.fill_(1.0)
             self._dropped.zero_()
 
     def _apply(self, fn, recurse: bool = True):
@@ -426,13 +370,10 @@ class MoE(nn.Module):
         (a bf16 aux scale of 1/3 would be 0.334, refused against the loss's exact 1/3), and a float64
         layer keeps its aux values in float64."""
         super()._apply(fn, recurse)
-        for name in ("_aux_values", "_aux_scale", "_dropped", "_step_grad"):
-            buffer = self._buffers.get(name)
-            if buffer is not None and buffer.dtype in (torch.float16, torch.bfloat16):
+        for name in ("_aux_values", "aux_scale", "_dropped"):
+            buffer = self._buffers[name]
+            if buffer.dtype in (torch.float16, torch.bfloat16):
                 self._buffers[name] = buffer.float()
-        stats = self._buffers.get("_step_stats")  # counts and sums of the global scope: float64, as gathered
-        if stats is not None and stats.dtype != torch.float64:
-            self._buffers["_step_stats"] = stats.double()
         return self
 
     @property
@@ -475,7 +416,7 @@ class MoE(nn.Module):
                 f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
             )
         if self.training and not torch.compiler.is_compiling():  # a warning would break the graph
-            check_context(self)
+            self._check_context()
         shape = x.shape
         if self.balance_scope == "sequence" and x.dim() < 3:
             raise ValueError(
@@ -493,9 +434,24 @@ class MoE(nn.Module):
                 )
             real = self._real_tokens(token_mask, shape)
             flat = flat.index_select(0, real)  # (T_real, d)
+        routing = self._route(flat)
+        y = self.experts(flat, routing)  # (T, d)
+        if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
+            y = y + routing.direct.to(y.dtype)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        y = self._attach_aux(y, routing, flat, seq_len)
+        self._record(routing)
+        if real is not None:  # the real tokens' outputs in their places, 0 for the masked ones
+            y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
+        return y.reshape(shape)
+
+    def _route(self, x: Tensor) -> Routing:
+        """The router's decision for ``x (T, d)``, checked finite, with the layout the experts run it
+        in: the slots within capacity, padding, DenseMixer's dense gradient."""
         if self.router_dtype is not None:
             self._check_router_dtype()
-        routing = self.router(flat, self.experts, self.ctx)
+        routing = self.router(x, self.experts, self.ctx)
         if self.check_finite:
             # the router's logits, or the routing weights of a router without logits (competition)
             scores = routing.logits if routing.logits is not None else routing.weights
@@ -510,30 +466,17 @@ class MoE(nn.Module):
                     f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
                     "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
                 )
-        weights, keep = routing.weights, None
         if self.capacity_factor is not None:
-            weights, keep = self._capacity(routing)
-        if routing.outputs is not None:  # the router already ran the chosen experts
-            y = combine(routing.outputs, weights)
-        elif routing.mask is not None:  # a variable number of experts per token: inactive slots do not run
-            y = dispatch_masked(self.experts, flat, routing.indices, weights, routing.mask)
-        elif self.densemixer and self.training and torch.is_grad_enabled():  # every expert runs
-            y = combine_densemixer(self.experts.forward_all(flat), routing.indices, weights, routing.probs)
-        elif self.pad_to_capacity and keep is not None:
-            y = self._padded_experts(flat, routing.indices, weights, keep)
-        else:
-            y = self.experts(flat, routing.indices, weights)  # (T, d)
-        if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
-            y = y + routing.direct.to(y.dtype)
-        if self.shared is not None:
-            y = y + self.shared(flat)
-        y = self._attach_aux(y, routing, flat, seq_len)
-        if self.step_balance is not None and self.training and torch.is_grad_enabled():
-            y = self._step_statistics(y, routing)
-        self._record(routing)
-        if real is not None:  # the real tokens' outputs in their places, 0 for the masked ones
-            y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
-        return y.reshape(shape)
+            routing, dropped = limit(
+                routing, self.num_experts, self.capacity_factor, self.token_drop_policy, self.pad_to_capacity
+            )
+            if dropped is None:
+                self._dropped.zero_()
+            else:
+                self._dropped.copy_(dropped)
+        if self.densemixer and self.training and torch.is_grad_enabled():
+            routing = dataclasses.replace(routing, dense_gradient=True)
+        return routing
 
     def _real_tokens(self, token_mask: Tensor, shape: torch.Size) -> Tensor:
         if not isinstance(token_mask, Tensor) or token_mask.shape != shape[:-1]:
@@ -556,81 +499,52 @@ class MoE(nn.Module):
                     "under torch.autocast)"
                 )
 
-    def _capacity(self, routing: Routing) -> tuple[Tensor, Tensor | None]:
-        """The routing weights with the slots over their expert's capacity set to 0 (each expert takes
-        ``ceil(capacity_factor · T · K / N)`` slots), and the ``(T, K)`` slots kept (``None`` for no
-        tokens); the dropped fraction goes into a buffer."""
-        T, K = routing.indices.shape
-        if T == 0:
-            self._dropped.zero_()
-            return routing.weights, None
-        keep = capacity_keep(
-            routing.indices,
-            routing.weights,
-            self.num_experts,
-            self._expert_capacity(T, K),
-            self.token_drop_policy,
-        )
-        self._dropped.copy_(1.0 - keep.float().mean())
-        return routing.weights * keep.to(routing.weights.dtype), keep
-
-    def _expert_capacity(self, T: int, K: int) -> int:
-        """C = ``min(ceil(capacity_factor · T · K / N), T)``: an expert takes at most one slot a token."""
-        return min(math.ceil(self.capacity_factor * T * K / self.num_experts), T)
-
-    def _padded_experts(self, x: Tensor, indices: Tensor, weights: Tensor, keep: Tensor) -> Tensor:
-        """``pad_to_capacity``: every expert runs on exactly C rows, its kept slots then zero padding
-        (:func:`moelab.experts.dispatch.pad_slots`); the dropped slots do not run.  An
-        :class:`ExpertBank` runs them as one ``(N, C, d)`` batched matmul
-        (:func:`moelab.experts.kernels.padded_rows`), another bank through its own forward, each
-        row routed to its expert with weight 1."""
-        N = self.num_experts
-        padded = pad_slots(indices, keep, N, self._expert_capacity(*indices.shape))
-        xs = gather_padded(x, padded, indices.shape[1])  # (N·C, ...)
-        if _padded_bank(self.experts):
-            ys = padded_rows(xs.view(N, padded.capacity, -1), self.experts.expert_weights).flatten(0, 1)
-        else:
-            expert = torch.arange(N, device=x.device).repeat_interleave(padded.capacity).unsqueeze(1)
-            ys = self.experts(xs, expert, xs.new_ones(expert.shape))
-        return combine_padded(ys, weights, padded)
+    def _check_context(self) -> None:
+        """Warn when this layer trains a method whose routing depends on the step (sharede-v3's
+        selection bias, StableMoE's stage, SMoE-Dropout's K, the competition schedules) without a
+        :class:`moelab.RoutingContext` that drives it: none attached, one without what the router
+        needs (a schedule, ``total_steps``, its step hook) — a warning Python's filters show once
+        per process — or one whose step stays put while an optimizer steps (the context tells
+        that, once per method: :meth:`moelab.RoutingContext.check_advancing`)."""
+        what = self.router.step_dependence()
+        ctx = self.ctx
+        if what is None or (ctx is not None and ctx.frozen):  # a frozen context: no step moves it, on purpose
+            return
+        problem = self.router.context_problem(ctx)
+        if problem is not None:
+            warnings.warn(
+                f"MoE layer of method={self.method!r} trains without a RoutingContext that drives its "
+                f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
+                "then call ctx.advance() once after every optimizer step",
+                stacklevel=2,
+            )
+            return
+        ctx.check_advancing(self.method, what)
 
     def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor, seq_len: int | None) -> Tensor:
         """Compute the aux loss of a training forward, record its values in place and attach its
-        gradient to ``y``; any other forward records zeros and computes nothing."""
-        terms = self._aux_terms(routing, x, seq_len) if self.training and torch.is_grad_enabled() else {}
+        gradient to ``y`` (and the step's global-scope statistics, :class:`moelab.balance.StepStatistics`);
+        any other forward records zeros and computes nothing."""
+        training = self.training and torch.is_grad_enabled()
+        terms = self._aux_terms(routing, x, seq_len) if training else {}
         if not terms:
             self._aux_values.zero_()
-            return y
-        names = self.aux_names()
-        dtype = self._aux_values.dtype
-        total = sum(terms.values(), y.new_zeros((), dtype=torch.promote_types(dtype, torch.float32)))
-        values = [total.detach().to(dtype)]
-        values += [terms[n].detach().to(dtype) if n in terms else values[0].new_zeros(()) for n in names]
-        values += [values[0].new_zeros(())] * (1 + _MAX_TERMS - len(values))
-        self._aux_values.copy_(torch.stack(values))
-        return _AuxLossInjection.apply(y, total, self._aux_scale)
+        else:
+            names = self.aux_names()
+            dtype = self._aux_values.dtype
+            total = sum(terms.values(), y.new_zeros((), dtype=torch.promote_types(dtype, torch.float32)))
+            values = [total.detach().to(dtype)]
+            values += [terms[n].detach().to(dtype) if n in terms else values[0].new_zeros(()) for n in names]
+            values += [values[0].new_zeros(())] * (1 + _MAX_TERMS - len(values))
+            self._aux_values.copy_(torch.stack(values))
+            y = AuxLossInjection.apply(y, total, self.aux_scale)
+        if training and self._step_balanced():
+            y = self.step_statistics(y, routing, self.aux_scale)
+        return y
 
-    def _step_statistics(self, y: Tensor, routing: Routing) -> Tensor:
-        """The global balance scope (a :class:`moelab.balance.StepBalance` attached): this forward's
-        expert counts, router probability sums and token count go into a buffer, written in place
-        (as ``_aux_values``: compile- and checkpoint-clean; not again in a checkpoint's
-        recomputation), which :meth:`StepBalance.record` reads after the forward; the gradient of
-        the step's losses reaches the sums through ``y`` (:class:`_StepGradInjection`)."""
-        n = self.num_experts
-        if routing.probs is None or routing.indices.shape[0] == 0:
-            if _counts_this_forward():
-                self._step_stats.zero_()  # nothing to gather (the last slot, "written", stays 0)
-            return y
-        compute = torch.promote_types(routing.probs.dtype, torch.float32)
-        sums = routing.probs.to(compute).sum(dim=0)  # (N,), with autograd
-        if _counts_this_forward():
-            stats = self._step_stats
-            counts = expert_counts(routing.indices, n).to(stats.dtype)
-            # the load losses the router formed itself on this forward (densemoe's dense steps) stay its own
-            own = [float(name in routing.losses) for name in LOAD_LOSSES]
-            extra = counts.new_tensor([float(routing.indices.shape[0]), *own, 1.0])  # tokens, own, written
-            stats.copy_(torch.cat([counts, sums.detach().to(stats.dtype), extra]))
-        return _StepGradInjection.apply(y, sums, self._step_grad, self._aux_scale)
+    def _step_balanced(self) -> bool:
+        """Whether a :class:`moelab.balance.StepBalance` forms this layer's global-scope losses."""
+        return self.step_statistics is not None and self.step_statistics.balance is not None
 
     def _record(self, routing: Routing) -> None:
         record = self.record_routing
@@ -663,7 +577,7 @@ class MoE(nn.Module):
         if routing.probs is None or name not in LOAD_LOSSES:
             return None
         if self.balance_scope == "global":
-            if self.step_balance is not None:  # it forms the step's loss (moelab.balance)
+            if self._step_balanced():  # it forms the step's loss (moelab.balance)
                 return None
             _refuse_unsynchronised_global(self)
         seq = seq_len if self.balance_scope == "sequence" else None
@@ -725,20 +639,6 @@ def _check_pad_to_capacity(
     return True
 
 
-def _padded_bank(experts: nn.Module) -> bool:
-    """Whether ``pad_to_capacity`` runs ``experts`` as one batched matmul (an :class:`ExpertBank`
-    whose forward is the stock one, ``impl="auto"``); an explicit ``impl`` is refused, since that
-    kernel would not run."""
-    if not isinstance(experts, ExpertBank) or type(experts).forward is not ExpertBank.forward:
-        return False
-    if experts.impl != "auto":
-        raise ValueError(
-            f"pad_to_capacity=True is not allowed with impl={experts.impl!r}: the padded experts run as one "
-            "batched matmul (torch.bmm) of fixed shape (N, C, d); expected impl='auto'"
-        )
-    return True
-
-
 def _check_erc(layer: MoE, method: str) -> None:
     """The ERC loss needs router rows ``(N, d)`` and experts with gate projections."""
     weight = getattr(layer.router.base_router, "weight", None)
@@ -767,26 +667,6 @@ def _refuse_unsynchronised_global(layer: MoE) -> None:
             )
 
 
-def _check_aux_weight(grad: Tensor, scale: Tensor) -> None:
-    g, s = float(grad.detach().float()), float(scale.detach().float())
-    if not math.isclose(g, s, rel_tol=1e-5, abs_tol=0.0):
-        raise ValueError(
-            f"moelab.aux_loss enters this loss with weight {g:.6g}, but the MoE layers already add its "
-            f"gradient with weight {s:.6g}; expected the same weight: call moelab.set_aux_scale(model, {g:.6g}) "
-            "before the forward (or add the aux loss to the loss unscaled)"
-        )
-
-
-def _readout(value: Tensor, scale: Tensor) -> Tensor:
-    """``value`` as a fresh leaf that may be added to a loss: its gradient only checks the weight
-    (the aux gradient itself was attached to the layer's output in forward)."""
-    out = value.detach().clone()
-    if torch.is_grad_enabled():
-        out.requires_grad_()
-        out.register_hook(lambda grad: _check_aux_weight(grad, scale))
-    return out
-
-
 def set_aux_scale(model: nn.Module, scale: float) -> None:
     """Weigh the aux-loss gradient the MoE layers of ``model`` attach in training forwards by
     ``scale`` (default 1): the weight the task loss gets in ``backward`` — ``1 / accumulation
@@ -799,7 +679,7 @@ def set_aux_scale(model: nn.Module, scale: float) -> None:
     ):
         raise ValueError(f"scale={scale!r} is not allowed; expected a finite number")
     for layer in moe_layers(model):
-        layer._aux_scale.fill_(float(scale))
+        layer.aux_scale.fill_(float(scale))
 
 
 @contextlib.contextmanager
@@ -867,75 +747,11 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
     for i, layer in enumerate(layers):
         layer.ctx = ctx
         layer.layer_index = i
+        if layer.router.step_dependence() is not None:  # tell a context that does not advance
+            ctx.watch_optimizers()
         for module in layer.router.modules():  # a composed router's base router too
             if isinstance(module, Router):
                 ctx.add_step_hook(module.on_step)
                 if type(module).on_step_change is not Router.on_step_change:  # a step-derived value
                     ctx.add_step_watcher(module.on_step_change)
     return layers
-
-
-# ------------------------------------------------------------------ a context that drives the routing
-# What a training forward reads to tell, once, that a step-dependent method trains without a
-# context that advances.  Kept here, outside the modules: a forward sets no module attribute.
-#: the messages already given that a context is missing or lacks what a router needs: each once
-#: per process (as Python's "once" warning filter; every layer of a model gives the same one)
-_TOLD_NO_CONTEXT: set[str] = set()
-#: id(ctx) → (weak reference, its step at the last training forward, the optimizer steps counted
-#: then, the methods already told that it does not advance)
-_WATCHED: dict[int, tuple[weakref.ref, int, int, set[str]]] = {}
-_OPTIMIZER_STEPS = [0]  # every torch optimizer's steps, counted by a global post-step hook
-_STEP_HOOK: list = []
-
-
-def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    _OPTIMIZER_STEPS[0] += 1
-
-
-def check_context(layer: MoE) -> None:
-    """Warn, once, when ``layer`` trains a method whose routing depends on the step (sharede-v3's
-    selection bias, StableMoE's stage, SMoE-Dropout's K, the competition schedules) without a
-    :class:`moelab.RoutingContext` that drives it: none attached, one without what the router
-    needs (a schedule, ``total_steps``, its step hook), or one whose step stays put while an
-    optimizer steps (``ctx.advance()`` forgotten).  Called by training forwards (not inside
-    ``torch.compile``); it reads the layer and records only in this module's own tables."""
-    router = layer.router
-    what = router.step_dependence()
-    ctx = layer.ctx
-    if what is None or (ctx is not None and ctx.frozen):  # a frozen context: no step moves it, on purpose
-        return
-    problem = router.context_problem(ctx)
-    if problem is not None:
-        message = (
-            f"MoE layer of method={layer.method!r} trains without a RoutingContext that drives its "
-            f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
-            "then call ctx.advance() once after every optimizer step"
-        )
-        if message not in _TOLD_NO_CONTEXT:
-            _TOLD_NO_CONTEXT.add(message)
-            warnings.warn(message, stacklevel=2)
-        return
-    if not _STEP_HOOK:  # counted from the first training forward that needs it on
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
-    key = id(ctx)
-    entry = _WATCHED.get(key)
-    if entry is None or entry[0]() is not ctx:
-        entry = (
-            weakref.ref(ctx, lambda _, k=key: _WATCHED.pop(k, None)),
-            ctx.step,
-            _OPTIMIZER_STEPS[0],
-            set(),
-        )
-        _WATCHED[key] = entry
-    if entry[1] != ctx.step:  # the context advanced (or was set): watch from here
-        _WATCHED[key] = (entry[0], ctx.step, _OPTIMIZER_STEPS[0], entry[3])
-    elif entry[2] != _OPTIMIZER_STEPS[0] and layer.method not in entry[3]:
-        entry[3].add(layer.method)
-        warnings.warn(
-            f"MoE layer of method={layer.method!r} trains with a RoutingContext that does not advance: an "
-            f"optimizer stepped since the last training forward, but ctx.step stayed {ctx.step}; {what}. "
-            "Call ctx.advance() once after every optimizer step",
-            stacklevel=2,
-        )

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -40,6 +42,18 @@ class Routing:
         direct: ``(T, d)`` the weighted output of the experts the router computes itself, which
             the expert bank does not hold (MoE++'s copy and constant experts); the layer adds it
             to the bank's output.  ``None`` otherwise.
+
+    How the experts run it — set by the layer after the router, read by the bank
+    (:meth:`moelab.experts.SparseExperts.forward`):
+
+    Attributes:
+        keep: ``(T, K)`` bool, the slots within their expert's capacity
+            (:mod:`moelab.experts.capacity`); a dropped slot's expert does not run and adds 0.
+            ``None``: no capacity, every slot is kept.
+        pad_to: ``C``: every expert runs on exactly ``C`` rows, its kept slots then zero padding
+            (the padded layout of ``pad_to_capacity``).  ``None``: the experts run on their slots.
+        dense_gradient: every expert runs and the router gets the gradient of the dense mixture
+            (DenseMixer; :func:`moelab.experts.dispatch.combine_densemixer`).
     """
 
     indices: Tensor
@@ -50,10 +64,18 @@ class Routing:
     outputs: Tensor | None = None
     mask: Tensor | None = None
     direct: Tensor | None = None
+    keep: Tensor | None = None
+    pad_to: int | None = None
+    dense_gradient: bool = False
 
     @property
     def top_k(self) -> int:
         return self.indices.shape[-1]
+
+    @property
+    def kept_weights(self) -> Tensor:
+        """``(T, K)`` the weights the experts' outputs get: 0 for a slot over its expert's capacity."""
+        return self.weights if self.keep is None else self.weights * self.keep.to(self.weights.dtype)
 
     @property
     def active_indices(self) -> Tensor:
@@ -78,6 +100,9 @@ class Routing:
             outputs=None,
             mask=d(self.mask),
             direct=d(self.direct),
+            keep=d(self.keep),
+            pad_to=self.pad_to,
+            dense_gradient=self.dense_gradient,
         )
 
 
@@ -119,6 +144,7 @@ class RoutingContext:
     watchers: list[Callable[[RoutingContext], None]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
+    _advancing: _AdvanceWatch = field(default_factory=lambda: _AdvanceWatch(), init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -186,5 +212,56 @@ class RoutingContext:
         self.step = int(state["step"])
         self.total_steps = state.get("total_steps", self.total_steps)
 
+    def watch_optimizers(self) -> None:
+        """Count every torch optimizer's steps from now on, so that :meth:`check_advancing` can
+        tell a context whose step stays put while an optimizer steps (:func:`moelab.attach` calls
+        it for a model whose routing depends on the step).  The hook is this context's: removed
+        when the context is garbage-collected."""
+        watch = self._advancing
+        if watch.handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            ref = weakref.ref(watch)
+
+            def count(optimizer: Any, args: Any, kwargs: Any) -> None:
+                alive = ref()
+                if alive is not None:
+                    alive.optimizer_steps += 1
+
+            watch.handle = register_optimizer_step_post_hook(count)
+            weakref.finalize(watch, watch.handle.remove)
+
+    def check_advancing(self, method: str, what: str) -> None:
+        """Warn, once per method, when an optimizer stepped since the last training forward but
+        :attr:`step` stayed put (``ctx.advance()`` forgotten); ``what`` says what of the method's
+        routing depends on the step.  Called by training forwards (not while compiling), after
+        :meth:`watch_optimizers`; it records only in this context's own watch."""
+        watch = self._advancing
+        if watch.handle is None:
+            return
+        if watch.step != self.step:  # the context advanced (or was set): watch from here
+            watch.step, watch.seen = self.step, watch.optimizer_steps
+        elif watch.seen != watch.optimizer_steps and method not in watch.told:
+            watch.told.add(method)
+            warnings.warn(
+                f"MoE layer of method={method!r} trains with a RoutingContext that does not advance: an "
+                f"optimizer stepped since the last training forward, but ctx.step stayed {self.step}; {what}. "
+                "Call ctx.advance() once after every optimizer step",
+                stacklevel=2,
+            )
+
     def replace(self, **changes: Any) -> RoutingContext:
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(eq=False)
+class _AdvanceWatch:
+    """A context's watch on its own advancing (:meth:`RoutingContext.check_advancing`): the
+    optimizer steps counted by its hook, the step and count at the last training forward, and
+    the methods already told."""
+
+    handle: Any = None
+    optimizer_steps: int = 0
+    step: int | None = None
+    seen: int = 0
+    told: set[str] = field(default_factory=set)

@@ -181,7 +181,7 @@ def _expert_share(cfg: Config, smoe_step: float, repeats: int = 20) -> float:
     for i in range(repeats + 3):
         _sync(cfg.device)
         t0 = time.perf_counter()
-        bank(x, idx, w).sum().backward()
+        bank.mix(x, idx, w).sum().backward()
         _sync(cfg.device)
         if i >= 3:
             times.append(time.perf_counter() - t0)

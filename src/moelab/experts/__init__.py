@@ -1,6 +1,9 @@
 """Expert banks and their dispatch.
 
 - :mod:`~moelab.experts.protocol`: :class:`Experts`, what every bank implements.
+- :mod:`~moelab.experts.base`: :class:`SparseExperts`, every bank's base: ``experts(x, routing)``
+  runs each layout of a routing (plain, variable K, capacity padding, DenseMixer) once.
+- :mod:`~moelab.experts.capacity`: expert capacity, the drop policies and the padded layout's C.
 - :mod:`~moelab.experts.dispatch`: sort → gather → run → combine, written once
   (:func:`moelab.experts.dispatch.dispatch`; not re-exported, ``moelab.experts.dispatch`` is the module).
 - :mod:`~moelab.experts.kernels`: the kernels by name (:data:`KERNELS`), functions of the experts'
@@ -11,6 +14,7 @@
 """
 
 from .bank import MLP, ExpertBank
+from .base import SparseExperts
 from .dispatch import Slots, combine, sort_slots
 from .kernels import IMPLS, KERNELS, ExpertWeights, choose_kernel, grouped_mm_available
 from .modules import ModuleExperts
@@ -27,6 +31,7 @@ __all__ = [
     "Experts",
     "ModuleExperts",
     "Slots",
+    "SparseExperts",
     "choose_kernel",
     "combine",
     "grouped_mm_available",

@@ -16,13 +16,14 @@ except ImportError:  # pragma: no cover
 from .. import _validate
 from ..functional import ACTIVATIONS
 from ..functional import activation as get_activation
+from .base import SparseExperts
 from .dispatch import tracks_grad
-from .kernels import KERNELS, ExpertWeights, _WinnerMLP, choose_kernel, expert_mlp
+from .kernels import KERNELS, ExpertWeights, _WinnerMLP, choose_kernel, expert_mlp, padded_rows
 
 __all__ = ["MLP", "ExpertBank"]
 
 
-class ExpertBank(nn.Module):
+class ExpertBank(SparseExperts):
     """N MLP experts stored as stacked weights.
 
     Expert ``e`` computes ``W_out[e] · act(W_in[e] x + b_in[e]) + b_out[e]``.  Weights use the
@@ -89,7 +90,7 @@ class ExpertBank(nn.Module):
         self.b_out = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
         self.reset_parameters()
 
-    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    def mix(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)`` for every token, by the kernel :meth:`resolved_impl` names.
 
         Args:
@@ -102,6 +103,11 @@ class ExpertBank(nn.Module):
         """
         impl = self.resolved_impl(x, indices.shape[1], tracks_grad(self, x, weights))
         return KERNELS[impl](x, indices, weights, self.expert_weights)
+
+    def mix_padded(self, xs: Tensor) -> Tensor:
+        """Every expert on its ``C`` rows ``xs (N, C, d)`` as one batched matmul of fixed shape
+        (:func:`moelab.experts.kernels.padded_rows`), whatever the routing."""
+        return padded_rows(xs, self.expert_weights)
 
     @property
     def expert_weights(self) -> ExpertWeights:

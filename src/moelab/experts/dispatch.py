@@ -71,7 +71,7 @@ def dispatch_masked(experts: Experts, x: Tensor, indices: Tensor, weights: Tenso
     the active slots run (``remoe``, ``top-p``; :attr:`moelab.Routing.mask`).
 
     Eagerly, the ``A ≤ T·K`` active slots are taken in token order, each one row of weight
-    ``w_k`` routed to its expert alone (``K = 1``, through the bank's own forward: every kernel
+    ``w_k`` routed to its expert alone (``K = 1``, through the bank's own ``mix``: every kernel
     and every bank), and the rows are summed back into their tokens: on the CPU by an
     ``index_add`` in slot order (deterministic there), elsewhere by putting each row at its own
     slot of a zero ``(T·K, ...)`` buffer and summing over K, and gathering the tokens through the
@@ -87,7 +87,7 @@ def dispatch_masked(experts: Experts, x: Tensor, indices: Tensor, weights: Tenso
     """
     w = weights * mask.to(weights.dtype)  # an inactive slot has weight 0, and no gradient reaches it
     if torch.compiler.is_compiling():  # inactive slots may name experts beyond the bank (MoE++): expert 0
-        return experts(x, indices.masked_fill(~mask, 0), w)
+        return experts.mix(x, indices.masked_fill(~mask, 0), w)
     T, K = indices.shape
     slot = mask.reshape(-1).nonzero().squeeze(1)  # (A,) in token order: the one host sync
     token = slot // K
@@ -96,7 +96,7 @@ def dispatch_masked(experts: Experts, x: Tensor, indices: Tensor, weights: Tenso
         xs = x.index_select(0, token)
     else:  # the gather's backward then adds each row into its own slot: no atomics
         xs = x.unsqueeze(1).expand(T, K, *x.shape[1:]).reshape(T * K, *x.shape[1:]).index_select(0, slot)
-    ys = experts(xs, indices.reshape(-1, 1).index_select(0, slot), w.reshape(-1, 1).index_select(0, slot))
+    ys = experts.mix(xs, indices.reshape(-1, 1).index_select(0, slot), w.reshape(-1, 1).index_select(0, slot))
     if cpu:
         return ys.new_zeros(T, *ys.shape[1:]).index_add(0, token, ys)
     rows = ys.new_zeros(T * K, *ys.shape[1:]).index_copy(0, slot, ys)
@@ -173,7 +173,7 @@ def pad_slots(indices: Tensor, keep: Tensor, num_experts: int, capacity: int) ->
     Args:
         indices: ``(T, K)`` chosen experts.
         keep: ``(T, K)`` bool, the slots within their expert's capacity
-            (:func:`moelab.functional.capacity_keep`): at most ``capacity`` per expert.
+            (:func:`moelab.experts.capacity.capacity_keep`): at most ``capacity`` per expert.
         num_experts: N.
         capacity: C.
     """
@@ -280,7 +280,7 @@ def winners_by_rerun(
     if torch.is_grad_enabled():
         T, K = winners_t.shape
         xs = x.repeat_interleave(K, dim=0)  # (T·K, ...)
-        y = experts(xs, winners_t.reshape(-1, 1), x.new_ones(T * K, 1))  # (T·K, ...)
+        y = experts.mix(xs, winners_t.reshape(-1, 1), x.new_ones(T * K, 1))  # (T·K, ...)
         outputs = y.view(T, K, *y.shape[1:])
     return winners_t, outputs, extra
 

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from .dispatch import Slots, dispatch, tracks_grad, winners_by_rerun
+from .base import SparseExperts
+from .dispatch import Slots, dispatch, tracks_grad
 
 __all__ = ["ModuleExperts"]
 
 
-class ModuleExperts(nn.Module):
+class ModuleExperts(SparseExperts):
     """The :class:`moelab.experts.Experts` protocol over a list of arbitrary modules.
 
     Each module maps ``(T, *in_shape)`` to ``(T, *out_shape)``.  :meth:`forward` is the shared
@@ -41,7 +41,7 @@ class ModuleExperts(nn.Module):
         self.d_model = None if d_model is None else _validate.positive_int("d_model", d_model)
         self.chunk_elements = _validate.positive_int("chunk_elements", chunk_elements)
 
-    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    def mix(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)``: ``x (T, ...)``, ``indices``/``weights (T, K)`` → ``(T, ...)``."""
         return dispatch(x, indices, weights, self.num_experts, self._run, tracks_grad(self, x, weights))
 
@@ -52,13 +52,6 @@ class ModuleExperts(nn.Module):
     def forward_all(self, x: Tensor) -> Tensor:
         """``(T, ...)`` → ``(T, N, ...)``."""
         return torch.stack([m(x) for m in self.experts], dim=1)
-
-    def forward_winners(
-        self, x: Tensor, choose: Callable[[Tensor], tuple[Tensor, Any]]
-    ) -> tuple[Tensor, Tensor, Any]:
-        """The competition's pass: all modules without autograd, the winners again with it
-        (:func:`moelab.experts.dispatch.winners_by_rerun`)."""
-        return winners_by_rerun(self, x, choose, self.chunk_elements)
 
     def _run(self, xs: Tensor, slots: Slots) -> Tensor:
         counts = slots.counts.tolist()  # the one host sync

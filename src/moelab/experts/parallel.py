@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .bank import ExpertBank
+from .base import SparseExperts
 from .dispatch import Slots, dispatch, tracks_grad, winners_by_rerun
 from .kernels import ExpertWeights
 
@@ -52,7 +53,7 @@ class ExpertParallelBank(ExpertBank):
         _ep: ``(mesh, E, r)``: the expert mesh, its size and this rank's place on it; rank ``r``
             holds experts ``[r·N/E, (r+1)·N/E)``.
 
-    ``forward``, ``forward_all``, ``expert_forward`` and ``forward_winners`` are collectives over
+    ``mix``, ``forward_all``, ``expert_forward`` and ``forward_winners`` are collectives over
     the mesh: every rank calls them together, each with its own tokens (any number, zero
     included).
     """
@@ -84,12 +85,15 @@ class ExpertParallelBank(ExpertBank):
             local.append(_ScaleGrad.apply(t.to_local(), 1.0 / E))
         return ExpertWeights(*local, self.activation)
 
-    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    def mix(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         return dispatch(x, indices, weights, self.num_experts, self._exchange, tracks_grad(self, x, weights))
+
+    # the padded layout through the exchange (each row to its expert's rank), not the local bmm
+    mix_padded = SparseExperts.mix_padded
 
     def expert_forward(self, x: Tensor, e: int) -> Tensor:
         idx = torch.full((x.shape[0], 1), int(e), dtype=torch.int64, device=x.device)
-        return self.forward(x, idx, x.new_ones(x.shape[0], 1))
+        return self.mix(x, idx, x.new_ones(x.shape[0], 1))
 
     def forward_all(self, x: Tensor) -> Tensor:
         mesh, E, _ = self._ep
@@ -132,7 +136,7 @@ class ExpertParallelBank(ExpertBank):
             anchor = sum(t.reshape(-1)[:1].sum() for t in w[:4] if t is not None) * 0
             yr = xr * 0 + anchor
         else:
-            yr = super().forward(xr, local_ids.unsqueeze(1), xr.new_ones(xr.shape[0], 1))
+            yr = super().mix(xr, local_ids.unsqueeze(1), xr.new_ones(xr.shape[0], 1))
         return _all_to_all(yr, send_splits, recv_splits, group)  # (S, d) in the order sent
 
     def extra_repr(self) -> str:

@@ -7,6 +7,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from ..routing import Routing
+
 __all__ = ["Experts"]
 
 
@@ -14,11 +16,11 @@ __all__ = ["Experts"]
 class Experts(Protocol):
     """An expert bank: N experts behind one sparse ``forward`` and the calls routers make.
 
-    Every bank of moelab implements every member (:class:`moelab.ExpertBank`,
+    Every bank of moelab is a :class:`moelab.experts.SparseExperts` (:class:`moelab.ExpertBank`,
     :class:`moelab.ModuleExperts`, :class:`moelab.experts.ExpertParallelBank`,
-    ``moelab.models.vision.BatchedExperts``); a bank that cannot do something natively does it
-    through the shared dispatch (:mod:`moelab.experts.dispatch`), so callers never probe with
-    ``hasattr``.  ``isinstance(bank, Experts)`` checks that the members exist.
+    ``moelab.models.vision.BatchedExperts``), whose ``forward`` runs every layout of a routing
+    once; a bank implements the plain mixture ``mix`` and the per-expert calls, so callers never
+    probe with ``hasattr``.  ``isinstance(bank, Experts)`` checks that the members exist.
 
     Shapes: ``T`` tokens, ``K`` experts per token, ``N`` experts; ``x (T, ...)`` is ``(T, d)`` for
     MLP experts and e.g. ``(T, C, H, W)`` images for CNN experts; an expert output is ``(d)`` (or
@@ -31,11 +33,17 @@ class Experts(Protocol):
     #: bank cannot know it before running (arbitrary modules)
     d_model: int | None
 
-    def __call__(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor: ...
+    def __call__(self, x: Tensor, routing: Routing) -> Tensor: ...
 
-    def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
-        """``Σ_k w_k · expert_{i_k}(x)`` for every token: ``x (T, ...)``, ``indices (T, K)`` int64,
-        ``weights (T, K)`` → ``(T, ...)``; only the chosen experts run."""
+    def forward(self, x: Tensor, routing: Routing) -> Tensor:
+        """``Σ_k w_k · expert_{i_k}(x)`` over the routing's kept active slots for every token:
+        ``x (T, ...)`` → ``(T, ...)``, in the layout the routing asks for (capacity padding,
+        DenseMixer, a variable K, outputs the router computed; :class:`moelab.experts.SparseExperts`)."""
+        ...
+
+    def mix(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        """The plain sparse mixture: ``x (T, ...)``, ``indices (T, K)`` int64, ``weights (T, K)`` →
+        ``(T, ...)``; only the chosen experts run."""
         ...
 
     def expert_forward(self, x: Tensor, e: int) -> Tensor:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from .. import _validate
-from ..experts import ModuleExperts, combine
+from ..experts import ModuleExperts, SparseExperts, combine
 from ..experts.dispatch import Slots
 from ..io.model import Persistent
 from ..optim import param_groups
@@ -168,7 +168,7 @@ class Expert(nn.Module):
         return torch.cat([probs, h], dim=-1)
 
 
-class BatchedExperts(nn.Module):
+class BatchedExperts(SparseExperts):
     """Experts of identical architecture with stacked weights, run together with ``vmap``.
 
     The :class:`moelab.experts.Experts` protocol, as :class:`moelab.experts.ModuleExperts`.
@@ -226,10 +226,9 @@ class BatchedExperts(nn.Module):
         p, b = self._stacked()
         return self._call({k: v[e] for k, v in p.items()}, {k: v[e] for k, v in b.items()}, x)
 
-    # the sparse forward and the competition's pass of ModuleExperts (the shared sorted dispatch,
-    # winners_by_rerun): only the run step on the sorted samples, ``_run``, differs
-    forward = ModuleExperts.forward
-    forward_winners = ModuleExperts.forward_winners
+    # the sparse mixture of ModuleExperts (the shared sorted dispatch): only the run step on the
+    # sorted samples, ``_run``, differs
+    mix = ModuleExperts.mix
 
     def _run(self, xs: Tensor, slots: Slots) -> Tensor:
         """Each expert on its contiguous slice of the expert-sorted samples, its parameters
@@ -427,7 +426,7 @@ class ImageMoE(Persistent, nn.Module):
             ys, _ = _expert_outputs(self.experts, x, self.num_classes)
             return MoEOutput(torch.einsum("bn,bnk->bk", p, ys), p)
         r = _topk_routing(p, k, logits)
-        out = self.experts(x, r.indices, r.weights)[..., : self.num_classes]
+        out = self.experts.mix(x, r.indices, r.weights)[..., : self.num_classes]
         return MoEOutput(out, p)
 
 

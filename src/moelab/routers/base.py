@@ -15,7 +15,7 @@ from .. import _validate
 from ..functional import expert_counts
 from ..routing import RoutingContext
 
-__all__ = ["ROUTERS", "Router", "build_router", "register", "router_options"]
+__all__ = ["ROUTERS", "Router", "build_router", "counts_this_forward", "register", "router_options"]
 
 #: router family name → class; filled by :func:`register` when ``moelab.routers`` is imported
 ROUTERS: dict[str, type[Router]] = {}
@@ -131,7 +131,7 @@ class Router(nn.Module):
     def count_load(self, indices: Tensor) -> None:
         """Add a training forward's choice to the pending load of the selection bias (nothing
         without one, in evaluation, or in an activation-checkpointing recomputation)."""
-        if self.training and self.selection_bias is not None and _counts_this_forward():
+        if self.training and self.selection_bias is not None and counts_this_forward():
             # in place, not `+=`: that stores the buffer attribute again, a side effect compile refuses
             # under activation checkpointing
             self.pending_load.add_(expert_counts(indices, self.num_experts).to(self.pending_load.dtype))
@@ -255,7 +255,7 @@ def join_dependences(*parts: str | None) -> str | None:
     return "; ".join(given) if given else None
 
 
-def _counts_this_forward() -> bool:
+def counts_this_forward() -> bool:
     """False while the autograd engine recomputes a forward (activation checkpointing runs the
     forward again inside the backward pass): its tokens were counted by the first forward."""
     if torch.compiler.is_compiling():
