@@ -44,13 +44,7 @@ VARIANTS = {
 
 
 def case_names() -> list[str]:
-    return [
-        f"{m}/k{k}/{s}/{v}"
-        for m in moelab.methods()
-        for k in (1, 2)
-        for s in SHAPES
-        for v in VARIANTS
-    ]
+    return [f"{m}/k{k}/{s}/{v}" for m in moelab.methods() for k in (1, 2) for s in SHAPES for v in VARIANTS]
 
 
 def _digest(t: torch.Tensor) -> list:

@@ -186,7 +186,9 @@ def test_step_balance_refuses_one_loss_over_forwards_that_form_different_losses(
     scoped(x)
     balance.record()
     scoped(x)
-    scoped.step_statistics.stats[2 * N + 1] = 1.0  # as if the router had formed its balance loss itself this time
+    scoped.step_statistics.stats[2 * N + 1] = (
+        1.0  # as if the router had formed its balance loss itself this time
+    )
     balance.record()
     with pytest.raises(
         ValueError, match=r"StepBalance.loss\(\) over forwards whose global losses differ \(MoE layer 0\)"

@@ -76,7 +76,10 @@ def test_gather_combine_of_the_gpu_equals_the_cpu_scatter_add_in_values_and_grad
 
 def test_module_experts_dispatch_of_zero_tokens_is_empty():
     modules = _module_experts(3, 6, 2)
-    assert modules.mix(torch.randn(0, 6), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1)).shape == (0, 2)
+    assert modules.mix(torch.randn(0, 6), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1)).shape == (
+        0,
+        2,
+    )
 
 
 def test_every_bank_implements_the_experts_protocol():

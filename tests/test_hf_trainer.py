@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import moelab
+from moelab.balance import attached_step_balance
 from moelab.hf.upcycle import upcycle
 from moelab.layer import moe_layers
 from moelab.methods import get_method
@@ -534,7 +535,7 @@ def test_global_balance_in_one_process_trains_as_the_micro_batch_balance(tmp_pat
         trainer = MoETrainer(model=model, args=_args(tmp_path / scope, max_steps=3), train_dataset=_data(12))
         trainer.train()
         logs[scope] = _train_logs(trainer)
-        assert all(m.step_balance is None for m in moe_layers(model))
+        assert attached_step_balance(model) is None
     for a, b in zip(logs["micro"], logs["global"]):
         for key in ("loss", "aux_loss", "aux_balance", "aux_importance"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), key
@@ -547,11 +548,11 @@ def test_global_balance_under_gradient_accumulation_uses_the_steps_running_count
 
     class Spy(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
-            balance = moe_layers(model)[0].step_balance
+            balance = attached_step_balance(model)
             seen.append(balance is not None and balance._totals is None)  # the last step's are cleared
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            balance = moe_layers(model)[0].step_balance
+            balance = attached_step_balance(model)
             seen.append(balance is not None and balance._forwards)  # both micro-batches recorded
 
     logs = {}

@@ -99,7 +99,7 @@ def _parallelize_refusals(world: int) -> dict[str, str | None]:
         distribute_tensor(bank.w_out.full_tensor().detach(), bank._ep[0], [Replicate()])
     )
     return {
-        "tp_bank": _message(lambda: tp(x, idx, torch.ones(3, 1))),
+        "tp_bank": _message(lambda: tp.mix(x, idx, torch.ones(3, 1))),
         "ep_layout": _message(lambda: bank.mix(x, idx, torch.ones(3, 1))),
         "dp": _message(lambda: parallelize(layer(), dp="zero")),
         "ep_world": _message(lambda: parallelize(layer(), ep=3)),

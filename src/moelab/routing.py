@@ -144,7 +144,9 @@ class RoutingContext:
     watchers: list[Callable[[RoutingContext], None]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
-    _advancing: _AdvanceWatch = field(default_factory=lambda: _AdvanceWatch(), init=False, repr=False, compare=False)
+    _advancing: _AdvanceWatch = field(
+        default_factory=lambda: _AdvanceWatch(), init=False, repr=False, compare=False
+    )
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)

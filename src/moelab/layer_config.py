@@ -1,0 +1,235 @@
+""":class:`MoEConfig`: every option of a :class:`moelab.MoE` layer, declared once as a typed field
+with its constraint (:mod:`moelab.config`, the vocabulary the commands use too), and the rules that
+tie options together beside the fields (:meth:`MoEConfig.check`).
+
+``moelab.MoE(d_model, num_experts, top_k, method=..., **options)`` maps into it
+(:meth:`MoEConfig.from_arguments`): a method is a preset (:mod:`moelab.methods`), a partial config
+that the options override.  An option is a layer field (``num_shared``, ``capacity_factor``, ...),
+a loss coefficient ``<loss>_coef``, or an option of the method's router; anything else is refused
+with the allowed list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .balance import BALANCE_SCOPES
+from .config import Interval, Options, setting, validate
+from .experts.capacity import TOKEN_DROP_POLICIES
+from .functional import ACTIVATIONS
+from .losses import LOAD_LOSSES, LOSS_NAMES
+from .methods import get_method, method_router_options
+
+__all__ = ["LAYER_LOSSES", "MoEConfig"]
+
+#: the layer's own losses (of the router rows and the experts, not of a routing), each with ``<name>_coef``
+LAYER_LOSSES = ("erc",)
+#: the router families whose weights are their softmax probabilities on the chosen experts (up to a
+#: per-token scale): those DenseMixer's dense router gradient is defined for
+DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
+#: the routers that run the experts themselves (CompeteSMoE's competition): a padded layout has
+#: nothing to pad there
+ROUTERS_RUNNING_EXPERTS = ("competition", "competesmoe")
+
+_POSITIVE = Interval(int, 1)
+_LAYER = {"layer": True}  # the fields given as ``MoE(**options)`` (the others are its arguments)
+
+
+def _option(default: Any, *, help: str, allowed: Any = ()) -> Any:
+    field = setting(default, help=help, allowed=allowed)
+    return dataclasses.field(default=default, metadata={**field.metadata, **_LAYER})
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The options of one MoE layer (docs/methods.md lists what each method's preset sets)."""
+
+    d_model: int = setting(help="token width d", allowed=_POSITIVE)
+    num_experts: int = setting(help="routed experts N", allowed=_POSITIVE)
+    top_k: int = setting(help="experts per token K, at most N", allowed=_POSITIVE)
+    d_hidden: int = setting(help="hidden width of each expert", allowed=_POSITIVE)
+    method: str = setting("smoe", help="a name of moelab.methods()")
+    activation: str = setting("relu", help="expert activation", allowed=Options(tuple(sorted(ACTIVATIONS))))
+    bias: bool = setting(False, help="expert biases")
+    impl: str = setting("auto", help="expert kernel: 'auto' or a name of moelab.experts.KERNELS")
+    check_finite: bool = setting(True, help="raise when router logits are NaN or inf")
+    num_shared: int = _option(0, help="shared experts (weight 1)", allowed=Interval(int, 0))
+    balance_scope: str = _option(
+        "micro", help="where the load-based losses measure the load", allowed=Options(BALANCE_SCOPES)
+    )
+    densemixer: bool = _option(False, help="DenseMixer's dense router gradient in training")
+    router_dtype: str | None = _option(
+        None, help="the dtype the router computes in", allowed=(Options(("float32",)), None)
+    )
+    capacity_factor: float | None = _option(
+        None,
+        help="expert capacity C = ceil(factor·T·K/N)",
+        allowed=(Interval(float, 0, closed="neither"), None),
+    )
+    token_drop_policy: str = _option(
+        "probs", help="which slots an expert over capacity keeps", allowed=Options(TOKEN_DROP_POLICIES)
+    )
+    pad_to_capacity: bool = _option(False, help="every expert runs on exactly C rows")
+    erc_alpha: float = _option(
+        1.0, help="the ERC loss's margin", allowed=Interval(float, 0, closed="neither")
+    )
+    #: the aux-loss coefficients by loss name (``<loss>_coef``), those > 0 only
+    coefs: dict[str, float] = setting(default_factory=dict, help="aux-loss coefficients by loss name")
+    #: the options given to the method's router (over its preset's)
+    router_options: dict[str, Any] = setting(default_factory=dict, help="options of the method's router")
+    #: the options as given to ``MoE(**options)``, over the preset (what :meth:`arguments` writes back)
+    options: dict[str, Any] = setting(default_factory=dict, help="the options as given")
+
+    # ------------------------------------------------------------------ from MoE(...)'s arguments
+    @classmethod
+    def from_arguments(
+        cls,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        d_hidden: int | None = None,
+        method: str = "smoe",
+        activation: str = "relu",
+        *,
+        bias: bool = False,
+        impl: str = "auto",
+        check_finite: bool = True,
+        **options: Any,
+    ) -> MoEConfig:
+        """The config of ``moelab.MoE(d_model, num_experts, top_k, d_hidden, method, activation,
+        bias=, impl=, check_finite=, **options)``: the method's preset overridden by ``options``."""
+        preset = get_method(method)
+        router = _router_class(preset.router)
+        layer_fields = [f.name for f in dataclasses.fields(cls) if f.metadata.get("layer")]
+        router_names = method_router_options(method)
+        loss_names = (*LOSS_NAMES, *router.loss_names, *LAYER_LOSSES)
+        layer = {**preset.layer_options, "num_shared": preset.num_shared}
+        coefs = dict(preset.coefs)
+        router_options = {}
+        for key, value in options.items():
+            if key in router_names:  # a router with an option of a layer's name (capacity_factor) takes it
+                router_options[key] = value
+            elif key in layer_fields:
+                layer[key] = value
+            elif key.endswith("_coef") and key.removesuffix("_coef") in loss_names:
+                coefs[key.removesuffix("_coef")] = _non_negative(key, value)
+            else:
+                allowed = sorted([*router_names, *(f"{n}_coef" for n in loss_names), *layer_fields])
+                raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
+        config = cls(
+            d_model=d_model,
+            num_experts=num_experts,
+            top_k=top_k,
+            d_hidden=d_model if d_hidden is None else d_hidden,
+            method=method,
+            activation=activation,
+            bias=bias,
+            impl=impl,
+            check_finite=check_finite,
+            coefs={k: float(v) for k, v in coefs.items() if v > 0},
+            router_options=router_options,
+            options=dict(options),
+            **layer,
+        )
+        return validate(config, names="arguments")
+
+    def arguments(self) -> dict[str, Any]:
+        """The ``moelab.MoE`` arguments that build this config again: what :func:`moelab.save`
+        records of a layer."""
+        return {
+            "d_model": self.d_model,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "d_hidden": self.d_hidden,
+            "method": self.method,
+            "activation": self.activation,
+            "bias": self.bias,
+            "impl": self.impl,
+            "check_finite": self.check_finite,
+            "options": dict(self.options),
+        }
+
+    @property
+    def router(self) -> str:
+        """The router family of the method."""
+        return get_method(self.method).router
+
+    @property
+    def load_coefs(self) -> dict[str, float]:
+        """The coefficients of the load-based losses (those ``balance_scope`` applies to)."""
+        return {n: c for n, c in self.coefs.items() if n in LOAD_LOSSES}
+
+    # ------------------------------------------------------------------ the rules between options
+    def check(self) -> None:
+        """The rules that tie options together; each refusal in one line."""
+        method = self.method
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k!r} is not allowed; expected an integer in [1, {self.num_experts}]"
+            )
+        variable_k = _router_class(self.router).variable_k
+        if self.balance_scope != "micro" and variable_k:
+            raise ValueError(
+                f"balance_scope={self.balance_scope!r} is not allowed with method={method!r}: it routes a variable "
+                "number of experts per token, which only the 'micro' scope counts; expected 'micro'"
+            )
+        if self.densemixer and self.router not in DENSEMIXER_ROUTERS:
+            raise ValueError(
+                f"densemixer=True is not allowed with method={method!r}; expected a method whose weights are "
+                f"its softmax probabilities (routers {list(DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
+            )
+        if self.router_dtype is not None and self.router == "competition":
+            raise ValueError(
+                f"router_dtype={self.router_dtype!r} is not allowed with method={method!r}, which has no router "
+                "(the competition routes by the experts' outputs)"
+            )
+        capacity = self.capacity_factor
+        if "token_drop_policy" in self.options and capacity is None:
+            raise ValueError(
+                f"token_drop_policy={self.token_drop_policy!r} is not allowed without capacity_factor; "
+                "expected capacity_factor=<float> with it"
+            )
+        if capacity is not None and variable_k:
+            raise ValueError(
+                f"capacity_factor={capacity!r} is not allowed with method={method!r}: it routes a variable number "
+                "of experts per token; expected a method with a fixed top-K"
+            )
+        if self.pad_to_capacity:
+            if capacity is None:
+                raise ValueError(
+                    "pad_to_capacity=True is not allowed without capacity_factor; expected "
+                    "capacity_factor=<float> with it (each expert is padded to its capacity)"
+                )
+            if self.router in ROUTERS_RUNNING_EXPERTS:
+                raise ValueError(
+                    f"pad_to_capacity=True is not allowed with method={method!r}: its router runs the experts "
+                    "itself (competition); expected a method whose experts run after the routing"
+                )
+            if self.densemixer:
+                raise ValueError(
+                    "pad_to_capacity=True is not allowed with densemixer=True: DenseMixer runs every expert on "
+                    "every token in training; expected densemixer=False"
+                )
+            if self.impl != "auto":
+                raise ValueError(
+                    f"pad_to_capacity=True is not allowed with impl={self.impl!r}: the padded experts run as one "
+                    "batched matmul (torch.bmm) of fixed shape (N, C, d); expected impl='auto'"
+                )
+
+    def replace(self, **changes: Any) -> MoEConfig:
+        """A copy with ``changes``, validated."""
+        return validate(dataclasses.replace(self, **changes), names="arguments")
+
+
+def _router_class(name: str) -> type:
+    from .routers import ROUTERS
+
+    return ROUTERS[name]
+
+
+def _non_negative(name: str, value: Any) -> float:
+    from . import _validate
+
+    return _validate.non_negative(name, value)
