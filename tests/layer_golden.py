@@ -50,7 +50,7 @@ def case_names() -> list[str]:
 def _digest(t: torch.Tensor) -> list:
     t = t.detach().contiguous().cpu()
     raw = t.numpy().tobytes() if t.numel() else b""
-    f = t.double() if t.is_floating_point() else t.double()
+    f = t.double()
     return [
         list(t.shape),
         str(t.dtype).removeprefix("torch."),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from moelab import config as vocab
 from moelab.bench.routers import _saturation_mid, _scheduled_fraction, _verdict
 from moelab.cli import main
 from moelab.experiments.summary import holm
@@ -147,7 +148,7 @@ def test_a_method_that_cannot_train_on_two_ranks_is_named_not_measured(corpus, t
     import subprocess
 
     from moelab.bench import routers
-    from moelab.experiments import lm, runner
+    from moelab.experiments import lm
 
     def fail(*args, **kwargs):
         return subprocess.CompletedProcess(args, 1, "", "Traceback ...\nRuntimeError: no second rank here\n")
@@ -156,7 +157,7 @@ def test_a_method_that_cannot_train_on_two_ranks_is_named_not_measured(corpus, t
     one = lm.TrainRun(
         data=str(corpus), size="cpu", block_size=16, batch_size=4, num_experts=4, progress=False
     )
-    out = routers.repeat_checks(lm.resolve(runner.validate(one)), steps=2, two_ranks=True)
+    out = routers.repeat_checks(lm.resolve(vocab.validate(one)), steps=2, two_ranks=True)
     assert out["bit_repeat"] is True and out["rank_gap"] is None
     assert out["rank_note"] == "the 2-rank run failed (exit 1): RuntimeError: no second rank here"
 

@@ -492,11 +492,11 @@ def test_set_method_to_the_layers_own_method_changes_nothing(make):
     block = make()
     layer = from_hf(block)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
-    coefs, config = dict(layer.coefs), dict(layer.init_config)
+    coefs, config = dict(layer.coefs), layer.config
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to announce either
         moelab.set_method(layer, layer.method)
-    assert layer.coefs == coefs and layer.init_config == config  # Mixtral's z-loss stayed off
+    assert layer.coefs == coefs and layer.config == config  # Mixtral's z-loss stayed off
     assert layer.state_dict().keys() == state.keys()  # Flint got no selection bias
     assert all(torch.equal(layer.state_dict()[k], v) for k, v in state.items())
     x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1), dtype=block.experts.down_proj.dtype)
@@ -579,6 +579,6 @@ def test_set_method_announces_the_loss_coefficients_it_changes():
 def test_set_method_keeps_the_layers_balance_scope():
     layer = moelab.MoE(8, 4, 2, method="smoe", balance_scope="sequence")
     moelab.set_method(layer, "xmoe")
-    assert layer.balance_scope == "sequence" and layer.init_config["options"]["balance_scope"] == "sequence"
+    assert layer.balance_scope == "sequence" and layer.config.options["balance_scope"] == "sequence"
     moelab.set_method(layer, "smoe", balance_scope="global")
     assert layer.balance_scope == "global"

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import moelab
 from moelab.balance import attached_step_balance
 from moelab.hf.upcycle import upcycle
-from moelab.layer import moe_layers
 from moelab.methods import get_method
 from moelab.schedules import CoinFlipSchedule, CompetitionSchedule, build_schedule
 

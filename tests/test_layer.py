@@ -237,7 +237,7 @@ def test_attach_rejects_something_that_is_not_a_context():
     [
         ({"top_k": 0}, r"top_k=0 is not allowed; expected an integer in \[1, 4\]"),
         ({"top_k": 5}, r"top_k=5 is not allowed; expected an integer in \[1, 4\]"),
-        ({"top_k": 1.5}, r"top_k=1.5 is not allowed; expected an integer in \[1, 4\]"),
+        ({"top_k": 1.5}, r"top_k=1.5 is not allowed; expected an integer$"),
         ({"d_model": 0}, r"d_model=0 is not allowed; expected a positive integer"),
         ({"num_experts": -1, "top_k": 1}, r"num_experts=-1 is not allowed; expected a positive integer"),
         ({"d_hidden": 0}, r"d_hidden=0 is not allowed; expected a positive integer"),
@@ -252,7 +252,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ),
         ({"balance_coef": -0.1}, r"balance_coef=-0.1 is not allowed; expected a number >= 0"),
         ({"z_coef": float("nan")}, r"z_coef=nan is not allowed; expected a number >= 0"),
-        ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer in \[0, "),
+        ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer >= 0$"),
         (
             {"temperature": 0.3},
             r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'capacity_factor', 'densemixer', 'entropy_coef', 'erc_alpha', 'erc_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'num_shared', 'pad_to_capacity', 'renormalize', 'router_dtype', 'scale', 'selection_bias', 'token_drop_policy', 'z_coef'\]",
@@ -376,10 +376,10 @@ def test_an_inference_forward_computes_no_aux_loss_and_keeps_no_tensor(monkeypat
 
     with torch.no_grad():
         layer(torch.randn(3, 8))
-    assert calls == [] and layer.last_routing is None and held() == set()
+    assert calls == [] and layer.recorded_routing is None and held() == set()
     assert layer.aux_loss.item() == 0.0
     layer(torch.randn(3, 8))
-    assert calls == [1] and layer.last_routing is None and held() == set()
+    assert calls == [1] and layer.recorded_routing is None and held() == set()
 
 
 def test_recording_routing_keeps_the_routing_of_an_inference_forward():
@@ -392,7 +392,7 @@ def test_recording_routing_keeps_the_routing_of_an_inference_forward():
     assert layer.last_routing.indices.shape == (3, 2) and layer.record_routing is False
     off = moelab.MoE(8, 4, 2, method="smoe", record_routing=False)
     off(torch.randn(3, 8))
-    assert off.last_routing is None
+    assert off.recorded_routing is None
 
 
 def test_record_routing_refuses_a_non_bool():

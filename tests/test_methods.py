@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -202,7 +204,7 @@ def test_method_router_learns_from_the_task_loss_alone_at_k1_and_k2(method, k):
     if method in NO_TRAINABLE_ROUTER:
         assert params == []  # the exception is what the preset is, not a lost gradient
         return
-    layer.coefs = {}  # the task loss only: a training forward would inject the aux losses' gradient
+    layer.config = dataclasses.replace(layer.config, coefs={})  # the task loss only: no aux gradient injected
     layer(torch.randn(2, 6, D)).pow(2).mean().backward()
     total = sum(float(p.grad.abs().sum()) for p in params if p.grad is not None)
     assert total > 1e-6, f"{method} at K={k}: the router's parameters get no gradient from the task loss"

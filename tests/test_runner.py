@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
+from moelab import config as vocab
+from moelab.config import Interval, Options, setting
 from moelab.experiments import runner
-from moelab.experiments.runner import Interval, Options, setting
 
 
 @dataclass
@@ -39,7 +40,7 @@ TOY = runner.Command("toy", Toy, _record)
 
 def _parse(*argv):
     p = argparse.ArgumentParser()
-    runner.add_arguments(p, Toy)
+    vocab.add_arguments(p, Toy)
     return p.parse_args(list(argv))
 
 
@@ -47,7 +48,7 @@ def test_flags_come_from_the_fields_and_only_given_flags_are_set():
     args = _parse("--depth", "3", "--opt", "k=1", "--sizes", "4,5", "--steps", "7", "--quiet")
     given = runner.given_by_args(TOY, args)
     assert given == {"layers": 3, "opts": {"k": 1}, "sizes": [4, 5], "inner.steps": 7, "quiet": True}
-    config = runner.validate(runner.build(Toy, given))
+    config = vocab.validate(vocab.build(Toy, given))
     assert (config.layers, config.sizes, config.inner.steps, config.inner.lr) == (3, (4, 5), 7, 0.1)
 
 
@@ -62,7 +63,7 @@ def test_flags_come_from_the_fields_and_only_given_flags_are_set():
 )
 def test_a_bad_value_is_refused_naming_the_flag_the_value_and_what_is_allowed(argv, message):
     with pytest.raises(ValueError) as info:
-        runner.validate(runner.build(Toy, runner.given_by_args(TOY, _parse(*argv))))
+        vocab.validate(vocab.build(Toy, runner.given_by_args(TOY, _parse(*argv))))
     assert str(info.value) == message
 
 

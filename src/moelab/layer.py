@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from . import _validate
 from .aux_grad import AuxLossInjection, readout
-from .balance import BALANCE_SCOPES, StepStatistics
+from .balance import StepStatistics
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, Experts
-from .experts.capacity import TOKEN_DROP_POLICIES, limit
+from .experts.capacity import limit
+from .layer_config import LAYER_LOSSES, MoEConfig
 from .losses import (
     LOAD_LOSSES,
     LOSS_NAMES,
@@ -28,8 +28,8 @@ from .losses import (
     switch_balance_loss,
     z_loss,
 )
-from .methods import build_method_router, get_method, method_router_options
-from .routers import ROUTERS, Router
+from .methods import build_method_router
+from .routers import Router
 from .routing import Routing, RoutingContext
 
 __all__ = [
@@ -42,24 +42,6 @@ __all__ = [
     "recording_routing",
     "set_aux_scale",
 ]
-
-_LAYER_OPTIONS = (
-    "num_shared",
-    "balance_scope",
-    "densemixer",
-    "router_dtype",
-    "capacity_factor",
-    "token_drop_policy",
-    "pad_to_capacity",
-    "erc_alpha",
-)
-#: the layer's own losses (of the router rows and the experts, not of a routing), each with ``<name>_coef``
-_LAYER_LOSSES = ("erc",)
-#: the router families whose weights are their softmax probabilities on the chosen experts (up to a
-#: per-token scale): those DenseMixer's dense router gradient is defined for
-_DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
-
-ROUTER_DTYPES = ("float32",)
 
 #: the most aux-loss terms a layer records by name (the standard losses and a router's own)
 _MAX_TERMS = 12
@@ -75,8 +57,9 @@ _NON_FINITE_COMPILED = (
 class MoE(nn.Module):
     """A sparse mixture-of-experts layer: ``x (..., d) → (..., d)``.
 
-    Flow: flatten to ``(T, d)`` → ``router(x, experts, ctx)`` → :class:`moelab.Routing` →
-    ``experts(x, indices, weights)`` (+ shared experts, weight 1) → reshape.
+    Flow: flatten to ``(T, d)`` → ``router(x, experts, ctx)`` → :class:`moelab.Routing` (with its
+    capacity and layout) → ``experts(x, routing)`` (+ the router's own experts, + shared experts of
+    weight 1) → aux loss → reshape.
 
     Args:
         d_model: token width d.
@@ -86,62 +69,36 @@ class MoE(nn.Module):
         method: a name from :func:`moelab.methods` (the presets of :mod:`moelab.methods`).
         activation: expert activation ``relu``, ``gelu``, ``silu`` or ``swiglu``.
         bias: expert biases.
-        impl: expert dispatch, ``"auto"``, ``"loop"`` or ``"grouped"`` (:class:`ExpertBank`).
-        experts: a custom expert bank (e.g. :class:`ModuleExperts` of CNN experts) used instead of
-            an :class:`ExpertBank`; it implements :class:`moelab.experts.Experts` with
+        impl: the experts' kernel, ``"auto"`` or a name of :data:`moelab.experts.KERNELS`.
+        experts: an expert bank (a :class:`moelab.experts.SparseExperts`, e.g. a
+            :class:`moelab.ModuleExperts` of CNN experts) instead of an :class:`ExpertBank`, with
             ``num_experts`` == N.
-        check_finite: raise ``RuntimeError`` when router logits are NaN/inf (one host sync per
-            forward; switch off for speed).  Under ``torch.compile`` the check is traced as
-            ``torch._assert_async`` (no graph break; it still raises ``RuntimeError``, with a
-            message that names no layer: a per-layer value would recompile every layer).
+        check_finite: raise :class:`moelab.NonFiniteError` when router logits are NaN/inf (one
+            host sync per forward; switch off for speed).  Under ``torch.compile`` the check is
+            traced as ``torch._assert_async`` (a ``RuntimeError`` whose message names no layer: a
+            per-layer value would recompile every layer).
         record_routing: keep ``last_routing`` after each forward: ``None`` (default) after a
-            forward with gradients enabled, not being compiled (an inference forward keeps no
-            tensor); ``True`` always (also under ``torch.compile``, without activation
-            checkpointing); ``False`` never.  :func:`recording_routing` switches it on for a block.
-        **options: the method's options (router options, ``<loss>_coef`` with loss in
-            ``balance``, ``z``, ``importance``, ``entropy`` and the router's own losses,
-            ``num_shared``, ``balance_scope``, ``densemixer``, and ``erc_coef`` / ``erc_alpha``),
-            overriding the preset.
+            forward with gradients enabled, not being compiled; ``True`` always (also under
+            ``torch.compile``, without activation checkpointing); ``False`` never.
+            :func:`recording_routing` switches it on for a block.
+        **options: the fields of :class:`moelab.layer_config.MoEConfig` (``num_shared``,
+            ``balance_scope``, ``densemixer``, ``router_dtype``, ``capacity_factor``,
+            ``token_drop_policy``, ``pad_to_capacity``, ``erc_alpha``), loss coefficients
+            ``<loss>_coef`` and the method's router options, overriding the preset; docs/methods.md
+            says what each does.
 
-    ``densemixer=True``: in training forwards with autograd every expert runs and the router
-    receives the gradient of the dense mixture of their outputs, the output keeping its sparse value
-    (DenseMixer, Yao et al. 2025; :func:`moelab.experts.dispatch.combine_densemixer`); for the
-    softmax top-K routers (``topk``, ``cosine``, ``hyper`` families).
-
-    ``balance_scope`` — where the load-based losses (``balance``, ``importance``, ``entropy``)
-    measure the load (docs/methods.md, "Balance scope"):
-
-    * ``"micro"`` (default): over the tokens of this forward (one micro-batch of one rank);
-    * ``"sequence"``: per sequence, then averaged over the sequences (DeepSeek-V3's sequence-wise
-      balance loss); the input must keep its sequence structure ``(..., S, d)``;
-    * ``"global"``: over the whole optimizer step — every micro-batch on every data-parallel rank
-      (Qwen's global-batch balance, Qiu et al. 2025).  The step's statistics are gathered outside
-      the forward by a :class:`moelab.balance.StepBalance` that the training loop owns (the
-      :class:`moelab.train.Trainer` and ``moelab.hf.MoETrainer`` do); while one is attached it
-      forms these losses and this layer's ``aux_loss`` leaves them out.  Without one, in one
-      process, they are the micro-batch's (the same thing for one micro-batch a step).
-
-    A router with a variable number of experts per token (``Routing.mask``) takes ``"micro"``
-    only: the other scopes count every slot.
-
-    ``erc_coef > 0``: the expert–router coupling loss (Lv et al. 2025, "Coupling Experts and Routers
-    in Mixture-of-Experts via an Auxiliary Loss"; :func:`moelab.losses.erc_loss`) between the router
-    rows ``R (N, d)`` and the experts' gate projections, margin ``erc_alpha`` (default 1), with
-    proxy-token noise drawn afresh in each training forward; for any router with an
-    ``(N, d)`` weight (``smoe``, ``sharede-v3``, ``remoe``, ``top-p``, ``expert-choice``, ... and a
-    competition router's base) over an :class:`ExpertBank`.
-
-    After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and
-    ``last_routing`` (detached :class:`moelab.Routing`, see ``record_routing``).
+    After each forward: ``aux_loss`` (0-dim, the weighted sum of the aux losses) and, when
+    recorded, ``last_routing`` (detached :class:`moelab.Routing`).
 
     The aux loss trains without being added to a loss: a training forward (training mode,
-    gradients enabled) attaches it to the output's autograd graph, whose backward adds
+    gradients enabled) attaches its gradient to the output's autograd graph, whose backward adds
     ``scale · ∂aux_loss`` to the gradients (``scale`` 1, or what :func:`set_aux_scale` sets for a
-    loss divided over accumulation steps or multiplied by a gradient scaler).  ``aux_loss`` is its
-    value; ``loss = task + moelab.aux_loss(model)`` stays right (the value is added, the gradient
-    is not counted twice) and is refused in one line when the loss is scaled by another weight
-    than ``scale``.  Other forwards (evaluation, ``torch.no_grad``) compute no aux loss:
-    ``aux_loss`` reads 0 after them.
+    loss divided over accumulation steps or multiplied by a gradient scaler).  ``aux_loss`` is
+    its value, a tensor with no graph to the parameters: ``loss = task + moelab.aux_loss(model)``
+    stays right (the value is added, the gradient is not counted twice) and is refused in one line
+    when the loss weighs it otherwise than ``scale``; ``torch.autograd.grad(layer.aux_loss,
+    params)`` finds no path to ``params`` (torch raises).  Other forwards (evaluation,
+    ``torch.no_grad``) compute no aux loss: ``aux_loss`` reads 0 after them.
     """
 
     def __init__(
@@ -161,148 +118,26 @@ class MoE(nn.Module):
         **options,
     ) -> None:
         super().__init__()
-        self.d_model = _validate.positive_int("d_model", d_model)
-        self.num_experts = _validate.positive_int("num_experts", num_experts)
-        self.top_k = _validate.int_in_range("top_k", top_k, 1, num_experts)
-        d_hidden = d_model if d_hidden is None else _validate.positive_int("d_hidden", d_hidden)
-        preset = get_method(method)
-        self.method = method
-        self.check_finite = bool(check_finite)
         if record_routing not in (None, True, False):
             raise ValueError(
                 f"record_routing={record_routing!r} is not allowed; expected None, True or False"
             )
+        #: every option of the layer, typed and checked (:class:`moelab.layer_config.MoEConfig`)
+        self.config = cfg = MoEConfig.from_arguments(
+            d_model, num_experts, top_k, d_hidden, method, activation,
+            bias=bias, impl=impl, check_finite=check_finite, **options,
+        )  # fmt: skip
         self.record_routing = record_routing
-        #: the constructor arguments, JSON-ready: what :func:`moelab.save` records of this layer
-        #: (``custom_experts``: an ``experts`` module was given, which a config cannot rebuild)
-        self.init_config = {
-            "d_model": d_model,
-            "num_experts": num_experts,
-            "top_k": top_k,
-            "d_hidden": d_hidden,
-            "method": method,
-            "activation": activation,
-            "bias": bool(bias),
-            "impl": impl,
-            "check_finite": bool(check_finite),
-            "options": dict(options),
-            "custom_experts": experts is not None,
-        }
-
-        router_cls = ROUTERS[preset.router]
-        allowed_router = method_router_options(method)
-        loss_names = LOSS_NAMES + router_cls.loss_names + _LAYER_LOSSES
-        allowed = sorted([*allowed_router, *(f"{n}_coef" for n in loss_names), *_LAYER_OPTIONS])
-        r_opts: dict = {}
-        coefs = dict(preset.coefs)
-        num_shared = preset.num_shared
-        densemixer = preset.layer_options.get("densemixer", False)
-        erc_alpha = preset.layer_options.get("erc_alpha", 1.0)
-        for key, value in options.items():
-            if key in allowed_router:
-                r_opts[key] = value
-            elif key.endswith("_coef") and key[: -len("_coef")] in loss_names:
-                coefs[key[: -len("_coef")]] = _validate.non_negative(key, value)
-            elif key == "num_shared":
-                num_shared = value
-            elif key == "densemixer":
-                densemixer = value
-            elif key == "erc_alpha":
-                erc_alpha = value
-            elif key == "balance_scope":
-                _validate.one_of("balance_scope", value, BALANCE_SCOPES)
-                if value != "micro" and router_cls.variable_k:
-                    raise ValueError(
-                        f"balance_scope={value!r} is not allowed with method={method!r}: it routes a variable "
-                        "number of experts per token, which only the 'micro' scope counts; expected 'micro'"
-                    )
-            elif key in _LAYER_OPTIONS:
-                continue  # below
-            else:
-                raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
-        self.num_shared = int(_validate.int_in_range("num_shared", num_shared, 0, 1 << 30))
-        if not isinstance(densemixer, bool):
-            raise ValueError(f"densemixer={densemixer!r} is not allowed; expected True or False")
-        if densemixer and preset.router not in _DENSEMIXER_ROUTERS:
-            raise ValueError(
-                f"densemixer=True is not allowed with method={method!r}; expected a method whose weights are "
-                f"its softmax probabilities (routers {list(_DENSEMIXER_ROUTERS)}: smoe, xmoe, pcosine, ...)"
-            )
-        self.densemixer = densemixer
-        self.erc_alpha = _validate.positive("erc_alpha", erc_alpha)
-        router_dtype = options.get("router_dtype")
-        if router_dtype is not None:
-            _validate.one_of("router_dtype", router_dtype, ROUTER_DTYPES)
-            if preset.router == "competition":
-                raise ValueError(
-                    f"router_dtype={router_dtype!r} is not allowed with method={method!r}, which has no router "
-                    "(the competition routes by the experts' outputs)"
-                )
-        self.router_dtype: str | None = router_dtype
-        # a router with a capacity of its own (expert-choice) takes the option; the layer's is for top-K routers
-        capacity = None if "capacity_factor" in allowed_router else options.get("capacity_factor")
-        self.capacity_factor = None if capacity is None else _validate.positive("capacity_factor", capacity)
-        self.token_drop_policy = _validate.one_of(
-            "token_drop_policy", options.get("token_drop_policy", "probs"), TOKEN_DROP_POLICIES
-        )
-        if "token_drop_policy" in options and capacity is None:
-            raise ValueError(
-                f"token_drop_policy={options['token_drop_policy']!r} is not allowed without capacity_factor; "
-                "expected capacity_factor=<float> with it"
-            )
-        if capacity is not None and router_cls.variable_k:
-            raise ValueError(
-                f"capacity_factor={capacity!r} is not allowed with method={method!r}: it routes a variable number "
-                "of experts per token; expected a method with a fixed top-K"
-            )
-        self.pad_to_capacity = _check_pad_to_capacity(
-            options.get("pad_to_capacity", False), capacity, method, preset.router, densemixer
-        )
-        self.coefs = {k: float(v) for k, v in coefs.items() if v > 0}
-        self.balance_scope: str = options.get("balance_scope", "micro")
-
-        self.router = build_method_router(method, d_model, num_experts, top_k, **r_opts)
-        if router_dtype is not None:  # the scores of the base router (a composed router runs experts)
-            self.router.base_router.compute_dtype = getattr(torch, router_dtype)
-        gate_rank = getattr(self.router, "expert_gate_rank", None)  # Autonomy-of-Experts' factorised gates
-        if experts is None:
-            experts = ExpertBank(
-                num_experts,
-                d_model,
-                d_hidden,
-                activation=activation,
-                bias=bias,
-                impl=impl,
-                gate_rank=gate_rank,
-            )
-        elif gate_rank is not None and getattr(experts, "gate_rank", None) != gate_rank:
-            raise ValueError(
-                f"experts of type {type(experts).__name__} are not allowed with method={method!r}; expected an "
-                f"ExpertBank with gate_rank={gate_rank} (leave experts=None and the layer builds it)"
-            )
-        elif not isinstance(experts, Experts):
-            raise ValueError(
-                f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
-                "moelab.experts.Experts (num_experts, d_model, forward(x, routing), mix, expert_forward, forward_all, "
-                "forward_winners; subclass moelab.experts.SparseExperts)"
-            )
-        elif experts.num_experts != num_experts:
-            raise ValueError(
-                f"experts.num_experts={experts.num_experts!r} does not match num_experts={num_experts}"
-            )
-        self.experts = experts
-        if self.pad_to_capacity and isinstance(experts, ExpertBank) and experts.impl != "auto":
-            raise ValueError(
-                f"pad_to_capacity=True is not allowed with impl={experts.impl!r}: the padded experts run as one "
-                "batched matmul (torch.bmm) of fixed shape (N, C, d); expected impl='auto'"
-            )
-        if self.coefs.get("erc", 0.0) > 0:
+        #: an ``experts`` module was given, which a config cannot rebuild
+        self.custom_experts = experts is not None
+        self.router = build_method_router(method, d_model, num_experts, top_k, **cfg.router_options)
+        if cfg.router_dtype is not None:  # the scores of the base router (a composed router runs experts)
+            self.router.base_router.compute_dtype = getattr(torch, cfg.router_dtype)
+        self.experts = self._expert_bank(experts)
+        if cfg.coefs.get("erc", 0.0) > 0:
             _check_erc(self, method)
-        self.shared = (
-            MLP(d_model, self.num_shared * d_hidden, activation=activation, bias=bias)
-            if self.num_shared
-            else None
-        )
+        hidden = cfg.num_shared * cfg.d_hidden
+        self.shared = MLP(d_model, hidden, activation=activation, bias=bias) if cfg.num_shared else None
         self.ctx: RoutingContext | None = None
         # the aux values of the last training forward, ``[total, *terms by aux_names()]``, written in
         # place (a buffer, as BatchNorm's statistics: compile- and checkpoint-clean), and the weight
@@ -313,11 +148,73 @@ class MoE(nn.Module):
         self.register_buffer("_dropped", torch.zeros(()), persistent=False)
         #: the global scope's statistics of each training forward (moelab.balance), for a layer with a
         #: load-based loss over the step; ``None`` otherwise
-        load = {n: c for n, c in self.coefs.items() if n in LOAD_LOSSES}
-        self.step_statistics = (
-            StepStatistics(num_experts, load) if self.balance_scope == "global" and load else None
-        )
-        self.last_routing: Routing | None = None
+        load = cfg.load_coefs
+        global_scope = cfg.balance_scope == "global" and load
+        self.step_statistics = StepStatistics(num_experts, load) if global_scope else None
+        self._last_routing: Routing | None = None
+
+    def _expert_bank(self, experts: nn.Module | None) -> nn.Module:
+        """The layer's bank: an :class:`ExpertBank` of the config, or ``experts`` checked."""
+        cfg = self.config
+        gate_rank = getattr(self.router, "expert_gate_rank", None)  # Autonomy-of-Experts' factorised gates
+        if experts is None:
+            return ExpertBank(
+                cfg.num_experts, cfg.d_model, cfg.d_hidden,
+                activation=cfg.activation, bias=cfg.bias, impl=cfg.impl, gate_rank=gate_rank,
+            )  # fmt: skip
+        if gate_rank is not None and getattr(experts, "gate_rank", None) != gate_rank:
+            raise ValueError(
+                f"experts of type {type(experts).__name__} are not allowed with method={cfg.method!r}; expected "
+                f"an ExpertBank with gate_rank={gate_rank} (leave experts=None and the layer builds it)"
+            )
+        if not isinstance(experts, Experts):
+            raise ValueError(
+                f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
+                "moelab.experts.Experts (num_experts, d_model, forward(x, routing), mix, expert_forward, "
+                "forward_all, forward_winners; subclass moelab.experts.SparseExperts)"
+            )
+        if experts.num_experts != cfg.num_experts:
+            raise ValueError(
+                f"experts.num_experts={experts.num_experts!r} does not match num_experts={cfg.num_experts}"
+            )
+        if cfg.pad_to_capacity and isinstance(experts, ExpertBank) and experts.impl != "auto":
+            raise ValueError(
+                f"pad_to_capacity=True is not allowed with impl={experts.impl!r}: the padded experts run as one "
+                "batched matmul (torch.bmm) of fixed shape (N, C, d); expected impl='auto'"
+            )
+        return experts
+
+    # the config's fields, read where the layer's users have always read them
+    d_model = property(lambda self: self.config.d_model)
+    num_experts = property(lambda self: self.config.num_experts)
+    top_k = property(lambda self: self.config.top_k)
+    method = property(lambda self: self.config.method)
+    check_finite = property(lambda self: self.config.check_finite)
+    num_shared = property(lambda self: self.config.num_shared)
+    coefs = property(lambda self: self.config.coefs)
+    balance_scope = property(lambda self: self.config.balance_scope)
+    densemixer = property(lambda self: self.config.densemixer)
+    router_dtype = property(lambda self: self.config.router_dtype)
+    capacity_factor = property(lambda self: self.config.capacity_factor)
+    token_drop_policy = property(lambda self: self.config.token_drop_policy)
+    pad_to_capacity = property(lambda self: self.config.pad_to_capacity)
+    erc_alpha = property(lambda self: self.config.erc_alpha)
+
+    @property
+    def last_routing(self) -> Routing:
+        """The routing of the last forward, detached, when it was recorded (``record_routing``)."""
+        if self._last_routing is None:
+            raise RuntimeError(
+                f"MoE layer {self.layer_index} kept no routing of its last forward (a forward without "
+                "gradients, or record_routing=False, records none); expected record_routing=True or the "
+                "forward inside moelab.recording_routing(model)"
+            )
+        return self._last_routing
+
+    @property
+    def recorded_routing(self) -> Routing | None:
+        """:attr:`last_routing`, or ``None`` when the last forward recorded none (or none ran)."""
+        return self._last_routing
 
     @property
     def aux_loss(self) -> Tensor:
@@ -332,7 +229,7 @@ class MoE(nn.Module):
 
     def aux_names(self) -> tuple[str, ...]:
         """The names of the aux terms this layer may compute, in the order :meth:`aux_values` uses."""
-        names = dict.fromkeys((*LOSS_NAMES, *type(self.router).loss_names, *_LAYER_LOSSES))
+        names = dict.fromkeys((*LOSS_NAMES, *type(self.router).loss_names, *LAYER_LOSSES))
         return tuple(names)[:_MAX_TERMS]
 
     def aux_values(self) -> dict[str, Tensor]:
@@ -551,9 +448,9 @@ class MoE(nn.Module):
         if not torch.compiler.is_compiling():
             if record is None:  # a forward with gradients: its routing is held by the graph anyway
                 record = torch.is_grad_enabled()
-            self.last_routing = routing.detach() if record else None
+            self._last_routing = routing.detach() if record else None
         elif record:  # asked for under compile: a side effect dynamo replays (not under checkpointing)
-            self.last_routing = routing.detach()
+            self._last_routing = routing.detach()
 
     def _aux_terms(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> dict[str, Tensor]:
         """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
@@ -606,37 +503,6 @@ class MoE(nn.Module):
         if noise is True:
             noise = erc_noise(r)
         return erc_loss(r, gate, self.erc_alpha, noise if isinstance(noise, Tensor) else None)
-
-
-#: the routers that run the experts themselves (CompeteSMoE's competition): a padded layout has
-#: nothing to pad there
-_ROUTERS_RUNNING_EXPERTS = ("competition", "competesmoe")
-
-
-def _check_pad_to_capacity(
-    pad: object, capacity: float | None, method: str, router: str, densemixer: bool
-) -> bool:
-    """``pad_to_capacity``, checked against the options it needs and those it cannot serve."""
-    if not isinstance(pad, bool):
-        raise ValueError(f"pad_to_capacity={pad!r} is not allowed; expected True or False")
-    if not pad:
-        return False
-    if capacity is None:
-        raise ValueError(
-            "pad_to_capacity=True is not allowed without capacity_factor; expected capacity_factor=<float> "
-            "with it (each expert is padded to its capacity)"
-        )
-    if router in _ROUTERS_RUNNING_EXPERTS:
-        raise ValueError(
-            f"pad_to_capacity=True is not allowed with method={method!r}: its router runs the experts itself "
-            "(competition); expected a method whose experts run after the routing"
-        )
-    if densemixer:
-        raise ValueError(
-            "pad_to_capacity=True is not allowed with densemixer=True: DenseMixer runs every expert on every "
-            "token in training; expected densemixer=False"
-        )
-    return True
 
 
 def _check_erc(layer: MoE, method: str) -> None:

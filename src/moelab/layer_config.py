@@ -48,7 +48,7 @@ class MoEConfig:
 
     d_model: int = setting(help="token width d", allowed=_POSITIVE)
     num_experts: int = setting(help="routed experts N", allowed=_POSITIVE)
-    top_k: int = setting(help="experts per token K, at most N", allowed=_POSITIVE)
+    top_k: int = setting(help="experts per token K, in [1, N] (checked with N)")
     d_hidden: int = setting(help="hidden width of each expert", allowed=_POSITIVE)
     method: str = setting("smoe", help="a name of moelab.methods()")
     activation: str = setting("relu", help="expert activation", allowed=Options(tuple(sorted(ACTIVATIONS))))
@@ -165,7 +165,7 @@ class MoEConfig:
     def check(self) -> None:
         """The rules that tie options together; each refusal in one line."""
         method = self.method
-        if self.top_k > self.num_experts:
+        if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(
                 f"top_k={self.top_k!r} is not allowed; expected an integer in [1, {self.num_experts}]"
             )

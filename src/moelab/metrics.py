@@ -384,7 +384,7 @@ def routing_summary(model: nn.Module) -> dict[str, float | None]:
     vios: list[float] = []
     overlaps: list[float] = []
     for layer, load in zip(_layers(model), routing_loads(model)):
-        routing = layer.last_routing
+        routing = layer.recorded_routing
         if routing is None:
             continue
         if routing.probs is not None:
@@ -414,7 +414,7 @@ def routing_loads(model: nn.Module) -> list[Tensor | None]:
     for a layer that has not run."""
     loads: list[Tensor | None] = []
     for layer in _layers(model):
-        routing = layer.last_routing
+        routing = layer.recorded_routing
         loads.append(
             None
             if routing is None

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .. import config as vocab
+from ..config import Interval, setting
 from ..experiments import compare, runner
 from ..experiments.lm import TrainRun, set_threads
 from ..experiments.report import collect_runs, write_report
-from ..experiments.runner import Interval, setting
 from ..experiments.summary import bootstrap_ranks, holm, mean, paired, t_interval
 from ..io.atomic import atomic_write_text, read_json
 from ..io.rundir import RunDir
@@ -98,7 +99,7 @@ _SET_BY_BENCHMARK = ("run.method", "run.seed", "run.expert_parallel", "run.fsdp"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    runner.add_arguments(p, BenchmarkConfig, exclude=_SET_BY_BENCHMARK, out_default="runs/benchmark")
+    vocab.add_arguments(p, BenchmarkConfig, exclude=_SET_BY_BENCHMARK, out_default="runs/benchmark")
     p.epilog = "protocol defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in PROTOCOL.items())
 
 
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     given = runner.given_by_args(BenchmarkConfig, args)
     for key, value in PROTOCOL.items():
         given.setdefault(f"run.{key}", value)
-    config = runner.validate(runner.build(BenchmarkConfig, given))
+    config = vocab.validate(vocab.build(BenchmarkConfig, given))
     names = methods() if config.methods.strip() == "all" else [m.strip() for m in config.methods.split(",")]
     names = [m for m in names if m]
     unknown = [m for m in names if m not in methods()]
@@ -255,7 +256,7 @@ def _cost_settings(config: BenchmarkConfig, one: TrainRun) -> dict[str, Any]:
         "repeat_steps": config.repeat_steps,
         "timing_rounds": config.timing_rounds,
         "two_ranks": config.two_ranks,
-        "run": runner.plain(replace(one, progress=False)),
+        "run": vocab.plain(replace(one, progress=False)),
     }
 
 
@@ -301,13 +302,13 @@ def layer_cost(run_dir: Path, one: TrainRun, rounds: int) -> dict[str, Any]:
     layer = copy.deepcopy(layers[0])
     ctx = layers[0].ctx
     total = ctx.total_steps or one.steps
-    init = layer.init_config
-    d, k, h = init["d_model"], init["top_k"], init["d_hidden"]
+    cfg = layer.config
+    d, k, h = cfg.d_model, cfg.top_k, cfg.d_hidden
     tokens = model.cfg.block_size * one.batch_size
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, d, generator=gen)
     grad = torch.randn(tokens, d, generator=gen)
-    dense = MLP(d, k * h, activation=init["activation"])
+    dense = MLP(d, k * h, activation=cfg.activation)
     kinds = {"plain": False}
     schedule = ctx.schedule
     fraction = 0.0

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from .. import config as vocab
+from ..config import Interval, Options, setting
 from ..experiments import runner
-from ..experiments.runner import Interval, Options, setting
 from ..experts import MLP, ExpertBank, sort_slots
 from ..experts.kernels import grouped_rows, loop_rows
 from ..layer import MoE, recording_routing
@@ -648,16 +649,16 @@ CPU_ONLY = ("shapes", "d_model", "threads", "peers", "clock", "peer_max_gib")
 def namespace(config: SuiteConfig, out: Path | None = None, *, force: bool = False) -> argparse.Namespace:
     """``config`` as the attributes the grid functions read (:func:`parse_grid`,
     :func:`moelab.bench.gpu.run_gpu`), with ``out`` and ``force``."""
-    return argparse.Namespace(**runner.plain(config), out=out, force=force)
+    return argparse.Namespace(**vocab.plain(config), out=out, force=force)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    runner.add_arguments(p, SuiteConfig, out_help="also write the JSON document here, after every case")
+    vocab.add_arguments(p, SuiteConfig, out_help="also write the JSON document here, after every case")
 
 
 def _refuse_cpu_only(config: SuiteConfig, resume: bool) -> None:
     defaults = SuiteConfig()
-    flags = [runner.flag_of(SuiteConfig, k) for k in CPU_ONLY if getattr(config, k) != getattr(defaults, k)]
+    flags = [vocab.flag_of(SuiteConfig, k) for k in CPU_ONLY if getattr(config, k) != getattr(defaults, k)]
     for flag in flags + (["--resume"] if resume else []):
         raise ValueError(
             f"{flag} is not allowed with --device cuda; it is an option of the CPU grid "
@@ -714,7 +715,7 @@ def _document(config: SuiteConfig, grid: dict, old: dict | None, out: Path | Non
     doc = {
         "bench": "suite",
         "schema": 2,
-        "settings": {"command": SUITE.name, **runner.plain(config)},
+        "settings": {"command": SUITE.name, **vocab.plain(config)},
         "config": {
             **grid,
             "repeats": config.repeats,

@@ -14,16 +14,16 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .. import config as vocab
+from ..config import Interval, Options, parse_sweep, setting
 from ..data.text import load_text
 from ..io.atomic import atomic_write_text, read_json
 from ..io.rundir import RUN_ENTRIES, RunDir
 from ..methods import methods
 from . import lm, runner
-from .args import parse_sweep
 from .lm import TrainRun, set_threads, train_lm
 from .papers import PAPERS, SAME_LOSSES, paper_table
 from .report import COUNT_MODELS, collect_runs, write_count_models, write_report
-from .runner import Interval, Options, setting
 from .summary import mean_sd
 
 __all__ = [
@@ -88,14 +88,14 @@ _SET_BY_COMPARE = ("run.method", "run.seed", "run.expert_parallel")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    runner.add_arguments(p, CompareConfig, exclude=_SET_BY_COMPARE, out_default="runs/compare")
+    vocab.add_arguments(p, CompareConfig, exclude=_SET_BY_COMPARE, out_default="runs/compare")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
 
     given = runner.given_by_args(CompareConfig, args)
-    config = runner.validate(runner.build(CompareConfig, given))
+    config = vocab.validate(vocab.build(CompareConfig, given))
     paper = PAPERS[config.paper] if config.paper else None
     if paper is not None:  # the paper's methods and reference unless chosen
         config = replace(
@@ -174,7 +174,7 @@ def plan_runs(config: CompareConfig, paper, chosen: list[str], given: dict) -> t
                 opts = {**layout.pop("opts", {}), **opts}
                 # a paper's row may name its method apart from the row (an ablation: a method + options)
                 one = replace(config.run, method=layout.pop("method", method), seed=seed, opts=opts, **layout)
-                configs.append((name, seed, runner.validate(lm.resolve(runner.validate(one)))))
+                configs.append((name, seed, vocab.validate(lm.resolve(vocab.validate(one)))))
     return seeds, losses_line, configs
 
 

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import config as vocab
+from ..config import Interval, setting
 from ..io.atomic import atomic_write_text
 from . import runner
-from .runner import Interval, setting
 
 __all__ = ["PAPER_TASKS", "EvalConfig", "add_arguments", "harness_model", "run"]
 
@@ -278,7 +279,7 @@ def _execute(config: EvalConfig, run: runner.Run, prepared: dict[str, Any]) -> d
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    runner.add_arguments(parser, EvalConfig)
+    vocab.add_arguments(parser, EvalConfig)
 
 
 def run(args: argparse.Namespace) -> int:

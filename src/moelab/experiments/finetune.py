@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import config as vocab
 from ..adapters import ADAPTERS, add_adapter
+from ..config import Interval, Options, setting
 from ..data.classification import TASKS, ClassificationData, load_classification, subsample_train
 from ..data.text import tokenizer_from_state
 from ..io.atomic import read_json, sha256_file
@@ -35,7 +37,6 @@ from ..train.tasks import ClassificationTask, encode_texts
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
 from .lm import TrainRun, memory_needed
-from .runner import Interval, Options, setting
 
 __all__ = [
     "FINETUNE",
@@ -273,7 +274,7 @@ FINETUNE = runner.Command("finetune", FinetuneConfig, _execute, resolve=resolve,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    runner.add_arguments(p, FinetuneConfig)
+    vocab.add_arguments(p, FinetuneConfig)
 
 
 def run(args: argparse.Namespace) -> int:

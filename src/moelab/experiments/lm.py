@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .. import config as vocab
+from ..config import Interval, Options, setting
 from ..data.text import TextData, load_text
 from ..errors import UsageError
 from ..io.rundir import atomic_write_text
@@ -35,7 +37,6 @@ from ..schedules import LR_SCHEDULES, split_schedule_options
 from ..train.tasks import LMTask
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
-from .runner import Interval, Options, setting
 
 __all__ = [
     "METRIC_KEYS",
@@ -414,7 +415,7 @@ def train_lm(
 def check_finished(config: TrainRun, out: str | Path, data: TextData, *, allow_changes: bool = False) -> None:
     """Refuse, in the one sentence of ``--resume``, to reuse the finished run in ``out`` unless it
     was made with ``config``'s settings on ``data`` (``allow_changes``: reuse it anyway)."""
-    runner.resolve_config(TRAIN, runner.values(config), out=out, resume=True, allow_changes=allow_changes)
+    runner.resolve_config(TRAIN, vocab.values(config), out=out, resume=True, allow_changes=allow_changes)
     _, recorded = runner.read_run_config(TrainRun, out, "train")
     old, new = recorded.get("data_sha256"), (data.info or {}).get("sha256")
     if not allow_changes and old and new and old != new:
@@ -423,7 +424,7 @@ def check_finished(config: TrainRun, out: str | Path, data: TextData, *, allow_c
 
 # ------------------------------------------------------------------------------ CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    runner.add_arguments(p, TrainRun)
+    vocab.add_arguments(p, TrainRun)
 
 
 def run(args: argparse.Namespace) -> int:

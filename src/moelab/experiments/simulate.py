@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import config as vocab
+from ..config import Interval, Options, setting
 from ..io.atomic import atomic_write_bytes, atomic_write_text
 from ..io.rundir import RunDir
 from ..stats.fit import OPTIMIZERS
@@ -33,7 +35,6 @@ from ..stats.studies import (
     theory_slopes,
 )
 from . import runner
-from .runner import Interval, Options, setting
 
 __all__ = ["SIMULATE", "SimulateConfig", "add_arguments", "format_table", "run", "study_of", "write_study"]
 
@@ -141,7 +142,7 @@ def _flag_error(exc: ValueError) -> ValueError:
     msg = str(exc)
     for name in _STUDY_FIELDS:
         if msg.startswith((f"{name}=", f"{name}[")):
-            return ValueError(runner.flag_of(SimulateConfig, name) + msg[len(name) :])
+            return ValueError(vocab.flag_of(SimulateConfig, name) + msg[len(name) :])
     return exc
 
 
@@ -199,7 +200,7 @@ SIMULATE = runner.Command("simulate", SimulateConfig, _execute, resolve=resolve,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    runner.add_arguments(parser, SimulateConfig)
+    vocab.add_arguments(parser, SimulateConfig)
     parser.add_argument("--bench", action="store_true", help="benchmark batched vs looped fits and exit")
 
 

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .. import config as vocab
+from ..config import Interval, Options, setting
 from ..data.images import DATASETS, ImageData, load_images
 from ..io.atomic import atomic_write_text
 from ..io.model import save
@@ -31,7 +33,6 @@ from ..models.vision import ImageMoE, MoEOutput, SingleModel, build_experts, dis
 from ..train.images import REGULARISERS, ImageTask, evaluate, image_digest
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
-from .runner import Interval, Options, setting
 from .summary import format_interval, format_mean_sd, mean, sd, seed_summary, welch
 
 __all__ = ["GRIDS", "SPECIALIZE", "SpecConfig", "add_arguments", "run", "sweep", "train_once"]
@@ -627,7 +628,7 @@ SPECIALIZE = runner.Command("specialize", SpecConfig, _execute, resolve=resolve,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    runner.add_arguments(parser, SpecConfig)
+    vocab.add_arguments(parser, SpecConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import config as vocab
+from ..config import Interval, setting
 from ..hf.upcycle import find_mlps, load_hf_model, upcycle
 from ..io.atomic import sha256_file
 from ..io.model import save
 from . import runner
-from .runner import Interval, setting
 
 __all__ = ["UPCYCLE", "UpcycleConfig", "add_arguments", "run"]
 
@@ -103,7 +104,7 @@ def _execute(
     run.check_fingerprint("--model", config.model, model_fingerprint(config.model))
     run.record(model_class=type(model).__name__)
     run.write_config()
-    info = {**runner.plain(config), "model_class": type(model).__name__}
+    info = {**vocab.plain(config), "model_class": type(model).__name__}
     save(model, run.path, metadata={"upcycle": info})  # moelab.load(out) rebuilds it offline
     print(
         f"upcycled {metrics['num_moe_layers']} of {metrics['num_mlps']} MLPs of {type(model).__name__} to "
@@ -132,7 +133,7 @@ def _command() -> runner.Command:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    runner.add_arguments(parser, UpcycleConfig)
+    vocab.add_arguments(parser, UpcycleConfig)
 
 
 def run(args: argparse.Namespace) -> int:

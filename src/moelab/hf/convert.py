@@ -14,6 +14,7 @@ and options, what is not carried over, and every transformers family.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..balance import StepStatistics
 from ..experts import MLP
 from ..layer import MoE, aux_loss, moe_layers
 from ..methods import get_method, method_router_options
@@ -591,9 +593,8 @@ def _coef_options(layer: MoE, method: str) -> dict[str, float]:
 
 def _router_options(layer: MoE, method: str, options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The options of the new layer (router, coefficients) and what of the old rule is lost."""
-    cfg = layer.init_config
     if method == layer.method:  # the layer's own options and coefficients, changed where asked
-        return {**cfg["options"], **_coef_options(layer, method), **options}, []
+        return {**layer.config.options, **_coef_options(layer, method), **options}, []
     carried = carried_options(layer)
     accepted = method_router_options(method)
     if "base" in accepted and "base" not in options:
@@ -631,19 +632,19 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> tuple[list[str]
     new_opts["num_shared"] = layer.num_shared
     if layer.balance_scope != "micro":  # a layer option: the layer keeps it, so does its config
         new_opts.setdefault("balance_scope", layer.balance_scope)
-    cfg = layer.init_config
+    cfg = layer.config
     # validate and build on the meta device, then move the router over
     with torch.device("meta"):
         tmp = MoE(
-            cfg["d_model"],
-            cfg["num_experts"],
-            cfg["top_k"],
-            cfg["d_hidden"],
+            cfg.d_model,
+            cfg.num_experts,
+            cfg.top_k,
+            cfg.d_hidden,
             method=method,
-            activation=cfg["activation"],
-            bias=cfg["bias"],
-            impl=cfg["impl"],
-            check_finite=cfg["check_finite"],
+            activation=cfg.activation,
+            bias=cfg.bias,
+            impl=cfg.impl,
+            check_finite=cfg.check_finite,
             **new_opts,
         )
     old = layer.router
@@ -660,12 +661,10 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> tuple[list[str]
     router.train(old.training)
     router.layer_index = old.layer_index
     layer.router = router
-    layer.method = method
-    layer.coefs = tmp.coefs
-    layer.densemixer = tmp.densemixer
-    layer.erc_alpha = tmp.erc_alpha
-    layer.balance_scope = tmp.balance_scope
-    layer.init_config = {**cfg, "method": method, "options": _json_options(new_opts)}
+    layer.config = dataclasses.replace(tmp.config, options=_json_options(new_opts))
+    # the global scope's statistics follow the new coefficients
+    stats = layer.config.load_coefs if tmp.step_statistics is not None else None
+    layer.step_statistics = None if not stats else StepStatistics(cfg.num_experts, stats).to(ref.device, ref.dtype)
     if layer.ctx is not None:  # the context keeps stepping the new router (sharede-v3's bias)
         _rehook(layer.ctx, old, router)
     return lost, fresh

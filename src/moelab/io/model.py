@@ -149,9 +149,8 @@ def describe(model: nn.Module) -> tuple[str, dict[str, Any] | None]:
     cannot rebuild."""
     from ..layer import MoE
 
-    if type(model) is MoE and not model.init_config["custom_experts"]:
-        config = {k: v for k, v in model.init_config.items() if k != "custom_experts"}
-        return "MoE", _json_ready(config, "MoE options")
+    if type(model) is MoE and not model.custom_experts:
+        return "MoE", _json_ready(model.config.arguments(), "MoE options")
     for name, kind in _kinds().items():
         config = kind.describe(model)
         if config is not None:
@@ -165,9 +164,9 @@ def _layer_records(model: nn.Module) -> dict[str, dict[str, Any]]:
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, MoE):
-            c = m.init_config
-            out[name] = {"method": c["method"], "num_experts": c["num_experts"], "top_k": c["top_k"],
-                         "options": c["options"]}  # fmt: skip
+            c = m.config
+            out[name] = {"method": c.method, "num_experts": c.num_experts, "top_k": c.top_k,
+                         "options": dict(c.options)}  # fmt: skip
     return _json_ready(out, "MoE layer options")
 
 

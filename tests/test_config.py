@@ -1,5 +1,5 @@
 """The one ``KEY=VALUE`` rule shared by ``--opt``, ``--option`` and ``--sweep``
-(:mod:`moelab.experiments.args`), and each flag's one-line error."""
+(:mod:`moelab.config`), and each flag's one-line error."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from moelab import cli
 from moelab.experiments import compare, lm
-from moelab.experiments.args import Sweep, parse_key_values, parse_sweep, parse_value
+from moelab.config import Sweep, parse_key_values, parse_sweep, parse_value
 
 
 @pytest.mark.parametrize(
