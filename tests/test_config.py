@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from moelab import cli
-from moelab.experiments import compare, lm
 from moelab.config import Sweep, parse_key_values, parse_sweep, parse_value
+from moelab.experiments import compare, lm
 
 
 @pytest.mark.parametrize(

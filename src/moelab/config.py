@@ -470,7 +470,9 @@ def config_from_mapping(cls: type, data: Mapping[str, Any], source: str, *, reco
     errors name ``source``.  ``recorded``: the mapping is a run's own record, which holds every
     input setting: one missing (a truncated or damaged file) is refused rather than read as its
     default, a value the run never recorded."""
-    values = flatten_settings(cls, {k: v for k, v in data.items() if k not in ("command", "recorded")}, source)
+    values = flatten_settings(
+        cls, {k: v for k, v in data.items() if k not in ("command", "recorded")}, source
+    )
     if recorded:
         missing = [flag_of(cls, p) for p, f, _ in leaf_fields(cls) if setting_of(f).input and p not in values]
         if missing:

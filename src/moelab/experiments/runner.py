@@ -52,6 +52,7 @@ __all__ = [
     "run_command",
 ]
 
+
 def _file_values(cls: type, path: str, flag: str) -> dict[str, Any]:
     source = f"{flag} {path!r}"
     data = read_yaml(Path(path), source, empty=True, what="flag names to values")

@@ -664,7 +664,9 @@ def _switch(layer: MoE, method: str, options: dict[str, Any]) -> tuple[list[str]
     layer.config = dataclasses.replace(tmp.config, options=_json_options(new_opts))
     # the global scope's statistics follow the new coefficients
     stats = layer.config.load_coefs if tmp.step_statistics is not None else None
-    layer.step_statistics = None if not stats else StepStatistics(cfg.num_experts, stats).to(ref.device, ref.dtype)
+    layer.step_statistics = (
+        None if not stats else StepStatistics(cfg.num_experts, stats).to(ref.device, ref.dtype)
+    )
     if layer.ctx is not None:  # the context keeps stepping the new router (sharede-v3's bias)
         _rehook(layer.ctx, old, router)
     return lost, fresh
