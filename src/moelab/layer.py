@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -14,19 +13,12 @@ from torch import Tensor, nn
 from .aux_grad import AuxLossInjection, readout
 from .balance import StepStatistics
 from .errors import NonFiniteError
-from .experts import MLP, ExpertBank, Experts
+from .experts import MLP, ExpertBank, check_bank
 from .experts.capacity import limit
+from .layer_aux import aux_terms_of, check_erc, check_finite_scores, erc_of
 from .layer_config import LAYER_LOSSES, MoEConfig
 from .losses import (
-    LOAD_LOSSES,
     LOSS_NAMES,
-    erc_loss,
-    erc_noise,
-    importance_loss,
-    mean_entropy_loss,
-    sequence_balance_loss,
-    switch_balance_loss,
-    z_loss,
 )
 from .methods import build_method_router
 from .routers import Router
@@ -45,13 +37,6 @@ __all__ = [
 
 #: the most aux-loss terms a layer records by name (the standard losses and a router's own)
 _MAX_TERMS = 12
-
-#: the non-finite message under torch.compile: a constant, since a per-layer value (the layer's
-#: index, its method) read in the traced code becomes a guard and recompiles every layer
-_NON_FINITE_COMPILED = (
-    "MoE layer: router logits are not finite (NaN or inf); check the input and the learning rate, "
-    "or pass check_finite=False"
-)
 
 
 class MoE(nn.Module):
@@ -135,7 +120,7 @@ class MoE(nn.Module):
             self.router.base_router.compute_dtype = getattr(torch, cfg.router_dtype)
         self.experts = self._expert_bank(experts)
         if cfg.coefs.get("erc", 0.0) > 0:
-            _check_erc(self, method)
+            check_erc(self.router, self.experts, cfg)
         hidden = cfg.num_shared * cfg.d_hidden
         self.shared = MLP(d_model, hidden, activation=activation, bias=bias) if cfg.num_shared else None
         self.ctx: RoutingContext | None = None
@@ -167,16 +152,7 @@ class MoE(nn.Module):
                 f"experts of type {type(experts).__name__} are not allowed with method={cfg.method!r}; expected "
                 f"an ExpertBank with gate_rank={gate_rank} (leave experts=None and the layer builds it)"
             )
-        if not isinstance(experts, Experts):
-            raise ValueError(
-                f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
-                "moelab.experts.Experts (num_experts, d_model, forward(x, routing), mix, expert_forward, "
-                "forward_all, forward_winners; subclass moelab.experts.SparseExperts)"
-            )
-        if experts.num_experts != cfg.num_experts:
-            raise ValueError(
-                f"experts.num_experts={experts.num_experts!r} does not match num_experts={cfg.num_experts}"
-            )
+        check_bank(experts, cfg.num_experts)
         if cfg.pad_to_capacity and isinstance(experts, ExpertBank) and experts.impl != "auto":
             raise ValueError(
                 f"pad_to_capacity=True is not allowed with impl={experts.impl!r}: the padded experts run as one "
@@ -294,42 +270,16 @@ class MoE(nn.Module):
         ``attention_mask``; masked tokens get output 0.  It costs one host sync (how many tokens
         are real) and routes the real tokens in their order: ``last_routing`` has one row each.
         """
-        if not isinstance(x, Tensor):
-            raise ValueError(
-                f"input of type {type(x).__name__} is not allowed; expected a torch.Tensor of shape "
-                f"(..., d_model={self.d_model})"
-            )
-        if x.dim() < 1 or x.shape[-1] != self.d_model:
-            raise ValueError(
-                f"input of shape {tuple(x.shape)} is not allowed; expected the last dimension to be "
-                f"d_model={self.d_model}"
-            )
-        if not x.is_floating_point():
-            raise ValueError(f"input of dtype {x.dtype} is not allowed; expected a floating-point tensor")
         weight = next(self.router.parameters(), None)
-        if weight is not None and x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise ValueError(
-                f"input of dtype {x.dtype} is not allowed; expected the layer's dtype {weight.dtype} "
-                f"(cast one: layer.to({x.dtype}) or x.to({weight.dtype}), or run under torch.autocast)"
-            )
+        self.config.check_input(x, token_mask, None if weight is None else weight.dtype)
         if self.training and not torch.compiler.is_compiling():  # a warning would break the graph
-            self._check_context()
+            self.router.check_context(self.ctx, self.method)
         shape = x.shape
-        if self.balance_scope == "sequence" and x.dim() < 3:
-            raise ValueError(
-                f"input of shape {tuple(shape)} is not allowed with balance_scope='sequence'; expected the "
-                "sequence structure (..., S, d_model)"
-            )
         seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
         real = None
-        if token_mask is not None:
-            if self.balance_scope == "sequence":
-                raise ValueError(
-                    "token_mask is not allowed with balance_scope='sequence' (the masked tokens would break "
-                    "the sequences); expected balance_scope='micro' or 'global' with a mask"
-                )
-            real = self._real_tokens(token_mask, shape)
+        if token_mask is not None:  # the real tokens alone, in their order
+            real = token_mask.reshape(-1).nonzero().squeeze(1)
             flat = flat.index_select(0, real)  # (T_real, d)
         routing = self._route(flat)
         y = self.experts(flat, routing)  # (T, d)
@@ -347,22 +297,10 @@ class MoE(nn.Module):
         """The router's decision for ``x (T, d)``, checked finite, with the layout the experts run it
         in: the slots within capacity, padding, DenseMixer's dense gradient."""
         if self.router_dtype is not None:
-            self._check_router_dtype()
+            self.router.base_router.check_compute_dtype()
         routing = self.router(x, self.experts, self.ctx)
         if self.check_finite:
-            # the router's logits, or the routing weights of a router without logits (competition)
-            scores = routing.logits if routing.logits is not None else routing.weights
-            if torch.compiler.is_compiling():
-                # a Python ``if`` on a tensor is a graph break; the asserting op is traced instead
-                # (it raises RuntimeError when the graph runs; on CUDA it fires asynchronously)
-                torch._assert_async(torch.isfinite(scores).all(), _NON_FINITE_COMPILED)
-            # one reduction: the sum of finite scores is finite unless it overflows, which the
-            # exact check below (run only then) tells apart
-            elif not math.isfinite(scores.sum().item()) and not torch.isfinite(scores).all():
-                raise NonFiniteError(
-                    f"MoE layer {self.layer_index} (method={self.method!r}): router logits are not finite "
-                    "(NaN or inf); check the input and the learning rate, or pass check_finite=False"
-                )
+            check_finite_scores(routing, self.layer_index, self.method)
         if self.capacity_factor is not None:
             routing, dropped = limit(
                 routing, self.num_experts, self.capacity_factor, self.token_drop_policy, self.pad_to_capacity
@@ -375,55 +313,18 @@ class MoE(nn.Module):
             routing = dataclasses.replace(routing, dense_gradient=True)
         return routing
 
-    def _real_tokens(self, token_mask: Tensor, shape: torch.Size) -> Tensor:
-        if not isinstance(token_mask, Tensor) or token_mask.shape != shape[:-1]:
-            got = tuple(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
-            raise ValueError(
-                f"token_mask of shape {got} is not allowed; expected the input's shape without its last "
-                f"dimension, {tuple(shape[:-1])}"
-            )
-        if token_mask.dtype != torch.bool:
-            raise ValueError(f"token_mask of dtype {token_mask.dtype} is not allowed; expected torch.bool")
-        return token_mask.reshape(-1).nonzero().squeeze(1)
-
-    def _check_router_dtype(self) -> None:
-        want = getattr(torch, self.router_dtype)
-        for name, p in self.router.base_router.named_parameters():
-            if p.dtype != want:
-                raise ValueError(
-                    f"router_dtype={self.router_dtype!r} needs the router's parameters in {self.router_dtype}; "
-                    f"{name} is {p.dtype} (keep the router in float32, layer.router.float(), and run the rest "
-                    "under torch.autocast)"
-                )
-
-    def _check_context(self) -> None:
-        """Warn when this layer trains a method whose routing depends on the step (sharede-v3's
-        selection bias, StableMoE's stage, SMoE-Dropout's K, the competition schedules) without a
-        :class:`moelab.RoutingContext` that drives it: none attached, one without what the router
-        needs (a schedule, ``total_steps``, its step hook) — a warning Python's filters show once
-        per process — or one whose step stays put while an optimizer steps (the context tells
-        that, once per method: :meth:`moelab.RoutingContext.check_advancing`)."""
-        what = self.router.step_dependence()
-        ctx = self.ctx
-        if what is None or (ctx is not None and ctx.frozen):  # a frozen context: no step moves it, on purpose
-            return
-        problem = self.router.context_problem(ctx)
-        if problem is not None:
-            warnings.warn(
-                f"MoE layer of method={self.method!r} trains without a RoutingContext that drives its "
-                f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
-                "then call ctx.advance() once after every optimizer step",
-                stacklevel=2,
-            )
-            return
-        ctx.check_advancing(self.method, what)
-
     def _attach_aux(self, y: Tensor, routing: Routing, x: Tensor, seq_len: int | None) -> Tensor:
         """Compute the aux loss of a training forward, record its values in place and attach its
         gradient to ``y`` (and the step's global-scope statistics, :class:`moelab.balance.StepStatistics`);
         any other forward records zeros and computes nothing."""
         training = self.training and torch.is_grad_enabled()
-        terms = self._aux_terms(routing, x, seq_len) if training else {}
+        terms = (
+            aux_terms_of(
+                self.config, routing, x, seq_len, self._step_balanced(), self.layer_index, self.erc_loss
+            )
+            if training
+            else {}
+        )
         if not terms:
             self._aux_values.zero_()
         else:
@@ -452,85 +353,9 @@ class MoE(nn.Module):
         elif record:  # asked for under compile: a side effect dynamo replays (not under checkpointing)
             self._last_routing = routing.detach()
 
-    def _aux_terms(self, routing: Routing, x: Tensor, seq_len: int | None = None) -> dict[str, Tensor]:
-        """The weighted aux losses ``coef · loss`` of a forward by name (their sum is the layer's
-        ``aux_loss``; :mod:`moelab.hf.trainer` logs them one by one)."""
-        terms: dict[str, Tensor] = {}
-        if x.shape[0] == 0:  # no tokens: the means of the losses are undefined (NaN); nothing to balance
-            return terms
-        for name, coef in self.coefs.items():
-            loss = routing.losses.get(name)
-            if loss is None:
-                loss = self._standard_loss(name, routing, seq_len)
-            if loss is not None:
-                terms[name] = coef * loss
-        return terms
-
-    def _standard_loss(self, name: str, routing: Routing, seq_len: int | None = None) -> Tensor | None:
-        if name == "erc":
-            return self.erc_loss()
-        if name == "z":
-            return None if routing.logits is None else z_loss(routing.logits)
-        if routing.probs is None or name not in LOAD_LOSSES:
-            return None
-        if self.balance_scope == "global":
-            if self._step_balanced():  # it forms the step's loss (moelab.balance)
-                return None
-            _refuse_unsynchronised_global(self)
-        seq = seq_len if self.balance_scope == "sequence" else None
-        if name == "balance":
-            if seq is not None:
-                return sequence_balance_loss(routing.probs, routing.indices, self.num_experts, seq)
-            # a variable number of experts per token: the active slots (only the micro scope allows it)
-            return switch_balance_loss(routing.probs, routing.indices, self.num_experts, routing.mask)
-        if name == "importance":
-            return importance_loss(routing.probs, seq_len=seq)
-        return mean_entropy_loss(routing.probs, seq_len=seq)
-
     def erc_loss(self, noise: Tensor | bool | None = True) -> Tensor:
-        """The ERC loss of the router rows and the experts' gate projections
-        (:func:`moelab.losses.erc_loss`, margin ``erc_alpha``): ``noise=True`` draws the proxy
-        tokens' noise (:func:`moelab.losses.erc_noise`), a tensor is used as it is, ``None`` or
-        ``False`` leaves the router rows unperturbed."""
-        r = self.router.base_router.weight
-        w = self.experts.expert_weights
-        if w.num_experts != self.num_experts:  # an expert-parallel bank computes on its local block
-            raise ValueError(
-                f"erc_coef > 0 is not allowed with expert parallelism (this rank holds {w.num_experts} of "
-                f"{self.num_experts} experts); expected every expert's gate projection on every rank"
-            )
-        gate = w.w_in[:, : w.d_hidden]  # [gate | up] for swiglu, else the whole input projection
-        if noise is True:
-            noise = erc_noise(r)
-        return erc_loss(r, gate, self.erc_alpha, noise if isinstance(noise, Tensor) else None)
-
-
-def _check_erc(layer: MoE, method: str) -> None:
-    """The ERC loss needs router rows ``(N, d)`` and experts with gate projections."""
-    weight = getattr(layer.router.base_router, "weight", None)
-    if not isinstance(weight, Tensor) or tuple(weight.shape) != (layer.num_experts, layer.d_model):
-        raise ValueError(
-            f"erc_coef > 0 is not allowed with method={method!r}: its router has no (num_experts, d_model) "
-            "weight whose rows the ERC loss couples to the experts; expected a linear router (smoe, "
-            "sharede-v3, remoe, top-p, expert-choice, ...)"
-        )
-    if not isinstance(layer.experts, ExpertBank):
-        raise ValueError(
-            f"erc_coef > 0 is not allowed with experts of type {type(layer.experts).__name__}: the ERC loss "
-            "reads each expert's gate projection; expected an ExpertBank"
-        )
-
-
-def _refuse_unsynchronised_global(layer: MoE) -> None:
-    """A global-scope loss read without the step's statistics under torch.distributed would be this
-    rank's micro-batch loss under another name."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:
-            raise ValueError(
-                f"balance_scope='global' (MoE layer {layer.layer_index}) is not allowed without the step's "
-                "statistics under torch.distributed; expected a moelab.balance.StepBalance attached by the "
-                "training loop (moelab.train.Trainer and moelab.hf.MoETrainer attach one)"
-            )
+        """The ERC loss of the router rows and the experts' gate projections (:func:`moelab.layer_aux.erc_of`)."""
+        return erc_of(self.router, self.experts, self.config, noise)
 
 
 def set_aux_scale(model: nn.Module, scale: float) -> None:

@@ -218,6 +218,52 @@ class MoEConfig:
                     "batched matmul (torch.bmm) of fixed shape (N, C, d); expected impl='auto'"
                 )
 
+    def check_input(self, x: Any, token_mask: Any, dtype: Any) -> None:
+        """A forward's input ``x (..., d_model)`` and ``token_mask`` (``x.shape[:-1]``, bool, or
+        ``None``), for a layer whose parameters are in ``dtype`` (``None``: no parameters): each
+        refusal in one line."""
+        import torch
+
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(
+                f"input of type {type(x).__name__} is not allowed; expected a torch.Tensor of shape "
+                f"(..., d_model={self.d_model})"
+            )
+        if x.dim() < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"input of shape {tuple(x.shape)} is not allowed; expected the last dimension to be "
+                f"d_model={self.d_model}"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"input of dtype {x.dtype} is not allowed; expected a floating-point tensor")
+        if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(
+                f"input of dtype {x.dtype} is not allowed; expected the layer's dtype {dtype} "
+                f"(cast one: layer.to({x.dtype}) or x.to({dtype}), or run under torch.autocast)"
+            )
+        if self.balance_scope == "sequence" and x.dim() < 3:
+            raise ValueError(
+                f"input of shape {tuple(x.shape)} is not allowed with balance_scope='sequence'; expected the "
+                "sequence structure (..., S, d_model)"
+            )
+        if token_mask is None:
+            return
+        if self.balance_scope == "sequence":
+            raise ValueError(
+                "token_mask is not allowed with balance_scope='sequence' (the masked tokens would break "
+                "the sequences); expected balance_scope='micro' or 'global' with a mask"
+            )
+        if not isinstance(token_mask, torch.Tensor) or token_mask.shape != x.shape[:-1]:
+            got = (
+                tuple(token_mask.shape) if isinstance(token_mask, torch.Tensor) else type(token_mask).__name__
+            )
+            raise ValueError(
+                f"token_mask of shape {got} is not allowed; expected the input's shape without its last "
+                f"dimension, {tuple(x.shape[:-1])}"
+            )
+        if token_mask.dtype != torch.bool:
+            raise ValueError(f"token_mask of dtype {token_mask.dtype} is not allowed; expected torch.bool")
+
     def replace(self, **changes: Any) -> MoEConfig:
         """A copy with ``changes``, validated."""
         return validate(dataclasses.replace(self, **changes), names="arguments")

@@ -14,7 +14,7 @@
 """
 
 from .bank import MLP, ExpertBank
-from .base import SparseExperts
+from .base import SparseExperts, check_bank
 from .dispatch import Slots, combine, sort_slots
 from .kernels import IMPLS, KERNELS, ExpertWeights, choose_kernel, grouped_mm_available
 from .modules import ModuleExperts
@@ -32,6 +32,7 @@ __all__ = [
     "ModuleExperts",
     "Slots",
     "SparseExperts",
+    "check_bank",
     "choose_kernel",
     "combine",
     "grouped_mm_available",

@@ -31,8 +31,9 @@ from .dispatch import (
     pad_slots,
     winners_by_rerun,
 )
+from .protocol import Experts
 
-__all__ = ["SparseExperts"]
+__all__ = ["SparseExperts", "check_bank"]
 
 
 class SparseExperts(nn.Module):
@@ -100,3 +101,18 @@ class SparseExperts(nn.Module):
             ``(indices (T, K), outputs (T, K, ...), extra)``, ``extra`` concatenated over chunks.
         """
         return winners_by_rerun(self, x, choose, self.chunk_elements)
+
+
+def check_bank(experts: object, num_experts: int) -> None:
+    """``experts`` is a bank of the :class:`moelab.experts.Experts` protocol with ``num_experts``
+    experts; refused in one line otherwise."""
+    if not isinstance(experts, Experts):
+        raise ValueError(
+            f"experts of type {type(experts).__name__} is not allowed; expected an expert bank implementing "
+            "moelab.experts.Experts (num_experts, d_model, forward(x, routing), mix, expert_forward, "
+            "forward_all, forward_winners; subclass moelab.experts.SparseExperts)"
+        )
+    if experts.num_experts != num_experts:
+        raise ValueError(
+            f"experts.num_experts={experts.num_experts!r} does not match num_experts={num_experts}"
+        )

@@ -4,6 +4,7 @@ sizes, validation, the step a context reports, and a default for every optional 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -227,6 +228,40 @@ class Router(nn.Module):
         if self.selection_bias is not None and self.bias_update_rate > 0 and self.on_step not in ctx.hooks:
             return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
         return None
+
+    def check_context(self, ctx: RoutingContext | None, method: str) -> None:
+        """Warn when a layer of ``method`` trains this router, whose routing depends on the step
+        (sharede-v3's selection bias, StableMoE's stage, SMoE-Dropout's K, the competition
+        schedules), without a context that drives it: none, or one without what it needs
+        (:meth:`context_problem`) — a warning Python's filters show once per process — or one whose
+        step stays put while an optimizer steps (told by the context, once per method:
+        :meth:`moelab.RoutingContext.check_advancing`).  Called by training forwards, not while
+        compiling (a warning would break the graph); it changes nothing of the router."""
+        what = self.step_dependence()
+        if what is None or (ctx is not None and ctx.frozen):  # a frozen context: no step moves it, on purpose
+            return
+        problem = self.context_problem(ctx)
+        if problem is not None:
+            warnings.warn(
+                f"MoE layer of method={method!r} trains without a RoutingContext that drives its "
+                f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
+                "then call ctx.advance() once after every optimizer step",
+                stacklevel=3,
+            )
+            return
+        ctx.check_advancing(method, what)
+
+    def check_compute_dtype(self) -> None:
+        """With a :attr:`compute_dtype` (``MoE(router_dtype=...)``), the parameters must be in it:
+        refused in one line otherwise."""
+        want = self.compute_dtype
+        name = str(want).removeprefix("torch.")
+        for key, p in self.named_parameters():
+            if p.dtype != want:
+                raise ValueError(
+                    f"router_dtype={name!r} needs the router's parameters in {name}; {key} is {p.dtype} (keep "
+                    "the router in float32, layer.router.float(), and run the rest under torch.autocast)"
+                )
 
     @property
     def base_router(self) -> Router:
