@@ -130,6 +130,21 @@ def test_aux_loss_gradient_reaches_the_router_through_the_output():
     torch.testing.assert_close(layer.router.weight.grad, want)
 
 
+def test_aux_loss_is_a_value_with_no_path_to_the_parameters():
+    """``layer.aux_loss`` is the aux loss's value: its gradient reaches the parameters through the
+    layer's output (injected in the forward), so differentiating the value itself finds no path and
+    torch says so, rather than returning a zero gradient; added to a loss it changes no gradient."""
+    layer = moelab.MoE(8, 4, 2, method="smoe")
+    x = torch.randn(6, 8)
+    y = layer(x)
+    assert layer.aux_loss.item() > 0 and layer.aux_loss.grad_fn is None
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(layer.aux_loss, [layer.router.weight])
+    with_value = torch.autograd.grad(y.sum() + layer.aux_loss, [layer.router.weight], retain_graph=True)[0]
+    without = torch.autograd.grad(y.sum(), [layer.router.weight])[0]
+    assert torch.equal(with_value, without)  # the aux gradient is in both, counted once
+
+
 def test_aux_gradient_is_weighted_by_set_aux_scale():
     layer = moelab.MoE(8, 4, 2, method="smoe", balance_coef=1.0)
     x = torch.randn(10, 8)
@@ -587,6 +602,30 @@ def test_capacity_refusals():
         ValueError, match=r"capacity_factor=1.0 is not allowed with method='top-p': it routes a variable"
     ):
         moelab.MoE(8, 4, 2, method="top-p", capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"^min_capacity=4 is not allowed without capacity_factor; expected"):
+        moelab.MoE(8, 4, 2, min_capacity=4)
+    with pytest.raises(ValueError, match=r"^min_capacity=-1 is not allowed; expected an integer >= 0$"):
+        moelab.MoE(8, 4, 2, capacity_factor=1.0, min_capacity=-1)
+
+
+def test_min_capacity_keeps_that_many_slots_per_expert_where_the_factor_would_keep_fewer():
+    """DeepSpeed's ``min_capacity``: C = min(max(ceil(f·T·K/N), min_capacity), T); the default 0
+    leaves the factor's C."""
+    from moelab.experts.capacity import expert_capacity
+
+    assert expert_capacity(0.5, 6, 1, 4) == 1 and expert_capacity(0.5, 6, 1, 4, minimum=3) == 3
+    assert expert_capacity(0.5, 2, 1, 4, minimum=3) == 2  # never more than one slot a token
+    torch.manual_seed(0)
+    low = moelab.MoE(8, 4, 1, capacity_factor=0.5)
+    floor = moelab.MoE(8, 4, 1, capacity_factor=0.5, min_capacity=3)
+    floor.load_state_dict(low.state_dict())
+    x = torch.randn(6, 8)
+    with torch.no_grad(), moelab.recording_routing(low), moelab.recording_routing(floor):
+        low(x), floor(x)
+    kept = [int(layer.last_routing.keep.sum()) for layer in (low, floor)]
+    per_expert = torch.bincount(floor.last_routing.indices[floor.last_routing.keep], minlength=4)
+    assert kept[1] > kept[0] and int(per_expert.max()) <= 3
+    assert low.dropped_fraction > floor.dropped_fraction
 
 
 def _padded_pair(K: int, policy: str, factor: float = 0.6, **kw) -> tuple[moelab.MoE, moelab.MoE]:

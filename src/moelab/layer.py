@@ -302,9 +302,7 @@ class MoE(nn.Module):
         if self.check_finite:
             check_finite_scores(routing, self.layer_index, self.method)
         if self.capacity_factor is not None:
-            routing, dropped = limit(
-                routing, self.num_experts, self.capacity_factor, self.token_drop_policy, self.pad_to_capacity
-            )
+            routing, dropped = limit(routing, self.config)
             if dropped is None:
                 self._dropped.zero_()
             else:

@@ -68,6 +68,9 @@ class MoEConfig:
         help="expert capacity C = ceil(factor·T·K/N)",
         allowed=(Interval(float, 0, closed="neither"), None),
     )
+    min_capacity: int = _option(
+        0, help="the fewest slots an expert takes (DeepSpeed's min_capacity)", allowed=Interval(int, 0)
+    )
     token_drop_policy: str = _option(
         "probs", help="which slots an expert over capacity keeps", allowed=Options(TOKEN_DROP_POLICIES)
     )
@@ -186,11 +189,12 @@ class MoEConfig:
                 "(the competition routes by the experts' outputs)"
             )
         capacity = self.capacity_factor
-        if "token_drop_policy" in self.options and capacity is None:
-            raise ValueError(
-                f"token_drop_policy={self.token_drop_policy!r} is not allowed without capacity_factor; "
-                "expected capacity_factor=<float> with it"
-            )
+        for name in ("token_drop_policy", "min_capacity"):
+            if name in self.options and capacity is None:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not allowed without capacity_factor; "
+                    "expected capacity_factor=<float> with it"
+                )
         if capacity is not None and variable_k:
             raise ValueError(
                 f"capacity_factor={capacity!r} is not allowed with method={method!r}: it routes a variable number "

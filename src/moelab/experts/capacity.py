@@ -1,5 +1,5 @@
 """Expert capacity (GShard's / Switch's; Megatron-Core's ``--moe-expert-capacity-factor``): each
-expert takes at most ``C = min(⌈factor · T · K / N⌉, T)`` of the token slots routed to it, the
+expert takes at most ``C = min(max(⌈factor · T · K / N⌉, min_capacity), T)`` of the token slots routed to it, the
 others are dropped (their expert does not run, they add 0), and optionally every expert runs on
 exactly ``C`` rows (the padded layout).  :func:`limit` marks the kept slots on a
 :class:`moelab.Routing`; the bank reads them (:meth:`moelab.experts.SparseExperts.forward`)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,9 +21,11 @@ __all__ = ["TOKEN_DROP_POLICIES", "capacity_keep", "expert_capacity", "limit"]
 TOKEN_DROP_POLICIES = ("probs", "position")
 
 
-def expert_capacity(factor: float, tokens: int, top_k: int, num_experts: int) -> int:
-    """C = ``min(⌈factor · T · K / N⌉, T)``: an expert takes at most one slot a token."""
-    return min(math.ceil(factor * tokens * top_k / num_experts), tokens)
+def expert_capacity(factor: float, tokens: int, top_k: int, num_experts: int, minimum: int = 0) -> int:
+    """C = ``min(max(⌈factor · T · K / N⌉, minimum), T)``: an expert takes at most one slot a token,
+    and at least ``minimum`` slots where there are that many tokens (DeepSpeed's ``min_capacity``:
+    a small batch does not drop nearly every slot)."""
+    return min(max(math.ceil(factor * tokens * top_k / num_experts), minimum), tokens)
 
 
 def capacity_keep(indices: Tensor, weights: Tensor, num_experts: int, capacity: int, policy: str) -> Tensor:
@@ -48,16 +51,16 @@ def capacity_keep(indices: Tensor, weights: Tensor, num_experts: int, capacity: 
     return fits.gather(1, indices)
 
 
-def limit(
-    routing: Routing, num_experts: int, factor: float, policy: str = "probs", pad: bool = False
-) -> tuple[Routing, Tensor | None]:
-    """``routing`` with its kept slots marked (``keep``; ``pad_to = C`` with ``pad``) and the
-    fraction of its ``T·K`` slots dropped (0-dim), or ``routing`` unchanged and ``None`` for no
-    tokens."""
+def limit(routing: Routing, config: Any) -> tuple[Routing, Tensor | None]:
+    """``routing`` with its kept slots marked (``keep``; ``pad_to = C`` with ``pad_to_capacity``)
+    and the fraction of its ``T·K`` slots dropped (0-dim), or ``routing`` unchanged and ``None`` for
+    no tokens.  ``config``: the layer's :class:`moelab.layer_config.MoEConfig` (``num_experts``,
+    ``capacity_factor``, ``min_capacity``, ``token_drop_policy``, ``pad_to_capacity``)."""
     T, K = routing.indices.shape
     if T == 0:
         return routing, None
-    C = expert_capacity(factor, T, K, num_experts)
-    keep = capacity_keep(routing.indices, routing.weights, num_experts, C, policy)
+    N = config.num_experts
+    C = expert_capacity(config.capacity_factor, T, K, N, config.min_capacity)
+    keep = capacity_keep(routing.indices, routing.weights, N, C, config.token_drop_policy)
     dropped = 1.0 - keep.float().mean()
-    return dataclasses.replace(routing, keep=keep, pad_to=C if pad else None), dropped
+    return dataclasses.replace(routing, keep=keep, pad_to=C if config.pad_to_capacity else None), dropped
