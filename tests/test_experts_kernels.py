@@ -306,6 +306,14 @@ def test_autotune_refuses_while_compiling_off_the_cpu_and_without_an_auto_bank(m
         autotune("model", example)
     with pytest.raises(ValueError, match=r"model is a torch.compile'd module, which is not allowed"):
         autotune(torch.compile(moelab.MoE(d_model=8, num_experts=4, top_k=2, d_hidden=16)), torch.randn(4, 8))
+    from moelab.experts.parallel import parallel_class
+
+    spread = ExpertBank(4, 8, 16)
+    spread.__class__ = parallel_class(ExpertBank)  # as the ExpertParallel style makes it
+    with pytest.raises(
+        ValueError, match=r"an expert-parallel ExpertBank is not allowed: autotune measures in one"
+    ):
+        autotune(spread, example)
     with pytest.raises(ValueError, match=r"repeats=0 is not allowed; expected a positive integer"):
         autotune(bank, example, repeats=0)
     with pytest.raises(
