@@ -603,3 +603,24 @@ def test_autotune_never_reaches_an_enclosing_saved_tensor_hook():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         report = autotune(layer, lambda m: m(torch.randn(32, 8)), training=True, repeats=1)
     assert report.classes[0].shape_class.grad
+
+
+@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
+def test_a_compiled_forward_neither_reads_nor_guards_on_autotunes_picks():
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    try:
+        layer = moelab.MoE(32, 8, 2, 64, activation="swiglu")
+        x = torch.randn(64, 32)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(layer, backend=counter, fullgraph=True)
+        compiled(x).sum().backward()
+        autotune(layer, x, repeats=1)
+        key = kernels.shape_class(x, 2, layer.experts.expert_weights, True)
+        kernels.record_tuned({key: "loop"})  # a host sync: it would break the full graph
+        assert layer.experts.resolved_impl(x, 2) == "loop"  # eagerly, the pick
+        compiled(x).sum().backward()  # compiled: the rule's grouped, the same graph
+        assert counter.frame_count == 1
+    finally:
+        torch._dynamo.reset()
