@@ -1,11 +1,10 @@
-"""Whether ``impl="auto"``'s one-time measurement picks the fastest kernel in this process.
+"""Whether ``moelab.experts.autotune``'s one-time measurement picks the fastest kernel in this process.
 
 docs/performance.md ("auto measures where its rule cannot know") quotes this.  At the canonical
-CPU shape (T=2048, 16 experts top-2, SwiGLU 512, d 256) it asks ``choose_kernel`` for its pick in
-training and in inference (with ``set_autotune("always")``, so it measures whatever the thread
-count and wait policy), then times every candidate kernel for ``--rounds`` more interleaved rounds
-in the same process on a random routing and prints each median and the pick's time over the
-fastest's.
+CPU shape (T=2048, 16 experts top-2, SwiGLU 512, d 256) it calls ``autotune`` on a bank with a
+random routing in training and in inference (whatever the thread count and wait policy), then
+times every candidate kernel for ``--rounds`` more interleaved rounds in the same process and
+prints each median, auto's rule and the pick's time over the fastest's.
 
     env -u OMP_WAIT_POLICY python examples/auto_pick_check.py --threads 2
 """
@@ -18,7 +17,7 @@ import time
 
 import torch
 
-from moelab.experts import ExpertBank
+from moelab.experts import ExpertBank, autotune
 from moelab.experts import kernels as K
 
 
@@ -32,11 +31,13 @@ def main() -> None:
     torch.manual_seed(0)
     bank = ExpertBank(N, d, h, activation="swiglu")
     x = torch.randn(T, d)
-    K.set_autotune("always")
-    picks = {grad: K.choose_kernel(x, top_k, bank.expert_weights, grad) for grad in (True, False)}
     g = torch.Generator().manual_seed(1)
     indices = torch.rand(T, N, generator=g).topk(top_k, dim=1).indices
     weights = torch.rand(T, top_k, generator=g).softmax(dim=1)
+    rules = {grad: K.rule_kernel(x, top_k, bank.expert_weights, grad) for grad in (True, False)}
+    picks = {
+        grad: autotune(bank, (x, indices, weights), training=grad).classes[0].pick for grad in (True, False)
+    }
     for grad in (True, False):
         times: dict[str, list[float]] = {name: [] for name in K.candidates(x, bank.expert_weights, grad)}
         for _ in range(args.rounds):
@@ -52,7 +53,7 @@ def main() -> None:
         fastest = min(ms, key=ms.__getitem__)
         pick = picks[grad]
         print(
-            f"{'train' if grad else 'infer'}: pick {pick}, fastest {fastest}, pick/fastest "
+            f"{'train' if grad else 'infer'}: pick {pick} (rule {rules[grad]}), fastest {fastest}, pick/fastest "
             f"{ms[pick] / ms[fastest]:.3f}; " + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items())
         )
 

@@ -3,13 +3,24 @@ every kernel gives the outputs and gradients of ``loop``."""
 
 from __future__ import annotations
 
+import sys
+import time
+
 import pytest
 import torch
 
 import moelab
 from experts_helpers import ACTS, GROUPED, IMPLS, random_routing, reference
-from moelab.experts import KERNELS, ExpertBank
+from moelab.experts import KERNELS, ExpertBank, autotune, kernels
 from moelab.experts.kernels import LOOP_ROWS_PER_EXPERT, STREAM_ROWS_PER_EXPERT
+
+
+@pytest.fixture(autouse=True)
+def _no_tuned_kernels():
+    """Every test starts and ends without a pick of autotune (they are process-wide)."""
+    kernels.forget_tuned()
+    yield
+    kernels.forget_tuned()
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm not available in this torch")
@@ -95,112 +106,244 @@ def test_auto_takes_loop_on_cpu_from_enough_slots_per_expert_with_one_thread():
 @pytest.mark.parametrize("policy,want", [("PASSIVE", "loop"), (None, "grouped"), ("active", "grouped")])
 def test_auto_rule_takes_the_threaded_loop_only_where_idle_openmp_workers_sleep(monkeypatch, policy, want):
     # docs/performance.md: with 2 threads the threaded loop is ahead under OMP_WAIT_POLICY=PASSIVE;
-    # with spinning workers the ranking differs between hosts (there auto measures by default)
-    from moelab.experts import kernels
-
+    # with spinning workers the ranking differs between hosts (there autotune may measure)
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     bank = ExpertBank(4, 8, 16)
-    threads = torch.get_num_threads()
-    kernels.set_autotune("never")
-    try:
-        torch.set_num_threads(2)
-        for tokens in (3, 64, 4096):
-            assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2) == want
-            # inference with spinning workers streams (each expert's rows in turn)
-            infer = "loop" if want == "loop" else "stream"
-            assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2, grad=False) == infer
-        assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"  # T·K ≤ N
-        torch.set_num_threads(1)  # one thread: no barrier to wait at, the policy does not matter
-        rows = LOOP_ROWS_PER_EXPERT
-        assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
-    finally:
-        torch.set_num_threads(threads)
-        kernels.set_autotune("unsure")
+    torch.set_num_threads(2)  # the autouse fixture of conftest.py gives one thread back
+    for tokens in (3, 64, 4096):
+        assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2) == want
+        # inference with spinning workers streams (each expert's rows in turn)
+        infer = "loop" if want == "loop" else "stream"
+        assert bank.resolved_impl(torch.randn(tokens, 8), top_k=2, grad=False) == infer
+    assert bank.resolved_impl(torch.randn(2, 8), top_k=2, grad=False) == "stream"  # T·K ≤ N
+    torch.set_num_threads(1)  # one thread: no barrier to wait at, the policy does not matter
+    rows = LOOP_ROWS_PER_EXPERT
+    assert bank.resolved_impl(torch.randn(rows * 4 // 2, 8), top_k=2) == "loop"
 
 
-def _fake_kernels(monkeypatch, cost, now, calls, off=()):
-    """Kernels that advance the fake clock ``now`` by ``cost[name]`` and return ``x`` (those in
-    ``off``: ``x`` a little changed)."""
-    from moelab.experts import kernels
+def _fake_kernels(monkeypatch, cost, now, calls, off=(), off_grad=()):
+    """Kernels that record their name, advance the fake clock ``now`` by ``cost[name]`` and return
+    ``x`` (those in ``off``: ``x`` a little changed; in ``off_grad``: ``x`` with a gradient a
+    little changed)."""
 
     def fake(name):
         def kernel(x, indices, weights, experts):
             calls.append(name)
             now[0] += cost[name]
-            return x * (1.0 + 1e-6) if name in off else x * 1.0
+            if name in off:
+                return x * (1.0 + 1e-6)
+            if name in off_grad:  # the same values, another gradient
+                return x * 1.0 + (x - x.detach()) * 1e-6
+            return x * 1.0
 
         return kernel
 
-    monkeypatch.setattr(kernels, "KERNELS", {name: fake(name) for name in cost})
+    for name in cost:
+        monkeypatch.setitem(KERNELS, name, fake(name))
 
 
-@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
-@pytest.mark.parametrize("policy,threads,measures", [
-    (None, 2, True), ("active", 4, True), ("PASSIVE", 2, False), (None, 1, False), ("active", 1, False),
-])  # fmt: skip
-def test_auto_measures_by_default_only_with_several_threads_whose_idle_workers_spin(
-    monkeypatch, policy, threads, measures
-):
-    from moelab.experts import kernels
+def _timed_kernels(monkeypatch, cost, now, calls):
+    """The real kernels, each recording its name and advancing the fake clock ``now`` by ``cost[name]``."""
+    for name, fn in list(KERNELS.items()):
 
-    if policy is None:
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    else:
-        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
-    now, calls = [0.0], []
-    _fake_kernels(monkeypatch, {"loop": 1.0, "grouped": 5.0, "stream": 3.0}, now, calls)
-    kernels.set_autotune("unsure", clock=lambda: now[0])
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        bank = ExpertBank(4, 8, 16)
-        pick = bank.resolved_impl(torch.randn(64, 8), top_k=2)
-        if measures:  # the loop is fastest on this clock; the rule would say grouped
-            assert pick == "loop" and calls.count("loop") == calls.count("grouped") == 1 + 5
+        def kernel(*args, name=name, fn=fn):
+            calls.append(name)
+            now[0] += cost.get(name, 0.0)
+            return fn(*args)
+
+        monkeypatch.setitem(KERNELS, name, kernel)
+
+
+_CLOCKS = ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns",
+           "process_time", "process_time_ns", "thread_time", "thread_time_ns")  # fmt: skip
+
+
+def _forwards(banks, layer, inputs, grad, g, calls, ran):
+    """The plain forwards (and backwards) of the clock test; ``ran``: (the rule's kernel, the one run)."""
+    for tokens, idx, w in inputs:
+        for bank in banks:
+            x = torch.randn(tokens, bank.d_model, generator=g)
+            with torch.set_grad_enabled(grad):
+                y = bank.mix(x, idx, w)
+                if grad:
+                    y.square().sum().backward()
+            ran.append((bank.resolved_impl(x, 2, grad), calls.pop()))
+        x = torch.randn(1, tokens, 8, generator=g)
+        if grad:
+            layer(x).square().sum().backward()
         else:
-            assert calls == [] and pick == kernels._rule(
-                torch.randn(64, 8), 2, bank.expert_weights, True, False
-            )
-    finally:
-        torch.set_num_threads(saved)
-        kernels.set_autotune("unsure")
+            with torch.inference_mode():
+                layer(x)
+        ran.append((layer.experts.resolved_impl(x[0], 2, grad), calls.pop()))
 
 
-def test_auto_never_measures_off_the_cpu_by_default_nor_while_compiling(monkeypatch):
-    from moelab.experts import kernels
-
+@pytest.mark.parametrize("grad", [True, False])
+def test_no_plain_forward_reads_a_clock_or_measures(monkeypatch, grad):
+    """Several torch threads and OMP_WAIT_POLICY unset: the case where auto used to measure inside
+    the first forward of each shape class.  Every clock of ``time`` raises, and so does a
+    measurement: an ExpertBank(impl="auto") and a moelab.MoE, in training (forward and backward)
+    and in inference, follow the rule.  MOELAB_AUTOTUNE, removed, changes nothing."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(kernels, "_measure", lambda *a: pytest.fail("measured"))
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        x = torch.empty(64, 8, device="meta")  # another device: the rule
-        bank = ExpertBank(4, 8, 16).to("meta")
-        assert bank.resolved_impl(x, top_k=2) == kernels._rule(x, 2, bank.expert_weights, True, False)
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        cpu = ExpertBank(4, 8, 16)
-        want = "grouped" if GROUPED else "loop"  # never the threaded loop, never a measurement
-        assert cpu.resolved_impl(torch.randn(64, 8), top_k=2) == want
-    finally:
-        torch.set_num_threads(saved)
+    monkeypatch.setenv("MOELAB_AUTOTUNE", "always")
+    torch.set_num_threads(2)  # the autouse fixture of conftest.py gives one thread back
+    g = torch.Generator().manual_seed(0)
+    banks = [ExpertBank(4, 8, 16, activation="swiglu"), ExpertBank(4, 6, 10)]  # the second: the threaded loop
+    layer = moelab.MoE(d_model=8, num_experts=4, top_k=2, d_hidden=16)
+    inputs = []
+    for tokens in (2, 64, 600):  # decoding, a few tokens, many slots per expert
+        idx, w = random_routing(tokens, 4, 2, g)
+        inputs.append((tokens, idx, w))
+    calls = _spy(monkeypatch)
+
+    def clock(*args):
+        raise AssertionError("a plain forward read a clock")
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a plain forward measured the kernels")
+
+    # a clock bound before the patch (``from time import perf_counter``), on this thread; the lock
+    # timeouts of the standard library's threading (the expert threads' pool) time nothing
+    read = []
+
+    def profile(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__module__", None) == "time" and arg.__name__ in _CLOCKS:
+            if frame.f_globals.get("__name__") != "threading":
+                read.append((arg.__name__, frame.f_code.co_filename, frame.f_lineno))
+
+    ran = []
+    with monkeypatch.context() as m:
+        for name in _CLOCKS:
+            if hasattr(time, name):
+                m.setattr(time, name, clock)
+        m.setattr(kernels, "measure", measured)
+        sys.setprofile(profile)
+        try:
+            _forwards(banks, layer, inputs, grad, g, calls, ran)
+        finally:
+            sys.setprofile(None)
+    assert read == []
+    assert [want for want, _ in ran] == [got for _, got in ran]  # each ran the rule's kernel
+    for want, _ in ran:
+        assert want in (("grouped", "loop") if grad else ("stream", "loop"))
+    assert kernels.tuned_kernels() == {}
 
 
-def test_the_autotune_setting_is_read_from_the_environment_and_refuses_other_words(monkeypatch):
-    from moelab.experts import kernels
+def test_autotune_measures_each_shape_class_and_the_forward_runs_its_pick(monkeypatch):
+    now, calls = [0.0], []
+    _timed_kernels(monkeypatch, {"loop": 1.0, "grouped": 5.0, "stream": 3.0}, now, calls)
+    layer = moelab.MoE(d_model=8, num_experts=4, top_k=2, d_hidden=16)
+    x = torch.randn(4, 16, 8)  # 64 tokens
+    flat = x.reshape(-1, 8)
+    rule = "grouped" if GROUPED else "loop"
+    assert layer.experts.resolved_impl(flat, 2, grad=True) == rule
+    report = autotune(layer, x, clock=lambda: now[0], repeats=3)
+    (tuned,) = report.classes
+    assert tuned.pick == "loop" and tuned.rule == rule and tuned.calls == 1
+    assert tuned.shape_class.grad and tuned.shape_class.tokens == 64 and tuned.shape_class.top_k == 2
+    assert tuned.medians_ms["loop"] == 1e3 and set(tuned.medians_ms) | set(tuned.excluded) == (
+        {"loop", "grouped"} if GROUPED else {"loop"}
+    )
+    assert kernels.tuned_kernels() == report.picks == {tuned.shape_class: "loop"}
+    assert "loop" in str(report) and report.summary().startswith("autotune measured 1 shape class: train")
+    calls.clear()
+    layer(x).sum().backward()  # the class measured: its pick
+    layer(torch.randn(60, 8)).sum().backward()  # 60 tokens: the same class (64)
+    assert calls == ["loop", "loop"]
+    calls.clear()
+    with torch.no_grad():  # inference: another class, not measured: the rule
+        layer(x)
+    layer(torch.randn(300, 8)).sum()  # 512 tokens: another class
+    assert calls == [layer.experts.resolved_impl(flat, 2, grad=False), rule]
+    calls.clear()
+    report = autotune(layer, x, training=False, clock=lambda: now[0], repeats=3)  # now inference too
+    assert report.classes[0].pick == "loop" and not report.classes[0].shape_class.grad
+    assert len(kernels.tuned_kernels()) == 2
+    kernels.forget_tuned()
+    calls.clear()
+    layer(x).sum().backward()
+    assert calls == [rule]
 
-    for value, want in [("", "unsure"), ("never", "never"), (" Always ", "always"), ("unsure", "unsure")]:
-        monkeypatch.setenv("MOELAB_AUTOTUNE", value)
-        assert kernels._autotune_from_env() == want
-    monkeypatch.setenv("MOELAB_AUTOTUNE", "1")
+
+def test_autotune_leaves_the_global_rng_and_the_model_as_they_were():
+    torch.manual_seed(3)
+    layer = moelab.MoE(d_model=8, num_experts=4, top_k=2, d_hidden=16, method="xmoe")
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(32, 8)
+    before = torch.get_rng_state()
+    autotune(layer, lambda m: m(x + torch.randn(32, 8)), repeats=1)  # the example draws from the RNG
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in state.items())
+    assert all(p.grad is None for p in layer.parameters())
+
+
+class _Unused(torch.nn.Module):
+    """A model holding an expert bank that its forward does not call."""
+
+    def __init__(self):
+        super().__init__()
+        self.bank, self.proj = ExpertBank(4, 8, 16), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_autotune_refuses_while_compiling_off_the_cpu_and_without_an_auto_bank(monkeypatch):
+    bank = ExpertBank(4, 8, 16)
+    idx, w = random_routing(64, 4, 2, torch.Generator().manual_seed(0))
+    example = (torch.randn(64, 8), idx, w)
     with pytest.raises(
-        ValueError, match=r"MOELAB_AUTOTUNE='1' is not allowed; expected one of never, unsure, always"
+        ValueError, match=r"an ExpertBank on device=meta is not allowed; autotune measures on the CPU only"
     ):
-        kernels._autotune_from_env()
-    with pytest.raises(ValueError, match=r"when=True is not allowed; expected one of never, unsure, always"):
-        kernels.set_autotune(True)
+        autotune(ExpertBank(4, 8, 16).to("meta"), example)
+    with pytest.raises(ValueError, match=r"holds no ExpertBank with impl='auto'"):
+        autotune(ExpertBank(4, 8, 16, impl="loop"), example)
+    with pytest.raises(ValueError, match=r"model of type Linear is not allowed: it holds no ExpertBank"):
+        autotune(torch.nn.Linear(8, 8), torch.randn(2, 8))
+    with pytest.raises(ValueError, match=r"model of type str is not allowed; expected a torch.nn.Module"):
+        autotune("model", example)
+    with pytest.raises(ValueError, match=r"model is a torch.compile'd module, which is not allowed"):
+        autotune(torch.compile(moelab.MoE(d_model=8, num_experts=4, top_k=2, d_hidden=16)), torch.randn(4, 8))
+    from moelab.experts.parallel import parallel_class
+
+    spread = ExpertBank(4, 8, 16)
+    spread.__class__ = parallel_class(ExpertBank)  # as the ExpertParallel style makes it
+    with pytest.raises(
+        ValueError, match=r"an expert-parallel ExpertBank is not allowed: autotune measures in one"
+    ):
+        autotune(spread, example)
+    with pytest.raises(ValueError, match=r"repeats=0 is not allowed; expected a positive integer"):
+        autotune(bank, example, repeats=0)
+    with pytest.raises(
+        ValueError, match=r"example_input is not allowed: running _Unused on it called no ExpertBank"
+    ):
+        autotune(_Unused(), torch.randn(2, 8))
+    assert kernels.tuned_kernels() == {}
+    # a pick is looked up, never while torch.compile traces: then the rule (never the threaded loop)
+    kernels.record_tuned({kernels.shape_class(example[0], 2, bank.expert_weights, True): "stream"})
+    assert bank.resolved_impl(example[0], top_k=2) == "stream"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert bank.resolved_impl(example[0], top_k=2) == ("grouped" if GROUPED else "loop")
+    with pytest.raises(ValueError, match=r"autotune is not allowed while torch.compile traces"):
+        autotune(bank, example)
+
+
+def test_off_the_cpu_the_forward_follows_the_rule():
+    x = torch.empty(64, 8, device="meta")
+    bank = ExpertBank(4, 8, 16).to("meta")
+    assert bank.resolved_impl(x, top_k=2) == kernels.rule_kernel(x, 2, bank.expert_weights, True)
+
+
+def test_record_tuned_refuses_what_is_not_a_shape_class_or_a_kernel():
+    bank = ExpertBank(4, 8, 16)
+    key = kernels.shape_class(torch.randn(4, 8), 2, bank.expert_weights, True)
+    with pytest.raises(ValueError, match=r"kernel 'fast' is not allowed; expected one of"):
+        kernels.record_tuned({key: "fast"})
+    with pytest.raises(ValueError, match=r"shape class \('cpu',\) is not allowed; expected a ShapeClass"):
+        kernels.record_tuned({("cpu",): "loop"})
+    assert kernels.tuned_kernels() == {}
 
 
 def test_the_wait_policy_is_read_from_the_environment(monkeypatch):
@@ -213,57 +356,39 @@ def test_the_wait_policy_is_read_from_the_environment(monkeypatch):
     assert omp_wait_policy() == "default"
 
 
-@pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
-def test_autotune_measures_each_shape_class_once_and_keeps_the_fastest(monkeypatch):
-    from moelab.experts import kernels
-
-    now, calls = [0.0], []
-    cost = {"loop": 5.0, "grouped": 2.0, "stream": 3.0}
-    _fake_kernels(monkeypatch, cost, now, calls)
-    kernels.set_autotune("always", clock=lambda: now[0], repeats=3)
-    try:
-        bank = ExpertBank(4, 8, 16)
-        x = torch.randn(64, 8)
-        assert bank.resolved_impl(x, top_k=2) == "grouped"
-        assert calls.count("loop") == calls.count("grouped") == 4 and "stream" not in calls  # training
-        calls.clear()
-        assert bank.resolved_impl(torch.randn(60, 8), top_k=2) == "grouped"  # the same class: 64 tokens
-        assert calls == []
-        cost["grouped"] = 9.0
-        assert bank.resolved_impl(x, top_k=2, grad=False) == "stream"  # inference: another class
-        assert calls.count("stream") == 4
-        assert bank.resolved_impl(torch.randn(300, 8), top_k=2) == "loop"  # 512 tokens: measured anew
-    finally:
-        kernels.set_autotune("unsure")
-    assert kernels._TUNED == {}
-    with pytest.raises(ValueError, match="repeats=0 is not allowed; expected a positive integer"):
-        kernels.set_autotune("always", repeats=0)
-
-
-def test_autotune_measures_anew_under_autocast():
-    from moelab.experts import kernels
-
+def test_the_shape_class_differs_under_autocast():
     bank, x = ExpertBank(4, 8, 16), torch.randn(16, 8)
     plain = kernels.shape_class(x, 2, bank.expert_weights, True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = kernels.shape_class(x, 2, bank.expert_weights, True)
-    assert plain != under and torch.bfloat16 in under and None in plain
+    assert plain != under and under.autocast == torch.bfloat16 and plain.autocast is None
+    assert "autocast bfloat16" in under.describe() and "autocast" not in plain.describe()
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
 def test_autotune_never_picks_a_kernel_whose_numbers_differ_from_the_loop(monkeypatch):
-    from moelab.experts import kernels
-
     now, calls = [0.0], []
-    _fake_kernels(monkeypatch, {"loop": 5.0, "grouped": 2.0, "stream": 1.0}, now, calls, off=("stream",))
-    kernels.set_autotune("always", clock=lambda: now[0], repeats=3)
-    try:
-        bank = ExpertBank(4, 8, 16)
-        # inference: stream is fastest but its output differs in the last bits; grouped is next
-        assert bank.resolved_impl(torch.randn(64, 8), top_k=2, grad=False) == "grouped"
-        assert calls.count("stream") == 1  # checked once, then never timed
-    finally:
-        kernels.set_autotune("unsure")
+    cost = {"loop": 5.0, "grouped": 2.0, "stream": 1.0}
+    _fake_kernels(monkeypatch, cost, now, calls, off=("stream",))
+    bank = ExpertBank(4, 8, 16)
+    idx, w = random_routing(64, 4, 2, torch.Generator().manual_seed(0))
+    x = torch.randn(64, 8)
+    # inference: stream is fastest but its output differs in the last bits; grouped is next
+    report = autotune(bank, (x, idx, w), training=False, clock=lambda: now[0], repeats=3)
+    (tuned,) = report.classes
+    assert (
+        tuned.pick == "grouped"
+        and tuned.excluded == ("stream",)
+        and set(tuned.medians_ms) == {"loop", "grouped"}
+    )
+    assert calls.count("stream") == 1  # checked once, then never timed
+    assert "excluded (numbers differ from loop's): stream" in str(report)
+    assert bank.resolved_impl(x, top_k=2, grad=False) == "grouped"
+    # training: grouped gives the loop's outputs but not its gradient: excluded, the loop is kept
+    _fake_kernels(monkeypatch, cost, now, calls, off_grad=("grouped",))
+    (tuned,) = autotune(bank, (x, idx, w), training=True, clock=lambda: now[0], repeats=3).classes
+    assert tuned.pick == "loop" and tuned.excluded == ("grouped",)
+    assert bank.resolved_impl(x, top_k=2, grad=True) == "loop"
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
@@ -455,43 +580,47 @@ def test_a_kernel_registered_as_one_entry_runs_by_its_name(monkeypatch):
     torch.testing.assert_close(y, reference(bank, x, idx, w), rtol=1e-5, atol=1e-6)
 
 
-def test_autotune_with_the_real_kernels_picks_one_that_gives_the_loops_numbers():
-    from moelab.experts import kernels
+@pytest.mark.parametrize("grad", [True, False])
+def test_autotune_with_the_real_kernels_picks_one_that_gives_the_loops_numbers(grad):
+    bank = ExpertBank(4, 8, 16, activation="swiglu")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=g)
+    idx, w = random_routing(32, 4, 2, g)
+    (tuned,) = autotune(bank, (x, idx, w), training=grad, repeats=1).classes
+    assert tuned.pick in kernels.candidates(x, bank.expert_weights, grad)
+    assert tuned.pick == bank.resolved_impl(x, top_k=2, grad=grad)
+    with torch.set_grad_enabled(grad):
+        picked = KERNELS[tuned.pick](x, idx, w, bank.expert_weights)
+        looped = KERNELS["loop"](x, idx, w, bank.expert_weights)
+    assert torch.equal(picked, looped)
 
-    kernels.set_autotune("always", repeats=1)
-    try:
-        bank = ExpertBank(4, 8, 16, activation="swiglu")
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(32, 8, generator=g)
-        idx, w = random_routing(32, 4, 2, g)
-        for grad in (True, False):
-            pick = bank.resolved_impl(x, top_k=2, grad=grad)
-            assert pick in kernels.candidates(x, bank.expert_weights, grad)
-            with torch.set_grad_enabled(grad):
-                picked = KERNELS[pick](x, idx, w, bank.expert_weights)
-                looped = KERNELS["loop"](x, idx, w, bank.expert_weights)
-            assert torch.equal(picked, looped)
-    finally:
-        kernels.set_autotune("unsure")
+
+def test_autotune_never_reaches_an_enclosing_saved_tensor_hook():
+    def pack(t):
+        raise AssertionError("autotune's autograd graph reached an enclosing saved-tensor hook")
+
+    layer = moelab.MoE(d_model=8, num_experts=4, top_k=2, d_hidden=16, activation="swiglu")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        report = autotune(layer, lambda m: m(torch.randn(32, 8)), training=True, repeats=1)
+    assert report.classes[0].shape_class.grad
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm cannot run on this torch")
-def test_a_measurement_inside_an_activation_checkpoint_leaves_its_recomputation_intact():
-    from torch.utils.checkpoint import checkpoint
+def test_a_compiled_forward_neither_reads_nor_guards_on_autotunes_picks():
+    import torch._dynamo.testing
 
-    from moelab.experts import kernels
-
-    kernels.set_autotune("always", repeats=1)
+    torch._dynamo.reset()
     try:
-        bank = ExpertBank(4, 8, 16, activation="swiglu")
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(32, 8, generator=g, requires_grad=True)
-        idx, w = random_routing(32, 4, 2, g)
-        y = checkpoint(bank.mix, x, idx, w, use_reentrant=False)  # measures inside the checkpoint
-        y.square().sum().backward()
-        kernels.set_autotune("never")
-        x2 = x.detach().requires_grad_()
-        bank.mix(x2, idx, w).square().sum().backward()
-        assert torch.equal(x.grad, x2.grad)
+        layer = moelab.MoE(32, 8, 2, 64, activation="swiglu")
+        x = torch.randn(64, 32)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(layer, backend=counter, fullgraph=True)
+        compiled(x).sum().backward()
+        autotune(layer, x, repeats=1)
+        key = kernels.shape_class(x, 2, layer.experts.expert_weights, True)
+        kernels.record_tuned({key: "loop"})  # a host sync: it would break the full graph
+        assert layer.experts.resolved_impl(x, 2) == "loop"  # eagerly, the pick
+        compiled(x).sum().backward()  # compiled: the rule's grouped, the same graph
+        assert counter.frame_count == 1
     finally:
-        kernels.set_autotune("unsure")
+        torch._dynamo.reset()

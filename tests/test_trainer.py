@@ -332,3 +332,80 @@ def test_log_csv_holds_every_weighted_aux_term_and_they_sum_to_the_aux_loss(tmp_
     for row in rows:
         assert sum(float(row[t]) for t in terms) == pytest.approx(float(row["aux_loss"]), rel=1e-5)
     assert float(rows[0]["aux_balance"]) > 0  # the global scope's balance is logged under its name
+
+
+# ------------------------------------------------------------------------------ --autotune
+def _rule_first_clock(monkeypatch):
+    """A fake ``time.perf_counter`` under which auto's rule kernel for the tiny LM is the fastest."""
+    from moelab.experts import KERNELS, grouped_mm_available
+
+    rule = "grouped" if grouped_mm_available(torch.device("cpu"), torch.float32) else "loop"
+    now = [0.0]
+    for name, fn in list(KERNELS.items()):
+
+        def kernel(*args, name=name, fn=fn):
+            now[0] += 1.0 if name == rule else 5.0
+            return fn(*args)
+
+        monkeypatch.setitem(KERNELS, name, kernel)
+    monkeypatch.setattr("time.perf_counter", lambda: now[0])
+    return rule
+
+
+def test_autotune_measures_one_batch_before_the_first_step_and_says_what_it_picked(data, capsys, monkeypatch):
+    from moelab.experts import kernels
+
+    kernels.forget_tuned()
+    rule = _rule_first_clock(monkeypatch)
+    weights = []
+    try:
+        for autotune in (False, True):
+            torch.manual_seed(0)
+            model = TransformerLM(LMConfig(vocab_size=256, **TINY))
+            cfg = TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=32, test_tokens=32)
+            trainer = Trainer(model, LMTask(data, 16), cfg, progress=False, autotune=autotune)
+            trainer.fit()
+            weights.append({k: v.clone() for k, v in model.state_dict().items()})
+            lines = [line for line in capsys.readouterr().out.splitlines() if "autotune" in line]
+            if not autotune:
+                assert lines == [] and trainer.autotuned is None and kernels.tuned_kernels() == {}
+        (line,) = lines
+        assert line.startswith("moelab: autotune measured 1 shape class: train, cpu float32, 1 thread")
+        assert line.endswith("; this run trains with the picks")
+        (tuned,) = trainer.autotuned.classes
+        assert tuned.rule == rule and tuned.calls == TINY["n_layer"]  # every MoE layer's call is a probe
+        assert kernels.tuned_kernels() == trainer.autotuned.picks
+        assert tuned.pick in (rule, "loop")  # the rule's kernel unless its numbers differed from the loop's
+        if tuned.pick == rule:  # the data order and the RNG streams are those of a run without autotune
+            assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    finally:
+        kernels.forget_tuned()
+
+
+def test_autotune_is_refused_with_several_processes(data):
+    from moelab.train.parallel import Parallel
+
+    class Two(Parallel):
+        def __init__(self):
+            super().__init__()
+            self.rank, self.world_size = 0, 2
+
+    model = TransformerLM(LMConfig(vocab_size=256, **TINY))
+    with pytest.raises(
+        ValueError, match=r"autotune=True is not allowed with 2 processes; expected one process"
+    ):
+        Trainer(model, LMTask(data, 16), TrainConfig(steps=1, batch_size=4), parallel=Two(), autotune=True)
+
+
+def test_the_train_command_has_an_autotune_flag_that_is_not_an_input_of_the_run():
+    import argparse
+
+    from moelab.experiments import runner
+    from moelab.experiments.lm import TrainRun, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--out", "x", "--autotune"]).autotune is True
+    assert TrainRun().autotune is False
+    # like --threads: how a run executes, so --resume may change it
+    assert runner.changed_input(TrainRun, {"autotune": True}, {"autotune": False}) is None

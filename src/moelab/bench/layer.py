@@ -5,6 +5,12 @@ against transformers' ``MixtralSparseMoeBlock`` in its ``eager`` and ``grouped_m
 implementations when transformers is installed — the same widths, SwiGLU (``silu``) experts and
 the very same weights (:func:`moelab.bench.peers.mixtral_block`), so routing and FLOPs are
 identical (checked before timing).  Timing as :mod:`moelab.bench.harness` describes.
+
+The ``moelab auto`` row runs ``impl="auto"``'s rule (no forward measures anything); with
+``--autotune`` the bench also calls :func:`moelab.experts.autotune` on that layer, explicitly and
+before the timing, and reports its pick per phase beside the rule's (the pick's own timing is its
+kernel's ``moelab <kernel>`` row); the picks are forgotten before the timing, so the auto row stays
+the rule.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ import torch
 from torch import nn
 
 from .. import _validate
-from ..experts import IMPLS, MLP
-from ..experts.kernels import grouped_ok, omp_wait_policy
+from ..experts import IMPLS, MLP, autotune
+from ..experts.kernels import forget_tuned, grouped_ok, omp_wait_policy
 from ..layer import MoE
 from .harness import (
     CLOCKS,
@@ -61,8 +67,8 @@ def build_layer_candidates(args: argparse.Namespace) -> tuple[list[Candidate], l
                 f"d_model={d}, d_hidden={h}: float32 rows must be 16-byte aligned)"
             )
             continue
-        if impl == "auto":
-            args.auto_layer = layer  # its picks are read after the timing (:func:`auto_picks`)
+        if impl == "auto":  # its rule's picks (auto_picks) and --autotune's (autotune_picks)
+            args.auto_layer = layer
         modules[f"moelab {impl}"] = (layer, expert_flops_per_token(layer, K))
     if args.hf and ref is not None:
         if args.activation != "swiglu" or args.method not in ("smoe",):
@@ -145,6 +151,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="add torch.compile'd dense and moelab candidates (inductor; optional mode, default 'default'); "
         "compilation happens in the warm-up rounds",
     )
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="also call moelab.experts.autotune on the auto layer (before the timing, --repeats rounds) and "
+        "report its pick per phase beside auto's rule (the auto row stays the rule)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -179,9 +191,8 @@ def _check_layer_args(args: argparse.Namespace) -> None:
 
 
 def auto_picks(args: argparse.Namespace) -> dict[str, str]:
-    """Per phase, the kernel the ``moelab auto`` row ran: asked after the timing, so a choice
-    ``auto`` measured on its first call (:func:`moelab.experts.kernels.set_autotune`) is the one
-    it kept."""
+    """Per phase, the kernel the ``moelab auto`` row ran: ``impl="auto"``'s rule (a forward measures
+    nothing; a pick of :func:`moelab.experts.autotune` only where this process called it)."""
     layer = getattr(args, "auto_layer", None)
     if layer is None:
         return {}
@@ -190,6 +201,40 @@ def auto_picks(args: argparse.Namespace) -> dict[str, str]:
         phase: layer.experts.resolved_impl(x, args.top_k, grad=phase == "train")
         for phase in ("train", "infer")
     }
+
+
+def autotune_picks(args: argparse.Namespace, notes: list[str]) -> dict[str, dict]:
+    """``--autotune``: per phase, what :func:`moelab.experts.autotune` picks for the ``moelab auto``
+    layer on the bench's tokens (``--repeats`` rounds; its routing is the layer's own): the pick,
+    auto's rule, the candidates' medians (ms) and those excluded for numbers other than the loop's.
+    The picks are forgotten afterwards (:func:`moelab.experts.kernels.forget_tuned`), so the
+    timed ``moelab auto`` row runs the rule."""
+    layer = getattr(args, "auto_layer", None)
+    if layer is None or args.device != "cpu":
+        notes.append(
+            "--autotune skipped: "
+            + (
+                "it measures on the CPU only"
+                if layer is not None
+                else "it measures impl=auto: add auto to --impl"
+            )
+        )
+        return {}
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.tokens, args.d_model, generator=gen).to(getattr(torch, args.dtype))
+    out = {}
+    try:
+        for phase in ("train", "infer"):
+            (tuned,) = autotune(layer, x, training=phase == "train", repeats=args.repeats).classes
+            out[phase] = {
+                "pick": tuned.pick,
+                "rule": tuned.rule,
+                "medians_ms": tuned.medians_ms,
+                "excluded": list(tuned.excluded),
+            }
+    finally:
+        forget_tuned()
+    return out
 
 
 def auto_against_fastest(rows: list[dict], picks: dict[str, str]) -> dict[str, dict]:
@@ -216,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     candidates, notes = build_layer_candidates(args)
+    tuned = autotune_picks(args, notes) if getattr(args, "autotune", False) else {}
     if torch.get_num_threads() > 1 and omp_wait_policy() != "passive" and args.device == "cpu":
         notes.append(
             f"OMP_WAIT_POLICY is {omp_wait_policy()} with {torch.get_num_threads()} torch threads: idle OpenMP "
@@ -249,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         seed=args.seed,
         dense_width=args.top_k * args.d_hidden,
+        autotune=bool(getattr(args, "autotune", False)),
     )
     machine = dict(before, loadavg_1min_after=load_after)
     auto = auto_against_fastest(rows, auto_picks(args))
@@ -262,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
                     "results": rows,
                     "notes": notes,
                     "auto": auto,
+                    "autotune": tuned,
                 }
             )
         )
@@ -287,6 +335,12 @@ def run(args: argparse.Namespace) -> int:
             f"auto ({phase}): picks {a['auto']}; fastest moelab kernel measured: {a['fastest']}; "
             f"auto / fastest = {a['auto_over_fastest']:.3f}"
         )
+    for phase, t in tuned.items():
+        medians = ", ".join(f"{name} {ms:.2f} ms" for name, ms in t["medians_ms"].items())
+        excluded = (
+            f"; excluded (numbers differ from loop's): {', '.join(t['excluded'])}" if t["excluded"] else ""
+        )
+        print(f"autotune ({phase}): picks {t['pick']} (rule: {t['rule']}); its medians: {medians}{excluded}")
     for note in notes:
         print(f"note: {note}")
     return 0

@@ -182,6 +182,12 @@ class TrainRun:
         allowed=_POSITIVE,
     )
     progress: bool = setting(True, input=False, flag="--no-progress", help="no progress bar")
+    autotune: bool = setting(
+        False,
+        input=False,
+        help="before the first step, time impl=auto's candidate kernels on one batch and train with the "
+        "fastest (prints its picks; two runs that autotune may pick, and end, differently; docs/kernels.md)",
+    )
     expert_parallel: bool = setting(
         False,
         input=False,
@@ -377,6 +383,7 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
         },
         expert_parallel=config.expert_parallel,
         fsdp=config.fsdp,
+        autotune=config.autotune,
     )
     return trainer.fit(resume=run.resume)
 

@@ -8,6 +8,8 @@
   (:func:`moelab.experts.dispatch.dispatch`; not re-exported, ``moelab.experts.dispatch`` is the module).
 - :mod:`~moelab.experts.kernels`: the kernels by name (:data:`KERNELS`), functions of the experts'
   weight tensors (:class:`ExpertWeights`), and ``impl="auto"``'s rule (:func:`choose_kernel`).
+- :mod:`~moelab.experts.tuning`: :func:`autotune`, the explicit measurement of ``auto``'s
+  candidate kernels (no forward measures anything).
 - :mod:`~moelab.experts.bank`: :class:`ExpertBank` (stacked-weight MLP experts) and :class:`MLP`.
 - :mod:`~moelab.experts.modules`: :class:`ModuleExperts` (arbitrary modules, e.g. CNN experts).
 - :mod:`~moelab.experts.parallel`: :class:`ExpertParallelBank` (experts across a process group).
@@ -20,11 +22,13 @@ from .kernels import IMPLS, KERNELS, ExpertWeights, choose_kernel, grouped_mm_av
 from .modules import ModuleExperts
 from .parallel import ExpertParallelBank
 from .protocol import Experts
+from .tuning import AutotuneReport, autotune
 
 __all__ = [
     "IMPLS",
     "KERNELS",
     "MLP",
+    "AutotuneReport",
     "ExpertBank",
     "ExpertParallelBank",
     "ExpertWeights",
@@ -32,6 +36,7 @@ __all__ = [
     "ModuleExperts",
     "Slots",
     "SparseExperts",
+    "autotune",
     "check_bank",
     "choose_kernel",
     "combine",

@@ -1,10 +1,11 @@
 """The kernels of :class:`moelab.ExpertBank`'s forward, by name, and the rule that picks one:
 :data:`KERNELS` maps each name (``loop``, ``grouped``, ``stream``, ``triton``) to one function of
 the tokens, the routing and the experts' weight tensors (:class:`ExpertWeights`), so nothing here
-knows the bank; ``impl="auto"`` runs the kernel :func:`choose_kernel` names from the device, the
-slots per expert, autograd, the torch threads and the OpenMP wait policy, or from a one-time
-measurement where those cannot tell (:func:`set_autotune`).  docs/kernels.md describes each kernel and when
-``auto`` picks it.
+knows the bank; ``impl="auto"`` runs the kernel :func:`choose_kernel` names, a pure rule of the
+device, the slots per expert, autograd, the torch threads and the OpenMP wait policy.  No forward
+measures anything: timing the candidates (:func:`measure`) is an explicit step the user takes,
+:func:`moelab.experts.autotune`, whose picks later forwards look up by :class:`ShapeClass`.
+docs/kernels.md describes each kernel and when ``auto`` picks it.
 """
 
 from __future__ import annotations
@@ -25,26 +26,33 @@ from .threads import over_experts
 
 __all__ = [
     "ALL_PASSES",
-    "AUTOTUNE_MODES",
     "IMPLS",
     "KERNELS",
     "LOOP_ROWS_PER_EXPERT",
     "STREAM_ROWS_PER_EXPERT",
     "ExpertWeights",
     "Kernel",
+    "Measurement",
+    "Probe",
+    "ShapeClass",
     "all_experts",
     "candidates",
     "choose_kernel",
+    "forget_tuned",
     "fused",
     "grouped",
     "grouped_mm_available",
     "grouped_ok",
     "loop",
+    "measure",
     "omp_wait_policy",
     "padded_rows",
-    "set_autotune",
+    "random_probe",
+    "record_tuned",
+    "rule_kernel",
     "shape_class",
     "stream",
+    "tuned_kernels",
 ]
 
 
@@ -240,96 +248,109 @@ def omp_wait_policy() -> str:
     return value if value in ("passive", "active") else "default"
 
 
-#: when ``impl="auto"`` times the candidate kernels instead of following its rule
-#: (:func:`set_autotune`; the environment variable ``MOELAB_AUTOTUNE`` sets it at import)
-AUTOTUNE_MODES = ("never", "unsure", "always")
+class ShapeClass(NamedTuple):
+    """What :func:`autotune <moelab.experts.autotune>` measures once and :func:`choose_kernel`
+    looks its pick up by (:func:`shape_class`)."""
 
+    device: str
+    dtype: torch.dtype
+    autocast: torch.dtype | None  #: the autocast dtype, ``None`` outside autocast
+    grad: bool  #: training (autograd tracked) or not
+    threads: int  #: torch threads
+    wait_policy: str  #: :func:`omp_wait_policy`
+    d_model: int
+    d_hidden: int
+    num_experts: int
+    top_k: int
+    tokens: int  #: the number of tokens rounded up to a power of two
 
-def _autotune_from_env() -> str:
-    value = os.environ.get("MOELAB_AUTOTUNE", "").strip().lower() or "unsure"
-    if value not in AUTOTUNE_MODES:
-        raise ValueError(
-            f"MOELAB_AUTOTUNE={value!r} is not allowed; expected one of {', '.join(AUTOTUNE_MODES)} (or unset)"
+    def describe(self) -> str:
+        """One line: ``train, cpu float32, 2 threads (wait default), T<=64 d=8 h=16 N=4 K=2``."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        autocast = "" if self.autocast is None else f" autocast {str(self.autocast).removeprefix('torch.')}"
+        return (
+            f"{'train' if self.grad else 'infer'}, {self.device} {dtype}{autocast}, {self.threads} "
+            f"thread{'s' if self.threads != 1 else ''} (wait {self.wait_policy}), T<={self.tokens} "
+            f"d={self.d_model} h={self.d_hidden} N={self.num_experts} K={self.top_k}"
         )
-    return value
 
 
-_AUTOTUNE = {"when": _autotune_from_env(), "clock": time.perf_counter, "repeats": 5}
-#: the measured choice per shape class (:func:`shape_class`), for the life of the process
-_TUNED: dict[tuple, str] = {}
+#: the kernel :func:`moelab.experts.autotune` picked per shape class, for the life of the process.
+#: Filled only by that explicit call (:func:`record_tuned`), never by a forward; a forward only
+#: looks its class up (:func:`choose_kernel`)
+_TUNED: dict[ShapeClass, str] = {}
 
 
-def set_autotune(when: str, *, clock: Callable[[], float] | None = None, repeats: int = 5) -> None:
-    """When ``impl="auto"`` measures, as cuDNN's benchmark mode, instead of following its rule:
-
-    - ``"unsure"`` (the default): only where the rule cannot know which kernel is fastest — on the
-      CPU with several torch threads whose idle OpenMP workers spin (``OMP_WAIT_POLICY`` unset or
-      ``active``), where the ranking of the kernels differs from host to host
-      (docs/performance.md);
-    - ``"always"``: for every shape class;
-    - ``"never"``: the rule alone.
-
-    A measurement runs once per :func:`shape_class`, on the first call of the class: every
-    candidate kernel (:func:`candidates`) on random tokens of the call's shape with a random
-    routing and the experts' own weights, one warm-up call each and then ``repeats`` interleaved
-    rounds (forward and backward when training); the fastest by median runs every later call of
-    the class.  Only kernels whose outputs (and gradients, when training) equal the ``"loop"``
-    kernel's bit for bit on that probe compete, so a measured choice never changes a number.  ``clock`` replaces
-    ``time.perf_counter`` (tests).  Every call forgets what was measured."""
-    if when not in AUTOTUNE_MODES:
-        raise ValueError(f"when={when!r} is not allowed; expected one of {', '.join(AUTOTUNE_MODES)}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r} is not allowed; expected a positive integer")
-    _AUTOTUNE.update(when=when, clock=clock or time.perf_counter, repeats=repeats)
-    _TUNED.clear()
-
-
-def shape_class(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> tuple:
-    """What a measured choice is kept for: device, dtype, the autocast dtype (``None`` outside
+def shape_class(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> ShapeClass:
+    """The :class:`ShapeClass` of a call on ``x (T, d)`` routed to ``top_k`` of the ``experts``,
+    with (``grad``) or without autograd: device, dtype, the autocast dtype (``None`` outside
     autocast), training or not, torch threads, the wait policy, the widths and N, K, and the number
-    of tokens rounded to a power of two."""
+    of tokens rounded up to a power of two."""
     tokens = 1 << max(0, int(x.shape[0]) - 1).bit_length()
     device = x.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    return (device, x.dtype, autocast, grad, torch.get_num_threads(), omp_wait_policy(),
-            experts.d_model, experts.d_hidden, experts.num_experts, top_k, tokens)  # fmt: skip
+    return ShapeClass(device, x.dtype, autocast, grad, torch.get_num_threads(), omp_wait_policy(),
+                      experts.d_model, experts.d_hidden, experts.num_experts, top_k, tokens)  # fmt: skip
+
+
+def tuned_kernels() -> dict[ShapeClass, str]:
+    """A copy of what :func:`moelab.experts.autotune` picked in this process, per shape class."""
+    return dict(_TUNED)
+
+
+def record_tuned(picks: dict[ShapeClass, str]) -> None:
+    """Make later ``impl="auto"`` calls of each shape class run its picked kernel (what
+    :func:`moelab.experts.autotune` calls, outside any forward).
+
+    Raises:
+        ValueError: a pick is not a name of :data:`KERNELS`, or a key is not a :class:`ShapeClass`.
+    """
+    for key, name in picks.items():
+        if not isinstance(key, ShapeClass):
+            raise ValueError(f"shape class {key!r} is not allowed; expected a ShapeClass (shape_class(...))")
+        if name not in KERNELS:
+            raise ValueError(f"kernel {name!r} is not allowed; expected one of {sorted(KERNELS)}")
+    _TUNED.update(picks)
+
+
+def forget_tuned() -> None:
+    """Forget every pick of :func:`moelab.experts.autotune`: ``impl="auto"`` follows its rule again."""
+    _TUNED.clear()
 
 
 def choose_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
     """The kernel ``impl="auto"`` runs for ``x (T, d)`` routed to ``top_k`` of the ``experts``,
     with (``grad``) or without autograd.
 
-    Measured where :func:`set_autotune` says (by default: on the CPU with several torch threads
-    whose idle OpenMP workers spin, :func:`omp_wait_policy`), never while torch.compile traces:
-    the kernel measured fastest for the call's :func:`shape_class` among those that give the
-    ``"loop"`` kernel's numbers bit for bit.  Otherwise by rule, from what the call can know:
+    A pure rule (:func:`rule_kernel`) of the device, dtype, autocast dtype, slots per expert,
+    autograd, torch threads and OpenMP wait policy: it reads no clock and measures nothing.  The
+    one exception is the user's: for a shape class that :func:`moelab.experts.autotune` measured
+    in this process (:func:`tuned_kernels`), the kernel it picked — looked up, not measured, and
+    never while torch.compile traces (the rule then).
+    """
+    tracing = torch.compiler.is_compiling()
+    if not tracing and _TUNED:  # first: a traced graph neither reads nor guards on the table
+        pick = _TUNED.get(shape_class(x, top_k, experts, grad))
+        if pick is not None:
+            return pick
+    return _rule(x, top_k, experts, grad, tracing)
+
+
+def rule_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
+    """The kernel ``impl="auto"``'s rule names for ``x``, whatever :func:`moelab.experts.autotune`
+    picked (docs/kernels.md gives the rule and performance.md the timings behind it).
 
     On the CPU: ``"stream"`` for decoding-sized inference (``T·K ≤ N``) and wherever
     ``grouped_mm`` cannot run without autograd.  With several torch threads whose idle workers
     sleep (``OMP_WAIT_POLICY=PASSIVE``), ``"loop"`` (whole experts spread over the threads); with
-    spinning workers (where the rule runs only with ``set_autotune("never")``) ``"grouped"`` in
-    training and ``"stream"`` in inference.  With one thread, inference takes ``"stream"`` from
-    :data:`STREAM_ROWS_PER_EXPERT` slots per expert on and training ``"loop"`` from
-    :data:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices, ``"grouped"`` wherever
-    :func:`grouped_ok` (no host sync), else ``"loop"`` (float64, unaligned sizes, older torch).
-    While torch.compile traces, never ``"stream"`` (its host sync would break the graph) and never
-    the threaded loop (``"grouped"`` where it can run).
+    spinning workers ``"grouped"`` in training and ``"stream"`` in inference.  With one thread,
+    inference takes ``"stream"`` from :data:`STREAM_ROWS_PER_EXPERT` slots per expert on and
+    training ``"loop"`` from :data:`LOOP_ROWS_PER_EXPERT` on.  Otherwise, and on other devices,
+    ``"grouped"`` wherever :func:`grouped_ok` (no host sync), else ``"loop"`` (float64, unaligned
+    sizes, older torch).  While torch.compile traces, never ``"stream"`` (its host sync would break
+    the graph) and never the threaded loop (``"grouped"`` where it can run).
     """
-    tracing = torch.compiler.is_compiling()
-    if not tracing and _measures(x):
-        key = shape_class(x, top_k, experts, grad)
-        if key not in _TUNED:
-            _TUNED[key] = _measure(x, top_k, experts, grad)
-        return _TUNED[key]
-    return _rule(x, top_k, experts, grad, tracing)
-
-
-def _measures(x: Tensor) -> bool:
-    """Whether :func:`choose_kernel` measures for ``x`` (:func:`set_autotune`)."""
-    when = _AUTOTUNE["when"]
-    if when != "unsure":
-        return when == "always"
-    return x.device.type == "cpu" and torch.get_num_threads() > 1 and omp_wait_policy() != "passive"
+    return _rule(x, top_k, experts, grad, torch.compiler.is_compiling())
 
 
 def _rule(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool, tracing: bool) -> str:
@@ -355,9 +376,9 @@ def _rule(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool, tracing: bo
 
 
 def candidates(x: Tensor, experts: ExpertWeights, grad: bool) -> list[str]:
-    """The kernels :func:`choose_kernel` may measure for ``x``: ``"loop"`` always, ``"grouped"``
-    where it runs, ``"stream"`` for inference on the CPU (``"triton"`` is never chosen by
-    ``auto``)."""
+    """The kernels :func:`moelab.experts.autotune` measures for ``x``: ``"loop"`` always,
+    ``"grouped"`` where it runs, ``"stream"`` for inference on the CPU (``"triton"`` is never
+    chosen by ``auto``)."""
     names = ["loop"]
     if grouped_ok(x, experts):
         names.append("grouped")
@@ -366,51 +387,99 @@ def candidates(x: Tensor, experts: ExpertWeights, grad: bool) -> list[str]:
     return names
 
 
-def _measure(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
-    """The fastest of :func:`candidates` whose results equal the first's (``"loop"``) bit for bit,
-    on random tokens of ``x``'s shape with a random routing and the experts' own weights: the
-    median of interleaved rounds after one warm-up call each, ties to the earlier candidate.  Runs
-    under its own saved-tensor hooks, so an enclosing activation checkpoint does not see the
-    probe's autograd graph."""
-    clock, repeats = _AUTOTUNE["clock"], _AUTOTUNE["repeats"]
+class Probe(NamedTuple):
+    """One call of the experts to measure on: tokens, routing and the experts' weights."""
+
+    x: Tensor  #: ``(T, d)``
+    indices: Tensor  #: ``(T, K)`` int64
+    weights: Tensor  #: ``(T, K)``
+    experts: ExpertWeights
+
+
+class Measurement(NamedTuple):
+    """What :func:`measure` found for one shape class."""
+
+    pick: str  #: the fastest by median of those that competed (ties: the earlier candidate)
+    medians: dict[str, float]  #: seconds of the clock, per candidate that competed
+    excluded: tuple[str, ...]  #: candidates whose numbers differed from the loop's on a probe
+
+
+def random_probe(x: Tensor, top_k: int, experts: ExpertWeights) -> Probe:
+    """Random tokens of ``x``'s shape (not ``x``: it may hold NaNs) with a random routing: uneven
+    rows per expert and weights that round, so that a kernel whose sums or products differ from
+    the loop's in any bit shows it; seeded, so the same for every call."""
     t, n = x.shape[0], experts.num_experts
     gen = torch.Generator().manual_seed(0)
-    # a random routing: uneven rows per expert and weights that round, so that a kernel whose sums
-    # or products differ from the loop's in any bit shows it
     indices = torch.rand(t, n, generator=gen).topk(top_k, dim=1).indices.to(x.device)
     weights = torch.rand(t, top_k, generator=gen).softmax(dim=1).to(x.device, x.dtype)
-    tokens = torch.randn(x.shape, generator=gen).to(x.device, x.dtype)  # not x: it may hold NaNs
-    params = [w.detach().requires_grad_(grad) if w is not None else None for w in experts[:4]]
-    probe_experts = ExpertWeights(*params, experts.activation)
-    leaves = [p for p in params if p is not None]
+    tokens = torch.randn(x.shape, generator=gen).to(x.device, x.dtype)
+    return Probe(tokens, indices, weights, experts)
 
-    def run(name: str) -> tuple[float, list[Tensor]]:
+
+def measure(
+    probes: Sequence[Probe], grad: bool, *, repeats: int = 5, clock: Callable[[], float] | None = None
+) -> Measurement:
+    """Time the :func:`candidates` on ``probes[0]`` and pick the fastest of those whose results
+    equal the ``"loop"`` kernel's bit for bit on every probe: the outputs and, with ``grad``, the
+    gradients of the tokens, of the routing weights and of the experts' weights (for one fixed
+    random output gradient).  One call of each candidate on each probe first (the warm-up, and the
+    check), then ``repeats`` interleaved rounds on ``probes[0]`` (forward and backward with
+    ``grad``); the fastest by median, ties to the earlier candidate.  ``clock`` (default
+    ``time.perf_counter``, read at the call) is read around each timed call only.  Runs under its
+    own saved-tensor hooks, so an enclosing activation checkpoint does not see the probes'
+    autograd graphs.  Called by :func:`moelab.experts.autotune`, never by a forward; the probes of
+    one call share a :class:`ShapeClass`, and run in the caller's autocast state.
+    """
+    clock = clock or time.perf_counter
+    first = probes[0]
+    names = candidates(first.x, first.experts, grad)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        runs = [_runner(probe, grad, clock) for probe in probes]
+        same = list(names)
+        for run in runs:
+            reference = run(names[0])[1]
+            same = [same[0]] + [name for name in same[1:] if _identical(run(name)[1], reference)]
+        times: dict[str, list[float]] = {name: [] for name in same}
+        for _ in range(repeats):
+            for name in same:
+                times[name].append(runs[0](name)[0])
+    median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    pick = min(same, key=median.__getitem__)
+    return Measurement(pick, median, tuple(name for name in names if name not in same))
+
+
+def _runner(probe: Probe, grad: bool, clock: Callable[[], float]):
+    """``run(name) -> (elapsed, results)``: one call of ``KERNELS[name]`` on ``probe`` (detached
+    copies of its tensors as leaves) with, under ``grad``, one backward."""
+    params = [w.detach().requires_grad_(grad) if w is not None else None for w in probe.experts[:4]]
+    experts = ExpertWeights(*params, probe.experts.activation)
+    leaves = [p for p in params if p is not None]
+    tokens, weights = probe.x.detach(), probe.weights.detach()
+    out_grad = None
+    if grad:
+        gen = torch.Generator().manual_seed(1)
+        out_grad = torch.randn(tokens.shape, generator=gen).to(tokens.device, tokens.dtype)
+
+    def run(name: str) -> tuple[float, list[Tensor | None]]:
         inp = tokens.clone().requires_grad_(grad)
+        w = weights.clone().requires_grad_(grad and weights.is_floating_point())
         for p in leaves:
             p.grad = None
         with torch.set_grad_enabled(grad):
             start = clock()
-            y = KERNELS[name](inp, indices, weights, probe_experts)
+            y = KERNELS[name](inp, probe.indices, w, experts)
             if grad:
-                y.sum().backward()
-            if x.device.type == "cuda":
-                torch.cuda.synchronize(x.device)
+                y.backward(out_grad.to(y.dtype))
+            if inp.device.type == "cuda":
+                torch.cuda.synchronize(inp.device)
             elapsed = clock() - start
-        return elapsed, [y.detach()] + ([inp.grad] + [p.grad for p in leaves] if grad else [])
+        grads = [inp.grad, w.grad] + [p.grad for p in leaves] if grad else []
+        return elapsed, [y.detach(), *grads]
 
-    names = candidates(x, experts, grad)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        first = run(names[0])[1]  # the warm-up calls, and the results each must equal
-        same = [names[0]] + [name for name in names[1:] if _identical(run(name)[1], first)]
-        times: dict[str, list[float]] = {name: [] for name in same}
-        for _ in range(repeats):
-            for name in same:
-                times[name].append(run(name)[0])
-    median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-    return min(same, key=median.__getitem__)
+    return run
 
 
-def _identical(results: list[Tensor], reference: list[Tensor]) -> bool:
+def _identical(results: list[Tensor | None], reference: list[Tensor | None]) -> bool:
     return all(
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in zip(results, reference, strict=True)

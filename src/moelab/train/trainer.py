@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..balance import StepBalance, attached_step_balance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
+from ..experts import autotune as autotune_kernels
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
 from ..layer import attach, aux_terms, moe_layers
@@ -181,6 +182,11 @@ class Trainer:
         expert_parallel: shorthand for ``parallel=ExpertParallel()``.
         fsdp: FSDP2 over the ranks (with ``expert_parallel``: EP × FSDP2), shorthand for
             ``parallel=Parallelized(ep=..., fsdp=True)`` (:mod:`moelab.train.parallelize`).
+        autotune: before the first step, measure ``impl="auto"``'s candidate kernels on one
+            training batch (:func:`moelab.experts.autotune`; its own generator, the global RNG
+            untouched), print one line saying what it picked, and train with the picks (kept in
+            :attr:`autotuned`).  Off by default: without it, two runs of the same command give the
+            same weights; two runs that autotune may pick, and so end, differently.  One process only.
 
     Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
@@ -200,6 +206,7 @@ class Trainer:
         parallel: Parallel | None = None,
         expert_parallel: bool = False,
         fsdp: bool = False,
+        autotune: bool = False,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config of type {type(config).__name__} is not allowed; expected a TrainConfig")
@@ -217,6 +224,14 @@ class Trainer:
                 f"batch_size={config.batch_size} is not allowed with {self.world_size} processes; "
                 "expected a multiple of the world size"
             )
+        if autotune and self.world_size > 1:
+            raise ValueError(
+                f"autotune=True is not allowed with {self.world_size} processes; expected one process "
+                "(each rank would measure and pick on its own)"
+            )
+        self.autotune = bool(autotune)
+        #: the :class:`moelab.experts.AutotuneReport` of ``autotune=True``, once :meth:`fit` measured
+        self.autotuned = None
         if ctx is None:
             ctx = routing_context(model, config.steps, config.seed, **dict(schedule_options or {}))
         else:
@@ -270,6 +285,8 @@ class Trainer:
         generator = torch.Generator().manual_seed(cfg.seed + 1)
         self._prune_checkpoints()
         saved = self._latest_checkpoint() if resume else None
+        if self.autotune:
+            self._autotune(int(saved["step"]) if saved else 0)
         self.parallel.apply(self.model)  # after a resume has loaded the full weights
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg.optimizer, self.model, cfg.lr, cfg.weight_decay)  # the model's groups
@@ -317,6 +334,18 @@ class Trainer:
         return self._finish(state)
 
     # ------------------------------------------------------------------ the loop's parts
+    def _autotune(self, step: int) -> None:
+        """``autotune=True``: measure on one training batch of step ``step`` drawn with a generator of
+        its own (the run's data order and RNG streams stay as they are), and say what it picked."""
+        sample = self.task.sample(
+            torch.Generator().manual_seed(self.config.seed), self.config.batch_size, step
+        )
+        batch = self.task.shard(sample, self.rank, self.world_size)
+        self.autotuned = autotune_kernels(
+            self.model, lambda model: self.task.loss(model, batch), training=True
+        )
+        print(f"moelab: {self.autotuned.summary()}; this run trains with the picks", flush=True)
+
     def _prune_checkpoints(self) -> None:
         """Keep the newest ``keep_ckpts`` checkpoints (0: all), as every checkpoint write does: a kill
         between a checkpoint's rename and the removal of the oldest leaves one more.  Only when the
