@@ -374,7 +374,7 @@ def test_autotune_never_picks_a_kernel_whose_numbers_differ_from_the_loop(monkey
     idx, w = random_routing(64, 4, 2, torch.Generator().manual_seed(0))
     x = torch.randn(64, 8)
     # inference: stream is fastest but its output differs in the last bits; grouped is next
-    report = autotune(bank, (x, idx, w), training=False, clock=lambda: now[0], repeats=3)
+    report = autotune(bank, (x, moelab.Routing(idx, w)), training=False, clock=lambda: now[0], repeats=3)
     (tuned,) = report.classes
     assert (
         tuned.pick == "grouped"
@@ -386,7 +386,7 @@ def test_autotune_never_picks_a_kernel_whose_numbers_differ_from_the_loop(monkey
     assert bank.resolved_impl(x, top_k=2, grad=False) == "grouped"
     # training: grouped gives the loop's outputs but not its gradient: excluded, the loop is kept
     _fake_kernels(monkeypatch, cost, now, calls, off_grad=("grouped",))
-    (tuned,) = autotune(bank, (x, idx, w), training=True, clock=lambda: now[0], repeats=3).classes
+    (tuned,) = autotune(bank, (x, moelab.Routing(idx, w)), training=True, clock=lambda: now[0], repeats=3).classes
     assert tuned.pick == "loop" and tuned.excluded == ("grouped",)
     assert bank.resolved_impl(x, top_k=2, grad=True) == "loop"
 
@@ -586,7 +586,7 @@ def test_autotune_with_the_real_kernels_picks_one_that_gives_the_loops_numbers(g
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 8, generator=g)
     idx, w = random_routing(32, 4, 2, g)
-    (tuned,) = autotune(bank, (x, idx, w), training=grad, repeats=1).classes
+    (tuned,) = autotune(bank, (x, moelab.Routing(idx, w)), training=grad, repeats=1).classes
     assert tuned.pick in kernels.candidates(x, bank.expert_weights, grad)
     assert tuned.pick == bank.resolved_impl(x, top_k=2, grad=grad)
     with torch.set_grad_enabled(grad):

@@ -112,7 +112,7 @@ def autotune(
     Args:
         model: a model holding :class:`~moelab.ExpertBank` s with ``impl="auto"``, or one such bank.
         example_input: what ``model`` is called with: a tensor (``model(x)``), a tuple
-            (``model(*args)``; for a bank ``(x, indices, weights)``), a dict (``model(**kwargs)``),
+            (``model(*args)``; for a bank ``(x, routing)``), a dict (``model(**kwargs)``),
             or a callable run as ``example_input(model)`` (e.g. ``lambda m: task.loss(m, batch)``).
         training: measure the training classes (autograd) or the inference ones.
         repeats: timed rounds per candidate.
