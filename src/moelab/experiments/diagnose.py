@@ -76,7 +76,7 @@ def routing_curves(ckpts: list[Path], batches: list[torch.Tensor]) -> dict[str, 
         model = load(ckpt)
         per_batch = [metrics.active_choices(model, b) for b in batches]
         choices.append([torch.cat(layer) for layer in zip(*per_batch)])
-        num_experts = [m.num_experts for m in metrics._layers(model)]
+        num_experts = [m.num_experts for m in metrics.layers_of(model)]
 
     # a router whose K changes over training (SMoE-Dropout): the narrower routings padded with
     # empty slots, so a checkpoint's share of the final choices is |A ∩ B| / K_final
@@ -237,7 +237,7 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     model = load(path)
     task = LMTask(data, model.cfg.block_size)
     batches = _batches(task, tokens)
-    layers = metrics._layers(model)
+    layers = metrics.layers_of(model)
     k = layers[0].top_k
     # the swaps replace the K-th expert: none with all N chosen, or with a variable number (remoe)
     spare = all(layer.top_k < layer.num_experts and not layer.router.variable_k for layer in layers)

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..losses import token_entropy_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, _counts_this_forward, register
+from .base import Router, counts_this_forward, register
 
 
 @register("top-p")
@@ -96,7 +96,7 @@ class TopPRouter(Router):
         ranked = probs.gather(1, indices)
         over = ranked.detach().cumsum(dim=-1) > self.threshold
         mask = ~over | (over & (over.cumsum(dim=-1) == 1))  # up to and with the rank that crosses p
-        if self.training and self.selection_bias is not None and _counts_this_forward():
+        if self.training and self.selection_bias is not None and counts_this_forward():
             active = mask.reshape(-1).to(self.pending_load.dtype)
             # in place, not `+=` (an attribute store, which compile refuses under activation checkpointing)
             self.pending_load.add_(

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..losses import relu_l1_balance_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, _counts_this_forward, register
+from .base import Router, counts_this_forward, register
 
 
 @register("relu")
@@ -99,7 +99,7 @@ class ReLURouter(Router):
         weights, indices = gates.sort(dim=-1, descending=True, stable=True)  # active slots first
         mask = weights > 0
         l1 = self.l1_lambda.to(gates.dtype) * relu_l1_balance_loss(gates, self.top_k)
-        if self.training and _counts_this_forward():
+        if self.training and counts_this_forward():
             active = mask.sum().to(self.pending_active.dtype)
             # in place, not `+=` (an attribute store, which compile refuses under activation checkpointing)
             self.pending_active.add_(torch.stack((active, torch.full_like(active, mask.numel()))))

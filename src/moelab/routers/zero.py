@@ -13,7 +13,7 @@ from .. import _validate
 from ..functional import expert_counts, resolve_renormalize
 from ..losses import heterogeneous_balance_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, _counts_this_forward, register
+from .base import Router, counts_this_forward, register
 
 
 @register("moepp")
@@ -139,7 +139,7 @@ class ZeroComputationRouter(Router):
         probs = logits.softmax(dim=-1)
         indices = self.biased(probs.detach()).topk(self.top_k, dim=-1).indices
         top = probs.gather(1, indices)
-        if self.training and self.selection_bias is not None and _counts_this_forward():
+        if self.training and self.selection_bias is not None and counts_this_forward():
             # in place, not `+=` (an attribute store, which compile refuses under activation checkpointing)
             self.pending_load.add_(expert_counts(indices, self.num_all).to(self.pending_load.dtype))
         top = top.masked_fill(indices >= n + c + p, 0.0)  # a zero expert's weight is 0
