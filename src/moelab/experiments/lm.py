@@ -27,13 +27,12 @@ from ..models.lm import (
     PRESETS,
     TRAINING,
     TransformerLM,
-    count_parameters,
     lm_config,
 )
 from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
 from ..train.tasks import LMTask
-from ..train.trainer import TrainConfig, Trainer, TrainingError
+from ..train.trainer import TrainConfig, Trainer, TrainingError, count_parameters
 from . import runner
 from .runner import Interval, Options, setting
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..balance import StepBalance, attached_step_balance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
+from ..experts.protocol import Experts
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
 from ..layer import attach, aux_terms, moe_layers
@@ -40,6 +41,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "TrainingError",
+    "count_parameters",
 ]
 
 
@@ -51,6 +53,27 @@ class Task(Protocol):
     def shard(self, batch: Any, rank: int, world: int) -> Any: ...
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, int]: ...
     def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]: ...
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """``(total, active)`` parameter counts (tied weights counted once).
+
+    *Active* parameters are those one token uses: everything except, in each expert bank, the
+    ``N − K`` experts it does not select, i.e. ``total − Σ_layers (N − K)/N · expert_params``.
+    """
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    inactive = 0
+    for layer in moe_layers(model):
+        if isinstance(layer.experts, Experts):
+            n = layer.num_experts
+            expert_params = sum(p.numel() for p in layer.experts.parameters())
+            inactive += expert_params * (n - layer.top_k) // n
+    return total, total - inactive
 
 
 #: the largest learning rate: float32's largest number (Adam casts its step size to the parameters' dtype)
@@ -559,8 +582,6 @@ class Trainer:
                     f"test_{metric}": test[metric],
                 },
             )
-        from ..models.lm import count_parameters
-
         total, active = count_parameters(self.parallel.full_model(self.model))
         recent = state["recent_losses"]
         metrics = {
