@@ -31,6 +31,7 @@ from ..models.lm import (
 )
 from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
+from ..train.parallel import choose
 from ..train.tasks import LMTask
 from ..train.trainer import TrainConfig, Trainer, TrainingError, count_parameters
 from . import runner
@@ -373,8 +374,7 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
             "size": config.size,
             "data": config.data,
         },
-        expert_parallel=config.expert_parallel,
-        fsdp=config.fsdp,
+        parallel=choose(expert_parallel=config.expert_parallel, fsdp=config.fsdp),
     )
     return trainer.fit(resume=run.resume)
 

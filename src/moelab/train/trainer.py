@@ -200,10 +200,10 @@ class Trainer:
         extra_metrics: added to ``metrics.json``.
         on_eval: called with ``(step, validation results)`` after each evaluation.
         parallel: how the model is spread over processes (:mod:`moelab.train.parallel`: one
-            process, DDP, or expert parallel); default :func:`moelab.train.parallel.choose`.
-        expert_parallel: shorthand for ``parallel=ExpertParallel()``.
-        fsdp: FSDP2 over the ranks (with ``expert_parallel``: EP × FSDP2), shorthand for
-            ``parallel=Parallelized(ep=..., fsdp=True)`` (:mod:`moelab.train.parallelize`).
+            process ``Parallel()``, DDP ``DataParallel()``, expert parallel ``ExpertParallel()``,
+            FSDP2 ``Parallelized(ep=1, fsdp=True)`` or EP × FSDP2 ``Parallelized(fsdp=True)``);
+            default :func:`moelab.train.parallel.choose` (DDP under ``torchrun``, else one
+            process).
 
     Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
@@ -221,8 +221,6 @@ class Trainer:
         extra_metrics: dict[str, Any] | None = None,
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
         parallel: Parallel | None = None,
-        expert_parallel: bool = False,
-        fsdp: bool = False,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config of type {type(config).__name__} is not allowed; expected a TrainConfig")
@@ -233,7 +231,7 @@ class Trainer:
         self.progress = progress
         self.extra_metrics = dict(extra_metrics or {})
         self.on_eval = on_eval
-        self.parallel = parallel if parallel is not None else choose(expert_parallel, fsdp)
+        self.parallel = parallel if parallel is not None else choose()
         self.rank, self.world_size = self.parallel.rank, self.parallel.world_size
         if config.batch_size % self.world_size:
             raise ValueError(
