@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from . import _validate
 from .functional import competition_affinity
+from .io.atomic import atomic_write_png
 from .routers import Router
 from .routing import Routing, RoutingContext
 
@@ -741,5 +742,4 @@ def plot_selection_table(
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    atomic_write_png(path, fig, dpi=100)

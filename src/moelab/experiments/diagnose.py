@@ -21,7 +21,7 @@ import torch
 
 from .. import _validate, metrics
 from ..data.text import load_text
-from ..io.atomic import atomic_write_bytes, atomic_write_text
+from ..io.atomic import atomic_write_png, atomic_write_text
 from ..io.model import list_checkpoints, load
 from ..io.rundir import read_yaml
 from ..train.tasks import LMTask
@@ -140,7 +140,7 @@ def plot_curves(out: dict[str, Any], path: Path) -> None:
         f"{out['method']}: routing over training, first {out['tokens_used']} test tokens", fontsize=10
     )
     fig.tight_layout()
-    _save(fig, path)
+    atomic_write_png(path, fig, dpi=110)
 
 
 def plot_router_distributions(probs: list[torch.Tensor | None], method: str, path: Path) -> int:
@@ -175,20 +175,8 @@ def plot_router_distributions(probs: list[torch.Tensor | None], method: str, pat
     fig.suptitle(
         f"{method}: router distribution of the first {tokens} tokens of the first test sequence", fontsize=10
     )
-    _save(fig, path)
+    atomic_write_png(path, fig, dpi=110)
     return tokens
-
-
-def _save(fig: Any, path: Path) -> None:
-    """Write a pyplot figure to ``path`` atomically (a kill never leaves half a PNG) and close it."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _batches(task: LMTask, tokens: int) -> list[torch.Tensor]:
