@@ -13,7 +13,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -627,6 +627,3 @@ class Trainer:
             path.unlink(missing_ok=True)
         elif saved.get("log") is not None:
             atomic_write_text(path, saved["log"])
-
-    def config_dict(self) -> dict[str, Any]:
-        return asdict(self.config)
