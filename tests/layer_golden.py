@@ -44,19 +44,13 @@ VARIANTS = {
 
 
 def case_names() -> list[str]:
-    return [
-        f"{m}/k{k}/{s}/{v}"
-        for m in moelab.methods()
-        for k in (1, 2)
-        for s in SHAPES
-        for v in VARIANTS
-    ]
+    return [f"{m}/k{k}/{s}/{v}" for m in moelab.methods() for k in (1, 2) for s in SHAPES for v in VARIANTS]
 
 
 def _digest(t: torch.Tensor) -> list:
     t = t.detach().contiguous().cpu()
     raw = t.numpy().tobytes() if t.numel() else b""
-    f = t.double() if t.is_floating_point() else t.double()
+    f = t.double()
     return [
         list(t.shape),
         str(t.dtype).removeprefix("torch."),
