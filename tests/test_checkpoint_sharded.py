@@ -50,6 +50,7 @@ def _fit(run: str, corpus: str, seed: int, resume: bool) -> None:
     from moelab.io.rundir import RunDir
     from moelab.models.lm import LMConfig, TransformerLM
     from moelab.train import TrainConfig, Trainer
+    from moelab.train.parallel import Parallelized
     from moelab.train.tasks import LMTask
 
     data = load_text(corpus)
@@ -62,8 +63,9 @@ def _fit(run: str, corpus: str, seed: int, resume: bool) -> None:
                          ckpt_every=2, keep_ckpts=0, keep_best=False)  # fmt: skip
     rank = dist.get_rank()  # as moelab's runner: rank 0 holds the run's lock
     rundir = RunDir(Path(run), resume=resume or rank > 0, lock=rank == 0)
+    # EP x FSDP2: the experts split over every rank, every parameter sharded
     trainer = Trainer(TransformerLM(cfg), LMTask(data, 16), config, rundir, progress=False,
-                      expert_parallel=True, fsdp=True)  # fmt: skip
+                      parallel=Parallelized(fsdp=True))  # fmt: skip
     trainer.fit(resume=resume)
 
 

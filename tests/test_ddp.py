@@ -247,13 +247,14 @@ def test_a_resumed_expert_parallel_run_continues_the_same_curve(corpus, tmp_path
 
 
 def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) -> None:
-    """A Trainer with expert_parallel=True on one rank; reports what the plan made of the model."""
+    """A Trainer with parallel=ExpertParallel() on one rank; reports what the plan made of the model."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
     from moelab.layer import moe_layers
     from moelab.models.lm import LMConfig, TransformerLM
     from moelab.train import TrainConfig, Trainer
+    from moelab.train.parallel import ExpertParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -266,7 +267,7 @@ def _rank_trainer(rank: int, world: int, port: int, corpus: str, report: str) ->
         model = TransformerLM(cfg)
         trainer = Trainer(
             model, LMTask(data, 16), TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=32),
-            progress=False, expert_parallel=True,
+            progress=False, parallel=ExpertParallel(),
         )  # fmt: skip
         metrics = trainer.fit()
         banks = [layer.experts for layer in moe_layers(model)]

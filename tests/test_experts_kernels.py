@@ -386,7 +386,9 @@ def test_autotune_never_picks_a_kernel_whose_numbers_differ_from_the_loop(monkey
     assert bank.resolved_impl(x, top_k=2, grad=False) == "grouped"
     # training: grouped gives the loop's outputs but not its gradient: excluded, the loop is kept
     _fake_kernels(monkeypatch, cost, now, calls, off_grad=("grouped",))
-    (tuned,) = autotune(bank, (x, moelab.Routing(idx, w)), training=True, clock=lambda: now[0], repeats=3).classes
+    (tuned,) = autotune(
+        bank, (x, moelab.Routing(idx, w)), training=True, clock=lambda: now[0], repeats=3
+    ).classes
     assert tuned.pick == "loop" and tuned.excluded == ("grouped",)
     assert bank.resolved_impl(x, top_k=2, grad=True) == "loop"
 

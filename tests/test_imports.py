@@ -49,12 +49,7 @@ def _imports(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) 
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                root = ".".join(base + ([node.module] if node.module else []))
-            else:
-                root = node.module or ""
+            root = _from_root(package, node)
             targets = [f"{root}.{a.name}" for a in node.names] or [root]
         else:
             continue
@@ -63,6 +58,55 @@ def _imports(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) 
                 target = _resolve(t, modules)
                 if target and target != module:
                     found.add(target)
+    return found
+
+
+def _from_root(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module name ``from <root> import ...`` names (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_imports(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """Every private name ``module`` takes from another moelab module, as ``"module -> home._name"``:
+    ``from home import _name`` (at any depth, relative or not) and ``home._name`` read through a
+    name bound to the module ``home`` (``import moelab.home``, ``from moelab import home``).  A
+    private *module* (``from . import _validate``) is not a private name: only what a module
+    defines for itself counts."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    bound: dict[str, str] = {}  # local name -> the moelab module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("moelab"):
+                    bound[a.asname or "moelab"] = a.name if a.asname else "moelab"
+        elif isinstance(node, ast.ImportFrom):
+            root = _from_root(package, node)
+            if not root.startswith("moelab"):
+                continue
+            for a in node.names:
+                full = f"{root}.{a.name}"
+                if full in modules:
+                    bound[a.asname or a.name] = full
+                elif _is_private(a.name) and _resolve(root, modules) not in (None, module):
+                    found.add(f"{module} -> {full}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            dotted = ast.unparse(node.value)
+            head, _, rest = dotted.partition(".")
+            if head in bound:
+                home = bound[head] + ("." + rest if rest else "")
+                if home in modules and home != module and f"{home}.{node.attr}" not in modules:
+                    found.add(f"{module} -> {home}.{node.attr}")
     return found
 
 
@@ -144,6 +188,62 @@ def test_library_code_never_imports_the_layers_above_it(layer):
         if t == layer or t.startswith(layer + ".")
     )
     assert not offenders, f"library modules import {layer}: {offenders}"
+
+
+def test_training_imports_nothing_of_the_models():
+    """The trainer trains any model (the models are what it is given, not what it is made of):
+    what it reads of one, a parameter count or an image model's output, it gets from the layer
+    or a protocol of its own, never from moelab.models."""
+    graph = _graph()
+    offenders = sorted(
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        if m == "moelab.train" or m.startswith("moelab.train.")
+        for t in ts
+        if t == "moelab.models" or t.startswith("moelab.models.")
+    )
+    assert not offenders, f"moelab.train imports moelab.models: {offenders}"
+
+
+#: private names other modules still import, all of them in files being rewritten by someone else
+#: (the MoE layer's redesign); the lead empties this list as those files land.  Nothing may be added:
+#: give the name a public spelling in its home module, or move it where it is used.
+PRIVATE_IMPORTS_ALLOWED: set[str] = set()
+
+
+def test_no_private_name_is_imported_across_modules():
+    """No private name imported across modules (DESIGN.md, rules of the house): a name a module
+    keeps private is its own; another module that needs it gets a public spelling of it."""
+    modules = _modules()
+    found = set().union(*(_private_imports(m, p, modules) for m, p in modules.items()))
+    assert sorted(found - PRIVATE_IMPORTS_ALLOWED) == [], "private names imported across modules"
+    assert sorted(PRIVATE_IMPORTS_ALLOWED - found) == [], "fixed: drop from PRIVATE_IMPORTS_ALLOWED"
+
+
+def test_the_private_import_walker_sees_both_forms_and_spares_private_modules(tmp_path):
+    modules = {
+        "moelab": SRC / "__init__.py",
+        "moelab._validate": tmp_path / "_validate.py",
+        "moelab.a": tmp_path / "a.py",
+        "moelab.pkg": tmp_path / "pkg_init.py",
+        "moelab.pkg.b": tmp_path / "b.py",
+    }
+    (tmp_path / "b.py").write_text(
+        "import moelab.a\n"
+        "from .. import _validate, a as alias\n"
+        "from moelab.a import _x, y as _y, __version__\n"
+        "def f():\n"
+        "    from . import _z\n"  # the package's private name
+        "    return moelab.a._w, alias._v, _validate.check, _validate._hidden, _private_own\n"
+        "_private_own = 1\n"
+    )
+    assert _private_imports("moelab.pkg.b", tmp_path / "b.py", modules) == {
+        "moelab.pkg.b -> moelab.a._x",
+        "moelab.pkg.b -> moelab.pkg._z",
+        "moelab.pkg.b -> moelab.a._w",
+        "moelab.pkg.b -> moelab.a._v",
+        "moelab.pkg.b -> moelab._validate._hidden",
+    }
 
 
 def test_the_import_walker_sees_lazy_and_relative_imports(tmp_path):

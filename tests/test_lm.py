@@ -13,8 +13,8 @@ import moelab
 from moelab.cli import main
 from moelab.data.text import TextData, load_text
 from moelab.layer import moe_layers
-from moelab.models.lm import PRESETS, LMConfig, TransformerLM, count_parameters, lm_config
-from moelab.train import TrainConfig, Trainer
+from moelab.models.lm import PRESETS, LMConfig, TransformerLM, lm_config
+from moelab.train import TrainConfig, Trainer, count_parameters
 from moelab.train.tasks import LMTask
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.0)

@@ -662,3 +662,15 @@ def test_a_selection_bias_of_any_router_survives_save_and_load(tmp_path):
     assert again.balance_scope == "sequence"
     x = torch.randn(2, 3, 6)
     torch.testing.assert_close(again.eval()(x), layer.eval()(x))
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_every_router_takes_the_layers_experts_as_the_expert_bank_protocol(name):
+    """``forward(x, experts, ctx)``: ``experts`` is annotated with :class:`moelab.experts.protocol.Experts`
+    (what every bank implements), not a bare ``nn.Module``."""
+    import typing
+
+    from moelab.experts.protocol import Experts
+
+    hint = typing.get_type_hints(ROUTERS[name].forward)["experts"]
+    assert Experts in (hint, *typing.get_args(hint))

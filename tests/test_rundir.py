@@ -87,6 +87,44 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
 
 
+def test_a_png_is_written_atomically_the_same_bytes_each_time_and_its_pyplot_figure_closed(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moelab.io.atomic import atomic_write_png
+
+    def draw():
+        fig, ax = plt.subplots(figsize=(2, 2))
+        ax.plot([0, 1, 2], [1, 0, 2])
+        return fig
+
+    fig = draw()
+    path = atomic_write_png(tmp_path / "sub" / "f.png", fig, dpi=50)
+    first = path.read_bytes()
+    assert first.startswith(b"\x89PNG\r\n\x1a\n") and b"Software" not in first
+    assert not plt.fignum_exists(fig.number)  # pyplot holds no figure a writer drew
+    assert atomic_write_png(path, draw(), dpi=50).read_bytes() == first  # drawn again: the same file
+    assert sorted(p.name for p in path.parent.iterdir()) == ["f.png"]
+
+
+def test_every_png_moelab_writes_goes_through_the_one_writer():
+    """No module but :mod:`moelab.io.atomic` calls ``savefig``: every figure is written by
+    ``atomic_write_png`` (atomic, the same bytes for the same figure)."""
+    import ast
+    import pathlib
+
+    src = pathlib.Path(__file__).resolve().parents[1] / "src" / "moelab"
+    callers = sorted(
+        str(path.relative_to(src))
+        for path in src.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("savefig", "print_png", "imsave")
+    )
+    assert callers == ["io/atomic.py"]
+
+
 def test_force_starts_a_fresh_run_without_the_old_log_and_metrics(tmp_path):
     old = RunDir(tmp_path)
     old.write_config({"lr": 1.0})

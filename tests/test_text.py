@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moelab.data import text as T
-from moelab.data.download import DataError
+from moelab.data.download import DataError, verified
 
 
 @pytest.fixture
@@ -151,11 +151,11 @@ def test_a_cached_archive_that_differs_from_the_pinned_sha256_is_discarded(offli
 def test_a_changed_file_is_detected_by_its_recorded_sha256(tmp_path):
     f = tmp_path / "wiki.train.tokens"
     f.write_text("hello world\n")
-    T._verified(f)  # records the digest
+    verified(f)  # records the digest
     assert (tmp_path / "wiki.train.tokens.sha256").exists()
     f.write_text("hello w0rld\n")
     with pytest.raises(DataError, match=r"wiki\.train\.tokens has sha256 .* was recorded"):
-        T._verified(f)
+        verified(f)
 
 
 def test_bad_sources_are_clear_errors(tmp_path):

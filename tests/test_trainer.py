@@ -16,6 +16,7 @@ from moelab.layer import moe_layers
 from moelab.models.lm import LMConfig, TransformerLM
 from moelab.schedules import lr_factor, model_schedule, routing_context, split_schedule_options
 from moelab.train import TrainConfig, Trainer, TrainingError
+from moelab.train.parallel import Parallel
 from moelab.train.tasks import LMTask
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.1)
@@ -62,6 +63,20 @@ def test_lr_factor_matches_the_formulas():
 def test_train_config_validates(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{"steps": 10, "batch_size": 4, **kwargs})
+
+
+@pytest.mark.parametrize("old", ["expert_parallel", "fsdp"])
+def test_the_parallel_layout_is_given_one_way(data, old):
+    """``parallel=`` is the one way to say how the model is spread (``ExpertParallel()``,
+    ``Parallelized(fsdp=True)``, ...): the old ``expert_parallel=`` / ``fsdp=`` shorthands are gone,
+    and Python's TypeError names the keyword."""
+    model = TransformerLM(LMConfig(vocab_size=data.vocab_size, **TINY))
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+        Trainer(
+            model, LMTask(data, 16), TrainConfig(steps=1, batch_size=2), None, progress=False, **{old: True}
+        )
+    trainer = Trainer(model, LMTask(data, 16), TrainConfig(steps=1, batch_size=2), None, progress=False)
+    assert type(trainer.parallel) is Parallel  # the default: choose() on one process
 
 
 def test_the_trainer_optimizes_the_models_groups_with_adamw_by_default(data, tmp_path):

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from . import _validate
 from .functional import competition_affinity
+from .io.atomic import atomic_write_png
 from .routers import Router
 from .routing import Routing, RoutingContext
 
@@ -92,7 +93,9 @@ def assignment_change_rate(indices_a: Tensor | list[Tensor], indices_b: Tensor |
 
 
 # ---------------------------------------------------------------- on models
-def _layers(model: nn.Module) -> list[nn.Module]:
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """The :class:`moelab.MoE` layers of ``model`` in module order; ``ValueError`` when it has none
+    (a metric of a model without one has nothing to measure)."""
     from .layer import MoE
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
@@ -131,7 +134,7 @@ def _run(
 ) -> int:
     """Run ``model`` over ``batches``; after each MoE layer's forward call ``on_layer(i, layer, x)``
     with its flattened input ``(T, d)`` (``layer.last_routing`` is that call's routing)."""
-    layers = _layers(model)
+    layers = layers_of(model)
 
     def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
@@ -297,7 +300,7 @@ def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
     >>> with moelab.metrics.swap_top1(model):
     ...     loss = evaluate(model)
     """
-    layers = _layers(model)
+    layers = layers_of(model)
     for layer in layers:
         _validate.int_in_range("rank", rank, 0, layer.top_k - 1)
         if isinstance(layer.router, SwappedRouter):
@@ -356,7 +359,7 @@ def load_cv(
         dropped[i] = dropped.get(i, 0.0) + layer.dropped_fraction * float(c.sum())
 
     n = _run(model, batches, forward, on_layer)
-    layers = _layers(model)
+    layers = layers_of(model)
     out = []
     for i in range(n):
         load = counts[i] / counts[i].sum()
@@ -383,7 +386,7 @@ def routing_summary(model: nn.Module) -> dict[str, float | None]:
     cvs: list[float] = []
     vios: list[float] = []
     overlaps: list[float] = []
-    for layer, load in zip(_layers(model), routing_loads(model)):
+    for layer, load in zip(layers_of(model), routing_loads(model)):
         routing = layer.recorded_routing
         if routing is None:
             continue
@@ -402,7 +405,7 @@ def routing_summary(model: nn.Module) -> dict[str, float | None]:
         "max_vio": mean(vios),
         "competition_overlap": mean(overlaps),
     }
-    capped = [layer.dropped_fraction for layer in _layers(model) if layer.capacity_factor is not None]
+    capped = [layer.dropped_fraction for layer in layers_of(model) if layer.capacity_factor is not None]
     if capped:  # a model with an expert capacity: the mean fraction of token slots dropped
         out["dropped"] = mean(capped)
     return out
@@ -413,7 +416,7 @@ def routing_loads(model: nn.Module) -> list[Tensor | None]:
     slots (the active ones, for a router with a variable number of experts per token), or ``None``
     for a layer that has not run."""
     loads: list[Tensor | None] = []
-    for layer in _layers(model):
+    for layer in layers_of(model):
         routing = layer.recorded_routing
         loads.append(
             None
@@ -739,5 +742,4 @@ def plot_selection_table(
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    atomic_write_png(path, fig, dpi=100)

@@ -34,7 +34,7 @@ from ..experiments import compare, runner
 from ..experiments.lm import TrainRun, set_threads
 from ..experiments.report import collect_runs, write_report
 from ..experiments.summary import bootstrap_ranks, holm, mean, paired, t_interval
-from ..io.atomic import atomic_write_text, read_json
+from ..io.atomic import atomic_write_png, atomic_write_text, read_json
 from ..io.rundir import RunDir
 from ..methods import methods
 
@@ -616,21 +616,13 @@ def _figure(width: float, height: float):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt, plt.subplots(figsize=(width, height))
-
-
-def _save(plt, fig, path: Path) -> None:
-    from ..experiments.report import save_png
-
-    fig.tight_layout()
-    save_png(fig, path)
-    plt.close(fig)
+    return plt.subplots(figsize=(width, height))
 
 
 def plot_quality(rows: list[dict], config: BenchmarkConfig, path: Path) -> None:
     """Each method's mean test metric with its 95 % interval, best first, the reference's mean ±
     the margin shaded."""
-    plt, (fig, ax) = _figure(7, 0.3 * len(rows) + 1.5)
+    fig, ax = _figure(7, 0.3 * len(rows) + 1.5)
     ref = next(r for r in rows if r["method"] == config.reference)
     ax.axvspan(
         ref["mean"] - config.margin,
@@ -645,13 +637,14 @@ def plot_quality(rows: list[dict], config: BenchmarkConfig, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel(f"test {rows[0]['metric'].removeprefix('test_').upper()} (mean, 95 % CI over seeds)")
     ax.legend(loc="lower right", fontsize=8)
-    _save(plt, fig, path)
+    fig.tight_layout()
+    atomic_write_png(path, fig, dpi=120)
 
 
 def plot_cost(rows: list[dict], config: BenchmarkConfig, path: Path) -> None:
     """Quality against cost: the difference to the reference (95 % interval) against the layer's
     training-step time over a dense FFN of the same active width."""
-    plt, (fig, ax) = _figure(7, 5)
+    fig, ax = _figure(7, 5)
     for r in rows:
         if r["layer_ratio"] is None:
             continue
@@ -668,4 +661,5 @@ def plot_cost(rows: list[dict], config: BenchmarkConfig, path: Path) -> None:
     ax.set_xscale("log")  # a router that runs every expert and one that runs K sit on one axis
     ax.set_xlabel("layer training step time ÷ dense FFN of equal active width (log scale)")
     ax.set_ylabel(f"Δ test {rows[0]['metric'].removeprefix('test_').upper()} vs {config.reference}")
-    _save(plt, fig, path)
+    fig.tight_layout()
+    atomic_write_png(path, fig, dpi=120)

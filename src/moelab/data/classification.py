@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .download import DataError, cache_dir, fetch
-from .text import _verified
+from .download import DataError, cache_dir, fetch, verified
 
 __all__ = ["TASKS", "ClassificationData", "load_classification", "read_table", "subsample_train"]
 
@@ -152,7 +151,7 @@ def read_table(path: str | Path) -> ClassificationData:
 
 def _sst2() -> ClassificationData:
     archive = fetch("SST-2.zip", SOURCES["sst2"], SHA256["sst2/SST-2.zip"], subdir="sst2")
-    _verified(archive)
+    verified(archive)
     with zipfile.ZipFile(archive) as zf:
         read = lambda n: list(csv.reader(io.StringIO(zf.read(f"SST-2/{n}").decode()), delimiter="\t"))[1:]
         rows = {
@@ -165,7 +164,7 @@ def _sst2() -> ClassificationData:
 def _sst5() -> ClassificationData:
     rows = {}
     for url, split in zip(SOURCES["sst5"], ("train", "test")):
-        path = _verified(fetch(f"{split}.jsonl", [url], SHA256[f"sst5/{split}.jsonl"], subdir="sst5"))
+        path = verified(fetch(f"{split}.jsonl", [url], SHA256[f"sst5/{split}.jsonl"], subdir="sst5"))
         items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         rows[split] = [(it["text"], str(it["label"])) for it in items]
     return _build("sst5", rows)
@@ -175,7 +174,7 @@ def _imdb() -> ClassificationData:
     root = cache_dir() / "imdb"
     parsed = root / "imdb.json"
     if not parsed.exists():
-        archive = _verified(
+        archive = verified(
             fetch("aclImdb_v1.tar.gz", SOURCES["imdb"], SHA256["imdb/aclImdb_v1.tar.gz"], subdir="imdb")
         )
         rows: dict[str, list[tuple[str, str]]] = {"train": [], "test": []}
@@ -194,7 +193,7 @@ def _imdb() -> ClassificationData:
 def _banking77() -> ClassificationData:
     rows = {}
     for url, split in zip(SOURCES["banking77"], ("train", "test")):
-        path = _verified(fetch(f"{split}.csv", [url], SHA256[f"banking77/{split}.csv"], subdir="banking77"))
+        path = verified(fetch(f"{split}.csv", [url], SHA256[f"banking77/{split}.csv"], subdir="banking77"))
         table = list(csv.reader(io.StringIO(path.read_text(encoding="utf-8"))))[1:]
         rows[split] = [(r[0], r[1]) for r in table if len(r) >= 2]
     return _build("banking77", rows)

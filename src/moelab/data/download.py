@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import DataError
 
-__all__ = ["DataError", "cache_dir", "fetch", "sha256sum"]
+__all__ = ["DataError", "cache_dir", "fetch", "sha256sum", "verified"]
 
 
 def cache_dir() -> Path:
@@ -33,6 +33,27 @@ def sha256sum(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def verified(path: Path, size: int | None = None) -> Path:
+    """Check an extracted file's size and its recorded sha256 (recorded on first use)."""
+    if size is not None and path.stat().st_size != size:
+        raise DataError(
+            f"{path} has {path.stat().st_size} bytes, expected {size}: the file is truncated or not the "
+            f"right one; delete it (and its .zip) and run again to re-download"
+        )
+    record = path.with_name(path.name + ".sha256")
+    digest = sha256sum(path, 1 << 22)
+    if record.exists():
+        expected = record.read_text().split()[0]
+        if expected != digest:
+            raise DataError(
+                f"{path} has sha256 {digest}, but {expected} was recorded when it was first extracted: "
+                f"the file changed or is corrupted; delete it and run again"
+            )
+    else:
+        record.write_text(f"{digest}  {path.name}\n")
+    return path
 
 
 def fetch(

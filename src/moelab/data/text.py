@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..io.atomic import atomic_write_torch
-from .download import DataError, cache_dir, fetch
+from .download import DataError, cache_dir, fetch, verified
 
 __all__ = [
     "CORPORA",
@@ -202,31 +202,6 @@ def split_contiguous(tokens: Tensor, fractions: tuple[float, float] = (0.9, 0.05
     return tokens[:n_train], tokens[n_train : n_train + n_valid], tokens[n_train + n_valid :]
 
 
-def _verified(path: Path, size: int | None = None) -> Path:
-    """Check an extracted file's size and its recorded sha256 (recorded on first use)."""
-    if size is not None and path.stat().st_size != size:
-        raise DataError(
-            f"{path} has {path.stat().st_size} bytes, expected {size}: the file is truncated or not the "
-            f"right one; delete it (and its .zip) and run again to re-download"
-        )
-    record = path.with_name(path.name + ".sha256")
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    digest = h.hexdigest()
-    if record.exists():
-        expected = record.read_text().split()[0]
-        if expected != digest:
-            raise DataError(
-                f"{path} has sha256 {digest}, but {expected} was recorded when it was first extracted: "
-                f"the file changed or is corrupted; delete it and run again"
-            )
-    else:
-        record.write_text(f"{digest}  {path.name}\n")
-    return path
-
-
 def _extract(archive: Path, member: str, dest: Path) -> Path:
     if dest.exists():
         return dest
@@ -254,7 +229,7 @@ def _hutter(name: str, urls: Sequence[str], tokenizer: Any, metric: str) -> Text
     if not raw.exists():
         archive = fetch(f"{name}.zip", list(urls), ARCHIVE_SHA256[f"{name}.zip"], subdir=name)
         _extract(archive, name, raw)
-    _verified(raw, sum(HUTTER_SPLIT))
+    verified(raw, sum(HUTTER_SPLIT))
     return parse_hutter(name, raw.read_bytes(), tokenizer, metric)
 
 
@@ -295,7 +270,7 @@ def _wikitext103() -> TextData:
         )
         for p in files.values():
             _extract(archive, p.name, p)
-    text = {s: _verified(p).read_text(encoding="utf-8") for s, p in files.items()}
+    text = {s: verified(p).read_text(encoding="utf-8") for s, p in files.items()}
     cache = root / "tokens.pt"
     if cache.exists():
         try:  # tensors, strings and lists only: no code runs

@@ -21,7 +21,7 @@ import torch
 
 from .. import _validate, metrics
 from ..data.text import load_text
-from ..io.atomic import atomic_write_bytes, atomic_write_text
+from ..io.atomic import atomic_write_png, atomic_write_text
 from ..io.model import list_checkpoints, load
 from ..io.rundir import read_yaml
 from ..train.tasks import LMTask
@@ -76,7 +76,7 @@ def routing_curves(ckpts: list[Path], batches: list[torch.Tensor]) -> dict[str, 
         model = load(ckpt)
         per_batch = [metrics.active_choices(model, b) for b in batches]
         choices.append([torch.cat(layer) for layer in zip(*per_batch)])
-        num_experts = [m.num_experts for m in metrics._layers(model)]
+        num_experts = [m.num_experts for m in metrics.layers_of(model)]
 
     # a router whose K changes over training (SMoE-Dropout): the narrower routings padded with
     # empty slots, so a checkpoint's share of the final choices is |A ∩ B| / K_final
@@ -140,7 +140,7 @@ def plot_curves(out: dict[str, Any], path: Path) -> None:
         f"{out['method']}: routing over training, first {out['tokens_used']} test tokens", fontsize=10
     )
     fig.tight_layout()
-    _save(fig, path)
+    atomic_write_png(path, fig, dpi=110)
 
 
 def plot_router_distributions(probs: list[torch.Tensor | None], method: str, path: Path) -> int:
@@ -175,20 +175,8 @@ def plot_router_distributions(probs: list[torch.Tensor | None], method: str, pat
     fig.suptitle(
         f"{method}: router distribution of the first {tokens} tokens of the first test sequence", fontsize=10
     )
-    _save(fig, path)
+    atomic_write_png(path, fig, dpi=110)
     return tokens
-
-
-def _save(fig: Any, path: Path) -> None:
-    """Write a pyplot figure to ``path`` atomically (a kill never leaves half a PNG) and close it."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _batches(task: LMTask, tokens: int) -> list[torch.Tensor]:
@@ -237,7 +225,7 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     model = load(path)
     task = LMTask(data, model.cfg.block_size)
     batches = _batches(task, tokens)
-    layers = metrics._layers(model)
+    layers = metrics.layers_of(model)
     k = layers[0].top_k
     # the swaps replace the K-th expert: none with all N chosen, or with a variable number (remoe)
     spare = all(layer.top_k < layer.num_experts and not layer.router.variable_k for layer in layers)

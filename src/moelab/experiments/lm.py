@@ -29,13 +29,13 @@ from ..models.lm import (
     PRESETS,
     TRAINING,
     TransformerLM,
-    count_parameters,
     lm_config,
 )
 from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
+from ..train.parallel import choose
 from ..train.tasks import LMTask
-from ..train.trainer import TrainConfig, Trainer, TrainingError
+from ..train.trainer import TrainConfig, Trainer, TrainingError, count_parameters
 from . import runner
 
 __all__ = [
@@ -381,8 +381,7 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
             "size": config.size,
             "data": config.data,
         },
-        expert_parallel=config.expert_parallel,
-        fsdp=config.fsdp,
+        parallel=choose(expert_parallel=config.expert_parallel, fsdp=config.fsdp),
         autotune=config.autotune,
     )
     return trainer.fit(resume=run.resume)

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ..io.atomic import atomic_write_bytes, atomic_write_text
+from ..io.atomic import atomic_write_png, atomic_write_text
 from . import summary
 
 __all__ = [
@@ -337,22 +337,8 @@ def plot_sensitivity(groups: list[Group], path: Path) -> Path | None:
     ax.set_title(f"Test {metric.upper()} against {key} (mean ± sd over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return save_png(fig, path)
-
-
-def save_png(fig: Any, path: Path) -> Path:
-    """Write a pyplot figure to ``path`` atomically (a kill never leaves half a PNG) and close it."""
-    import io
-
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=120)
-    plt.close(fig)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
+    return atomic_write_png(path, fig, dpi=120)
 
 
 def curve_stats(group: Group) -> tuple[list[int], list[float], list[float | None], int]:
@@ -430,7 +416,8 @@ def plot_curves(groups: list[Group], path: Path) -> Path:
     ax.set_title(f"Validation {metric.upper()} during training (mean ± sd over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return save_png(fig, path)
+    fig.tight_layout()
+    return atomic_write_png(path, fig, dpi=120)
 
 
 def _csv_text(rows: list[dict[str, Any]]) -> str:
@@ -646,7 +633,8 @@ def plot_diagnostic_curves(groups: list[Group], path: Path) -> list[dict[str, An
     fig.suptitle(
         f"routing over training, mean over layers (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
     )
-    save_png(fig, path)
+    fig.tight_layout()
+    atomic_write_png(path, fig, dpi=120)
     return rows
 
 
@@ -746,7 +734,8 @@ def plot_layer_diagnostics(groups: list[Group], rows: list[dict[str, Any]], path
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"per-layer routing diagnostics (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10)
-    save_png(fig, path)
+    fig.tight_layout()
+    atomic_write_png(path, fig, dpi=120)
 
 
 def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
@@ -796,7 +785,8 @@ def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
     fig.suptitle(
         f"routing over training per layer (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
     )
-    save_png(fig, path)
+    fig.tight_layout()
+    atomic_write_png(path, fig, dpi=120)
     return rows
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import config as vocab
 from ..config import Interval, Options, setting
-from ..io.atomic import atomic_write_bytes, atomic_write_text
+from ..io.atomic import atomic_write_bytes, atomic_write_png, atomic_write_text
 from ..io.rundir import RunDir
 from ..stats.fit import OPTIMIZERS
 from ..stats.studies import (
@@ -311,5 +311,4 @@ def _plot(path: Path, cfg: StudyConfig, means: list[dict], rates: list[dict]) ->
         ax.legend(fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    atomic_write_png(path, fig, dpi=120)

@@ -18,7 +18,7 @@ from ..functional import ACTIVATIONS
 from ..functional import activation as get_activation
 from .base import SparseExperts
 from .dispatch import tracks_grad
-from .kernels import KERNELS, ExpertWeights, _WinnerMLP, choose_kernel, expert_mlp, padded_rows
+from .kernels import KERNELS, ExpertWeights, WinnerMLP, choose_kernel, expert_mlp, padded_rows
 
 __all__ = ["MLP", "ExpertBank"]
 
@@ -202,7 +202,7 @@ class ExpertBank(SparseExperts):
         chunks; ``choose(outputs (t, N, d)) -> (indices (t, K), extra)`` picks each token's winners
         from their outputs; the winners' outputs and pre-activations are kept and the rest
         dropped.  The returned outputs back-propagate to the winners only, through the kept
-        activations (:class:`_WinnerMLP`): no expert runs twice, and the activation memory is that
+        activations (:class:`WinnerMLP`): no expert runs twice, and the activation memory is that
         of a K-expert step.
 
         Returns:
@@ -224,7 +224,7 @@ class ExpertBank(SparseExperts):
         winners, h_w, y_w, extra = cat(idx_l), cat(h_l), cat(y_l), cat(extra_l)
         if torch.is_grad_enabled():
             w = self.expert_weights
-            y_w = _WinnerMLP.apply(
+            y_w = WinnerMLP.apply(
                 x, w.w_in, w.w_out, w.b_in, w.b_out, winners, h_w, y_w, self.activation, self.act
             )
         return winners, y_w, extra

@@ -35,6 +35,7 @@ __all__ = [
     "Measurement",
     "Probe",
     "ShapeClass",
+    "WinnerMLP",
     "all_experts",
     "candidates",
     "choose_kernel",
@@ -841,7 +842,7 @@ def _row_sums(rows: Tensor, offs: Tensor) -> Tensor:
     return _GROUPED_MM(rows.t(), ones, offs=offs)[..., 0]
 
 
-class _WinnerMLP(torch.autograd.Function):
+class WinnerMLP(torch.autograd.Function):
     """The winners' outputs of a competition with autograd, without running any expert again.
 
     Forward receives the outputs ``y_w (T, K, d)`` and pre-activations ``h_w (T, K, h_in)`` that

@@ -59,7 +59,7 @@ class Unconvertible(ValueError):
 
 
 @dataclass
-class _Plan:
+class Plan:
     """How one transformers block becomes a moelab layer (and back, :mod:`moelab.hf.export`)."""
 
     method: str
@@ -170,7 +170,7 @@ def _attr(obj: Any, *names: str) -> Any:
     return None
 
 
-def _plan(block: nn.Module, path: str = "") -> _Plan:
+def _plan(block: nn.Module, path: str = "") -> Plan:
     """Recognise ``block`` by its parts; raise :class:`Unconvertible` naming what does not fit."""
     router_name = next((n for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
     if router_name is None:
@@ -279,7 +279,7 @@ def _plan(block: nn.Module, path: str = "") -> _Plan:
                 )
     plan = None
     for method, opts in candidates:
-        trial = _Plan(
+        trial = Plan(
             method,
             router_name,
             weight_name,
@@ -319,13 +319,13 @@ def _plan(block: nn.Module, path: str = "") -> _Plan:
     return plan
 
 
-def _router_call(block: nn.Module, plan: _Plan, router: nn.Module, x: Tensor, bias: Tensor | None):
+def _router_call(block: nn.Module, plan: Plan, router: nn.Module, x: Tensor, bias: Tensor | None):
     if plan.bias_owner == "block":
         return router(x, bias)
     return router(x)
 
 
-def _probe(block: nn.Module, plan: _Plan, tokens: int = 256) -> bool:
+def _probe(block: nn.Module, plan: Plan, tokens: int = 256) -> bool:
     """Whether the moelab router of ``plan`` picks the same experts with the same weights as the
     block's router on random tokens (both in float64; the block's router is copied)."""
     from ..methods import build_method_router
@@ -499,7 +499,7 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
         raise ValueError(f"options {sorted(options)} are not allowed without method=; pass method='...' too")
     if method is not None:
         get_method(method)  # checked before anything changes
-        _refuse_factorised_gates(method, "from_hf")
+        refuse_factorised_gates(method, "from_hf")
     if _is_candidate(module):
         layer = _convert_block(module)
         if method is not None:
@@ -720,7 +720,7 @@ def _json_options(options: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.tolist() if isinstance(v, Tensor) else v) for k, v in options.items()}
 
 
-def _refuse_factorised_gates(method: str, op: str) -> None:
+def refuse_factorised_gates(method: str, op: str) -> None:
     """Autonomy-of-Experts' experts have low-rank gate projections ``W_g = B A``: full-rank experts
     (a transformers block's, another method's) have no exact counterpart."""
     if get_method(method).router == "aoe":
@@ -767,7 +767,7 @@ def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
             f"model of type {_name(model)} holds no moelab MoE layer; convert it first (moelab.from_hf)"
         )
     if any(get_method(layer.method).router != get_method(method).router for layer in layers):
-        _refuse_factorised_gates(method, "set_method")
+        refuse_factorised_gates(method, "set_method")
         for layer in layers:
             if layer.method != method and get_method(layer.method).router == "aoe":
                 raise ValueError(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..layer import MoE, moe_layers
-from .convert import GatedSharedExpert, _Plan, guard_save_pretrained
+from .convert import GatedSharedExpert, Plan, guard_save_pretrained
 
 __all__ = ["guard_save_pretrained", "to_hf"]  # the guard lives in .convert (which installs it)
 
@@ -36,7 +36,7 @@ def _router_options(layer: MoE) -> dict[str, Any]:
     return out
 
 
-def _expected_options(plan: _Plan) -> dict[str, Any]:
+def _expected_options(plan: Plan) -> dict[str, Any]:
     o = plan.options
     if plan.method == "sharede-v3":
         return {
@@ -66,8 +66,8 @@ def _refuse(path: str, layer: MoE, why: str) -> ValueError:
     )
 
 
-def _check(path: str, layer: MoE) -> _Plan:
-    plan: _Plan | None = getattr(layer, "_hf_plan", None)
+def _check(path: str, layer: MoE) -> Plan:
+    plan: Plan | None = getattr(layer, "_hf_plan", None)
     skeleton = getattr(layer, "_hf_block", None)
     router_kind = type(layer.router).__name__
     if plan is None or skeleton is None:
@@ -104,7 +104,7 @@ def _check(path: str, layer: MoE) -> _Plan:
     return plan
 
 
-def _sources(layer: MoE, plan: _Plan) -> dict[str, torch.Tensor]:
+def _sources(layer: MoE, plan: Plan) -> dict[str, torch.Tensor]:
     """Each tensor of the transformers block by its name in the block, from the moelab tensor it
     is copied from (a slice of the expert stacks for listed experts)."""
     r = plan.router_name
@@ -133,7 +133,7 @@ def _sources(layer: MoE, plan: _Plan) -> dict[str, torch.Tensor]:
     return out
 
 
-def _block_of(layer: MoE, plan: _Plan) -> nn.Module:
+def _block_of(layer: MoE, plan: Plan) -> nn.Module:
     """The block rebuilt from its meta skeleton, each tensor a copy of its moelab counterpart in
     that tensor's dtype and device (a model cast after conversion exports as cast: float64 stays
     float64, bf16 experts with a float32 selection bias stay so)."""

@@ -606,9 +606,9 @@ def upcycle(
     _validate.positive_int("num_experts", num_experts)
     _validate.int_in_range("top_k", top_k, 1, num_experts)
     get_method(method)
-    from .convert import _refuse_factorised_gates
+    from .convert import refuse_factorised_gates
 
-    _refuse_factorised_gates(method, "upcycle")
+    refuse_factorised_gates(method, "upcycle")
     found = _find(model)  # refuses anything it cannot upcycle exactly, before any change
     if not found:
         raise ValueError(

@@ -6,6 +6,7 @@ from .atomic import (
     atomic_directory,
     atomic_write_bytes,
     atomic_write_json,
+    atomic_write_png,
     atomic_write_text,
     atomic_write_torch,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "atomic_directory",
     "atomic_write_bytes",
     "atomic_write_json",
+    "atomic_write_png",
     "atomic_write_text",
     "atomic_write_torch",
     "load",

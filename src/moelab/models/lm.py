@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
-from ..experts import MLP, Experts
+from ..experts import MLP
 from ..functional import ATTENTION_ACTIVATIONS, ATTENTIONS, attention_activation, multi_head_attention
 from ..io.model import Persistent
 from ..layer import MoE, moe_layers
@@ -31,7 +31,6 @@ __all__ = [
     "TRAINING",
     "LMConfig",
     "TransformerLM",
-    "count_parameters",
     "lm_config",
 ]
 
@@ -347,24 +346,3 @@ class TransformerLM(Persistent, nn.Module):
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         """The optimizer groups: weight decay on the matrices only (:func:`moelab.optim.param_groups`)."""
         return param_groups(self, weight_decay)
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """``(total, active)`` parameter counts (tied weights counted once).
-
-    *Active* parameters are those one token uses: everything except, in each expert bank, the
-    ``N − K`` experts it does not select, i.e. ``total − Σ_layers (N − K)/N · expert_params``.
-    """
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    inactive = 0
-    for layer in moe_layers(model):
-        if isinstance(layer.experts, Experts):
-            n = layer.num_experts
-            expert_params = sum(p.numel() for p in layer.experts.parameters())
-            inactive += expert_params * (n - layer.top_k) // n
-    return total, total - inactive

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..functional import topk_gate
 from ..routing import Routing, RoutingContext
 from .base import Router, register
@@ -71,7 +72,7 @@ class AoERouter(Router):
         return {"rank": self.rank, "renormalize": self.renormalize, "selection_bias": self.selection_bias}
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         if getattr(experts, "gate_rank", None) != self.rank:
             raise ValueError(

@@ -276,10 +276,6 @@ class Router(nn.Module):
         compares and carries over (:mod:`moelab.hf`).  None for a router without such options."""
         return {}
 
-    @staticmethod
-    def step_of(ctx: RoutingContext | None) -> int | None:
-        return None if ctx is None else ctx.step
-
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}"
 

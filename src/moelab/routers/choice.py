@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..routing import Routing, RoutingContext
 from .base import Router, register
 
@@ -86,7 +87,7 @@ class ExpertChoiceRouter(Router):
         return min(num_tokens, math.ceil(num_tokens * self.capacity_factor / self.num_experts))
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = F.linear(x, self.weight)  # (T, N)
         probs = logits.softmax(dim=-1)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..functional import COMPETITION_ACTIVATIONS, competition_affinity
 from ..losses import (
     affinity_distillation_loss,
@@ -60,7 +61,7 @@ def _choose(outputs: Tensor, k: int, kappa: str, reduce: str) -> tuple[Tensor, T
 
 def compete(
     x: Tensor,
-    experts: nn.Module,
+    experts: Experts,
     k: int,
     kappa: str = "softplus",
     reduce: str = "mean",
@@ -169,7 +170,7 @@ class CompetitionRouter(Router):
             grad_path,
         )
 
-    def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
+    def forward(self, x: Tensor, experts: Experts, ctx: RoutingContext | None = None) -> Routing:
         winners, weights, outputs, _ = compete(
             x, experts, self.top_k, self.kappa, self.reduce, self.weighting, self.grad_path
         )
@@ -366,7 +367,7 @@ class CompeteSMoERouter(Router):
             return False
         return _schedule_active(ctx, self)
 
-    def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
+    def forward(self, x: Tensor, experts: Experts, ctx: RoutingContext | None = None) -> Routing:
         routing = self.base(x, experts, ctx)
         if not self.task_gradient:  # CompeteSMoE (2025) Table 11: the task loss never reaches the router
             routing = replace(routing, weights=routing.weights.detach())
@@ -417,13 +418,13 @@ class CompeteSMoERouter(Router):
             outputs=outputs,
         )
 
-    def _chosen_outputs(self, x: Tensor, experts: nn.Module, indices: Tensor) -> Tensor:
+    def _chosen_outputs(self, x: Tensor, experts: Experts, indices: Tensor) -> Tensor:
         """The outputs ``(T, K, d)`` of the experts ``indices`` chose, with autograd (every expert
         runs: the ablations that need them activate all experts on their steps anyway)."""
         all_out = experts.forward_all(x)  # (T, N, d)
         return all_out.gather(1, indices.unsqueeze(-1).expand(-1, -1, all_out.shape[-1]))
 
-    def _dense(self, routing: Routing, x: Tensor, experts: nn.Module) -> Routing:
+    def _dense(self, routing: Routing, x: Tensor, experts: Experts) -> Routing:
         probs = routing.probs
         weights, indices = probs.sort(dim=-1, descending=True)  # all N, top-1 first
         losses = dict(routing.losses)
@@ -439,7 +440,7 @@ class CompeteSMoERouter(Router):
             outputs=outputs,
         )
 
-    def _router_diversity(self, routing: Routing, x: Tensor, experts: nn.Module) -> Routing:
+    def _router_diversity(self, routing: Routing, x: Tensor, experts: Experts) -> Routing:
         outputs = self._chosen_outputs(x, experts, routing.indices)
         losses = {**routing.losses, "diversity": diversity_loss(outputs, self.diversity)}
         return replace(routing, losses=losses, outputs=outputs)

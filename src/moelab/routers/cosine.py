@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..functional import cosine_logits, resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
 from .base import Router, register
@@ -97,7 +98,7 @@ class CosineRouter(Router):
         return cos / self.temperature.clamp_min(0.01)
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = self.logits(x)
         weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize, self.selection_bias)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..losses import token_entropy_loss
 from ..routing import Routing, RoutingContext
 from .base import Router, counts_this_forward, register
@@ -88,7 +89,7 @@ class TopPRouter(Router):
         return {"threshold": self.threshold, "max_k": self.max_k, "selection_bias": self.selection_bias}
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = F.linear(x, self.weight)  # (T, N)
         probs = logits.softmax(dim=-1)

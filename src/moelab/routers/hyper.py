@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
 from .base import Router, register
@@ -82,7 +83,7 @@ class HyperRouter(Router):
         return wb[:, :-1], wb[:, -1]
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         w, b = self.router_weights()
         logits = F.linear(x, w, b)

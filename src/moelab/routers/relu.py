@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..losses import relu_l1_balance_loss
 from ..routing import Routing, RoutingContext
 from .base import Router, counts_this_forward, register
@@ -92,7 +93,7 @@ class ReLURouter(Router):
             self.pending_active.zero_()
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = F.linear(x, self.weight)  # (T, N)
         gates = F.relu(logits)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..functional import normalized_weights, resolve_renormalize
 from ..routing import Routing, RoutingContext
 from .base import Router, register
@@ -96,7 +97,7 @@ class SigmoidRouter(Router):
         self.reset_selection_bias()
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = F.linear(x, self.weight)  # (T, N)
         scores = torch.sigmoid(logits)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
 from .base import Router, join_dependences, register
@@ -134,7 +135,7 @@ class StableRouter(Router):
         return F.linear(self.light_proj(x), self.light_centroids)
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         if self.stage(ctx) == 2:
             with torch.no_grad():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
 from .base import Router, join_dependences, register
@@ -137,7 +138,7 @@ class TopKRouter(Router):
         return F.linear(x, self.weight)
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         logits = self.logits(x)  # (T, N)
         weights, indices, probs = topk_gate(

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..experts.protocol import Experts
 from ..functional import expert_counts, resolve_renormalize
 from ..losses import heterogeneous_balance_loss
 from ..routing import Routing, RoutingContext
@@ -132,7 +133,7 @@ class ZeroComputationRouter(Router):
         return F.linear(torch.tanh(h), self.weight2) if self.weight2 is not None else h
 
     def forward(
-        self, x: Tensor, experts: nn.Module | None = None, ctx: RoutingContext | None = None
+        self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
         n, c, p = self.num_experts, self.num_constant, self.num_copy
         logits = self.logits(x)  # (T, M)

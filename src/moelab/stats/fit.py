@@ -59,7 +59,7 @@ def _into_ball(beta: Tensor, bound: float) -> Tensor:
     return torch.where(r > limit, beta * (limit / r.clamp_min(torch.finfo(beta.dtype).tiny)), beta)
 
 
-def _check_bound(value: object, name: str = "beta1_bound") -> float:
+def check_bound(value: object, name: str = "beta1_bound") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}={value!r} is not allowed; expected a number > 0 (inf = unconstrained)")
     return float(value)
@@ -325,7 +325,7 @@ class _BatchedEstimator:
         non_negative("init_noise", self.init_noise)
         positive("init_scale", self.init_scale)
         positive_int("restarts", self.restarts)
-        _check_bound(self.beta1_bound)
+        check_bound(self.beta1_bound)
         non_negative("gtol", self.gtol)
         non_negative("ftol", self.ftol)
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
@@ -524,7 +524,7 @@ class LeastSquaresMoE(_BatchedEstimator):
 
     def _make_model(self) -> RegressionMoE:
         non_negative("tau", self.tau)
-        _check_bound(self.eta_bound, "eta_bound")
+        check_bound(self.eta_bound, "eta_bound")
         return RegressionMoE(
             gate=self.gate,
             expert=self.expert,

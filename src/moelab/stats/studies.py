@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .._validate import non_negative, one_of, positive, positive_int
-from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE, _check_bound
+from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE, check_bound
 from .lbfgs import CONVERGED_REASONS, REASONS
 from .models import GaussianMoE, MoEParams, RegressionMoE
 from .paper_studies import PAPER_STUDIES, PAPER_THEORY, paper_series, run_paper_study
@@ -148,12 +148,12 @@ class StudyConfig:
         positive("router_std", self.router_std)
         if self.beta1_bound is None:
             self.beta1_bound = 10.0 * self.router_std * self.d**0.5
-        _check_bound(self.beta1_bound)
+        check_bound(self.beta1_bound)
         positive("expert_std", self.expert_std)
         if self.eta_bound is None:
             q = self.d + 2 if self.expert == "ffn" else self.d + 1
             self.eta_bound = 10.0 * self.expert_std * q**0.5
-        _check_bound(self.eta_bound, "eta_bound")
+        check_bound(self.eta_bound, "eta_bound")
         if self.nu_min is None:
             self.nu_min = self.nu_range[0] / 5
         non_negative("nu_min", self.nu_min)

@@ -1,7 +1,7 @@
 """Training: the loop (:mod:`.trainer`) and atomic checkpoints (:mod:`.checkpoint`)."""
 
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from .trainer import Task, TrainConfig, Trainer, TrainingError
+from .trainer import Task, TrainConfig, Trainer, TrainingError, count_parameters
 
 __all__ = [
     "CheckpointError",
@@ -9,6 +9,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "TrainingError",
+    "count_parameters",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -16,12 +16,23 @@ from torch import Tensor, nn
 from .. import _validate
 from ..data.images import ImageData
 from ..losses import importance_loss, sample_similarity_loss
-from ..models.vision import MoEOutput
 
-__all__ = ["REGULARISERS", "ImageTask", "evaluate", "image_digest"]
+__all__ = ["REGULARISERS", "ImageTask", "MixtureOutput", "evaluate", "image_digest"]
 
 #: the gate regularisers: none, ``w · CV(Σ_x p)`` (Krishnamurthy et al. (2023) eq. 7), ``L_s`` (eq. 8-10)
 REGULARISERS = ("none", "importance", "ls")
+
+
+class MixtureOutput(Protocol):
+    """What the task reads of an output-mixture model's output (:class:`moelab.models.vision.MoEOutput`
+    is one): the class distribution ``probs (B, K)``, the gate's ``gate_probs (B, N)`` and the
+    mixture NLL of the labels.  Training knows the output by what it offers, not by the model
+    package that makes it (moelab.train imports nothing of moelab.models)."""
+
+    probs: Tensor
+    gate_probs: Tensor
+
+    def nll(self, labels: Tensor) -> Tensor: ...
 
 
 @torch.no_grad()
@@ -75,7 +86,7 @@ class ImageTask:
         batch_size: samples a step.
         seed: the seed of the epochs' permutations.
         reg, w_importance, beta_s, beta_d: the regulariser and its weights.
-        output: ``output(model, x, y) -> MoEOutput`` in place of ``model(x)`` (training experts on
+        output: ``output(model, x, y) -> MixtureOutput`` in place of ``model(x)`` (training experts on
             a fixed assignment); no regulariser then applies.
         frozen: modules kept in eval mode while training (their BatchNorm statistics stay).
     """
@@ -93,7 +104,7 @@ class ImageTask:
         w_importance: float = 0.0,
         beta_s: float = 0.0,
         beta_d: float = 0.0,
-        output: Callable[[nn.Module, Tensor, Tensor], MoEOutput] | None = None,
+        output: Callable[[nn.Module, Tensor, Tensor], MixtureOutput] | None = None,
         frozen: tuple[nn.Module, ...] = (),
     ) -> None:
         self.data = data

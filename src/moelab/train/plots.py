@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from ..io.atomic import atomic_write_bytes
+from ..io.atomic import atomic_write_png
 
 __all__ = ["CURVES_NAME", "plot_log"]
 
@@ -66,6 +66,4 @@ def plot_log(log: str | os.PathLike, path: str | os.PathLike, metric: str, title
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})  # the same bytes on a resume
-    return atomic_write_bytes(path, buffer.getvalue())
+    return atomic_write_png(path, fig, dpi=100)  # the same bytes on a resume

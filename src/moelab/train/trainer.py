@@ -13,7 +13,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from .. import _validate
 from ..balance import StepBalance, attached_step_balance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..experts import autotune as autotune_kernels
+from ..experts.protocol import Experts
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
 from ..layer import attach, aux_terms, moe_layers
@@ -41,6 +42,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "TrainingError",
+    "count_parameters",
 ]
 
 
@@ -52,6 +54,27 @@ class Task(Protocol):
     def shard(self, batch: Any, rank: int, world: int) -> Any: ...
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, int]: ...
     def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]: ...
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """``(total, active)`` parameter counts (tied weights counted once).
+
+    *Active* parameters are those one token uses: everything except, in each expert bank, the
+    ``N − K`` experts it does not select, i.e. ``total − Σ_layers (N − K)/N · expert_params``.
+    """
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    inactive = 0
+    for layer in moe_layers(model):
+        if isinstance(layer.experts, Experts):
+            n = layer.num_experts
+            expert_params = sum(p.numel() for p in layer.experts.parameters())
+            inactive += expert_params * (n - layer.top_k) // n
+    return total, total - inactive
 
 
 #: the largest learning rate: float32's largest number (Adam casts its step size to the parameters' dtype)
@@ -178,10 +201,10 @@ class Trainer:
         extra_metrics: added to ``metrics.json``.
         on_eval: called with ``(step, validation results)`` after each evaluation.
         parallel: how the model is spread over processes (:mod:`moelab.train.parallel`: one
-            process, DDP, or expert parallel); default :func:`moelab.train.parallel.choose`.
-        expert_parallel: shorthand for ``parallel=ExpertParallel()``.
-        fsdp: FSDP2 over the ranks (with ``expert_parallel``: EP × FSDP2), shorthand for
-            ``parallel=Parallelized(ep=..., fsdp=True)`` (:mod:`moelab.train.parallelize`).
+            process ``Parallel()``, DDP ``DataParallel()``, expert parallel ``ExpertParallel()``,
+            FSDP2 ``Parallelized(ep=1, fsdp=True)`` or EP × FSDP2 ``Parallelized(fsdp=True)``);
+            default :func:`moelab.train.parallel.choose` (DDP under ``torchrun``, else one
+            process).
         autotune: before the first step, measure ``impl="auto"``'s candidate kernels on one
             training batch (:func:`moelab.experts.autotune`; its own generator, the global RNG
             untouched), print one line saying what it picked, and train with the picks (kept in
@@ -204,8 +227,6 @@ class Trainer:
         extra_metrics: dict[str, Any] | None = None,
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
         parallel: Parallel | None = None,
-        expert_parallel: bool = False,
-        fsdp: bool = False,
         autotune: bool = False,
     ) -> None:
         if not isinstance(config, TrainConfig):
@@ -217,7 +238,7 @@ class Trainer:
         self.progress = progress
         self.extra_metrics = dict(extra_metrics or {})
         self.on_eval = on_eval
-        self.parallel = parallel if parallel is not None else choose(expert_parallel, fsdp)
+        self.parallel = parallel if parallel is not None else choose()
         self.rank, self.world_size = self.parallel.rank, self.parallel.world_size
         if config.batch_size % self.world_size:
             raise ValueError(
@@ -588,8 +609,6 @@ class Trainer:
                     f"test_{metric}": test[metric],
                 },
             )
-        from ..models.lm import count_parameters
-
         total, active = count_parameters(self.parallel.full_model(self.model))
         recent = state["recent_losses"]
         metrics = {
@@ -637,6 +656,3 @@ class Trainer:
             path.unlink(missing_ok=True)
         elif saved.get("log") is not None:
             atomic_write_text(path, saved["log"])
-
-    def config_dict(self) -> dict[str, Any]:
-        return asdict(self.config)
