@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import moelab
 from moelab.experts import ExpertBank, autotune
 from moelab.experts import kernels as K
 
@@ -36,7 +37,8 @@ def main() -> None:
     weights = torch.rand(T, top_k, generator=g).softmax(dim=1)
     rules = {grad: K.rule_kernel(x, top_k, bank.expert_weights, grad) for grad in (True, False)}
     picks = {
-        grad: autotune(bank, (x, indices, weights), training=grad).classes[0].pick for grad in (True, False)
+        grad: autotune(bank, (x, moelab.Routing(indices, weights)), training=grad).classes[0].pick
+        for grad in (True, False)
     }
     for grad in (True, False):
         times: dict[str, list[float]] = {name: [] for name in K.candidates(x, bank.expert_weights, grad)}
