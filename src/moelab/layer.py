@@ -30,6 +30,7 @@ __all__ = [
     "attach",
     "aux_loss",
     "aux_terms",
+    "count_parameters",
     "moe_layers",
     "recording_routing",
     "set_aux_scale",
@@ -59,13 +60,9 @@ class MoE(nn.Module):
             :class:`moelab.ModuleExperts` of CNN experts) instead of an :class:`ExpertBank`, with
             ``num_experts`` == N.
         check_finite: raise :class:`moelab.NonFiniteError` when router logits are NaN/inf (one
-            host sync per forward; switch off for speed).  Under ``torch.compile`` the check is
-            traced as ``torch._assert_async`` (a ``RuntimeError`` whose message names no layer: a
-            per-layer value would recompile every layer).
-        record_routing: keep ``last_routing`` after each forward: ``None`` (default) after a
-            forward with gradients enabled, not being compiled; ``True`` always (also under
-            ``torch.compile``, without activation checkpointing); ``False`` never.
-            :func:`recording_routing` switches it on for a block.
+            host sync per forward; under ``torch.compile`` an asserting op).
+        record_routing: keep ``last_routing``: ``None`` (default) after a forward with gradients,
+            not compiled; ``True`` always; ``False`` never (:func:`recording_routing`).
         **options: the fields of :class:`moelab.layer_config.MoEConfig` (``num_shared``,
             ``balance_scope``, ``densemixer``, ``router_dtype``, ``capacity_factor``,
             ``token_drop_policy``, ``pad_to_capacity``, ``erc_alpha``), loss coefficients
@@ -108,10 +105,9 @@ class MoE(nn.Module):
                 f"record_routing={record_routing!r} is not allowed; expected None, True or False"
             )
         #: every option of the layer, typed and checked (:class:`moelab.layer_config.MoEConfig`)
-        self.config = cfg = MoEConfig.from_arguments(
-            d_model, num_experts, top_k, d_hidden, method, activation,
-            bias=bias, impl=impl, check_finite=check_finite, **options,
-        )  # fmt: skip
+        named = dict(d_model=d_model, num_experts=num_experts, top_k=top_k, d_hidden=d_hidden, method=method,
+                     activation=activation, bias=bias, impl=impl, check_finite=check_finite)  # fmt: skip
+        self.config = cfg = MoEConfig.from_arguments(named, options)
         self.record_routing = record_routing
         #: an ``experts`` module was given, which a config cannot rebuild
         self.custom_experts = experts is not None
@@ -226,13 +222,10 @@ class MoE(nn.Module):
         """Initialise router, experts and shared experts as at construction: after
         ``to_empty`` from the meta device a layer is usable again (``MoE(..., device="meta")``
         style initialisation)."""
-        for module in (self.router, self.experts, self.shared):
-            if module is None:
-                continue
-            for m in module.modules():
-                reset = getattr(m, "reset_parameters", None)
-                if callable(reset) and m is not self:
-                    reset()
+        for part in (self.router, self.experts, self.shared or nn.Identity()):
+            for m in part.modules():
+                if callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
         with torch.no_grad():
             self._aux_values.zero_()
             self.aux_scale.fill_(1.0)
@@ -406,6 +399,17 @@ def aux_loss(model: nn.Module) -> Tensor:
     for layer in layers[1:]:
         total = total + layer.aux_loss
     return total
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """``(total, active)`` parameter counts (tied weights once); *active*: what one token uses,
+    ``total − Σ_layers (N − K)/N · expert parameters``."""
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    inactive = 0
+    for layer in moe_layers(model):
+        n = layer.num_experts
+        inactive += sum(p.numel() for p in layer.experts.parameters()) * (n - layer.top_k) // n
+    return total, total - inactive
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:

@@ -87,22 +87,12 @@ class MoEConfig:
 
     # ------------------------------------------------------------------ from MoE(...)'s arguments
     @classmethod
-    def from_arguments(
-        cls,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        d_hidden: int | None = None,
-        method: str = "smoe",
-        activation: str = "relu",
-        *,
-        bias: bool = False,
-        impl: str = "auto",
-        check_finite: bool = True,
-        **options: Any,
-    ) -> MoEConfig:
-        """The config of ``moelab.MoE(d_model, num_experts, top_k, d_hidden, method, activation,
-        bias=, impl=, check_finite=, **options)``: the method's preset overridden by ``options``."""
+    def from_arguments(cls, arguments: dict[str, Any], options: dict[str, Any]) -> MoEConfig:
+        """The config of ``moelab.MoE(**arguments, **options)``: ``arguments`` are its named
+        parameters (``d_model``, ``num_experts``, ``top_k``, ``d_hidden`` (``None``: ``d_model``),
+        ``method``, ``activation``, ``bias``, ``impl``, ``check_finite``), the method's preset
+        overridden by ``options``."""
+        d_model, method, d_hidden = arguments["d_model"], arguments["method"], arguments["d_hidden"]
         preset = get_method(method)
         router = _router_class(preset.router)
         layer_fields = [f.name for f in dataclasses.fields(cls) if f.metadata.get("layer")]
@@ -122,15 +112,7 @@ class MoEConfig:
                 allowed = sorted([*router_names, *(f"{n}_coef" for n in loss_names), *layer_fields])
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
         config = cls(
-            d_model=d_model,
-            num_experts=num_experts,
-            top_k=top_k,
-            d_hidden=d_model if d_hidden is None else d_hidden,
-            method=method,
-            activation=activation,
-            bias=bias,
-            impl=impl,
-            check_finite=check_finite,
+            **{**arguments, "d_hidden": d_model if d_hidden is None else d_hidden},
             coefs={k: float(v) for k, v in coefs.items() if v > 0},
             router_options=router_options,
             options=dict(options),

@@ -21,6 +21,7 @@ from ..config import Interval, Options, setting
 from ..data.text import TextData, load_text
 from ..errors import UsageError
 from ..io.rundir import atomic_write_text
+from ..layer import count_parameters
 from ..methods import get_method
 from ..models.lm import (
     ARCHS,
@@ -35,7 +36,7 @@ from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
 from ..train.parallel import choose
 from ..train.tasks import LMTask
-from ..train.trainer import TrainConfig, Trainer, TrainingError, count_parameters
+from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
 
 __all__ = [

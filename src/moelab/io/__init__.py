@@ -6,7 +6,6 @@ from .atomic import (
     atomic_directory,
     atomic_write_bytes,
     atomic_write_json,
-    atomic_write_png,
     atomic_write_text,
     atomic_write_torch,
 )
@@ -18,7 +17,6 @@ __all__ = [
     "atomic_directory",
     "atomic_write_bytes",
     "atomic_write_json",
-    "atomic_write_png",
     "atomic_write_text",
     "atomic_write_torch",
     "load",

@@ -1,7 +1,8 @@
 """Training: the loop (:mod:`.trainer`) and atomic checkpoints (:mod:`.checkpoint`)."""
 
+from ..layer import count_parameters
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from .trainer import Task, TrainConfig, Trainer, TrainingError, count_parameters
+from .trainer import Task, TrainConfig, Trainer, TrainingError
 
 __all__ = [
     "CheckpointError",

@@ -25,10 +25,9 @@ from .. import _validate
 from ..balance import StepBalance, attached_step_balance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..experts import autotune as autotune_kernels
-from ..experts.protocol import Experts
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
-from ..layer import attach, aux_terms, moe_layers
+from ..layer import attach, aux_terms, count_parameters, moe_layers
 from ..metrics import max_violation, routing_loads, routing_summary
 from ..optim import build_optimizer, check_optimizer
 from ..routing import RoutingContext
@@ -42,7 +41,6 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "TrainingError",
-    "count_parameters",
 ]
 
 
@@ -54,27 +52,6 @@ class Task(Protocol):
     def shard(self, batch: Any, rank: int, world: int) -> Any: ...
     def loss(self, model: nn.Module, batch: Any) -> tuple[Tensor, int]: ...
     def evaluate(self, model: nn.Module, split: str, max_tokens: int | None) -> dict[str, float]: ...
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """``(total, active)`` parameter counts (tied weights counted once).
-
-    *Active* parameters are those one token uses: everything except, in each expert bank, the
-    ``N − K`` experts it does not select, i.e. ``total − Σ_layers (N − K)/N · expert_params``.
-    """
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    inactive = 0
-    for layer in moe_layers(model):
-        if isinstance(layer.experts, Experts):
-            n = layer.num_experts
-            expert_params = sum(p.numel() for p in layer.experts.parameters())
-            inactive += expert_params * (n - layer.top_k) // n
-    return total, total - inactive
 
 
 #: the largest learning rate: float32's largest number (Adam casts its step size to the parameters' dtype)
