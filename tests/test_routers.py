@@ -441,16 +441,53 @@ def test_every_method_router_is_registered():
 
 
 def test_router_options_lists_keyword_options():
+    # the shared options (declared once in moelab.routers.base) first, then the family's own
     assert router_options(ROUTERS["topk"]) == [
+        "selection_bias",
+        "bias_update_rate",
+        "scale",
+        "renormalize",
         "init_std",
         "frozen",
         "k_max",
-        "renormalize",
         "eval_k",
-        "scale",
-        "selection_bias",
-        "bias_update_rate",
     ]
+
+
+def test_every_router_family_declares_its_options_in_one_config():
+    """router_options is the config's fields; the router keeps the validated config as ``options``;
+    the shared options are the base's declarations (one help and constraint each)."""
+    import dataclasses
+
+    from moelab.routers.base import InitStdOptions, RenormalizeOptions, SelectionBiasOptions
+
+    shared = {
+        f.name: f.metadata
+        for mixin in (InitStdOptions, RenormalizeOptions, SelectionBiasOptions)
+        for f in dataclasses.fields(mixin)
+    }
+    for name, cls in ROUTERS.items():
+        names = [f.name for f in dataclasses.fields(cls.config_class)]
+        assert router_options(cls) == names, name
+        for f in dataclasses.fields(cls.config_class):
+            if f.name in shared:
+                assert f.metadata == shared[f.name], (name, f.name)
+    router = build_router("topk", 8, 6, 2, k_max="all", init_std=1)
+    assert router.options == ROUTERS["topk"].config_class(k_max="all", init_std=1.0)
+    assert (router.k_max, router.init_std) == (6, 1.0)
+    aoe = ROUTERS["aoe"].config_class()
+    assert aoe.renormalize is False  # the family's default, the shared declaration's constraint
+
+
+def test_an_unknown_router_option_is_refused_in_one_line():
+    with pytest.raises(
+        ValueError,
+        match=r"^option 'bogus' is not accepted by router='topk'; allowed: \['bias_update_rate', 'eval_k', "
+        r"'frozen', 'init_std', 'k_max', 'renormalize', 'scale', 'selection_bias'\]$",
+    ):
+        build_router("topk", 8, 6, 2, bogus=1)
+    with pytest.raises(ValueError, match=r"^option 'bogus' is not accepted by router='topk'; allowed: "):
+        moelab.MoE(8, 4, 2, method="competesmoe", base_options={"bogus": 1})
 
 
 def test_build_router_rejects_unknown_router():
@@ -481,7 +518,7 @@ def test_build_router_rejects_unknown_router():
         (
             "sigmoid",
             {"expert_dropout": -0.1},
-            r"expert_dropout=-0.1 is not allowed; expected a number in \[0, 1\]",
+            r"expert_dropout=-0.1 is not allowed; expected a number in \[0, 1\)",
         ),
         ("sigmoid", {"init_std": -1.0}, r"init_std=-1.0 is not allowed; expected a number > 0"),
         ("stable", {"distill_dim": 0}, r"distill_dim=0 is not allowed; expected a positive integer"),
@@ -490,7 +527,7 @@ def test_build_router_rejects_unknown_router():
             {"switch_fraction": 1.5},
             r"switch_fraction=1.5 is not allowed; expected a number in \[0, 1\]",
         ),
-        ("stable", {"switch_step": -1}, r"switch_step=-1 is not allowed; expected an integer >= 0 or None"),
+        ("stable", {"switch_step": -1}, r"^switch_step=-1 is not allowed; expected an integer >= 0$"),
         ("stable", {"init_gain": 0.0}, r"init_gain=0.0 is not allowed; expected a number > 0"),
         ("hyper", {"hyper_dim": 0}, r"hyper_dim=0 is not allowed; expected a positive integer"),
         ("hyper", {"embed_dim": -3}, r"embed_dim=-3 is not allowed; expected a positive integer"),

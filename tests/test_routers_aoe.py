@@ -136,7 +136,7 @@ def test_aoe_renormalize_and_selection_bias_options():
         ),
         (
             lambda: moelab.MoE(8, 4, 2, method="aoe", renormalize="yes"),
-            r"^renormalize='yes' is not allowed; expected True, False or None$",
+            r"^renormalize='yes' is not allowed; expected one of \[True, False, None\]$",
         ),
         (
             lambda: moelab.MoE(8, 4, 2, method="aoe", experts=ExpertBank(4, 8, 8)),

@@ -103,7 +103,7 @@ def test_top_p_router_trains_from_the_task_loss():
     [
         ({"threshold": 1.0}, r"^threshold=1.0 is not allowed; expected a number in \(0, 1\)$"),
         ({"threshold": 0.0}, r"^threshold=0.0 is not allowed; expected a number in \(0, 1\)$"),
-        ({"threshold": 1.5}, r"^threshold=1.5 is not allowed; expected a number in \[0, 1\]$"),
+        ({"threshold": 1.5}, r"^threshold=1.5 is not allowed; expected a number in \(0, 1\)$"),
         ({"max_k": 5}, r"^max_k=5 is not allowed; expected an integer in \[1, 4\]$"),
         ({"init_std": 0.0}, r"^init_std=0.0 is not allowed; expected a number > 0$"),
     ],

@@ -186,7 +186,7 @@ def test_remoe_token_without_an_active_expert_outputs_zero():
     ("options", "match"),
     [
         ({"l1_multiplier": 1.0}, r"^l1_multiplier=1.0 is not allowed; expected a number > 1$"),
-        ({"l1_multiplier": 0.0}, r"^l1_multiplier=0.0 is not allowed; expected a number > 0$"),
+        ({"l1_multiplier": 0.0}, r"^l1_multiplier=0.0 is not allowed; expected a number > 1$"),
         ({"l1_init": 0.0}, r"^l1_init=0.0 is not allowed; expected a number > 0$"),
         ({"init_std": -1.0}, r"^init_std=-1.0 is not allowed; expected a number > 0$"),
     ],

@@ -12,6 +12,7 @@ replaces") lists the recognised MLPs, the shared-expert split, the activations a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 from collections.abc import Iterable, Iterator
@@ -504,10 +505,10 @@ def _weights_sum_to_one(method: str, options: dict[str, Any]) -> dict[str, Any]:
     """The option that makes ``method``'s K = 1 weight the constant 1, where its default at K = 1 is
     Switch Transformer's weighting (the chosen expert's probability) and ``options`` leave it open."""
     preset = get_method(method)
-    params = inspect.signature(ROUTERS[preset.router].__init__).parameters
+    defaults = {f.name: f.default for f in dataclasses.fields(ROUTERS[preset.router].config_class)}
     for name in ("renormalize", "normalize"):
-        if name in params and name not in options:
-            if preset.options.get(name, params[name].default) is None:  # decided by K
+        if name in defaults and name not in options:
+            if preset.options.get(name, defaults[name]) is None:  # decided by K
                 return {name: True}
     return {}
 

@@ -3,15 +3,29 @@ the norm of their own low-rank gate pre-activation."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
-from .. import _validate
+from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import RenormalizeOptions, Router, SelectionBiasOptions, option_default, register
+
+
+@dataclass(frozen=True)
+class AoEConfig(RenormalizeOptions, SelectionBiasOptions):
+    """The options of :class:`AoERouter` (its docstring says what each does)."""
+
+    #: the authors' code: the weights are P at the chosen, not renormalised
+    renormalize: bool | None = option_default(RenormalizeOptions, "renormalize", False)
+    rank: int | None = setting(
+        None,
+        help="r, the rank of the experts' gate factors; None: max(1, d_model // 4)",
+        allowed=(Interval(int, 1), None),
+    )
 
 
 @register("aoe")
@@ -42,22 +56,14 @@ class AoERouter(Router):
         bias_update_rate: its step γ (1e-3).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        rank: int | None = None,
-        renormalize: bool | None = False,
-        selection_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        self.init_selection_bias(selection_bias, bias_update_rate)
-        self.rank = max(1, d_model // 4) if rank is None else _validate.positive_int("rank", rank)
-        if renormalize not in (True, False, None):
-            raise ValueError(f"renormalize={renormalize!r} is not allowed; expected True, False or None")
-        self.renormalize = renormalize
+    config_class = AoEConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)
+        self.rank = max(1, d_model // 4) if o.rank is None else o.rank
+        self.renormalize = o.renormalize
 
     @property
     def expert_gate_rank(self) -> int:

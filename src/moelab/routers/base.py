@@ -1,22 +1,38 @@
 """What every router shares: the registry of router families (name → :class:`Router` subclass),
-sizes, validation, the step a context reports, and a default for every optional hook."""
+sizes, validation, the options several families share (declared once, as config mixins), the step
+a context reports, and a default for every optional hook."""
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _validate
+from ..config import Interval, Options, setting, validate
 from ..functional import expert_counts
 from ..routing import RoutingContext
 
-__all__ = ["ROUTERS", "Router", "build_router", "counts_this_forward", "register", "router_options"]
+__all__ = [
+    "ROUTERS",
+    "InitStdOptions",
+    "RenormalizeOptions",
+    "Router",
+    "RouterConfig",
+    "ScaleOptions",
+    "SelectionBiasOptions",
+    "build_router",
+    "counts_this_forward",
+    "option_default",
+    "register",
+    "router_options",
+]
 
 #: router family name → class; filled by :func:`register` when ``moelab.routers`` is imported
 ROUTERS: dict[str, type[Router]] = {}
@@ -44,10 +60,80 @@ def register(name: str):
     return deco
 
 
+# ------------------------------------------------------------------ router configs
+# A family's options are one frozen dataclass, its ``config_class``, declared with
+# :func:`moelab.config.setting` (type, default, constraint); the options several families share are
+# declared once below, as mixins the families' configs inherit.  Values that depend on d_model,
+# num_experts or top_k are checked in the router's ``__init__``, the rules between options in the
+# config's ``check()``.
+@dataclass(frozen=True)
+class RouterConfig:
+    """The options of a router that has none (:attr:`Router.config_class` by default)."""
+
+
+@dataclass(frozen=True)
+class SelectionBiasOptions:
+    """The aux-loss-free selection bias of DeepSeek-V3 (:meth:`Router.init_selection_bias`)."""
+
+    selection_bias: bool = setting(
+        False,
+        help="carry the aux-loss-free selection bias (added to the gating scores for the choice only, "
+        "moved once per optimizer step towards the mean load)",
+    )
+    bias_update_rate: float = setting(
+        1e-3, help="the bias's step γ per optimizer step", allowed=Interval(float, 0)
+    )
+
+
+@dataclass(frozen=True)
+class RenormalizeOptions:
+    """Whether the K chosen weights are renormalised to sum to 1
+    (:func:`moelab.functional.resolve_renormalize`)."""
+
+    renormalize: bool | None = setting(
+        None,
+        help="renormalise the chosen weights to sum to 1; None: when K > 1 (Switch's weighting at K = 1)",
+        allowed=Options((True, False, None)),
+    )
+
+
+@dataclass(frozen=True)
+class InitStdOptions:
+    """The std of the N(0, σ²) init of a linear router's ``W (N, d)``."""
+
+    init_std: float | None = setting(
+        None,
+        help="std of the N(0, σ²) init of the router's weight; None: d_model^-1/2",
+        allowed=(Interval(float, 0, closed="neither"), None),
+    )
+
+
+@dataclass(frozen=True)
+class ScaleOptions:
+    """A factor on the final weights (DeepSeek-V2/V3's ``routed_scaling_factor``)."""
+
+    scale: float = setting(
+        1.0,
+        help="multiplies the final weights (routed_scaling_factor)",
+        allowed=Interval(float, 0, closed="neither"),
+    )
+
+
+def option_default(mixin: type, name: str, default: Any) -> Any:
+    """The shared option ``name`` of ``mixin`` — its help and constraint — with another default,
+    for a family whose default differs (``aoe``'s ``renormalize=False``)."""
+    field = {f.name: f for f in dataclasses.fields(mixin)}[name]
+    return dataclasses.field(default=default, metadata=field.metadata)
+
+
 def router_options(cls: type[Router]) -> list[str]:
-    """The keyword options a router class accepts (beyond d_model, num_experts, top_k)."""
-    params = inspect.signature(cls.__init__).parameters
-    return [p for p in params if p not in ("self", "d_model", "num_experts", "top_k")]
+    """The keyword options a router class accepts (beyond d_model, num_experts, top_k): the fields
+    of its :attr:`Router.config_class`."""
+    return [f.name for f in dataclasses.fields(cls.config_class)]
+
+
+def _name_of(cls: type[Router]) -> str:
+    return next((name for name, c in ROUTERS.items() if c is cls), cls.__name__)
 
 
 def build_router(name: str, d_model: int, num_experts: int, top_k: int, **options) -> Router:
@@ -91,11 +177,18 @@ class Router(nn.Module):
     #: language model built with such a router sees the future, and warns
     leaks_future_tokens: bool = False
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int) -> None:
+    #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
+    #: the mixins above); :func:`router_options` lists its fields
+    config_class: ClassVar[type] = RouterConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__()
         self.d_model = _validate.positive_int("d_model", d_model)
         self.num_experts = _validate.positive_int("num_experts", num_experts)
         self.top_k = _validate.int_in_range("top_k", top_k, 1, num_experts)
+        #: the options as given, validated (:meth:`configure`); what the router derives from them
+        #: (``renormalize`` resolved for K, ``k_max`` for N, ...) are its own attributes
+        self.options = self.configure(options)
         self.layer_index = 0
         self.bias_update_rate = 0.0
         #: the aux-loss-free selection bias ``b (N,)`` (DeepSeek-V3), or ``None``
@@ -104,6 +197,19 @@ class Router(nn.Module):
         #: expert counts of the training forwards since the last step hook (not saved: a
         #: checkpoint is written after the hook has consumed them)
         self.register_buffer("pending_load", None, persistent=False)
+
+    @classmethod
+    def configure(cls, options: dict[str, Any]) -> Any:
+        """``options`` as the family's :attr:`config_class`, each checked against its declared type
+        and constraint and the config's ``check()`` (:func:`moelab.config.validate`); an option the
+        family does not have is refused in one line with the allowed list."""
+        names = router_options(cls)
+        for key in options:
+            if key not in names:
+                raise ValueError(
+                    f"option {key!r} is not accepted by router={_name_of(cls)!r}; allowed: {sorted(names)}"
+                )
+        return validate(cls.config_class(**options), names="arguments")
 
     # ------------------------------------------------------------ the aux-loss-free selection bias
     def init_selection_bias(self, enabled: bool, rate: float = 1e-3) -> None:

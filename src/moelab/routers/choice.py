@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _validate
+from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import InitStdOptions, Router, register
+
+
+@dataclass(frozen=True)
+class ExpertChoiceConfig(InitStdOptions):
+    """The options of :class:`ExpertChoiceRouter` (its docstring says what each does)."""
+
+    capacity_factor: float | None = setting(
+        None,
+        help="c, the mean number of experts per token, in (0, N]; None: top_k",
+        allowed=(Interval(float, 0, closed="neither"), None),
+    )
 
 
 @register("expert-choice")
@@ -52,25 +65,18 @@ class ExpertChoiceRouter(Router):
     #: an expert's choice depends on the later tokens of the batch (see the class docstring)
     leaks_future_tokens = True
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        capacity_factor: float | None = None,
-        init_std: float | None = None,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        c = float(top_k) if capacity_factor is None else capacity_factor
-        self.capacity_factor = _validate.positive("capacity_factor", c)
+    config_class = ExpertChoiceConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.capacity_factor = float(top_k) if o.capacity_factor is None else o.capacity_factor
         if self.capacity_factor > num_experts:
             raise ValueError(
-                f"capacity_factor={capacity_factor!r} is not allowed; expected a number in (0, {num_experts}] "
+                f"capacity_factor={o.capacity_factor!r} is not allowed; expected a number in (0, {num_experts}] "
                 "(the mean number of experts per token)"
             )
-        self.init_std = (
-            1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
-        )
+        self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self.reset_parameters()
 

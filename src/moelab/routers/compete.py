@@ -8,12 +8,13 @@ the option ``grad_path`` chooses how those outputs get their gradient.  docs/met
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .. import _validate
+from ..config import Interval, Options, setting
 from ..experts.protocol import Experts
 from ..functional import COMPETITION_ACTIVATIONS, competition_affinity
 from ..losses import (
@@ -26,7 +27,14 @@ from ..losses import (
 from ..routing import Routing, RoutingContext
 from .base import Router, build_router, join_dependences, register
 
-__all__ = ["CompeteSMoERouter", "CompetitionRouter", "compete"]
+__all__ = [
+    "CompeteSMoEConfig",
+    "CompeteSMoERouter",
+    "CompetitionConfig",
+    "CompetitionOptions",
+    "CompetitionRouter",
+    "compete",
+]
 
 WEIGHTINGS = ("normalized", "softmax")
 GRAD_PATHS = ("winners", "all")
@@ -108,12 +116,71 @@ def _weights(win_scores: Tensor, weighting: str) -> Tensor:
     return win_scores.softmax(dim=-1)
 
 
-def _check_competition_options(kappa: str, reduce: str, weighting: str, grad_path: str) -> None:
-    _validate.one_of("reduce", reduce, ["mean", "norm"])
-    if reduce == "mean":
-        _validate.one_of("kappa", kappa, COMPETITION_ACTIVATIONS)
-    _validate.one_of("weighting", weighting, WEIGHTINGS)
-    _validate.one_of("grad_path", grad_path, GRAD_PATHS)
+@dataclass(frozen=True)
+class CompetitionOptions:
+    """The options of the competition (:func:`compete`), shared by ``competition`` and ``competesmoe``."""
+
+    kappa: str = setting(
+        "softplus",
+        help="κ of s_i = mean(κ(g_i(x))) (reduce='mean')",
+        allowed=Options(COMPETITION_ACTIVATIONS),
+    )
+    reduce: str = setting(
+        "mean",
+        help="the affinity: 'mean' of κ(g_i(x)) or the L2 'norm' of g_i(x)",
+        allowed=Options(("mean", "norm")),
+    )
+    weighting: str = setting(
+        "normalized",
+        help="the winners' weights: TopK_0(s)/Σ or softmax(TopK(s))",
+        allowed=Options(WEIGHTINGS),
+    )
+    grad_path: str = setting(
+        "winners", help="which experts' outputs carry the gradient", allowed=Options(GRAD_PATHS)
+    )
+
+
+@dataclass(frozen=True)
+class CompetitionConfig(CompetitionOptions):
+    """The options of :class:`CompetitionRouter`: the competition's."""
+
+
+@dataclass(frozen=True)
+class CompeteSMoEConfig(CompetitionOptions):
+    """The options of :class:`CompeteSMoERouter` (its docstring says what each does)."""
+
+    base: Router | None = setting(
+        None, help="the base router, built (moelab.methods.build_method_router builds it); None: smoe's"
+    )
+    base_method: str = setting("smoe", help="the base's method name, for messages and repr")
+    mode: str = setting("compete", help="what a competition step does", allowed=Options(MODES))
+    alpha: float = setting(0.1, help="α of the winner term of L_D", allowed=Interval(float, 0))
+    diversity: str = setting(
+        "frobenius", help="the diversity loss's form", allowed=Options(("frobenius", "cosine"))
+    )
+    distill: str = setting(
+        "paper",
+        help="the distillation: L_D of the paper or the authors' 'mse'",
+        allowed=Options(("paper", "mse")),
+    )
+    competition_balance: str = setting(
+        "affinity",
+        help="the balance term on competition steps",
+        allowed=Options(("affinity", "router", "off")),
+    )
+    task_gradient: bool = setting(True, help="the task loss trains the router whenever it routes")
+    router_nll: float = setting(
+        0.0,
+        help="α of CompeteSMoE (2024) eq. 5's α·NLL term (mode 'compete' or 'v1')",
+        allowed=Interval(float, 0),
+    )
+
+    def check(self) -> None:
+        if self.router_nll and self.mode not in ("compete", "v1"):
+            raise ValueError(
+                f"router_nll={self.router_nll!r} is not allowed with mode={self.mode!r}; the router is on the "
+                "output path there: router_nll applies to mode='compete' or 'v1'"
+            )
 
 
 # torch.compiler.disable, with torch._dynamo imported at the first call rather than with moelab (its
@@ -151,24 +218,12 @@ class CompetitionRouter(Router):
     and z losses therefore do not apply.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        kappa: str = "softplus",
-        reduce: str = "mean",
-        weighting: str = "normalized",
-        grad_path: str = "winners",
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        _check_competition_options(kappa, reduce, weighting, grad_path)
-        self.kappa, self.reduce, self.weighting, self.grad_path = (
-            kappa,
-            reduce,
-            weighting,
-            grad_path,
-        )
+    config_class = CompetitionConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.kappa, self.reduce, self.weighting, self.grad_path = o.kappa, o.reduce, o.weighting, o.grad_path
 
     def forward(self, x: Tensor, experts: Experts, ctx: RoutingContext | None = None) -> Routing:
         winners, weights, outputs, _ = compete(
@@ -256,33 +311,15 @@ class CompeteSMoERouter(Router):
 
     loss_names = ("distill", "diversity", "competition_balance")
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        base: nn.Module | None = None,
-        base_method: str = "smoe",
-        mode: str = "compete",
-        kappa: str = "softplus",
-        reduce: str = "mean",
-        weighting: str = "normalized",
-        grad_path: str = "winners",
-        alpha: float = 0.1,
-        diversity: str = "frobenius",
-        distill: str = "paper",
-        competition_balance: str = "affinity",
-        task_gradient: bool = True,
-        router_nll: float = 0.0,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
+    config_class = CompeteSMoEConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        base, base_method = o.base, o.base_method
         if base is None:
             base = build_router("topk", d_model, num_experts, top_k)
-        if (
-            not isinstance(base, Router)
-            or base.loss_names
-            or isinstance(base, (CompetitionRouter, CompeteSMoERouter))
-        ):
+        if base.loss_names or isinstance(base, (CompetitionRouter, CompeteSMoERouter)):
             raise ValueError(
                 f"base={base_method!r} is not allowed: the base must be a plain router method without its own "
                 "losses or competition (e.g. 'smoe', 'xmoe', 'pcosine', 'sigma-moe', 'sharede-v3', 'hyperrouter')"
@@ -292,31 +329,13 @@ class CompeteSMoERouter(Router):
                 f"base has d_model={base.d_model}, num_experts={base.num_experts}, top_k={base.top_k}; "
                 f"expected {d_model}, {num_experts}, {top_k} like the competition"
             )
-        _check_competition_options(kappa, reduce, weighting, grad_path)
-        self.mode = _validate.one_of("mode", mode, MODES)
-        self.alpha = _validate.non_negative("alpha", alpha)
-        self.diversity = _validate.one_of("diversity", diversity, ["frobenius", "cosine"])
-        self.distill = _validate.one_of("distill", distill, ["paper", "mse"])
-        self.competition_balance = _validate.one_of(
-            "competition_balance", competition_balance, ["affinity", "router", "off"]
-        )
-        if not isinstance(task_gradient, bool):
-            raise ValueError(f"task_gradient={task_gradient!r} is not allowed; expected True or False")
-        self.task_gradient = task_gradient
-        self.router_nll = _validate.non_negative("router_nll", router_nll)
-        if self.router_nll and self.mode not in ("compete", "v1"):
-            raise ValueError(
-                f"router_nll={router_nll!r} is not allowed with mode={mode!r}; the router is on the output "
-                "path there: router_nll applies to mode='compete' or 'v1'"
-            )
+        self.mode, self.alpha, self.diversity, self.distill = o.mode, o.alpha, o.diversity, o.distill
+        self.competition_balance = o.competition_balance
+        self.task_gradient = o.task_gradient
+        self.router_nll = o.router_nll
         self.base_method = base_method
         self.base = base
-        self.kappa, self.reduce, self.weighting, self.grad_path = (
-            kappa,
-            reduce,
-            weighting,
-            grad_path,
-        )
+        self.kappa, self.reduce, self.weighting, self.grad_path = o.kappa, o.reduce, o.weighting, o.grad_path
 
     def reset_parameters(self) -> None:
         """The base router's (the competition has no parameters)."""

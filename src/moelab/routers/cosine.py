@@ -2,14 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from .. import _validate
+from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import cosine_logits, resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import RenormalizeOptions, Router, SelectionBiasOptions, register
+
+_POSITIVE = Interval(float, 0, closed="neither")
+
+
+@dataclass(frozen=True)
+class CosineConfig(RenormalizeOptions, SelectionBiasOptions):
+    """The options of :class:`CosineRouter` (its docstring says what each does)."""
+
+    proj_dim: int | None = setting(
+        None,
+        help="d_e, the dimension of the routing space; None: max(2, N // 2)",
+        allowed=(Interval(int, 1), None),
+    )
+    temperature: float = setting(0.3, help="t, its initial value", allowed=_POSITIVE)
+    learn_temperature: bool = setting(False, help="train t (kept >= 0.01)")
+    perturbation: float = setting(0.0, help="τ added to both norms (0: X-MoE)", allowed=Interval(float, 0))
+    init_gain: float = setting(
+        0.32, help="gain of the orthogonal init of the expert embeddings", allowed=_POSITIVE
+    )
 
 
 @register("cosine")
@@ -41,35 +63,22 @@ class CosineRouter(Router):
             task loss can train; :func:`moelab.functional.resolve_renormalize`).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        proj_dim: int | None = None,
-        temperature: float = 0.3,
-        learn_temperature: bool = False,
-        perturbation: float = 0.0,
-        init_gain: float = 0.32,
-        renormalize: bool | None = None,
-        selection_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        self.init_selection_bias(selection_bias, bias_update_rate)
-        self.renormalize = resolve_renormalize(renormalize, top_k)
-        proj_dim = (
-            max(2, num_experts // 2) if proj_dim is None else _validate.positive_int("proj_dim", proj_dim)
-        )
-        _validate.positive("temperature", temperature)
-        self.perturbation = _validate.non_negative("perturbation", perturbation)
-        self.init_gain = _validate.positive("init_gain", init_gain)
-        self.init_temperature = float(temperature)
+    config_class = CosineConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)
+        self.renormalize = resolve_renormalize(o.renormalize, top_k)
+        proj_dim = max(2, num_experts // 2) if o.proj_dim is None else o.proj_dim
+        self.perturbation = o.perturbation
+        self.init_gain = o.init_gain
+        self.init_temperature = o.temperature
         self.proj = nn.Linear(d_model, proj_dim, bias=False)
         self.embeddings = nn.Parameter(torch.empty(num_experts, proj_dim))
         # shape (1,), not a 0-dim scalar: FSDP2's fully_shard refuses scalar parameters
         t = torch.empty(1)
-        if learn_temperature:
+        if o.learn_temperature:
             self.temperature = nn.Parameter(t)
         else:
             self.register_buffer("temperature", t)

@@ -4,16 +4,31 @@ token takes the fewest experts whose probabilities reach ``p``."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..losses import token_entropy_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, counts_this_forward, register
+from .base import InitStdOptions, Router, SelectionBiasOptions, counts_this_forward, register
+
+
+@dataclass(frozen=True)
+class TopPConfig(InitStdOptions, SelectionBiasOptions):
+    """The options of :class:`TopPRouter` (its docstring says what each does)."""
+
+    threshold: float = setting(
+        0.4,
+        help="p: experts are taken until their cumulative probability exceeds it",
+        allowed=Interval(float, 0, 1, closed="neither"),
+    )
+    max_k: int | None = setting(None, help="the most experts a token may take, in [1, N]; None: N")
 
 
 @register("top-p")
@@ -56,26 +71,17 @@ class TopPRouter(Router):
     weights_sum_to_one = False
     variable_k = True
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        threshold: float = 0.4,
-        max_k: int | None = None,
-        init_std: float | None = None,
-        selection_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        self.init_selection_bias(selection_bias, bias_update_rate)
-        self.threshold = _validate.probability("threshold", threshold)
-        if not 0 < self.threshold < 1:
-            raise ValueError(f"threshold={threshold!r} is not allowed; expected a number in (0, 1)")
-        self.max_k = num_experts if max_k is None else _validate.int_in_range("max_k", max_k, 1, num_experts)
-        self.init_std = (
-            1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
+    config_class = TopPConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)
+        self.threshold = o.threshold
+        self.max_k = (
+            num_experts if o.max_k is None else _validate.int_in_range("max_k", o.max_k, 1, num_experts)
         )
+        self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self.reset_parameters()
 

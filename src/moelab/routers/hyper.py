@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _validate
+from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import RenormalizeOptions, Router, SelectionBiasOptions, register
+
+
+@dataclass(frozen=True)
+class HyperConfig(RenormalizeOptions, SelectionBiasOptions):
+    """The options of :class:`HyperRouter` (its docstring says what each does)."""
+
+    hyper_dim: int = setting(64, help="h, the hypernetwork's hidden width", allowed=Interval(int, 1))
+    embed_dim: int | None = setting(
+        None, help="d_e, the width of the trained embedding; None: d_model", allowed=(Interval(int, 1), None)
+    )
+    embed_std: float = setting(
+        1.0, help="std of the N(0, σ²) init of the embedding", allowed=Interval(float, 0, closed="neither")
+    )
 
 
 @register("hyper")
@@ -35,25 +51,16 @@ class HyperRouter(Router):
     ``H`` is kept as buffers (``h1_*``, ``h2_*``): checkpoints carry it and nothing can train it.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        hyper_dim: int = 64,
-        embed_dim: int | None = None,
-        embed_std: float = 1.0,
-        renormalize: bool | None = None,
-        selection_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        self.init_selection_bias(selection_bias, bias_update_rate)
-        self.renormalize = resolve_renormalize(renormalize, top_k)
-        _validate.positive_int("hyper_dim", hyper_dim)
-        embed_dim = d_model if embed_dim is None else _validate.positive_int("embed_dim", embed_dim)
-        _validate.positive("embed_std", embed_std)
-        self.embed_std, self.hyper_dim = embed_std, hyper_dim
+    config_class = HyperConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)
+        self.renormalize = resolve_renormalize(o.renormalize, top_k)
+        hyper_dim = o.hyper_dim
+        embed_dim = d_model if o.embed_dim is None else o.embed_dim
+        self.embed_std, self.hyper_dim = o.embed_std, hyper_dim
         self.embedding = nn.Parameter(torch.empty(embed_dim))
         # frozen at its random init: kept as buffers, so no optimizer or requires_grad_(True) trains it
         for name, shape in (

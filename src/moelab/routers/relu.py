@@ -4,17 +4,31 @@ adaptive L1 regulariser)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _validate
+from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..losses import relu_l1_balance_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, counts_this_forward, register
+from .base import InitStdOptions, Router, counts_this_forward, register
+
+
+@dataclass(frozen=True)
+class ReLUConfig(InitStdOptions):
+    """The options of :class:`ReLURouter` (its docstring says what each does)."""
+
+    l1_init: float = setting(
+        1e-8, help="λ₀, the L1 coefficient at step 0", allowed=Interval(float, 0, closed="neither")
+    )
+    l1_multiplier: float = setting(
+        1.2, help="α > 1, the factor λ moves by each step", allowed=Interval(float, 1, closed="neither")
+    )
 
 
 @register("relu")
@@ -56,23 +70,14 @@ class ReLURouter(Router):
     weights_sum_to_one = False
     variable_k = True
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        init_std: float | None = None,
-        l1_init: float = 1e-8,
-        l1_multiplier: float = 1.2,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        self.init_std = (
-            1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
-        )
-        self.l1_init = _validate.positive("l1_init", l1_init)
-        self.l1_multiplier = _validate.positive("l1_multiplier", l1_multiplier)
-        if self.l1_multiplier <= 1:
-            raise ValueError(f"l1_multiplier={l1_multiplier!r} is not allowed; expected a number > 1")
+    config_class = ReLUConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
+        self.l1_init = o.l1_init
+        self.l1_multiplier = o.l1_multiplier
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         #: λ, saved with the model: a resumed run continues with the coefficient it had reached
         self.register_buffer("l1_lambda", torch.tensor(self.l1_init))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,10 +11,37 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..config import Interval, Options, setting
 from ..experts.protocol import Experts
 from ..functional import normalized_weights, resolve_renormalize
 from ..routing import Routing, RoutingContext
-from .base import Router, register
+from .base import InitStdOptions, Router, ScaleOptions, SelectionBiasOptions, register
+
+
+@dataclass(frozen=True)
+class SigmoidConfig(InitStdOptions, ScaleOptions, SelectionBiasOptions):
+    """The options of :class:`SigmoidRouter` (its docstring says what each does)."""
+
+    normalize: bool | None = setting(
+        False,
+        help="weights s / Σ s over the chosen (DeepSeek-V3); None: when K > 1 (False: σ-MoE's raw s)",
+        allowed=Options((True, False, None)),
+    )
+    expert_dropout: float = setting(
+        0.0,
+        help="probability of dropping a (token, expert) score from the selection in training (σ-MoE)",
+        allowed=Interval(float, 0, 1, closed="left"),
+    )
+    num_groups: int = setting(
+        1, help="groups of N / num_groups contiguous experts (DeepSeek-V3)", allowed=Interval(int, 1)
+    )
+    topk_groups: int | None = setting(
+        None, help="the groups a token may route to, in [1, num_groups]; None: num_groups"
+    )
+
+    def check(self) -> None:
+        if self.topk_groups is not None:
+            _validate.int_in_range("topk_groups", self.topk_groups, 1, self.num_groups)
 
 
 @register("sigmoid")
@@ -49,45 +77,31 @@ class SigmoidRouter(Router):
 
     gate = "sigmoid"
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        normalize: bool | None = False,
-        selection_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-        expert_dropout: float = 0.0,
-        init_std: float | None = None,
-        num_groups: int = 1,
-        topk_groups: int | None = None,
-        scale: float = 1.0,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        _validate.positive_int("num_groups", num_groups)
+    config_class = SigmoidConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        num_groups = o.num_groups
         if num_experts % num_groups:
             raise ValueError(
                 f"num_groups={num_groups!r} is not allowed; expected a divisor of num_experts={num_experts}"
             )
-        topk_groups = num_groups if topk_groups is None else topk_groups
-        _validate.int_in_range("topk_groups", topk_groups, 1, num_groups)
+        topk_groups = num_groups if o.topk_groups is None else o.topk_groups  # in [1, num_groups]: check()
         if topk_groups * (num_experts // num_groups) < top_k:
             raise ValueError(
                 f"topk_groups={topk_groups!r} is not allowed; its groups hold fewer than top_k={top_k} experts"
             )
         self.num_groups, self.topk_groups = num_groups, topk_groups
-        self.scale = _validate.positive("scale", scale)
-        std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
+        self.scale = o.scale
         #: ``s / Σ s`` over the chosen; ``None`` (the ``sharede-v3`` preset): when K > 1 only, since at
         #: K = 1 the normalised weight is the constant 1 and the task loss never reaches the router
         #: (Switch Transformer weights its one expert by its score)
-        self.normalize = resolve_renormalize(normalize, top_k)
-        self.expert_dropout = _validate.probability("expert_dropout", expert_dropout)
-        if self.expert_dropout >= 1:
-            raise ValueError(f"expert_dropout={expert_dropout!r} is not allowed; expected a number in [0, 1)")
-        self.init_std = std
+        self.normalize = resolve_renormalize(o.normalize, top_k)
+        self.expert_dropout = o.expert_dropout
+        self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        self.init_selection_bias(selection_bias, bias_update_rate)  # the one mechanism (Router)
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)  # the one mechanism (Router)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

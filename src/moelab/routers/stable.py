@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _validate
+from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, join_dependences, register
+from .base import RenormalizeOptions, Router, SelectionBiasOptions, join_dependences, register
+
+
+@dataclass(frozen=True)
+class StableConfig(RenormalizeOptions, SelectionBiasOptions):
+    """The options of :class:`StableRouter` (its docstring says what each does)."""
+
+    distill_dim: int = setting(50, help="width of the light router", allowed=Interval(int, 1))
+    switch_fraction: float = setting(
+        0.1, help="stage 2 starts at this fraction of ctx.total_steps", allowed=Interval(float, 0, 1)
+    )
+    switch_step: int | None = setting(
+        None, help="an explicit switch step (overrides switch_fraction)", allowed=(Interval(int, 0), None)
+    )
+    init_gain: float = setting(
+        0.1, help="orthogonal-init gain of the centroids", allowed=Interval(float, 0, closed="neither")
+    )
 
 
 @register("stable")
@@ -51,30 +70,17 @@ class StableRouter(Router):
 
     loss_names = ("distill",)
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        distill_dim: int = 50,
-        switch_fraction: float = 0.1,
-        switch_step: int | None = None,
-        init_gain: float = 0.1,
-        renormalize: bool | None = None,
-        selection_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        self.init_selection_bias(selection_bias, bias_update_rate)
-        self.renormalize = resolve_renormalize(renormalize, top_k)
-        _validate.positive_int("distill_dim", distill_dim)
-        self.switch_fraction = _validate.probability("switch_fraction", switch_fraction)
-        if switch_step is not None and (
-            isinstance(switch_step, bool) or not isinstance(switch_step, int) or switch_step < 0
-        ):
-            raise ValueError(f"switch_step={switch_step!r} is not allowed; expected an integer >= 0 or None")
-        self.switch_step = switch_step
-        self.init_gain = _validate.positive("init_gain", init_gain)
+    config_class = StableConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)
+        self.renormalize = resolve_renormalize(o.renormalize, top_k)
+        distill_dim = o.distill_dim
+        self.switch_fraction = o.switch_fraction
+        self.switch_step = o.switch_step
+        self.init_gain = o.init_gain
         self.centroids = nn.Parameter(torch.empty(num_experts, d_model))
         nn.init.orthogonal_(self.centroids, gain=self.init_gain)
         self.light_proj = nn.Linear(d_model, distill_dim, bias=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,10 +11,34 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate
+from ..config import Options, setting
 from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import Router, join_dependences, register
+from .base import (
+    InitStdOptions,
+    RenormalizeOptions,
+    Router,
+    ScaleOptions,
+    SelectionBiasOptions,
+    join_dependences,
+    register,
+)
+
+
+@dataclass(frozen=True)
+class TopKConfig(InitStdOptions, RenormalizeOptions, ScaleOptions, SelectionBiasOptions):
+    """The options of :class:`TopKRouter` (its docstring says what each does)."""
+
+    frozen: bool = setting(False, help="keep W at its random init (SMoE-Fixed, SMoE-Dropout)")
+    k_max: int | str | None = setting(
+        None,
+        help="K grows linearly from top_k to k_max over ctx.total_steps ('all': num_experts; in [top_k, N])",
+        allowed=(int, Options(("all",)), None),
+    )
+    eval_k: int | None = setting(
+        None, help="K in evaluation mode, in [1, N]; None: the K the schedule reached"
+    )
 
 
 @register("topk")
@@ -50,34 +75,22 @@ class TopKRouter(Router):
             DeepSeek-V3 layer is switched to ``smoe`` by :func:`moelab.set_method`); default 1.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        init_std: float | None = None,
-        frozen: bool = False,
-        k_max: int | str | None = None,
-        renormalize: bool | None = None,
-        eval_k: int | None = None,
-        scale: float = 1.0,
-        selection_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        self.init_selection_bias(selection_bias, bias_update_rate)
-        std = 1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
-        if k_max == "all":
-            k_max = num_experts
+    config_class = TopKConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)
+        k_max = num_experts if o.k_max == "all" else o.k_max
         if k_max is not None:
             _validate.int_in_range("k_max", k_max, top_k, num_experts)
         self.k_max = k_max
-        self.eval_k = None if eval_k is None else _validate.int_in_range("eval_k", eval_k, 1, num_experts)
-        self.frozen = bool(frozen)
+        self.eval_k = None if o.eval_k is None else _validate.int_in_range("eval_k", o.eval_k, 1, num_experts)
+        self.frozen = o.frozen
         #: whether the chosen weights are renormalised (the option resolved for this router's K)
-        self.renormalize = resolve_renormalize(renormalize, top_k if k_max is None else max(top_k, 2))
-        self.scale = _validate.positive("scale", scale)
-        self.init_std = std
+        self.renormalize = resolve_renormalize(o.renormalize, top_k if k_max is None else max(top_k, 2))
+        self.scale = o.scale
+        self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
         weight = torch.empty(num_experts, d_model)
         if self.frozen:  # a buffer: no optimizer or requires_grad_(True) can unfreeze it
             self.register_buffer("weight", weight)

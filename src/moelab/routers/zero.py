@@ -4,17 +4,41 @@ the FFN experts of the bank, chosen by the same router."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _validate
+from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import expert_counts, resolve_renormalize
 from ..losses import heterogeneous_balance_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, counts_this_forward, register
+from .base import (
+    InitStdOptions,
+    RenormalizeOptions,
+    Router,
+    SelectionBiasOptions,
+    counts_this_forward,
+    register,
+)
+
+_COUNT = Interval(int, 0, 1 << 20)
+
+
+@dataclass(frozen=True)
+class MoEPPConfig(InitStdOptions, RenormalizeOptions, SelectionBiasOptions):
+    """The options of :class:`ZeroComputationRouter` (its docstring says what each does)."""
+
+    num_zero: int = setting(1, help="zero experts E(x) = 0", allowed=_COUNT)
+    num_copy: int = setting(1, help="copy experts E(x) = x", allowed=_COUNT)
+    num_constant: int = setting(2, help="constant experts E(x) = a₁ x + a₂ v", allowed=_COUNT)
+    tau: float = setting(
+        0.75, help="τ, the balance loss's weight of the zero-computation experts", allowed=Interval(float, 0)
+    )
+    two_layer_gate: bool = setting(True, help="the two-layer gate Linear(d, 8M) → tanh → Linear(8M, M)")
 
 
 @register("moepp")
@@ -63,31 +87,17 @@ class ZeroComputationRouter(Router):
     weights_sum_to_one = False  # a token whose K choices are all zero experts has weights 0
     variable_k = True
 
-    def __init__(
-        self,
-        d_model: int,
-        num_experts: int,
-        top_k: int,
-        num_zero: int = 1,
-        num_copy: int = 1,
-        num_constant: int = 2,
-        tau: float = 0.75,
-        two_layer_gate: bool = True,
-        init_std: float | None = None,
-        selection_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-        renormalize: bool | None = None,
-    ) -> None:
-        super().__init__(d_model, num_experts, top_k)
-        self.renormalize = resolve_renormalize(renormalize, top_k)
-        for name, value in (("num_zero", num_zero), ("num_copy", num_copy), ("num_constant", num_constant)):
-            _validate.int_in_range(name, value, 0, 1 << 20)
-        self.num_zero, self.num_copy, self.num_constant = num_zero, num_copy, num_constant
-        self.tau = _validate.non_negative("tau", tau)
-        self.two_layer_gate = bool(two_layer_gate)
-        self.init_std = (
-            1.0 / math.sqrt(d_model) if init_std is None else _validate.positive("init_std", init_std)
-        )
+    config_class = MoEPPConfig
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
+        super().__init__(d_model, num_experts, top_k, **options)
+        o = self.options
+        self.renormalize = resolve_renormalize(o.renormalize, top_k)
+        num_constant = o.num_constant
+        self.num_zero, self.num_copy, self.num_constant = o.num_zero, o.num_copy, num_constant
+        self.tau = o.tau
+        self.two_layer_gate = o.two_layer_gate
+        self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
         m = self.num_all
         if top_k > m:
             raise ValueError(f"top_k={top_k!r} is not allowed; expected an integer in [1, {m}]")
@@ -95,8 +105,8 @@ class ZeroComputationRouter(Router):
         self.weight2 = nn.Parameter(torch.empty(m, 8 * m)) if self.two_layer_gate else None
         self.constants = nn.Parameter(torch.empty(num_constant, d_model))
         self.constant_gate = nn.Parameter(torch.empty(num_constant, 2, d_model))
-        self.init_selection_bias(selection_bias, bias_update_rate)
-        if selection_bias:  # over every expert the gate scores, the zero-computation ones too
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)
+        if o.selection_bias:  # over every expert the gate scores, the zero-computation ones too
             self.selection_bias, self.pending_load = torch.zeros(m), torch.zeros(m)
         self.reset_parameters()
 
