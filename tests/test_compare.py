@@ -123,6 +123,13 @@ def test_compare_sweeps_the_number_of_activated_experts(corpus, tmp_path, capsys
         (["--methods", ","], "names no method"),
         (["--seeds", "0"], "--seeds=0 is not allowed"),
         (["--size", "giant"], "--size='giant' is not allowed"),
+        (["--opt", "top_k=1"], "--opt top_k=1 is not allowed; the layer's top_k is set by --top-k"),
+        (
+            ["--top-k", "2", "--sweep", "top_k=1,2"],
+            "--sweep 'top_k=1,2' is not allowed with --top-k; give one",
+        ),
+        (["--sweep", "seed=1,2"], "--sweep 'seed=1,2' is not allowed; a comparison sets seed itself"),
+        (["--sweep", "top_k=0,1"], "--top-k=0 is not allowed; expected a positive integer"),
     ],
 )
 def test_compare_errors_exit_2_with_one_line(corpus, tmp_path, capsys, extra, message):

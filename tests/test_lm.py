@@ -154,9 +154,9 @@ def test_train_cli_writes_the_run(corpus, tmp_path, capsys):
     assert "test_bpc" in capsys.readouterr().out
 
 
-def test_opt_sets_the_layer_arguments_the_lm_passes_to_every_layer(corpus, tmp_path):
+def test_flags_set_the_layer_arguments_the_lm_passes_to_every_layer(corpus, tmp_path):
     out = tmp_path / "run"
-    assert main(tiny_args(corpus, out, "--opt", "top_k=3", "--opt", "activation=gelu")) == 0
+    assert main(tiny_args(corpus, out, "--top-k", "3", "--opt", "activation=gelu")) == 0
     model = moelab.load(out / "best")
     layers = list(moelab.layer.moe_layers(model))
     assert layers and all(layer.top_k == 3 for layer in layers)
@@ -168,10 +168,16 @@ def test_opt_sets_the_layer_arguments_the_lm_passes_to_every_layer(corpus, tmp_p
     [
         (["--opt", "d_model=8"], "--opt d_model=8 is not allowed; the layer's d_model is set by --d-model"),
         (["--opt", "method='xmoe'"], "the layer's method is set by --method"),
-        (["--top-k", "2", "--opt", "top_k=3"], "--opt top_k=3 contradicts --top-k 2; give one of them"),
+        (["--opt", "top_k=3"], "--opt top_k=3 is not allowed; the layer's top_k is set by --top-k"),
+        (["--top-k", "3", "--opt", "top_k=3"], "the layer's top_k is set by --top-k"),
+        (["--opt", "num_experts=4"], "the layer's num_experts is set by --num-experts"),
+        (
+            ["--opt", "d_hidden=8"],
+            "--opt d_hidden=8 is not allowed; the layer's d_hidden is set by --d-hidden",
+        ),
     ],
 )
-def test_opt_refuses_a_layer_argument_given_twice_in_one_line(corpus, tmp_path, capsys, extra, message):
+def test_opt_refuses_a_layer_argument_that_has_a_flag_in_one_line(corpus, tmp_path, capsys, extra, message):
     assert main(tiny_args(corpus, tmp_path / "run", *extra)) == 2
     assert message in _one_line_error(capsys)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .. import config as vocab
@@ -85,6 +85,9 @@ class CompareConfig:
 
 #: the run settings a comparison decides itself
 _SET_BY_COMPARE = ("run.method", "run.seed", "run.expert_parallel")
+#: the settings of each run by field name: ``--sweep KEY=...`` sets the field ``KEY`` when it is one
+#: (``top_k``: the flag's field, the one way the value reaches a run), else the method option ``KEY``
+_RUN_FIELDS = frozenset(f.name for f in fields(TrainRun))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -153,6 +156,14 @@ def plan_runs(config: CompareConfig, paper, chosen: list[str], given: dict) -> t
         + (f", as {paper.citation}" if paper else "")
     )
     sweep = parse_sweep(config.sweep)
+    if sweep is not None and f"run.{sweep.key}" in _SET_BY_COMPARE:
+        raise ValueError(
+            f"--sweep {config.sweep!r} is not allowed; a comparison sets {sweep.key} itself "
+            "(expected a setting of the run, e.g. top_k=1,2, or a method option, e.g. omega=0.03,0.05)"
+        )
+    if sweep is not None and (f"run.{sweep.key}" in given or sweep.key in config.run.opts):
+        flag = vocab.flag_of(TrainRun, sweep.key) if sweep.key in _RUN_FIELDS else f"--opt {sweep.key}="
+        raise ValueError(f"--sweep {config.sweep!r} is not allowed with {flag}; give one of them")
     configs = []
     points = list(zip(sweep.values, sweep.labels)) if sweep else [(None, None)]
     for method in chosen:
@@ -164,16 +175,21 @@ def plan_runs(config: CompareConfig, paper, chosen: list[str], given: dict) -> t
                 opts = dict(config.run.opts)
                 if shared:  # like with like: the same auxiliary losses (a flag's --opt wins)
                     opts = {**shared, **opts}
-                if sweep is not None:
+                swept = {}  # a swept setting of the run (--sweep top_k=1,2) or a method option (omega)
+                if sweep is not None and sweep.key in _RUN_FIELDS:
+                    swept = {sweep.key: value}
+                elif sweep is not None:
                     opts[sweep.key] = value
                 layout = {
                     k: v
                     for k, v in (paper.layouts.get(method, {}) if paper else {}).items()
-                    if f"run.{k}" not in given
+                    if f"run.{k}" not in given and k not in swept
                 }
                 opts = {**layout.pop("opts", {}), **opts}
                 # a paper's row may name its method apart from the row (an ablation: a method + options)
-                one = replace(config.run, method=layout.pop("method", method), seed=seed, opts=opts, **layout)
+                one = replace(
+                    config.run, method=layout.pop("method", method), seed=seed, opts=opts, **layout, **swept
+                )
                 configs.append((name, seed, vocab.validate(lm.resolve(vocab.validate(one)))))
     return seeds, losses_line, configs
 

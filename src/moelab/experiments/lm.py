@@ -219,23 +219,18 @@ class TrainRun:
                 raise ValueError(
                     f"--opt {key}={value!r} is not allowed; the layer's {key} is set by {_LAYER_FLAGS[key]}"
                 )
-            given = getattr(self, key, None) if key in _OPT_FIELDS else None
-            if given is not None and given != value:
-                raise ValueError(
-                    f"--opt {key}={value!r} contradicts --{key.replace('_', '-')} {given}; give one of them"
-                )
 
     def model_fields(self) -> dict[str, Any]:
         """The :func:`moelab.models.lm.lm_config` fields the run sets (the rest: the preset's): the
-        model flags, and the layer arguments given as ``--opt`` (``top_k``, ``num_experts``,
-        ``d_hidden``, ``activation``: what ``compare --sweep top_k=1,2`` varies)."""
+        model flags, the layer arguments ``--top-k``, ``--num-experts`` and ``--d-hidden`` among them
+        (what ``compare --sweep top_k=1,2`` varies), and the experts' ``activation``, which has no
+        flag of its own and is given as ``--opt activation=...``."""
         fields = {name: getattr(self, name) for name in _MODEL_FIELDS if getattr(self, name) is not None}
         fields.update({key: value for key, value in self.opts.items() if key in _OPT_FIELDS})
         return fields
 
     def method_options(self) -> dict[str, Any]:
-        """The ``--opt`` options passed to every :class:`moelab.MoE` (schedule options and the layer
-        arguments of :meth:`model_fields` excluded)."""
+        """The ``--opt`` options passed to every :class:`moelab.MoE` (schedule options excluded)."""
         options = {k: v for k, v in self.opts.items() if k not in _OPT_FIELDS}
         return split_schedule_options(options)[0]
 
@@ -248,11 +243,19 @@ _MODEL_FIELDS = (
     "block_size", "d_model", "n_layer", "n_head", "d_hidden", "num_experts", "top_k", "dropout",
     "attention", "attention_activation",
 )  # fmt: skip
-#: arguments of :class:`moelab.MoE` that ``--opt`` may set: they are fields of the LM's config, which
-#: passes them to every layer
-_OPT_FIELDS = ("top_k", "num_experts", "d_hidden", "activation")
-#: arguments of :class:`moelab.MoE` that a flag of its own sets (``--opt`` would pass them twice)
-_LAYER_FLAGS = {"d_model": "--d-model", "method": "--method", "experts": "the expert bank of the LM"}
+#: arguments of :class:`moelab.MoE` that a flag of its own sets: a value reaches the command line one
+#: way, so ``--opt`` refuses them, naming the flag
+_LAYER_FLAGS = {
+    "d_model": "--d-model",
+    "method": "--method",
+    "experts": "the expert bank of the LM",
+    "top_k": "--top-k",
+    "num_experts": "--num-experts",
+    "d_hidden": "--d-hidden",
+}
+#: arguments of :class:`moelab.MoE` without a flag of their own: ``--opt`` gives them to the LM's
+#: config, which passes them to every layer (a flag would change what old runs recorded)
+_OPT_FIELDS = ("activation",)
 _TRAIN_FIELDS = (
     "steps", "batch_size", "lr", "schedule", "warmup", "optimizer", "weight_decay", "grad_clip",
     "eval_every", "eval_tokens", "test_tokens", "ckpt_every", "seed",
@@ -266,10 +269,7 @@ def resolve(config: TrainRun) -> TrainRun:
     filled = {
         name: preset[name]
         for name in (*_MODEL_FIELDS, *_TRAIN_FIELDS)
-        if getattr(config, name) is None
-        and name in preset
-        and preset[name] is not None
-        and name not in config.opts
+        if getattr(config, name) is None and name in preset and preset[name] is not None
     }
     config = replace(config, **filled, method="dense" if config.arch == "dense" else config.method)
     lm_config(config.size, 1, **config.model_fields(), arch=config.arch)
