@@ -1,5 +1,5 @@
-"""The run lifecycle every command shares: flags derived from a config dataclass, --config, the
---resume checks and their one sentence, validation naming the flag."""
+"""The run lifecycle every command shares: --config, the --resume checks and their one sentence
+(the vocabulary the configs are declared with: tests/test_config.py)."""
 
 from __future__ import annotations
 
@@ -42,29 +42,6 @@ def _parse(*argv):
     p = argparse.ArgumentParser()
     vocab.add_arguments(p, Toy)
     return p.parse_args(list(argv))
-
-
-def test_flags_come_from_the_fields_and_only_given_flags_are_set():
-    args = _parse("--depth", "3", "--opt", "k=1", "--sizes", "4,5", "--steps", "7", "--quiet")
-    given = runner.given_by_args(TOY, args)
-    assert given == {"layers": 3, "opts": {"k": 1}, "sizes": [4, 5], "inner.steps": 7, "quiet": True}
-    config = vocab.validate(vocab.build(Toy, given))
-    assert (config.layers, config.sizes, config.inner.steps, config.inner.lr) == (3, (4, 5), 7, 0.1)
-
-
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["--name", "c"], "--name='c' is not allowed; expected one of ['a', 'b']"),
-        (["--depth", "0"], "--depth=0 is not allowed; expected a positive integer"),
-        (["--lr", "0"], "--lr=0.0 is not allowed; expected a number > 0"),
-        (["--lr", "inf"], "--lr=inf is not allowed; expected a number > 0"),
-    ],
-)
-def test_a_bad_value_is_refused_naming_the_flag_the_value_and_what_is_allowed(argv, message):
-    with pytest.raises(ValueError) as info:
-        vocab.validate(vocab.build(Toy, runner.given_by_args(TOY, _parse(*argv))))
-    assert str(info.value) == message
 
 
 def test_a_config_file_fills_what_the_command_line_leaves_and_names_itself_in_errors(tmp_path):

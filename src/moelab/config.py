@@ -301,7 +301,9 @@ def add_arguments(
     attribute, so the config file, the recorded run or the dataclass default decides), plus
     ``--config`` and, with ``run``, ``--out``, ``--resume``, ``--force`` and ``--allow-changes``.
     ``exclude``: fields (by path) the command sets itself, which get no flag; ``out_help``: what
-    ``--out`` names."""
+    ``--out`` names.  The parser's default ``_config_class`` is ``cls``: what a command line of this
+    parser configures (the CLI's tests find every command's config there)."""
+    parser.set_defaults(_config_class=cls)
     for path, f, hint in leaf_fields(cls):
         if path in exclude:
             continue
