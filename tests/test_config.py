@@ -10,10 +10,11 @@ import math
 import time
 import types
 import typing
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass
 
 import pytest
 
+from config_helpers import Toy
 from moelab import cli
 from moelab.config import (
     Interval,
@@ -34,22 +35,6 @@ from moelab.config import (
     values,
 )
 from moelab.experiments import compare, lm
-
-
-@dataclass
-class Inner:
-    steps: int = setting(10, help="steps", allowed=Interval(int, 1))
-    lr: float = setting(0.1, help="rate", allowed=Interval(float, 0, closed="neither"))
-
-
-@dataclass
-class Toy:
-    name: str = setting("a", help="a name", allowed=Options(("a", "b")))
-    layers: int | None = setting(None, flag="--depth", help="depth", allowed=(Interval(int, 1), None))
-    opts: dict = setting(default_factory=dict, flag="--opt", help="options")
-    sizes: tuple[int, ...] = setting((1, 2), help="sizes")
-    quiet: bool = setting(False, help="quiet", input=False)
-    inner: Inner = field(default_factory=Inner)
 
 
 def _parse(*argv):
