@@ -410,3 +410,26 @@ def test_load_keeps_each_tensors_dtype_bf16_experts_with_float32_routers(tmp_pat
     layer.experts.double()  # a bare layer too
     moelab.save(layer, tmp_path / "layer")
     assert moelab.load(tmp_path / "layer").experts.w_in.dtype == torch.float64
+
+
+def test_a_layer_saved_before_its_options_became_a_typed_config_loads_and_computes_the_same():
+    """``tests/golden/saved_before_config``: an ``MoE`` (sharede-v3 with a selection bias moved one
+    step, capacity with the position policy, the global balance scope) saved by ``moelab.save``
+    before ``MoEConfig``; it loads with its options, its routing context, and its outputs."""
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "golden" / "saved_before_config"
+    data = json.loads((folder / "io.json").read_text())
+    layer = moelab.load(folder).eval()
+    cfg = layer.config
+    assert (cfg.method, cfg.capacity_factor, cfg.token_drop_policy, cfg.balance_scope) == (
+        "sharede-v3",
+        1.0,
+        "position",
+        "global",
+    )
+    assert layer.ctx.step == 1 and layer.router.selection_bias.abs().sum() > 0
+    with torch.no_grad():
+        y = layer(torch.tensor(data["x"]))
+    assert torch.equal(y, torch.tensor(data["y"]))
