@@ -175,3 +175,37 @@ def test_expert_bank_rejects_bad_arguments(kwargs, match):
 def test_the_layer_rejects_experts_that_are_not_an_expert_bank():
     with pytest.raises(ValueError, match=r"experts of type Linear is not allowed; expected an expert bank"):
         moelab.MoE(6, 4, 2, experts=torch.nn.Linear(6, 6))
+
+
+def test_a_bank_called_the_former_way_is_refused_naming_mix():
+    """``experts(x, routing)`` is the protocol; ``bank(x, indices, weights)`` (the former call) and a
+    non-routing second argument are refused in one line that names ``mix``."""
+    bank = ExpertBank(4, 8, 16)
+    x = torch.randn(3, 8)
+    idx, w = torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.full((3, 2), 0.5)
+    for args in ((x, idx, w), (x, idx)):
+        with pytest.raises(
+            ValueError, match=r"^ExpertBank\(x, routing\) takes a moelab.Routing.*bank.mix\(x, indices"
+        ):
+            bank(*args)
+    torch.testing.assert_close(bank(x, moelab.Routing(idx, w)), bank.mix(x, idx, w), rtol=0, atol=0)
+
+
+def test_a_bank_of_the_former_protocol_is_refused_by_the_layer_naming_what_it_lacks():
+    class Former(torch.nn.Module):  # forward(x, indices, weights), no mix
+        num_experts, d_model = 4, 8
+
+        def forward(self, x, indices, weights):
+            return x
+
+        def expert_forward(self, x, e):
+            return x
+
+        def forward_all(self, x):
+            return x.unsqueeze(1).expand(-1, 4, -1)
+
+        def forward_winners(self, x, choose):
+            raise NotImplementedError
+
+    with pytest.raises(ValueError, match=r"^experts of type Former is not allowed; .*mix.*SparseExperts"):
+        moelab.MoE(8, 4, 2, experts=Former())

@@ -50,9 +50,17 @@ class SparseExperts(nn.Module):
     d_model: int | None
     chunk_elements: int = 1 << 22
 
-    def forward(self, x: Tensor, routing: Routing) -> Tensor:
+    def forward(self, x: Tensor, routing: Routing, *unexpected: object) -> Tensor:
         """``Σ_k w_k · expert_{i_k}(x)`` over the kept active slots of ``routing`` for every token
-        of ``x (T, ...)``, in the layout the routing asks for (module docstring) → ``(T, ...)``."""
+        of ``x (T, ...)``, in the layout the routing asks for (module docstring) → ``(T, ...)``.
+        The former call ``bank(x, indices, weights)`` is refused in one line naming
+        :meth:`mix`, which takes them."""
+        if unexpected or not isinstance(routing, Routing):
+            raise ValueError(
+                f"{type(self).__name__}(x, routing) takes a moelab.Routing, got "
+                f"{1 + len(unexpected)} argument(s) after x; expected bank(x, moelab.Routing(indices, "
+                "weights)), or bank.mix(x, indices, weights) for the plain mixture"
+            )
         weights = routing.kept_weights
         if routing.outputs is not None:  # the router already ran the chosen experts
             return combine(routing.outputs, weights)
