@@ -910,3 +910,22 @@ def test_a_training_forward_sets_no_router_attribute():
         before = plain(model)
         model(torch.randn(8, 16))  # no context: it warns, and records that outside the modules
         assert plain(model) == before, method
+
+
+def test_reading_a_routing_that_was_not_recorded_says_how_to_record_it():
+    """An evaluation forward without gradients records no routing: reading ``last_routing`` then
+    refuses in one line naming ``record_routing=True`` and ``moelab.recording_routing``, rather than
+    an ``AttributeError`` on ``None``; ``recorded_routing`` is ``None`` for code that tolerates it."""
+    layer = moelab.MoE(8, 4, 2).eval()
+    with torch.no_grad():
+        layer(torch.randn(3, 8))
+    assert layer.recorded_routing is None
+    with pytest.raises(
+        RuntimeError,
+        match=r"^MoE layer 0 kept no routing of its last forward .*record_routing=True or the forward "
+        r"inside moelab.recording_routing\(model\)$",
+    ):
+        layer.last_routing  # noqa: B018
+    with torch.no_grad(), moelab.recording_routing(layer):
+        layer(torch.randn(3, 8))
+    assert layer.last_routing.probs.shape == (3, 4)
