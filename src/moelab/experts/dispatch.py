@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from ..functional import expert_counts
+from ..routing import Routing
 from .protocol import Experts
 
 __all__ = [
@@ -280,7 +281,9 @@ def winners_by_rerun(
     if torch.is_grad_enabled():
         T, K = winners_t.shape
         xs = x.repeat_interleave(K, dim=0)  # (T·K, ...)
-        y = experts.mix(xs, winners_t.reshape(-1, 1), x.new_ones(T * K, 1))  # (T·K, ...)
+        # through the bank's call, not ``mix``: a wrapper's forward hooks (FSDP2 gathering a sharded
+        # bank's weights) run around it, as around every forward of the bank
+        y = experts(xs, Routing(winners_t.reshape(-1, 1), x.new_ones(T * K, 1)))  # (T·K, ...)
         outputs = y.view(T, K, *y.shape[1:])
     return winners_t, outputs, extra
 
