@@ -11,16 +11,8 @@ import torch
 
 import moelab
 from experts_helpers import ACTS, GROUPED, IMPLS, random_routing, reference
-from moelab.experts import KERNELS, ExpertBank, autotune, kernels
+from moelab.experts import KERNELS, ExpertBank, autotune, forget_tuned, kernels
 from moelab.experts.kernels import LOOP_ROWS_PER_EXPERT, STREAM_ROWS_PER_EXPERT
-
-
-@pytest.fixture(autouse=True)
-def _no_tuned_kernels():
-    """Every test starts and ends without a pick of autotune (they are process-wide)."""
-    kernels.forget_tuned()
-    yield
-    kernels.forget_tuned()
 
 
 @pytest.mark.skipif(not GROUPED, reason="grouped_mm not available in this torch")
@@ -228,7 +220,7 @@ def test_no_plain_forward_reads_a_clock_or_measures(monkeypatch, grad):
     assert [want for want, _ in ran] == [got for _, got in ran]  # each ran the rule's kernel
     for want, _ in ran:
         assert want in (("grouped", "loop") if grad else ("stream", "loop"))
-    assert kernels.tuned_kernels() == {}
+    assert all(b.tuned == {} for b in (*banks, layer.experts))
 
 
 def test_autotune_measures_each_shape_class_and_the_forward_runs_its_pick(monkeypatch):
@@ -246,7 +238,9 @@ def test_autotune_measures_each_shape_class_and_the_forward_runs_its_pick(monkey
     assert tuned.medians_ms["loop"] == 1e3 and set(tuned.medians_ms) | set(tuned.excluded) == (
         {"loop", "grouped"} if GROUPED else {"loop"}
     )
-    assert kernels.tuned_kernels() == report.picks == {tuned.shape_class: "loop"}
+    assert layer.experts.tuned == report.picks == {tuned.shape_class: "loop"}
+    other = moelab.MoE(d_model=8, num_experts=4, top_k=2, d_hidden=16)  # another model keeps its rule
+    assert other.experts.tuned == {} and other.experts.resolved_impl(flat, 2, grad=True) == rule
     assert "loop" in str(report) and report.summary().startswith("autotune measured 1 shape class: train")
     calls.clear()
     layer(x).sum().backward()  # the class measured: its pick
@@ -260,8 +254,8 @@ def test_autotune_measures_each_shape_class_and_the_forward_runs_its_pick(monkey
     calls.clear()
     report = autotune(layer, x, training=False, clock=lambda: now[0], repeats=3)  # now inference too
     assert report.classes[0].pick == "loop" and not report.classes[0].shape_class.grad
-    assert len(kernels.tuned_kernels()) == 2
-    kernels.forget_tuned()
+    assert len(layer.experts.tuned) == 2
+    forget_tuned(layer)
     calls.clear()
     layer(x).sum().backward()
     assert calls == [rule]
@@ -320,9 +314,9 @@ def test_autotune_refuses_while_compiling_off_the_cpu_and_without_an_auto_bank(m
         ValueError, match=r"example_input is not allowed: running _Unused on it called no ExpertBank"
     ):
         autotune(_Unused(), torch.randn(2, 8))
-    assert kernels.tuned_kernels() == {}
+    assert bank.tuned == {}
     # a pick is looked up, never while torch.compile traces: then the rule (never the threaded loop)
-    kernels.record_tuned({kernels.shape_class(example[0], 2, bank.expert_weights, True): "stream"})
+    bank.tuned[kernels.shape_class(example[0], 2, bank.expert_weights, True)] = "stream"
     assert bank.resolved_impl(example[0], top_k=2) == "stream"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert bank.resolved_impl(example[0], top_k=2) == ("grouped" if GROUPED else "loop")
@@ -336,14 +330,14 @@ def test_off_the_cpu_the_forward_follows_the_rule():
     assert bank.resolved_impl(x, top_k=2) == kernels.rule_kernel(x, 2, bank.expert_weights, True)
 
 
-def test_record_tuned_refuses_what_is_not_a_shape_class_or_a_kernel():
+def test_check_picks_refuses_what_is_not_a_shape_class_or_a_kernel():
     bank = ExpertBank(4, 8, 16)
     key = kernels.shape_class(torch.randn(4, 8), 2, bank.expert_weights, True)
     with pytest.raises(ValueError, match=r"kernel 'fast' is not allowed; expected one of"):
-        kernels.record_tuned({key: "fast"})
+        kernels.check_picks({key: "fast"})
     with pytest.raises(ValueError, match=r"shape class \('cpu',\) is not allowed; expected a ShapeClass"):
-        kernels.record_tuned({("cpu",): "loop"})
-    assert kernels.tuned_kernels() == {}
+        kernels.check_picks({("cpu",): "loop"})
+    assert kernels.check_picks({key: "loop"}) == {key: "loop"}
 
 
 def test_the_wait_policy_is_read_from_the_environment(monkeypatch):
@@ -620,7 +614,7 @@ def test_a_compiled_forward_neither_reads_nor_guards_on_autotunes_picks():
         compiled(x).sum().backward()
         autotune(layer, x, repeats=1)
         key = kernels.shape_class(x, 2, layer.experts.expert_weights, True)
-        kernels.record_tuned({key: "loop"})  # a host sync: it would break the full graph
+        layer.experts.tuned[key] = "loop"  # read in the graph, it would guard on the picks
         assert layer.experts.resolved_impl(x, 2) == "loop"  # eagerly, the pick
         compiled(x).sum().backward()  # compiled: the rule's grouped, the same graph
         assert counter.frame_count == 1

@@ -368,33 +368,28 @@ def _rule_first_clock(monkeypatch):
 
 
 def test_autotune_measures_one_batch_before_the_first_step_and_says_what_it_picked(data, capsys, monkeypatch):
-    from moelab.experts import kernels
-
-    kernels.forget_tuned()
     rule = _rule_first_clock(monkeypatch)
     weights = []
-    try:
-        for autotune in (False, True):
-            torch.manual_seed(0)
-            model = TransformerLM(LMConfig(vocab_size=256, **TINY))
-            cfg = TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=32, test_tokens=32)
-            trainer = Trainer(model, LMTask(data, 16), cfg, progress=False, autotune=autotune)
-            trainer.fit()
-            weights.append({k: v.clone() for k, v in model.state_dict().items()})
-            lines = [line for line in capsys.readouterr().out.splitlines() if "autotune" in line]
-            if not autotune:
-                assert lines == [] and trainer.autotuned is None and kernels.tuned_kernels() == {}
-        (line,) = lines
-        assert line.startswith("moelab: autotune measured 1 shape class: train, cpu float32, 1 thread")
-        assert line.endswith("; this run trains with the picks")
-        (tuned,) = trainer.autotuned.classes
-        assert tuned.rule == rule and tuned.calls == TINY["n_layer"]  # every MoE layer's call is a probe
-        assert kernels.tuned_kernels() == trainer.autotuned.picks
-        assert tuned.pick in (rule, "loop")  # the rule's kernel unless its numbers differed from the loop's
-        if tuned.pick == rule:  # the data order and the RNG streams are those of a run without autotune
-            assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    finally:
-        kernels.forget_tuned()
+    for autotune in (False, True):
+        torch.manual_seed(0)
+        model = TransformerLM(LMConfig(vocab_size=256, **TINY))
+        cfg = TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=32, test_tokens=32)
+        trainer = Trainer(model, LMTask(data, 16), cfg, progress=False, autotune=autotune)
+        trainer.fit()
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+        lines = [line for line in capsys.readouterr().out.splitlines() if "autotune" in line]
+        if not autotune:
+            assert lines == [] and trainer.autotuned is None
+            assert all(layer.experts.tuned == {} for layer in moelab.layer.moe_layers(model))
+    (line,) = lines
+    assert line.startswith("moelab: autotune measured 1 shape class: train, cpu float32, 1 thread")
+    assert line.endswith("; this run trains with the picks")
+    (tuned,) = trainer.autotuned.classes
+    assert tuned.rule == rule and tuned.calls == TINY["n_layer"]  # every MoE layer's call is a probe
+    assert all(layer.experts.tuned == trainer.autotuned.picks for layer in moelab.layer.moe_layers(model))
+    assert tuned.pick in (rule, "loop")  # the rule's kernel unless its numbers differed from the loop's
+    if tuned.pick == rule:  # the data order and the RNG streams are those of a run without autotune
+        assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 def test_autotune_is_refused_with_several_processes(data):

@@ -24,7 +24,8 @@ from torch import nn
 
 from .. import _validate
 from ..experts import IMPLS, MLP, autotune
-from ..experts.kernels import forget_tuned, grouped_ok, omp_wait_policy
+from ..experts.kernels import grouped_ok, omp_wait_policy
+from ..experts.tuning import forget_tuned
 from ..layer import MoE
 from .harness import (
     CLOCKS,
@@ -207,7 +208,7 @@ def autotune_picks(args: argparse.Namespace, notes: list[str]) -> dict[str, dict
     """``--autotune``: per phase, what :func:`moelab.experts.autotune` picks for the ``moelab auto``
     layer on the bench's tokens (``--repeats`` rounds; its routing is the layer's own): the pick,
     auto's rule, the candidates' medians (ms) and those excluded for numbers other than the loop's.
-    The picks are forgotten afterwards (:func:`moelab.experts.kernels.forget_tuned`), so the
+    The picks are forgotten afterwards (:func:`moelab.experts.forget_tuned`), so the
     timed ``moelab auto`` row runs the rule."""
     layer = getattr(args, "auto_layer", None)
     if layer is None or args.device != "cpu":
@@ -233,7 +234,7 @@ def autotune_picks(args: argparse.Namespace, notes: list[str]) -> dict[str, dict
                 "excluded": list(tuned.excluded),
             }
     finally:
-        forget_tuned()
+        forget_tuned(layer)
     return out
 
 

@@ -22,7 +22,7 @@ from .kernels import IMPLS, KERNELS, ExpertWeights, choose_kernel, grouped_mm_av
 from .modules import ModuleExperts
 from .parallel import ExpertParallelBank
 from .protocol import Experts
-from .tuning import AutotuneReport, autotune
+from .tuning import AutotuneReport, autotune, forget_tuned
 
 __all__ = [
     "IMPLS",
@@ -40,6 +40,7 @@ __all__ = [
     "check_bank",
     "choose_kernel",
     "combine",
+    "forget_tuned",
     "grouped_mm_available",
     "sort_slots",
 ]

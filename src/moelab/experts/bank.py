@@ -18,7 +18,7 @@ from ..functional import ACTIVATIONS
 from ..functional import activation as get_activation
 from .base import SparseExperts
 from .dispatch import tracks_grad
-from .kernels import KERNELS, ExpertWeights, WinnerMLP, choose_kernel, expert_mlp, padded_rows
+from .kernels import KERNELS, ExpertWeights, ShapeClass, WinnerMLP, choose_kernel, expert_mlp, padded_rows
 
 __all__ = ["MLP", "ExpertBank"]
 
@@ -88,6 +88,9 @@ class ExpertBank(SparseExperts):
         self.w_out = nn.Parameter(torch.empty(num_experts, d_model, d_hidden))
         self.b_in = nn.Parameter(torch.zeros(num_experts, h_in)) if bias else None
         self.b_out = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
+        #: the kernels :func:`moelab.experts.autotune` picked for this bank, per shape class (set by
+        #: that explicit call, never by a forward; not saved with the weights: a timing is the host's)
+        self.tuned: dict[ShapeClass, str] = {}
         self.reset_parameters()
 
     def mix(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
@@ -236,7 +239,7 @@ class ExpertBank(SparseExperts):
         :func:`moelab.experts.kernels.choose_kernel`."""
         if self.impl != "auto":
             return self.impl
-        return choose_kernel(x, top_k, self.expert_weights, grad)
+        return choose_kernel(x, top_k, self.expert_weights, grad, self.tuned)
 
 
 class MLP(nn.Module):

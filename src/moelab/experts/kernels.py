@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,8 +38,8 @@ __all__ = [
     "WinnerMLP",
     "all_experts",
     "candidates",
+    "check_picks",
     "choose_kernel",
-    "forget_tuned",
     "fused",
     "grouped",
     "grouped_mm_available",
@@ -49,11 +49,9 @@ __all__ = [
     "omp_wait_policy",
     "padded_rows",
     "random_probe",
-    "record_tuned",
     "rule_kernel",
     "shape_class",
     "stream",
-    "tuned_kernels",
 ]
 
 
@@ -276,12 +274,6 @@ class ShapeClass(NamedTuple):
         )
 
 
-#: the kernel :func:`moelab.experts.autotune` picked per shape class, for the life of the process.
-#: Filled only by that explicit call (:func:`record_tuned`), never by a forward; a forward only
-#: looks its class up (:func:`choose_kernel`)
-_TUNED: dict[ShapeClass, str] = {}
-
-
 def shape_class(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> ShapeClass:
     """The :class:`ShapeClass` of a call on ``x (T, d)`` routed to ``top_k`` of the ``experts``,
     with (``grad``) or without autograd: device, dtype, the autocast dtype (``None`` outside
@@ -294,14 +286,9 @@ def shape_class(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> Sh
                       experts.d_model, experts.d_hidden, experts.num_experts, top_k, tokens)  # fmt: skip
 
 
-def tuned_kernels() -> dict[ShapeClass, str]:
-    """A copy of what :func:`moelab.experts.autotune` picked in this process, per shape class."""
-    return dict(_TUNED)
-
-
-def record_tuned(picks: dict[ShapeClass, str]) -> None:
-    """Make later ``impl="auto"`` calls of each shape class run its picked kernel (what
-    :func:`moelab.experts.autotune` calls, outside any forward).
+def check_picks(picks: Mapping[ShapeClass, str]) -> dict[ShapeClass, str]:
+    """``picks`` (shape class → kernel name) checked: each key a :class:`ShapeClass`, each name one
+    of :data:`KERNELS`; a copy is returned.
 
     Raises:
         ValueError: a pick is not a name of :data:`KERNELS`, or a key is not a :class:`ShapeClass`.
@@ -311,27 +298,24 @@ def record_tuned(picks: dict[ShapeClass, str]) -> None:
             raise ValueError(f"shape class {key!r} is not allowed; expected a ShapeClass (shape_class(...))")
         if name not in KERNELS:
             raise ValueError(f"kernel {name!r} is not allowed; expected one of {sorted(KERNELS)}")
-    _TUNED.update(picks)
+    return dict(picks)
 
 
-def forget_tuned() -> None:
-    """Forget every pick of :func:`moelab.experts.autotune`: ``impl="auto"`` follows its rule again."""
-    _TUNED.clear()
-
-
-def choose_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> str:
+def choose_kernel(
+    x: Tensor, top_k: int, experts: ExpertWeights, grad: bool, tuned: Mapping[ShapeClass, str] | None = None
+) -> str:
     """The kernel ``impl="auto"`` runs for ``x (T, d)`` routed to ``top_k`` of the ``experts``,
     with (``grad``) or without autograd.
 
     A pure rule (:func:`rule_kernel`) of the device, dtype, autocast dtype, slots per expert,
     autograd, torch threads and OpenMP wait policy: it reads no clock and measures nothing.  The
-    one exception is the user's: for a shape class that :func:`moelab.experts.autotune` measured
-    in this process (:func:`tuned_kernels`), the kernel it picked — looked up, not measured, and
-    never while torch.compile traces (the rule then).
+    one exception is the user's: ``tuned``, the picks :func:`moelab.experts.autotune` measured for
+    the bank (its ``tuned``): for their shape classes the kernel picked — looked up, not measured,
+    and never while torch.compile traces (the rule then).
     """
     tracing = torch.compiler.is_compiling()
-    if not tracing and _TUNED:  # first: a traced graph neither reads nor guards on the table
-        pick = _TUNED.get(shape_class(x, top_k, experts, grad))
+    if not tracing and tuned:  # first: a traced graph neither reads nor guards on the picks
+        pick = tuned.get(shape_class(x, top_k, experts, grad))
         if pick is not None:
             return pick
     return _rule(x, top_k, experts, grad, tracing)

@@ -25,7 +25,7 @@ from .bank import ExpertBank
 from .kernels import Probe, ShapeClass
 from .parallel import ExpertParallelBank
 
-__all__ = ["AutotuneReport", "TunedClass", "autotune"]
+__all__ = ["AutotuneReport", "TunedClass", "autotune", "forget_tuned"]
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,9 @@ def autotune(
     (forward and backward in training).  Only candidates whose outputs, and in training whose
     gradients of the tokens, routing weights and expert weights, equal the ``"loop"`` kernel's bit
     for bit on every one of those probes compete; the fastest by median is recorded for its class
-    (:func:`~moelab.experts.kernels.record_tuned`), process-wide and until
-    :func:`~moelab.experts.kernels.forget_tuned`: every later ``impl="auto"`` forward of that
-    class, in any model, runs it; other classes keep the rule.
+    on each of ``model``'s auto banks (their ``tuned``, until :func:`forget_tuned`): every later
+    ``impl="auto"`` forward of that class in ``model`` runs it; other classes, and other models,
+    keep the rule.
 
     The model's forward runs under a forked RNG (the global RNG streams are as before the call),
     and it and the measurement under their own saved-tensor hooks (an enclosing activation
@@ -204,10 +204,20 @@ def autotune(
         medians = {name: seconds * 1e3 for name, seconds in found.medians.items()}
         classes.append(TunedClass(key, found.pick, group[0][1], medians, found.excluded, len(group)))
     report = AutotuneReport(tuple(classes))
-    kernels.record_tuned(report.picks)
+    picks = kernels.check_picks(report.picks)
+    for bank in banks:  # the model's own banks: another model of the same shapes keeps its rule
+        bank.tuned.update(picks)
     if verbose:
         print(report)
     return report
+
+
+def forget_tuned(model: nn.Module) -> None:
+    """Forget what :func:`autotune` picked for ``model``'s expert banks: ``impl="auto"`` follows its
+    rule again."""
+    for bank in model.modules():
+        if isinstance(bank, ExpertBank):
+            bank.tuned.clear()
 
 
 def _own_saved_tensors():

@@ -352,7 +352,7 @@ class Router(nn.Module):
                 f"MoE layer of method={method!r} trains without a RoutingContext that drives its "
                 f"routing: {problem}; {what}. moelab.routing_context(model, total_steps) attaches one; "
                 "then call ctx.advance() once after every optimizer step",
-                stacklevel=3,
+                stacklevel=2,
             )
             return
         ctx.check_advancing(method, what)
