@@ -17,9 +17,7 @@ from .experts import MLP, ExpertBank, check_bank
 from .experts.capacity import limit
 from .layer_aux import aux_terms_of, check_erc, check_finite_scores, erc_of
 from .layer_config import LAYER_LOSSES, MoEConfig
-from .losses import (
-    LOSS_NAMES,
-)
+from .losses import LOSS_NAMES
 from .methods import build_method_router
 from .routers import Router
 from .routing import Routing, RoutingContext
@@ -139,11 +137,11 @@ class MoE(nn.Module):
         cfg = self.config
         gate_rank = getattr(self.router, "expert_gate_rank", None)  # Autonomy-of-Experts' factorised gates
         if experts is None:
-            return ExpertBank(
+            experts = ExpertBank(
                 cfg.num_experts, cfg.d_model, cfg.d_hidden,
                 activation=cfg.activation, bias=cfg.bias, impl=cfg.impl, gate_rank=gate_rank,
             )  # fmt: skip
-        if gate_rank is not None and getattr(experts, "gate_rank", None) != gate_rank:
+        elif gate_rank is not None and getattr(experts, "gate_rank", None) != gate_rank:
             raise ValueError(
                 f"experts of type {type(experts).__name__} are not allowed with method={cfg.method!r}; expected "
                 f"an ExpertBank with gate_rank={gate_rank} (leave experts=None and the layer builds it)"

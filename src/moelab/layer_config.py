@@ -15,12 +15,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from . import _validate
 from .balance import BALANCE_SCOPES
 from .config import Interval, Options, setting, validate
 from .experts.capacity import TOKEN_DROP_POLICIES
 from .functional import ACTIVATIONS
 from .losses import LOAD_LOSSES, LOSS_NAMES
 from .methods import get_method, method_router_options
+from .routers import ROUTERS
 
 __all__ = ["LAYER_LOSSES", "MoEConfig"]
 
@@ -35,6 +39,8 @@ ROUTERS_RUNNING_EXPERTS = ("competition", "competesmoe")
 
 _POSITIVE = Interval(int, 1)
 _LAYER = {"layer": True}  # the fields given as ``MoE(**options)`` (the others are its arguments)
+#: the fields derived from the preset and the options rather than given as ``MoE`` arguments
+_DERIVED = ("coefs", "router_options", "options")
 
 
 def _option(default: Any, *, help: str, allowed: Any = ()) -> Any:
@@ -94,7 +100,7 @@ class MoEConfig:
         overridden by ``options``."""
         d_model, method, d_hidden = arguments["d_model"], arguments["method"], arguments["d_hidden"]
         preset = get_method(method)
-        router = _router_class(preset.router)
+        router = ROUTERS[preset.router]
         layer_fields = [f.name for f in dataclasses.fields(cls) if f.metadata.get("layer")]
         router_names = method_router_options(method)
         loss_names = (*LOSS_NAMES, *router.loss_names, *LAYER_LOSSES)
@@ -107,7 +113,7 @@ class MoEConfig:
             elif key in layer_fields:
                 layer[key] = value
             elif key.endswith("_coef") and key.removesuffix("_coef") in loss_names:
-                coefs[key.removesuffix("_coef")] = _non_negative(key, value)
+                coefs[key.removesuffix("_coef")] = _validate.non_negative(key, value)
             else:
                 allowed = sorted([*router_names, *(f"{n}_coef" for n in loss_names), *layer_fields])
                 raise ValueError(f"option {key!r} is not accepted by method={method!r}; allowed: {allowed}")
@@ -122,19 +128,10 @@ class MoEConfig:
 
     def arguments(self) -> dict[str, Any]:
         """The ``moelab.MoE`` arguments that build this config again: what :func:`moelab.save`
-        records of a layer."""
-        return {
-            "d_model": self.d_model,
-            "num_experts": self.num_experts,
-            "top_k": self.top_k,
-            "d_hidden": self.d_hidden,
-            "method": self.method,
-            "activation": self.activation,
-            "bias": self.bias,
-            "impl": self.impl,
-            "check_finite": self.check_finite,
-            "options": dict(self.options),
-        }
+        records of a layer (its named arguments and the options as given)."""
+        named = [f.name for f in dataclasses.fields(self) if not f.metadata.get("layer")]
+        out = {name: getattr(self, name) for name in named if name not in _DERIVED}
+        return {**out, "options": dict(self.options)}
 
     @property
     def router(self) -> str:
@@ -154,7 +151,7 @@ class MoEConfig:
             raise ValueError(
                 f"top_k={self.top_k!r} is not allowed; expected an integer in [1, {self.num_experts}]"
             )
-        variable_k = _router_class(self.router).variable_k
+        variable_k = ROUTERS[self.router].variable_k
         if self.balance_scope != "micro" and variable_k:
             raise ValueError(
                 f"balance_scope={self.balance_scope!r} is not allowed with method={method!r}: it routes a variable "
@@ -198,18 +195,11 @@ class MoEConfig:
                     "pad_to_capacity=True is not allowed with densemixer=True: DenseMixer runs every expert on "
                     "every token in training; expected densemixer=False"
                 )
-            if self.impl != "auto":
-                raise ValueError(
-                    f"pad_to_capacity=True is not allowed with impl={self.impl!r}: the padded experts run as one "
-                    "batched matmul (torch.bmm) of fixed shape (N, C, d); expected impl='auto'"
-                )
 
     def check_input(self, x: Any, token_mask: Any, dtype: Any) -> None:
         """A forward's input ``x (..., d_model)`` and ``token_mask`` (``x.shape[:-1]``, bool, or
         ``None``), for a layer whose parameters are in ``dtype`` (``None``: no parameters): each
         refusal in one line."""
-        import torch
-
         if not isinstance(x, torch.Tensor):
             raise ValueError(
                 f"input of type {type(x).__name__} is not allowed; expected a torch.Tensor of shape "
@@ -249,19 +239,3 @@ class MoEConfig:
             )
         if token_mask.dtype != torch.bool:
             raise ValueError(f"token_mask of dtype {token_mask.dtype} is not allowed; expected torch.bool")
-
-    def replace(self, **changes: Any) -> MoEConfig:
-        """A copy with ``changes``, validated."""
-        return validate(dataclasses.replace(self, **changes), names="arguments")
-
-
-def _router_class(name: str) -> type:
-    from .routers import ROUTERS
-
-    return ROUTERS[name]
-
-
-def _non_negative(name: str, value: Any) -> float:
-    from . import _validate
-
-    return _validate.non_negative(name, value)
