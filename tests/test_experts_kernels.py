@@ -707,3 +707,18 @@ def test_under_cpu_autocast_the_experts_compute_in_its_dtype_like_every_linear()
             cast = KERNELS[kernel](x.bfloat16(), idx, w, layer.experts.expert_weights.to(torch.bfloat16))
         assert not torch.equal(mixed, fp32), impl
         assert torch.equal(mixed, cast.float()), impl
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_bf16_input_to_float32_experts_under_autocast_runs_as_a_float32_one(impl, grad):
+    """An autocast ``nn.Linear``'s bf16 output fed to float32 experts under autocast once crashed
+    (``mm`` of a bf16 row and a float32 weight): it computes as the float32 input rounded to bf16,
+    and returns bf16."""
+    torch.manual_seed(0)
+    bank, x = ExpertBank(4, 32, 64, impl=impl), torch.randn(64, 32).bfloat16()
+    idx, w = random_routing(64, 4, 2, torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        got = bank.mix(x, idx, w)
+        want = bank.mix(x.float(), idx, w)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())

@@ -95,15 +95,12 @@ Kernel = Callable[[Tensor, Tensor, Tensor, ExpertWeights], Tensor]
 
 
 def autocast_dtype(x: Tensor) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` runs the matmuls of ``x`` in, where it differs from ``x``'s:
-    ``None`` outside autocast for ``x``'s device and for the float64 tensors autocast leaves alone."""
+    """The dtype ``torch.autocast`` runs the matmuls of ``x`` in: ``None`` outside autocast for
+    ``x``'s device and for the float64 tensors autocast leaves alone."""
     device = x.device.type
     if x.dtype == torch.float64 or not x.is_floating_point() or not torch.amp.is_autocast_available(device):
         return None  # float64 autocast leaves alone; a device autocast does not know (meta) has none
-    if not torch.is_autocast_enabled(device):
-        return None
-    dtype = torch.get_autocast_dtype(device)
-    return None if dtype == x.dtype else dtype
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def run_kernel(name: str, x: Tensor, indices: Tensor, weights: Tensor, experts: ExpertWeights) -> Tensor:
@@ -120,6 +117,7 @@ def run_kernel(name: str, x: Tensor, indices: Tensor, weights: Tensor, experts: 
     dtype = autocast_dtype(x)
     if dtype is None:
         return KERNELS[name](x, indices, weights, experts)
+    # also where x is already in it (an autocast Linear's output): the float32 weights are cast
     with torch.autocast(x.device.type, enabled=False):
         return KERNELS[name](x.to(dtype), indices, weights, experts.to(dtype)).to(x.dtype)
 
