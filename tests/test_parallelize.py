@@ -127,7 +127,11 @@ DEFAULT_CASES = [("smoe", "fsdp", 2), ("competesmoe", "ddp", 2)]
 
 def _two_ranks(rank: int, world: int, out: str) -> dict:
     # one process group for the default suite's checks (starting one costs seconds)
-    return {"refusals": _refusals(rank, world, out), "parity": _parity(rank, world, DEFAULT_CASES)}
+    return {
+        "refusals": _refusals(rank, world, out),
+        "parity": _parity(rank, world, DEFAULT_CASES),
+        "mixed": _mixed_precision(rank, world),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -360,3 +364,123 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers
     four = spawn(_sharded_checkpoint, 4, tmp_path / "four", path, False)
     assert two[0]["losses"][1] != two[0]["losses"][0]
     assert abs(four[0]["losses"][1] - two[0]["losses"][1]) <= 1e-12
+
+
+# ------------------------------------------------------------------------------------ mixed precision
+MIXED_METHODS = ("smoe", "sharede-v3", "competesmoe")
+
+
+def _mixed_model(method: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    options = {**TOKEN_MEANS, **EXTRA.get(method, {})}
+    layer = moelab.MoE(D, 4, 2, d_hidden=6, method=method, router_dtype="float32",
+                       num_shared=1 if method == "sharede-v3" else 0, **options)  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), layer, torch.nn.Linear(D, C))
+    if method == "competesmoe":  # competition on every step
+        moelab.routing_context(model, 4, 0, omega=1.0, competition_warmup=0)
+    return model
+
+
+def _bf16_batch(step: int, world: int = 1, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(step, world, rank)
+    return x.to(
+        torch.bfloat16
+    ).float(), y  # bf16 numbers: FSDP2 casts the inputs to bf16, autocast's Linear too
+
+
+def _mixed_train(model, forward, world: int, rank: int, autocast: bool) -> dict:
+    """Two SGD steps (AdamW's first step, ``lr·sign(g)``, would turn a rounding of a gradient near 0
+    into a step of ``2·lr``): losses, full gradients, the routing of each step and the router's dtype."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    layer = model.model[1]
+    out: dict = {"losses": [], "grads": [], "indices": [], "router_dtypes": set()}
+    hook = layer.router.base_router.register_forward_pre_hook(
+        lambda m, args: out["router_dtypes"].update(p.dtype for p in m.parameters())
+    )
+    for step in range(2):
+        x, y = _bf16_batch(step, world, rank)
+        with moelab.recording_routing(model), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits, aux = forward(x)
+        loss = torch.nn.functional.cross_entropy(logits.float(), y) + aux
+        out["indices"].append(layer.last_routing.indices)
+        out["logits_dtype"] = layer.last_routing.logits.dtype
+        opt.zero_grad()
+        loss.backward()
+        value = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(value)
+        out["losses"].append(value.item() / world)
+        out["grads"].append(_full_grads(model))
+        opt.step()
+    hook.remove()
+    return out
+
+
+def _mixed_precision(rank: int, world: int) -> dict:
+    """``router_dtype="float32"`` under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` against one
+    process on the whole batch under bf16 autocast (float32 parameters): losses, gradients, routing."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moelab.train.parallelize import parallelize
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for method in MIXED_METHODS:
+        ref = WithAux(_mixed_model(method))
+        want = _mixed_train(ref, ref, 1, 0, autocast=True)
+        model = WithAux(_mixed_model(method))
+        forward = parallelize(model, dp="fsdp", mp_policy=policy)
+        got = _mixed_train(model, forward, world, rank, autocast=False)
+        n = 8 // world
+        errors = {}
+        for g, r in zip(got["grads"], want["grads"], strict=True):
+            for k in r:
+                scale = r[k].abs().max().item() if r[k] is not None else 0.0
+                err = 0.0 if r[k] is None and g[k] is None else (g[k] - r[k]).abs().max().item()
+                errors[k] = max(errors.get(k, 0.0), err / max(scale, 1e-30))
+        out[method] = {
+            "losses": (got["losses"], want["losses"]),
+            "grad_errors": errors,
+            "same_routing": all(
+                torch.equal(a, b[rank * n : (rank + 1) * n]) for a, b in zip(got["indices"], want["indices"])
+            ),
+            "router_dtypes": got["router_dtypes"],
+            "logits_dtype": got["logits_dtype"],
+            "expert_dtype": {p.dtype for p in model.model[1].experts.parameters()},
+        }
+    out["ddp_refused"] = _message(
+        lambda: parallelize(WithAux(_mixed_model("smoe")), dp="ddp", mp_policy=policy)
+    )
+    return out
+
+
+def test_router_dtype_float32_under_fsdp2_mixed_precision_equals_the_autocast_path(two_ranks):
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` once gathered the router in bf16, which
+    ``router_dtype="float32"`` refuses: ``parallelize(mp_policy=...)`` makes such a router its own
+    unit with a float32 policy.  Its parameters are float32 in every forward, the logits float32,
+    the experts chosen those of one process under bf16 autocast on the whole batch, the losses and
+    every gradient equal to that run's to bf16 rounding: the losses to eps = 2^-7, each gradient to
+    2 eps of its largest entry (either side rounds its token sums to bf16 once: the ranks their
+    halves, the one process the whole batch)."""
+    eps = torch.finfo(torch.bfloat16).eps
+    for rank, r in enumerate(x["mixed"] for x in two_ranks):
+        assert r.pop("ddp_refused") == (
+            f"mp_policy={MIXED_POLICY_REPR} is not allowed with dp='ddp'; expected a "
+            "torch.distributed.fsdp.MixedPrecisionPolicy with dp='fsdp' (otherwise run under torch.autocast)"
+        )
+        for method, m in r.items():
+            assert m["router_dtypes"] == {torch.float32}, (rank, method)
+            assert m["logits_dtype"] == torch.float32 and m["same_routing"], (rank, method)
+            assert m["expert_dtype"] == {torch.float32}, (rank, method)  # sharded at rest in float32
+            got, want = m["losses"]
+            assert want[0] != want[1]
+            for a, b in zip(got, want):
+                assert abs(a - b) <= eps * abs(b), (rank, method, got, want)
+            worst = max(m["grad_errors"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= 2 * eps, (rank, method, worst)
+
+
+MIXED_POLICY_REPR = (
+    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None, "
+    "cast_forward_inputs=True)"
+)

@@ -114,7 +114,7 @@ class ExpertParallel(_style_base()):
 
 
 # ---------------------------------------------------------------------------- parallelize
-def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) -> nn.Module:
+def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1, mp_policy=None) -> nn.Module:
     """Spread ``model`` (identical on every rank: same seed or same checkpoint) over the ranks.
 
     Args:
@@ -125,6 +125,10 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) ->
             ``"none"`` (the replicated parameters' gradients are the caller's to reduce).
         ep: the expert-parallel degree: the experts of every layer are split over ``ep`` ranks
             (``1``: every rank holds all of them).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit ``fully_shard`` makes
+            (``dp="fsdp"`` only; ``None``: the parameters' dtype).  A router with
+            ``router_dtype="float32"`` is its own unit with a float32 policy (parameters gathered,
+            computed on and reduced in float32), as torchtitan and Megatron-Core keep the gate.
 
     Returns:
         the module to train: ``model`` itself (sharded in place) for ``"fsdp"`` and ``"none"``, a
@@ -146,6 +150,14 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) ->
             f"ep={ep!r} is not allowed with {world} processes; expected a divisor of the world size: "
             f"{[e for e in range(1, world + 1) if world % e == 0]}"
         )
+    if mp_policy is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if dp != "fsdp" or not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise ValueError(
+                f"mp_policy={mp_policy!r} is not allowed with dp={dp!r}; expected a "
+                "torch.distributed.fsdp.MixedPrecisionPolicy with dp='fsdp' (otherwise run under torch.autocast)"
+            )
     _refuse_parallel(model)
     layers = moe_layers(model)
     if ep > 1:
@@ -183,7 +195,7 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) ->
         for layer in layers:
             parallelize_module(layer.experts, mesh["ep"], ExpertParallel())
     if dp == "fsdp":
-        return _fully_shard(model, mesh, layers, ep)
+        return _fully_shard(model, mesh, layers, ep, mp_policy)
     if dp == "ddp" and world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -197,10 +209,11 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) ->
     return model
 
 
-def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int, mp_policy=None) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.tensor import Shard
 
+    mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     dp_mesh = mesh._flatten("dp") if ep > 1 else mesh["efsdp"]  # every rank (ep=1: efsdp is the world)
     efsdp = mesh["efsdp"].size()
     for layer in layers:
@@ -208,12 +221,19 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
             local = layer.experts.num_experts // ep
             # torchtitan's rule: more FSDP ranks than local experts shard the second dimension
             dim = 1 if efsdp > local else 0
-            fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p, d=dim: Shard(d))
+            fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p, d=dim: Shard(d), **mp)
             # the competition routers call these directly, not through __call__: without the
             # registration FSDP would not gather the weights and the bank would run on its shard
             for method in ("forward_all", "expert_forward"):
                 register_fsdp_forward_method(layer.experts, method)
-        fully_shard(layer, mesh=dp_mesh)
+        router = layer.router.base_router  # the router router_dtype applies to (competesmoe's base)
+        dtype = router.compute_dtype
+        if mp and dtype is not None and any(True for _ in router.parameters()):
+            # its own unit: gathered, run and reduced in its dtype whatever the policy of the rest
+            # (the layer's unit would gather it in the policy's param_dtype, which router_dtype refuses)
+            own = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=False)
+            fully_shard(router, mesh=dp_mesh, mp_policy=own)
+        fully_shard(layer, mesh=dp_mesh, **mp)
     # the blocks of a ModuleList (a transformer's layers) each their own unit, as torchtitan wraps
     # every transformer block: one block's full weights exist at a time, not the whole model's
     inside = {id(m) for layer in layers for m in layer.modules()}
@@ -225,8 +245,8 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
         if id(child) not in inside
     ]
     for block in reversed(blocks):  # inner lists before the lists holding them
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, **mp)
+    fully_shard(model, mesh=dp_mesh, **mp)
     return model
 
 
