@@ -131,6 +131,7 @@ def _two_ranks(rank: int, world: int, out: str) -> dict:
         "refusals": _refusals(rank, world, out),
         "parity": _parity(rank, world, DEFAULT_CASES),
         "mixed": _mixed_precision(rank, world),
+        "resume": _sharded_resume(rank, world, out),
     }
 
 
@@ -484,3 +485,134 @@ MIXED_POLICY_REPR = (
     "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None, "
     "cast_forward_inputs=True)"
 )
+
+
+# ------------------------------------------------------------------------------------ routing context in shards
+def _scheduled(warmup: float = 0.5) -> tuple[torch.nn.Module, moelab.RoutingContext]:
+    """A ``competesmoe`` block (no competition before step 2 of 4, then every step) and a
+    ``sharede-v3`` block (its selection bias moves every step), float64."""
+    torch.manual_seed(0)
+    layers = [
+        moelab.MoE(D, 4, 2, d_hidden=6, method="competesmoe", **TOKEN_MEANS, competition_balance_coef=0.0),
+        moelab.MoE(D, 4, 2, d_hidden=6, method="sharede-v3", num_shared=1, **TOKEN_MEANS),
+    ]
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), *layers, torch.nn.Linear(D, C)).double()
+    ctx = moelab.routing_context(model, 4, 0, omega=1.0, competition_warmup=warmup)
+    return WithAux(model), ctx
+
+
+def _steps(model, ctx, opt, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = _batch(step)
+        loss = _loss(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.advance()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_sharded_checkpoint_resumes_the_routing_context_as_an_uninterrupted_run(tmp_path):
+    """``save_sharded`` once wrote the weights and the optimizer only: a resume restarted the routing
+    step at 0 and with it the competition schedule.  Now the folder holds the context (and the
+    selection bias, in the shards): two steps, save, a fresh model, context and optimizer, load, two
+    more steps = four uninterrupted steps, bit for bit."""
+    import warnings
+
+    from moelab.train.parallelize import ROUTING, load_sharded, save_sharded
+
+    model, ctx = _scheduled()
+    want = _steps(model, ctx, torch.optim.AdamW(model.parameters(), lr=0.05), range(4))
+    model, ctx = _scheduled()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    first = _steps(model, ctx, opt, range(2))
+    with warnings.catch_warnings():  # one process: DCP's "assuming a single process" is meant
+        warnings.simplefilter("ignore", UserWarning)
+        save_sharded(tmp_path / "dcp", model, opt)
+        assert (tmp_path / "dcp" / ROUTING).is_file()
+        model, ctx = _scheduled()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        load_sharded(tmp_path / "dcp", model, opt)
+    assert ctx.step == 2
+    assert first + _steps(model, ctx, opt, range(2, 4)) == want
+    assert want[2] != _steps(*_scheduled(), torch.optim.SGD([torch.zeros(1)]), range(2, 3))[0]  # it mattered
+
+
+def _sharded_resume(rank: int, world: int, out: str) -> dict:
+    """The same on the ranks, EP × FSDP2 (``ep`` = world): four steps against two, ``save_sharded``,
+    a fresh parallelized model and context, ``load_sharded``, two more."""
+    from moelab.train.parallelize import load_sharded, parallelize, save_sharded
+
+    def fresh():
+        model, ctx = _scheduled()
+        parallelize(model, dp="fsdp", ep=world)
+        return model, ctx, torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
+
+    def steps(model, ctx, opt, span):
+        losses = []
+        for step in span:
+            x, y = _batch(step, world, rank)
+            loss = _loss(model, x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ctx.advance()
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(value.item() / world)
+        return losses
+
+    want = steps(*fresh(), range(4))
+    model, ctx, opt = fresh()
+    got = steps(model, ctx, opt, range(2))
+    save_sharded(os.path.join(out, "resume"), model, opt)
+    model, ctx, opt = fresh()
+    load_sharded(os.path.join(out, "resume"), model, opt)
+    return {"step": ctx.step, "got": got + steps(model, ctx, opt, range(2, 4)), "want": want}
+
+
+def test_a_sharded_checkpoint_of_expert_parallel_fsdp2_ranks_resumes_as_an_uninterrupted_run(two_ranks):
+    for r in (x["resume"] for x in two_ranks):
+        assert r["step"] == 2 and r["got"] == r["want"]
+
+
+def test_a_sharded_checkpoint_refuses_a_routing_context_that_does_not_match(tmp_path):
+    import warnings
+
+    from moelab.errors import CheckpointError
+    from moelab.layer import moe_layers
+    from moelab.train.parallelize import ROUTING, load_sharded, save_sharded
+
+    model, ctx = _scheduled()
+    ctx.step = 2
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        save_sharded(path, model)
+        other, _ = _scheduled(warmup=0.25)
+        with pytest.raises(CheckpointError) as err:
+            load_sharded(path, other)
+        assert str(err.value) == (
+            f"checkpoint {path} has routing schedule {{'a_max': 6, 'num_layers': 2, 'omega': 1.0, 'seed': 0, "
+            "'total_steps': 4, 'type': 'competition', 'warmup': 0.5}, this context {'a_max': 6, 'num_layers': 2, "
+            "'omega': 1.0, 'seed': 0, 'total_steps': 4, 'type': 'competition', 'warmup': 0.25}; expected the same "
+            "schedule (same model, steps, seed and schedule options)"
+        )
+        bare = _scheduled()[0]
+        for layer in moe_layers(bare):
+            layer.ctx = None
+        with pytest.raises(CheckpointError) as err:
+            load_sharded(path, bare)
+        assert str(err.value) == (
+            f"checkpoint {path} holds the routing context of step 2 and the model has none; expected the run's "
+            "context attached first (moelab.routing_context(model, total_steps, seed, ...)) or passed as ctx="
+        )
+        (path / ROUTING).unlink()
+        with pytest.raises(CheckpointError) as err:
+            load_sharded(path, _scheduled()[0])
+        assert str(err.value) == (
+            f"checkpoint {path} has no routing.json and the model has a routing context (step 0); expected a "
+            "folder of save_sharded, which records the step to continue from"
+        )

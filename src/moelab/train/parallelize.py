@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from ..experts import ExpertBank
 from ..experts.parallel import ExpertParallelBank, parallel_class
 from ..layer import moe_layers
+from ..routing import RoutingContext
 
 __all__ = [
     "ExpertParallel",
@@ -343,38 +344,84 @@ def load_full_optimizer_state(
 
 
 def save_sharded(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    ctx: RoutingContext | None = None,
 ) -> None:
     """Write the model (and optimizer) state to the folder ``path`` with
     ``torch.distributed.checkpoint.save``: every rank writes its own shards, nothing is gathered
     (a collective); the optimizer's param groups go to ``param_groups.pt`` (rank 0,
-    ``torch.save``), so the shards hold tensors only.  :func:`load_sharded` reads it on any layout
-    and number of ranks."""
+    ``torch.save``), so the shards hold tensors only, and the routing context — ``ctx``, default
+    the one attached to the model's MoE layers: its step, planned steps and schedule, as
+    :func:`moelab.save` records it — to ``routing.json`` (rank 0).  The routing state that lives in
+    the model (a selection bias) is in its shards.  :func:`load_sharded` reads it on any layout and
+    number of ranks."""
     import torch.distributed.checkpoint as dcp
 
-    from ..io.atomic import atomic_write_torch
+    from ..io.atomic import atomic_write_json, atomic_write_torch
 
+    ctx = _attached_context(model) if ctx is None else ctx
     state = _dcp_state(model, optimizer)
     groups = state.pop("param_groups", None)
     dcp.save(state, checkpoint_id=os.fspath(path))
-    if groups is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        atomic_write_torch(os.path.join(path, PARAM_GROUPS), groups)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if groups is not None:
+            atomic_write_torch(os.path.join(path, PARAM_GROUPS), groups)
+        atomic_write_json(
+            os.path.join(path, ROUTING), {"routing_context": None if ctx is None else ctx.state_dict()}
+        )
     if dist.is_initialized():
         dist.barrier()  # the param groups are there before any rank reads the folder
 
 
 def load_sharded(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    ctx: RoutingContext | None = None,
 ) -> None:
     """Read a :func:`save_sharded` folder into the parallelized ``model`` (and ``optimizer``),
-    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective).
-    Nothing is unpickled unrestricted (:mod:`moelab.io.sharded`): the index ``.metadata`` builds
-    only DCP's metadata classes, a non-tensor entry is refused, the param groups are read with
-    ``weights_only=True``."""
+    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective),
+    and its routing context into ``ctx`` (default the one attached to the model): the run continues
+    at the saved step of the same schedule.  Nothing is unpickled unrestricted
+    (:mod:`moelab.io.sharded`): the index ``.metadata`` builds only DCP's metadata classes, a
+    non-tensor entry is refused, the param groups are read with ``weights_only=True``.
+
+    Raises:
+        CheckpointError: the folder holds a routing context and the model has none attached (nor
+            ``ctx``), the context's schedule is another (the run would compete at other steps), or
+            the folder has no ``routing.json`` while the model has a context (a folder of an
+            earlier moelab: the step it stopped at is unknown).
+    """
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    from ..errors import CheckpointError
     from ..io import sharded as dcp_io
+    from ..io.atomic import read_json
 
+    ctx = _attached_context(model) if ctx is None else ctx
+    routing = os.path.join(path, ROUTING)
+    saved = read_json(routing)["routing_context"] if os.path.isfile(routing) else None
+    if saved is None and ctx is not None and not os.path.isfile(routing):
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)} has no {ROUTING} and the model has a routing context (step "
+            f"{ctx.step}); expected a folder of save_sharded, which records the step to continue from"
+        )
+    if saved is not None and ctx is None:
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)} holds the routing context of step {saved['step']} and the model has "
+            "none; expected the run's context attached first (moelab.routing_context(model, total_steps, seed, "
+            "...)) or passed as ctx="
+        )
+    if saved is not None:
+        current = None if ctx.schedule is None else ctx.schedule.state_dict()
+        if saved.get("schedule") != current:
+            show = lambda d: d if d is None else dict(sorted(d.items()))  # JSON sorts the saved keys
+            raise CheckpointError(
+                f"checkpoint {os.fspath(path)} has routing schedule {show(saved.get('schedule'))}, this context "
+                f"{show(current)}; expected the same schedule (same model, steps, seed and schedule options)"
+            )
     state = _dcp_state(model, optimizer)
     groups = state.pop("param_groups", None)
     files = {f.name: "" for f in os.scandir(path) if f.is_file()}
@@ -387,10 +434,18 @@ def load_sharded(
         model_state_dict=state["model"],
         optim_state_dict={} if optimizer is None else {"state": state["optimizer"], "param_groups": groups},
     )
+    if saved is not None:
+        ctx.load_state_dict(saved)
 
 
 #: the optimizer's param groups of a :func:`save_sharded` folder (the shards hold tensors only)
 PARAM_GROUPS = "param_groups.pt"
+#: the routing context of a :func:`save_sharded` folder (``RoutingContext.state_dict()``, JSON)
+ROUTING = "routing.json"
+
+
+def _attached_context(model: nn.Module) -> RoutingContext | None:
+    return next((layer.ctx for layer in moe_layers(model) if layer.ctx is not None), None)
 
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
