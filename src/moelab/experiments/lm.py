@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -382,10 +383,29 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
             "size": config.size,
             "data": config.data,
         },
-        parallel=choose(expert_parallel=config.expert_parallel, fsdp=config.fsdp),
+        parallel=_layout(config, run.resume),
         autotune=config.autotune,
     )
     return trainer.fit(resume=run.resume)
+
+
+def _layout(config: TrainRun, resume: bool):
+    """The parallel layout of this process: ``--expert-parallel`` / ``--fsdp`` under torchrun.
+    Resumed on one process (no torchrun), a run recorded with them continues as one process, the
+    Python API's way: its checkpoint's shards are gathered here (``moelab.train.checkpoint``), said
+    once on stderr; a new run with them still needs torchrun (the trainer refuses it)."""
+    sharded = [
+        flag for flag, on in (("--fsdp", config.fsdp), ("--expert-parallel", config.expert_parallel)) if on
+    ]
+    if resume and sharded and not torch.distributed.is_initialized():
+        print(
+            f"moelab train: --resume of a {' '.join(sharded)} run on one process (no torchrun): its sharded "
+            "checkpoint is gathered here and the run continues on one process (the batch is no longer split "
+            "over ranks: per-rank terms such as the balance loss are taken over the whole batch)",
+            file=sys.stderr,
+        )
+        return choose()
+    return choose(expert_parallel=config.expert_parallel, fsdp=config.fsdp)
 
 
 def _command(data: TextData | None = None) -> runner.Command:
