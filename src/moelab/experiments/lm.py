@@ -35,7 +35,7 @@ from ..models.lm import (
 )
 from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
-from ..train.parallel import choose
+from ..train.parallel import Parallel, choose
 from ..train.tasks import LMTask
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
@@ -389,7 +389,7 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
     return trainer.fit(resume=run.resume)
 
 
-def _layout(config: TrainRun, resume: bool):
+def _layout(config: TrainRun, resume: bool) -> Parallel:
     """The parallel layout of this process: ``--expert-parallel`` / ``--fsdp`` under torchrun.
     Resumed on one process (no torchrun), a run recorded with them continues as one process, the
     Python API's way: its checkpoint's shards are gathered here (``moelab.train.checkpoint``), said

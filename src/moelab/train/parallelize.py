@@ -115,7 +115,9 @@ class ExpertParallel(_style_base()):
 
 
 # ---------------------------------------------------------------------------- parallelize
-def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1, mp_policy=None) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1, mp_policy: Any = None
+) -> nn.Module:
     """Spread ``model`` (identical on every rank: same seed or same checkpoint) over the ranks.
 
     Args:
@@ -210,7 +212,9 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1, mp
     return model
 
 
-def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int, mp_policy=None) -> nn.Module:
+def _fully_shard(
+    model: nn.Module, mesh, layers: list[nn.Module], ep: int, mp_policy: Any = None
+) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.tensor import Shard
 
@@ -403,7 +407,7 @@ def load_sharded(
     ctx = _attached_context(model) if ctx is None else ctx
     routing = os.path.join(path, ROUTING)
     saved = read_json(routing)["routing_context"] if os.path.isfile(routing) else None
-    if saved is None and ctx is not None and not os.path.isfile(routing):
+    if ctx is not None and not os.path.isfile(routing):
         raise CheckpointError(
             f"checkpoint {os.fspath(path)} has no {ROUTING} and the model has a routing context (step "
             f"{ctx.step}); expected a folder of save_sharded, which records the step to continue from"
