@@ -319,9 +319,19 @@ def test_expert_parallel_with_a_world_size_that_does_not_divide_the_experts_exit
     assert not (tmp_path / "run").exists()  # nothing was written
 
 
-def test_expert_parallel_needs_torchrun(corpus, tmp_path, capsys):
-    assert main(tiny_args(corpus, tmp_path / "run", "--expert-parallel")) == 2
-    assert "expert parallelism needs torch.distributed initialised" in capsys.readouterr().err
+def test_expert_parallel_needs_torchrun_and_the_refusal_names_the_flag_to_drop(corpus, tmp_path, capsys):
+    """Once "expert parallelism needs torch.distributed initialised (... init_process_group first)",
+    which a CLI user does not call, after config.yaml was written (the retry without the flag was
+    refused: --out holds a run): now the flag to drop, before any file, and the retry runs."""
+    out = tmp_path / "run"
+    assert main(tiny_args(corpus, out, "--expert-parallel")) == 2
+    assert capsys.readouterr().err == (
+        "moelab train: error: --expert-parallel is not allowed on one process (no torchrun): it splits the "
+        "model over the ranks torchrun launches; launch with torchrun --nproc_per_node=N (docs/scaling.md), or "
+        "drop --expert-parallel to train on one process\n"
+    )
+    assert not (out / "config.yaml").exists()
+    assert main([*tiny_args(corpus, out), "--steps", "1"]) == 0
 
 
 # balance and z losses off: each rank balances its own tokens, so another number of ranks trains
@@ -365,6 +375,66 @@ def test_a_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers(corpus,
     assert json.loads((out / "metrics.json").read_text())["world_size"] == 4
 
 
+def test_a_sharded_run_resumed_without_torchrun_continues_on_one_process(capsys):
+    """``moelab train --resume`` of a ``--fsdp --expert-parallel`` run on one process once refused with
+    "expert parallelism needs torch.distributed initialised" (the flags come back from config.yaml):
+    now it continues as one process (the checkpoint's shards gathered, as the Python API does) and
+    says so once; a new run with the flags is refused naming them."""
+    from moelab.errors import UsageError
+    from moelab.experiments.lm import _layout
+    from moelab.train.parallel import Parallel
+
+    config = TrainRun(fsdp=True, expert_parallel=True)
+    layout = _layout(config, resume=True)
+    assert type(layout) is Parallel
+    assert capsys.readouterr().err == (
+        "moelab train: --resume of a --fsdp --expert-parallel run on one process (no torchrun): its sharded "
+        "checkpoint is gathered here and the run continues on one process (the batch is no longer split over "
+        "ranks: per-rank terms such as the balance loss are taken over the whole batch)\n"
+    )
+    with pytest.raises(UsageError, match=r"^--fsdp --expert-parallel are not allowed on one process"):
+        _layout(config, resume=False)  # a new run: the flags to drop (test_fsdp_needs_torchrun)
+    assert type(_layout(TrainRun(), resume=True)) is Parallel and capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_a_run_of_two_expert_parallel_fsdp2_ranks_resumes_on_one_process_from_the_cli(
+    corpus, tmp_path, capsys
+):
+    # written by 2 ranks (experts split in 2, FSDP2), resumed by `moelab train --resume` without torchrun:
+    # the same steps to rounding (token means: the one process computes what the ranks' mean computes)
+    out = tmp_path / "run"
+    argv = tiny_args(corpus, out, *_TOKEN_MEANS, "--fsdp", "--expert-parallel")
+    assert [r["code"] for r in launch(argv, tmp_path, world=2)] == [0, 0]
+    two = read_log(out)
+    shutil.rmtree(out / "ckpt" / "step-00000006")
+    (out / "metrics.json").unlink()
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert "continues on one process" in capsys.readouterr().err
+    one = read_log(out)
+    assert [r["step"] for r in one] == [str(s) for s in range(1, 7)] and one[:3] == two[:3]
+    for a, b in zip(two[3:], one[3:]):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4), (a["step"], key)
+    assert json.loads((out / "metrics.json").read_text())["world_size"] == 1
+
+
+def test_the_trainers_sharded_layouts_need_a_process_group():
+    from moelab.train.parallel import ExpertParallel, Parallelized
+
+    for layout, what in ((ExpertParallel(), "expert parallelism"), (Parallelized(ep=1, fsdp=True), "FSDP2")):
+        with pytest.raises(ValueError) as err:
+            layout.apply(moelab.MoE(8, 4, 2))
+        assert str(err.value) == (
+            f"{what} needs torch.distributed initialised (launch with torchrun and call "
+            "torch.distributed.init_process_group first)"
+        )
+
+
 def test_fsdp_needs_torchrun(corpus, tmp_path, capsys):
-    assert main(tiny_args(corpus, tmp_path / "run", "--fsdp")) == 2
-    assert "FSDP2 needs torch.distributed initialised" in capsys.readouterr().err
+    assert main(tiny_args(corpus, tmp_path / "run", "--fsdp", "--expert-parallel")) == 2
+    assert capsys.readouterr().err == (
+        "moelab train: error: --fsdp --expert-parallel are not allowed on one process (no torchrun): they split "
+        "the model over the ranks torchrun launches; launch with torchrun --nproc_per_node=N (docs/scaling.md), "
+        "or drop --fsdp --expert-parallel to train on one process\n"
+    )

@@ -620,3 +620,105 @@ def test_a_compiled_forward_neither_reads_nor_guards_on_autotunes_picks():
         assert counter.frame_count == 1
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ autocast
+#: the modes a layer runs in: training, evaluation with autograd (a Trainer's eval under grad), and inference
+MODES = ["train", "eval with grad", "no_grad"]
+
+
+def _runs_here(impl: str, dtype: torch.dtype) -> str | None:
+    """Why ``impl`` cannot run on the CPU in ``dtype`` here, or ``None``."""
+    if impl == "grouped" and not GROUPED:
+        return "grouped_mm not available in this torch"
+    if impl == "triton":
+        from moelab.experts import triton_kernels
+
+        return triton_kernels.unavailable_reason(torch.device("cpu"), dtype)
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+@pytest.mark.parametrize("tokens", [2, 64, 640])  # decoding (T·K ≤ N), a batch, ≥ 256 slots per expert
+def test_every_kernel_runs_under_cpu_autocast_in_every_mode_to_the_dtypes_rounding(tokens, impl, mode, dtype):
+    """bf16 / fp16 inference once crashed in ``loop`` and ``stream`` (an ``out=`` float32 buffer for
+    an autocast bf16 matmul; ``index_add_`` of bf16 rows into float32).  Every kernel, in training,
+    in evaluation with and without autograd: the output in the input's dtype, equal to the experts
+    one token at a time by ``nn.functional.linear`` under the same autocast to the dtype's rounding
+    (``eps`` of the largest output), and bit for bit the kernel on the tokens and experts cast to the
+    autocast dtype (forward and, with autograd, every gradient)."""
+    reason = _runs_here(impl, dtype)
+    if reason:
+        pytest.skip(reason)
+    torch.manual_seed(0)
+    layer = moelab.MoE(32, 4, 2, 64, activation="swiglu", impl=impl)
+    layer.train(mode == "train")
+    x = torch.randn(tokens, 32, requires_grad=mode != "no_grad")
+    with moelab.recording_routing(layer), torch.autocast("cpu", dtype=dtype):
+        with torch.set_grad_enabled(mode != "no_grad"):
+            y = layer(x)
+            kernel = layer.experts.resolved_impl(x, 2, mode != "no_grad")
+        with torch.no_grad():
+            want = reference(
+                layer.experts, x.detach(), layer.last_routing.indices, layer.last_routing.weights
+            )
+    assert y.dtype == torch.float32
+    assert (y.detach() - want).abs().max() <= torch.finfo(dtype).eps * want.abs().max()
+    # the same kernel on the tokens and the experts cast to the autocast dtype, outside autocast
+    idx, w = layer.last_routing.indices, layer.last_routing.weights
+    bank = layer.experts
+    xa = x.detach().clone().requires_grad_(mode != "no_grad")
+    xb = x.detach().clone().requires_grad_(mode != "no_grad")
+    g = torch.randn(tokens, 32)
+    results = []
+    for inp, autocast in ((xa, True), (xb, False)):
+        bank.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast), torch.set_grad_enabled(mode != "no_grad"):
+            out = (
+                bank.mix(inp, idx, w)
+                if autocast
+                else KERNELS[kernel](inp.to(dtype), idx, w, bank.expert_weights.to(dtype)).float()
+            )
+        if mode != "no_grad":
+            out.backward(g)
+            results.append([out.detach(), inp.grad] + [p.grad for p in bank.parameters()])
+        else:
+            results.append([out])
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_under_cpu_autocast_the_experts_compute_in_its_dtype_like_every_linear():
+    """CPU autocast once left the experts in float32 (the output bit-identical to float32's) while
+    every other ``nn.Linear`` ran in bf16: now every kernel runs them in bf16, as on the GPU, so the
+    output differs from float32's and equals the bank cast to bf16, rounded back."""
+    torch.manual_seed(0)
+    for impl in IMPLS:
+        layer = moelab.MoE(32, 4, 2, 64, impl=impl).eval()
+        x = torch.randn(64, 32)
+        with torch.no_grad(), moelab.recording_routing(layer):
+            fp32 = layer(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                mixed = layer(x)
+                kernel = layer.experts.resolved_impl(x, 2, False)
+            idx, w = layer.last_routing.indices, layer.last_routing.weights
+            cast = KERNELS[kernel](x.bfloat16(), idx, w, layer.experts.expert_weights.to(torch.bfloat16))
+        assert not torch.equal(mixed, fp32), impl
+        assert torch.equal(mixed, cast.float()), impl
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_bf16_input_to_float32_experts_under_autocast_runs_as_a_float32_one(impl, grad):
+    """An autocast ``nn.Linear``'s bf16 output fed to float32 experts under autocast once crashed
+    (``mm`` of a bf16 row and a float32 weight): it computes as the float32 input rounded to bf16,
+    and returns bf16."""
+    torch.manual_seed(0)
+    bank, x = ExpertBank(4, 32, 64, impl=impl), torch.randn(64, 32).bfloat16()
+    idx, w = random_routing(64, 4, 2, torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        got = bank.mix(x, idx, w)
+        want = bank.mix(x.float(), idx, w)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())

@@ -605,3 +605,19 @@ def test_training_a_loaded_model_for_more_steps_rebuilds_its_routing_context_for
         ValueError, match=r"^ctx.total_steps=6 is not allowed: the Trainer plans max_steps=10; "
     ):
         trainer.train()
+
+
+def test_bf16_evaluate_and_generate_run_the_experts_in_bf16(tmp_path):
+    """``TrainingArguments(bf16=True)``: ``evaluate()`` runs the forward under bf16 autocast without
+    autograd (where the ``loop`` and ``stream`` kernels once crashed on a float32 buffer), and so does
+    ``generate()`` under ``torch.autocast``: a finite loss and the new tokens after the prompt."""
+    model = _model("smoe")
+    trainer = MoETrainer(model=model, args=_args(tmp_path, bf16=True, max_steps=2), train_dataset=_data(),
+                         eval_dataset=_data(8))  # fmt: skip
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_loss"])
+    prompt = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 8) and torch.equal(out[:, :4], prompt)

@@ -511,10 +511,26 @@ def test_router_dtype_refusals():
     ):
         moelab.MoE(8, 4, 2, method="competition", router_dtype="float32")
     layer = moelab.MoE(8, 4, 2, router_dtype="float32").to(torch.bfloat16)
-    with pytest.raises(
-        ValueError, match=r"router_dtype='float32' needs the router's parameters in float32; weight"
-    ):
+    with pytest.raises(ValueError) as err:
         layer(torch.randn(3, 8, dtype=torch.bfloat16))
+    assert str(err.value) == (
+        "router_dtype='float32' needs the router's parameters in float32; weight is torch.bfloat16 (keep the "
+        "router in float32, layer.router.float(), and run the rest under torch.autocast or in bf16; under FSDP2 "
+        "mixed precision use parallelize(..., mp_policy=...), which keeps it float32)"
+    )
+
+
+def test_router_dtype_float32_routes_a_bf16_layer_on_bf16_tokens_with_a_float32_router():
+    """A bf16 layer whose router is kept in float32 (what FSDP2 mixed precision gathers) takes bf16
+    tokens without autocast (the input's dtype is the experts' then, not the router's): the
+    routing of the float32 router on those tokens, the output in bf16."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(16, 4, 2, router_dtype="float32", record_routing=True)
+    layer.to(torch.bfloat16).router.float()
+    x = torch.randn(32, 16).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and layer.last_routing.logits.dtype == torch.float32
+    assert torch.equal(layer.last_routing.indices, layer.router(x.float()).indices)
 
 
 # ------------------------------------------------------------------------------------------ token mask

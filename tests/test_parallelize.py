@@ -127,7 +127,12 @@ DEFAULT_CASES = [("smoe", "fsdp", 2), ("competesmoe", "ddp", 2)]
 
 def _two_ranks(rank: int, world: int, out: str) -> dict:
     # one process group for the default suite's checks (starting one costs seconds)
-    return {"refusals": _refusals(rank, world, out), "parity": _parity(rank, world, DEFAULT_CASES)}
+    return {
+        "refusals": _refusals(rank, world, out),
+        "parity": _parity(rank, world, DEFAULT_CASES),
+        "mixed": _mixed_precision(rank, world),
+        "resume": _sharded_resume(rank, world, out),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -360,3 +365,254 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_four_with_the_same_numbers
     four = spawn(_sharded_checkpoint, 4, tmp_path / "four", path, False)
     assert two[0]["losses"][1] != two[0]["losses"][0]
     assert abs(four[0]["losses"][1] - two[0]["losses"][1]) <= 1e-12
+
+
+# ------------------------------------------------------------------------------------ mixed precision
+MIXED_METHODS = ("smoe", "sharede-v3", "competesmoe")
+
+
+def _mixed_model(method: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    options = {**TOKEN_MEANS, **EXTRA.get(method, {})}
+    layer = moelab.MoE(D, 4, 2, d_hidden=6, method=method, router_dtype="float32",
+                       num_shared=1 if method == "sharede-v3" else 0, **options)  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), layer, torch.nn.Linear(D, C))
+    if method == "competesmoe":  # competition on every step
+        moelab.routing_context(model, 4, 0, omega=1.0, competition_warmup=0)
+    return model
+
+
+def _bf16_batch(step: int, world: int = 1, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(step, world, rank)
+    return x.to(
+        torch.bfloat16
+    ).float(), y  # bf16 numbers: FSDP2 casts the inputs to bf16, autocast's Linear too
+
+
+def _mixed_train(model, forward, world: int, rank: int, autocast: bool) -> dict:
+    """Two SGD steps (AdamW's first step, ``lr·sign(g)``, would turn a rounding of a gradient near 0
+    into a step of ``2·lr``): losses, full gradients, the routing of each step and the router's dtype."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    layer = model.model[1]
+    out: dict = {"losses": [], "grads": [], "indices": [], "router_dtypes": set()}
+    hook = layer.router.base_router.register_forward_pre_hook(
+        lambda m, args: out["router_dtypes"].update(p.dtype for p in m.parameters())
+    )
+    for step in range(2):
+        x, y = _bf16_batch(step, world, rank)
+        with moelab.recording_routing(model), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits, aux = forward(x)
+        loss = torch.nn.functional.cross_entropy(logits.float(), y) + aux
+        out["indices"].append(layer.last_routing.indices)
+        out["logits_dtype"] = layer.last_routing.logits.dtype
+        opt.zero_grad()
+        loss.backward()
+        value = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(value)
+        out["losses"].append(value.item() / world)
+        out["grads"].append(_full_grads(model))
+        opt.step()
+    hook.remove()
+    return out
+
+
+def _mixed_precision(rank: int, world: int) -> dict:
+    """``router_dtype="float32"`` under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` against one
+    process on the whole batch under bf16 autocast (float32 parameters): losses, gradients, routing."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moelab.train.parallelize import parallelize
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for method in MIXED_METHODS:
+        ref = WithAux(_mixed_model(method))
+        want = _mixed_train(ref, ref, 1, 0, autocast=True)
+        model = WithAux(_mixed_model(method))
+        forward = parallelize(model, dp="fsdp", mp_policy=policy)
+        got = _mixed_train(model, forward, world, rank, autocast=False)
+        n = 8 // world
+        errors = {}
+        for g, r in zip(got["grads"], want["grads"], strict=True):
+            for k in r:
+                scale = r[k].abs().max().item() if r[k] is not None else 0.0
+                err = 0.0 if r[k] is None and g[k] is None else (g[k] - r[k]).abs().max().item()
+                errors[k] = max(errors.get(k, 0.0), err / max(scale, 1e-30))
+        out[method] = {
+            "losses": (got["losses"], want["losses"]),
+            "grad_errors": errors,
+            "same_routing": all(
+                torch.equal(a, b[rank * n : (rank + 1) * n]) for a, b in zip(got["indices"], want["indices"])
+            ),
+            "router_dtypes": got["router_dtypes"],
+            "logits_dtype": got["logits_dtype"],
+            "expert_dtype": {p.dtype for p in model.model[1].experts.parameters()},
+        }
+    out["ddp_refused"] = _message(
+        lambda: parallelize(WithAux(_mixed_model("smoe")), dp="ddp", mp_policy=policy)
+    )
+    return out
+
+
+def test_router_dtype_float32_under_fsdp2_mixed_precision_equals_the_autocast_path(two_ranks):
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` once gathered the router in bf16, which
+    ``router_dtype="float32"`` refuses: ``parallelize(mp_policy=...)`` makes such a router its own
+    unit with a float32 policy.  Its parameters are float32 in every forward, the logits float32,
+    the experts chosen those of one process under bf16 autocast on the whole batch, the losses and
+    every gradient equal to that run's to bf16 rounding: the losses to eps = 2^-7, each gradient to
+    2 eps of its largest entry (either side rounds its token sums to bf16 once: the ranks their
+    halves, the one process the whole batch)."""
+    eps = torch.finfo(torch.bfloat16).eps
+    for rank, r in enumerate(x["mixed"] for x in two_ranks):
+        assert r.pop("ddp_refused") == (
+            f"mp_policy={MIXED_POLICY_REPR} is not allowed with dp='ddp'; expected a "
+            "torch.distributed.fsdp.MixedPrecisionPolicy with dp='fsdp' (otherwise run under torch.autocast)"
+        )
+        for method, m in r.items():
+            assert m["router_dtypes"] == {torch.float32}, (rank, method)
+            assert m["logits_dtype"] == torch.float32 and m["same_routing"], (rank, method)
+            assert m["expert_dtype"] == {torch.float32}, (rank, method)  # sharded at rest in float32
+            got, want = m["losses"]
+            assert want[0] != want[1]
+            for a, b in zip(got, want):
+                assert abs(a - b) <= eps * abs(b), (rank, method, got, want)
+            worst = max(m["grad_errors"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= 2 * eps, (rank, method, worst)
+
+
+MIXED_POLICY_REPR = (
+    "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None, "
+    "cast_forward_inputs=True)"
+)
+
+
+# ------------------------------------------------------------------------------------ routing context in shards
+def _scheduled(warmup: float = 0.5) -> tuple[torch.nn.Module, moelab.RoutingContext]:
+    """A ``competesmoe`` block (no competition before step 2 of 4, then every step) and a
+    ``sharede-v3`` block (its selection bias moves every step), float64."""
+    torch.manual_seed(0)
+    layers = [
+        moelab.MoE(D, 4, 2, d_hidden=6, method="competesmoe", **TOKEN_MEANS, competition_balance_coef=0.0),
+        moelab.MoE(D, 4, 2, d_hidden=6, method="sharede-v3", num_shared=1, **TOKEN_MEANS),
+    ]
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), *layers, torch.nn.Linear(D, C)).double()
+    ctx = moelab.routing_context(model, 4, 0, omega=1.0, competition_warmup=warmup)
+    return WithAux(model), ctx
+
+
+def _steps(model, ctx, opt, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = _batch(step)
+        loss = _loss(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.advance()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_sharded_checkpoint_resumes_the_routing_context_as_an_uninterrupted_run(tmp_path):
+    """``save_sharded`` once wrote the weights and the optimizer only: a resume restarted the routing
+    step at 0 and with it the competition schedule.  Now the folder holds the context (and the
+    selection bias, in the shards): two steps, save, a fresh model, context and optimizer, load, two
+    more steps = four uninterrupted steps, bit for bit."""
+    import warnings
+
+    from moelab.train.parallelize import ROUTING, load_sharded, save_sharded
+
+    model, ctx = _scheduled()
+    want = _steps(model, ctx, torch.optim.AdamW(model.parameters(), lr=0.05), range(4))
+    model, ctx = _scheduled()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    first = _steps(model, ctx, opt, range(2))
+    with warnings.catch_warnings():  # one process: DCP's "assuming a single process" is meant
+        warnings.simplefilter("ignore", UserWarning)
+        save_sharded(tmp_path / "dcp", model, opt)
+        assert (tmp_path / "dcp" / ROUTING).is_file()
+        model, ctx = _scheduled()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        load_sharded(tmp_path / "dcp", model, opt)
+    assert ctx.step == 2
+    assert first + _steps(model, ctx, opt, range(2, 4)) == want
+    assert want[2] != _steps(*_scheduled(), torch.optim.SGD([torch.zeros(1)]), range(2, 3))[0]  # it mattered
+
+
+def _sharded_resume(rank: int, world: int, out: str) -> dict:
+    """The same on the ranks, EP × FSDP2 (``ep`` = world): four steps against two, ``save_sharded``,
+    a fresh parallelized model and context, ``load_sharded``, two more."""
+    from moelab.train.parallelize import load_sharded, parallelize, save_sharded
+
+    def fresh():
+        model, ctx = _scheduled()
+        parallelize(model, dp="fsdp", ep=world)
+        return model, ctx, torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
+
+    def steps(model, ctx, opt, span):
+        losses = []
+        for step in span:
+            x, y = _batch(step, world, rank)
+            loss = _loss(model, x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ctx.advance()
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(value.item() / world)
+        return losses
+
+    want = steps(*fresh(), range(4))
+    model, ctx, opt = fresh()
+    got = steps(model, ctx, opt, range(2))
+    save_sharded(os.path.join(out, "resume"), model, opt)
+    model, ctx, opt = fresh()
+    load_sharded(os.path.join(out, "resume"), model, opt)
+    return {"step": ctx.step, "got": got + steps(model, ctx, opt, range(2, 4)), "want": want}
+
+
+def test_a_sharded_checkpoint_of_expert_parallel_fsdp2_ranks_resumes_as_an_uninterrupted_run(two_ranks):
+    for r in (x["resume"] for x in two_ranks):
+        assert r["step"] == 2 and r["got"] == r["want"]
+
+
+def test_a_sharded_checkpoint_refuses_a_routing_context_that_does_not_match(tmp_path):
+    import warnings
+
+    from moelab.errors import CheckpointError
+    from moelab.layer import moe_layers
+    from moelab.train.parallelize import ROUTING, load_sharded, save_sharded
+
+    model, ctx = _scheduled()
+    ctx.step = 2
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        save_sharded(path, model)
+        other, _ = _scheduled(warmup=0.25)
+        with pytest.raises(CheckpointError) as err:
+            load_sharded(path, other)
+        assert str(err.value) == (
+            f"checkpoint {path} has routing schedule {{'a_max': 6, 'num_layers': 2, 'omega': 1.0, 'seed': 0, "
+            "'total_steps': 4, 'type': 'competition', 'warmup': 0.5}, this context {'a_max': 6, 'num_layers': 2, "
+            "'omega': 1.0, 'seed': 0, 'total_steps': 4, 'type': 'competition', 'warmup': 0.25}; expected the same "
+            "schedule (same model, steps, seed and schedule options)"
+        )
+        bare = _scheduled()[0]
+        for layer in moe_layers(bare):
+            layer.ctx = None
+        with pytest.raises(CheckpointError) as err:
+            load_sharded(path, bare)
+        assert str(err.value) == (
+            f"checkpoint {path} holds the routing context of step 2 and the model has none; expected the run's "
+            "context attached first (moelab.routing_context(model, total_steps, seed, ...)) or passed as ctx="
+        )
+        (path / ROUTING).unlink()
+        with pytest.raises(CheckpointError) as err:
+            load_sharded(path, _scheduled()[0])
+        assert str(err.value) == (
+            f"checkpoint {path} has no routing.json and the model has a routing context (step 0); expected a "
+            "folder of save_sharded, which records the step to continue from"
+        )

@@ -10,6 +10,11 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+try:  # sharded weights (FSDP2, expert parallelism); a torch without torch.distributed has none
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = ()
+
 from .aux_grad import AuxLossInjection, readout
 from .balance import StepStatistics
 from .errors import NonFiniteError
@@ -261,7 +266,10 @@ class MoE(nn.Module):
         ``attention_mask``; masked tokens get output 0.  It costs one host sync (how many tokens
         are real) and routes the real tokens in their order: ``last_routing`` has one row each.
         """
-        weight = next(self.router.parameters(), None)
+        # the input's dtype is the router's parameters', or the experts' where router_dtype keeps the
+        # router in float32 (FSDP2 mixed precision); weights sharded at rest (a DTensor) say nothing
+        owner = self.router if self.router_dtype is None else self.experts
+        weight = next((p for p in owner.parameters() if not isinstance(p, DTensor)), None)
         self.config.check_input(x, token_mask, None if weight is None else weight.dtype)
         if self.training and not torch.compiler.is_compiling():  # a warning would break the graph
             self.router.check_context(self.ctx, self.method)

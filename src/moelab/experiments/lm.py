@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from ..models.lm import (
 )
 from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
-from ..train.parallel import choose
+from ..train.parallel import Parallel, choose
 from ..train.tasks import LMTask
 from ..train.trainer import TrainConfig, Trainer, TrainingError
 from . import runner
@@ -347,6 +348,7 @@ def _prepare(config: TrainRun, world: int) -> None:
 
 
 def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) -> dict[str, Any]:
+    parallel = _layout(config, run.resume)  # first: a layout that cannot run refuses before any file
     if data is None:  # rank 0 fetches a corpus once; the other ranks read its cache
         data = runner.rank_zero_first(lambda: load_text(config.data, level=config.level))
     run.check_fingerprint("--data", config.data, (data.info or {}).get("sha256"))
@@ -382,10 +384,37 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
             "size": config.size,
             "data": config.data,
         },
-        parallel=choose(expert_parallel=config.expert_parallel, fsdp=config.fsdp),
+        parallel=parallel,
         autotune=config.autotune,
     )
     return trainer.fit(resume=run.resume)
+
+
+def _layout(config: TrainRun, resume: bool) -> Parallel:
+    """The parallel layout of this process: ``--expert-parallel`` / ``--fsdp`` under torchrun.
+    Resumed on one process (no torchrun), a run recorded with them continues as one process, the
+    Python API's way: its checkpoint's shards are gathered here (``moelab.train.checkpoint``), said
+    once on stderr; a new run with them on one process is refused in one line naming the flags to
+    drop (before anything is written: the retry without them finds no run in ``--out``)."""
+    sharded = [
+        flag for flag, on in (("--fsdp", config.fsdp), ("--expert-parallel", config.expert_parallel)) if on
+    ]
+    if sharded and not torch.distributed.is_initialized() and not resume:
+        flags = " ".join(sharded)
+        raise UsageError(
+            f"{flags} {'is' if len(sharded) == 1 else 'are'} not allowed on one process (no torchrun): "
+            f"{'it splits' if len(sharded) == 1 else 'they split'} the model over the ranks torchrun launches; "
+            f"launch with torchrun --nproc_per_node=N (docs/scaling.md), or drop {flags} to train on one process"
+        )
+    if resume and sharded and not torch.distributed.is_initialized():
+        print(
+            f"moelab train: --resume of a {' '.join(sharded)} run on one process (no torchrun): its sharded "
+            "checkpoint is gathered here and the run continues on one process (the batch is no longer split "
+            "over ranks: per-rank terms such as the balance loss are taken over the whole batch)",
+            file=sys.stderr,
+        )
+        return choose()
+    return choose(expert_parallel=config.expert_parallel, fsdp=config.fsdp)
 
 
 def _command(data: TextData | None = None) -> runner.Command:

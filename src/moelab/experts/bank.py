@@ -18,7 +18,16 @@ from ..functional import ACTIVATIONS
 from ..functional import activation as get_activation
 from .base import SparseExperts
 from .dispatch import tracks_grad
-from .kernels import KERNELS, ExpertWeights, ShapeClass, WinnerMLP, choose_kernel, expert_mlp, padded_rows
+from .kernels import (
+    KERNELS,
+    ExpertWeights,
+    ShapeClass,
+    WinnerMLP,
+    choose_kernel,
+    expert_mlp,
+    padded_rows,
+    run_kernel,
+)
 
 __all__ = ["MLP", "ExpertBank"]
 
@@ -105,7 +114,7 @@ class ExpertBank(SparseExperts):
             ``(T, d)``.
         """
         impl = self.resolved_impl(x, indices.shape[1], tracks_grad(self, x, weights))
-        return KERNELS[impl](x, indices, weights, self.expert_weights)
+        return run_kernel(impl, x, indices, weights, self.expert_weights)  # in autocast's dtype under it
 
     def mix_padded(self, xs: Tensor) -> Tensor:
         """Every expert on its ``C`` rows ``xs (N, C, d)`` as one batched matmul of fixed shape

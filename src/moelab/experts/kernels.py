@@ -37,6 +37,7 @@ __all__ = [
     "ShapeClass",
     "WinnerMLP",
     "all_experts",
+    "autocast_dtype",
     "candidates",
     "check_picks",
     "choose_kernel",
@@ -50,6 +51,7 @@ __all__ = [
     "padded_rows",
     "random_probe",
     "rule_kernel",
+    "run_kernel",
     "shape_class",
     "stream",
 ]
@@ -82,9 +84,47 @@ class ExpertWeights(NamedTuple):
         """The weights and the biases there are."""
         return tuple(t for t in (self.w_in, self.w_out, self.b_in, self.b_out) if t is not None)
 
+    def to(self, dtype: torch.dtype) -> ExpertWeights:
+        """The same experts with every tensor cast to ``dtype`` (a differentiable cast)."""
+        w = (None if t is None else t.to(dtype) for t in (self.w_in, self.w_out, self.b_in, self.b_out))
+        return ExpertWeights(*w, self.activation)
+
 
 #: ``kernel(x (T, d), indices (T, K), weights (T, K), experts) -> (T, d)``: ``Σ_k w_k · expert_{i_k}(x)``
 Kernel = Callable[[Tensor, Tensor, Tensor, ExpertWeights], Tensor]
+
+
+def autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs the matmuls of ``x`` in: ``None`` outside autocast for
+    ``x``'s device and for the float64 tensors autocast leaves alone."""
+    device = x.device.type
+    if x.dtype == torch.float64 or not x.is_floating_point() or not torch.amp.is_autocast_available(device):
+        return None  # float64 autocast leaves alone; a device autocast does not know (meta) has none
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def run_kernel(name: str, x: Tensor, indices: Tensor, weights: Tensor, experts: ExpertWeights) -> Tensor:
+    """``KERNELS[name](x, indices, weights, experts)``, under ``torch.autocast`` in its dtype.
+
+    Autocast casts the inputs of the ops on its lists (``mm``, ``addmm``, ``linear``, ``bmm``), not
+    of ``grouped_mm``, Triton kernels or ``out=`` variants, so each kernel would compute in another
+    dtype, or mix two and fail.  Under autocast the tokens and the experts' weights are therefore
+    cast to its dtype here (the casts are differentiable: the weights' gradients return in their
+    own dtype, as an ``nn.Linear``'s do), the kernel runs with autocast off, and the output returns
+    in ``x``'s dtype, as :func:`padded_rows` does: every kernel, on every device, computes the
+    experts as every other ``nn.Linear`` under autocast does (docs/kernels.md, "Autocast").  The
+    routing weights are the kernel's to cast (each combines in its rows' dtype)."""
+    dtype = autocast_dtype(x)
+    if dtype is None:
+        return KERNELS[name](x, indices, weights, experts)
+    # also where x is already in it (an autocast Linear's output): the float32 weights are cast
+    with torch.autocast(x.device.type, enabled=False):
+        return KERNELS[name](x.to(dtype), indices, weights, experts.to(dtype)).to(x.dtype)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the kernels compute ``x`` in: autocast's (:func:`autocast_dtype`), else ``x``'s."""
+    return autocast_dtype(x) or x.dtype
 
 
 def _tracks_grad(*tensors: Tensor) -> bool:
@@ -341,7 +381,9 @@ def rule_kernel(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool) -> st
 def _rule(x: Tensor, top_k: int, experts: ExpertWeights, grad: bool, tracing: bool) -> str:
     cpu = x.device.type == "cpu" and not tracing
     slots, n = x.shape[0] * top_k, experts.num_experts
-    grouped_runs = grouped_ok(x, experts)
+    # on the CPU the rule takes grouped_mm in float32 only, where it was timed; while tracing it is the
+    # one kernel without a host sync in every dtype
+    grouped_runs = grouped_ok(x, experts) and not (cpu and _compute_dtype(x) != torch.float32)
     one = cpu and torch.get_num_threads() == 1  # not read while tracing: a graph break
     if not grad and cpu:
         decoding = slots <= n
@@ -452,7 +494,7 @@ def _runner(probe: Probe, grad: bool, clock: Callable[[], float]):
             p.grad = None
         with torch.set_grad_enabled(grad):
             start = clock()
-            y = KERNELS[name](inp, probe.indices, w, experts)
+            y = run_kernel(name, inp, probe.indices, w, experts)
             if grad:
                 y.backward(out_grad.to(y.dtype))
             if inp.device.type == "cuda":
@@ -479,10 +521,10 @@ def grouped_aligned(dtype: torch.dtype, *widths: int) -> bool:
 
 
 def grouped_ok(x: Tensor, experts: ExpertWeights) -> bool:
-    """Whether the ``"grouped"`` kernel runs for ``x`` and ``experts`` (device, dtype, alignment)."""
-    return grouped_mm_available(x.device, x.dtype) and grouped_aligned(
-        x.dtype, experts.d_model, experts.d_hidden
-    )
+    """Whether the ``"grouped"`` kernel runs for ``x`` and ``experts`` (device, the dtype it computes
+    in — autocast's under autocast, :func:`run_kernel` — and alignment)."""
+    dtype = _compute_dtype(x)
+    return grouped_mm_available(x.device, dtype) and grouped_aligned(dtype, experts.d_model, experts.d_hidden)
 
 
 # ------------------------------------------------------------------ the experts on sorted rows
@@ -570,8 +612,9 @@ _GROUPED_MM = _grouped_mm_fn()
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``grouped_mm`` runs for this device and dtype with this torch.
 
-    CPU kernels exist from torch 2.9 (float32; bfloat16 needs 16-byte aligned strides); CUDA
-    needs compute capability 8.0 or newer.  float64 is not supported anywhere.
+    CPU kernels exist from torch 2.9 (float32, bfloat16 and float16, with 16-byte aligned
+    strides; ``impl="auto"``'s rule takes them in float32 only, where they were timed); CUDA needs
+    compute capability 8.0 or newer.  float64 is not supported anywhere.
     """
     if _GROUPED_MM is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
@@ -579,7 +622,7 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
         return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type == "cpu":
         version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-        return version >= (2, 9) and dtype == torch.float32
+        return version >= (2, 9)
     return False
 
 

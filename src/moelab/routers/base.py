@@ -366,7 +366,8 @@ class Router(nn.Module):
             if p.dtype != want:
                 raise ValueError(
                     f"router_dtype={name!r} needs the router's parameters in {name}; {key} is {p.dtype} (keep "
-                    "the router in float32, layer.router.float(), and run the rest under torch.autocast)"
+                    "the router in float32, layer.router.float(), and run the rest under torch.autocast or in "
+                    "bf16; under FSDP2 mixed precision use parallelize(..., mp_policy=...), which keeps it float32)"
                 )
 
     @property

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from ..experts import ExpertBank
 from ..experts.parallel import ExpertParallelBank, parallel_class
 from ..layer import moe_layers
+from ..routing import RoutingContext
 
 __all__ = [
     "ExpertParallel",
@@ -114,7 +115,9 @@ class ExpertParallel(_style_base()):
 
 
 # ---------------------------------------------------------------------------- parallelize
-def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1, mp_policy: Any = None
+) -> nn.Module:
     """Spread ``model`` (identical on every rank: same seed or same checkpoint) over the ranks.
 
     Args:
@@ -125,6 +128,10 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) ->
             ``"none"`` (the replicated parameters' gradients are the caller's to reduce).
         ep: the expert-parallel degree: the experts of every layer are split over ``ep`` ranks
             (``1``: every rank holds all of them).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit ``fully_shard`` makes
+            (``dp="fsdp"`` only; ``None``: the parameters' dtype).  A router with
+            ``router_dtype="float32"`` is its own unit with a float32 policy (parameters gathered,
+            computed on and reduced in float32), as torchtitan and Megatron-Core keep the gate.
 
     Returns:
         the module to train: ``model`` itself (sharded in place) for ``"fsdp"`` and ``"none"``, a
@@ -146,6 +153,14 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) ->
             f"ep={ep!r} is not allowed with {world} processes; expected a divisor of the world size: "
             f"{[e for e in range(1, world + 1) if world % e == 0]}"
         )
+    if mp_policy is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if dp != "fsdp" or not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise ValueError(
+                f"mp_policy={mp_policy!r} is not allowed with dp={dp!r}; expected a "
+                "torch.distributed.fsdp.MixedPrecisionPolicy with dp='fsdp' (otherwise run under torch.autocast)"
+            )
     _refuse_parallel(model)
     layers = moe_layers(model)
     if ep > 1:
@@ -183,7 +198,7 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) ->
         for layer in layers:
             parallelize_module(layer.experts, mesh["ep"], ExpertParallel())
     if dp == "fsdp":
-        return _fully_shard(model, mesh, layers, ep)
+        return _fully_shard(model, mesh, layers, ep, mp_policy)
     if dp == "ddp" and world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -197,10 +212,13 @@ def parallelize(model: nn.Module, mesh=None, *, dp: str = "ddp", ep: int = 1) ->
     return model
 
 
-def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+def _fully_shard(
+    model: nn.Module, mesh, layers: list[nn.Module], ep: int, mp_policy: Any = None
+) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.tensor import Shard
 
+    mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     dp_mesh = mesh._flatten("dp") if ep > 1 else mesh["efsdp"]  # every rank (ep=1: efsdp is the world)
     efsdp = mesh["efsdp"].size()
     for layer in layers:
@@ -208,12 +226,19 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
             local = layer.experts.num_experts // ep
             # torchtitan's rule: more FSDP ranks than local experts shard the second dimension
             dim = 1 if efsdp > local else 0
-            fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p, d=dim: Shard(d))
+            fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p, d=dim: Shard(d), **mp)
             # the competition routers call these directly, not through __call__: without the
             # registration FSDP would not gather the weights and the bank would run on its shard
             for method in ("forward_all", "expert_forward"):
                 register_fsdp_forward_method(layer.experts, method)
-        fully_shard(layer, mesh=dp_mesh)
+        router = layer.router.base_router  # the router router_dtype applies to (competesmoe's base)
+        dtype = router.compute_dtype
+        if mp and dtype is not None and any(True for _ in router.parameters()):
+            # its own unit: gathered, run and reduced in its dtype whatever the policy of the rest
+            # (the layer's unit would gather it in the policy's param_dtype, which router_dtype refuses)
+            own = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=False)
+            fully_shard(router, mesh=dp_mesh, mp_policy=own)
+        fully_shard(layer, mesh=dp_mesh, **mp)
     # the blocks of a ModuleList (a transformer's layers) each their own unit, as torchtitan wraps
     # every transformer block: one block's full weights exist at a time, not the whole model's
     inside = {id(m) for layer in layers for m in layer.modules()}
@@ -225,8 +250,8 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
         if id(child) not in inside
     ]
     for block in reversed(blocks):  # inner lists before the lists holding them
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, **mp)
+    fully_shard(model, mesh=dp_mesh, **mp)
     return model
 
 
@@ -323,38 +348,84 @@ def load_full_optimizer_state(
 
 
 def save_sharded(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    ctx: RoutingContext | None = None,
 ) -> None:
     """Write the model (and optimizer) state to the folder ``path`` with
     ``torch.distributed.checkpoint.save``: every rank writes its own shards, nothing is gathered
     (a collective); the optimizer's param groups go to ``param_groups.pt`` (rank 0,
-    ``torch.save``), so the shards hold tensors only.  :func:`load_sharded` reads it on any layout
-    and number of ranks."""
+    ``torch.save``), so the shards hold tensors only, and the routing context — ``ctx``, default
+    the one attached to the model's MoE layers: its step, planned steps and schedule, as
+    :func:`moelab.save` records it — to ``routing.json`` (rank 0).  The routing state that lives in
+    the model (a selection bias) is in its shards.  :func:`load_sharded` reads it on any layout and
+    number of ranks."""
     import torch.distributed.checkpoint as dcp
 
-    from ..io.atomic import atomic_write_torch
+    from ..io.atomic import atomic_write_json, atomic_write_torch
 
+    ctx = _attached_context(model) if ctx is None else ctx
     state = _dcp_state(model, optimizer)
     groups = state.pop("param_groups", None)
     dcp.save(state, checkpoint_id=os.fspath(path))
-    if groups is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        atomic_write_torch(os.path.join(path, PARAM_GROUPS), groups)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if groups is not None:
+            atomic_write_torch(os.path.join(path, PARAM_GROUPS), groups)
+        atomic_write_json(
+            os.path.join(path, ROUTING), {"routing_context": None if ctx is None else ctx.state_dict()}
+        )
     if dist.is_initialized():
         dist.barrier()  # the param groups are there before any rank reads the folder
 
 
 def load_sharded(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    ctx: RoutingContext | None = None,
 ) -> None:
     """Read a :func:`save_sharded` folder into the parallelized ``model`` (and ``optimizer``),
-    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective).
-    Nothing is unpickled unrestricted (:mod:`moelab.io.sharded`): the index ``.metadata`` builds
-    only DCP's metadata classes, a non-tensor entry is refused, the param groups are read with
-    ``weights_only=True``."""
+    re-sharded to the layout at hand, whatever layout and number of ranks wrote it (a collective),
+    and its routing context into ``ctx`` (default the one attached to the model): the run continues
+    at the saved step of the same schedule.  Nothing is unpickled unrestricted
+    (:mod:`moelab.io.sharded`): the index ``.metadata`` builds only DCP's metadata classes, a
+    non-tensor entry is refused, the param groups are read with ``weights_only=True``.
+
+    Raises:
+        CheckpointError: the folder holds a routing context and the model has none attached (nor
+            ``ctx``), the context's schedule is another (the run would compete at other steps), or
+            the folder has no ``routing.json`` while the model has a context (a folder of an
+            earlier moelab: the step it stopped at is unknown).
+    """
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    from ..errors import CheckpointError
     from ..io import sharded as dcp_io
+    from ..io.atomic import read_json
 
+    ctx = _attached_context(model) if ctx is None else ctx
+    routing = os.path.join(path, ROUTING)
+    saved = read_json(routing)["routing_context"] if os.path.isfile(routing) else None
+    if ctx is not None and not os.path.isfile(routing):
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)} has no {ROUTING} and the model has a routing context (step "
+            f"{ctx.step}); expected a folder of save_sharded, which records the step to continue from"
+        )
+    if saved is not None and ctx is None:
+        raise CheckpointError(
+            f"checkpoint {os.fspath(path)} holds the routing context of step {saved['step']} and the model has "
+            "none; expected the run's context attached first (moelab.routing_context(model, total_steps, seed, "
+            "...)) or passed as ctx="
+        )
+    if saved is not None:
+        current = None if ctx.schedule is None else ctx.schedule.state_dict()
+        if saved.get("schedule") != current:
+            show = lambda d: d if d is None else dict(sorted(d.items()))  # JSON sorts the saved keys
+            raise CheckpointError(
+                f"checkpoint {os.fspath(path)} has routing schedule {show(saved.get('schedule'))}, this context "
+                f"{show(current)}; expected the same schedule (same model, steps, seed and schedule options)"
+            )
     state = _dcp_state(model, optimizer)
     groups = state.pop("param_groups", None)
     files = {f.name: "" for f in os.scandir(path) if f.is_file()}
@@ -367,10 +438,18 @@ def load_sharded(
         model_state_dict=state["model"],
         optim_state_dict={} if optimizer is None else {"state": state["optimizer"], "param_groups": groups},
     )
+    if saved is not None:
+        ctx.load_state_dict(saved)
 
 
 #: the optimizer's param groups of a :func:`save_sharded` folder (the shards hold tensors only)
 PARAM_GROUPS = "param_groups.pt"
+#: the routing context of a :func:`save_sharded` folder (``RoutingContext.state_dict()``, JSON)
+ROUTING = "routing.json"
+
+
+def _attached_context(model: nn.Module) -> RoutingContext | None:
+    return next((layer.ctx for layer in moe_layers(model) if layer.ctx is not None), None)
 
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
