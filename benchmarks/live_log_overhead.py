@@ -50,18 +50,21 @@ def main() -> None:
         text.write_text(Path(argparse.__file__).read_text() * 4)  # the standard library's source
         data = load_text(str(text))
         fit_seconds(data, "tensorboard", 5, Path(tmp) / "warm")  # imports and first-call costs
-        ratios, seconds = [], {"tensorboard": [], "csv": []}
+        seconds: dict[str, list[tuple[float, float]]] = {"tensorboard": [], "csv": []}
         for i in range(args.pairs):
             for log in ("tensorboard", "csv"):
                 seconds[log].append(fit_seconds(data, log, args.steps, Path(tmp) / f"{log}{i}"))
-            ratios.append(seconds["tensorboard"][-1] / seconds["csv"][-1])
-    for log, values in seconds.items():
+    for clock, k in (("cpu", 0), ("wall", 1)):
+        for log, pairs in seconds.items():
+            v = [pair[k] for pair in pairs]
+            print(
+                f"{clock:>4} {log:>11}: median {statistics.median(v):.3f} s (min {min(v):.3f}, max {max(v):.3f})"
+            )
+        ratios = [a[k] / b[k] for a, b in zip(seconds["tensorboard"], seconds["csv"])]
         print(
-            f"{log:>11}: median {statistics.median(values):.3f} s (min {min(values):.3f}, max {max(values):.3f})"
+            f"{clock:>4} tensorboard / csv: median {statistics.median(ratios):.4f} "
+            f"(min {min(ratios):.4f}, max {max(ratios):.4f})"
         )
-    print(
-        f"tensorboard / csv: median {statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})"
-    )
 
 
 if __name__ == "__main__":
