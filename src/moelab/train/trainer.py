@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..balance import StepBalance, attached_step_balance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
+from ..extras import require
 from ..experts import autotune as autotune_kernels
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
@@ -168,7 +169,8 @@ class Trainer:
         model: the model (its MoE layers get a shared :class:`moelab.RoutingContext`).
         task: the :class:`Task`.
         config: :class:`TrainConfig`.
-        run: the run directory, or ``None`` to write nothing (tests, notebooks).
+        run: the run directory, or ``None`` to write nothing (tests, notebooks); a run directory
+            needs matplotlib (``moelab[plot]``) for its ``curves.png``.
         schedule_options: options of the schedule the layers' method declares
             (:data:`moelab.schedules.SCHEDULE_OPTIONS`; :func:`moelab.schedules.routing_context`).
         ctx: the routing context to train with, attached here; default the one
@@ -216,6 +218,8 @@ class Trainer:
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config of type {type(config).__name__} is not allowed; expected a TrainConfig")
+        if run is not None:  # the run's curves.png, drawn when it finishes: refused now, not then
+            require("plot", "Trainer(run=...), which draws the run's curves.png,")
         self.model = model
         self.task = task
         self.config = config
