@@ -4,6 +4,7 @@ installed into a fresh virtual environment, running the README's layer example."
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -115,10 +116,11 @@ def test_the_extras_are_those_pyproject_declares():
 def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_readme_layer_example(tmp_path):
     """The way a user installs it: build the wheel, a new virtual environment, ``pip install`` the
     wheel (torch pinned as the Makefile pins it), ``moelab --help``, the layer example; no extra."""
+    user = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     wheels = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
-        check=True, timeout=600,
+        check=True, timeout=600, env=user,
     )  # fmt: skip
     (wheel,) = wheels.glob("moelab-*.whl")
     env_dir = tmp_path / "venv"
@@ -126,18 +128,20 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_readme_layer_example(
     python = env_dir / "bin" / "python"
     subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), f"{wheel}", "torch==2.13.0"],
-        check=True, timeout=1800,
+        check=True, timeout=1800, env=user,
     )  # fmt: skip
     listed = subprocess.run(
-        [str(python), "-m", "pip", "list"], capture_output=True, text=True, check=True
+        [str(python), "-m", "pip", "list"], capture_output=True, text=True, check=True, env=user
     ).stdout
     for package in ("matplotlib", "scipy", "transformers"):
         assert package not in listed  # the core dependencies only
-    helped = subprocess.run([str(env_dir / "bin" / "moelab"), "--help"], capture_output=True, text=True)
+    helped = subprocess.run(
+        [str(env_dir / "bin" / "moelab"), "--help"], capture_output=True, text=True, env=user
+    )
     assert helped.returncode == 0 and "simulate" in helped.stdout, helped.stderr
     ran = subprocess.run(
         [str(python), "-c", LAYER_EXAMPLE + "\nprint('ok', tuple(y.shape))"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, env=user,
     )  # fmt: skip
     assert ran.stdout.strip() == "ok (8, 128, 256)", ran.stderr
     refused = subprocess.run(
