@@ -148,5 +148,6 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_readme_layer_example(
         [str(env_dir / "bin" / "moelab"), "simulate", "--out", str(tmp_path / "o")],
         capture_output=True,
         text=True,
+        env=user,
     )
     assert refused.returncode == 2 and "pip install 'moelab[lab]'" in refused.stderr
