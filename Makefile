@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # torch is pinned: 2.13.0 is the CPU build on this machine; an unpinned torch pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: test test-slow demo lint bench clean
+.PHONY: test test-slow demo lint bench clean wheel-check
 
 # requirements-titan.txt: torchtitan (tests/test_titan.py) and the four packages its MoE imports, installed
 # without their dependencies: torchtitan 0.3 asks for datasets<4.8, which would downgrade the pinned
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml constraints.txt requirements-titan.txt
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# the wheel as a user installs it: built, installed into a fresh venv with the core dependencies only,
+# `moelab --help` and the README's layer example (tests/test_extras.py; torch from the pinned file)
+wheel-check: $(STAMP)
+	$(BIN)/python -m pytest -m slow tests/test_extras.py
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import moelab
 from moelab.balance import attached_step_balance
 from moelab.hf.upcycle import upcycle
+from moelab.layer import moe_layers
 from moelab.methods import get_method
 from moelab.schedules import CoinFlipSchedule, CompetitionSchedule, build_schedule
 
@@ -249,6 +250,34 @@ def test_each_aux_loss_is_logged_and_reaches_tensorboard(tmp_path, monkeypatch):
         logged = [e.value for e in acc.Scalars(f"train/{name}")]
         assert logged == pytest.approx([log[name] for log in logs], rel=1e-6)
     assert logs[0]["aux_balance"] > 0 and logs[0]["aux_z"] > 0
+    for layer in (0, 1):  # each layer's balance over the logging interval
+        logged = [e.value for e in acc.Scalars(f"train/max_vio/layer{layer}")]
+        assert logged == pytest.approx([log[f"max_vio/layer{layer}"] for log in logs], rel=1e-6)
+        assert all(0 < log[f"jain/layer{layer}"] <= 1 for log in logs)
+
+
+def test_each_layers_load_balance_is_logged_over_the_logging_interval(tmp_path):
+    model = _model("smoe")
+    loads = {0: [], 1: []}  # every training forward's expert counts, read from the layers
+    for i, layer in enumerate(moe_layers(model)):
+        layer.register_forward_hook(
+            lambda m, a, out, i=i: loads[i].append(
+                torch.bincount(m.last_routing.indices.flatten(), minlength=4)
+            )
+        )
+    trainer = MoETrainer(
+        model=model, args=_args(tmp_path, max_steps=4, logging_steps=2), train_dataset=_data()
+    )
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert len(logs) == 2
+    for layer in (0, 1):
+        for log, steps in zip(logs, (loads[layer][:2], loads[layer][2:4])):
+            load = sum(steps).double()
+            assert log[f"max_vio/layer{layer}"] == pytest.approx(
+                float(load.max() / load.mean() - 1), rel=1e-12
+            )
+            assert log[f"jain/layer{layer}"] == pytest.approx(float(load.sum() ** 2 / (4 * (load**2).sum())))
 
 
 # -------------------------------------------------------------------------------------- resume

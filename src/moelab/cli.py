@@ -14,6 +14,7 @@ import sys
 
 from ._version import __version__
 from .errors import UsageError
+from .extras import require
 
 #: subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -55,6 +56,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
+#: subcommand → the extra it needs beyond the core dependencies (:mod:`moelab.extras`): the commands
+#: that draw plots or compute statistics; checked before the command starts, never after a run
+COMMAND_EXTRAS: dict[str, str] = {
+    name: "lab"
+    for name in ("train", "compare", "benchmark", "finetune", "report", "diagnose", "simulate", "specialize")
+}
+
 
 #: OSError numbers reported as one-line user errors (exit 2): no space, quota, read-only, permission,
 #: a path too long for the file system
@@ -86,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command in COMMAND_EXTRAS:
+            require(COMMAND_EXTRAS[args.command], f"moelab {args.command}")
         return int(args._run(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as exc:
         if args.debug:

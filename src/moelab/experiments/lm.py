@@ -35,6 +35,7 @@ from ..models.lm import (
 )
 from ..optim import OPTIMIZERS, check_optimizer
 from ..schedules import LR_SCHEDULES, split_schedule_options
+from ..train.live import LIVE_LOGS
 from ..train.parallel import Parallel, choose
 from ..train.tasks import LMTask
 from ..train.trainer import TrainConfig, Trainer, TrainingError
@@ -189,6 +190,19 @@ class TrainRun:
         input=False,
         help="before the first step, time impl=auto's candidate kernels on one batch and train with the "
         "fastest (prints its picks; two runs that autotune may pick, and end, differently; docs/kernels.md)",
+    )
+    log: str = setting(
+        "auto",
+        input=False,
+        help="the live view beside log.csv: tensorboard (event files in OUT/tensorboard/), csv (log.csv "
+        "only), auto (tensorboard when installed)",
+        allowed=Options(LIVE_LOGS),
+    )
+    log_every: int = setting(
+        10,
+        input=False,
+        help="with tensorboard: per-layer load histograms, load image and diagnostics every N steps",
+        allowed=Interval(int, 1, 1 << 40),
     )
     expert_parallel: bool = setting(
         False,
@@ -386,6 +400,8 @@ def _execute(config: TrainRun, run: runner.Run, data: TextData | None = None) ->
         },
         parallel=parallel,
         autotune=config.autotune,
+        log=config.log,
+        log_every=config.log_every,
     )
     return trainer.fit(resume=run.resume)
 

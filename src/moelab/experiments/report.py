@@ -796,6 +796,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", help="where to write results.csv, runs.csv, val_curves.png (default: first RUN_DIR)"
     )
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write the report as one self-contained HTML page (figures inline, no network to view it)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -812,4 +817,11 @@ def run(args: argparse.Namespace) -> int:
     for line in filter(None, map(read_count_models, dict.fromkeys(args.runs))):
         print(line)
     print(f"wrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'val_curves.png'}")
+    if args.html:
+        from .html_report import write_html
+
+        bench = Path(args.runs[0]) / "benchmark.md"
+        print(
+            f"wrote {write_html(runs, args.html, reference, bench.read_text() if bench.is_file() else None)}"
+        )
     return 0

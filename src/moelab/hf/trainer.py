@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ..balance import StepBalance, attached_step_balance
 from ..layer import attach, moe_layers, set_aux_scale
+from ..metrics import jain_index, max_violation
 from ..optim import decayed_parameter_names
 from ..routing import RoutingContext
 from ..schedules import default_a_max, model_schedule
@@ -222,6 +223,7 @@ def _trainer_classes() -> dict[str, type]:
             self._aux_outside: Tensor | None = None  # the aux loss left for compute_loss to add
             self._aux_sums: dict[str, Tensor] = {}
             self._aux_count = 0
+            self._loads: dict[int, Tensor] = {}  # per MoE layer: expert counts since the last log
             if self.model is not None:
                 self._install_aux_hooks(self.model)
 
@@ -275,6 +277,7 @@ def _trainer_classes() -> dict[str, type]:
                     terms[name] = terms[name] + value if name in terms else value
             for name, value in terms.items():
                 self._aux_sums[name] = self._aux_sums[name] + value if name in self._aux_sums else value
+            self._add_loads(model)
             detached = total.detach().float()
             self._aux_sums[""] = self._aux_sums[""] + detached if "" in self._aux_sums else detached
             self._aux_count += 1
@@ -363,9 +366,36 @@ def _trainer_classes() -> dict[str, type]:
                 self._aux_outside = None
             return (loss, outputs) if return_outputs else loss
 
+        def _add_loads(self, model: nn.Module) -> None:
+            """Add each layer's expert counts of this forward to the logging interval's (on the
+            device, no host sync: :meth:`log` reads them)."""
+            for i, layer in enumerate(moe_layers(model)):
+                routing = layer.recorded_routing
+                if routing is not None:
+                    count = torch.bincount(routing.active_indices, minlength=layer.num_experts).double()
+                    self._loads[i] = self._loads[i] + count if i in self._loads else count
+
         # -------------------------------------------------------------- logging, resuming
+        def _load_logs(self) -> dict[str, float]:
+            """Per MoE layer, ``max_vio/layer<i>`` and ``jain/layer<i>`` of the expert counts of
+            every training forward since the last log, summed over the processes."""
+            if not self._loads:
+                return {}
+            layers = sorted(self._loads)
+            flat = torch.cat([self._loads[i] for i in layers])
+            if self.accelerator.num_processes > 1:
+                flat = self.accelerator.reduce(flat, reduction="sum")
+            flat = flat.cpu()
+            logs = {}
+            for i, load in zip(layers, flat.split([self._loads[i].numel() for i in layers])):
+                logs[f"max_vio/layer{i}"] = max_violation(load)
+                logs[f"jain/layer{i}"] = jain_index(load)
+            self._loads = {}
+            return logs
+
         def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
             if "loss" in logs and self._aux_count:  # a training log, on every rank
+                logs.update(self._load_logs())
                 names = sorted({n for m in moe_layers(self.model) for n in m.coefs} | {""})
                 device = next(iter(self._aux_sums.values())).device
                 zero = torch.zeros((), device=device)
@@ -382,7 +412,7 @@ def _trainer_classes() -> dict[str, type]:
             if isinstance(path, bool):
                 path = get_last_checkpoint(self.args.output_dir) if path else None
             self._moe_callback.resume_from = None if path is None else str(path)
-            self._aux_sums, self._aux_count = {}, 0
+            self._aux_sums, self._aux_count, self._loads = {}, 0, {}
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
         def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..balance import StepBalance, attached_step_balance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
+from ..extras import require
 from ..experts import autotune as autotune_kernels
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
@@ -33,6 +34,7 @@ from ..optim import build_optimizer, check_optimizer
 from ..routing import RoutingContext
 from ..schedules import LR_SCHEDULES, lr_factor, routing_context
 from . import checkpoint as ckpt
+from . import live
 from .parallel import Parallel, choose
 from .plots import CURVES_NAME, plot_log
 
@@ -167,7 +169,8 @@ class Trainer:
         model: the model (its MoE layers get a shared :class:`moelab.RoutingContext`).
         task: the :class:`Task`.
         config: :class:`TrainConfig`.
-        run: the run directory, or ``None`` to write nothing (tests, notebooks).
+        run: the run directory, or ``None`` to write nothing (tests, notebooks); a run directory
+            needs matplotlib (``moelab[plot]``) for its ``curves.png``.
         schedule_options: options of the schedule the layers' method declares
             (:data:`moelab.schedules.SCHEDULE_OPTIONS`; :func:`moelab.schedules.routing_context`).
         ctx: the routing context to train with, attached here; default the one
@@ -187,6 +190,11 @@ class Trainer:
             untouched), print one line saying what it picked, and train with the picks (kept in
             :attr:`autotuned`).  Off by default: without it, two runs of the same command give the
             same weights; two runs that autotune may pick, and so end, differently.  One process only.
+        log: the live view beside ``log.csv`` (:mod:`moelab.train.live`): ``auto`` (default) =
+            ``tensorboard`` when the package is installed, else ``csv``; ``tensorboard`` writes event
+            files under ``<run>/tensorboard/`` (rank 0); ``csv`` = ``log.csv`` only.
+        log_every: the per-layer diagnostics, load histograms and load image every this many steps
+            (and at the last); the step scalars are written every step.
 
     Only parameters with ``requires_grad`` are optimised (fine-tuning freezes the routers).
     """
@@ -205,9 +213,13 @@ class Trainer:
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
         parallel: Parallel | None = None,
         autotune: bool = False,
+        log: str = "auto",
+        log_every: int = 10,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config of type {type(config).__name__} is not allowed; expected a TrainConfig")
+        if run is not None:  # the run's curves.png, drawn when it finishes: refused now, not then
+            require("plot", "Trainer(run=...), which draws the run's curves.png,")
         self.model = model
         self.task = task
         self.config = config
@@ -228,6 +240,9 @@ class Trainer:
                 "(each rank would measure and pick on its own)"
             )
         self.autotune = bool(autotune)
+        #: the live view this run writes (``log`` resolved: ``tensorboard`` or ``csv``)
+        self.log = live.resolve_log(log)
+        self.log_every = live.check_every(log_every)
         #: the :class:`moelab.experts.AutotuneReport` of ``autotune=True``, once :meth:`fit` measured
         self.autotuned = None
         if ctx is None:
@@ -235,6 +250,7 @@ class Trainer:
         else:
             attach(model, ctx)
         self.ctx = ctx
+        self._step_loads: list[Tensor] | None = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -310,12 +326,19 @@ class Trainer:
         # balance_scope="global" layers: the step's statistics over the ranks (moelab.balance),
         # cleared by the step hooks of ctx.advance()
         balance = StepBalance(self.model, self.ctx)
+        view = None
+        if self.log == "tensorboard" and self.is_main and self.run is not None:
+            view = live.TensorBoardLog(self.run.file(live.TENSORBOARD_DIR), start, self.log_every)
         try:
             for step in range(start, cfg.steps):
                 row = self._step(step, forward, params, optimizer, scheduler, generator, state)
                 done = step + 1
+                if view is not None:  # before validation: the layers hold the training step's routing
+                    view.layers(done, self.model, self._step_loads, last=done == cfg.steps)
                 if done % cfg.eval_every == 0 or done == cfg.steps:
                     self._evaluate_and_keep_best(done, row, state)
+                if view is not None:
+                    view.scalars(row)
                 self.ctx.advance()  # the step hooks (selection biases, step statistics), then ctx.step = done
                 if self.is_main and self.run is not None:
                     self.run.append_log(row)
@@ -327,6 +350,8 @@ class Trainer:
                     self._show(bar, row, state)
         finally:
             balance.close()
+            if view is not None:
+                view.close()
         if bar is not None:
             bar.close()
         return self._finish(state)
@@ -467,7 +492,9 @@ class Trainer:
         return row
 
     def _add_run_load(self, state: dict[str, Any]) -> None:
-        """Add the step's expert counts (summed over the ranks) to the run's, for MaxVio over the run."""
+        """Add the step's expert counts (summed over the ranks) to the run's, for MaxVio over the run;
+        keep them in :attr:`_step_loads` for the live view."""
+        self._step_loads = None
         loads = routing_loads(self.model)
         if any(load is None for load in loads):
             return
@@ -475,7 +502,8 @@ class Trainer:
         if self.world_size > 1:  # the same on every rank: the whole step's load
             flat = self.parallel.mean(flat.to(next(self.model.parameters()).device)).cpu() * self.world_size
         sizes = [load.numel() for load in loads]
-        step = [part.tolist() for part in flat.split(sizes)]
+        self._step_loads = list(flat.split(sizes))
+        step = [part.tolist() for part in self._step_loads]
         run = state["run_load"]
         if len(run) != len(step) or any(len(a) != len(b) for a, b in zip(run, step)):
             run = [[0.0] * n for n in sizes]
