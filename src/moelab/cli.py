@@ -50,6 +50,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moelab.experiments.simulate",
         "convergence-rate studies of regression / Gaussian MoE estimators",
     ),
+    "routes": (
+        "moelab.experiments.routes",
+        "route traces: where two traces of one batch send tokens to other experts (moelab.routes)",
+    ),
     "specialize": (
         "moelab.experiments.specialization",
         "the expert-specialization lab of Krishnamurthy et al. (2023) on image MoEs",

@@ -95,6 +95,16 @@ def topk_gate(
     return weights, indices, probs
 
 
+def topk_gate_weights_at(logits: Tensor, probs: Tensor, indices: Tensor, renormalize: bool) -> Tensor:
+    """The weights :func:`topk_gate` gives the experts ``indices (T, K)`` from the scores
+    ``logits`` / ``probs = softmax(logits)``: the softmax of their logits (renormalised over the K)
+    or their probabilities over all N; a choice :func:`topk_gate` made itself gets its own weights
+    bit for bit.  Routing replay weighs recorded choices by it, so the router keeps its gradient."""
+    if renormalize:
+        return logits.gather(1, indices).softmax(dim=-1)
+    return probs.gather(1, indices)
+
+
 def normalized_weights(scores: Tensor, eps: float = 0.0) -> Tensor:
     """Normalise non-negative scores over the last dimension: ``s / Σ s``.
 

@@ -136,6 +136,9 @@ class MoE(nn.Module):
         global_scope = cfg.balance_scope == "global" and load
         self.step_statistics = StepStatistics(num_experts, load) if global_scope else None
         self._last_routing: Routing | None = None
+        #: routing replay (:func:`moelab.routes.replaying`): while set, every forward routes each token
+        #: to the experts it names, weighed from the live scores; ``None``: the router's own choice
+        self.route_replay = None
 
     def _expert_bank(self, experts: nn.Module | None) -> nn.Module:
         """The layer's bank: an :class:`ExpertBank` of the config, or ``experts`` checked."""
@@ -298,6 +301,8 @@ class MoE(nn.Module):
         if self.router_dtype is not None:
             self.router.base_router.check_compute_dtype()
         routing = self.router(x, self.experts, self.ctx)
+        if self.route_replay is not None:  # the recorded experts, weighed from this forward's scores
+            routing = self.route_replay.apply(self, routing)
         if self.check_finite:
             check_finite_scores(routing, self.layer_index, self.method)
         if self.capacity_factor is not None:

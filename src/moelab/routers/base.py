@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..config import Interval, Options, setting, validate
 from ..functional import expert_counts
-from ..routing import RoutingContext
+from ..routing import Routing, RoutingContext
 
 __all__ = [
     "ROUTERS",
@@ -234,6 +234,21 @@ class Router(nn.Module):
     def biased(self, select: Tensor) -> Tensor:
         """``select + b``: the scores the choice is made on (``select`` itself without a bias)."""
         return select if self.selection_bias is None else select + self.selection_bias
+
+    def weights_at(self, routing: Routing, indices: Tensor) -> Tensor | None:
+        """The weights this router gives the experts ``indices (T, K)`` of the tokens it routed in
+        ``routing`` (its own decision of this forward), by the rule it weighs its own choice with:
+        routing replay (:mod:`moelab.routes`) weighs recorded choices by it from the live scores, so
+        the router keeps its gradient.  ``None``: the router cannot weigh another choice (its
+        weights depend on more than its scores of the chosen experts)."""
+        return None
+
+    def count_replayed(self, own: Tensor, replayed: Tensor) -> None:
+        """Routing replay: the pending load of the selection bias counts the experts the tokens went
+        to (``replayed``), not the router's ``own`` choice that :meth:`count_load` counted."""
+        if self.training and self.selection_bias is not None and counts_this_forward():
+            delta = expert_counts(replayed, self.num_experts) - expert_counts(own, self.num_experts)
+            self.pending_load.add_(delta.to(self.pending_load.dtype))
 
     def count_load(self, indices: Tensor) -> None:
         """Add a training forward's choice to the pending load of the selection bias (nothing

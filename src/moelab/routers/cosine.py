@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ..config import Interval, setting
 from ..experts.protocol import Experts
-from ..functional import cosine_logits, resolve_renormalize, topk_gate
+from ..functional import cosine_logits, resolve_renormalize, topk_gate, topk_gate_weights_at
 from ..routing import Routing, RoutingContext
 from .base import RenormalizeOptions, Router, SelectionBiasOptions, register
 
@@ -113,6 +113,10 @@ class CosineRouter(Router):
         weights, indices, probs = topk_gate(logits, self.top_k, self.renormalize, self.selection_bias)
         self.count_load(indices)
         return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
+
+    def weights_at(self, routing: Routing, indices: Tensor) -> Tensor:
+        """:func:`moelab.functional.topk_gate_weights_at` of the live scores."""
+        return topk_gate_weights_at(routing.logits, routing.probs, indices, self.renormalize)
 
     @property
     def weights_sum_to_one(self) -> bool:

@@ -129,6 +129,14 @@ class SigmoidRouter(Router):
         self.count_load(indices)
         return Routing(indices=indices, weights=weights, probs=logits.softmax(dim=-1), logits=logits)
 
+    def weights_at(self, routing: Routing, indices: Tensor) -> Tensor:
+        """The sigmoid scores of the live logits at ``indices``, normalised and scaled as
+        :meth:`forward` weighs its own choice."""
+        weights = torch.sigmoid(routing.logits).gather(1, indices)
+        if self.normalize:
+            weights = normalized_weights(weights)
+        return weights * self.scale if self.scale != 1.0 else weights
+
     def _limit_groups(self, select: Tensor) -> Tensor:
         """Keep the ``topk_groups`` groups with the largest sum of their top-2 scores (DeepSeek-V3)."""
         T = select.shape[0]

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from .. import _validate
 from ..config import Options, setting
 from ..experts.protocol import Experts
-from ..functional import resolve_renormalize, topk_gate
+from ..functional import resolve_renormalize, topk_gate, topk_gate_weights_at
 from ..routing import Routing, RoutingContext
 from .base import (
     InitStdOptions,
@@ -146,6 +146,11 @@ class TopKRouter(Router):
 
     def on_step_change(self, ctx: RoutingContext) -> None:
         self.keep_step_values(ctx, k=self._k_at(ctx))
+
+    def weights_at(self, routing: Routing, indices: Tensor) -> Tensor:
+        """:func:`moelab.functional.topk_gate_weights_at` of the live scores, times ``scale``."""
+        weights = topk_gate_weights_at(routing.logits, routing.probs, indices, self.renormalize)
+        return weights * self.scale if self.scale != 1.0 else weights
 
     def logits(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)
