@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from .. import _validate
 from ..balance import StepBalance, attached_step_balance
 from ..errors import CheckpointError, NonFiniteError, TrainingError
-from ..extras import require
 from ..experts import autotune as autotune_kernels
+from ..extras import require
 from ..io.model import load_weights, save
 from ..io.rundir import RunDir
 from ..layer import attach, aux_terms, count_parameters, moe_layers
