@@ -383,7 +383,10 @@ def _trainer_classes() -> dict[str, type]:
                 path = get_last_checkpoint(self.args.output_dir) if path else None
             self._moe_callback.resume_from = None if path is None else str(path)
             self._aux_sums, self._aux_count = {}, 0
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            try:
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            finally:  # an interrupted run (no on_train_end) leaves no StepBalance attached to drop losses
+                self._moe_callback.on_train_end(self.args, self.state, self.control)
 
         def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
             """A model holding moelab layers is saved as its state dict (what the Trainer's resume
