@@ -349,6 +349,34 @@ def test_log_csv_holds_every_weighted_aux_term_and_they_sum_to_the_aux_loss(tmp_
     assert float(rows[0]["aux_balance"]) > 0  # the global scope's balance is logged under its name
 
 
+def test_an_interrupted_fit_leaves_no_step_balance_and_the_next_trainer_balances(data):
+    """The global scope's StepBalance is closed however fit ends: a new Trainer attaches its own, and a
+    plain forward afterwards forms the global-scope losses itself."""
+    from moelab.balance import attached_step_balance
+
+    class Stops(LMTask):
+        def loss(self, model, batch):
+            out = super().loss(model, batch)
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 2:
+                raise RuntimeError("interrupted")
+            return out
+
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=256, **TINY, method_options={"balance_scope": "global"}))
+    cfg = TrainConfig(steps=2, batch_size=4, eval_every=2, eval_tokens=32, test_tokens=32)
+    with pytest.raises(RuntimeError, match="interrupted"):  # in the second step, between forward and record
+        Trainer(model, Stops(data, 16), cfg, progress=False).fit()
+    assert attached_step_balance(model) is None
+    trainer = Trainer(model, LMTask(data, 16), cfg, progress=False)
+    trainer.fit()
+    assert attached_step_balance(model) is None
+    model.train()
+    model(torch.randint(0, 256, (2, 16)))
+    model(torch.randint(0, 256, (2, 16)))  # no StepBalance left to leave the losses to
+    assert moelab.layer.aux_terms(model)["balance"] > 0
+
+
 # ------------------------------------------------------------------------------ --autotune
 def _rule_first_clock(monkeypatch):
     """A fake ``time.perf_counter`` under which auto's rule kernel for the tiny LM is the fastest."""

@@ -87,8 +87,9 @@ class StepStatistics(nn.Module):
         """Record this training forward's statistics and tie the step's gradient to ``y``."""
         n = self.num_experts
         counts_this = counts_this_forward()
-        if counts_this and self.balance is not None and not torch.compiler.is_compiling():
-            self.balance._forward_ran(self)  # eager: refuses a second forward that no record() read
+        # eager only, and first: a traced graph neither reads nor guards on the Python-side balance
+        if not torch.compiler.is_compiling() and counts_this and self.balance is not None:
+            self.balance._forward_ran(self)  # refuses a second forward that no record() read
         if routing.probs is None or routing.indices.shape[0] == 0:
             if counts_this:  # nothing to gather: no tokens (a forward all the same)
                 self.stats.copy_(torch.cat([self.stats.new_zeros(2 * n + 4), self.stats[-1:] + 1]))
