@@ -310,6 +310,21 @@ def test_a_step_balance_that_drives_a_second_model_is_refused_at_the_steps_end()
         _step(second, torch.randn(2, 6, D), balance, ctx)
 
 
+def test_a_new_routing_context_is_refused_while_a_step_balance_of_another_is_attached():
+    """Its step hook runs on the old context, so the new one's steps would never check it (compiled
+    forwards check nothing themselves)."""
+    scoped, _, ctx = _attached_pair()
+    balance = StepBalance(scoped, ctx)
+    moelab.attach(scoped, ctx)  # the same context again: fine
+    with pytest.raises(
+        ValueError,
+        match=r"MoE layer 0 is attached to a StepBalance whose step hook runs on another routing context",
+    ):
+        moelab.attach(scoped, moelab.RoutingContext())
+    balance.close()
+    moelab.attach(scoped, moelab.RoutingContext())
+
+
 def test_two_forwards_of_a_compiled_layer_before_record_are_refused_at_the_record():
     scoped, _, ctx = _attached_pair()
     balance = StepBalance(scoped, ctx)
