@@ -4,7 +4,9 @@ docs/performance.md ("auto measures where its rule cannot know") quotes this.  A
 CPU shape (T=2048, 16 experts top-2, SwiGLU 512, d 256) it calls ``autotune`` on a bank with a
 random routing in training and in inference (whatever the thread count and wait policy), then
 times every candidate kernel for ``--rounds`` more interleaved rounds in the same process and
-prints each median, auto's rule and the pick's time over the fastest's.
+prints each median, auto's rule and the pick's time over the fastest's.  ``autotune`` picks only
+among the kernels that round as the rule's by construction (docs/kernels.md), so the pick may be
+slower than a kernel that rounds otherwise: ``impl=`` fixes that one, reproducibly.
 
     env -u OMP_WAIT_POLICY python examples/auto_pick_check.py --threads 2
 """

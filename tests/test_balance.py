@@ -211,6 +211,136 @@ def test_closing_a_step_balance_leaves_nothing_on_the_layer():
     torch.testing.assert_close(scoped.aux_loss, ref.aux_loss)  # the layer forms its global-scope losses again
 
 
+# ---------------------------------------------------------------- a StepBalance left attached or half used
+def _step(layer, x, balance=None, ctx=None, record=True, loss=True):
+    """One training step of ``layer`` on ``x``: forward, the StepBalance's record() and loss() as asked,
+    backward, the step's end."""
+    y = layer(x)
+    total = y.square().mean()
+    if balance is not None and record:
+        balance.record()
+        if loss:
+            total = total + balance.loss()
+    total.backward()
+    if ctx is not None:
+        ctx.advance()
+
+
+def _attached_pair():
+    scoped, ref = pair()
+    ctx = moelab.RoutingContext()
+    moelab.attach(scoped, ctx)
+    return scoped, ref, ctx
+
+
+def test_record_without_loss_is_refused_at_the_steps_end():
+    scoped, _, ctx = _attached_pair()
+    balance = StepBalance(scoped, ctx)
+    x = torch.randn(2, 6, D)
+    _step(scoped, x, balance, ctx)  # a whole step: fine
+    message = r"a step with 1 forward\(s\) recorded by StepBalance.record\(\) but no loss\(\) is not allowed"
+    with pytest.raises(ValueError, match=message):
+        _step(scoped, x, balance, ctx, loss=False)  # the step hook of ctx.advance()
+    manual = StepBalance(pair()[0])  # without a context: at the end_step() the loop calls
+    other = manual.layers[0]
+    other(x)
+    manual.record()
+    with pytest.raises(ValueError, match=message):
+        manual.end_step()
+    manual.end_step()  # the step's statistics were cleared with the refusal: the next step starts clean
+
+
+def test_a_step_balance_left_attached_refuses_the_next_forward_of_a_plain_loop():
+    """A context manager left open (or a StepBalance never closed): the layers leave the global-scope
+    losses to it, so a plain loop's forwards would drop them; the second forward says so."""
+    scoped, ref, ctx = _attached_pair()
+    StepBalance(scoped, ctx).__enter__()  # never exited
+    x = torch.randn(2, 6, D)
+    _step(scoped, x)  # a plain step: no record(), no ctx.advance()
+    with pytest.raises(
+        ValueError,
+        match=r"a second training forward of MoE layer 0 before StepBalance.record\(\) read the first is "
+        r"not allowed: .* or close\(\) a StepBalance that no loop drives",
+    ):
+        scoped(x)
+    attached_step_balance(scoped).close()
+    scoped(x), ref(x)  # closed: the layer forms its global-scope losses itself again
+    torch.testing.assert_close(scoped.aux_loss, ref.aux_loss)
+    assert scoped.aux_loss.item() > 0
+
+
+def test_a_step_balance_left_attached_is_refused_at_the_end_of_the_step_of_its_context():
+    scoped, _, ctx = _attached_pair()
+    StepBalance(scoped, ctx)
+    with pytest.raises(
+        ValueError,
+        match=r"a step with a training forward of MoE layer 0 that StepBalance.record\(\) never read",
+    ):
+        _step(scoped, torch.randn(2, 6, D), ctx=ctx)  # a plain step that advances the context
+
+
+def test_a_step_balance_as_a_context_manager_is_closed_however_the_block_ends():
+    scoped, _, ctx = _attached_pair()
+    x = torch.randn(2, 6, D)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with StepBalance(scoped, ctx) as balance:
+            _step(scoped, x, balance, ctx)
+            scoped(x)
+            raise RuntimeError("interrupted")  # between a forward and its record()
+    assert attached_step_balance(scoped) is None and balance.end_step not in ctx.hooks
+    _step(scoped, x, ctx=ctx)  # a plain loop after it: nothing is left to refuse or to drop
+    assert scoped.aux_loss.item() > 0
+    with pytest.raises(ValueError, match=r"StepBalance.record\(\) after close\(\) is not allowed"):
+        balance.record()
+    with pytest.raises(ValueError, match=r"StepBalance.loss\(\) after close\(\) is not allowed"):
+        balance.loss()
+
+
+def test_a_step_balance_that_drives_a_second_model_is_refused_at_the_steps_end():
+    first, _, ctx = _attached_pair()
+    balance = StepBalance(first, ctx)
+    second, _ = pair()  # another model of global scope, not attached: its layers form their own losses
+    with pytest.raises(ValueError, match=r"MoE layer 0 is already attached to another StepBalance"):
+        StepBalance(torch.nn.Sequential(first))  # the first model's layers in a second model
+    with pytest.raises(
+        ValueError,
+        match=r"a step whose 1 StepBalance.record\(\) call\(s\) found no training forward of the model it "
+        r"was built for is not allowed: it drives another model",
+    ):
+        _step(second, torch.randn(2, 6, D), balance, ctx)
+
+
+def test_a_new_routing_context_is_refused_while_a_step_balance_of_another_is_attached():
+    """Its step hook runs on the old context, so the new one's steps would never check it (compiled
+    forwards check nothing themselves)."""
+    scoped, _, ctx = _attached_pair()
+    balance = StepBalance(scoped, ctx)
+    moelab.attach(scoped, ctx)  # the same context again: fine
+    with pytest.raises(
+        ValueError,
+        match=r"MoE layer 0 is attached to a StepBalance whose step hook runs on another routing context",
+    ):
+        moelab.attach(scoped, moelab.RoutingContext())
+    balance.close()
+    moelab.attach(scoped, moelab.RoutingContext())
+
+
+def test_two_forwards_of_a_compiled_layer_before_record_are_refused_at_the_record():
+    scoped, _, ctx = _attached_pair()
+    balance = StepBalance(scoped, ctx)
+    compiled = torch.compile(scoped, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 6, D)
+    compiled(x)
+    balance.record()  # one forward, one record: fine
+    balance.loss()
+    compiled(x)
+    compiled(x)  # traced: no Python check in the forward; the in-place count tells record()
+    with pytest.raises(
+        ValueError, match=r"StepBalance.record\(\) after 2 training forwards of MoE layer 0 is not allowed"
+    ):
+        balance.record()
+
+
 # ---------------------------------------------------------------- two gloo processes
 def _free_port() -> int:
     with socket.socket() as s:

@@ -606,6 +606,30 @@ def test_global_balance_under_gradient_accumulation_uses_the_steps_running_count
     assert logs["global"][0]["aux_balance"] != pytest.approx(logs["micro"][0]["aux_balance"], rel=1e-6)
 
 
+def test_an_interrupted_run_leaves_no_step_balance_behind_and_the_next_run_balances(tmp_path):
+    """A run stopped by an exception never reaches on_train_end: its StepBalance is closed all the same,
+    so neither a plain loop nor a new MoETrainer afterwards drops the global-scope losses."""
+
+    class Stop(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise RuntimeError("interrupted")
+
+    model = _model("smoe", balance_scope="global", balance_coef=1.0)
+    trainer = MoETrainer(
+        model=model, args=_args(tmp_path / "a", max_steps=3), train_dataset=_data(12), callbacks=[Stop()]
+    )
+    with pytest.raises(RuntimeError, match="interrupted"):
+        trainer.train()
+    assert attached_step_balance(model) is None
+    ids = torch.randint(3, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # a plain loop: the layers form their global-scope losses themselves
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert moelab.layer.aux_terms(model)["balance"] > 0
+    trainer = MoETrainer(model=model, args=_args(tmp_path / "b", max_steps=2), train_dataset=_data(12))
+    trainer.train()  # a new run attaches its own
+    assert _train_logs(trainer)[0]["aux_balance"] > 0 and attached_step_balance(model) is None
+
+
 def test_training_a_loaded_model_for_more_steps_rebuilds_its_routing_context_for_them(tmp_path):
     from moelab.hf.trainer import MoETrainerCallback
 

@@ -77,7 +77,7 @@ class StepStatistics(nn.Module):
         self.num_experts = num_experts
         self.coefs = dict(coefs)
         # per forward: counts (N), probability sums (N), tokens, the load losses the router formed
-        # itself (3), whether it was written (1)
+        # itself (3), the training forwards written since record() read them (1)
         self.register_buffer("stats", torch.zeros(2 * num_experts + 5, dtype=torch.float64), persistent=False)
         self.register_buffer("grad", torch.zeros(num_experts), persistent=False)
         #: the :class:`StepBalance` forming this layer's losses (set and cleared by it), or ``None``
@@ -86,18 +86,24 @@ class StepStatistics(nn.Module):
     def forward(self, y: Tensor, routing: Routing, scale: Tensor) -> Tensor:
         """Record this training forward's statistics and tie the step's gradient to ``y``."""
         n = self.num_experts
+        counts_this = counts_this_forward()
+        # eager only, and first: a traced graph neither reads nor guards on the Python-side balance
+        if not torch.compiler.is_compiling() and counts_this and self.balance is not None:
+            self.balance._forward_ran(self)  # refuses a second forward that no record() read
         if routing.probs is None or routing.indices.shape[0] == 0:
-            if counts_this_forward():
-                self.stats.zero_()  # nothing to gather (the last slot, "written", stays 0)
+            if counts_this:  # nothing to gather: no tokens (a forward all the same)
+                self.stats.copy_(torch.cat([self.stats.new_zeros(2 * n + 4), self.stats[-1:] + 1]))
             return y
         compute = torch.promote_types(routing.probs.dtype, torch.float32)
         sums = routing.probs.to(compute).sum(dim=0)  # (N,), with autograd
-        if counts_this_forward():
+        if counts_this:
             counts = expert_counts(routing.indices, n).to(self.stats.dtype)
             # the load losses the router formed itself on this forward (densemoe's dense steps) stay its own
             own = [float(name in routing.losses) for name in LOAD_LOSSES]
-            extra = counts.new_tensor([float(routing.indices.shape[0]), *own, 1.0])  # tokens, own, written
-            self.stats.copy_(torch.cat([counts, sums.detach().to(self.stats.dtype), extra]))
+            extra = counts.new_tensor([float(routing.indices.shape[0]), *own])  # tokens, own
+            # the last slot counts the training forwards record() has not read (in place, no host read)
+            written = self.stats[-1:] + 1
+            self.stats.copy_(torch.cat([counts, sums.detach().to(self.stats.dtype), extra, written]))
         return StepGradInjection.apply(y, sums, self.grad, scale)
 
     def _apply(self, fn, recurse: bool = True):
@@ -131,7 +137,16 @@ class StepBalance:
     backward) — or, for the exact step,
     :meth:`record` after every micro-batch's forward and :meth:`loss` once, before the one backward.
     :meth:`end_step` clears the statistics; with ``ctx`` it runs as a step hook of
-    :meth:`moelab.RoutingContext.advance`, once per optimizer step.
+    :meth:`moelab.RoutingContext.advance`, once per optimizer step.  ``with StepBalance(model, ctx)
+    as balance:`` closes it when the block ends, however it ends.
+
+    A balance left attached or half used would drop the global-scope losses without a word (the
+    layers leave them to it), so it refuses in one line: a second training forward of a layer
+    before :meth:`record` read the first (at that forward, eagerly; under torch.compile at the
+    :meth:`record`), and at :meth:`end_step` a step with a forward no :meth:`record` read, with
+    recorded forwards no :meth:`loss` formed, or with :meth:`record` calls that found no forward of
+    ``model`` (it drives another model).  The checks read Python counters, and the step's end one
+    small tensor: nothing in a compiled forward.
 
     Args:
         model: the model (its global-scope layers are attached to this object until :meth:`close`).
@@ -161,6 +176,13 @@ class StepBalance:
             stats.clear()
             stats.balance = self
         self.group = group
+        self.ctx = ctx if self.layers else None
+        self._closed = False
+        self._position = {id(stats): i for i, (_, _, stats) in enumerate(self._owners)}
+        #: the layers (positions) whose last eager training forward no record() has read yet
+        self._unrecorded: set[int] = set()
+        self._records = 0  # record() calls in this step, and how many found a forward of the model
+        self._records_with_forward = 0
         self._awaiting_backward = False
         #: the step's statistics so far, float64, layer after layer: counts (N), probability sums (N), tokens
         self._totals: Tensor | None = None
@@ -178,6 +200,35 @@ class StepBalance:
     def __bool__(self) -> bool:
         return bool(self.layers)
 
+    def __enter__(self) -> StepBalance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise ValueError(
+                f"StepBalance.{call}() after close() is not allowed: the layers form their global-scope losses "
+                "themselves again; expected a new StepBalance(model) for another training loop"
+            )
+
+    def _forward_ran(self, stats: StepStatistics) -> None:
+        """An eager training forward of the layer owning ``stats`` wrote its statistics: refuse it
+        when the last one's were not read (their global-scope losses would be lost)."""
+        i = self._position[id(stats)]
+        if i in self._unrecorded:
+            self._unrecorded.clear()  # one refusal, not one per layer
+            raise ValueError(
+                f"a second training forward of MoE layer {self._owners[i][1].layer_index} before "
+                "StepBalance.record() read the first is not allowed: the StepBalance attached to the model "
+                "forms the global-scope losses (balance_scope='global') of each forward, and the first one's "
+                "would be lost; expected record() and loss() after each training forward, or close() a "
+                "StepBalance that no loop drives (moelab.balance.attached_step_balance(model).close(), or "
+                "`with StepBalance(model, ctx) as balance:`)"
+            )
+        self._unrecorded.add(i)
+
     def _world(self) -> int:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_world_size(self.group)
@@ -186,6 +237,7 @@ class StepBalance:
     def record(self) -> None:
         """Gather the statistics of the forward that just ran (call it after each micro-batch's
         forward, on every rank, before anything reads the layers' ``aux_loss``)."""
+        self._check_open("record")
         if not self.layers:
             return
         # the statistics live where the model does (a collective over NCCL needs CUDA tensors)
@@ -196,10 +248,20 @@ class StepBalance:
             stats.stats.zero_()
         # per layer: tokens, the losses the router formed itself (3), written; one host read for all
         flags = torch.cat([w[2 * st.num_experts :] for w, st in zip(written, owners)]).tolist()
+        self._unrecorded.clear()
+        self._records += 1
+        self._records_with_forward += any(flags[5 * i + 4] for i in range(len(owners)))
         rows, local, names = [], [], []
         for i, (layer, w) in enumerate(zip(owners, written)):
             n = layer.num_experts
             tokens, *own, fresh = flags[5 * i : 5 * i + 5]
+            if fresh > 1:  # under torch.compile (eagerly the second forward refused itself)
+                raise ValueError(
+                    f"StepBalance.record() after {int(fresh)} training forwards of MoE layer "
+                    f"{self._owners[i][1].layer_index} is not allowed: each forward overwrites the statistics "
+                    "of the one before, whose global-scope losses would be lost; expected record() after each "
+                    "training forward (and a layer run once per forward)"
+                )
             if not fresh or not tokens:  # no training forward, or no tokens
                 rows.append(torch.zeros(2 * n + 1, dtype=torch.float64, device=device))
                 local.append(None)
@@ -229,6 +291,7 @@ class StepBalance:
                 they take (their layers share one gradient buffer): call :meth:`record` and
                 :meth:`loss` after each micro-batch's forward, and its backward before the next.
         """
+        self._check_open("loss")
         if self._awaiting_backward:
             raise ValueError(
                 "StepBalance.loss() is not allowed before the backward of the previous loss() (the layers "
@@ -293,19 +356,69 @@ class StepBalance:
         self._awaiting_backward = False
 
     def end_step(self, ctx: RoutingContext | None = None) -> None:
-        """The optimizer has stepped: forget the step's statistics (a step hook with ``ctx``)."""
+        """The optimizer has stepped: forget the step's statistics (a step hook with ``ctx``).
+
+        Raises:
+            ValueError: the step dropped global-scope losses: a training forward that no
+                :meth:`record` read, recorded forwards that no :meth:`loss` formed, or
+                :meth:`record` calls that found no training forward of the model (class docstring).
+        """
+        if self._closed:
+            return
+        problem = self._unfinished_step()
+        self._clear()
+        if problem:
+            raise ValueError(problem)
+
+    def _unfinished_step(self) -> str | None:
+        """What the step that ends dropped, in one line, or ``None``."""
+        if self._local:
+            return (
+                f"a step with {len(self._local)} forward(s) recorded by StepBalance.record() but no loss() is "
+                "not allowed: their global-scope losses (balance_scope='global') were never formed and their "
+                "gradient is lost; expected loss() after record(), before the backward"
+            )
+        if self.layers:  # one small host read a step, outside any forward
+            unread = torch.stack([stats.stats[-1] for _, _, stats in self._owners]).tolist()
+            late = next((i for i, count in enumerate(unread) if count), None)
+            if late is not None:
+                return (
+                    f"a step with a training forward of MoE layer {self._owners[late][1].layer_index} that "
+                    "StepBalance.record() never read is not allowed: its global-scope losses "
+                    "(balance_scope='global') were never formed; expected record() and loss() after each "
+                    "training forward, or close() a StepBalance that no loop drives"
+                )
+        if self._records and not self._records_with_forward:
+            return (
+                f"a step whose {self._records} StepBalance.record() call(s) found no training forward of the "
+                "model it was built for is not allowed: it drives another model than the one that trains (or "
+                "the forward ran under torch.utils.checkpoint with use_reentrant=True, whose first pass has no "
+                "gradients); expected StepBalance(model) of the model whose forward runs"
+            )
+        return None
+
+    def _clear(self) -> None:
         self._totals, self._local, self._names, self._forwards = None, [], [], 0
+        self._records = self._records_with_forward = 0
+        self._unrecorded.clear()
         self._awaiting_backward = False
         for _, _, stats in self._owners:
             stats.stats.data.zero_()
             stats.grad.data.zero_()
 
     def close(self) -> None:
-        """Detach from the layers (their ``aux_loss`` forms the global-scope losses again)."""
-        self.end_step()
+        """Detach from the layers (their ``aux_loss`` forms the global-scope losses again) and from
+        the routing context's step hooks; what the step left unfinished is not checked (a training
+        loop closes it on any way out).  Idempotent."""
+        if self._closed:
+            return
+        self._clear()
+        self._closed = True
         for _, _, stats in self._owners:
             if stats.balance is self:
                 stats.balance = None
+        if self.ctx is not None and self.end_step in self.ctx.hooks:
+            self.ctx.hooks.remove(self.end_step)
 
 
 def attached_step_balance(model: nn.Module) -> StepBalance | None:

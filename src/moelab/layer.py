@@ -448,6 +448,14 @@ def attach(model: nn.Module, ctx: RoutingContext) -> list[nn.Module]:
         raise ValueError(
             f"schedule.num_layers={num_layers} does not match the model, which has {len(layers)} MoE layers"
         )
+    for layer in layers:  # its step hook would never run: the steps of the new context would drop its losses
+        balance = None if layer.step_statistics is None else layer.step_statistics.balance
+        if balance is not None and balance.ctx is not None and balance.ctx is not ctx:
+            raise ValueError(
+                f"MoE layer {layer.layer_index} is attached to a StepBalance whose step hook runs on another "
+                "routing context (a training loop left it attached), which is not allowed with a new context; "
+                "expected close() it first (moelab.balance.attached_step_balance(model).close())"
+            )
     for i, layer in enumerate(layers):
         layer.ctx = ctx
         layer.layer_index = i

@@ -207,7 +207,8 @@ def auto_picks(args: argparse.Namespace) -> dict[str, str]:
 def autotune_picks(args: argparse.Namespace, notes: list[str]) -> dict[str, dict]:
     """``--autotune``: per phase, what :func:`moelab.experts.autotune` picks for the ``moelab auto``
     layer on the bench's tokens (``--repeats`` rounds; its routing is the layer's own): the pick,
-    auto's rule, the candidates' medians (ms) and those excluded for numbers other than the loop's.
+    auto's rule, the candidates' medians (ms), those excluded for numbers other than the rule's
+    kernel's on a probe and those that round otherwise by construction (timed, never picked).
     The picks are forgotten afterwards (:func:`moelab.experts.forget_tuned`), so the
     timed ``moelab auto`` row runs the rule."""
     layer = getattr(args, "auto_layer", None)
@@ -232,6 +233,7 @@ def autotune_picks(args: argparse.Namespace, notes: list[str]) -> dict[str, dict
                 "rule": tuned.rule,
                 "medians_ms": tuned.medians_ms,
                 "excluded": list(tuned.excluded),
+                "other_rounding": list(tuned.other_rounding),
             }
     finally:
         forget_tuned(layer)
@@ -339,8 +341,12 @@ def run(args: argparse.Namespace) -> int:
     for phase, t in tuned.items():
         medians = ", ".join(f"{name} {ms:.2f} ms" for name, ms in t["medians_ms"].items())
         excluded = (
-            f"; excluded (numbers differ from loop's): {', '.join(t['excluded'])}" if t["excluded"] else ""
+            f"; excluded (numbers differ from {t['rule']}'s): {', '.join(t['excluded'])}"
+            if t["excluded"]
+            else ""
         )
+        if t.get("other_rounding"):
+            excluded += f"; not picked, they round otherwise: {', '.join(t['other_rounding'])}"
         print(f"autotune ({phase}): picks {t['pick']} (rule: {t['rule']}); its medians: {medians}{excluded}")
     for note in notes:
         print(f"note: {note}")

@@ -189,7 +189,8 @@ class TrainRun:
         False,
         input=False,
         help="before the first step, time impl=auto's candidate kernels on one batch and train with the "
-        "fastest (prints its picks; two runs that autotune may pick, and end, differently; docs/kernels.md)",
+        "fastest of those that round as the rule's (prints its picks; the weights are those of a run "
+        "without it; docs/kernels.md)",
     )
     log: str = setting(
         "auto",

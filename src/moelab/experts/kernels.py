@@ -50,6 +50,7 @@ __all__ = [
     "omp_wait_policy",
     "padded_rows",
     "random_probe",
+    "rounds_alike",
     "rule_kernel",
     "run_kernel",
     "shape_class",
@@ -414,6 +415,26 @@ def candidates(x: Tensor, experts: ExpertWeights, grad: bool) -> list[str]:
     return names
 
 
+def rounds_alike(a: str, b: str, x: Tensor, grad: bool) -> bool:
+    """Whether kernels ``a`` and ``b`` give the same bits on every routing of ``x``'s shape class,
+    by construction (not by a probe): :func:`moelab.experts.autotune` lets the clock choose only
+    among kernels that round as the rule's.
+
+    Only ``"loop"`` and ``"stream"`` in inference on the CPU with one torch thread (outside
+    autocast) qualify: both run each expert's rows through the same ``addmm`` / ``mm`` on one
+    thread and add each token's weighted outputs into zeros in expert order.  With several threads
+    the loop runs each expert's GEMMs on one thread of its own and the stream on all of them (a
+    GEMM's rounding may depend on its threads); ``grouped_mm`` has kernels of its own (on the CPU
+    too: other bits at some widths); in training the loop's hand-written backward and the others'
+    differ in how they sum the bias gradients and reduce the weight gradients."""
+    if a == b:
+        return True
+    one_thread = (
+        x.device.type == "cpu" and torch.get_num_threads() == 1 and not torch.is_autocast_enabled("cpu")
+    )
+    return not grad and one_thread and {a, b} == {"loop", "stream"}
+
+
 class Probe(NamedTuple):
     """One call of the experts to measure on: tokens, routing and the experts' weights."""
 
@@ -427,8 +448,11 @@ class Measurement(NamedTuple):
     """What :func:`measure` found for one shape class."""
 
     pick: str  #: the fastest by median of those that competed (ties: the earlier candidate)
-    medians: dict[str, float]  #: seconds of the clock, per candidate that competed
-    excluded: tuple[str, ...]  #: candidates whose numbers differed from the loop's on a probe
+    medians: dict[str, float]  #: seconds of the clock, per candidate timed
+    excluded: tuple[str, ...]  #: candidates whose numbers differed from the reference's on a probe
+    #: candidates timed but never picked: they do not round as the reference by construction
+    #: (:func:`rounds_alike`), so a pick among them would depend on the clock's mood
+    other_rounding: tuple[str, ...] = ()
 
 
 def random_probe(x: Tensor, top_k: int, experts: ExpertWeights) -> Probe:
@@ -444,35 +468,53 @@ def random_probe(x: Tensor, top_k: int, experts: ExpertWeights) -> Probe:
 
 
 def measure(
-    probes: Sequence[Probe], grad: bool, *, repeats: int = 5, clock: Callable[[], float] | None = None
+    probes: Sequence[Probe],
+    grad: bool,
+    *,
+    repeats: int = 5,
+    clock: Callable[[], float] | None = None,
+    reference: str = "loop",
 ) -> Measurement:
-    """Time the :func:`candidates` on ``probes[0]`` and pick the fastest of those whose results
-    equal the ``"loop"`` kernel's bit for bit on every probe: the outputs and, with ``grad``, the
-    gradients of the tokens, of the routing weights and of the experts' weights (for one fixed
-    random output gradient).  One call of each candidate on each probe first (the warm-up, and the
-    check), then ``repeats`` interleaved rounds on ``probes[0]`` (forward and backward with
-    ``grad``); the fastest by median, ties to the earlier candidate.  ``clock`` (default
-    ``time.perf_counter``, read at the call) is read around each timed call only.  Runs under its
-    own saved-tensor hooks, so an enclosing activation checkpoint does not see the probes'
-    autograd graphs.  Called by :func:`moelab.experts.autotune`, never by a forward; the probes of
-    one call share a :class:`ShapeClass`, and run in the caller's autocast state.
+    """Time the :func:`candidates` on ``probes[0]`` and pick the fastest of those that round as
+    ``reference`` (the rule's kernel) by construction (:func:`rounds_alike`) and whose results
+    equal its own bit for bit on every probe: the outputs and, with ``grad``, the gradients of the
+    tokens, of the routing weights and of the experts' weights (for one fixed random output
+    gradient).  So the pick is one of kernels that compute the same numbers on every routing:
+    whichever the clock favours, a run computes the same.  The candidates that round otherwise
+    are timed too, for the report (a user may fix one with ``impl=``), and never picked.  One call
+    of each candidate on each probe first (the warm-up, and the check), then ``repeats``
+    interleaved rounds on ``probes[0]`` (forward and backward with ``grad``); the fastest by
+    median, ties to the earlier candidate.  ``clock`` (default ``time.perf_counter``, read at the
+    call) is read around each timed call only.  Runs under its own saved-tensor hooks, so an
+    enclosing activation checkpoint does not see the probes' autograd graphs.  Called by
+    :func:`moelab.experts.autotune`, never by a forward; the probes of one call share a
+    :class:`ShapeClass`, and run in the caller's autocast state.
     """
     clock = clock or time.perf_counter
     first = probes[0]
     names = candidates(first.x, first.experts, grad)
+    if reference not in names:
+        raise ValueError(f"reference={reference!r} is not allowed; expected one of the candidates {names}")
+    names = [reference] + [name for name in names if name != reference]
+    alike = [name for name in names if rounds_alike(reference, name, first.x, grad)]
+    other = [name for name in names if name not in alike]
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         runs = [_runner(probe, grad, clock) for probe in probes]
-        same = list(names)
+        same = list(alike)
         for run in runs:
-            reference = run(names[0])[1]
-            same = [same[0]] + [name for name in same[1:] if _identical(run(name)[1], reference)]
-        times: dict[str, list[float]] = {name: [] for name in same}
+            reference_results = run(reference)[1]
+            same = [reference] + [name for name in same[1:] if _identical(run(name)[1], reference_results)]
+            for name in other:  # the warm-up of those timed for the report only
+                run(name)
+        timed = same + other
+        times: dict[str, list[float]] = {name: [] for name in timed}
         for _ in range(repeats):
-            for name in same:
+            for name in timed:
                 times[name].append(runs[0](name)[0])
     median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
     pick = min(same, key=median.__getitem__)
-    return Measurement(pick, median, tuple(name for name in names if name not in same))
+    excluded = tuple(name for name in alike if name not in same)
+    return Measurement(pick, median, excluded, tuple(other))
 
 
 def _runner(probe: Probe, grad: bool, clock: Callable[[], float]):

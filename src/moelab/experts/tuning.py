@@ -39,16 +39,24 @@ class TunedClass:
     rule: str
     #: median milliseconds of the clock per candidate that competed (forward + backward in training)
     medians_ms: dict[str, float]
-    #: candidates left out: their outputs or gradients differed from the loop's on a probe
+    #: candidates left out: their outputs or gradients differed from the rule's kernel's on a probe
     excluded: tuple[str, ...]
     #: the expert-bank calls of this class in the example (every one a probe of the bit check)
     calls: int
+    #: candidates timed for the report but never picked: they do not round as the rule's kernel by
+    #: construction (:func:`moelab.experts.kernels.rounds_alike`); ``impl=`` fixes one of them
+    other_rounding: tuple[str, ...] = ()
 
     def describe(self) -> str:
         times = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.medians_ms.items())
         out = [f"{self.shape_class.describe()}: {self.pick} (rule: {self.rule}); {times}"]
         if self.excluded:
-            out.append(f"; excluded (numbers differ from loop's): {', '.join(self.excluded)}")
+            out.append(f"; excluded (numbers differ from {self.rule}'s): {', '.join(self.excluded)}")
+        if self.other_rounding:
+            out.append(
+                f"; not picked, they round otherwise than {self.rule} (fix one with impl=): "
+                f"{', '.join(self.other_rounding)}"
+            )
         return "".join(out)
 
 
@@ -92,22 +100,25 @@ def autotune(
     two) it times the candidates (``"loop"``, ``"grouped"`` where it runs, ``"stream"`` in
     inference; :func:`~moelab.experts.kernels.measure`): one call of each on every recorded call
     of the class and on one random routing, then ``repeats`` interleaved rounds on the first call
-    (forward and backward in training).  Only candidates whose outputs, and in training whose
-    gradients of the tokens, routing weights and expert weights, equal the ``"loop"`` kernel's bit
-    for bit on every one of those probes compete; the fastest by median is recorded for its class
-    on each of ``model``'s auto banks (their ``tuned``, until :func:`forget_tuned`): every later
-    ``impl="auto"`` forward of that class in ``model`` runs it; other classes, and other models,
-    keep the rule.
+    (forward and backward in training).  Only the candidates that round as the rule's kernel by
+    construction (:func:`~moelab.experts.kernels.rounds_alike`: the loop and the stream in
+    inference on one CPU thread) and whose outputs, and in training whose gradients of the tokens,
+    routing weights and expert weights, equal its own bit for bit on every one of those probes
+    compete; the others are timed for the report (``other_rounding``; ``impl=`` fixes one) and
+    never picked.  The fastest by median is recorded for its class on each of ``model``'s auto
+    banks (their ``tuned``, until :func:`forget_tuned`): every later ``impl="auto"`` forward of
+    that class in ``model`` runs it; other classes, and other models, keep the rule.
 
     The model's forward runs under a forked RNG (the global RNG streams are as before the call),
     and it and the measurement under their own saved-tensor hooks (an enclosing activation
     checkpoint or offloading hook sees neither); nothing is timed inside a forward.
 
-    What it does not promise: the pick is made once, from timings on this host at this moment, and
-    two processes that call ``autotune`` may pick differently.  The bit check covers the probes
-    only: on other routings a picked kernel may round differently from the one the rule runs, so
-    two runs that autotune can end with different weights.  Without a call, ``impl="auto"`` is a
-    rule: two runs of the same command give the same weights.
+    What it promises: whatever the clock says, the numbers.  Two processes that call ``autotune``
+    may pick differently (timings on this host at this moment), but every kernel it may pick
+    computes the same bits as the rule's on every routing of the class, by construction, not by a
+    probe (a probe's bit identity does not hold for every real routing: the threaded loop and
+    ``grouped_mm`` agree on some routings and not on others); so two runs of the same command that
+    autotune give the same weights, those of a run without it.
 
     Args:
         model: a model holding :class:`~moelab.ExpertBank` s with ``impl="auto"``, or one such bank.
@@ -200,9 +211,13 @@ def autotune(
             torch.autocast(key.device, dtype=key.autocast) if key.autocast is not None else nullcontext()
         )
         with autocast:
-            found = kernels.measure(probes, key.grad, repeats=repeats, clock=clock)
+            found = kernels.measure(probes, key.grad, repeats=repeats, clock=clock, reference=group[0][1])
         medians = {name: seconds * 1e3 for name, seconds in found.medians.items()}
-        classes.append(TunedClass(key, found.pick, group[0][1], medians, found.excluded, len(group)))
+        classes.append(
+            TunedClass(
+                key, found.pick, group[0][1], medians, found.excluded, len(group), found.other_rounding
+            )
+        )
     report = AutotuneReport(tuple(classes))
     picks = kernels.check_picks(report.picks)
     for bank in banks:  # the model's own banks: another model of the same shapes keeps its rule

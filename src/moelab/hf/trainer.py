@@ -124,13 +124,13 @@ def _trainer_classes() -> dict[str, type]:
             saved = os.path.join(self.resume_from, ROUTING_FILE) if self.resume_from else None
             if saved is not None and os.path.isfile(saved):
                 self._restore(ctx, saved, int(state.global_step))
+            stale = attached_step_balance(model)  # a StepBalance of the user's loop left attached
+            if stale is not None:  # this run forms the global-scope losses from now on
+                stale.close()
             attach(model, ctx)
             self.ctx = ctx
             # balance_scope="global" layers: the statistics of each optimizer step over the ranks and
             # the accumulated micro-batches (moelab.balance), cleared by the step hooks
-            stale = attached_step_balance(model)  # a run stopped before on_train_end left it attached
-            if stale is not None:
-                stale.close()
             self.step_balance = StepBalance(model, ctx)
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -413,7 +413,10 @@ def _trainer_classes() -> dict[str, type]:
                 path = get_last_checkpoint(self.args.output_dir) if path else None
             self._moe_callback.resume_from = None if path is None else str(path)
             self._aux_sums, self._aux_count, self._loads = {}, 0, {}
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            try:
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            finally:  # an interrupted run (no on_train_end) leaves no StepBalance attached to drop losses
+                self._moe_callback.on_train_end(self.args, self.state, self.control)
 
         def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
             """A model holding moelab layers is saved as its state dict (what the Trainer's resume

@@ -188,8 +188,10 @@ class Trainer:
         autotune: before the first step, measure ``impl="auto"``'s candidate kernels on one
             training batch (:func:`moelab.experts.autotune`; its own generator, the global RNG
             untouched), print one line saying what it picked, and train with the picks (kept in
-            :attr:`autotuned`).  Off by default: without it, two runs of the same command give the
-            same weights; two runs that autotune may pick, and so end, differently.  One process only.
+            :attr:`autotuned`).  Autotune picks only among kernels that round as the rule's by
+            construction (:func:`moelab.experts.kernels.rounds_alike`): in training that is the rule's
+            kernel alone, so the weights are those of a run without it, and two runs of the same
+            command give the same weights.  One process only.
         log: the live view beside ``log.csv`` (:mod:`moelab.train.live`): ``auto`` (default) =
             ``tensorboard`` when the package is installed, else ``csv``; ``tensorboard`` writes event
             files under ``<run>/tensorboard/`` (rank 0); ``csv`` = ``log.csv`` only.
