@@ -393,3 +393,31 @@ def test_finetune_repeats_bit_for_bit_under_its_seed_and_is_silent_about_the_fro
             assert main(args) == 0
         logs.append([line.split(",")[:3] for line in (out / "log.csv").read_text().splitlines()])
     assert logs[0] == logs[1]
+
+
+def test_finetune_refuses_an_out_that_is_its_lm_or_holds_its_task_file_and_deletes_nothing(
+    pretrained, reviews, tmp_path, capsys
+):
+    import shutil
+
+    lm = tmp_path / "lm"
+    shutil.copytree(pretrained, lm)
+    before = sorted(p.relative_to(lm).as_posix() for p in lm.rglob("*"))
+    capsys.readouterr()
+    args = ["finetune", "--task", str(reviews), "--from", str(lm), "--steps", "2", "--no-progress"]
+    assert main([*args, "--out", str(lm), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"moelab finetune: error: --out {str(lm)!r} is the input --from of the command: the run would write "
+        "over what it reads (and --force remove it); choose another --out\n"
+    )
+    assert sorted(p.relative_to(lm).as_posix() for p in lm.rglob("*")) == before
+    task = lm / "task.csv"  # the --task file next to the run's files
+    shutil.copy(reviews, task)
+    assert (
+        main(["finetune", "--task", str(task), "--from", str(pretrained), "--out", str(lm), "--force"]) == 2
+    )
+    assert (
+        f"--task {str(task)!r} lies in --out {str(lm)!r}: the run would write over" in capsys.readouterr().err
+    )
+    assert task.exists()

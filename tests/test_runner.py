@@ -128,3 +128,16 @@ def test_train_specialize_and_bench_suite_refuse_a_changed_seed_in_the_same_sent
         assert cli.main([*argv, "--out", str(out), "--resume", "--seed", "1"]) == 2, name
         sentence = runner.refuse_change("--seed", 1, 0, where).args[0]
         assert capsys.readouterr().err == f"moelab {name}: error: {sentence}\n", name
+
+
+def test_an_out_holding_the_config_file_the_command_reads_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    file = out / "c.yaml"
+    file.write_text("name: b\n")
+    with pytest.raises(
+        ValueError, match=r"^--config '.*c.yaml' lies in --out '.*run': the run would write over"
+    ):
+        runner.execute(TOY, {"name": "b"}, out=out, force=True, inputs={"--config": str(file)})
+    assert file.exists()
+    runner.execute(TOY, {"name": "b"}, out=tmp_path / "other", inputs={"--config": str(file)})

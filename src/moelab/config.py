@@ -117,6 +117,12 @@ class Setting:
     metavar: str | None = None
     aliases: tuple[str, ...] = ()
     fingerprint: str | None = None
+    path: bool = False
+
+    @property
+    def reads_path(self) -> bool:
+        """Whether the value may name a file or folder the run reads (never its ``--out``)."""
+        return self.path or self.fingerprint is not None
 
 
 def setting(
@@ -129,6 +135,7 @@ def setting(
     metavar: str | None = None,
     aliases: tuple[str, ...] = (),
     fingerprint: str | None = None,
+    path: bool = False,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
 ) -> Any:
     """A config field with its flag.
@@ -149,6 +156,8 @@ def setting(
             (:meth:`Run.check_fingerprint`): when the run recorded one and the value given to
             ``--resume`` names an existing path, the digest decides, not the path (the same data
             moved elsewhere continues the run).
+        path: the value may name a file or folder the run reads (a field with a ``fingerprint``
+            does too): ``--out`` may neither be nor hold it.
     """
     if not isinstance(allowed, tuple):
         allowed = (allowed,)
@@ -161,6 +170,7 @@ def setting(
             metavar=metavar,
             aliases=tuple(aliases),
             fingerprint=fingerprint,
+            path=path,
         )
     }
     if default_factory is not dataclasses.MISSING:
@@ -351,7 +361,9 @@ def add_arguments(
         )
         parser.add_argument("--resume", action="store_true", help="continue the run in --out")
         parser.add_argument(
-            "--force", action="store_true", help="start afresh: remove the run in --out first"
+            "--force",
+            action="store_true",
+            help="start afresh: first remove what moelab wrote in --out (never other files)",
         )
         parser.add_argument(
             "--allow-changes",

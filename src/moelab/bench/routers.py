@@ -145,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         run=config.run,
     )
     plan = compare.plan_runs(cmp, None, names, {})
+    runner.check_out_is_no_input(
+        BenchmarkConfig, config, out, {"--config": args.config} if args.config else None
+    )
     top = RunDir(out, resume=args.resume, force=args.force)
     try:
         return _benchmark(args, config, names, cmp, plan, out)

@@ -14,7 +14,6 @@ import argparse
 import csv
 import io
 import math
-import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -109,9 +108,9 @@ class SpecConfig:
 
     mode: str = setting("run", help="what to run", allowed=Options(MODES))
     data: str = setting("digits", help="dataset (digits: offline)", allowed=Options(tuple(DATASETS)))
-    data_dir: str | None = setting(None, input=False, help="local folder with the dataset's files")
+    data_dir: str | None = setting(None, input=False, path=True, help="local folder with the dataset's files")
     mnist_dir: str | None = setting(
-        None, input=False, help="fmnist+mnist: local folder with the MNIST IDX files"
+        None, input=False, path=True, help="fmnist+mnist: local folder with the MNIST IDX files"
     )
     gate: str = setting("original", help="gate", allowed=Options(GATES))
     reg: str = setting("none", help="gate regulariser", allowed=Options(REGULARISERS))
@@ -585,12 +584,8 @@ def _execute(config: SpecConfig, run: runner.Run) -> dict[str, Any]:
     data = _subset(load_images(config.data, config.data_dir, config.mnist_dir), config)
     run.check_fingerprint("--data", config.data, image_digest(data))
     run.record(train_size=len(data.y_train), test_size=len(data.y_test))
-    if not run.resume:
-        for old in (p for pattern in _OUTPUTS for p in run.path.glob(pattern)):
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
+    if not run.resume:  # what an earlier run of moelab wrote here (never a user's file of that name)
+        run.dir.remove_written(_OUTPUTS)
     run.write_config()
     lab = Lab(data, run.path / "fits", progress=config.progress)
     metrics = _MODES[config.mode](lab, config, run.path)

@@ -29,7 +29,10 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_torch",
     "is_temporary",
+    "own_folder",
     "read_json",
+    "record_write",
+    "release_folder",
     "remove_stale_temporaries",
     "set_write_hook",
     "sha256_file",
@@ -42,6 +45,70 @@ __all__ = [
 #: written).  The crash harness (tests/test_crash_harness.py) installs one with
 #: :func:`set_write_hook` that kills the process at a chosen event.
 _write_hook: Callable[[], None] | None = None
+
+
+#: The manifest of a run folder: the path (relative, POSIX) of every file and folder moelab wrote
+#: there, one a line, appended *before* each write, so that ``--force`` removes exactly what moelab
+#: wrote (never a user's CSV, an earlier run of theirs or an input of the command), even after a
+#: kill.  A folder entry ends in ``/`` (a checkpoint built whole).
+MANIFEST = ".moelab-files"
+#: the folders whose writes this process records (resolved path → the entries listed already)
+_OWNED: dict[Path, set[str]] = {}
+
+
+def own_folder(root: str | os.PathLike) -> None:
+    """Record every later write of this process beneath ``root`` in ``root``'s manifest."""
+    root = Path(root).resolve()
+    _OWNED[root] = set(manifest_entries(root))
+
+
+def release_folder(root: str | os.PathLike) -> None:
+    """Stop recording the writes beneath ``root``."""
+    _OWNED.pop(Path(root).resolve(), None)
+
+
+def manifest_entries(root: str | os.PathLike) -> list[str]:
+    """The entries of ``root``'s manifest (``[]`` without one); an entry that would leave ``root``
+    (absolute, ``..``) is dropped, whatever wrote it."""
+    try:
+        lines = (Path(root) / MANIFEST).read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    return [e for e in dict.fromkeys(lines) if e and not e.startswith("/") and ".." not in e.split("/")]
+
+
+def reset_manifest(root: str | os.PathLike) -> None:
+    """Forget ``root``'s manifest (its files were removed)."""
+    (Path(root) / MANIFEST).unlink(missing_ok=True)
+    key = Path(root).resolve()
+    if key in _OWNED:
+        _OWNED[key] = set()
+
+
+def record_write(path: str | os.PathLike, folder: bool = False) -> None:
+    """List ``path`` (a file, or with ``folder`` a folder written whole) in the manifest of every
+    folder this process owns that holds it; called before the write.  Paths beneath a temporary
+    folder are not listed (the folder is, under its final name, when it is renamed into place).  A
+    nested folder's manifest listed (a run another process writes: ``compare``'s workers) stands for
+    what that manifest lists."""
+    if not _OWNED:
+        return
+    path = Path(path)
+    target = path.parent.resolve() / path.name
+    for root, listed in _OWNED.items():
+        if root not in target.parents:
+            continue
+        rel = target.relative_to(root)
+        if any(is_temporary(part) for part in rel.parts) or rel.as_posix() == MANIFEST:
+            continue
+        entry = rel.as_posix() + ("/" if folder else "")
+        if entry in listed:
+            continue
+        with open(root / MANIFEST, "a", encoding="utf-8") as f:
+            f.write(entry + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        listed.add(entry)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -101,6 +168,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    record_write(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes the file 0600; a written file has the mode any other file of the user
@@ -212,6 +280,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
     tmp = path.parent / f".tmp-{path.name}"
+    record_write(path, folder=True)
     tmp.mkdir()
     try:
         yield tmp
