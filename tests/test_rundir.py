@@ -299,3 +299,30 @@ def test_force_clears_a_nested_run_another_process_wrote_through_its_own_manifes
     (out / "smoe" / "notes.md").write_text("the user's")
     RunDir(out, force=True).close()
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [".lock", "smoe", "smoe/notes.md"]
+
+
+def test_a_checked_result_killed_mid_write_is_still_vouched_for_and_an_edit_is_refused(tmp_path):
+    from moelab.io.atomic import atomic_write_checked, read_json, set_write_hook
+
+    path = tmp_path / "cost.json"
+    atomic_write_checked(path, b'{"a": 1}\n')
+    assert read_json(path) == {"a": 1}
+
+    def kill() -> None:
+        raise KeyboardInterrupt
+
+    set_write_hook(kill)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            atomic_write_checked(path, b'{"a": 2}\n')
+    finally:
+        set_write_hook(None)
+    assert read_json(path) == {"a": 1}  # the old content, still vouched for
+    atomic_write_checked(path, b'{"a": 2}\n')
+    assert read_json(path) == {"a": 2}
+    path.write_text('{"a": 3}\n')
+    with pytest.raises(ValueError, match=r"cost.json' was changed after moelab wrote it \(its sha256 is not"):
+        read_json(path)
+    path.write_text('{"a": 1}\n')  # nor is the content before the last write
+    with pytest.raises(ValueError, match="was changed after moelab wrote it"):
+        read_json(path)

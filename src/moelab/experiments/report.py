@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from ..io.atomic import atomic_write_png, atomic_write_text
+from ..io.atomic import atomic_write_png, atomic_write_text, read_json
+from ..io.model import weights_digest
 from . import summary
 
 __all__ = [
@@ -145,9 +146,9 @@ def collect_runs(paths: list[str | Path]) -> list[Run]:
     for p in dict.fromkeys(found):
         try:
             config = yaml.safe_load((p / "config.yaml").read_text()) or {}
-            metrics = json.loads((p / "metrics.json").read_text())
-        except (OSError, yaml.YAMLError, json.JSONDecodeError) as exc:
-            raise ValueError(f"run {p} cannot be read: {exc}") from None
+            metrics = read_json(p / "metrics.json")
+        except (OSError, yaml.YAMLError, ValueError) as exc:
+            raise ValueError(f"run {p} cannot be read: {str(exc).splitlines()[0]}") from None
         runs.append(Run(p, config, metrics))
     if not runs:
         raise ValueError(f"no finished runs (metrics.json) found in {[str(p) for p in paths]}")
@@ -498,9 +499,15 @@ def _diagnostics(run: Run) -> dict[str, Any] | None:
     if not f.is_file():
         return None
     try:
-        return json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        d = read_json(f)
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{f} cannot be read ({exc}); run moelab diagnose {run.path} again") from None
+    if isinstance(d, dict) and d.get("weights_sha256") and d["weights_sha256"] != weights_digest(run.path):
+        raise ValueError(
+            f"{f} describes other weights than the run holds now (it was trained on after moelab diagnose); "
+            f"run moelab diagnose {run.path} again"
+        )
+    return d
 
 
 def _tokens_note(groups: list[Group]) -> str:

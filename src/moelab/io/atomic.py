@@ -24,10 +24,12 @@ from typing import Any
 __all__ = [
     "atomic_directory",
     "atomic_write_bytes",
+    "atomic_write_checked",
     "atomic_write_json",
     "atomic_write_png",
     "atomic_write_text",
     "atomic_write_torch",
+    "check_digest",
     "is_temporary",
     "own_folder",
     "read_json",
@@ -158,13 +160,14 @@ def _sync(fd: int, path: Path) -> None:
     os.fsync(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, event: bool = True) -> Path:
     """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename.
 
     The file gets the mode of any new file (0666 less the umask).  On an error the temporary
     file is removed and ``path`` is left as it was; an interrupt (``KeyboardInterrupt``, like a
     kill) leaves at most a hidden ``.{name}.*.tmp`` file, which :func:`remove_stale_temporaries`
-    removes when the run next starts.
+    removes when the run next starts.  ``event``: whether the write is a write event of the crash
+    harness (the digest book's are not: they come in pairs around a write that is one).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +181,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             _sync(f.fileno(), path)
-        write_event()
+        if event:
+            write_event()
         os.replace(tmp, path)
     except Exception:
         if os.path.exists(tmp):
@@ -222,10 +226,73 @@ def atomic_write_png(path: str | os.PathLike, figure: Any, dpi: int = 100) -> Pa
     return atomic_write_bytes(path, buffer.getvalue())
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """The JSON in ``path``; a file that is not JSON is a ``ValueError`` naming it (one line)."""
+#: The digest book of a folder: the sha256 of each result moelab reads back (``metrics.json``,
+#: ``diagnostics.json``, ``cost.json``: :func:`atomic_write_checked`), so that an edited one is
+#: refused by :func:`read_json`, not trusted.
+DIGESTS = ".moelab-digests.json"
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _book(folder: Path) -> dict[str, list[str]]:
+    file = folder / DIGESTS
+    if not file.is_file():
+        return {}
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        book = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{str(file)!r} is not valid JSON ({exc}); remove it to trust the files it vouched for"
+        ) from None
+    if not isinstance(book, dict):
+        raise ValueError(f"{str(file)!r} must hold a mapping of file names to digests")
+    return book
+
+
+def atomic_write_checked(path: str | os.PathLike, data: bytes) -> Path:
+    """:func:`atomic_write_bytes` of a result moelab reads back, its sha256 kept in the folder's
+    :data:`DIGESTS` book.  While the file is replaced the book accepts the old and the new content,
+    so a kill at any moment leaves a file the book vouches for."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = _digest(data)
+    book = _book(path.parent)
+    old = [_digest(path.read_bytes())] if path.is_file() else []
+    if book.get(path.name) != [new]:
+        book[path.name] = list(dict.fromkeys([*old, new]))
+        atomic_write_bytes(path.parent / DIGESTS, _book_bytes(book), event=False)
+    atomic_write_bytes(path, data)
+    if book[path.name] != [new]:
+        book[path.name] = [new]
+        atomic_write_bytes(path.parent / DIGESTS, _book_bytes(book), event=False)
+    return path
+
+
+def _book_bytes(book: dict[str, list[str]]) -> bytes:
+    return (json.dumps(book, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+def check_digest(path: str | os.PathLike, data: bytes) -> None:
+    """Refuse, in one line, the content ``data`` of ``path`` when its folder's :data:`DIGESTS` book
+    records other digests for it (the file was edited after moelab wrote it)."""
+    path = Path(path)
+    accepted = _book(path.parent).get(path.name)
+    if accepted and _digest(data) not in accepted:
+        raise ValueError(
+            f"{str(path)!r} was changed after moelab wrote it (its sha256 is not the one recorded in "
+            f"{DIGESTS}); run the command that wrote it again rather than edit it"
+        )
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON in ``path``; a file that is not JSON, or a result its folder's :data:`DIGESTS`
+    book records other content for (an edited one), is a ``ValueError`` naming it (one line)."""
+    data = Path(path).read_bytes()
+    check_digest(path, data)
+    try:
+        return json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{str(path)!r} is not valid JSON ({exc})") from None
 

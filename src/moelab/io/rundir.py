@@ -20,9 +20,12 @@ from typing import Any
 import yaml
 
 from .atomic import (
+    DIGESTS,
     MANIFEST,
     atomic_write_bytes,
+    atomic_write_checked,
     atomic_write_text,
+    check_digest,
     manifest_entries,
     own_folder,
     read_json,
@@ -285,11 +288,12 @@ class RunDir:
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Write ``metrics.json`` (nothing is written when the file already holds exactly these)."""
-        text = json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n"
+        data = (json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n").encode("utf-8")
         path = self.file("metrics.json")
-        if path.is_file() and path.read_text(encoding="utf-8", errors="replace") == text:
+        if path.is_file() and path.read_bytes() == data and (self.path / DIGESTS).is_file():
+            check_digest(path, data)  # the book vouches for it already (or it was edited to these)
             return
-        atomic_write_text(path, text)
+        atomic_write_checked(path, data)
 
     def read_metrics(self) -> dict[str, Any]:
         return read_json(self.file("metrics.json"))
