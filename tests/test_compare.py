@@ -271,10 +271,10 @@ def test_compare_keep_ckpts_all_reaches_every_run(corpus, tmp_path):
 
 def test_compare_refuses_more_seeds_than_the_machine_can_list(corpus, tmp_path, capsys):
     out = tmp_path / "cmp"
-    assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--seeds", "40960000000")) == 2
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--seeds", "999000000")) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        "moelab compare: error: --seeds=40960000000 is not allowed here: 2 methods × --seeds runs would need at least"
+        "moelab compare: error: --seeds=999000000 is not allowed here: 2 methods × --seeds runs would need at least"
     )
     assert err.endswith("expected a smaller --seeds\n") and not out.exists()
 

@@ -289,3 +289,18 @@ def test_an_edited_metrics_or_diagnostics_json_is_refused_in_one_line(run_dir, t
         assert len(err.strip().splitlines()) == 1
         path.write_bytes(original)
     assert main(["report", str(run), "--out", str(tmp_path / "r-ok")]) == 0
+
+
+def test_force_removes_what_diagnose_and_report_wrote_into_a_run(run_dir, corpus, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    assert main(["report", str(run)]) == 0  # into run/report
+    assert (run / "diagnostics.json").is_file() and (run / "report" / "results.csv").is_file()
+    argv = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+            "--test-tokens", "64", "--no-progress", "--out", str(run), "--force"]  # fmt: skip
+    assert main(argv) == 0
+    assert not (run / "diagnostics.json").exists() and not (run / "report").exists()

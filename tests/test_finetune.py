@@ -173,7 +173,7 @@ def test_finetune_cli_errors_exit_2(pretrained, reviews, tmp_path, capsys):
         assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--out",
                      str(tmp_path / "o"), "--epochs", bad]) == 2  # fmt: skip
         err = capsys.readouterr().err
-        assert f"--epochs={bad} is not allowed; expected a number > 0" in err
+        assert f"--epochs={bad} is not allowed; expected a number in (0, 1000000000]" in err
         assert len(err.strip().splitlines()) == 1
 
 
@@ -421,3 +421,24 @@ def test_finetune_refuses_an_out_that_is_its_lm_or_holds_its_task_file_and_delet
         f"--task {str(task)!r} lies in --out {str(lm)!r}: the run would write over" in capsys.readouterr().err
     )
     assert task.exists()
+
+
+def test_finetune_refuses_an_adapter_rank_above_the_projections_and_epochs_that_cannot_finish(
+    pretrained, reviews, tmp_path, capsys
+):
+    out = tmp_path / "o"
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(out), "--no-progress"]
+    capsys.readouterr()
+    assert main([*base, "--adapter", "replora", "--rank", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "moelab finetune: error: --rank=100000 is not allowed with --from "
+    ) and err.endswith("Q and V projections has rank at most 64; expected --rank <= 64\n")
+    assert not out.exists()
+    assert main([*base, "--epochs", "1e9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "moelab finetune: error: --epochs=1000000000.0 is not allowed here: "
+    ) and err.endswith("steps, more than 1,000,000,000, which cannot finish; expected a smaller --epochs\n")
+    assert main([*base, "--epochs", "1e20"]) == 2
+    assert "--epochs=1e+20 is not allowed; expected a number in (0, 1000000000]" in capsys.readouterr().err

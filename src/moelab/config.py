@@ -23,6 +23,8 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 __all__ = [
+    "INT64",
+    "MAX_COUNT",
     "Interval",
     "Options",
     "Setting",
@@ -50,6 +52,13 @@ _META = "moelab"
 
 
 # ------------------------------------------------------------------------------ constraints
+#: the most steps, epochs, iterations, rounds or runs a command accepts: at a millisecond each (no
+#: step of moelab's is faster) 10**9 take eleven days; a count beyond cannot finish
+MAX_COUNT = 10**9
+#: the range of a 64-bit integer, the most any integer setting can hold (a seed, a size)
+INT64 = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class Interval:
     """Numbers of ``kind`` (``int`` or ``float``) between ``low`` and ``high`` (``None``: unbounded);
@@ -246,6 +255,11 @@ def _check(flag: str, value: Any, hint: Any, s: Setting, python: bool = False) -
     ok = ok_type and (not constraints or any(_allows(c, value) for c in constraints))
     if not ok:
         raise ValueError(f"{flag}={given!r} is not allowed; expected {_expected(base, s, python)}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64:
+        raise ValueError(
+            f"{flag}={given!r} is not allowed; expected {_expected(base, s, python)} of at most 2**63 - 1 "
+            "(a 64-bit integer)"
+        )
     return value
 
 
@@ -373,16 +387,32 @@ def add_arguments(
         )
 
 
-def _int_or_text(text: str) -> int | str:
+def _integer(text: str) -> int:
+    """An integer flag's value: digits, or a whole number in exponent notation (``--steps 1e6``; the
+    bounds of the field then decide, e.g. :data:`MAX_COUNT`)."""
     try:
         return int(text)
     except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (expected a whole number)")
+    return int(number)
+
+
+def _int_or_text(text: str) -> int | str:
+    try:
+        return _integer(text)
+    except argparse.ArgumentTypeError:
         return text
 
 
 def _scalar(base: Any) -> Callable[[str], Any]:
     if base is int:
-        return int
+        return _integer
     if set(typing.get_args(base)) == {int, str}:  # a count or a word (--keep-ckpts 5 or all)
         return _int_or_text
     if base is float:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .. import config as vocab
-from ..config import Interval, Options, parse_sweep, setting
+from ..config import MAX_COUNT, Interval, Options, parse_sweep, setting
 from ..data.text import load_text
 from ..io.atomic import MANIFEST, atomic_write_text, read_json, record_write
 from ..io.rundir import RUN_ENTRIES, RunDir
@@ -52,7 +52,9 @@ class CompareConfig:
         ",".join(DEFAULT_METHODS),
         help="comma-separated methods (unavailable ones are skipped and named)",
     )
-    seeds: int = setting(3, help="seeds per method, from --seed-offset on", allowed=Interval(int, 1))
+    seeds: int = setting(
+        3, help="seeds per method, from --seed-offset on", allowed=Interval(int, 1, MAX_COUNT)
+    )
     seed_offset: int = setting(0, help="first seed", allowed=Interval(int, 0, 2**63 - 1))
     jobs: int | None = setting(
         None,

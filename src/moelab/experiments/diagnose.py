@@ -21,7 +21,7 @@ import torch
 
 from .. import _validate, metrics
 from ..data.text import load_text
-from ..io.atomic import atomic_write_checked, atomic_write_png
+from ..io.atomic import atomic_write_checked, atomic_write_png, recording
 from ..io.model import list_checkpoints, load, weights_digest
 from ..io.rundir import read_yaml
 from ..train.tasks import LMTask
@@ -199,8 +199,13 @@ def _run_kind(config_file: Path) -> str:
 
 def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     """The diagnostics of one run directory (see the module docstring); written to
-    ``diagnostics.json`` there and returned."""
+    ``diagnostics.json`` there (listed in the run's manifest: ``--force`` removes it) and returned."""
     path = Path(path)
+    with recording(path):
+        return _diagnose_run(path, tokens)
+
+
+def _diagnose_run(path: Path, tokens: int) -> dict[str, Any]:
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a moelab train run (no config.yaml)")

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ..io.atomic import atomic_write_png, atomic_write_text, read_json
+from ..io.atomic import atomic_write_png, atomic_write_text, read_json, recording
 from ..io.model import weights_digest
+from ..io.rundir import read_yaml
 from . import summary
 
 __all__ = [
@@ -145,9 +144,9 @@ def collect_runs(paths: list[str | Path]) -> list[Run]:
     runs = []
     for p in dict.fromkeys(found):
         try:
-            config = yaml.safe_load((p / "config.yaml").read_text()) or {}
+            config = read_yaml(p / "config.yaml", repr(str(p / "config.yaml")), empty=True)
             metrics = read_json(p / "metrics.json")
-        except (OSError, yaml.YAMLError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # one line: read_yaml's and read_json's sentences
             raise ValueError(f"run {p} cannot be read: {str(exc).splitlines()[0]}") from None
         runs.append(Run(p, config, metrics))
     if not runs:
@@ -810,6 +809,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.runs[0])
     if not args.out and (out / "metrics.json").exists():
         out = out / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    # listed in the manifests of out and of the run it lies in: --force removes the report too
+    with recording(out, *([out.parent] if out.name == "report" and not args.out else [])):
+        return _report(args, runs, out)
+
+
+def _report(args: argparse.Namespace, runs: list[Run], out: Path) -> int:
     reference = args.reference
     if not any(str(r.metrics.get("method")) == reference for r in runs):
         first = str(runs[0].metrics.get("method"))

@@ -41,6 +41,7 @@ __all__ = [
     "check_memory",
     "check_out_is_no_input",
     "check_run_flags",
+    "check_world_size",
     "execute",
     "given_by_args",
     "machine_memory",
@@ -394,6 +395,7 @@ def execute(
         rank=rank,
         world=world,
     )
+    check_world_size(run, out)
     try:
         metrics = dict(command.execute(run.config, run) or {})
         if run.dir is not None and rank == 0 and metrics:
@@ -402,6 +404,20 @@ def execute(
     finally:
         if run.dir is not None:
             run.dir.close()
+
+
+def check_world_size(run: Run, out: str | Path | None) -> None:
+    """Say once (rank 0) that a resumed run continues on another number of processes than it was
+    trained on, and record the number of a new run (or of one resumed with ``--allow-changes``)."""
+    old = run.recorded.get("world_size")
+    if run.resuming and old is not None and old != run.world and run.rank == 0:
+        print(
+            f"--resume: the run in {out} was trained on {old} process(es) and continues on {run.world}: the "
+            "data order and the per-rank terms (each rank's share of the batch, rank-local balance "
+            "statistics) change from here on, so it will not end as an uninterrupted run would"
+        )
+    if not run.resuming or run.allow_changes:
+        run.recorded["world_size"] = run.world
 
 
 def run_command(command: Command, args: argparse.Namespace) -> dict[str, Any]:

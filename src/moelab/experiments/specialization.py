@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import config as vocab
-from ..config import Interval, Options, setting
+from ..config import MAX_COUNT, Interval, Options, setting
 from ..data.images import DATASETS, ImageData, load_images
 from ..io.atomic import atomic_write_text
 from ..io.model import save
@@ -130,15 +130,17 @@ class SpecConfig:
     experts: int | None = setting(
         None, help="number of experts (default: per dataset)", allowed=(Interval(int, 2), None)
     )
-    epochs: int | None = setting(None, help="epochs (default: per dataset)", allowed=_COUNT)
+    epochs: int | None = setting(
+        None, help="epochs (default: per dataset)", allowed=(Interval(int, 1, MAX_COUNT), None)
+    )
     batch_size: int | None = setting(None, help="samples a step (default: per dataset)", allowed=_COUNT)
     lr: float = setting(1e-3, help="Adam learning rate", allowed=Interval(float, 0, closed="neither"))
-    seed: int = setting(0, help="seed of the first run", allowed=Interval(int, 0))
+    seed: int = setting(0, help="seed of the first run", allowed=Interval(int, 0, 2**63 - 1))
     runs: int = setting(
         1,
         help="seeds per setting (paper: 10 MNIST, 5 CIFAR-100); with N > 1 the metrics are also summarised "
-        "over the seeds (mean ± sd, 95%% CI) and table rows compared by Welch's t-test",
-        allowed=Interval(int, 1),
+        "over the seeds (mean ± sd, 95% CI) and table rows compared by Welch's t-test",
+        allowed=Interval(int, 1, MAX_COUNT),
     )
     sweep: bool = setting(False, help="sweep the Krishnamurthy et al. (2023) Appendix C grid")
     top_k: int = setting(1, help="experts at sparse inference", allowed=Interval(int, 1))

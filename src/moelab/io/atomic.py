@@ -34,6 +34,7 @@ __all__ = [
     "own_folder",
     "read_json",
     "record_write",
+    "recording",
     "release_folder",
     "remove_stale_temporaries",
     "set_write_hook",
@@ -67,6 +68,24 @@ def own_folder(root: str | os.PathLike) -> None:
 def release_folder(root: str | os.PathLike) -> None:
     """Stop recording the writes beneath ``root``."""
     _OWNED.pop(Path(root).resolve(), None)
+
+
+@contextmanager
+def recording(*folders: str | os.PathLike) -> Iterator[None]:
+    """Record the writes of the block in the manifests of ``folders`` (those this process does not
+    own already): for the commands that write into a run without opening it (``diagnose``,
+    ``report``), so that a later ``--force`` removes what they wrote too."""
+    added = []
+    for folder in folders:
+        key = Path(folder).resolve()
+        if key not in _OWNED and key.is_dir():
+            own_folder(key)
+            added.append(key)
+    try:
+        yield
+    finally:
+        for key in added:
+            release_folder(key)
 
 
 def manifest_entries(root: str | os.PathLike) -> list[str]:
