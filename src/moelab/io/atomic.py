@@ -39,6 +39,7 @@ __all__ = [
     "remove_stale_temporaries",
     "set_write_hook",
     "sha256_file",
+    "vouched",
     "write_event",
 ]
 
@@ -291,6 +292,12 @@ def atomic_write_checked(path: str | os.PathLike, data: bytes) -> Path:
 
 def _book_bytes(book: dict[str, list[str]]) -> bytes:
     return (json.dumps(book, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+def vouched(path: str | os.PathLike, data: bytes) -> bool:
+    """Whether the folder's :data:`DIGESTS` book records ``data``'s sha256 for ``path``."""
+    path = Path(path)
+    return _digest(data) in (_book(path.parent).get(path.name) or [])
 
 
 def check_digest(path: str | os.PathLike, data: bytes) -> None:

@@ -20,12 +20,10 @@ from typing import Any
 import yaml
 
 from .atomic import (
-    DIGESTS,
     MANIFEST,
     atomic_write_bytes,
     atomic_write_checked,
     atomic_write_text,
-    check_digest,
     manifest_entries,
     own_folder,
     read_json,
@@ -33,6 +31,7 @@ from .atomic import (
     release_folder,
     remove_stale_temporaries,
     reset_manifest,
+    vouched,
     write_event,
 )
 
@@ -71,8 +70,8 @@ RUN_ENTRIES = ("config.yaml", "metrics.json", "log.csv", "tokenizer.json", "best
 #: writes one into its run) and a comparison
 MARKERS = (*RUN_ENTRIES, "config.json", "results.csv")
 #: every other entry a moelab command writes into its folder (``--force`` removes what the folder's
-#: manifest lists, not these names): a saved model, ``diagnose``'s, ``compare``'s and ``report``'s tables and plots,
-#: ``simulate``'s and ``specialize``'s outputs, the trainer's ``curves.png`` (:mod:`moelab.train.plots`)
+#: manifest lists, not these names): a saved model, ``diagnose``'s, ``compare``'s and ``report``'s
+#: tables and plots, ``simulate``'s and ``specialize``'s outputs, the trainer's ``curves.png`` (:mod:`moelab.train.plots`)
 OUTPUTS = (
     *MARKERS, "model.safetensors", "diagnostics.json", "runs.csv", "count_models.csv", "val_curves.csv",
     "val_curves.png", "diagnostics.csv", "table.txt", "paper.txt", "losses.csv", "table.csv",
@@ -290,8 +289,7 @@ class RunDir:
         """Write ``metrics.json`` (nothing is written when the file already holds exactly these)."""
         data = (json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n").encode("utf-8")
         path = self.file("metrics.json")
-        if path.is_file() and path.read_bytes() == data and (self.path / DIGESTS).is_file():
-            check_digest(path, data)  # the book vouches for it already (or it was edited to these)
+        if path.is_file() and path.read_bytes() == data and vouched(path, data):
             return
         atomic_write_checked(path, data)
 
