@@ -326,3 +326,34 @@ def test_a_checked_result_killed_mid_write_is_still_vouched_for_and_an_edit_is_r
     path.write_text('{"a": 1}\n')  # nor is the content before the last write
     with pytest.raises(ValueError, match="was changed after moelab wrote it"):
         read_json(path)
+
+
+def test_an_interrupted_force_is_finished_by_the_next_one(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    run = RunDir(out)
+    for name in ("benchmark.md", "benchmark.csv", "smoe/cost.json", "smoe/seed0/metrics.json"):
+        atomic_write_text(out / name, "old\n")
+    run.close()
+    real = Path.unlink
+    calls = []
+
+    def interrupted(self, missing_ok=False):
+        calls.append(self.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a Ctrl-C in the middle of the clearing
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        RunDir(out, force=True)
+    monkeypatch.undo()
+    assert any((out / n).exists() for n in ("benchmark.md", "benchmark.csv", "smoe/cost.json"))
+    from moelab.io.atomic import release_folder
+    from moelab.io.rundir import _HELD
+
+    os.close(_HELD.pop(out.resolve()))  # the interrupted process's lock, released as its exit would
+    release_folder(out)
+    RunDir(out, force=True).close()
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [".lock"]
