@@ -200,6 +200,9 @@ def _task_list(config: EvalConfig) -> list[str]:
 def _prepare(config: EvalConfig, folder: Path) -> dict[str, Any]:
     """Everything an evaluation needs, read and checked before the run directory opens (a refused
     evaluation leaves no folder behind): the model, its tokenizer and the task index."""
+    # no hub here: datasets must be local or cached (set before datasets is imported, which reads it
+    # once: a task that is neither fails at once, not after the hub client's retries)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     _require_lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -271,7 +274,6 @@ def _evaluate(lm_eval: Any, config: EvalConfig, prepared: dict[str, Any]) -> dic
 def _execute(config: EvalConfig, run: runner.Run, prepared: dict[str, Any]) -> dict[str, Any]:
     import lm_eval
 
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # no hub here: datasets must be local or cached
     try:
         results = _evaluate(lm_eval, config, prepared)
     except Exception as exc:
