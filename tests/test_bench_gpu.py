@@ -107,7 +107,7 @@ ROW_KEYS = {
             r"--gpu-peers='deepspeed' is not allowed; expected one of \['transformers', 'megablocks', 'torchtitan', 'sonic-moe'\]",
         ),
         ("--fp32-max-tokens", "0", r"--fp32-max-tokens=0 is not allowed; expected a positive integer"),
-        ("--repeats", "0", r"--repeats=0 is not allowed; expected a positive integer"),
+        ("--repeats", "0", r"--repeats=0 is not allowed; expected an integer in \[1, 1000000000\]"),
         ("--budget", "-1", r"--budget=-1.0 is not allowed; expected a number > 0"),
     ],
 )

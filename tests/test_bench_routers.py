@@ -167,3 +167,35 @@ def test_benchmark_keeps_no_run_of_its_checks_where_report_would_pool_them(finis
     assert [str(r) for r in runs] == [
         f"{m}/seed{s}" for m in ("competesmoe", "smoe", "xmoe") for s in range(3)
     ]
+
+
+def test_benchmark_refuses_an_edited_cost_json_in_one_line(corpus, finished, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "bm"
+    shutil.copytree(finished, out)
+    cost = out / "xmoe" / "cost.json"
+    cost.write_text(json.dumps({**json.loads(cost.read_text()), "layer_ratio": 0.5}, indent=2) + "\n")
+    capsys.readouterr()
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe,competesmoe", "--resume")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(
+        f"{str(cost)!r} was changed after moelab wrote it (its sha256 is not the one recorded in "
+        ".moelab-digests.json); run the command that wrote it again rather than edit it"
+    )
+
+
+@pytest.mark.slow
+def test_benchmark_force_measures_the_cost_again_and_keeps_the_users_files(
+    corpus, finished, tmp_path, capsys
+):
+    import shutil
+
+    out = tmp_path / "bm"
+    shutil.copytree(finished, out)
+    (out / "notes.csv").write_text("mine\n")
+    capsys.readouterr()
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--force")) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("cost measured") == 2
+    assert (out / "notes.csv").read_text() == "mine\n" and not (out / "competesmoe").exists()

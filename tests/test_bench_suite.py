@@ -296,7 +296,7 @@ def test_weights_read_bound_touches_exactly_the_routed_experts():
             "moe",
             r"--peers='moe' is not allowed; expected one of \['mixtral', 'stmoe', 'lucidrains'\]",
         ),
-        ("--repeats", "0", r"--repeats=0 is not allowed; expected a positive integer"),
+        ("--repeats", "0", r"--repeats=0 is not allowed; expected an integer in \[1, 1000000000\]"),
         ("--budget", "0", r"--budget=0.0 is not allowed; expected a number > 0"),
     ],
 )

@@ -181,3 +181,22 @@ def test_seed_and_eval_every_are_checked_alike_by_every_command(argv, message, t
     assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.endswith(f"error: {message}\n") and len(err.strip().splitlines()) == 1
+
+
+def test_help_shows_percent_signs_once_never_doubled():
+    import re
+
+    texts = _all_help(cli.build_parser())
+    assert not [t for t in texts if "%%" in t]
+    assert any(re.search(r"5%\s+of\s+--steps", t) for t in texts)
+
+
+def test_a_retired_environment_variable_is_named_once_not_silently_ignored(monkeypatch, capsys):
+    monkeypatch.setenv("MOELAB_AUTOTUNE", "bogus")
+    assert cli.main(["simulate", "--study", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (
+        "moelab: MOELAB_AUTOTUNE='bogus' is no longer read; impl='auto' follows its rule; measure the kernels "
+        "with moelab train --autotune or moelab.experts.autotune(model, example_input) (docs/kernels.md)"
+    )
+    assert err.count("MOELAB_AUTOTUNE") == 1 and len(err.splitlines()) == 2  # and the command's own refusal

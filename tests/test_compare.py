@@ -271,9 +271,31 @@ def test_compare_keep_ckpts_all_reaches_every_run(corpus, tmp_path):
 
 def test_compare_refuses_more_seeds_than_the_machine_can_list(corpus, tmp_path, capsys):
     out = tmp_path / "cmp"
-    assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--seeds", "40960000000")) == 2
+    assert main(tiny(corpus, out, "--methods", "smoe,xmoe", "--seeds", "999000000")) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        "moelab compare: error: --seeds=40960000000 is not allowed here: 2 methods × --seeds runs would need at least"
+        "moelab compare: error: --seeds=999000000 is not allowed here: 2 methods × --seeds runs would need at least"
     )
     assert err.endswith("expected a smaller --seeds\n") and not out.exists()
+
+
+def test_compare_resume_allow_changes_of_runs_not_yet_started_starts_them(corpus, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    (out / "smoe" / "seed0").mkdir(parents=True)  # a comparison killed before its first run began
+    assert main(tiny(corpus, out, "--methods", "smoe", "--seeds", "1", "--resume", "--allow-changes")) == 0
+    assert (out / "smoe" / "seed0" / "metrics.json").is_file()
+    assert main(tiny(corpus, tmp_path / "new", "--methods", "smoe", "--seeds", "1", "--allow-changes")) == 2
+    assert capsys.readouterr().err.endswith(
+        "--allow-changes is not allowed without --resume; it lets --resume continue a run with changed "
+        "settings (a new run takes any settings: drop --allow-changes)\n"
+    )
+
+
+def test_compare_force_keeps_the_users_csv_and_folders_in_out(corpus, tmp_path):
+    out = tmp_path / "cmp"
+    assert main(tiny(corpus, out, "--methods", "smoe", "--seeds", "1")) == 0
+    (out / "my_notes.csv").write_text("mine\n")
+    (out / "earlier").mkdir()
+    (out / "earlier" / "config.yaml").write_text("command: train\n")  # an earlier run of the user's
+    assert main(tiny(corpus, out, "--methods", "smoe", "--seeds", "1", "--force")) == 0
+    assert (out / "my_notes.csv").read_text() == "mine\n" and (out / "earlier" / "config.yaml").is_file()

@@ -179,6 +179,8 @@ def _invalid(hint, allowed: tuple) -> list[str]:
             candidates += [max(numbers) + 1] if numbers else []
     if base in (int, float) or set(typing.get_args(base)) == {int, str}:
         candidates.append("x")  # not a number: argparse's own refusal, or no constraint allows it
+    if base is int or set(typing.get_args(base)) == {int, str}:
+        candidates += ["1e20", "2.5"]  # beyond 64 bits (or the field's bound); not a whole number
     refused = []
     for candidate in candidates:
         text = str(int(candidate)) if isinstance(candidate, float) and base is int else str(candidate)
@@ -219,6 +221,25 @@ def _cases():
 
 
 CASES = _cases()
+
+
+#: the fields that count steps, epochs, iterations, rounds or runs: each must be able to finish
+_COUNTS = {"steps", "epochs", "seeds", "runs", "replicates", "restarts", "reference_steps", "n_boot",
+           "repeat_steps", "timing_rounds", "repeats"}  # fmt: skip
+
+
+def test_every_count_a_command_takes_is_bounded_so_that_the_command_can_finish():
+    from moelab.config import MAX_COUNT
+
+    counted = []
+    for path, parser, cls in _commands(cli.build_parser()):
+        dests = {a.dest for a in parser._actions}
+        for p, f, _ in leaf_fields(cls):
+            if p.rsplit(".", 1)[-1] in _COUNTS and p in dests:
+                bounds = [c.high for c in setting_of(f).allowed if isinstance(c, Interval)]
+                assert bounds and all(b is not None and b <= MAX_COUNT for b in bounds), (path, p)
+                counted.append((" ".join(path), p))
+    assert ("train", "steps") in counted and ("specialize", "runs") in counted and len(counted) >= 12
 
 
 def test_every_command_with_a_config_is_checked():

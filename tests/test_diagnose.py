@@ -238,3 +238,69 @@ def test_curves_of_a_router_whose_k_grows_compare_with_the_final_choices(corpus,
         hits = (x.unsqueeze(-1) == y.unsqueeze(-2)).any(-1).sum()
         assert d["saturation"][0][layer] == pytest.approx(float(hits) / y.numel())
     assert d["saturation"][-1] == [1.0, 1.0]
+
+
+def test_report_refuses_diagnostics_of_weights_the_run_no_longer_holds_and_benchmark_diagnoses_again(
+    corpus, tmp_path, capsys
+):
+    from moelab.bench.routers import _diagnosed
+
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+            "--test-tokens", "64", "--ckpt-every", "1", "--keep-ckpts", "all", "--no-progress",
+            "--out", str(run)]  # fmt: skip
+    assert main(argv) == 0
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    assert main(["report", str(run), "--out", str(tmp_path / "r1")]) == 0
+    assert _diagnosed(run, 64)
+    # trained on with other settings: the diagnostics describe the old model
+    assert main([*argv[:-2], "--steps", "4", "--eval-every", "4", "--out", str(run), "--resume",
+                 "--allow-changes"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["report", str(run), "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"moelab report: error: {run / 'diagnostics.json'} describes other weights than the run holds now "
+        f"(it was trained on after moelab diagnose); run moelab diagnose {run} again\n"
+    )
+    assert not _diagnosed(run, 64)  # benchmark's phase 2 diagnoses it again
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    assert main(["report", str(run), "--out", str(tmp_path / "r3")]) == 0
+
+
+def test_an_edited_metrics_or_diagnostics_json_is_refused_in_one_line(run_dir, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    for name, key in (("diagnostics.json", "jain_mean"), ("metrics.json", "test_bpc")):
+        path = run / name
+        original = path.read_bytes()
+        d = json.loads(original)
+        path.write_text(json.dumps({**d, key: 0.123}, indent=2) + "\n")
+        capsys.readouterr()
+        assert main(["report", str(run), "--out", str(tmp_path / f"r-{name}")]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"{str(path)!r} was changed after moelab wrote it (its sha256 is not the one recorded in " in err
+        )
+        assert len(err.strip().splitlines()) == 1
+        path.write_bytes(original)
+    assert main(["report", str(run), "--out", str(tmp_path / "r-ok")]) == 0
+
+
+def test_force_removes_what_diagnose_and_report_wrote_into_a_run(run_dir, corpus, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    assert main(["diagnose", str(run), "--tokens", "64"]) == 0
+    assert main(["report", str(run)]) == 0  # into run/report
+    assert (run / "diagnostics.json").is_file() and (run / "report" / "results.csv").is_file()
+    argv = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+            "--test-tokens", "64", "--no-progress", "--out", str(run), "--force"]  # fmt: skip
+    assert main(argv) == 0
+    assert not (run / "diagnostics.json").exists() and not (run / "report").exists()

@@ -116,3 +116,36 @@ def test_the_task_index_holds_only_the_included_tasks_when_they_are_all_asked(tm
     assert _task_manager(Index, str(task), ["mine", "piqa"], folder).all_tasks == ["mine", "piqa"]
     with pytest.raises(FileNotFoundError, match=r"--include 'nope\.yaml' does not exist"):
         _task_manager(Index, "nope.yaml", ["mine"], folder)
+
+
+def test_eval_offline_is_one_line_and_leaves_nothing_that_blocks_the_retry(tmp_path, capsys, monkeypatch):
+    import lm_eval
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the capital of France is Paris. one, two, three. " * 200)
+    run = tmp_path / "run"
+    train = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "40", "--batch-size", "4",
+             "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64",
+             "--test-tokens", "64", "--no-progress", "--out", str(run)]  # fmt: skip
+    assert main(train) == 0
+
+    def offline(**kwargs):
+        try:
+            raise OSError("[Errno -3] Temporary failure in name resolution")
+        except OSError as exc:  # as the hub client chains it
+            raise ConnectionError("Couldn't reach 'baber/piqa' on the Hub (LocalEntryNotFoundError)") from exc
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    out = tmp_path / "eval"
+    args = ["eval", "--from", str(run), "--tasks", "local_mc", "--include", str(_task_file(tmp_path)),
+            "--out", str(out)]  # fmt: skip
+    capsys.readouterr()
+    for _ in range(2):  # the retry meets the same sentence, not "already holds a run"
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            "moelab eval: error: --tasks 'local_mc': the task's data cannot be fetched (ConnectionError); "
+            "without network only tasks whose datasets are cached or local run (a task of your own: "
+            "--include FILE.yaml)\n"
+        )
+        assert not (out / "config.yaml").exists()

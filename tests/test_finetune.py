@@ -173,7 +173,7 @@ def test_finetune_cli_errors_exit_2(pretrained, reviews, tmp_path, capsys):
         assert main(["finetune", "--task", str(reviews), "--from", str(pretrained), "--out",
                      str(tmp_path / "o"), "--epochs", bad]) == 2  # fmt: skip
         err = capsys.readouterr().err
-        assert f"--epochs={bad} is not allowed; expected a number > 0" in err
+        assert f"--epochs={bad} is not allowed; expected a number in (0, 1000000000]" in err
         assert len(err.strip().splitlines()) == 1
 
 
@@ -393,3 +393,52 @@ def test_finetune_repeats_bit_for_bit_under_its_seed_and_is_silent_about_the_fro
             assert main(args) == 0
         logs.append([line.split(",")[:3] for line in (out / "log.csv").read_text().splitlines()])
     assert logs[0] == logs[1]
+
+
+def test_finetune_refuses_an_out_that_is_its_lm_or_holds_its_task_file_and_deletes_nothing(
+    pretrained, reviews, tmp_path, capsys
+):
+    import shutil
+
+    lm = tmp_path / "lm"
+    shutil.copytree(pretrained, lm)
+    before = sorted(p.relative_to(lm).as_posix() for p in lm.rglob("*"))
+    capsys.readouterr()
+    args = ["finetune", "--task", str(reviews), "--from", str(lm), "--steps", "2", "--no-progress"]
+    assert main([*args, "--out", str(lm), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"moelab finetune: error: --out {str(lm)!r} is the input --from of the command: the run would write "
+        "over what it reads (and --force remove it); choose another --out\n"
+    )
+    assert sorted(p.relative_to(lm).as_posix() for p in lm.rglob("*")) == before
+    task = lm / "task.csv"  # the --task file next to the run's files
+    shutil.copy(reviews, task)
+    assert (
+        main(["finetune", "--task", str(task), "--from", str(pretrained), "--out", str(lm), "--force"]) == 2
+    )
+    assert (
+        f"--task {str(task)!r} lies in --out {str(lm)!r}: the run would write over" in capsys.readouterr().err
+    )
+    assert task.exists()
+
+
+def test_finetune_refuses_an_adapter_rank_above_the_projections_and_epochs_that_cannot_finish(
+    pretrained, reviews, tmp_path, capsys
+):
+    out = tmp_path / "o"
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(out), "--no-progress"]
+    capsys.readouterr()
+    assert main([*base, "--adapter", "replora", "--rank", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "moelab finetune: error: --rank=100000 is not allowed with --from "
+    ) and err.endswith("Q and V projections has rank at most 64; expected --rank <= 64\n")
+    assert not out.exists()
+    assert main([*base, "--epochs", "1e9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "moelab finetune: error: --epochs=1000000000.0 is not allowed here: "
+    ) and err.endswith("steps, more than 1,000,000,000, which cannot finish; expected a smaller --epochs\n")
+    assert main([*base, "--epochs", "1e20"]) == 2
+    assert "--epochs=1e+20 is not allowed; expected a number in (0, 1000000000]" in capsys.readouterr().err

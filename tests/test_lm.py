@@ -776,7 +776,6 @@ def test_a_nan_first_seen_in_validation_stops_with_the_one_line_message(corpus, 
         (["--block-size", "4096000000"], "--block-size"),
         (["--batch-size", "4096000000"], "--batch-size"),
         (["--layers", "100000000"], "--layers"),
-        (["--method", "competesmoe", "--steps", "1000000000000"], "--steps"),
     ],
 )
 @pytest.mark.parametrize("command", ["train", "compare"])
@@ -850,3 +849,47 @@ def test_a_crafted_state_pt_with_re_signed_digests_is_refused_in_one_line_and_ru
     )
     assert "nothing of it was run. Remove" in err and len(err.strip().splitlines()) == 1
     assert not witness.exists()
+
+
+@pytest.mark.parametrize("value", ["1e20", "1000000000000", "100000000000000000000"])
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_a_step_count_that_cannot_finish_is_refused_naming_the_flag(corpus, tmp_path, capsys, command, value):
+    out = tmp_path / "run"
+    argv = [
+        command,
+        "--data",
+        str(corpus),
+        "--size",
+        "cpu",
+        "--steps",
+        value,
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    shown = str(int(float(value))) if "e" in value else value
+    assert (
+        err
+        == f"moelab {command}: error: --steps={shown} is not allowed; expected an integer in [1, 1000000000]\n"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "opt, message",
+    [
+        ("warmup=0.1", "--opt warmup=0.1 is not allowed; it names two things: the learning-rate warm-up is "
+                       "--warmup STEPS, the competition schedule's warm-up fraction --opt competition_warmup=F"),
+        ("lr=0.1", "--opt lr=0.1 is not allowed; lr is a setting of the run, set by --lr"),
+        ("steps=3", "--opt steps=3 is not allowed; steps is a setting of the run, set by --steps"),
+    ],
+)  # fmt: skip
+def test_an_opt_named_like_a_setting_of_the_run_is_refused_naming_the_flag(
+    corpus, tmp_path, capsys, opt, message
+):
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(corpus), "--method", "competesmoe", "--opt", opt, "--out", str(out)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"moelab train: error: {message}\n" and not out.exists()

@@ -237,3 +237,18 @@ def test_runs_of_other_budgets_or_data_are_never_pooled_into_one_row(tmp_path):
         ("smoe data_sha256=aaaaaaaaaaaa steps=30", 1),
         ("smoe data_sha256=bbbbbbbbbbbb steps=500", 1),
     ]
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [(b"a: [1,\n", "is not valid YAML: while parsing a flow node"),
+     (b"\x00\xff\xfe", "is not UTF-8 text (a damaged or binary file)"),
+     (b"- 1\n", "must hold a mapping of run settings, got list")],
+)  # fmt: skip
+def test_report_names_a_damaged_config_yaml_in_one_line(tmp_path, capsys, damage, why):
+    run = tmp_path / "r" / "a0"
+    fake_run(run, "smoe", 0, 1.3)
+    (run / "config.yaml").write_bytes(damage)
+    assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moelab report: error: run {run} cannot be read: {str(run / 'config.yaml')!r} {why}\n"

@@ -20,7 +20,8 @@ def test_rundir_creates_the_folder(tmp_path):
 def test_rundir_refuses_an_existing_run_without_resume_or_force(tmp_path):
     RunDir(tmp_path).write_config({"lr": 1e-3})
     with pytest.raises(
-        FileExistsError, match=r"already holds a run; pass --resume to continue it or --force"
+        FileExistsError,
+        match=r"already holds a run; pass --resume to continue it or --force to remove the files",
     ):
         RunDir(tmp_path)
     assert RunDir(tmp_path, resume=True).read_config() == {"lr": 1e-3}
@@ -197,26 +198,82 @@ def test_a_run_opened_again_removes_the_temporary_files_killed_writes_left(tmp_p
     assert (tmp_path / "notes.tmp").exists() and (tmp_path / "config.yaml").exists()
 
 
-def test_force_removes_every_output_of_any_commands_run_and_keeps_other_files(tmp_path):
+def test_force_removes_only_what_moelab_wrote_never_the_users_files(tmp_path):
+    from moelab.io.atomic import atomic_directory
 
     out = tmp_path / "out"
-    for name in ("config.yaml", "metrics.json", "model.safetensors", "diagnostics.json", "results.csv",
-                 "runs.csv", "val_curves.png", "paper.txt", "table.md", "estimates.npz"):  # fmt: skip
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_text("x")
-    (out / "config.json").write_text(json.dumps({"format": "moelab", "kind": "hf"}))  # moelab upcycle's
-    for run in ("smoe/seed0", "xmoe/seed0", "model", "report"):  # compare's runs, a saved model, a report
-        (out / run).mkdir(parents=True)
-        (out / run / ("config.json" if run == "model" else "config.yaml")).write_text(
-            json.dumps({"format": "moelab"})
-        )
-    (out / "corpus.txt").write_text("the user's data")
-    (out / "mine").mkdir()
-    (out / "mine" / "notes.md").write_text("the user's notes")
-    with pytest.raises(FileExistsError, match="already holds a run"):
+    run = RunDir(out)
+    run.write_config({"command": "compare"})
+    run.write_metrics({"loss": 1.0})
+    run.append_log({"step": 1}, name="eval.csv")
+    atomic_write_text(out / "report" / "table.txt", "t\n")
+    with atomic_directory(out / "ckpt" / "step-00000001") as tmp:
+        atomic_write_text(tmp / "state.pt", "x")
+    child = RunDir(out / "smoe" / "seed0")  # a comparison's run, written while out is held
+    child.write_config({"command": "train"})
+    child.close()
+    run.close()
+    # the user's own files beside and inside the run: a CSV, an earlier run of theirs, a task file
+    (out / "mine.csv").write_text("the user's table")
+    (out / "smoe" / "notes.md").write_text("the user's notes")
+    earlier = RunDir(out / "earlier")
+    earlier.write_config({"command": "train"})
+    earlier.close()
+    (out / "task.csv").write_text("text,label\n")
+    with pytest.raises(
+        FileExistsError, match=r"already holds a run; pass --resume to continue it or --force to remove "
+    ):
         RunDir(out)
     RunDir(out, force=True).close()
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "corpus.txt", "mine"]
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert left == [
+        ".lock", "earlier/.lock", "earlier/.moelab-files", "earlier/config.yaml", "mine.csv", "smoe/notes.md",
+        "task.csv",
+    ]  # fmt: skip
+
+
+def test_force_refuses_a_folder_whose_run_files_no_manifest_lists_and_removes_nothing(tmp_path):
+    for name in ("config.yaml", "results.csv", "log.csv"):  # a user's files, or an older moelab's run
+        (tmp_path / name).write_text("x")
+    with pytest.raises(FileExistsError) as info:
+        RunDir(tmp_path)
+    assert "--force" not in str(info.value) and "config.yaml, log.csv, results.csv" in str(info.value)
+    with pytest.raises(
+        FileExistsError,
+        match=r"^--force: --out .* holds config.yaml, log.csv, results.csv, which no moelab run recorded "
+        r"writing \(your files, or a run of an older moelab\); --force removes only what moelab wrote",
+    ):
+        RunDir(tmp_path, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "log.csv", "results.csv"]
+
+
+def test_the_manifest_lists_a_file_before_it_is_written_so_a_killed_write_is_still_moelabs(tmp_path):
+    from moelab.io.atomic import MANIFEST, set_write_hook
+
+    run = RunDir(tmp_path)
+
+    def kill() -> None:
+        raise KeyboardInterrupt
+
+    set_write_hook(kill)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run.write_metrics({"loss": 1.0})
+    finally:
+        set_write_hook(None)
+    assert "metrics.json" in (tmp_path / MANIFEST).read_text().splitlines()
+    run.close()
+
+
+def test_a_manifest_entry_that_leaves_the_folder_is_never_followed(tmp_path):
+    from moelab.io.atomic import MANIFEST
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "precious.txt").write_text("x")
+    (out / MANIFEST).write_text("../precious.txt\n" + str(tmp_path / "precious.txt") + "\n")
+    RunDir(out, force=True).close()
+    assert (tmp_path / "precious.txt").exists()
 
 
 def test_a_transformers_models_config_json_is_not_a_run(tmp_path):
@@ -225,3 +282,78 @@ def test_a_transformers_models_config_json_is_not_a_run(tmp_path):
     (tmp_path / "model.safetensors").write_text("x")
     RunDir(tmp_path, force=True).close()  # not refused, and nothing of the model removed
     assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
+
+
+def test_force_clears_a_nested_run_another_process_wrote_through_its_own_manifest(tmp_path):
+    from moelab.io.atomic import MANIFEST, record_write
+
+    out = tmp_path / "out"
+    top = RunDir(out)
+    record_write(out / "smoe" / "seed0" / MANIFEST)  # compare's worker processes write these runs
+    top.write_config({"command": "compare"})
+    top.close()
+    child = RunDir(out / "smoe" / "seed0")  # written while no folder of this process holds out
+    child.write_config({"command": "train"})
+    child.append_log({"step": 1})
+    child.close()
+    (out / "smoe" / "notes.md").write_text("the user's")
+    RunDir(out, force=True).close()
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [".lock", "smoe", "smoe/notes.md"]
+
+
+def test_a_checked_result_killed_mid_write_is_still_vouched_for_and_an_edit_is_refused(tmp_path):
+    from moelab.io.atomic import atomic_write_checked, read_json, set_write_hook
+
+    path = tmp_path / "cost.json"
+    atomic_write_checked(path, b'{"a": 1}\n')
+    assert read_json(path) == {"a": 1}
+
+    def kill() -> None:
+        raise KeyboardInterrupt
+
+    set_write_hook(kill)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            atomic_write_checked(path, b'{"a": 2}\n')
+    finally:
+        set_write_hook(None)
+    assert read_json(path) == {"a": 1}  # the old content, still vouched for
+    atomic_write_checked(path, b'{"a": 2}\n')
+    assert read_json(path) == {"a": 2}
+    path.write_text('{"a": 3}\n')
+    with pytest.raises(ValueError, match=r"cost.json' was changed after moelab wrote it \(its sha256 is not"):
+        read_json(path)
+    path.write_text('{"a": 1}\n')  # nor is the content before the last write
+    with pytest.raises(ValueError, match="was changed after moelab wrote it"):
+        read_json(path)
+
+
+def test_an_interrupted_force_is_finished_by_the_next_one(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    run = RunDir(out)
+    for name in ("benchmark.md", "benchmark.csv", "smoe/cost.json", "smoe/seed0/metrics.json"):
+        atomic_write_text(out / name, "old\n")
+    run.close()
+    real = Path.unlink
+    calls = []
+
+    def interrupted(self, missing_ok=False):
+        calls.append(self.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a Ctrl-C in the middle of the clearing
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        RunDir(out, force=True)
+    monkeypatch.undo()
+    assert any((out / n).exists() for n in ("benchmark.md", "benchmark.csv", "smoe/cost.json"))
+    from moelab.io.atomic import release_folder
+    from moelab.io.rundir import _HELD
+
+    os.close(_HELD.pop(out.resolve()))  # the interrupted process's lock, released as its exit would
+    release_folder(out)
+    RunDir(out, force=True).close()
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [".lock"]

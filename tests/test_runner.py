@@ -128,3 +128,34 @@ def test_train_specialize_and_bench_suite_refuse_a_changed_seed_in_the_same_sent
         assert cli.main([*argv, "--out", str(out), "--resume", "--seed", "1"]) == 2, name
         sentence = runner.refuse_change("--seed", 1, 0, where).args[0]
         assert capsys.readouterr().err == f"moelab {name}: error: {sentence}\n", name
+
+
+def test_an_out_holding_the_config_file_the_command_reads_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    file = out / "c.yaml"
+    file.write_text("name: b\n")
+    with pytest.raises(
+        ValueError, match=r"^--config '.*c.yaml' lies in --out '.*run': the run would write over"
+    ):
+        runner.execute(TOY, {"name": "b"}, out=out, force=True, inputs={"--config": str(file)})
+    assert file.exists()
+    runner.execute(TOY, {"name": "b"}, out=tmp_path / "other", inputs={"--config": str(file)})
+
+
+def test_a_resume_on_another_number_of_processes_says_so_once(tmp_path, capsys):
+    out = tmp_path / "run"
+    runner.execute(TOY, {}, out=out)
+    stored = yaml.safe_load((out / "config.yaml").read_text())
+    assert stored["recorded"]["world_size"] == 1
+    runner.execute(TOY, {}, out=out, resume=True)
+    assert "process(es)" not in capsys.readouterr().out  # the same number: nothing to say
+    stored["recorded"]["world_size"] = 2  # as if trained under torchrun --nproc-per-node 2
+    (out / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
+    runner.execute(TOY, {}, out=out, resume=True)
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == 1 and printed == (
+        f"--resume: the run in {out} was trained on 2 process(es) and continues on 1: the data order and "
+        "the per-rank terms (each rank's share of the batch, rank-local balance statistics) change from "
+        "here on, so it will not end as an uninterrupted run would\n"
+    )

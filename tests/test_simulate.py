@@ -64,6 +64,11 @@ from moelab.experiments import runner
         (["--study", "misspecified", "--eta-bound", "0.5", "--out", "X"],
          "--eta-bound=0.5 is not allowed for this truth: its largest ‖ηᵢ‖ is"),
         (["--study", "misspecified", "--replicates", "0", "--out", "X"], "--replicates=0"),
+        (["--study", "misspecified", "--replicates", "1", "--out", "X"],
+         "--replicates=1 is not allowed; expected an integer in [2, 1000000000]"),
+        (["--study", "misspecified", "--n-boot", "1", "--out", "X"],
+         "--n-boot=1 is not allowed; expected an integer in [41, 1000000000]"),
+        (["--study", "misspecified", "--n-boot", "40", "--out", "X"], "--n-boot=40 is not allowed"),
         (["--study", "misspecified", "--sample-sizes", "500,x", "--out", "X"],
          "argument --sample-sizes: '500,x' is not a comma-separated list of integers"),
         (["--study", "misspecified", "--d", "two", "--out", "X"], "argument --d: invalid int value: 'two'"),
@@ -184,11 +189,17 @@ def test_a_replicate_where_no_step_is_accepted_is_not_converged_and_the_table_sa
     assert all(r["converged"] == 0.0 for r in metrics["rates"])
 
 
-@pytest.mark.parametrize("flag", ["--replicates", "--restarts"])
-def test_sizes_beyond_the_machines_memory_are_refused_before_anything_runs(tmp_path, capsys, flag):
+@pytest.mark.parametrize(
+    "study, flag, value",
+    [("cosine-vs-perturbed", "--replicates", "999000000"), ("cosine-vs-perturbed", "--restarts", "999000000"),
+     ("misspecified", "--reference-n", "1000000000000000000")],
+)  # fmt: skip
+def test_sizes_beyond_the_machines_memory_are_refused_before_anything_runs(
+    tmp_path, capsys, study, flag, value
+):
     out = tmp_path / "sim"
-    args = ["simulate", "--study", "cosine-vs-perturbed", "--quick", flag, "4096000000", "--out", str(out)]
+    args = ["simulate", "--study", study, "--quick", flag, value, "--out", str(out)]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert f"{flag}=4096000000 is not allowed here: the batched fits would need at least" in err
+    assert f"{flag}={value} is not allowed here: the batched fits would need at least" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -188,7 +188,7 @@ def test_force_leaves_nothing_of_the_old_run(tmp_path, capsys, monkeypatch):
     assert main([*TINY, "--force", "--out", str(out)], capsys)[0] == 130
     monkeypatch.undo()
     left = sorted(p.name for p in out.iterdir())
-    assert left == [".lock", "config.yaml", "fits"]  # no runs.csv, model/, teacher plots
+    assert left == [".lock", ".moelab-files", "config.yaml", "fits"]  # no runs.csv, model/, teacher plots
     assert main(["--resume", "--out", str(out)], capsys)[0] == 0
     assert yaml.safe_load((out / "config.yaml").read_text())["distill"] is False
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 
 from ._version import __version__
@@ -91,9 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: environment variables moelab read once and reads no more: a run that sets one is told, once,
+#: rather than silently run without what the variable asked for
+RETIRED_ENV = {
+    "MOELAB_AUTOTUNE": "impl='auto' follows its rule; measure the kernels with moelab train --autotune "
+    "or moelab.experts.autotune(model, example_input) (docs/kernels.md)",
+}
+
+
+def warn_retired_env() -> None:
+    """One line on stderr per retired variable that is set."""
+    for name, instead in RETIRED_ENV.items():
+        if name in os.environ:
+            print(f"moelab: {name}={os.environ[name]!r} is no longer read; {instead}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    warn_retired_env()
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

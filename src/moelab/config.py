@@ -23,6 +23,8 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 __all__ = [
+    "INT64",
+    "MAX_COUNT",
     "Interval",
     "Options",
     "Setting",
@@ -50,6 +52,13 @@ _META = "moelab"
 
 
 # ------------------------------------------------------------------------------ constraints
+#: the most steps, epochs, iterations, rounds or runs a command accepts: at a millisecond each (no
+#: step of moelab's is faster) 10**9 take eleven days; a count beyond cannot finish
+MAX_COUNT = 10**9
+#: the range of a 64-bit integer, the most any integer setting can hold (a seed, a size)
+INT64 = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class Interval:
     """Numbers of ``kind`` (``int`` or ``float``) between ``low`` and ``high`` (``None``: unbounded);
@@ -117,6 +126,12 @@ class Setting:
     metavar: str | None = None
     aliases: tuple[str, ...] = ()
     fingerprint: str | None = None
+    path: bool = False
+
+    @property
+    def reads_path(self) -> bool:
+        """Whether the value may name a file or folder the run reads (never its ``--out``)."""
+        return self.path or self.fingerprint is not None
 
 
 def setting(
@@ -129,6 +144,7 @@ def setting(
     metavar: str | None = None,
     aliases: tuple[str, ...] = (),
     fingerprint: str | None = None,
+    path: bool = False,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
 ) -> Any:
     """A config field with its flag.
@@ -149,6 +165,8 @@ def setting(
             (:meth:`Run.check_fingerprint`): when the run recorded one and the value given to
             ``--resume`` names an existing path, the digest decides, not the path (the same data
             moved elsewhere continues the run).
+        path: the value may name a file or folder the run reads (a field with a ``fingerprint``
+            does too): ``--out`` may neither be nor hold it.
     """
     if not isinstance(allowed, tuple):
         allowed = (allowed,)
@@ -161,6 +179,7 @@ def setting(
             metavar=metavar,
             aliases=tuple(aliases),
             fingerprint=fingerprint,
+            path=path,
         )
     }
     if default_factory is not dataclasses.MISSING:
@@ -236,6 +255,11 @@ def _check(flag: str, value: Any, hint: Any, s: Setting, python: bool = False) -
     ok = ok_type and (not constraints or any(_allows(c, value) for c in constraints))
     if not ok:
         raise ValueError(f"{flag}={given!r} is not allowed; expected {_expected(base, s, python)}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64:
+        raise ValueError(
+            f"{flag}={given!r} is not allowed; expected {_expected(base, s, python)} of at most 2**63 - 1 "
+            "(a 64-bit integer)"
+        )
     return value
 
 
@@ -351,7 +375,9 @@ def add_arguments(
         )
         parser.add_argument("--resume", action="store_true", help="continue the run in --out")
         parser.add_argument(
-            "--force", action="store_true", help="start afresh: remove the run in --out first"
+            "--force",
+            action="store_true",
+            help="start afresh: first remove what moelab wrote in --out (never other files)",
         )
         parser.add_argument(
             "--allow-changes",
@@ -361,16 +387,32 @@ def add_arguments(
         )
 
 
-def _int_or_text(text: str) -> int | str:
+def _integer(text: str) -> int:
+    """An integer flag's value: digits, or a whole number in exponent notation (``--steps 1e6``; the
+    bounds of the field then decide, e.g. :data:`MAX_COUNT`)."""
     try:
         return int(text)
     except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (expected a whole number)")
+    return int(number)
+
+
+def _int_or_text(text: str) -> int | str:
+    try:
+        return _integer(text)
+    except argparse.ArgumentTypeError:
         return text
 
 
 def _scalar(base: Any) -> Callable[[str], Any]:
     if base is int:
-        return int
+        return _integer
     if set(typing.get_args(base)) == {int, str}:  # a count or a word (--keep-ckpts 5 or all)
         return _int_or_text
     if base is float:

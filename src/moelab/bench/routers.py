@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import config as vocab
-from ..config import Interval, setting
+from ..config import MAX_COUNT, Interval, setting
 from ..experiments import compare, runner
 from ..experiments.lm import TrainRun, set_threads
 from ..experiments.report import collect_runs, write_report
 from ..experiments.summary import bootstrap_ranks, holm, mean, paired, t_interval
-from ..io.atomic import atomic_write_png, atomic_write_text, read_json
+from ..io.atomic import atomic_write_checked, atomic_write_png, atomic_write_text, read_json
+from ..io.model import weights_digest
 from ..io.rundir import RunDir
 from ..methods import methods
 
@@ -66,7 +67,9 @@ class BenchmarkConfig:
     given)."""
 
     methods: str = setting("all", help="comma-separated methods, or all (every moelab method)")
-    seeds: int = setting(5, help="seeds per method, from --seed-offset on", allowed=Interval(int, 2))
+    seeds: int = setting(
+        5, help="seeds per method, from --seed-offset on", allowed=Interval(int, 2, MAX_COUNT)
+    )
     seed_offset: int = setting(0, help="first seed", allowed=Interval(int, 0, 2**63 - 1))
     jobs: int | None = setting(
         None,
@@ -82,10 +85,10 @@ class BenchmarkConfig:
     repeat_steps: int = setting(
         30,
         help="steps of the short runs that check bit-for-bit repetition and the 1-vs-2-rank gap",
-        allowed=Interval(int, 2),
+        allowed=Interval(int, 2, MAX_COUNT),
     )
     timing_rounds: int = setting(
-        20, help="timed rounds of the layer's training step", allowed=Interval(int, 3)
+        20, help="timed rounds of the layer's training step", allowed=Interval(int, 3, MAX_COUNT)
     )
     two_ranks: bool = setting(True, flag="--no-ranks", help="skip the 2-rank (gloo, torchrun) gap")
     diagnose_tokens: int = setting(
@@ -145,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
         run=config.run,
     )
     plan = compare.plan_runs(cmp, None, names, {})
+    runner.check_out_is_no_input(
+        BenchmarkConfig, config, out, {"--config": args.config} if args.config else None
+    )
     top = RunDir(out, resume=args.resume, force=args.force)
     try:
         return _benchmark(args, config, names, cmp, plan, out)
@@ -172,16 +178,19 @@ def _benchmark(args, config: BenchmarkConfig, names: list[str], cmp, plan, out: 
     for name in names:
         target = out / name / COST_FILE
         settings = _cost_settings(config, first[name])
+        digest = weights_digest(runs[(name, seeds[0])])  # the trained layer the cost is measured on
         if target.is_file():
-            old = read_json(target).get("settings") or {}
+            stored = read_json(target)  # an edited file is refused in one line
+            old = stored.get("settings") or {}
             changed = next((k for k in settings if old.get(k) != settings[k]), None)
-            if changed is None:
+            if changed is None and stored.get("weights_sha256") == digest:
                 continue
-            if not args.allow_changes:
+            if changed is not None and not args.allow_changes:
                 raise runner.refuse_change(_COST_FLAGS[changed], settings[changed], old.get(changed), target)
         t0 = time.perf_counter()
         cost = measure_cost(runs[(name, seeds[0])], first[name], config)
-        atomic_write_text(target, json.dumps({"settings": settings, **cost}, indent=2) + "\n")
+        text = json.dumps({"settings": settings, "weights_sha256": digest, **cost}, indent=2) + "\n"
+        atomic_write_checked(target, text.encode("utf-8"))
         print(f"{name}: cost measured ({time.perf_counter() - t0:.0f}s): " + _cost_line(cost))
     # phase 4: the table, from the files alone
     rows = benchmark_rows(out, names, seeds, config.reference, config.margin)
@@ -210,8 +219,12 @@ def _diagnosed(run_dir: Path, tokens: int) -> bool:
     path = run_dir / "diagnostics.json"
     if not path.is_file():
         return False
-    d = read_json(path)
-    return d.get("tokens") == tokens and all(k in d for k in _DIAGNOSTIC_KEYS)
+    d = read_json(path)  # an edited file is refused in one line
+    return (
+        d.get("tokens") == tokens
+        and all(k in d for k in _DIAGNOSTIC_KEYS)
+        and d.get("weights_sha256") == weights_digest(run_dir)  # of the run's weights now
+    )
 
 
 def _diagnose_all(run_dirs: list[Path], tokens: int, jobs: int) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .. import _validate
 from .. import config as vocab
-from ..config import Interval, Options, setting
+from ..config import MAX_COUNT, Interval, Options, setting
 from ..experiments import runner
 from ..experts import MLP, ExpertBank, sort_slots
 from ..experts.kernels import grouped_rows, loop_rows
@@ -581,7 +581,7 @@ class SuiteConfig:
     repeats: int | None = setting(
         None,
         input=False,
-        allowed=(Interval(int, 1), None),
+        allowed=(Interval(int, 1, MAX_COUNT), None),
         help="timed rounds per case at most (default 30; --device cuda: 7)",
     )
     warmup: int = setting(1, input=False, allowed=Interval(int, 0, 1 << 20), help="untimed rounds first")

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .. import config as vocab
-from ..config import Interval, Options, parse_sweep, setting
+from ..config import MAX_COUNT, Interval, Options, parse_sweep, setting
 from ..data.text import load_text
-from ..io.atomic import atomic_write_text, read_json
+from ..io.atomic import MANIFEST, atomic_write_text, read_json, record_write
 from ..io.rundir import RUN_ENTRIES, RunDir
 from ..methods import methods
 from . import lm, runner
@@ -52,7 +52,9 @@ class CompareConfig:
         ",".join(DEFAULT_METHODS),
         help="comma-separated methods (unavailable ones are skipped and named)",
     )
-    seeds: int = setting(3, help="seeds per method, from --seed-offset on", allowed=Interval(int, 1))
+    seeds: int = setting(
+        3, help="seeds per method, from --seed-offset on", allowed=Interval(int, 1, MAX_COUNT)
+    )
     seed_offset: int = setting(0, help="first seed", allowed=Interval(int, 0, 2**63 - 1))
     jobs: int | None = setting(
         None,
@@ -132,9 +134,12 @@ def run(args: argparse.Namespace) -> int:
     runner.check_memory(
         config, lambda c: 4096 * len(chosen) * c.seeds, {"seeds": 1}, f"{len(chosen)} methods × --seeds runs"
     )
-    # the comparison's folder, locked while it runs; --force removes everything of an earlier run in
-    # it, whichever command wrote it
+    # the comparison's folder, locked while it runs; --force removes what moelab wrote in it (its
+    # manifest), never a file of the user's
     plan = plan_runs(config, paper, chosen, given)
+    runner.check_out_is_no_input(
+        CompareConfig, config, out, {"--config": args.config} if args.config else None
+    )
     top = RunDir(out, resume=args.resume, force=args.force)
     try:
         return compare_runs(args, config, paper, chosen, unknown_default, out, plan)
@@ -225,6 +230,7 @@ def compare_runs(args, config, paper, chosen, unknown_default, out: Path, plan: 
         # any run entry, not only config.yaml: a kill between tokenizer.json and config.yaml leaves a
         # folder that only --resume may continue
         resume = args.resume and any((run_dir / name).exists() for name in RUN_ENTRIES)
+        record_write(run_dir / MANIFEST)  # a worker process writes it: --force clears what it lists
         tasks.append((method, seed, one, run_dir, resume))
     jobs = min(jobs_of(config), max(1, len(tasks)))
     key = f"test_{data.metric}"
@@ -272,10 +278,13 @@ def jobs_of(config: CompareConfig) -> int:
 def train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
     """Train ``tasks`` (method, seed, config, run dir, resume) and yield ``(method, seed, metrics)``
     as they finish: in this process, or in ``jobs`` worker processes of one thread each."""
-    options = {"force": args.force, "allow_changes": args.allow_changes}
+
+    def options(resume: bool) -> dict:  # --allow-changes concerns a run that resumes; a new one starts
+        return {"force": args.force, "allow_changes": args.allow_changes and resume}
+
     if jobs == 1:
         for method, seed, config, run_dir, resume in tasks:
-            m = train_lm(config, run_dir, resume=resume, data=data, **options)
+            m = train_lm(config, run_dir, resume=resume, data=data, **options(resume))
             yield method, seed, m
         return
     import multiprocessing
@@ -287,7 +296,7 @@ def train_all(tasks: list, jobs: int, args: argparse.Namespace, data):
         jobs, mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
     ) as pool:
         futures = {
-            pool.submit(_train_in_worker, config, run_dir, resume, options): (method, seed)
+            pool.submit(_train_in_worker, config, run_dir, resume, options(resume)): (method, seed)
             for method, seed, config, run_dir, resume in tasks
         }
         try:

@@ -21,8 +21,8 @@ import torch
 
 from .. import _validate, metrics
 from ..data.text import load_text
-from ..io.atomic import atomic_write_png, atomic_write_text
-from ..io.model import list_checkpoints, load
+from ..io.atomic import atomic_write_checked, atomic_write_png, recording
+from ..io.model import list_checkpoints, load, weights_digest
 from ..io.rundir import read_yaml
 from ..train.tasks import LMTask
 from . import runner
@@ -199,8 +199,13 @@ def _run_kind(config_file: Path) -> str:
 
 def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     """The diagnostics of one run directory (see the module docstring); written to
-    ``diagnostics.json`` there and returned."""
+    ``diagnostics.json`` there (listed in the run's manifest: ``--force`` removes it) and returned."""
     path = Path(path)
+    with recording(path):
+        return _diagnose_run(path, tokens)
+
+
+def _diagnose_run(path: Path, tokens: int) -> dict[str, Any]:
     config_file = path / "config.yaml"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} is not a moelab train run (no config.yaml)")
@@ -222,6 +227,7 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
     target = path / "diagnostics.json"
     if target.exists() and not target.is_file():
         raise ValueError(f"{str(target)!r} exists and is not a file; remove it to write the diagnostics")
+    digest = weights_digest(path)  # of the weights diagnosed: report finds the file stale once they change
     model = load(path)
     task = LMTask(data, model.cfg.block_size)
     batches = _batches(task, tokens)
@@ -298,7 +304,8 @@ def diagnose_run(path: str | Path, tokens: int = 16384) -> dict[str, Any]:
         if name not in figures and (path / name).is_file():
             (path / name).unlink()
     out["figures"] = figures  # each figure's file and the test tokens it used (the first ones)
-    atomic_write_text(path / "diagnostics.json", json.dumps(out, indent=2) + "\n")
+    out["weights_sha256"] = digest
+    atomic_write_checked(path / "diagnostics.json", (json.dumps(out, indent=2) + "\n").encode("utf-8"))
     return out
 
 

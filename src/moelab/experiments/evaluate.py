@@ -167,6 +167,7 @@ class EvalConfig:
     source: str = setting(
         flag="--from",
         help="a `moelab train` run directory (its best weights and tokenizer.json)",
+        path=True,
     )
     tasks: str = setting(
         ",".join(PAPER_TASKS[:1]),
@@ -175,6 +176,7 @@ class EvalConfig:
     include: str | None = setting(
         None,
         help="a task YAML file or a folder of them (a task of your own, e.g. on local data)",
+        path=True,
     )
     limit: int | None = setting(
         None, help="at most N examples per task (default: all)", allowed=(Interval(int, 1), None)
@@ -198,6 +200,9 @@ def _task_list(config: EvalConfig) -> list[str]:
 def _prepare(config: EvalConfig, folder: Path) -> dict[str, Any]:
     """Everything an evaluation needs, read and checked before the run directory opens (a refused
     evaluation leaves no folder behind): the model, its tokenizer and the task index."""
+    # no hub here: datasets must be local or cached (set before datasets is imported, which reads it
+    # once: a task that is neither fails at once, not after the hub client's retries)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     _require_lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -236,12 +241,22 @@ def _task_manager(cls: Any, include: str | None, names: list[str], folder: Path)
     return cls(include_path=str(path))
 
 
-def _execute(config: EvalConfig, run: runner.Run, prepared: dict[str, Any]) -> dict[str, Any]:
-    import lm_eval
+def _offline(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the network or the hub cannot be reached."""
+    names = ("ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "MaxRetryError",
+             "ConnectTimeout", "NameResolutionError", "gaierror")  # fmt: skip
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, (ConnectionError, TimeoutError)) or any(
+            c.__name__ in names for c in type(exc).__mro__
+        ):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
-    run.write_config()
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # no hub here: datasets must be local or cached
-    results = lm_eval.simple_evaluate(
+
+def _evaluate(lm_eval: Any, config: EvalConfig, prepared: dict[str, Any]) -> dict[str, Any]:
+    return lm_eval.simple_evaluate(
         model=harness_model(prepared["model"], prepared["tokenizer"], prepared["block"], config.batch_size),
         tasks=prepared["names"],
         num_fewshot=config.num_fewshot,
@@ -254,6 +269,23 @@ def _execute(config: EvalConfig, run: runner.Run, prepared: dict[str, Any]) -> d
         bootstrap_iters=1000,
         log_samples=False,
     )
+
+
+def _execute(config: EvalConfig, run: runner.Run, prepared: dict[str, Any]) -> dict[str, Any]:
+    import lm_eval
+
+    try:
+        results = _evaluate(lm_eval, config, prepared)
+    except Exception as exc:
+        if not _offline(exc):
+            raise
+        raise ValueError(
+            f"--tasks {config.tasks!r}: the task's data cannot be fetched ({type(exc).__name__}); without "
+            "network only tasks whose datasets are cached or local run (a task of your own: --include "
+            "FILE.yaml)"
+        ) from None
+    # written once the evaluation is done: a failed one leaves nothing that blocks the retry
+    run.write_config()
     scores: dict[str, dict[str, float]] = {}
     for task, values in results["results"].items():
         row = {}

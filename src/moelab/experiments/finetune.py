@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import config as vocab
 from ..adapters import ADAPTERS, add_adapter
-from ..config import Interval, Options, setting
+from ..config import MAX_COUNT, Interval, Options, setting
 from ..data.classification import TASKS, ClassificationData, load_classification, subsample_train
 from ..data.text import tokenizer_from_state
 from ..io.atomic import read_json, sha256_file
@@ -87,9 +87,11 @@ class FinetuneConfig:
     epochs: float | None = setting(
         None,
         help="epochs (CompeteSMoE (2024): 5; BANKING77 50)",
-        allowed=(Interval(float, 0, closed="neither"), None),
+        allowed=(Interval(float, 0, MAX_COUNT, closed="right"), None),
     )
-    steps: int | None = setting(None, help="optimisation steps (overrides --epochs)", allowed=_POSITIVE)
+    steps: int | None = setting(
+        None, help="optimisation steps (overrides --epochs)", allowed=(Interval(int, 1, MAX_COUNT), None)
+    )
     batch_size: int | None = setting(None, help="batch (CompeteSMoE (2024): 16; IMDB 4)", allowed=_POSITIVE)
     lr: float = setting(
         1e-4, help="learning rate (CompeteSMoE (2024))", allowed=Interval(float, 0, closed="neither")
@@ -168,6 +170,11 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
         data = subsample_train(data, config.fraction, config.seed)
     per_epoch = math.ceil(len(data.labels["train"]) / config.batch_size)
     steps = config.steps if config.steps is not None else max(1, round(config.epochs * per_epoch))
+    if steps > MAX_COUNT:
+        raise ValueError(
+            f"--epochs={config.epochs!r} is not allowed here: {per_epoch:,} steps an epoch make {steps:,} "
+            f"steps, more than {MAX_COUNT:,}, which cannot finish; expected a smaller --epochs"
+        )
     run.check_fingerprint("--task", config.task, data_fingerprint(data))
     run.check_fingerprint("--from", config.source, lm_fingerprint(config.source), key="source_sha256")
     routing = frozen_routing(lm)  # before the classifier's Trainer attaches it
@@ -262,6 +269,12 @@ def _prepare(config: FinetuneConfig, world: int) -> None:
     """Before the run directory opens: ``--from`` must be a language-model run, and the batch must
     fit the machine's memory."""
     lm_run, _ = read_lm_run(config.source)
+    width = lm_run.d_model  # recorded resolved: the LM's Q and V projections are width x width
+    if config.adapter != "none" and width is not None and config.rank > width:
+        raise ValueError(
+            f"--rank={config.rank} is not allowed with --from {config.source!r}: an update of its {width}x{width} "
+            f"Q and V projections has rank at most {width}; expected --rank <= {width}"
+        )
 
     def need(c: FinetuneConfig) -> int:
         return memory_needed(replace(lm_run, batch_size=c.batch_size, steps=1, method="smoe"))

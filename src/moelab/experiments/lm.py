@@ -9,6 +9,7 @@ file holds; the README has example commands.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import config as vocab
-from ..config import Interval, Options, setting
+from ..config import MAX_COUNT, Interval, Options, setting
 from ..data.text import TextData, load_text
 from ..errors import UsageError
 from ..io.rundir import atomic_write_text
@@ -75,6 +76,8 @@ METRIC_KEYS = (
 )
 
 _POSITIVE = (Interval(int, 1), None)
+#: a count of steps, epochs or runs: more than MAX_COUNT cannot finish
+_STEPS = (Interval(int, 1, MAX_COUNT), None)
 #: float32's largest number: Adam casts its step size to the parameters' dtype
 _MAX_LR = float(torch.finfo(torch.float32).max)
 
@@ -133,7 +136,7 @@ class TrainRun:
         allowed=(Options(tuple(ATTENTION_ACTIVATIONS)), None),
     )
     # the training (None: the size preset's)
-    steps: int | None = setting(None, help="optimisation steps (preset default)", allowed=_POSITIVE)
+    steps: int | None = setting(None, help="optimisation steps (preset default)", allowed=_STEPS)
     batch_size: int | None = setting(None, help="sequences per step (preset default)", allowed=_POSITIVE)
     lr: float | None = setting(
         None,
@@ -147,7 +150,7 @@ class TrainRun:
     )
     warmup: int | None = setting(
         None,
-        help="warm-up steps (preset default: 5%% of --steps for the paper sizes)",
+        help="warm-up steps (preset default: 5% of --steps for the paper sizes)",
         allowed=(Interval(int, 0, 1 << 40), None),
     )
     optimizer: str = setting(
@@ -235,6 +238,16 @@ class TrainRun:
                 raise ValueError(
                     f"--opt {key}={value!r} is not allowed; the layer's {key} is set by {_LAYER_FLAGS[key]}"
                 )
+            if key == "warmup":  # two warm-ups: the learning rate's (a flag) and the competition's
+                raise ValueError(
+                    f"--opt warmup={value!r} is not allowed; it names two things: the learning-rate warm-up "
+                    "is --warmup STEPS, the competition schedule's warm-up fraction --opt competition_warmup=F"
+                )
+            if key in _RUN_SETTINGS:
+                raise ValueError(
+                    f"--opt {key}={value!r} is not allowed; {key} is a setting of the run, set by "
+                    f"{vocab.flag_of(TrainRun, key)}"
+                )
 
     def model_fields(self) -> dict[str, Any]:
         """The :func:`moelab.models.lm.lm_config` fields the run sets (the rest: the preset's): the
@@ -255,6 +268,10 @@ class TrainRun:
         return TrainConfig(**{name: getattr(self, name) for name in _TRAIN_FIELDS}, keep_ckpts=keep)
 
 
+#: the run's own settings (``--steps``, ``--lr``, ...): an ``--opt`` of one of these names is refused
+_RUN_SETTINGS = frozenset(
+    f.name for f in dataclasses.fields(TrainRun) if f.name not in ("opts", "method", "d_model", "top_k")
+)
 _MODEL_FIELDS = (
     "block_size", "d_model", "n_layer", "n_head", "d_hidden", "num_experts", "top_k", "dropout",
     "attention", "attention_activation",

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ..io.atomic import atomic_write_png, atomic_write_text
+from ..io.atomic import atomic_write_png, atomic_write_text, read_json, recording
+from ..io.model import weights_digest
+from ..io.rundir import read_yaml
 from . import summary
 
 __all__ = [
@@ -144,10 +144,10 @@ def collect_runs(paths: list[str | Path]) -> list[Run]:
     runs = []
     for p in dict.fromkeys(found):
         try:
-            config = yaml.safe_load((p / "config.yaml").read_text()) or {}
-            metrics = json.loads((p / "metrics.json").read_text())
-        except (OSError, yaml.YAMLError, json.JSONDecodeError) as exc:
-            raise ValueError(f"run {p} cannot be read: {exc}") from None
+            config = read_yaml(p / "config.yaml", repr(str(p / "config.yaml")), empty=True)
+            metrics = read_json(p / "metrics.json")
+        except (OSError, ValueError) as exc:  # one line: read_yaml's and read_json's sentences
+            raise ValueError(f"run {p} cannot be read: {str(exc).splitlines()[0]}") from None
         runs.append(Run(p, config, metrics))
     if not runs:
         raise ValueError(f"no finished runs (metrics.json) found in {[str(p) for p in paths]}")
@@ -498,9 +498,15 @@ def _diagnostics(run: Run) -> dict[str, Any] | None:
     if not f.is_file():
         return None
     try:
-        return json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        d = read_json(f)
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{f} cannot be read ({exc}); run moelab diagnose {run.path} again") from None
+    if isinstance(d, dict) and d.get("weights_sha256") and d["weights_sha256"] != weights_digest(run.path):
+        raise ValueError(
+            f"{f} describes other weights than the run holds now (it was trained on after moelab diagnose); "
+            f"run moelab diagnose {run.path} again"
+        )
+    return d
 
 
 def _tokens_note(groups: list[Group]) -> str:
@@ -808,6 +814,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.runs[0])
     if not args.out and (out / "metrics.json").exists():
         out = out / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    # listed in the manifests of out and of the run it lies in: --force removes the report too
+    with recording(out, *([out.parent] if out.name == "report" and not args.out else [])):
+        return _report(args, runs, out)
+
+
+def _report(args: argparse.Namespace, runs: list[Run], out: Path) -> int:
     reference = args.reference
     if not any(str(r.metrics.get("method")) == reference for r in runs):
         first = str(runs[0].metrics.get("method"))

@@ -39,7 +39,9 @@ __all__ = [
     "Command",
     "Run",
     "check_memory",
+    "check_out_is_no_input",
     "check_run_flags",
+    "check_world_size",
     "execute",
     "given_by_args",
     "machine_memory",
@@ -221,6 +223,32 @@ def read_run_config(cls: type, path: str | Path, command: str | None = None) -> 
     return config_from_mapping(cls, data, repr(str(file)), recorded=True), dict(data.get("recorded") or {})
 
 
+def check_out_is_no_input(
+    cls: type, config: Any, out: str | Path | None, extra: Mapping[str, Any] | None = None
+) -> None:
+    """Refuse an ``--out`` that is an input of the command or holds one (a ``--from`` run, a
+    ``--task`` or ``--data`` file, ``extra``: flag → path such as ``--config``): the run would write
+    over it, and ``--force`` remove it."""
+    if out is None:
+        return
+    target = Path(out).resolve()
+    given = {
+        flag_of(cls, p): values(config).get(p) for p, f, _ in leaf_fields(cls) if setting_of(f).reads_path
+    }
+    for flag, value in {**given, **(extra or {})}.items():
+        if not isinstance(value, (str, os.PathLike)) or not os.path.exists(value):
+            continue
+        source = Path(value).resolve()
+        if source == target or target in source.parents:
+            raise ValueError(
+                f"{flag} {os.fspath(value)!r} lies in --out {os.fspath(out)!r}: the run would write over "
+                f"what it reads (and --force remove it); choose another --out"
+                if source != target
+                else f"--out {os.fspath(out)!r} is the input {flag} of the command: the run would write over "
+                "what it reads (and --force remove it); choose another --out"
+            )
+
+
 def check_run_flags(*, resume: bool, force: bool, allow_changes: bool) -> None:
     """Refuse ``--resume`` with ``--force``, and ``--allow-changes`` without ``--resume``."""
     if resume and force:
@@ -229,7 +257,10 @@ def check_run_flags(*, resume: bool, force: bool, allow_changes: bool) -> None:
             "--force starts it afresh"
         )
     if allow_changes and not resume:
-        raise ValueError("--allow-changes is not allowed without --resume; it lets --resume continue a run")
+        raise ValueError(
+            "--allow-changes is not allowed without --resume; it lets --resume continue a run with changed "
+            "settings (a new run takes any settings: drop --allow-changes)"
+        )
 
 
 def resume_config(
@@ -326,11 +357,13 @@ def execute(
     resume: bool = False,
     force: bool = False,
     allow_changes: bool = False,
+    inputs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole lifecycle: config → run directory → ``command.execute`` → ``metrics.json``.
 
     ``given``: the settings by field path, or a whole config (every field then counts as given,
-    so ``--resume`` of a run made with other settings is refused, as ``compare`` needs)."""
+    so ``--resume`` of a run made with other settings is refused, as ``compare`` needs); ``inputs``:
+    other files the command reads (flag → path: ``--config``), which ``--out`` may not hold."""
     if is_dataclass(given):
         given = values(given)
     if command.out_required and not out:
@@ -338,6 +371,7 @@ def execute(
     config, stored = resolve_config(
         command, given, out=out, resume=resume, force=force, allow_changes=allow_changes
     )
+    check_out_is_no_input(command.config, config, out, inputs)
     rank, world = process_group()
     if command.prepare is not None:
         command.prepare(config, world)
@@ -361,6 +395,7 @@ def execute(
         rank=rank,
         world=world,
     )
+    check_world_size(run, out)
     try:
         metrics = dict(command.execute(run.config, run) or {})
         if run.dir is not None and rank == 0 and metrics:
@@ -369,6 +404,20 @@ def execute(
     finally:
         if run.dir is not None:
             run.dir.close()
+
+
+def check_world_size(run: Run, out: str | Path | None) -> None:
+    """Say once (rank 0) that a resumed run continues on another number of processes than it was
+    trained on, and record the number of a new run (or of one resumed with ``--allow-changes``)."""
+    old = run.recorded.get("world_size")
+    if run.resuming and old is not None and old != run.world and run.rank == 0:
+        print(
+            f"--resume: the run in {out} was trained on {old} process(es) and continues on {run.world}: the "
+            "data order and the per-rank terms (each rank's share of the batch, rank-local balance "
+            "statistics) change from here on, so it will not end as an uninterrupted run would"
+        )
+    if not run.resuming or run.allow_changes:
+        run.recorded["world_size"] = run.world
 
 
 def run_command(command: Command, args: argparse.Namespace) -> dict[str, Any]:
@@ -389,6 +438,7 @@ def run_command(command: Command, args: argparse.Namespace) -> dict[str, Any]:
             resume=bool(getattr(args, "resume", False)),
             force=bool(getattr(args, "force", False)),
             allow_changes=bool(getattr(args, "allow_changes", False)),
+            inputs={"--config": args.config} if getattr(args, "config", None) else {},
         )
         return metrics if rank == 0 else {}
     finally:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import config as vocab
-from ..config import Interval, Options, setting
+from ..config import MAX_COUNT, Interval, Options, setting
 from ..io.atomic import atomic_write_bytes, atomic_write_png, atomic_write_text
 from ..io.rundir import RunDir
 from ..stats.fit import OPTIMIZERS
@@ -39,6 +39,11 @@ from . import runner
 __all__ = ["SIMULATE", "SimulateConfig", "add_arguments", "format_table", "run", "study_of", "write_study"]
 
 _POSITIVE = (Interval(int, 1), None)
+#: iterations, restarts: more than MAX_COUNT cannot finish
+_COUNT = (Interval(int, 1, MAX_COUNT), None)
+#: the fewest bootstrap resamples whose 2.5% quantile (numpy's linear one, at 0.025·(B − 1)) lies
+#: above the smallest resample: a percentile interval of fewer is the range of the resamples
+MIN_BOOT = 41
 _NON_NEGATIVE = (Interval(float, 0), None)
 #: a ball's radius: a number > 0, or inf (unconstrained)
 _RADIUS = (Interval(float, 0, closed="neither"), Options((math.inf,)), None)
@@ -55,7 +60,12 @@ class SimulateConfig:
     seed: int = setting(
         0, help="seed of the truth, the data and the fits", allowed=Interval(int, 0, 2**63 - 1)
     )
-    replicates: int | None = setting(None, help="replicates per sample size (default 20)", allowed=_POSITIVE)
+    replicates: int | None = setting(
+        None,
+        help="replicates per sample size (default 20; at least 2: one replicate has no spread, so no "
+        "95% CI of the mean)",
+        allowed=(Interval(int, 2, MAX_COUNT), None),
+    )
     sample_sizes: tuple[int, ...] | None = setting(
         None, help="grid of n, e.g. 500,1000,2000", metavar="N1,N2,..."
     )
@@ -86,7 +96,7 @@ class SimulateConfig:
         None,
         aliases=("--max-iter",),
         help="iteration cap per fit (epochs for mini-batch sgd; default 500)",
-        allowed=_POSITIVE,
+        allowed=_COUNT,
     )
     gtol: float | None = setting(
         None, help="lbfgs stops at a gradient max-norm <= this (default 1e-7)", allowed=_NON_NEGATIVE
@@ -102,7 +112,7 @@ class SimulateConfig:
         allowed=(Options(STUDY_INITS), None),
     )
     restarts: int | None = setting(
-        None, help="starts per replicate; the lowest training loss is kept (default 1)", allowed=_POSITIVE
+        None, help="starts per replicate; the lowest training loss is kept (default 1)", allowed=_COUNT
     )
     beta1_bound: float | None = setting(
         None,
@@ -125,10 +135,13 @@ class SimulateConfig:
         allowed=_POSITIVE,
     )
     reference_steps: int | None = setting(
-        None, help="iteration cap of the reference fit Ḡ (default 200)", allowed=_POSITIVE
+        None, help="iteration cap of the reference fit Ḡ (default 200)", allowed=_COUNT
     )
     n_boot: int | None = setting(
-        None, help="bootstrap resamples for the CIs (default 2000)", allowed=_POSITIVE
+        None,
+        help=f"bootstrap resamples for the CIs (default 2000; at least {MIN_BOOT}: with fewer the 2.5% and "
+        "97.5% quantiles are the smallest and the largest resample, no 95% interval)",
+        allowed=(Interval(int, MIN_BOOT, MAX_COUNT), None),
     )
 
 
@@ -187,12 +200,16 @@ def _memory_need(config: SimulateConfig) -> int:
     the largest sample's inputs, responses and the k experts' responsibilities in float64."""
     n = max(config.sample_sizes or (1,))
     k = (config.k_true or 2) + (config.extra_experts or 1)
-    return 8 * (config.replicates or 1) * (config.restarts or 1) * n * ((config.d or 4) + k + 1)
+    width = (config.d or 4) + k + 1
+    fits = 8 * (config.replicates or 1) * (config.restarts or 1) * n * width
+    return max(fits, 8 * (config.reference_n or 1) * width)  # the misspecified studies' reference fit
 
 
 def _prepare(config: SimulateConfig, world: int) -> None:
     """Sizes that cannot fit in memory are refused before anything is allocated, naming the flag."""
-    runner.check_memory(config, _memory_need, {"replicates": 20, "restarts": 1}, "the batched fits")
+    runner.check_memory(
+        config, _memory_need, {"replicates": 20, "restarts": 1, "reference_n": 128000}, "the batched fits"
+    )
 
 
 #: ``moelab simulate`` as the run lifecycle sees it

@@ -14,7 +14,6 @@ import argparse
 import csv
 import io
 import math
-import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import config as vocab
-from ..config import Interval, Options, setting
+from ..config import MAX_COUNT, Interval, Options, setting
 from ..data.images import DATASETS, ImageData, load_images
 from ..io.atomic import atomic_write_text
 from ..io.model import save
@@ -109,9 +108,9 @@ class SpecConfig:
 
     mode: str = setting("run", help="what to run", allowed=Options(MODES))
     data: str = setting("digits", help="dataset (digits: offline)", allowed=Options(tuple(DATASETS)))
-    data_dir: str | None = setting(None, input=False, help="local folder with the dataset's files")
+    data_dir: str | None = setting(None, input=False, path=True, help="local folder with the dataset's files")
     mnist_dir: str | None = setting(
-        None, input=False, help="fmnist+mnist: local folder with the MNIST IDX files"
+        None, input=False, path=True, help="fmnist+mnist: local folder with the MNIST IDX files"
     )
     gate: str = setting("original", help="gate", allowed=Options(GATES))
     reg: str = setting("none", help="gate regulariser", allowed=Options(REGULARISERS))
@@ -131,15 +130,17 @@ class SpecConfig:
     experts: int | None = setting(
         None, help="number of experts (default: per dataset)", allowed=(Interval(int, 2), None)
     )
-    epochs: int | None = setting(None, help="epochs (default: per dataset)", allowed=_COUNT)
+    epochs: int | None = setting(
+        None, help="epochs (default: per dataset)", allowed=(Interval(int, 1, MAX_COUNT), None)
+    )
     batch_size: int | None = setting(None, help="samples a step (default: per dataset)", allowed=_COUNT)
     lr: float = setting(1e-3, help="Adam learning rate", allowed=Interval(float, 0, closed="neither"))
-    seed: int = setting(0, help="seed of the first run", allowed=Interval(int, 0))
+    seed: int = setting(0, help="seed of the first run", allowed=Interval(int, 0, 2**63 - 1))
     runs: int = setting(
         1,
         help="seeds per setting (paper: 10 MNIST, 5 CIFAR-100); with N > 1 the metrics are also summarised "
-        "over the seeds (mean ± sd, 95%% CI) and table rows compared by Welch's t-test",
-        allowed=Interval(int, 1),
+        "over the seeds (mean ± sd, 95% CI) and table rows compared by Welch's t-test",
+        allowed=Interval(int, 1, MAX_COUNT),
     )
     sweep: bool = setting(False, help="sweep the Krishnamurthy et al. (2023) Appendix C grid")
     top_k: int = setting(1, help="experts at sparse inference", allowed=Interval(int, 1))
@@ -585,12 +586,8 @@ def _execute(config: SpecConfig, run: runner.Run) -> dict[str, Any]:
     data = _subset(load_images(config.data, config.data_dir, config.mnist_dir), config)
     run.check_fingerprint("--data", config.data, image_digest(data))
     run.record(train_size=len(data.y_train), test_size=len(data.y_test))
-    if not run.resume:
-        for old in (p for pattern in _OUTPUTS for p in run.path.glob(pattern)):
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
+    if not run.resume:  # what an earlier run of moelab wrote here (never a user's file of that name)
+        run.dir.remove_written(_OUTPUTS)
     run.write_config()
     lab = Lab(data, run.path / "fits", progress=config.progress)
     metrics = _MODES[config.mode](lab, config, run.path)

@@ -24,15 +24,22 @@ from typing import Any
 __all__ = [
     "atomic_directory",
     "atomic_write_bytes",
+    "atomic_write_checked",
     "atomic_write_json",
     "atomic_write_png",
     "atomic_write_text",
     "atomic_write_torch",
+    "check_digest",
     "is_temporary",
+    "own_folder",
     "read_json",
+    "record_write",
+    "recording",
+    "release_folder",
     "remove_stale_temporaries",
     "set_write_hook",
     "sha256_file",
+    "vouched",
     "write_event",
 ]
 
@@ -42,6 +49,88 @@ __all__ = [
 #: written).  The crash harness (tests/test_crash_harness.py) installs one with
 #: :func:`set_write_hook` that kills the process at a chosen event.
 _write_hook: Callable[[], None] | None = None
+
+
+#: The manifest of a run folder: the path (relative, POSIX) of every file and folder moelab wrote
+#: there, one a line, appended *before* each write, so that ``--force`` removes exactly what moelab
+#: wrote (never a user's CSV, an earlier run of theirs or an input of the command), even after a
+#: kill.  A folder entry ends in ``/`` (a checkpoint built whole).
+MANIFEST = ".moelab-files"
+#: the folders whose writes this process records (resolved path → the entries listed already)
+_OWNED: dict[Path, set[str]] = {}
+
+
+def own_folder(root: str | os.PathLike) -> None:
+    """Record every later write of this process beneath ``root`` in ``root``'s manifest."""
+    root = Path(root).resolve()
+    _OWNED[root] = set(manifest_entries(root))
+
+
+def release_folder(root: str | os.PathLike) -> None:
+    """Stop recording the writes beneath ``root``."""
+    _OWNED.pop(Path(root).resolve(), None)
+
+
+@contextmanager
+def recording(*folders: str | os.PathLike) -> Iterator[None]:
+    """Record the writes of the block in the manifests of ``folders`` (those this process does not
+    own already): for the commands that write into a run without opening it (``diagnose``,
+    ``report``), so that a later ``--force`` removes what they wrote too."""
+    added = []
+    for folder in folders:
+        key = Path(folder).resolve()
+        if key not in _OWNED and key.is_dir():
+            own_folder(key)
+            added.append(key)
+    try:
+        yield
+    finally:
+        for key in added:
+            release_folder(key)
+
+
+def manifest_entries(root: str | os.PathLike) -> list[str]:
+    """The entries of ``root``'s manifest (``[]`` without one); an entry that would leave ``root``
+    (absolute, ``..``) is dropped, whatever wrote it."""
+    try:
+        lines = (Path(root) / MANIFEST).read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    return [e for e in dict.fromkeys(lines) if e and not e.startswith("/") and ".." not in e.split("/")]
+
+
+def reset_manifest(root: str | os.PathLike) -> None:
+    """Forget ``root``'s manifest (its files were removed)."""
+    (Path(root) / MANIFEST).unlink(missing_ok=True)
+    key = Path(root).resolve()
+    if key in _OWNED:
+        _OWNED[key] = set()
+
+
+def record_write(path: str | os.PathLike, folder: bool = False) -> None:
+    """List ``path`` (a file, or with ``folder`` a folder written whole) in the manifest of every
+    folder this process owns that holds it; called before the write.  Paths beneath a temporary
+    folder are not listed (the folder is, under its final name, when it is renamed into place).  A
+    nested folder's manifest listed (a run another process writes: ``compare``'s workers) stands for
+    what that manifest lists."""
+    if not _OWNED:
+        return
+    path = Path(path)
+    target = path.parent.resolve() / path.name
+    for root, listed in _OWNED.items():
+        if root not in target.parents:
+            continue
+        rel = target.relative_to(root)
+        if any(is_temporary(part) for part in rel.parts) or rel.as_posix() == MANIFEST:
+            continue
+        entry = rel.as_posix() + ("/" if folder else "")
+        if entry in listed:
+            continue
+        with open(root / MANIFEST, "a", encoding="utf-8") as f:
+            f.write(entry + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        listed.add(entry)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -91,16 +180,18 @@ def _sync(fd: int, path: Path) -> None:
     os.fsync(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, event: bool = True) -> Path:
     """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, rename.
 
     The file gets the mode of any new file (0666 less the umask).  On an error the temporary
     file is removed and ``path`` is left as it was; an interrupt (``KeyboardInterrupt``, like a
     kill) leaves at most a hidden ``.{name}.*.tmp`` file, which :func:`remove_stale_temporaries`
-    removes when the run next starts.
+    removes when the run next starts.  ``event``: whether the write is a write event of the crash
+    harness (the digest book's are not: they come in pairs around a write that is one).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    record_write(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes the file 0600; a written file has the mode any other file of the user
@@ -110,7 +201,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             _sync(f.fileno(), path)
-        write_event()
+        if event:
+            write_event()
         os.replace(tmp, path)
     except Exception:
         if os.path.exists(tmp):
@@ -154,10 +246,79 @@ def atomic_write_png(path: str | os.PathLike, figure: Any, dpi: int = 100) -> Pa
     return atomic_write_bytes(path, buffer.getvalue())
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """The JSON in ``path``; a file that is not JSON is a ``ValueError`` naming it (one line)."""
+#: The digest book of a folder: the sha256 of each result moelab reads back (``metrics.json``,
+#: ``diagnostics.json``, ``cost.json``: :func:`atomic_write_checked`), so that an edited one is
+#: refused by :func:`read_json`, not trusted.
+DIGESTS = ".moelab-digests.json"
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _book(folder: Path) -> dict[str, list[str]]:
+    file = folder / DIGESTS
+    if not file.is_file():
+        return {}
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        book = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{str(file)!r} is not valid JSON ({exc}); remove it to trust the files it vouched for"
+        ) from None
+    if not isinstance(book, dict):
+        raise ValueError(f"{str(file)!r} must hold a mapping of file names to digests")
+    return book
+
+
+def atomic_write_checked(path: str | os.PathLike, data: bytes) -> Path:
+    """:func:`atomic_write_bytes` of a result moelab reads back, its sha256 kept in the folder's
+    :data:`DIGESTS` book.  While the file is replaced the book accepts the old and the new content,
+    so a kill at any moment leaves a file the book vouches for."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = _digest(data)
+    book = _book(path.parent)
+    old = [_digest(path.read_bytes())] if path.is_file() else []
+    if book.get(path.name) != [new]:
+        book[path.name] = list(dict.fromkeys([*old, new]))
+        atomic_write_bytes(path.parent / DIGESTS, _book_bytes(book), event=False)
+    atomic_write_bytes(path, data)
+    if book[path.name] != [new]:
+        book[path.name] = [new]
+        atomic_write_bytes(path.parent / DIGESTS, _book_bytes(book), event=False)
+    return path
+
+
+def _book_bytes(book: dict[str, list[str]]) -> bytes:
+    return (json.dumps(book, indent=1, sort_keys=True) + "\n").encode("utf-8")
+
+
+def vouched(path: str | os.PathLike, data: bytes) -> bool:
+    """Whether the folder's :data:`DIGESTS` book records ``data``'s sha256 for ``path``."""
+    path = Path(path)
+    return _digest(data) in (_book(path.parent).get(path.name) or [])
+
+
+def check_digest(path: str | os.PathLike, data: bytes) -> None:
+    """Refuse, in one line, the content ``data`` of ``path`` when its folder's :data:`DIGESTS` book
+    records other digests for it (the file was edited after moelab wrote it)."""
+    path = Path(path)
+    accepted = _book(path.parent).get(path.name)
+    if accepted and _digest(data) not in accepted:
+        raise ValueError(
+            f"{str(path)!r} was changed after moelab wrote it (its sha256 is not the one recorded in "
+            f"{DIGESTS}); run the command that wrote it again rather than edit it"
+        )
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON in ``path``; a file that is not JSON, or a result its folder's :data:`DIGESTS`
+    book records other content for (an edited one), is a ``ValueError`` naming it (one line)."""
+    data = Path(path).read_bytes()
+    check_digest(path, data)
+    try:
+        return json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{str(path)!r} is not valid JSON ({exc})") from None
 
@@ -212,6 +373,7 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
     tmp = path.parent / f".tmp-{path.name}"
+    record_write(path, folder=True)
     tmp.mkdir()
     try:
         yield tmp

@@ -353,6 +353,19 @@ def resolve(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"{str(path / CONFIG_NAME)!r} is missing; not a moelab.save folder or a run")
 
 
+def weights_digest(path: str | os.PathLike) -> str | None:
+    """The sha256 of the ``config.json`` of the weights :func:`load` of ``path`` reads (it holds the
+    sha256 of every weight file): what a result derived from a run's model (``diagnostics.json``,
+    ``benchmark``'s ``cost.json``) records, to be found stale once the run is trained on.  ``None``:
+    ``path`` holds no saved model."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return sha256_file(resolve(path) / CONFIG_NAME)
+    except (CheckpointError, OSError):
+        return None
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     """Checkpoint folders ``step-*`` under ``root`` (a run's ``ckpt/``), oldest first."""
     root = Path(root)

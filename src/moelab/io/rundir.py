@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import fnmatch
 import json
 import math
 import os
@@ -19,15 +20,23 @@ from typing import Any
 import yaml
 
 from .atomic import (
+    MANIFEST,
     atomic_write_bytes,
+    atomic_write_checked,
     atomic_write_text,
-    is_temporary,
+    manifest_entries,
+    own_folder,
     read_json,
+    record_write,
+    release_folder,
     remove_stale_temporaries,
+    reset_manifest,
+    vouched,
     write_event,
 )
 
 __all__ = [
+    "MANIFEST",
     "MARKERS",
     "OUTPUTS",
     "RunDir",
@@ -60,9 +69,9 @@ RUN_ENTRIES = ("config.yaml", "metrics.json", "log.csv", "tokenizer.json", "best
 #: the markers of any moelab output folder: a run, a ``moelab.save`` folder (``moelab upcycle``
 #: writes one into its run) and a comparison
 MARKERS = (*RUN_ENTRIES, "config.json", "results.csv")
-#: every other entry a moelab command writes into its folder (``--force`` removes them all, whichever
-#: command wrote them): a saved model, ``diagnose``'s, ``compare``'s and ``report``'s tables and plots,
-#: ``simulate``'s and ``specialize``'s outputs, the trainer's ``curves.png`` (:mod:`moelab.train.plots`)
+#: every other entry a moelab command writes into its folder (``--force`` removes what the folder's
+#: manifest lists, not these names): a saved model, ``diagnose``'s, ``compare``'s and ``report``'s
+#: tables and plots, ``simulate``'s and ``specialize``'s outputs, the trainer's ``curves.png`` (:mod:`moelab.train.plots`)
 OUTPUTS = (
     *MARKERS, "model.safetensors", "diagnostics.json", "runs.csv", "count_models.csv", "val_curves.csv",
     "val_curves.png", "diagnostics.csv", "table.txt", "paper.txt", "losses.csv", "table.csv",
@@ -116,38 +125,58 @@ def _saved_by_moelab(file: Path) -> bool:
 
 
 def holds_run(path: Path) -> bool:
-    """Whether the folder ``path`` holds the output of a moelab command (any of :data:`MARKERS`; a
-    ``config.json`` only when ``moelab.save`` wrote it)."""
-    return any(
+    """Whether the folder ``path`` holds the output of a moelab command (its manifest, or any of
+    :data:`MARKERS`; a ``config.json`` only when ``moelab.save`` wrote it)."""
+    return any((path / e.rstrip("/")).exists() for e in manifest_entries(path)) or any(
         (path / name).exists() if name != "config.json" else _saved_by_moelab(path / name) for name in MARKERS
     )
 
 
-def _is_run_tree(path: Path) -> bool:
-    """A folder of runs (``compare``'s ``<method>/seed<k>/``): a run itself, or a non-empty folder
-    whose every entry is one (hidden files aside)."""
-    if not path.is_dir() or path.is_symlink():
-        return False
-    if holds_run(path):
-        return True
-    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
-    return bool(entries) and all(_is_run_tree(p) for p in entries)
-
-
 def clear_run(path: Path) -> None:
-    """Remove everything of an earlier moelab run in ``path``, whichever command wrote it: every
-    entry of :data:`OUTPUTS`, every CSV log, every folder of runs (a comparison's) and the temporary
-    files of killed writes; other files (a user's own) stay."""
-    for entry in list(path.iterdir()) if path.is_dir() else []:
-        name = entry.name
-        if name in ("config.json", "model.safetensors") and not _saved_by_moelab(path / "config.json"):
-            continue  # a transformers model's files
-        if not (name in OUTPUTS or name.endswith(".csv") or is_temporary(name) or _is_run_tree(entry)):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+    """Remove what moelab wrote in ``path``: the entries of its manifest (:data:`MANIFEST`, every
+    file and folder a moelab command recorded writing there, the runs of a comparison included) and
+    the folders they leave empty; nothing else (a user's CSV, folder or the input of a command)."""
+    root = path.resolve()
+    entries = manifest_entries(path)
+    for entry in entries:  # a nested run's own manifest (written by another process): its files first
+        nested = (path / entry).parent
+        if entry.endswith(MANIFEST) and nested.resolve() != root and root in nested.resolve().parents:
+            clear_run(nested)
+    for entry in sorted(entries, key=lambda e: e.count("/"), reverse=True):
+        target = path / entry.rstrip("/")
+        if root not in target.parent.resolve().parents and target.parent.resolve() != root:
+            continue  # beneath a link that leads elsewhere: not the run's
+        if target.is_dir() and not target.is_symlink():
+            if entry.endswith("/"):
+                shutil.rmtree(target)
         else:
-            entry.unlink(missing_ok=True)
+            target.unlink(missing_ok=True)
+    for entry in entries:  # the folders moelab's writes made and left empty (with their own runs' books)
+        for parent in (path / entry.rstrip("/")).parents:
+            if parent.resolve() == root or root not in parent.resolve().parents:
+                break
+            for book in (MANIFEST, LOCK):
+                (parent / book).unlink(missing_ok=True)
+        for parent in (path / entry.rstrip("/")).parents:
+            if parent.resolve() == root or root not in parent.resolve().parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (a user's file), or gone
+                break
+    reset_manifest(path)
+
+
+def _unlisted(path: Path) -> list[str]:
+    """The marker entries of ``path`` its manifest does not list (a user's files, or a run an older
+    moelab wrote before runs kept a manifest)."""
+    listed = {e.rstrip("/").split("/")[0] for e in manifest_entries(path)}
+    return [
+        name
+        for name in MARKERS
+        if name not in listed
+        and ((path / name).exists() if name != "config.json" else _saved_by_moelab(path / name))
+    ]
 
 
 class RunDir:
@@ -176,14 +205,26 @@ class RunDir:
             raise NotADirectoryError(f"--out {self.path} exists and is not a directory")
         has_config = (self.path / "config.yaml").exists()
         held = holds_run(self.path)
+        unlisted = _unlisted(self.path) if held else []
         if held and not (resume or force):
             raise FileExistsError(
-                f"--out {self.path} already holds a run; pass --resume to continue it or --force"
+                f"--out {self.path} already holds a run; pass --resume to continue it or --force to remove "
+                "the files moelab wrote there"
+                if not unlisted
+                else f"--out {self.path} already holds {', '.join(unlisted)}, which no moelab run recorded "
+                "writing (your files, or a run of an older moelab); pass --resume to continue a run, or "
+                "choose another --out"
+            )
+        if force and not resume and unlisted:
+            raise FileExistsError(
+                f"--force: --out {self.path} holds {', '.join(unlisted)}, which no moelab run recorded "
+                "writing (your files, or a run of an older moelab); --force removes only what moelab "
+                "wrote: remove them yourself or choose another --out"
             )
         if resume and not force and not has_config and (self.path / "ckpt").exists():
             raise FileExistsError(
                 f"--out {self.path} holds checkpoints but no config.yaml: the run cannot continue exactly; "
-                "pass --force to start afresh"
+                + ("pass --force to start afresh" if not unlisted else "choose another --out")
             )
         if lock:
             self._lock()
@@ -192,6 +233,17 @@ class RunDir:
         if force and not resume and held:  # start afresh: nothing of the old run may survive
             clear_run(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
+
+    def remove_written(self, patterns: tuple[str, ...]) -> None:
+        """Remove the entries of this folder whose name matches one of the glob ``patterns`` and
+        that moelab wrote (its manifest lists them); a user's file of such a name stays."""
+        listed = {e.split("/")[0] for e in manifest_entries(self.path)}
+        for name in sorted(n for n in listed if any(fnmatch.fnmatchcase(n, p) for p in patterns)):
+            entry = self.path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink(missing_ok=True)
 
     def _lock(self) -> None:
         """Take ``path/.lock`` (``fcntl.flock``; released by :meth:`close` or when the process
@@ -213,11 +265,13 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         _HELD[key] = fd
+        own_folder(self.path)  # every write beneath it is listed in its manifest
 
     def close(self) -> None:
         """Release the folder's lock (another process may then open the run)."""
         fd = _HELD.pop(self.path.resolve(), None)
         if fd is not None:
+            release_folder(self.path)
             os.close(fd)
 
     def file(self, name: str) -> Path:
@@ -233,11 +287,11 @@ class RunDir:
 
     def write_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Write ``metrics.json`` (nothing is written when the file already holds exactly these)."""
-        text = json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n"
+        data = (json.dumps(_plain(metrics), indent=2, sort_keys=True) + "\n").encode("utf-8")
         path = self.file("metrics.json")
-        if path.is_file() and path.read_text(encoding="utf-8", errors="replace") == text:
+        if path.is_file() and path.read_bytes() == data and vouched(path, data):
             return
-        atomic_write_text(path, text)
+        atomic_write_checked(path, data)
 
     def read_metrics(self) -> dict[str, Any]:
         return read_json(self.file("metrics.json"))
@@ -248,6 +302,7 @@ class RunDir:
         new = not path.exists() or path.stat().st_size == 0
         fields = list(row)
         write_event()  # the crash harness's kill point (a test hook; no effect unless it is set)
+        record_write(path)
         if not new:  # the header already written fixes the columns and their order
             with path.open(newline="") as f:
                 fields = next(csv.reader(f), fields)

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..io import sharded as dcp_io
-from ..io.atomic import atomic_directory, fsync_dir, sha256_file, write_event
+from ..io.atomic import atomic_directory, fsync_dir, record_write, sha256_file, write_event
 from ..io.model import CONFIG_NAME, list_checkpoints, load_weights, read_config, save
 from ..io.model import latest_checkpoint as _latest_verified
 
@@ -146,6 +146,7 @@ def save_sharded_checkpoint(
              extra_files={STATE: buffer.getvalue()}, sharded_files=shards)  # fmt: skip
         fsync_dir(tmp)
         write_event()
+        record_write(final, folder=True)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
