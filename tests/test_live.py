@@ -135,3 +135,27 @@ def test_the_load_image_is_white_at_the_even_share_blue_below_and_red_above():
     assert cell[:, 0, 3].tolist() == [1.0, 0.0, 0.0]  # twice the even share: red
     assert cell[:, 1, 0].tolist() == [1.0, 1.0, 1.0]  # a layer without tokens: nothing uneven
     assert cell[:, 1, 2].tolist() == [0.5, 0.5, 0.5]  # a narrower layer's missing experts: grey
+
+
+def test_force_removes_the_event_files_of_the_run_it_replaces(tmp_path):
+    from moelab.cli import main
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("".join(f"line {i} of a small corpus.\n" for i in range(400)))
+    argv = [
+        "train",
+        "--size",
+        "cpu",
+        "--steps",
+        "2",
+        "--data",
+        str(corpus),
+        "--no-progress",
+        "--log",
+        "tensorboard",
+    ]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    first = sorted((tmp_path / "run" / live.TENSORBOARD_DIR).iterdir())
+    assert main([*argv, "--out", str(tmp_path / "run"), "--force"]) == 0
+    second = sorted((tmp_path / "run" / live.TENSORBOARD_DIR).iterdir())
+    assert len(first) == len(second) == 1 and first != second  # the old run's events are gone

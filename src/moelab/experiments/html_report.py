@@ -1,38 +1,18 @@
-"""``moelab report --html FILE``: the report of finished runs as one self-contained HTML page.
-
-The page holds the comparison table, the validation curves with seed bands, the routing measured
-while training (``log.csv``: MaxVio, load CV, router entropy), the routing diagnostics over training
-and the per-layer Jain heat maps of ``moelab diagnose`` where the runs have them, and the benchmark
-table when the folder holds one.  The figures are inline SVG drawn here (no plotting library, no
-network at view time): hovering a point or a cell shows its value, the mouse wheel zooms a figure
-and a double click resets it.  When the page has drawn, ``<body data-figures="n/m">`` says how many
-of its ``m`` figures have a visible extent (what the browser test reads).
+"""The HTML of ``moelab report --html FILE`` (:func:`moelab.experiments.report.write_html` says what
+goes into the page): inline SVG figures drawn here — line charts with ± sd bands and heat maps — and
+one self-contained page (no plotting library, no network at view time).  Hovering a point or a cell
+shows its value, the mouse wheel zooms a figure and a double click resets it.  When the page has
+drawn, ``<body data-figures="n/m">`` says how many of its ``m`` figures have a visible extent (what
+the browser test reads).
 """
 
 from __future__ import annotations
 
-import csv
 import html
 import math
-from pathlib import Path
 from typing import Any
 
-from ..io.atomic import atomic_write_text
-from . import summary
-from .report import (
-    CURVES,
-    MISSING,
-    Group,
-    Run,
-    _diagnostics,
-    _tokens_note,
-    curve_stats,
-    diagnostic_curve_stats,
-    group_runs,
-    render,
-)
-
-__all__ = ["write_html"]
+__all__ = ["escape", "heat_map", "line_chart", "page", "table"]
 
 #: matplotlib's tab10, the colours of the PNG figures
 PALETTE = (
@@ -47,16 +27,10 @@ PALETTE = (
     "#bcbd22",
     "#17becf",
 )
-#: the routing columns of ``log.csv`` the page draws over training: column and title
-LOG_CURVES = (
-    ("max_vio", "MaxVio of the step's load (mean over layers)"),
-    ("load_cv", "load coefficient of variation (mean over layers)"),
-    ("router_entropy", "router entropy, nats (mean over layers)"),
-)
 _W, _H, _PAD = 560, 300, (54, 16, 40, 30)  # width, height, padding left, right, bottom, top
 
 
-def _esc(text: Any) -> str:
+def escape(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
@@ -93,15 +67,15 @@ def line_chart(title: str, xlabel: str, ylabel: str, series: list[dict[str, Any]
         y0, y1 = y0 - abs(y0) * 0.05 - 1e-9, y1 + abs(y1) * 0.05 + 1e-9
     px = lambda x: left + (x - x0) / (x1 - x0) * (_W - left - right)
     py = lambda y: _H - bottom - (y - y0) / (y1 - y0) * (_H - top - bottom)
-    parts = [f'<text x="{_W / 2}" y="18" text-anchor="middle" class="title">{_esc(title)}</text>']
+    parts = [f'<text x="{_W / 2}" y="18" text-anchor="middle" class="title">{escape(title)}</text>']
     for t in _ticks(y0, y1):
         parts.append(f'<line x1="{left}" x2="{_W - right}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>')
         parts.append(f'<text x="{left - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{_number(t)}</text>')
     for t in _ticks(x0, x1):
         parts.append(f'<text x="{px(t):.1f}" y="{_H - bottom + 14}" text-anchor="middle">{_number(t)}</text>')
-    parts.append(f'<text x="{_W / 2}" y="{_H - 6}" text-anchor="middle">{_esc(xlabel)}</text>')
+    parts.append(f'<text x="{_W / 2}" y="{_H - 6}" text-anchor="middle">{escape(xlabel)}</text>')
     parts.append(
-        f'<text x="12" y="{_H / 2}" text-anchor="middle" transform="rotate(-90 12 {_H / 2})">{_esc(ylabel)}</text>'
+        f'<text x="12" y="{_H / 2}" text-anchor="middle" transform="rotate(-90 12 {_H / 2})">{escape(ylabel)}</text>'
     )
     for i, s in enumerate(series):
         colour = PALETTE[i % len(PALETTE)]
@@ -117,10 +91,10 @@ def line_chart(title: str, xlabel: str, ylabel: str, series: list[dict[str, Any]
             spread = "" if d is None else f" ± {_number(d)}"
             parts.append(
                 f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{colour}">'
-                f"<title>{_esc(s['label'])}: {_esc(xlabel)} {_number(x)}, {_number(y)}{spread}</title></circle>"
+                f"<title>{escape(s['label'])}: {escape(xlabel)} {_number(x)}, {_number(y)}{spread}</title></circle>"
             )
         parts.append(
-            f'<text x="{left + 8}" y="{top + 14 + 13 * i}" fill="{colour}" class="legend">{_esc(s["label"])}</text>'
+            f'<text x="{left + 8}" y="{top + 14 + 13 * i}" fill="{colour}" class="legend">{escape(s["label"])}</text>'
         )
     return _figure(parts, _W, _H)
 
@@ -134,9 +108,9 @@ def heat_map(title: str, rows: list[str], columns: list[Any], values: list[list[
     low, high = min(cells), max(cells)
     cw, ch, left, top = max(8, min(40, 480 // max(1, len(columns)))), 18, 70, 30
     width, height = left + cw * len(columns) + 16, top + ch * len(rows) + 30
-    parts = [f'<text x="{width / 2}" y="18" text-anchor="middle" class="title">{_esc(title)}</text>']
+    parts = [f'<text x="{width / 2}" y="18" text-anchor="middle" class="title">{escape(title)}</text>']
     for r, (name, row) in enumerate(zip(rows, values)):
-        parts.append(f'<text x="{left - 4}" y="{top + r * ch + 13}" text-anchor="end">{_esc(name)}</text>')
+        parts.append(f'<text x="{left - 4}" y="{top + r * ch + 13}" text-anchor="end">{escape(name)}</text>')
         for c, (column, v) in enumerate(zip(columns, row)):
             if v is None:
                 continue
@@ -144,10 +118,10 @@ def heat_map(title: str, rows: list[str], columns: list[Any], values: list[list[
             shade = f"rgb({int(247 - 200 * t)},{int(251 - 150 * t)},{int(255 - 90 * t)})"
             parts.append(
                 f'<rect x="{left + c * cw}" y="{top + r * ch}" width="{cw}" height="{ch}" fill="{shade}">'
-                f"<title>{_esc(name)}, step {_esc(column)}: {_number(v)}</title></rect>"
+                f"<title>{escape(name)}, step {escape(column)}: {_number(v)}</title></rect>"
             )
     parts.append(
-        f'<text x="{left}" y="{height - 8}">step {_esc(columns[0])} … {_esc(columns[-1])}; '
+        f'<text x="{left}" y="{height - 8}">step {escape(columns[0])} … {escape(columns[-1])}; '
         f"light {_number(low)}, dark {_number(high)}</text>"
     )
     return _figure(parts, width, height)
@@ -160,81 +134,22 @@ def _figure(parts: list[str], width: float, height: float) -> str:
     )
 
 
-def _log_column(run: Run, column: str) -> dict[int, float]:
-    path = run.path / "log.csv"
-    if not path.is_file():
-        return {}
-    with path.open(newline="") as f:
-        return {int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row.get(column)}
-
-
-def log_curve_stats(group: Group, column: str) -> tuple[list[int], list[float], list[float | None], int]:
-    """The group's ``log.csv`` column over its seeds: ``(steps, mean, sd, n_runs)`` at the steps every
-    run with the column has."""
-    curves = [c for c in (_log_column(r, column) for r in group.runs) if c]
-    if not curves:
-        return [], [], [], 0
-    common = sorted(set.intersection(*(set(c) for c in curves)))
-    stats = [summary.mean_sd([c[s] for c in curves]) for s in common]
-    return common, [m for m, _ in stats], [s for _, s in stats], len(curves)
-
-
-def _series(groups: list[Group], stats) -> list[dict[str, Any]]:
-    out = []
-    for g in groups:
-        steps, mean, sd, n = stats(g)
-        out.append({"label": f"{g.label} (n={n})", "x": steps, "y": mean, "sd": sd if n > 1 else None})
-    return out
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], missing: str = "—") -> str:
+    """An HTML table of ``rows`` (a column per key, numbers to 4 significant digits)."""
     if not rows:
         return ""
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    head = "".join(f"<th>{_esc(c)}</th>" for c in columns)
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
 
     def cell(v: Any) -> str:
         if v is None or (isinstance(v, float) and math.isnan(v)):
-            return MISSING
+            return missing
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
     body = "".join(
-        "<tr>" + "".join(f"<td>{_esc(cell(row.get(c)))}</td>" for c in columns) + "</tr>" for row in rows
+        "<tr>" + "".join(f"<td>{escape(cell(row.get(c)))}</td>" for c in columns) + "</tr>" for row in rows
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _layer_heat_maps(groups: list[Group]) -> list[str]:
-    """Per group, the per-layer Jain index of the load over the kept checkpoints (``moelab diagnose``'s
-    ``jain_curve``), averaged over the group's diagnosed runs."""
-    maps = []
-    for g in groups:
-        curves = []
-        for r in g.runs:
-            d = _diagnostics(r) or {}
-            if d.get("jain_curve") and d.get("curve_steps"):
-                curves.append(dict(zip(d["curve_steps"], d["jain_curve"])))
-        curves = [c for c in curves if c]
-        if not curves:
-            continue
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        layers = min(len(row) for c in curves for row in c.values() if row)
-        values = []
-        for layer in range(layers):
-            row = []
-            for s in steps:
-                vs = [c[s][layer] for c in curves if c[s] and c[s][layer] is not None]
-                row.append(sum(vs) / len(vs) if vs else None)
-            values.append(row)
-        maps.append(
-            heat_map(
-                f"{g.label}: Jain's index of the load per layer (n={len(curves)})",
-                [f"layer {i}" for i in range(layers)],
-                steps,
-                values,
-            )
-        )
-    return [m for m in maps if m]
 
 
 _STYLE = """
@@ -268,55 +183,12 @@ _SCRIPT = """
 """
 
 
-def write_html(
-    runs: list[Run], path: str | Path, reference: str | None = None, benchmark: str | None = None
-) -> Path:
-    """Write the report of ``runs`` (grouped as ``moelab report`` groups them; p-values against
-    ``reference``) to ``path`` as one self-contained HTML page; ``benchmark``: the text of a
-    ``benchmark.md`` to include.  Returns ``path``."""
-    groups = group_runs(runs)
-    metric = groups[0].runs[0].metric
-    text, rows = render(groups, reference)
-    sections = [
-        "<h2>Comparison</h2>",
-        _table(rows),
-        f'<p class="note">test {_esc(metric)} of each group: mean ± sd over seeds and Welch p against '
-        f"{_esc(reference or MISSING)}; as <code>moelab report</code> prints it:</p><pre>{_esc(text)}</pre>",
-        "<h2>Validation during training</h2>",
-        line_chart(
-            f"validation {metric} (mean ± sd over seeds)",
-            "step",
-            f"validation {metric}",
-            _series(groups, curve_stats),
-        ),
-        "<h2>Routing while training (log.csv)</h2>",
-    ]
-    for column, title in LOG_CURVES:
-        sections.append(
-            line_chart(title, "step", column, _series(groups, lambda g, c=column: log_curve_stats(g, c)))
-        )
-    diagnosed = any(_diagnostics(r) is not None for g in groups for r in g.runs)
-    sections.append("<h2>Routing diagnostics over training (moelab diagnose)</h2>")
-    if diagnosed:
-        sections.append(f'<p class="note">{_esc(_tokens_note(groups))}</p>')
-        for key, title in CURVES:
-            stats = lambda g, k=key: diagnostic_curve_stats(g, k)
-            sections.append(line_chart(title, "step", key, _series(groups, stats)))
-        maps = _layer_heat_maps(groups)
-        sections += maps or [
-            '<p class="note">no per-layer curves: train with --keep-ckpts all, then diagnose</p>'
-        ]
-    else:
-        sections.append('<p class="note">no run has been diagnosed: <code>moelab diagnose RUN_DIR</code></p>')
-    if benchmark:
-        sections += ["<h2>Benchmark</h2>", f"<pre>{_esc(benchmark)}</pre>"]
-    page = (
+def page(title: str, subtitle: str, sections: list[str]) -> str:
+    """The self-contained HTML page of ``sections`` (HTML fragments; empty ones left out)."""
+    return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>moelab report: {_esc(', '.join(g.label for g in groups))}</title><style>{_STYLE}</style></head>"
-        f'<body><h1>moelab report</h1><p class="note">{len(runs)} runs in {len(groups)} groups</p>'
+        f"<title>{escape(title)}</title><style>{_STYLE}</style></head>"
+        f'<body><h1>moelab report</h1><p class="note">{escape(subtitle)}</p>'
         + "\n".join(s for s in sections if s)
         + f"<script>{_SCRIPT}</script></body></html>\n"
     )
-    path = Path(path)
-    atomic_write_text(path, page)
-    return path

@@ -19,6 +19,7 @@ from ..io.atomic import atomic_write_png, atomic_write_text, read_json, recordin
 from ..io.model import weights_digest
 from ..io.rundir import read_yaml
 from . import summary
+from .html_report import escape, heat_map, line_chart, page, table
 
 __all__ = [
     "COUNT_MODELS",
@@ -32,6 +33,7 @@ __all__ = [
     "render",
     "run",
     "write_count_models",
+    "write_html",
     "write_report",
 ]
 
@@ -477,7 +479,7 @@ def write_report(
             layer_curve_rows = plot_layer_curves(groups, out / "diagnostics_curves_layers.png")
             atomic_write_text(out / "diagnostics_curves.csv", _csv_text(diagnostic_rows + layer_curve_rows))
             text += (
-                f"\nrouting curves over training ({_tokens_note(groups)}): diagnostics_curves.png, "
+                f"\nrouting curves over training ({tokens_note(groups)}): diagnostics_curves.png, "
                 "diagnostics_curves.csv"
                 + ("; per layer: diagnostics_curves_layers.png" if layer_curve_rows else "")
             )
@@ -485,14 +487,14 @@ def write_report(
         if layer_rows:
             atomic_write_text(out / "diagnostics_layers.csv", _csv_text(layer_rows))
             plot_layer_diagnostics(groups, layer_rows, out / "diagnostics_layers.png")
-            text += f"\nper-layer diagnostics ({_tokens_note(groups)}): diagnostics_layers.png, diagnostics_layers.csv"
+            text += f"\nper-layer diagnostics ({tokens_note(groups)}): diagnostics_layers.png, diagnostics_layers.csv"
     if curve_rows:
         text += "\n\n" + curves_text
     atomic_write_text(out / "table.txt", text + "\n")
     return text
 
 
-def _diagnostics(run: Run) -> dict[str, Any] | None:
+def run_diagnostics(run: Run) -> dict[str, Any] | None:
     """The run's ``diagnostics.json`` (``moelab diagnose``), or ``None`` where it has none."""
     f = run.path / "diagnostics.json"
     if not f.is_file():
@@ -509,9 +511,11 @@ def _diagnostics(run: Run) -> dict[str, Any] | None:
     return d
 
 
-def _tokens_note(groups: list[Group]) -> str:
+def tokens_note(groups: list[Group]) -> str:
     """How many test tokens the diagnostics used: the first N of the test split, per run."""
-    used = sorted({d.get("tokens_used") for g in groups for r in g.runs if (d := _diagnostics(r))} - {None})
+    used = sorted(
+        {d.get("tokens_used") for g in groups for r in g.runs if (d := run_diagnostics(r))} - {None}
+    )
     if not used:
         return ""
     n = str(used[0]) if len(used) == 1 else f"{used[0]} to {used[-1]}"
@@ -528,15 +532,15 @@ def diagnostics_table(groups: list[Group], reference: str | None) -> tuple[str, 
     def values(g: Group, key: str) -> list[float]:
         out = []
         for r in g.runs:
-            v = (_diagnostics(r) or {}).get(key)
+            v = (run_diagnostics(r) or {}).get(key)
             if v is not None:
                 out.append(float(v))
         return out
 
-    if not any(_diagnostics(r) is not None for g in groups for r in g.runs):
+    if not any(run_diagnostics(r) is not None for g in groups for r in g.runs):
         return None
     ref = next((g for g in groups if g.label == reference or g.method == reference), None)
-    lines = [f"routing diagnostics (moelab diagnose, {_tokens_note(groups)}): mean ± sd over runs, Welch p "
+    lines = [f"routing diagnostics (moelab diagnose, {tokens_note(groups)}): mean ± sd over runs, Welch p "
              f"against {ref.label if ref else '—'}"]  # fmt: skip
     rows = []
     absent = []
@@ -567,7 +571,7 @@ def diagnostics_table(groups: list[Group], reference: str | None) -> tuple[str, 
             "router_entropy_mean": "no router distribution",
             "router_entropy_sd_mean": "no router distribution",
         }
-        files = [d for g in groups for r in g.runs if (d := _diagnostics(r)) is not None]
+        files = [d for g in groups for r in g.runs if (d := run_diagnostics(r)) is not None]
         named = [f"{k} ({why.get(k, 'null')})" for k in absent if any(k in d for d in files)]
         missing = [k for k in absent if not any(k in d for d in files)]
         if missing:
@@ -590,7 +594,7 @@ def diagnostic_curve_stats(group: Group, key: str) -> tuple[list[int], list[floa
     sample standard deviation, ``None`` for one run)."""
     curves = []
     for r in group.runs:
-        d = _diagnostics(r) or {}
+        d = run_diagnostics(r) or {}
         if d.get(key) is not None and d.get("curve_steps"):
             curves.append({s: v for s, v in zip(d["curve_steps"], d[key]) if v is not None})
     if not curves:
@@ -637,7 +641,7 @@ def plot_diagnostic_curves(groups: list[Group], path: Path) -> list[dict[str, An
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(
-        f"routing over training, mean over layers (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
+        f"routing over training, mean over layers (mean ± sd over seeds), {tokens_note(groups)}", fontsize=10
     )
     fig.tight_layout()
     atomic_write_png(path, fig, dpi=120)
@@ -663,7 +667,7 @@ def _layer_values(group: Group, key: str) -> list[list[float]]:
     """Per diagnosed run of ``group`` with ``key``: its per-layer list (``null`` entries dropped runs)."""
     out = []
     for r in group.runs:
-        v = (_diagnostics(r) or {}).get(key)
+        v = (run_diagnostics(r) or {}).get(key)
         if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
             out.append([float(x) for x in v])
     return out
@@ -698,7 +702,7 @@ def _layer_curve_stats(
 ) -> tuple[list[int], list[float], list[float | None], int]:
     curves = []
     for r in group.runs:
-        d = _diagnostics(r) or {}
+        d = run_diagnostics(r) or {}
         if d.get(key) and d.get("curve_steps"):
             curves.append(
                 {
@@ -739,7 +743,7 @@ def plot_layer_diagnostics(groups: list[Group], rows: list[dict[str, Any]], path
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"per-layer routing diagnostics (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10)
+    fig.suptitle(f"per-layer routing diagnostics (mean ± sd over seeds), {tokens_note(groups)}", fontsize=10)
     fig.tight_layout()
     atomic_write_png(path, fig, dpi=120)
 
@@ -749,7 +753,12 @@ def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
     line per group (mean over its runs, band ± one sd).  Returns the CSV rows (``curve, layer, group,
     step, n, mean, sd``); none (nothing drawn) without curves."""
     layers = max(
-        (len(row) for g in groups for r in g.runs for row in (_diagnostics(r) or {}).get("saturation") or []),
+        (
+            len(row)
+            for g in groups
+            for r in g.runs
+            for row in (run_diagnostics(r) or {}).get("saturation") or []
+        ),
         default=0,
     )
     if layers == 0:
@@ -789,11 +798,135 @@ def plot_layer_curves(groups: list[Group], path: Path) -> list[dict[str, Any]]:
                 ax.set_xlabel("step")
     axes[0][0].legend(fontsize=6)
     fig.suptitle(
-        f"routing over training per layer (mean ± sd over seeds), {_tokens_note(groups)}", fontsize=10
+        f"routing over training per layer (mean ± sd over seeds), {tokens_note(groups)}", fontsize=10
     )
     fig.tight_layout()
     atomic_write_png(path, fig, dpi=120)
     return rows
+
+
+# ------------------------------------------------------------------ the HTML page (report --html)
+#: the routing columns of ``log.csv`` the page draws over training: column and title
+LOG_CURVES = (
+    ("max_vio", "MaxVio of the step's load (mean over layers)"),
+    ("load_cv", "load coefficient of variation (mean over layers)"),
+    ("router_entropy", "router entropy, nats (mean over layers)"),
+)
+
+
+def _log_column(run: Run, column: str) -> dict[int, float]:
+    path = run.path / "log.csv"
+    if not path.is_file():
+        return {}
+    with path.open(newline="") as f:
+        return {int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row.get(column)}
+
+
+def log_curve_stats(group: Group, column: str) -> tuple[list[int], list[float], list[float | None], int]:
+    """The group's ``log.csv`` column over its seeds: ``(steps, mean, sd, n_runs)`` at the steps every
+    run with the column has."""
+    curves = [c for c in (_log_column(r, column) for r in group.runs) if c]
+    if not curves:
+        return [], [], [], 0
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    stats = [summary.mean_sd([c[s] for c in curves]) for s in common]
+    return common, [m for m, _ in stats], [s for _, s in stats], len(curves)
+
+
+def _series(groups: list[Group], stats) -> list[dict[str, Any]]:
+    out = []
+    for g in groups:
+        steps, mean, sd, n = stats(g)
+        out.append({"label": f"{g.label} (n={n})", "x": steps, "y": mean, "sd": sd if n > 1 else None})
+    return out
+
+
+def _layer_heat_maps(groups: list[Group]) -> list[str]:
+    """Per group, the per-layer Jain index of the load over the kept checkpoints (``moelab diagnose``'s
+    ``jain_curve``), averaged over the group's diagnosed runs."""
+    maps = []
+    for g in groups:
+        curves = []
+        for r in g.runs:
+            d = run_diagnostics(r) or {}
+            if d.get("jain_curve") and d.get("curve_steps"):
+                curves.append(dict(zip(d["curve_steps"], d["jain_curve"])))
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        layers = min(len(row) for c in curves for row in c.values() if row)
+        values = []
+        for layer in range(layers):
+            row = []
+            for s in steps:
+                vs = [c[s][layer] for c in curves if c[s] and c[s][layer] is not None]
+                row.append(sum(vs) / len(vs) if vs else None)
+            values.append(row)
+        maps.append(
+            heat_map(
+                f"{g.label}: Jain's index of the load per layer (n={len(curves)})",
+                [f"layer {i}" for i in range(layers)],
+                steps,
+                values,
+            )
+        )
+    return [m for m in maps if m]
+
+
+def write_html(
+    runs: list[Run], path: str | Path, reference: str | None = None, benchmark: str | None = None
+) -> Path:
+    """Write the report of ``runs`` (grouped as ``moelab report`` groups them; p-values against
+    ``reference``) to ``path`` as one self-contained HTML page (:mod:`.html_report`): the comparison
+    table, the validation curves with seed bands, the routing ``log.csv`` measured while training
+    (MaxVio, load CV, router entropy), the curves over training of ``moelab diagnose`` and the
+    per-layer Jain heat maps where the runs have them; ``benchmark``: the text of a
+    ``benchmark.md`` to include.  Returns ``path``."""
+    groups = group_runs(runs)
+    metric = groups[0].runs[0].metric
+    text, rows = render(groups, reference)
+    sections = [
+        "<h2>Comparison</h2>",
+        table(rows, MISSING),
+        f'<p class="note">test {escape(metric)} of each group: mean ± sd over seeds and Welch p against '
+        f"{escape(reference or MISSING)}; as <code>moelab report</code> prints it:</p><pre>{escape(text)}</pre>",
+        "<h2>Validation during training</h2>",
+        line_chart(
+            f"validation {metric} (mean ± sd over seeds)",
+            "step",
+            f"validation {metric}",
+            _series(groups, curve_stats),
+        ),
+        "<h2>Routing while training (log.csv)</h2>",
+    ]
+    for column, title in LOG_CURVES:
+        sections.append(
+            line_chart(title, "step", column, _series(groups, lambda g, c=column: log_curve_stats(g, c)))
+        )
+    diagnosed = any(run_diagnostics(r) is not None for g in groups for r in g.runs)
+    sections.append("<h2>Routing diagnostics over training (moelab diagnose)</h2>")
+    if diagnosed:
+        sections.append(f'<p class="note">{escape(tokens_note(groups))}</p>')
+        for key, title in CURVES:
+            stats = lambda g, k=key: diagnostic_curve_stats(g, k)
+            sections.append(line_chart(title, "step", key, _series(groups, stats)))
+        maps = _layer_heat_maps(groups)
+        sections += maps or [
+            '<p class="note">no per-layer curves: train with --keep-ckpts all, then diagnose</p>'
+        ]
+    else:
+        sections.append('<p class="note">no run has been diagnosed: <code>moelab diagnose RUN_DIR</code></p>')
+    if benchmark:
+        sections += ["<h2>Benchmark</h2>", f"<pre>{escape(benchmark)}</pre>"]
+    page_text = page(
+        f"moelab report: {', '.join(g.label for g in groups)}",
+        f"{len(runs)} runs in {len(groups)} groups",
+        sections,
+    )
+    path = Path(path)
+    atomic_write_text(path, page_text)
+    return path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -831,8 +964,6 @@ def _report(args: argparse.Namespace, runs: list[Run], out: Path) -> int:
         print(line)
     print(f"wrote {out / 'results.csv'}, {out / 'runs.csv'}, {out / 'val_curves.png'}")
     if args.html:
-        from .html_report import write_html
-
         bench = Path(args.runs[0]) / "benchmark.md"
         print(
             f"wrote {write_html(runs, args.html, reference, bench.read_text() if bench.is_file() else None)}"

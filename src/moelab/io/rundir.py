@@ -75,7 +75,7 @@ MARKERS = (*RUN_ENTRIES, "config.json", "results.csv")
 OUTPUTS = (
     *MARKERS, "model.safetensors", "diagnostics.json", "runs.csv", "count_models.csv", "val_curves.csv",
     "val_curves.png", "diagnostics.csv", "table.txt", "paper.txt", "losses.csv", "table.csv",
-    "estimates.npz", "rates.png", "table.md", "welch.md", "curves.png",
+    "estimates.npz", "rates.png", "table.md", "welch.md", "curves.png", "tensorboard",
 )  # fmt: skip
 LOCK = ".lock"
 #: run directories this process owns (path → open lock file): a process may open its own run again

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..io.atomic import record_write
 from ..metrics import jain_index, layers_of, max_violation, routing_entropy
 
 #: ``log=``: ``auto`` = ``tensorboard`` when the ``tensorboard`` package is installed, else ``csv``;
@@ -79,6 +80,7 @@ class TensorBoardLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.every = every
+        record_write(folder, folder=True)  # the run's own (--force removes it), listed before it is written
         self.writer = SummaryWriter(str(folder), purge_step=start + 1 if start else None)
 
     def scalars(self, row: dict[str, Any]) -> None:
