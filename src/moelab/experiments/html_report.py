@@ -107,7 +107,8 @@ def heat_map(title: str, rows: list[str], columns: list[Any], values: list[list[
         return ""
     low, high = min(cells), max(cells)
     cw, ch, left, top = max(8, min(40, 480 // max(1, len(columns)))), 18, 70, 30
-    width, height = left + cw * len(columns) + 16, top + ch * len(rows) + 30
+    width = max(left + cw * len(columns) + 16, 7 * len(title) + 20)  # room for the title (12 px bold)
+    height = top + ch * len(rows) + 30
     parts = [f'<text x="{width / 2}" y="18" text-anchor="middle" class="title">{escape(title)}</text>']
     for r, (name, row) in enumerate(zip(rows, values)):
         parts.append(f'<text x="{left - 4}" y="{top + r * ch + 13}" text-anchor="end">{escape(name)}</text>')
