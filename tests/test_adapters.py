@@ -240,3 +240,32 @@ def test_an_adapter_onto_a_base_of_another_structure_is_refused_naming_what_diff
     ):
         load_adapter(wider, path)
     assert load_adapter(lm(), path) == [f"blocks.{i}.attn.qkv.{p}" for i in range(2) for p in "qv"]
+
+
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def test_a_loaded_adapted_model_merged_saves_and_loads_back(kind, tmp_path):
+    import moelab
+    from moelab.models.classifier import LMClassifier
+
+    model = lm()
+    trunk = model
+    if kind == "classifier":
+        model = LMClassifier(model, 3).double().eval()
+    add_adapter(trunk, "replora", rank=4)
+    randomize_adapter(trunk)
+    args = (IDX,) if kind == "lm" else (IDX, torch.ones_like(IDX, dtype=torch.bool))
+    with torch.no_grad():
+        expected = model(*args)
+    moelab.save(model, tmp_path / "adapted")
+    loaded = moelab.load(tmp_path / "adapted").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*args), expected, rtol=0, atol=0)  # the adapter came back
+    merge_adapter(loaded)
+    with torch.no_grad():
+        merged = loaded(*args)
+    torch.testing.assert_close(merged, expected, rtol=1e-12, atol=1e-12)  # W + (α/r) B A, rounded once
+    moelab.save(loaded, tmp_path / "merged")
+    again = moelab.load(tmp_path / "merged").eval()
+    assert not any(isinstance(m, AdaptedLinear) for m in again.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(again(*args), merged, rtol=0, atol=0)

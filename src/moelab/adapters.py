@@ -310,7 +310,8 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def merge_adapter(model: nn.Module) -> nn.Module:
     """Fold every update into its base weight (``W ← W + (α/r) B A``) and put the plain
     ``nn.Linear`` layers back; returns ``model``.  The merged model computes the same function
-    (dropout aside) and its parameters' ``requires_grad`` is left as it was."""
+    (dropout aside), saves and loads as a model without adapter (:func:`moelab.save`), and its
+    parameters' ``requires_grad`` is left as it was."""
     layers = _adapted(model)
     if not layers:
         raise ValueError(f"model of type {type(model).__name__} holds no adapter; nothing to merge")
@@ -321,8 +322,9 @@ def merge_adapter(model: nn.Module) -> nn.Module:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, base)
-    if hasattr(model, _CONFIG_ATTR):
-        object.__delattr__(model, _CONFIG_ATTR)
+    for module in model.modules():  # the adapter's settings, wherever add_adapter put them (a
+        if _CONFIG_ATTR in vars(module):  # classifier's trunk): a save records no adapter any more
+            object.__delattr__(module, _CONFIG_ATTR)
     return model
 
 

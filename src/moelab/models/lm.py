@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
+from ..adapters import adapter_config, restore_adapter
 from ..experts import MLP
 from ..functional import ATTENTION_ACTIVATIONS, ATTENTIONS, attention_activation, multi_head_attention
 from ..io.model import Persistent
@@ -347,12 +348,20 @@ class TransformerLM(Persistent, nn.Module):
         return self.head(self.features(idx, mask))
 
     def moelab_config(self) -> dict[str, Any]:
-        """What :func:`moelab.save` records to rebuild this model (the :class:`LMConfig`)."""
-        return self.cfg.to_dict()
+        """What :func:`moelab.save` records to rebuild this model (the :class:`LMConfig`, and the
+        settings of its LoRA / RepLoRA adapter if it holds one)."""
+        config = self.cfg.to_dict()
+        adapter = adapter_config(self)
+        if adapter is not None:
+            config["adapter"] = adapter
+        return config
 
     @classmethod
     def from_moelab_config(cls, config: dict[str, Any]) -> TransformerLM:
-        return cls(LMConfig.from_dict(config))
+        model = cls(LMConfig.from_dict(config))
+        if config.get("adapter"):
+            restore_adapter(model, config["adapter"], freeze=False)
+        return model
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         """The optimizer groups: weight decay on the matrices only (:func:`moelab.optim.param_groups`)."""
