@@ -70,3 +70,21 @@ def test_a_bad_padding_mask_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"padding mask 3 is not allowed; expected a tensor"):
         with masked_tokens(3):
             pass
+
+
+def test_the_diagnostics_see_the_real_tokens_of_a_masked_forward():
+    from moelab.metrics import competition_overlap, router_entropy
+    from moelab.models.lm import LMConfig, TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(
+        LMConfig(vocab_size=20, block_size=8, n_layer=1, d_model=16, n_head=2, num_experts=4)
+    )
+    ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 3:] = False
+    alone = [ids[:1], ids[1:, :3]]  # the real tokens, a forward each
+    overlap = competition_overlap(model, [(ids, mask)])
+    want = competition_overlap(model, alone)
+    assert overlap == pytest.approx(want, abs=1e-6)
+    torch.testing.assert_close(router_entropy(model, [(ids, mask)]), router_entropy(model, alone))

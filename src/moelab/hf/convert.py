@@ -40,6 +40,7 @@ __all__ = [
     "guard_save_pretrained",
     "padded_decoder",
     "set_method",
+    "wire_padding",
 ]
 
 _ROUTER_NAMES = ("gate", "router")
@@ -535,9 +536,7 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
     module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
     guard_save_pretrained(module)
     add_aux_to_output_loss(module)
-    decoder = padded_decoder(module, [path for path, _ in converted])
-    if decoder is not None:  # its attention_mask reaches the converted layers (moelab.padding)
-        scope_padding(decoder, attention_padding)
+    wire_padding(module)
     if not getattr(module, "_moelab_router_logits_hook", False):  # called directly, not only by MoETrainer
         module.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
         module._moelab_router_logits_hook = True
@@ -560,15 +559,31 @@ def _forward_params(cls: type) -> tuple[str, ...]:
 
 
 def _takes_attention_mask(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes one stack's ids and padding mask (not an encoder-decoder's
+    two stacks, whose ``attention_mask`` is the encoder's only)."""
     names = _forward_params(type(module))
-    return "attention_mask" in names and ("input_ids" in names or "inputs_embeds" in names)
+    return (
+        "attention_mask" in names
+        and ("input_ids" in names or "inputs_embeds" in names)
+        and "decoder_input_ids" not in names
+    )
+
+
+def wire_padding(model: nn.Module) -> None:
+    """Scope the padding mask of the decoder of ``model`` that holds its moelab layers
+    (:func:`padded_decoder`) over that decoder's forward (:func:`moelab.padding.scope_padding`)."""
+    paths = [name for name, m in model.named_modules() if isinstance(m, MoE)]
+    decoder = padded_decoder(model, paths) if paths else None
+    if decoder is not None:  # its attention_mask reaches the layers
+        scope_padding(decoder, attention_padding)
 
 
 def padded_decoder(model: nn.Module, paths: list[str]) -> nn.Module | None:
     """The innermost module of ``model`` that holds every converted layer (at ``paths``) and whose
     forward takes ``attention_mask`` with ``input_ids`` / ``inputs_embeds`` (``MixtralModel`` inside
     ``MixtralForCausalLM``): the module whose forward sees the padding mask the layers need.
-    ``None`` when no such module holds them all (a lone block)."""
+    ``None`` when no such module holds them all (a lone block; layers in both stacks of an
+    encoder-decoder, whose one ``attention_mask`` is the encoder's)."""
     parts = [p.split(".") if p else [] for p in paths]
     common: list[str] = []
     for names in zip(*parts):
