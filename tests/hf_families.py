@@ -149,17 +149,23 @@ def tiny_block(fam: str, block_cls: type, seed: int = 0) -> nn.Module:
 MODELS = (
     "AfmoeForCausalLM",
     "Dots1ForCausalLM",
+    "ExaoneMoeForCausalLM",
     "FlexOlmoForCausalLM",
+    "FlintForCausalLM",
     "Glm4MoeForCausalLM",
     "GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM",
     "HunYuanMoEV1ForCausalLM",
+    "LagunaForCausalLM",
+    "MellumForCausalLM",
+    "MiMoV2FlashForCausalLM",
     "MiniMaxForCausalLM",
     "MiniMaxM2ForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "SolarOpenForCausalLM",
 )
 VOCAB = 64
 MODEL_SIZES = {
