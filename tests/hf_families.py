@@ -145,6 +145,65 @@ def tiny_block(fam: str, block_cls: type, seed: int = 0) -> nn.Module:
     return block.eval()
 
 
+#: whole models of converted families that build at the tiny sizes: the padding-mask tests
+MODELS = (
+    "AfmoeForCausalLM",
+    "Dots1ForCausalLM",
+    "ExaoneMoeForCausalLM",
+    "FlexOlmoForCausalLM",
+    "FlintForCausalLM",
+    "Glm4MoeForCausalLM",
+    "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
+    "HunYuanMoEV1ForCausalLM",
+    "LagunaForCausalLM",
+    "MellumForCausalLM",
+    "MiMoV2FlashForCausalLM",
+    "MiniMaxForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "SolarOpenForCausalLM",
+)
+VOCAB = 64
+MODEL_SIZES = {
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB,
+    "first_k_dense_replace": 0,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "mlp_only_layers": [],
+    "decoder_sparse_step": 1,
+}
+
+
+def tiny_model(name: str, seed: int = 0) -> nn.Module:
+    """The transformers model class ``name`` at tiny sizes (two MoE decoder layers), float64, random weights."""
+    import transformers
+
+    cls = getattr(transformers, name)
+    cfg = cls.config_class()
+    for key, value in {**TINY, **MODEL_SIZES}.items():
+        try:
+            if hasattr(cfg, key):
+                setattr(cfg, key, value)
+        except Exception:  # a typed attribute: keep the default
+            pass
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
+    torch.manual_seed(seed)
+    model = cls(cfg).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return model
+
+
 if __name__ == "__main__":  # the table of docs/scaling.md: PYTHONPATH=src:tests python tests/hf_families.py
     import moelab
 

@@ -216,3 +216,56 @@ def test_replora_on_a_transformers_model_trains_q_and_v_and_merges_back(tmp_path
     load_adapter(fresh, tmp_path / "llama.safetensors")
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, tuned, rtol=0, atol=0)
+
+
+def test_an_adapter_onto_a_base_of_another_structure_is_refused_naming_what_differs(tmp_path):
+    model = lm()
+    add_adapter(model, "lora", rank=4)
+    path = save_adapter(model, tmp_path / "a.safetensors")
+    deeper = TransformerLM(LMConfig(vocab_size=13, **{**TINY, "n_layer": 3})).double()
+    with pytest.raises(ValueError) as err:
+        load_adapter(deeper, path)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "a.safetensors' was trained on a base of another structure: this model has " in msg
+    assert (
+        "parameters its base had not (blocks.2.ln1.weight, blocks.2.ln1.bias, blocks.2.attn.qkv.weight and "
+        in msg
+    )
+    assert msg.endswith("; expected the model it was trained on")
+    assert adapter_parameters(deeper) == {} and all(p.requires_grad for p in deeper.parameters())  # untouched
+    wider = TransformerLM(LMConfig(vocab_size=20, **TINY)).double()
+    with pytest.raises(
+        ValueError, match=r"shapes differ: tok_emb.weight \(20, 32\) \(the base's \(13, 32\)\)"
+    ):
+        load_adapter(wider, path)
+    assert load_adapter(lm(), path) == [f"blocks.{i}.attn.qkv.{p}" for i in range(2) for p in "qv"]
+
+
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def test_a_loaded_adapted_model_merged_saves_and_loads_back(kind, tmp_path):
+    import moelab
+    from moelab.models.classifier import LMClassifier
+
+    model = lm()
+    trunk = model
+    if kind == "classifier":
+        model = LMClassifier(model, 3).double().eval()
+    add_adapter(trunk, "replora", rank=4)
+    randomize_adapter(trunk)
+    args = (IDX,) if kind == "lm" else (IDX, torch.ones_like(IDX, dtype=torch.bool))
+    with torch.no_grad():
+        expected = model(*args)
+    moelab.save(model, tmp_path / "adapted")
+    loaded = moelab.load(tmp_path / "adapted").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*args), expected, rtol=0, atol=0)  # the adapter came back
+    merge_adapter(loaded)
+    with torch.no_grad():
+        merged = loaded(*args)
+    torch.testing.assert_close(merged, expected, rtol=1e-12, atol=1e-12)  # W + (α/r) B A, rounded once
+    moelab.save(loaded, tmp_path / "merged")
+    again = moelab.load(tmp_path / "merged").eval()
+    assert not any(isinstance(m, AdaptedLinear) for m in again.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(again(*args), merged, rtol=0, atol=0)

@@ -211,7 +211,12 @@ def test_the_torchtitan_peer_is_titan_moe_on_tokens():
 
     torch.manual_seed(0)
     layer = MoE(16, 4, 2, d_hidden=8, activation="swiglu", method="smoe", num_shared=1).eval()
-    peer = GPU_PEER_ADAPTERS["torchtitan"][1](layer, torch.float32)
+    peer = GPU_PEER_ADAPTERS["torchtitan"][1](layer, torch.float32)  # its aux losses are not the peer's
+    assert layer.coefs  # the layer keeps them
+    plain = MoE(
+        16, 4, 2, d_hidden=8, activation="swiglu", method="smoe", num_shared=1, balance_coef=0.0, z_coef=0.0
+    )
+    plain.load_state_dict(layer.state_dict())
     x = torch.randn(24, 16)
     with torch.no_grad():  # (T, d) in and out; titan_moe's agreement with the layer: test_titan.py
-        assert torch.equal(peer(x), titan_moe(layer)(x.unsqueeze(0)).squeeze(0))
+        assert torch.equal(peer(x), titan_moe(plain.eval())(x.unsqueeze(0)).squeeze(0))

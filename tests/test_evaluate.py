@@ -32,7 +32,7 @@ class Bigram(torch.nn.Module):
         torch.manual_seed(0)
         self.table = torch.nn.Parameter(torch.randn(256, 256))
 
-    def forward(self, idx):
+    def forward(self, idx, mask=None):
         return self.table[idx]
 
 
@@ -149,3 +149,23 @@ def test_eval_offline_is_one_line_and_leaves_nothing_that_blocks_the_retry(tmp_p
             "--include FILE.yaml)\n"
         )
         assert not (out / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("options", [{"capacity_factor": 1.0}, {}])
+def test_scores_do_not_depend_on_the_batch_size(options):
+    from moelab.models.lm import LMConfig, TransformerLM
+
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=40, block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, dropout=0.0,
+                   method_options=options)  # fmt: skip
+    model = TransformerLM(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    pairs = [
+        (torch.randint(0, 40, (n,), generator=g).tolist(), torch.randint(0, 40, (m,), generator=g).tolist())
+        for n, m in [(3, 2), (9, 4), (5, 1), (12, 3), (1, 1)]
+    ]
+    one = continuation_logprobs(model, pairs, block_size=16, batch_size=1)
+    for batch_size in (2, 5):  # to float32 rounding (other batch shapes, other summation orders)
+        got = continuation_logprobs(model, pairs, block_size=16, batch_size=batch_size)
+        assert [s for s, _ in got] == pytest.approx([s for s, _ in one], rel=1e-6, abs=1e-6)
+        assert [g for _, g in got] == [g for _, g in one]

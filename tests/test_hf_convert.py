@@ -582,3 +582,48 @@ def test_set_method_keeps_the_layers_balance_scope():
     assert layer.balance_scope == "sequence" and layer.config.options["balance_scope"] == "sequence"
     moelab.set_method(layer, "smoe", balance_scope="global")
     assert layer.balance_scope == "global"
+
+
+def _tiny_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=50,
+        hidden_size=D,
+        intermediate_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).double().eval()
+    _randomize(model, 3)
+    return from_hf(model)
+
+
+def test_a_cached_decoding_step_masks_the_new_tokens_by_the_last_columns_of_the_attention_mask():
+    model = _tiny_mixtral()
+    ids = torch.randint(1, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # left padding, as generate() pads
+    step = torch.randint(1, 50, (2, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(
+            input_ids=torch.cat([ids, step], 1), attention_mask=torch.cat([mask, mask[:, :1] * 0 + 1], 1)
+        )
+        first = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        nxt = model(
+            input_ids=step,
+            attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+            past_key_values=first.past_key_values,
+        )
+    torch.testing.assert_close(nxt.logits[:, -1], full.logits[:, -1], rtol=0, atol=1e-10)
+
+
+def test_an_attention_mask_shorter_than_the_input_ids_is_refused_in_one_line():
+    model = _tiny_mixtral()
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 3\) is not allowed for 5 positions"):
+        model(input_ids=torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 3, dtype=torch.long))

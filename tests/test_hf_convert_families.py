@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import moelab  # noqa: E402
-from hf_families import D, families, tiny_block  # noqa: E402
+from hf_families import MODELS, VOCAB, D, families, tiny_block, tiny_model  # noqa: E402
 
 FAMILIES = families()
 
@@ -138,3 +138,49 @@ def test_each_family_converts_exactly_and_goes_back_or_is_refused_naming_block_a
     assert type(back) is cls
     with torch.no_grad():
         assert torch.equal(_out(back, x), expected)  # the same weights back: bit for bit
+
+
+def _masked_step(model, ids, mask, rows):
+    """Logits of ``rows``' real tokens, the aux loss, and every gradient of (task + aux) over them."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask).logits[rows]
+    real = mask[rows].bool()
+    g = torch.Generator().manual_seed(5)
+    weights = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    aux = moelab.aux_loss(model)
+    ((out * weights)[real].sum() + aux).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out[real].detach(), aux.detach(), grads
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_converted_models_route_and_balance_only_the_real_tokens_of_the_attention_mask(name):
+    model = tiny_model(name)
+    moelab.from_hf(model)
+    method = moelab.layer.moe_layers(model)[0].method
+    moelab.set_method(model, method, balance_coef=0.01, z_coef=0.001)  # aux losses to compare
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, 4:] = 0  # right padding
+    mask[2, 2:] = 0
+    want = _masked_step(model, ids, mask, slice(None))
+    # the same batch with other ids at the padded positions: nothing changes
+    other = ids.masked_fill(mask == 0, 5)
+    got = _masked_step(model, other, mask, slice(None))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2].keys() == want[2].keys() and all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+    # a batch with a row of padding only appended: the real rows' outputs, aux and gradients stay
+    full = torch.ones(2, 7, dtype=torch.long)
+    base = _masked_step(model, ids[:2], full, slice(None))
+    padded = _masked_step(
+        model,
+        torch.cat([ids[:2], ids[2:]]),
+        torch.cat([full, torch.zeros(1, 7, dtype=torch.long)]),
+        slice(0, 2),
+    )
+    torch.testing.assert_close(padded[0], base[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(padded[1], base[1], rtol=0, atol=1e-12)
+    for n in base[2]:
+        torch.testing.assert_close(padded[2][n], base[2][n], rtol=0, atol=1e-12, msg=n)

@@ -425,3 +425,18 @@ def test_the_cli_upcycles_an_opt_config(tmp_path):
     assert len(moelab.attach(model, moelab.RoutingContext())) == 2
     with torch.no_grad():
         assert model(_inputs("opt")["input_ids"]).logits.shape == (2, 6, V)
+
+
+@pytest.mark.parametrize("arch", ["opt", "gpt2", "llama"])
+def test_an_upcycled_decoder_routes_and_balances_only_the_real_tokens_of_the_attention_mask(arch):
+    torch.manual_seed(0)
+    model = upcycle(BUILD[arch]().double(), num_experts=4, top_k=2).train()
+    ids = _inputs(arch)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[1, 3:] = 0
+    aux = []
+    for pad_id in (5, 9):  # other ids at the padded positions
+        torch.manual_seed(1)  # GPT-2's dropout: the same draws
+        out = model(input_ids=ids.masked_fill(mask == 0, pad_id), attention_mask=mask).logits
+        aux.append((moelab.aux_loss(model).detach(), out[mask.bool()].detach()))
+    assert torch.equal(aux[0][0], aux[1][0]) and torch.equal(aux[0][1], aux[1][1])

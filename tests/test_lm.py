@@ -893,3 +893,34 @@ def test_an_opt_named_like_a_setting_of_the_run_is_refused_naming_the_flag(
     argv = ["train", "--data", str(corpus), "--method", "competesmoe", "--opt", opt, "--out", str(out)]
     assert main(argv) == 2
     assert capsys.readouterr().err == f"moelab train: error: {message}\n" and not out.exists()
+
+
+def test_a_padding_mask_keeps_padding_out_of_the_experts_capacity_and_balance():
+    torch.manual_seed(0)
+    model = TransformerLM(LMConfig(vocab_size=40, method_options={"capacity_factor": 1.0}, **TINY))
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 40, (3, 10), generator=g)
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[1, 6:] = False
+    mask[2, 3:] = False
+    model.train()
+    logits = model(idx, mask)
+    aux = moelab.aux_loss(model).detach()
+    other = model(idx.masked_fill(~mask, 7), mask)  # other ids at the padded positions: nothing changes
+    assert torch.equal(other[mask], logits[mask]) and torch.equal(moelab.aux_loss(model).detach(), aux)
+    model.eval()
+    with torch.no_grad():  # evaluation: the padding takes no capacity either
+        want = model(idx, mask)
+        assert torch.equal(model(idx.masked_fill(~mask, 7), mask)[mask], want[mask])
+        # the padded batch = its real tokens in one row, as the layers route them (capacity of 19 tokens)
+        moe = moe_layers(model)[0]
+        x = torch.randn(3, 10, 32)
+        torch.testing.assert_close(moe(x, mask)[mask], moe(x[mask].unsqueeze(0))[0], rtol=0, atol=0)
+
+
+def test_a_padding_mask_of_another_shape_is_refused_in_one_line():
+    model = TransformerLM(LMConfig(vocab_size=40, **TINY))
+    with pytest.raises(
+        ValueError, match=r"mask of shape \(2, 3\) is not allowed; expected the shape of idx, \(2, 4\)"
+    ):
+        model(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool))

@@ -9,6 +9,7 @@ import moelab
 from moelab.train.titan import TitanRouter, titan_moe
 
 D, N, K, H = 16, 4, 2, 8
+NO_AUX = {"balance_coef": 0.0, "z_coef": 0.0}  # torchtitan's MoE has no aux-loss channel
 
 
 def _titan_with_moelab_router(method: str):
@@ -29,7 +30,15 @@ def test_titan_moe_computes_a_softmax_top_k_layer_with_its_weights(method, top_k
     pytest.importorskip("torchtitan.models.common.moe")
     torch.manual_seed(0)
     layer = moelab.MoE(
-        D, N, top_k, d_hidden=H, activation="swiglu", method=method, num_shared=num_shared, **options
+        D,
+        N,
+        top_k,
+        d_hidden=H,
+        activation="swiglu",
+        method=method,
+        num_shared=num_shared,
+        **NO_AUX,
+        **options,
     )
     layer.eval()
     titan = titan_moe(layer)
@@ -53,8 +62,8 @@ def test_titan_moe_refuses_what_torchtitans_moe_cannot_compute():
     with pytest.raises(
         ValueError, match=r"^capacity_factor=1.0 is not allowed; expected None \(torchtitan's MoE keeps"
     ):
-        titan_moe(moelab.MoE(D, N, K, d_hidden=H, activation="swiglu", capacity_factor=1.0))
-    swiglu = {"d_hidden": H, "activation": "swiglu"}
+        titan_moe(moelab.MoE(D, N, K, d_hidden=H, activation="swiglu", capacity_factor=1.0, **NO_AUX))
+    swiglu = {"d_hidden": H, "activation": "swiglu", **NO_AUX}
     for method, options in [("xmoe", {}), ("smoe-dropout", {}), ("sharede-v3", {}), ("smoe", {"eval_k": 1})]:
         with pytest.raises(
             ValueError, match=rf"^method='{method}' is not allowed without router=: its routing is not"
@@ -101,3 +110,20 @@ def test_what_torchtitans_moe_cannot_give_a_moelab_router_is_refused():
     router = TitanRouter(moelab.MoE(D, N, K, method="smoe", balance_coef=0.0, z_coef=0.0))
     with pytest.raises(ValueError, match=r"^torchtitan's expert_bias_E is not allowed with a moelab router"):
         router(torch.randn(1, 3, D), torch.zeros(N))
+
+
+def test_titan_refuses_the_aux_losses_and_the_capacity_its_moe_would_drop():
+    pytest.importorskip("torchtitan.models.common.moe")
+    swiglu = {"d_hidden": H, "activation": "swiglu"}
+    with pytest.raises(
+        ValueError, match=r"^method='smoe' with aux-loss coefficients \{'balance': 0\.01.*dropped"
+    ):
+        titan_moe(moelab.MoE(D, N, K, **swiglu))  # torchtitan's own router: the balance loss is lost
+    with pytest.raises(ValueError, match=r"^method='smoe' with aux-loss coefficients \{'z': 0\.001\}"):
+        titan_moe(moelab.MoE(D, N, K, balance_coef=0.0, z_coef=0.001, **swiglu))
+    capped = moelab.MoE(D, N, K, capacity_factor=1.0, **NO_AUX, **swiglu)
+    with pytest.raises(
+        ValueError,
+        match=r"^capacity_factor=1.0 is not allowed; expected None \(torchtitan's MoE keeps every token, the capacity would not be applied\)$",
+    ):
+        TitanRouter(capped)

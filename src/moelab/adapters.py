@@ -54,6 +54,7 @@ __all__ = [
     "adapter_config",
     "adapter_parameters",
     "add_adapter",
+    "base_structure",
     "load_adapter",
     "merge_adapter",
     "restore_adapter",
@@ -64,6 +65,8 @@ ADAPTERS = ("lora", "replora")
 DEFAULT_TARGETS = ("*.attn.qkv.q", "*.attn.qkv.v", "*q_proj", "*v_proj", "*.query", "*.value")
 _CONFIG_ATTR = "_moelab_adapter"
 _METADATA_KEY = "moelab_adapter"
+#: the metadata key of the base model's structure (parameter names and shapes) in an adapter file
+_BASE_KEY = "moelab_adapter_base"
 
 
 class LoRAFactors(nn.Module):
@@ -307,7 +310,8 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def merge_adapter(model: nn.Module) -> nn.Module:
     """Fold every update into its base weight (``W ← W + (α/r) B A``) and put the plain
     ``nn.Linear`` layers back; returns ``model``.  The merged model computes the same function
-    (dropout aside) and its parameters' ``requires_grad`` is left as it was."""
+    (dropout aside), saves and loads as a model without adapter (:func:`moelab.save`), and its
+    parameters' ``requires_grad`` is left as it was."""
     layers = _adapted(model)
     if not layers:
         raise ValueError(f"model of type {type(model).__name__} holds no adapter; nothing to merge")
@@ -318,9 +322,49 @@ def merge_adapter(model: nn.Module) -> nn.Module:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, base)
-    if hasattr(model, _CONFIG_ATTR):
-        object.__delattr__(model, _CONFIG_ATTR)
+    for module in model.modules():  # the adapter's settings, wherever add_adapter put them (a
+        if _CONFIG_ATTR in vars(module):  # classifier's trunk): a save records no adapter any more
+            object.__delattr__(module, _CONFIG_ATTR)
     return model
+
+
+def base_structure(model: nn.Module) -> dict[str, list[int]]:
+    """The shapes of ``model``'s parameters by name as without its adapter (an adapted layer's
+    base weight under the layer's own name, its factors left out): what an adapter was trained on."""
+    adapted = {n for n, m in model.named_modules() if isinstance(m, AdaptedLinear)}
+    out: dict[str, list[int]] = {}
+    for name, p in model.named_parameters():
+        owner, _, rest = name.rpartition(".")  # "<layer>.base.weight" -> ("<layer>.base", "weight")
+        layer, _, part = owner.rpartition(".")
+        if part == "base" and layer in adapted:
+            name = f"{layer}.{rest}"
+        elif any(name.startswith(f"{a}.factors.") for a in adapted):
+            continue
+        out[name] = list(p.shape)
+    return out
+
+
+def _structure_difference(saved: dict[str, list[int]], model: dict[str, list[int]]) -> str | None:
+    """What differs between two :func:`base_structure` maps, in a few words (``None``: nothing)."""
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    extra = [n for n in model if n not in saved]
+    missing = [n for n in saved if n not in model]
+    shapes = [
+        f"{n} {tuple(model[n])} (the base's {tuple(saved[n])})"
+        for n in saved
+        if n in model and saved[n] != model[n]
+    ]
+    parts = []
+    if extra:
+        parts.append(f"this model has {len(extra)} parameters its base had not ({few(extra)})")
+    if missing:
+        parts.append(f"it lacks {len(missing)} of the base's ({few(missing)})")
+    if shapes:
+        parts.append(f"shapes differ: {few(shapes)}")
+    return "; ".join(parts) or None
 
 
 def save_adapter(model: nn.Module, path: str | Path) -> Path:
@@ -334,12 +378,15 @@ def save_adapter(model: nn.Module, path: str | Path) -> Path:
         raise ValueError(f"model of type {type(model).__name__} holds no adapter (add_adapter first)")
     path = Path(path)
     tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_parameters(model).items()}
-    return atomic_write_bytes(path, save(tensors, metadata={_METADATA_KEY: json.dumps(cfg)}))
+    metadata = {_METADATA_KEY: json.dumps(cfg), _BASE_KEY: json.dumps(base_structure(model))}
+    return atomic_write_bytes(path, save(tensors, metadata=metadata))
 
 
 def load_adapter(model: nn.Module, path: str | Path, freeze: bool = True) -> list[str]:
     """Add the adapter saved in ``path`` to ``model`` (the same architecture) and load its weights;
-    returns the adapted target names."""
+    returns the adapted target names.  A model whose parameters (names, shapes) differ from the
+    base the adapter was trained on (a deeper or wider model) is refused, naming what differs:
+    the adapter would adapt some of its layers only."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
@@ -348,13 +395,22 @@ def load_adapter(model: nn.Module, path: str | Path, freeze: bool = True) -> lis
         raise FileNotFoundError(f"adapter file {str(path)!r} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = (f.metadata() or {}).get(_METADATA_KEY)
+            metadata = f.metadata() or {}
+        meta, base = metadata.get(_METADATA_KEY), metadata.get(_BASE_KEY)
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{str(path)!r} is not a safetensors file ({exc})") from None
     if meta is None:
         raise ValueError(f"{str(path)!r} holds no moelab adapter (no {_METADATA_KEY!r} metadata)")
     cfg = json.loads(meta)
+    if base is not None:  # files written before the base was recorded: the target check below only
+        if getattr(model, _CONFIG_ATTR, None) is None:  # (a model with an adapter: add_adapter says so)
+            differ = _structure_difference(json.loads(base), base_structure(model))
+            if differ is not None:
+                raise ValueError(
+                    f"{str(path)!r} was trained on a base of another structure: {differ}; expected the "
+                    "model it was trained on"
+                )
     names = restore_adapter(model, cfg, freeze=freeze)
     params = adapter_parameters(model)
     if names != cfg["targets"] or set(params) != set(tensors):

@@ -24,6 +24,7 @@ from .layer_aux import aux_terms_of, check_erc, check_finite_scores, erc_of
 from .layer_config import LAYER_LOSSES, MoEConfig
 from .losses import LOSS_NAMES
 from .methods import build_method_router
+from .padding import current_mask
 from .routers import Router
 from .routing import Routing, RoutingContext
 
@@ -268,20 +269,27 @@ class MoE(nn.Module):
         load, selection-bias update or capacity, as transformers' balance loss with its
         ``attention_mask``; masked tokens get output 0.  It costs one host sync (how many tokens
         are real) and routes the real tokens in their order: ``last_routing`` has one row each.
+        Without ``token_mask``, the mask of an enclosing :func:`moelab.padding.masked_tokens`
+        scope applies when it has as many tokens as ``x`` (a model's padding mask, found once a forward).
         """
         # the input's dtype is the router's parameters', or the experts' where router_dtype keeps the
         # router in float32 (FSDP2 mixed precision); weights sharded at rest (a DTensor) say nothing
         owner = self.router if self.router_dtype is None else self.experts
         weight = next((p for p in owner.parameters() if not isinstance(p, DTensor)), None)
+        real = None
+        if token_mask is None and isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1]:
+            scope = current_mask(x.numel() // x.shape[-1])  # a padding mask the model's forward scoped
+            if scope is not None:
+                token_mask, real = scope.mask.view(x.shape[:-1]), scope.real
         self.config.check_input(x, token_mask, None if weight is None else weight.dtype)
         if self.training and not torch.compiler.is_compiling():  # a warning would break the graph
             self.router.check_context(self.ctx, self.method)
         shape = x.shape
         seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
-        real = None
         if token_mask is not None:  # the real tokens alone, in their order
-            real = token_mask.reshape(-1).nonzero().squeeze(1)
+            if real is None:
+                real = token_mask.reshape(-1).nonzero().squeeze(1)
             flat = flat.index_select(0, real)  # (T_real, d)
         routing = self._route(flat)
         y = self.experts(flat, routing)  # (T, d)

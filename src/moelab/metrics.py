@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from . import _validate
 from .functional import competition_affinity
 from .io.atomic import atomic_write_png
+from .padding import current_mask
 from .routers import Router
 from .routing import Routing, RoutingContext
 
@@ -133,12 +134,15 @@ def _run(
     on_layer: Callable[[int, nn.Module, Tensor], None],
 ) -> int:
     """Run ``model`` over ``batches``; after each MoE layer's forward call ``on_layer(i, layer, x)``
-    with its flattened input ``(T, d)`` (``layer.last_routing`` is that call's routing)."""
+    with its flattened input ``(T, d)`` (``layer.last_routing`` is that call's routing): the real
+    tokens alone where the model's forward scoped a padding mask (:mod:`moelab.padding`)."""
     layers = layers_of(model)
 
     def make_hook(i: int):
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            on_layer(i, module, args[0].reshape(-1, module.d_model))
+            x = args[0].reshape(-1, module.d_model)
+            scope = current_mask(x.shape[0])  # still open: the hook runs inside the model's forward
+            on_layer(i, module, x if scope is None else x.index_select(0, scope.real))
 
         return hook
 

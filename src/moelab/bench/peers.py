@@ -9,6 +9,7 @@ and groups" and the GPU grid) describes each peer and how it is made to route li
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -272,9 +273,15 @@ def _torchtitan(layer: MoE, dtype: torch.dtype) -> nn.Module:
         import torchtitan.models.common.moe  # noqa: F401  torchtitan ≥ 0.3
     except ImportError:
         return _torchtitan_before_0_3(layer, dtype)
+    from ..hf.convert import set_method
     from ..train.titan import titan_moe
 
-    return Batched(titan_moe(layer).to(dtype))
+    # the peer's speed is measured: its MoE has no aux-loss channel, so it runs a copy of the layer
+    # without aux losses (titan_moe refuses to drop them without a word)
+    plain = copy.deepcopy(layer)
+    if plain.coefs:
+        set_method(plain, plain.method, **{f"{name}_coef": 0.0 for name in plain.coefs})
+    return Batched(titan_moe(plain).to(dtype))
 
 
 def _torchtitan_before_0_3(layer: MoE, dtype: torch.dtype) -> nn.Module:

@@ -23,6 +23,7 @@ from torch import nn
 from .. import config as vocab
 from ..config import Interval, setting
 from ..io.atomic import atomic_write_text
+from ..layer import moe_layers
 from . import runner
 
 __all__ = ["PAPER_TASKS", "EvalConfig", "add_arguments", "harness_model", "run"]
@@ -75,7 +76,13 @@ def continuation_logprobs(
 ) -> list[tuple[float, bool]]:
     """``(log p(continuation | context), whether every continuation token is the model's argmax)``
     for each ``(context ids, continuation ids)``: the sequence is cut to its last ``block_size + 1``
-    tokens (the continuation must fit), right-padded, and scored in batches of ``batch_size``."""
+    tokens (the continuation must fit), right-padded, and scored in batches of ``batch_size``.
+
+    A score never depends on the batch it is scored in: padding is masked out of the MoE layers,
+    and a model whose layers share something between the tokens of a batch (an expert capacity,
+    expert-choice routing) is scored one sequence at a time whatever ``batch_size``."""
+    if couples_tokens(model):
+        batch_size = 1
     results: list[tuple[float, bool] | None] = [None] * len(pairs)
     order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
     device = next(model.parameters()).device
@@ -96,9 +103,13 @@ def continuation_logprobs(
             spans.append((len(seq) - 1 - len(continuation), seq[-len(continuation) :]))
         width = max(len(r) for r in rows)
         batch = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
         for r, ids in enumerate(rows):
             batch[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        logp = F.log_softmax(model(batch).float(), dim=-1)  # causal: padding on the right is never seen
+            mask[r, : len(ids)] = True
+        # causal attention never sees the right padding; the mask keeps it out of the experts'
+        # routing and capacity, so a score does not depend on the batch it is scored in
+        logp = F.log_softmax(model(batch, mask).float(), dim=-1)
         for r, (offset, target) in enumerate(spans):
             part = logp[r, offset : offset + len(target)]  # (n, vocab)
             target_t = torch.tensor(target, dtype=torch.long, device=device)
@@ -106,6 +117,16 @@ def continuation_logprobs(
             greedy = bool((part.argmax(dim=-1) == target_t).all())
             results[chunk[r]] = (score, greedy)
     return [r for r in results if r is not None]
+
+
+def couples_tokens(model: nn.Module) -> bool:
+    """Whether an MoE layer of ``model`` lets a token's output depend on the other tokens of its
+    forward: an expert capacity (the tokens compete for it) or a router that picks tokens per
+    expert (expert-choice)."""
+    return any(
+        layer.capacity_factor is not None or type(layer.router.base_router).leaks_future_tokens
+        for layer in moe_layers(model)
+    )
 
 
 def harness_model(model: nn.Module, tokenizer: Any, block_size: int, batch_size: int = 16) -> Any:
@@ -184,7 +205,12 @@ class EvalConfig:
     num_fewshot: int = setting(
         0, help="examples in the prompt (0: zero-shot, as the papers)", allowed=Interval(int, 0)
     )
-    batch_size: int = setting(16, help="sequences scored at once", allowed=Interval(int, 1))
+    batch_size: int = setting(
+        16,
+        help="sequences scored at once (1 for a model with an expert capacity or expert-choice routing, "
+        "whose scores would depend on the batch)",
+        allowed=Interval(int, 1),
+    )
     seed: int = setting(
         0, help="seed of the harness's sampling (few-shot examples)", allowed=Interval(int, 0, 2**31 - 1)
     )

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -27,9 +29,19 @@ from ..balance import StepStatistics
 from ..experts import MLP
 from ..layer import MoE, aux_loss, moe_layers
 from ..methods import get_method, method_router_options
+from ..padding import scope_padding
 from ..routers import ROUTERS
 
-__all__ = ["GatedSharedExpert", "add_aux_to_output_loss", "from_hf", "guard_save_pretrained", "set_method"]
+__all__ = [
+    "GatedSharedExpert",
+    "add_aux_to_output_loss",
+    "attention_padding",
+    "from_hf",
+    "guard_save_pretrained",
+    "padded_decoder",
+    "set_method",
+    "wire_padding",
+]
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
@@ -524,12 +536,84 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
     module._moelab_recipe = [*getattr(module, "_moelab_recipe", []), {"op": "from_hf"}]
     guard_save_pretrained(module)
     add_aux_to_output_loss(module)
+    wire_padding(module)
     if not getattr(module, "_moelab_router_logits_hook", False):  # called directly, not only by MoETrainer
         module.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
         module._moelab_router_logits_hook = True
     if method is not None:
         set_method(module, method, **options)
     return module
+
+
+# ---------------------------------------------------------------- the padding mask
+
+
+@functools.cache
+def _forward_params(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s parameters after ``self``, in order."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
+    return tuple(params[1:])
+
+
+def _takes_attention_mask(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes one stack's ids and padding mask (not an encoder-decoder's
+    two stacks, whose ``attention_mask`` is the encoder's only)."""
+    names = _forward_params(type(module))
+    return (
+        "attention_mask" in names
+        and ("input_ids" in names or "inputs_embeds" in names)
+        and "decoder_input_ids" not in names
+    )
+
+
+def wire_padding(model: nn.Module) -> None:
+    """Scope the padding mask of the decoder of ``model`` that holds its moelab layers
+    (:func:`padded_decoder`) over that decoder's forward (:func:`moelab.padding.scope_padding`)."""
+    paths = [name for name, m in model.named_modules() if isinstance(m, MoE)]
+    decoder = padded_decoder(model, paths) if paths else None
+    if decoder is not None:  # its attention_mask reaches the layers
+        scope_padding(decoder, attention_padding)
+
+
+def padded_decoder(model: nn.Module, paths: list[str]) -> nn.Module | None:
+    """The innermost module of ``model`` that holds every converted layer (at ``paths``) and whose
+    forward takes ``attention_mask`` with ``input_ids`` / ``inputs_embeds`` (``MixtralModel`` inside
+    ``MixtralForCausalLM``): the module whose forward sees the padding mask the layers need.
+    ``None`` when no such module holds them all (a lone block; layers in both stacks of an
+    encoder-decoder, whose one ``attention_mask`` is the encoder's)."""
+    parts = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for names in zip(*parts):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    chain = [model] + [model.get_submodule(".".join(common[: i + 1])) for i in range(len(common))]
+    return next((m for m in reversed(chain) if _takes_attention_mask(m)), None)
+
+
+def attention_padding(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+    """The padding mask of a transformers decoder's forward: its 2-D ``attention_mask`` (1 for a
+    real token) over the positions of this call's ``input_ids`` / ``inputs_embeds`` (the last
+    ones: with a cache, the mask also covers the earlier positions); ``None`` without one.  A
+    4-D or per-layer-type mask (packed sequences) is not a padding mask: no scope."""
+    names = _forward_params(type(module))
+    given = {**dict(zip(names, args)), **kwargs}
+    mask = given.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        return None
+    tokens = next(
+        (given[n] for n in ("input_ids", "inputs_embeds") if isinstance(given.get(n), Tensor)), None
+    )
+    length = mask.shape[1] if tokens is None or tokens.dim() < 2 else tokens.shape[1]
+    if length > mask.shape[1]:
+        raise ValueError(
+            f"attention_mask of shape {tuple(mask.shape)} is not allowed for {length} positions; expected "
+            "(batch, at least the positions of input_ids / inputs_embeds)"
+        )
+    return mask[:, mask.shape[1] - length :]
 
 
 # ---------------------------------------------------------------- switching method

@@ -645,10 +645,11 @@ def upcycle(
                    "layers": layers, "options": dict(options)})  # fmt: skip
     model._moelab_recipe = recipe
     if hasattr(type(model), "save_pretrained"):  # a transformers model: it cannot read the layers back
-        from .convert import add_aux_to_output_loss, guard_save_pretrained
+        from .convert import add_aux_to_output_loss, guard_save_pretrained, wire_padding
 
         guard_save_pretrained(model)
         add_aux_to_output_loss(model)
+        wire_padding(model)  # its attention_mask reaches the new layers
     return model
 
 

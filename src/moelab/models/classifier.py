@@ -4,7 +4,8 @@ CompeteSMoE (2024): "remove the last layer and employ two randomly initialized f
 classifier", with the routers frozen ("Following Chen et al. (2023), we freeze the router").  The
 LM head is dropped; the final hidden states are mean-pooled over the real (non-padding) tokens
 and fed to ``Linear(d, d) → ReLU → Dropout → Linear(d, C)``.  Causal attention means right
-padding never changes the real tokens' states.
+padding never changes the real tokens' states, and the mask keeps padding out of the MoE layers
+(their routing, balance and expert capacity).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class LMClassifier(Persistent, nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx: Tensor, mask: Tensor) -> Tensor:
-        h = self.lm.features(idx)  # (B, L, d)
+        h = self.lm.features(idx, mask)  # (B, L, d); padding is routed by no MoE layer
         m = mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
         pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, d)
         return self.fc2(self.drop(torch.relu(self.fc1(pooled))))

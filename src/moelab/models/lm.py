@@ -17,11 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate
+from ..adapters import adapter_config, restore_adapter
 from ..experts import MLP
 from ..functional import ATTENTION_ACTIVATIONS, ATTENTIONS, attention_activation, multi_head_attention
 from ..io.model import Persistent
 from ..layer import MoE, moe_layers
 from ..optim import param_groups
+from ..padding import masked_tokens
 
 __all__ = [
     "ARCHS",
@@ -307,8 +309,11 @@ class TransformerLM(Persistent, nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return moe_layers(self)
 
-    def features(self, idx: Tensor) -> Tensor:
-        """Final hidden states ``(B, L, d)`` of token ids ``idx (B, L)``."""
+    def features(self, idx: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Final hidden states ``(B, L, d)`` of token ids ``idx (B, L)``; ``mask (B, L)`` (True
+        for a real token) keeps padding out of the MoE layers' routing, balance and capacity
+        (:func:`moelab.padding.masked_tokens`, one host sync a forward); causal attention keeps
+        right padding out of the real tokens' states."""
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"idx of shape {tuple(idx.shape)} and dtype {idx.dtype} is not allowed; expected token ids "
@@ -327,21 +332,36 @@ class TransformerLM(Persistent, nn.Module):
                 f"sequence length {L} is not allowed; expected at most block_size={self.cfg.block_size}"
             )
         pos = torch.arange(L, device=idx.device)
+        if mask is not None and (not isinstance(mask, Tensor) or mask.shape != idx.shape):
+            got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(
+                f"mask of shape {got} is not allowed; expected the shape of idx, {tuple(idx.shape)}"
+            )
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, L, d)
-        for block in self.blocks:
-            x = block(x)
+        with masked_tokens(mask):  # the scope of this forward only
+            for block in self.blocks:
+                x = block(x)
         return self.ln_f(x)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        return self.head(self.features(idx))  # (B, L, vocab)
+    def forward(self, idx: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Logits ``(B, L, vocab)`` of ``idx (B, L)``; ``mask``: the real tokens (:meth:`features`)."""
+        return self.head(self.features(idx, mask))
 
     def moelab_config(self) -> dict[str, Any]:
-        """What :func:`moelab.save` records to rebuild this model (the :class:`LMConfig`)."""
-        return self.cfg.to_dict()
+        """What :func:`moelab.save` records to rebuild this model (the :class:`LMConfig`, and the
+        settings of its LoRA / RepLoRA adapter if it holds one)."""
+        config = self.cfg.to_dict()
+        adapter = adapter_config(self)
+        if adapter is not None:
+            config["adapter"] = adapter
+        return config
 
     @classmethod
     def from_moelab_config(cls, config: dict[str, Any]) -> TransformerLM:
-        return cls(LMConfig.from_dict(config))
+        model = cls(LMConfig.from_dict(config))
+        if config.get("adapter"):
+            restore_adapter(model, config["adapter"], freeze=False)
+        return model
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         """The optimizer groups: weight decay on the matrices only (:func:`moelab.optim.param_groups`)."""

@@ -5,8 +5,8 @@ dispatch, expert parallelism, FSDP2 and compile path and moelab decides the rout
 torchtitan's MoE calls ``router(x (B, L, D), expert_bias (E,) | None)`` and expects
 ``(weights (B, L, K), indices (B, L, K), scores (B, L, E))``; it has no channel for auxiliary
 losses and never gives the router its experts.  What cannot be right there is refused in one line:
-a method with auxiliary losses (their coefficients must be 0: torchtitan would drop them), a
-competition method (it runs the experts itself), a step schedule, and torchtitan's own
+a method with auxiliary losses (their coefficients must be 0: torchtitan would drop them), an
+expert capacity (torchtitan keeps every token), a competition method (it runs the experts itself), a step schedule, and torchtitan's own
 aux-loss-free bias (``load_balance_coeff``: ``sharede-v3`` carries its own selection bias).
 :func:`titan_moe` builds torchtitan's MoE with a moelab layer's weights (experts, shared experts, and
 its own softmax router or a :class:`TitanRouter`), for comparisons.  docs/scaling.md ("torchtitan") has the recipe.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TitanRouter", "titan_moe"]
+__all__ = ["TitanRouter", "refuse_what_titan_drops", "titan_moe"]
 
 
 class TitanRouter(nn.Module):
@@ -28,7 +28,8 @@ class TitanRouter(nn.Module):
             parameters are this module's, ``router.*``).
 
     Raises:
-        ValueError: the layer's method needs what torchtitan's MoE does not give.
+        ValueError: the layer's method needs what torchtitan's MoE does not give, or the layer
+            has aux losses or a capacity torchtitan's MoE would drop.
     """
 
     def __init__(self, layer: nn.Module) -> None:
@@ -37,12 +38,7 @@ class TitanRouter(nn.Module):
 
         if not isinstance(layer, MoE):
             raise ValueError(f"layer of type {type(layer).__name__} is not allowed; expected a moelab.MoE")
-        if layer.coefs:
-            raise ValueError(
-                f"method={layer.method!r} with aux-loss coefficients {layer.coefs} is not allowed in torchtitan's "
-                "MoE, which has no aux-loss channel (the losses would be dropped); build the layer with those "
-                "coefficients at 0 or train with moelab's own layer"
-            )
+        refuse_what_titan_drops(layer)
         import inspect
 
         from ..methods import get_method
@@ -80,17 +76,33 @@ class TitanRouter(nn.Module):
         )
 
 
+def refuse_what_titan_drops(layer: nn.Module) -> None:
+    """Refuse, in one line, a layer whose aux losses or expert capacity torchtitan's MoE would
+    drop without a word: it has no aux-loss channel and keeps every token."""
+    if layer.coefs:
+        raise ValueError(
+            f"method={layer.method!r} with aux-loss coefficients {layer.coefs} is not allowed in torchtitan's "
+            "MoE, which has no aux-loss channel (the losses would be dropped); build the layer with those "
+            "coefficients at 0 or train with moelab's own layer"
+        )
+    if layer.capacity_factor is not None:
+        raise ValueError(
+            f"capacity_factor={layer.capacity_factor} is not allowed; expected None (torchtitan's MoE keeps every "
+            "token, the capacity would not be applied)"
+        )
+
+
 def titan_moe(layer: nn.Module, router: nn.Module | None = None) -> nn.Module:
     """torchtitan 0.3's ``MoE`` computing what ``layer`` (a :class:`moelab.MoE` of SwiGLU experts
-    without biases) computes: its grouped experts and shared experts with the layer's weights, no
+    without biases, aux-loss coefficients or capacity) computes: its grouped experts and shared experts with the layer's weights, no
     aux-loss-free bias, and in its router slot ``router`` (e.g. :class:`TitanRouter` of the layer)
     or, by default, torchtitan's token-choice router (softmax over the experts, top-K, renormalised
     as the layer's router is, times its scale) with the layer's gate weight.  torchtitan's experts
     compute in bfloat16, so the outputs agree to that rounding.
 
     Raises:
-        ValueError: the layer is not a moelab.MoE of SwiGLU experts without biases and without a
-            capacity; or, without
+        ValueError: the layer is not a moelab.MoE of SwiGLU experts without biases, without a
+            capacity and without aux losses (torchtitan's MoE would drop them); or, without
             ``router``, its routing is not a softmax top-K of one linear gate (another router, a K
             that grows or differs in evaluation, a selection bias).
         ImportError: torchtitan ≥ 0.3 is not installed.
@@ -112,10 +124,7 @@ def titan_moe(layer: nn.Module, router: nn.Module | None = None) -> nn.Module:
             f"layer with activation={bank.activation!r}, bias={bias} is not allowed; expected SwiGLU experts "
             "without biases (torchtitan's GroupedExperts and FeedForward)"
         )
-    if layer.capacity_factor is not None:
-        raise ValueError(
-            f"capacity_factor={layer.capacity_factor} is not allowed; expected None (torchtitan's MoE keeps every token)"
-        )
+    refuse_what_titan_drops(layer)
     gate = layer.router
     if router is None and not (
         isinstance(gate, TopKRouter)
