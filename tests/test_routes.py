@@ -243,3 +243,10 @@ def test_a_converted_transformers_model_records_and_replays_its_routes(tmp_path)
     assert trace.num_layers == 2 and trace.shapes == [(2, 5), (2, 5)]
     with routes.replaying(hf, routes.RouteTrace.load(trace.save(tmp_path / "hf.routes"))):
         assert torch.equal(hf(ids).logits, out)
+    padded = torch.ones(2, 5, dtype=torch.long)
+    padded[1, 3:] = 0  # the attention mask reaches the layers: the trace keeps the real tokens' places
+    trace, out = routes.record(hf, lambda: hf(ids, attention_mask=padded).logits)
+    assert [t.tolist() for t in trace.tokens] == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert trace.indices[0].shape == (8, K)
+    with routes.replaying(hf, trace):
+        assert torch.equal(hf(ids, attention_mask=padded).logits, out)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .layer import moe_layers, recording_routing
+from .padding import current_mask
 from .routers.base import Router
 from .routing import Routing
 
@@ -157,7 +158,11 @@ def record(model: nn.Module, forward: Callable[[], Any]) -> tuple[RouteTrace, An
     def before(layer, args, kwargs):
         x = args[0]
         mask = kwargs.get("token_mask", args[1] if len(args) > 1 else None)
-        tokens = None if mask is None else mask.reshape(-1).nonzero().squeeze(1).cpu()
+        if mask is not None:
+            tokens = mask.reshape(-1).nonzero().squeeze(1).cpu()
+        else:  # the padding mask a converted model's forward scoped (moelab.padding), if any
+            scope = current_mask(x.numel() // x.shape[-1]) if x.shape[-1] else None
+            tokens = None if scope is None or scope.real is None else scope.real.cpu()
         seen[id(layer)] = (tuple(x.shape[:-1]), tokens)
 
     handles = [layer.register_forward_pre_hook(before, with_kwargs=True) for layer in layers]
