@@ -474,3 +474,34 @@ def test_global_balance_compiled_with_inductor_trains_as_eager(checkpointed):
         _global_balance_steps(checkpointed, compiled=True, backend="inductor"),
         _global_balance_steps(checkpointed, compiled=False),
     )
+
+
+# ------------------------------------------------------------------ graph breaks inside the layer
+@pytest.mark.parametrize("global_balance", [False, True])
+def test_a_graph_break_inside_the_experts_keeps_the_aux_gradient(global_balance):
+    """``impl="loop"`` breaks the graph at its host sync (as expert parallelism's all-to-all does):
+    the code after the break takes the experts' output as an input, and an identity view of it
+    returned by the layer was replayed by torch.compile outside the graph, without the aux-loss
+    gradient riding on it.  The layer's output is a new tensor: the router gets eager's gradient."""
+    options = {"balance_scope": "global", "importance_coef": 0.1} if global_balance else {}
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        layer = _layer("smoe", impl="loop", **options)
+        ctx = RoutingContext(total_steps=10)
+        attach(layer, ctx)
+        balance = StepBalance(layer, ctx) if global_balance else None
+        run = torch.compile(layer, backend="aot_eager") if compiled else layer
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        y = run(x)
+        loss = y.square().mean() + moelab.aux_loss(layer)
+        if balance is not None:
+            balance.record()
+            loss = loss + balance.loss()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in layer.named_parameters()}))
+    (loss, grads), (loss_want, grads_want) = results[1], results[0]
+    torch.testing.assert_close(loss, loss_want)
+    assert grads.keys() == grads_want.keys()
+    for name in grads_want:
+        torch.testing.assert_close(grads[name], grads_want[name], msg=name)
