@@ -203,17 +203,6 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
 
     dp_mesh = mesh._flatten("dp") if ep > 1 else mesh["efsdp"]  # every rank (ep=1: efsdp is the world)
     efsdp = mesh["efsdp"].size()
-    for layer in layers:
-        if ep > 1:
-            local = layer.experts.num_experts // ep
-            # torchtitan's rule: more FSDP ranks than local experts shard the second dimension
-            dim = 1 if efsdp > local else 0
-            fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p, d=dim: Shard(d))
-            # the competition routers call these directly, not through __call__: without the
-            # registration FSDP would not gather the weights and the bank would run on its shard
-            for method in ("forward_all", "expert_forward"):
-                register_fsdp_forward_method(layer.experts, method)
-        fully_shard(layer, mesh=dp_mesh)
     # the blocks of a ModuleList (a transformer's layers) each their own unit, as torchtitan wraps
     # every transformer block: one block's full weights exist at a time, not the whole model's
     inside = {id(m) for layer in layers for m in layer.modules()}
@@ -224,10 +213,34 @@ def _fully_shard(model: nn.Module, mesh, layers: list[nn.Module], ep: int) -> nn
         for child in lst
         if id(child) not in inside
     ]
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    # the experts of an expert mesh that has them whole (ep = world): no FSDP on them (nothing to
+    # shard or average over efsdp), left out of the units around them
+    whole = [p for layer in layers for p in layer.experts.parameters()] if ep > 1 and efsdp == 1 else []
+    for layer in layers:
+        if ep > 1 and efsdp > 1:
+            local = layer.experts.num_experts // ep
+            # torchtitan's rule: more FSDP ranks than local experts shard the second dimension
+            dim = 1 if efsdp > local else 0
+            fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p, d=dim: Shard(d))
+            # the competition routers call these directly, not through __call__: without the
+            # registration FSDP would not gather the weights and the bank would run on its shard
+            for method in ("forward_all", "expert_forward"):
+                register_fsdp_forward_method(layer.experts, method)
+        # a layer inside a block is the block's (torchtitan's unit): no FSDP hooks inside a block,
+        # so that a block compiled with torch.compile(fullgraph=True) traces
+        if id(layer) not in in_blocks:
+            fully_shard(layer, mesh=dp_mesh, ignored_params=_owned(layer, whole))
     for block in reversed(blocks):  # inner lists before the lists holding them
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, ignored_params=_owned(block, whole))
+    fully_shard(model, mesh=dp_mesh, ignored_params=set(whole) or None)
     return model
+
+
+def _owned(module: nn.Module, params: list[nn.Parameter]) -> set[nn.Parameter] | None:
+    """Those of ``params`` that ``module`` holds (``fully_shard``'s ``ignored_params``)."""
+    mine = {id(p) for p in module.parameters()}
+    return {p for p in params if id(p) in mine} or None
 
 
 def _is_dtensor(t: Tensor) -> bool:
