@@ -474,3 +474,78 @@ def test_global_balance_compiled_with_inductor_trains_as_eager(checkpointed):
         _global_balance_steps(checkpointed, compiled=True, backend="inductor"),
         _global_balance_steps(checkpointed, compiled=False),
     )
+
+
+# ------------------------------------------------------------------ graph breaks inside the layer
+@pytest.mark.parametrize("global_balance", [False, True])
+def test_a_graph_break_inside_the_experts_keeps_the_aux_gradient(global_balance):
+    """``impl="loop"`` breaks the graph at its host sync (as expert parallelism's all-to-all does):
+    the code after the break takes the experts' output as an input, and an identity view of it
+    returned by the layer was replayed by torch.compile outside the graph, without the aux-loss
+    gradient riding on it.  The layer's output is a new tensor: the router gets eager's gradient."""
+    options = {"balance_scope": "global", "importance_coef": 0.1} if global_balance else {}
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        layer = _layer("smoe", impl="loop", **options)
+        ctx = RoutingContext(total_steps=10)
+        attach(layer, ctx)
+        balance = StepBalance(layer, ctx) if global_balance else None
+        run = torch.compile(layer, backend="aot_eager") if compiled else layer
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        y = run(x)
+        loss = y.square().mean() + moelab.aux_loss(layer)
+        if balance is not None:
+            balance.record()
+            loss = loss + balance.loss()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in layer.named_parameters()}))
+    (loss, grads), (loss_want, grads_want) = results[1], results[0]
+    torch.testing.assert_close(loss, loss_want)
+    assert grads.keys() == grads_want.keys()
+    for name in grads_want:
+        torch.testing.assert_close(grads[name], grads_want[name], msg=name)
+
+
+def _competesmoe_blocks(checkpointed: bool):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_Block("competesmoe", checkpointed) for _ in range(4)])
+    ctx = moelab.routing_context(blocks, 10, omega=0.5, competition_warmup=0)
+    attach(blocks, ctx)
+    return blocks, ctx
+
+
+def _competesmoe_steps(checkpointed: bool, compiled: bool, steps: list[int], fullgraph: bool = False):
+    """Training steps at the given steps of the schedule: losses, gradients, frames compiled."""
+    blocks, ctx = _competesmoe_blocks(checkpointed)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    run = (
+        [torch.compile(b, backend=counter, fullgraph=fullgraph) for b in blocks] if compiled else list(blocks)
+    )
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for step in steps:
+        ctx.step = step
+        blocks.zero_grad(set_to_none=True)
+        h = torch.randn(2, 8, 16, generator=gen, requires_grad=True)
+        for block in run:
+            h = block(h)
+        loss = h.square().mean() + moelab.aux_loss(blocks)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in blocks.named_parameters() if p.grad is not None}
+        out.append((loss.detach(), grads, counter.frame_count))
+    return out
+
+
+def test_competesmoe_under_compile_and_activation_checkpointing_says_once_that_it_runs_eagerly():
+    """The schedule lookup is a graph break and a competition step does not compile as one graph
+    (the winners' backward loops over the experts on the host): inside activation checkpointing
+    torch.compile gives up the checkpointed block's trace and runs it eagerly.  Its tracer says so
+    (once: Python's default filter); the training equals eager's."""
+    _, ctx = _competesmoe_blocks(True)
+    assert {ctx.schedule.active(i, s) for i in range(4) for s in range(3)} == {True, False}
+    with pytest.warns(
+        UserWarning, match=r"^CompeteSMoE under torch\.compile: whether a layer competes is looked up"
+    ):
+        got = _competesmoe_steps(True, compiled=True, steps=[0, 1, 2])
+    _assert_same_training(got, _competesmoe_steps(True, compiled=False, steps=[0, 1, 2]))

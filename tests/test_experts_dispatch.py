@@ -9,6 +9,7 @@ from torch import nn
 from experts_helpers import IMPLS, random_routing, reference
 from moelab.experts import ExpertBank, Experts, ModuleExperts, sort_slots
 from moelab.experts.dispatch import winners_by_rerun
+from moelab.routing import Routing
 
 
 def test_sort_slots_groups_slots_by_expert():
@@ -159,3 +160,16 @@ def test_slot_sums_into_tokens_are_the_same_bits_with_one_thread_and_several(top
             assert torch.equal(got.signbit(), expected.signbit())
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_banks_output_is_a_new_tensor_not_a_view(grad):
+    """FSDP2 warns of a unit's output that is a view (an expert bank is its own unit under expert
+    parallelism x FSDP2 with more ranks than the expert mesh): the combine returns its rows as they
+    are."""
+    torch.manual_seed(0)
+    bank = ExpertBank(4, 8, 8)
+    x = torch.randn(6, 8, requires_grad=grad)
+    indices = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    y = bank(x, Routing(indices, torch.rand(6, 2, requires_grad=grad)))
+    assert y.shape == (6, 8) and y._base is None

@@ -130,6 +130,40 @@ def test_aux_loss_gradient_reaches_the_router_through_the_output():
     torch.testing.assert_close(layer.router.weight.grad, want)
 
 
+@pytest.mark.parametrize(
+    ("options", "shape"),
+    [
+        ({}, (10, 8)),
+        ({}, (2, 5, 8)),
+        ({"balance_scope": "global", "importance_coef": 0.1}, (10, 8)),
+        ({"balance_coef": 0.0, "z_coef": 0.0}, (2, 5, 8)),
+    ],
+)
+def test_the_training_output_is_a_new_tensor_that_may_be_modified_in_place(options, shape):
+    """The aux gradient rides on the output, yet the output is no view (FSDP2 warns of a view on
+    every step, and an in-place change of a custom function's view is refused): ``y *= 2`` trains
+    as ``y = y * 2`` does."""
+    results = []
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        layer = moelab.MoE(8, 4, 2, method="smoe", **{"balance_coef": 1.0, **options})
+        balance = moelab.balance.StepBalance(layer) if "balance_scope" in options else None
+        y = layer(torch.randn(shape, generator=torch.Generator().manual_seed(1)))
+        assert y._base is None
+        if in_place:
+            y *= 2
+        else:
+            y = y * 2
+        loss = y.square().mean()
+        if balance is not None:
+            balance.record()
+            loss = loss + balance.loss()
+        loss.backward()
+        results.append({n: p.grad for n, p in layer.named_parameters()})
+    for name, grad in results[0].items():
+        torch.testing.assert_close(results[1][name], grad, rtol=0, atol=0, msg=name)
+
+
 def test_aux_loss_is_a_value_with_no_path_to_the_parameters():
     """``layer.aux_loss`` is the aux loss's value: its gradient reaches the parameters through the
     layer's output (injected in the forward), so differentiating the value itself finds no path and

@@ -297,11 +297,21 @@ class MoE(nn.Module):
             y = y + routing.direct.to(y.dtype)
         if self.shared is not None:
             y = y + self.shared(flat)
+        routed = y
         y = self._attach_aux(y, routing, flat, seq_len)
         self._record(routing)
         if real is not None:  # the real tokens' outputs in their places, 0 for the masked ones
             y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
-        return y.reshape(shape)
+            routed = y
+        if x.dim() == 2 and y is routed:
+            return y  # a new tensor already
+        y = y.reshape(shape)
+        # A training output is a new tensor, not a view (of the aux-gradient injections' identity,
+        # or of the flat tokens): torch.compile replays a view of a graph's input outside the graph
+        # (the input after a graph break, such as expert parallelism's all-to-all), which would lose
+        # the gradient injected on it; FSDP2 warns of a view, and an in-place change of the view
+        # of a custom function is refused.  One copy; none in inference.
+        return y.clone() if torch.is_grad_enabled() else y
 
     def _route(self, x: Tensor) -> Routing:
         """The router's decision for ``x (T, d)``, checked finite, with the layout the experts run it

@@ -152,7 +152,8 @@ def combine_slots(ys: Tensor, weights: Tensor, slots: Slots, track: bool) -> Ten
     rows = ys.flatten(1)
     args = (rows, weights, slots.inverse, slots.order, slots.tokens)
     out = _CombineSlots.apply(*args) if track else _combine_slots(*args)[0]
-    return out.view(weights.shape[0], *ys.shape[1:])
+    # rows of tokens already (MLP experts): no view, which FSDP2 warns of when the bank is its own unit
+    return out if ys.dim() == 2 else out.view(weights.shape[0], *ys.shape[1:])
 
 
 class PaddedSlots(NamedTuple):

@@ -8,8 +8,9 @@ exchange as its ``run`` step:
 
 1. sort the ``T·K`` slots by expert once (:func:`moelab.experts.dispatch.sort_slots`) — the slots
    for each rank are then contiguous — and gather the tokens;
-2. exchange the per-expert counts (``all_to_all``, no gradient), then the tokens (torch's functional
-   ``all_to_all_single_autograd``: its backward is the reverse ``all_to_all``);
+2. exchange the per-expert counts (``all_to_all``, no gradient), then the tokens (the op
+   ``moelab::all_to_all``, whose backward is the reverse ``all_to_all``; torch.compile takes it
+   whole, so a compiled layer traces as one graph, with ``fullgraph=True`` too);
 3. each rank runs its local experts on what it received (the ordinary sorted dispatch);
 4. send the outputs back (``all_to_all`` again), weight them and sum over K into their tokens.
 
@@ -100,14 +101,14 @@ class ExpertParallelBank(ExpertBank):
         group = mesh.get_group()
         L = self.num_experts // E
         T = x.shape[0]
-        sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(E)]
-        dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=group)
-        sizes = [int(s.item()) for s in sizes]
-        xg = _all_to_all(x.repeat(E, 1), sizes, [T] * E, group)  # (ΣT, d): every rank's tokens
-        if xg.shape[0] == 0:  # no tokens on any rank
+        mine = torch.full((E,), T, dtype=torch.int64, device=x.device)  # my T to every rank
+        sizes = torch.empty_like(mine)
+        dist.all_to_all_single(sizes, mine, group=group)  # every rank's T
+        xg = _all_to_all(x.repeat(E, 1), sizes, mine, group)  # (ΣT, d): every rank's tokens
+        if not torch.compiler.is_compiling() and xg.shape[0] == 0:  # no tokens on any rank
             return x.new_zeros(0, self.num_experts, self.d_model)
         yg = super().forward_all(xg)  # (ΣT, L, d) the local block on every rank's tokens
-        yb = _all_to_all(yg.reshape(yg.shape[0], -1), [T] * E, sizes, group)  # (E·T, L·d)
+        yb = _all_to_all(yg.reshape(yg.shape[0], -1), mine, sizes, group, rows=E * T)  # (E·T, L·d)
         return yb.view(E, T, L, self.d_model).permute(1, 0, 2, 3).reshape(T, E * L, self.d_model)
 
     def forward_winners(self, x: Tensor, choose) -> tuple[Tensor, Tensor, Any]:
@@ -125,19 +126,20 @@ class ExpertParallelBank(ExpertBank):
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=group)  # (E·L,) from each source, my L experts
         recv_matrix = recv_counts.view(E, L)
-        send_splits = counts.view(E, L).sum(1).tolist()
-        recv_splits = recv_matrix.sum(1).tolist()
+        send_splits = counts.view(E, L).sum(1)  # (E,) rows to each rank
+        recv_splits = recv_matrix.sum(1)  # (E,) rows from each rank
         xr = _all_to_all(xs, recv_splits, send_splits, group)  # (R, d) by source, then local expert
         local_ids = torch.arange(L, device=xs.device).repeat(E)
         local_ids = local_ids.repeat_interleave(recv_matrix.reshape(-1), output_size=xr.shape[0])  # (R,)
-        if xr.shape[0] == 0:
+        if not torch.compiler.is_compiling() and xr.shape[0] == 0:
             # keep the autograd graph the same on every rank: the backward all_to_all is a collective
+            # (a compiled backward is one graph that runs every collective: no branch on the data there)
             w = self.expert_weights
             anchor = sum(t.reshape(-1)[:1].sum() for t in w[:4] if t is not None) * 0
             yr = xr * 0 + anchor
         else:
             yr = super().mix(xr, local_ids.unsqueeze(1), xr.new_ones(xr.shape[0], 1))
-        return _all_to_all(yr, send_splits, recv_splits, group)  # (S, d) in the order sent
+        return _all_to_all(yr, send_splits, recv_splits, group, rows=xs.shape[0])  # (S, d) in the order sent
 
     def extra_repr(self) -> str:
         _, E, r = self._ep
@@ -158,9 +160,52 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+def _all_to_all(x: Tensor, out_counts: Tensor, in_counts: Tensor, group, rows: int | None = None) -> Tensor:
     """``all_to_all_single`` with uneven splits and autograd (the backward sends the gradients
-    back): torch's functional collective, waited on here so that the bank computes on a plain tensor."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+    back): ``in_counts (E,)`` rows of ``x`` to each rank, ``out_counts (E,)`` rows from each, as
+    tensors; ``rows``, the number received, where the caller knows it (else data-dependent).
 
-    return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
+    The splits are read on the host inside the op (:func:`_all_to_all_op`), which torch.compile
+    does not trace: a compiled layer has no graph break and no data-dependent guard here
+    (``fullgraph=True`` under expert parallelism), and the received rows are a size the graph
+    takes as it comes."""
+    return _all_to_all_op(x.contiguous(), out_counts, in_counts, rows, group.group_name)
+
+
+@torch.library.custom_op("moelab::all_to_all", mutates_args=())
+def _all_to_all_op(x: Tensor, out_counts: Tensor, in_counts: Tensor, rows: int | None, group: str) -> Tensor:
+    """``x``'s rows sent to the ranks of ``group`` (``in_counts`` each), those they send received
+    (``out_counts`` each), in rank order: ``dist.all_to_all_single`` with the splits on the host."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    out_splits, in_splits = out_counts.tolist(), in_counts.tolist()
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=_resolve_process_group(group))
+    return out
+
+
+@_all_to_all_op.register_fake
+def _(x: Tensor, out_counts: Tensor, in_counts: Tensor, rows: int | None, group: str) -> Tensor:
+    if rows is None:  # the rows received: known once the counts are
+        rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(rows, *x.shape[1:])
+
+
+def _all_to_all_setup(ctx, inputs, output) -> None:
+    x, out_counts, in_counts, _, group = inputs
+    ctx.save_for_backward(out_counts, in_counts)
+    ctx.rows, ctx.group = x.shape[0], group
+
+
+def _all_to_all_backward(ctx, grad: Tensor):
+    out_counts, in_counts = ctx.saved_tensors  # the gradients go back the way the rows came
+    return (
+        _all_to_all_op(grad.contiguous(), in_counts, out_counts, ctx.rows, ctx.group),
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)

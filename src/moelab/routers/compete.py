@@ -8,6 +8,7 @@ the option ``grad_path`` chooses how those outputs get their gradient.  docs/met
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -193,6 +194,18 @@ def _schedule_active(ctx: RoutingContext, router: Router) -> bool:
     every layer would compile its own graph (past 8 layers, the recompile limit).  Under compile this
     is one graph break, and the code after it is compiled once per branch (competes or not)."""
     return bool(ctx.schedule.active(router.layer_index, ctx.step))
+
+
+def _say_competition_breaks_the_graph(_: Any = None) -> None:
+    """Said by torch.compile's tracer where it meets the schedule lookup (``comptime``: at trace time,
+    so also where the trace of a checkpointed block is given up and the block runs eagerly)."""
+    warnings.warn(
+        "CompeteSMoE under torch.compile: whether a layer competes is looked up outside the graph "
+        "(a graph break at every step) and a competition step does not compile as one graph (the "
+        "winners' expert backward loops over the experts on the host); inside activation checkpointing "
+        "the checkpointed block therefore runs eagerly",
+        stacklevel=2,
+    )
 
 
 @register("competition")
@@ -384,6 +397,10 @@ class CompeteSMoERouter(Router):
             return False
         if ctx is None or ctx.schedule is None:  # the layer says so once (moelab.layer.check_context)
             return False
+        if torch.compiler.is_compiling():  # said while tracing: a checkpoint falls back to eager silently
+            from torch._dynamo.comptime import comptime
+
+            comptime(_say_competition_breaks_the_graph)
         return _schedule_active(ctx, self)
 
     def forward(self, x: Tensor, experts: Experts, ctx: RoutingContext | None = None) -> Routing:

@@ -161,6 +161,11 @@ def parallelize(
                 f"mp_policy={mp_policy!r} is not allowed with dp={dp!r}; expected a "
                 "torch.distributed.fsdp.MixedPrecisionPolicy with dp='fsdp' (otherwise run under torch.autocast)"
             )
+        if ep > 1 and ep == world:
+            raise ValueError(
+                f"mp_policy is not allowed with ep={ep} on {world} processes: each rank holds its experts "
+                "whole, outside FSDP2, which would not cast them; run under torch.autocast, or with ep < world size"
+            )
     _refuse_parallel(model)
     layers = moe_layers(model)
     if ep > 1:
@@ -221,8 +226,22 @@ def _fully_shard(
     mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     dp_mesh = mesh._flatten("dp") if ep > 1 else mesh["efsdp"]  # every rank (ep=1: efsdp is the world)
     efsdp = mesh["efsdp"].size()
+    # the blocks of a ModuleList (a transformer's layers) each their own unit, as torchtitan wraps
+    # every transformer block: one block's full weights exist at a time, not the whole model's
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    blocks = [
+        child
+        for lst in model.modules()
+        if isinstance(lst, nn.ModuleList) and id(lst) not in inside
+        for child in lst
+        if id(child) not in inside
+    ]
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    # the experts of an expert mesh that has them whole (ep = world): no FSDP on them (nothing to
+    # shard or average over efsdp), left out of the units around them
+    whole = [p for layer in layers for p in layer.experts.parameters()] if ep > 1 and efsdp == 1 else []
     for layer in layers:
-        if ep > 1:
+        if ep > 1 and efsdp > 1:
             local = layer.experts.num_experts // ep
             # torchtitan's rule: more FSDP ranks than local experts shard the second dimension
             dim = 1 if efsdp > local else 0
@@ -238,21 +257,20 @@ def _fully_shard(
             # (the layer's unit would gather it in the policy's param_dtype, which router_dtype refuses)
             own = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=False)
             fully_shard(router, mesh=dp_mesh, mp_policy=own)
-        fully_shard(layer, mesh=dp_mesh, **mp)
-    # the blocks of a ModuleList (a transformer's layers) each their own unit, as torchtitan wraps
-    # every transformer block: one block's full weights exist at a time, not the whole model's
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    blocks = [
-        child
-        for lst in model.modules()
-        if isinstance(lst, nn.ModuleList) and id(lst) not in inside
-        for child in lst
-        if id(child) not in inside
-    ]
+        # a layer inside a block is the block's (torchtitan's unit): no FSDP hooks inside a block,
+        # so that a block compiled with torch.compile(fullgraph=True) traces
+        if id(layer) not in in_blocks:
+            fully_shard(layer, mesh=dp_mesh, ignored_params=_owned(layer, whole), **mp)
     for block in reversed(blocks):  # inner lists before the lists holding them
-        fully_shard(block, mesh=dp_mesh, **mp)
-    fully_shard(model, mesh=dp_mesh, **mp)
+        fully_shard(block, mesh=dp_mesh, ignored_params=_owned(block, whole), **mp)
+    fully_shard(model, mesh=dp_mesh, ignored_params=set(whole) or None, **mp)
     return model
+
+
+def _owned(module: nn.Module, params: list[nn.Parameter]) -> set[nn.Parameter] | None:
+    """Those of ``params`` that ``module`` holds (``fully_shard``'s ``ignored_params``)."""
+    mine = {id(p) for p in module.parameters()}
+    return {p for p in params if id(p) in mine} or None
 
 
 def _is_dtensor(t: Tensor) -> bool:
