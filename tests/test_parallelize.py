@@ -788,6 +788,43 @@ def _compiled_cases(world: int) -> list[tuple]:
     ]
 
 
+def _experts_unit_compile(rank: int, world: int) -> dict:
+    """EP x FSDP2 with ep = 2 of 4 ranks, blocks compiled: what each compile says and whether it runs."""
+    import warnings
+
+    from moelab.train.parallelize import parallelize
+
+    out = {}
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        model = _Blocks("smoe", False)
+        moelab.routing_context(model, 10)
+        parallelize(model, dp="fsdp", ep=2)
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=fullgraph)
+        x, y = _compiled_batch(0, world, rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                torch.nn.functional.cross_entropy(model(x), y.reshape(-1)).backward()
+                error = None
+            except Exception as exc:  # fullgraph: torch's own error where the graph breaks
+                error = type(exc).__name__
+        said = [str(w.message) for w in caught if "an FSDP2 unit of their own" in str(w.message)]
+        out[fullgraph] = (said, error)
+    return out
+
+
+def test_compiling_the_experts_own_fsdp2_unit_says_it_breaks_the_graph_before_fullgraph_fails(tmp_path):
+    """ep < world size under FSDP2: the experts are an FSDP2 unit whose hooks do not trace; the
+    compile says so while tracing, and without fullgraph the block still trains (its parity: the slow
+    layout grid)."""
+    for r in spawn(_experts_unit_compile, 4, tmp_path):
+        (said, error), (said_full, error_full) = r[False], r[True]
+        assert error is None and len(said) >= 1 and said[0].startswith("torch.compile meets the experts")
+        assert error_full is not None and len(said_full) >= 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_block_compile_every_layout_method_and_mode_trains_as_one_eager_process(world, tmp_path):

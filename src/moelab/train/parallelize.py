@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -246,6 +247,8 @@ def _fully_shard(
             # torchtitan's rule: more FSDP ranks than local experts shard the second dimension
             dim = 1 if efsdp > local else 0
             fully_shard(layer.experts, mesh=mesh["efsdp"], shard_placement_fn=lambda p, d=dim: Shard(d), **mp)
+            # before FSDP2's own hooks (prepended too): said while torch.compile traces into the bank
+            layer.experts.register_forward_pre_hook(_say_the_experts_unit_breaks_the_graph, prepend=True)
             # the competition routers call these directly, not through __call__: without the
             # registration FSDP would not gather the weights and the bank would run on its shard
             for method in ("forward_all", "expert_forward"):
@@ -265,6 +268,25 @@ def _fully_shard(
         fully_shard(block, mesh=dp_mesh, ignored_params=_owned(block, whole), **mp)
     fully_shard(model, mesh=dp_mesh, ignored_params=set(whole) or None, **mp)
     return model
+
+
+def _say_the_experts_unit_breaks_the_graph(module: nn.Module, args: Any) -> None:
+    """EP x FSDP2 with ``ep`` below the world size: the experts are an FSDP2 unit of their own, whose
+    hooks torch.compile cannot trace; said once, at trace time (``comptime``), before it gives up."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_warn_experts_unit)
+
+
+def _warn_experts_unit(_: Any = None) -> None:
+    warnings.warn(
+        "torch.compile meets the experts of a MoE layer under expert parallelism x FSDP2 with ep below the "
+        "world size: they are an FSDP2 unit of their own, whose hooks it cannot trace, so they run eagerly "
+        "between two graphs (a graph break; the training is right) and fullgraph=True fails there; "
+        "compile without fullgraph, or use ep equal to the world size",
+        stacklevel=2,
+    )
 
 
 def _owned(module: nn.Module, params: list[nn.Parameter]) -> set[nn.Parameter] | None:
