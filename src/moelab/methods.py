@@ -256,6 +256,19 @@ for _m in [
     register_method(_m)
 
 
+# ---------------------------------------------------------------- the routers of 2026
+for _m in [
+    Method(
+        "quantile-balancing",
+        "quantile",
+        "h = W x; TopK(h − β), weights softmax over the chosen; β ← centre(the column quantile of h − α that "
+        "gives each expert T·K/N tokens), once per step; no aux loss",
+        "Megatron-LM moe_router_load_balancing_type='quantile_balancing' (qb_dual_update)",
+    ),
+]:
+    register_method(_m)
+
+
 # ---------------------------------------------------------------- building a preset's router
 #: options of the ``competesmoe`` router family that name its base by method (resolved here)
 _BASE_OPTIONS = ("base", "base_options")
