@@ -252,7 +252,7 @@ class MoE(nn.Module):
             f"top_k={self.top_k}, num_shared={self.num_shared}, coefs={self.coefs}"
         )
 
-    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None, token_ids: Tensor | None = None) -> Tensor:
         """``x (..., d) → (..., d)``.
 
         ``token_mask`` (``x.shape[:-1]``, bool, True for a real token), e.g. a padding mask: only
@@ -260,6 +260,10 @@ class MoE(nn.Module):
         load, selection-bias update or capacity, as transformers' balance loss with its
         ``attention_mask``; masked tokens get output 0.  It costs one host sync (how many tokens
         are real) and routes the real tokens in their order: ``last_routing`` has one row each.
+
+        ``token_ids`` (``x.shape[:-1]``, integer): the ids of the tokens ``x`` holds, for a router
+        that routes by them (DeepSeek-V4's hash layers, ``Router.takes_token_ids``); other routers
+        ignore them.
         """
         weight = next(self.router.parameters(), None)
         self.config.check_input(x, token_mask, None if weight is None else weight.dtype)
@@ -268,11 +272,23 @@ class MoE(nn.Module):
         shape = x.shape
         seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
+        ids = None
+        if token_ids is not None:
+            if tuple(token_ids.shape) != tuple(shape[:-1]) or token_ids.dtype not in (
+                torch.int64,
+                torch.int32,
+            ):
+                raise ValueError(
+                    f"token_ids of shape {tuple(token_ids.shape)} and dtype {token_ids.dtype} is not allowed; "
+                    f"expected integer token ids of the input's shape without its last dimension, {tuple(shape[:-1])}"
+                )
+            ids = token_ids.reshape(-1)
         real = None
         if token_mask is not None:  # the real tokens alone, in their order
             real = token_mask.reshape(-1).nonzero().squeeze(1)
             flat = flat.index_select(0, real)  # (T_real, d)
-        routing = self._route(flat)
+            ids = None if ids is None else ids.index_select(0, real)
+        routing = self._route(flat, ids)
         y = self.experts(flat, routing)  # (T, d)
         if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
             y = y + routing.direct.to(y.dtype)
@@ -284,12 +300,16 @@ class MoE(nn.Module):
             y = y.new_zeros(shape.numel() // self.d_model, self.d_model).index_copy(0, real, y)
         return y.reshape(shape)
 
-    def _route(self, x: Tensor) -> Routing:
-        """The router's decision for ``x (T, d)``, checked finite, with the layout the experts run it
-        in: the slots within capacity, padding, DenseMixer's dense gradient."""
+    def _route(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+        """The router's decision for ``x (T, d)`` (with the tokens' ids ``(T,)`` for a router that
+        takes them), checked finite, with the layout the experts run it in: the slots within
+        capacity, padding, DenseMixer's dense gradient."""
         if self.router_dtype is not None:
             self.router.base_router.check_compute_dtype()
-        routing = self.router(x, self.experts, self.ctx)
+        if self.router.takes_token_ids:
+            routing = self.router(x, self.experts, self.ctx, token_ids=token_ids)
+        else:
+            routing = self.router(x, self.experts, self.ctx)
         if self.check_finite:
             check_finite_scores(routing, self.layer_index, self.method)
         if self.capacity_factor is not None:

@@ -265,6 +265,16 @@ for _m in [
         "gives each expert T·K/N tokens), once per step; no aux loss",
         "Megatron-LM moe_router_load_balancing_type='quantile_balancing' (qb_dual_update)",
     ),
+    Method(
+        "deepseek-v4",
+        "sqrtsoftplus",
+        "s = sqrt(softplus(W x)); TopK(s + b) with the aux-loss-free bias, weights s / Σ s; shared expert; "
+        "hash_layers=n: the first n MoE layers route by a fixed token id → experts table",
+        "DeepSeek-V4 (transformers DeepseekV4TopKRouter / DeepseekV4HashRouter; Megatron-LM sqrtsoftplus; "
+        "Megatron-Bridge DeepSeek-V4 bridge)",
+        options={"normalize": None, "selection_bias": True},  # normalised for K > 1 (K = 1: Switch)
+        num_shared=1,
+    ),
 ]:
     register_method(_m)
 

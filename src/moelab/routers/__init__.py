@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (registration)
     choice,
     compete,
     cosine,
+    deepseek,
     dynamic,
     hyper,
     quantile,

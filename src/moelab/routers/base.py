@@ -177,6 +177,10 @@ class Router(nn.Module):
     #: language model built with such a router sees the future, and warns
     leaks_future_tokens: bool = False
 
+    #: whether the router takes the tokens' ids (``forward(..., token_ids=ids)``, DeepSeek-V4's hash
+    #: layers): the layer passes them, from ``MoE.forward(x, token_ids=...)``
+    takes_token_ids: bool = False
+
     #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
     #: the mixins above); :func:`router_options` lists its fields
     config_class: ClassVar[type] = RouterConfig
