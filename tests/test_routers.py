@@ -621,8 +621,9 @@ def test_every_router_has_every_hook_with_its_default():
 # ---------------------------------------------------------------- the selection bias of every router
 #: methods with a router that chooses: each takes the aux-loss-free selection bias as a layer option
 #: (remoe and expert-choice by design: no choice an offset shifts, and balanced by construction;
-#: quantile-balancing: its own bias β is the balancing, a second one would pull against it)
-NOT_BIASED = ("competition", "sharede-v3", "remoe", "expert-choice", "quantile-balancing")
+#: quantile-balancing and expert-threshold: their own bias β or thresholds τ are the balancing, a
+#: second offset would pull against them)
+NOT_BIASED = ("competition", "sharede-v3", "remoe", "expert-choice", "quantile-balancing", "expert-threshold")
 BIASED = [m for m in moelab.methods() if m not in NOT_BIASED]
 
 

@@ -275,6 +275,14 @@ for _m in [
         options={"normalize": None, "selection_bias": True},  # normalised for K > 1 (K = 1: Switch)
         num_shared=1,
     ),
+    Method(
+        "expert-threshold",
+        "expert-threshold",
+        "S = softmax(W x); token → every expert with S_e > τ_e, weight S_e; τ_e an EMA (0.99) of expert e's "
+        "expert-choice cutoff (⌈T·K/N⌉ tokens) over the global batch, moved once per step; causal, variable K, "
+        "no aux loss",
+        "Expert Threshold routing (arXiv 2603.11535), as we read it",
+    ),
 ]:
     register_method(_m)
 

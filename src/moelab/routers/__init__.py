@@ -20,6 +20,7 @@ from . import (  # noqa: F401  (registration)
     relu,
     sigmoid,
     stable,
+    threshold,
     topk,
     zero,
 )

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -24,6 +23,7 @@ from .base import (
     ScaleOptions,
     counts_this_forward,
     join_dependences,
+    mean_over_pieces,
     register,
 )
 
@@ -150,15 +150,9 @@ class QuantileBalancingRouter(Router):
         """``β ← centre(ema·β + (1 − ema)·q̄)``, ``q̄`` the mean of the step's pending quantiles over
         micro-batches and ranks (ranks without a training forward count for nothing); no training
         forward anywhere: ``β`` stays."""
-        n = self.num_experts
-        pending = self.qb_pending.float()
-        count = pending[n]
-        piece = torch.cat([pending[:n] / count.clamp(min=1), (count > 0).float().reshape(1)])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(piece)
-        ranks = float(piece[n])
-        if ranks > 0:
-            beta = self.ema * self.qb_beta + (1.0 - self.ema) * (piece[:n] / ranks)
+        mean = mean_over_pieces(self.qb_pending)
+        if mean is not None:
+            beta = self.ema * self.qb_beta + (1.0 - self.ema) * mean
             self.qb_beta.copy_(beta - beta.mean())
         self.qb_pending.zero_()
 
