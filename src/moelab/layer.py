@@ -15,6 +15,7 @@ from .balance import StepStatistics
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, check_bank
 from .experts.capacity import limit
+from .experts.rounding import round_tokens
 from .layer_aux import aux_terms_of, check_erc, check_finite_scores, erc_of
 from .layer_config import LAYER_LOSSES, MoEConfig
 from .losses import LOSS_NAMES
@@ -312,6 +313,10 @@ class MoE(nn.Module):
             routing = self.router(x, self.experts, self.ctx)
         if self.check_finite:
             check_finite_scores(routing, self.layer_index, self.method)
+        if self.config.token_rounding is not None and self.training:  # SonicMoE's token rounding, in training
+            routing = round_tokens(
+                routing, self.num_experts, self.config.rounding_tile, self.config.token_rounding
+            )
         if self.capacity_factor is not None:
             routing, dropped = limit(routing, self.config)
             if dropped is None:
