@@ -98,6 +98,7 @@ class SqrtSoftplusRouter(Router):
         self.normalize = resolve_renormalize(o.normalize, top_k)
         self.scale = o.scale
         self.hash_layers = o.hash_layers
+        self.layer_index = self.layer_index  # whether layer 0 is hashed, now that hash_layers is known
         self.vocab_size, self.hash_seed = o.vocab_size, o.hash_seed
         self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
@@ -116,9 +117,17 @@ class SqrtSoftplusRouter(Router):
         self.reset_selection_bias()
 
     @property
-    def hashed(self) -> bool:
-        """Whether this layer is one of the model's first ``hash_layers`` (routes by token id)."""
-        return self.layer_index < self.hash_layers
+    def layer_index(self) -> int:
+        return self._layer_index
+
+    @layer_index.setter
+    def layer_index(self, value: int) -> None:
+        """Set by :func:`moelab.attach`; whether the layer is hash-routed follows it here, outside any
+        forward, so a compiled forward reads one bool (shared by the layers of a kind), not the index
+        (a guard per layer would recompile every layer)."""
+        self._layer_index = value
+        #: whether this layer is one of the model's first ``hash_layers`` (routes by token id)
+        self.hashed = value < getattr(self, "hash_layers", 0)
 
     def forward(
         self,
