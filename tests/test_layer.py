@@ -304,7 +304,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"num_shared": -1}, r"num_shared=-1 is not allowed; expected an integer >= 0$"),
         (
             {"temperature": 0.3},
-            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'capacity_factor', 'densemixer', 'entropy_coef', 'erc_alpha', 'erc_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'min_capacity', 'num_shared', 'pad_to_capacity', 'renormalize', 'router_dtype', 'scale', 'selection_bias', 'token_drop_policy', 'z_coef'\]",
+            r"option 'temperature' is not accepted by method='smoe'; allowed: \['balance_coef', 'balance_scope', 'bias_update_rate', 'capacity_factor', 'densemixer', 'entropy_coef', 'erc_alpha', 'erc_coef', 'eval_k', 'frozen', 'importance_coef', 'init_std', 'k_max', 'min_capacity', 'num_shared', 'pad_to_capacity', 'renormalize', 'rounding_tile', 'router_dtype', 'scale', 'selection_bias', 'token_drop_policy', 'token_rounding', 'z_coef'\]",
         ),
         ({"distill_coef": 1.0}, r"option 'distill_coef' is not accepted by method='smoe'"),
         (

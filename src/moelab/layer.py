@@ -20,6 +20,7 @@ from .balance import StepStatistics
 from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, check_bank
 from .experts.capacity import limit
+from .experts.rounding import round_tokens
 from .layer_aux import aux_terms_of, check_erc, check_finite_scores, erc_of
 from .layer_config import LAYER_LOSSES, MoEConfig
 from .losses import LOSS_NAMES
@@ -261,7 +262,7 @@ class MoE(nn.Module):
             f"top_k={self.top_k}, num_shared={self.num_shared}, coefs={self.coefs}"
         )
 
-    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None, token_ids: Tensor | None = None) -> Tensor:
         """``x (..., d) → (..., d)``.
 
         ``token_mask`` (``x.shape[:-1]``, bool, True for a real token), e.g. a padding mask: only
@@ -271,6 +272,10 @@ class MoE(nn.Module):
         are real) and routes the real tokens in their order: ``last_routing`` has one row each.
         Without ``token_mask``, the mask of an enclosing :func:`moelab.padding.masked_tokens`
         scope applies when it has as many tokens as ``x`` (a model's padding mask, found once a forward).
+
+        ``token_ids`` (``x.shape[:-1]``, integer): the ids of the tokens ``x`` holds, for a router
+        that routes by them (DeepSeek-V4's hash layers, ``Router.takes_token_ids``); other routers
+        ignore them.
         """
         # the input's dtype is the router's parameters', or the experts' where router_dtype keeps the
         # router in float32 (FSDP2 mixed precision); weights sharded at rest (a DTensor) say nothing
@@ -287,11 +292,23 @@ class MoE(nn.Module):
         shape = x.shape
         seq_len = shape[-2] if x.dim() >= 3 else None
         flat = x.reshape(-1, self.d_model)  # (T, d)
+        ids = None
+        if token_ids is not None:
+            if tuple(token_ids.shape) != tuple(shape[:-1]) or token_ids.dtype not in (
+                torch.int64,
+                torch.int32,
+            ):
+                raise ValueError(
+                    f"token_ids of shape {tuple(token_ids.shape)} and dtype {token_ids.dtype} is not allowed; "
+                    f"expected integer token ids of the input's shape without its last dimension, {tuple(shape[:-1])}"
+                )
+            ids = token_ids.reshape(-1)
         if token_mask is not None:  # the real tokens alone, in their order
             if real is None:
                 real = token_mask.reshape(-1).nonzero().squeeze(1)
             flat = flat.index_select(0, real)  # (T_real, d)
-        routing = self._route(flat)
+            ids = None if ids is None else ids.index_select(0, real)
+        routing = self._route(flat, ids)
         y = self.experts(flat, routing)  # (T, d)
         if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
             y = y + routing.direct.to(y.dtype)
@@ -313,16 +330,24 @@ class MoE(nn.Module):
         # of a custom function is refused.  One copy; none in inference.
         return y.clone() if torch.is_grad_enabled() else y
 
-    def _route(self, x: Tensor) -> Routing:
-        """The router's decision for ``x (T, d)``, checked finite, with the layout the experts run it
-        in: the slots within capacity, padding, DenseMixer's dense gradient."""
+    def _route(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+        """The router's decision for ``x (T, d)`` (with the tokens' ids ``(T,)`` for a router that
+        takes them), checked finite, with the layout the experts run it in: the slots within
+        capacity, padding, DenseMixer's dense gradient."""
         if self.router_dtype is not None:
             self.router.base_router.check_compute_dtype()
-        routing = self.router(x, self.experts, self.ctx)
+        if self.router.takes_token_ids:
+            routing = self.router(x, self.experts, self.ctx, token_ids=token_ids)
+        else:
+            routing = self.router(x, self.experts, self.ctx)
         if self.route_replay is not None:  # the recorded experts, weighed from this forward's scores
             routing = self.route_replay.apply(self, routing)
         if self.check_finite:
             check_finite_scores(routing, self.layer_index, self.method)
+        if self.config.token_rounding is not None and self.training:  # SonicMoE's token rounding, in training
+            routing = round_tokens(
+                routing, self.num_experts, self.config.rounding_tile, self.config.token_rounding
+            )
         if self.capacity_factor is not None:
             routing, dropped = limit(routing, self.config)
             if dropped is None:

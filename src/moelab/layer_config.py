@@ -21,6 +21,7 @@ from . import _validate
 from .balance import BALANCE_SCOPES
 from .config import Interval, Options, setting, validate
 from .experts.capacity import TOKEN_DROP_POLICIES
+from .experts.rounding import TOKEN_ROUNDINGS
 from .functional import ACTIVATIONS
 from .losses import LOAD_LOSSES, LOSS_NAMES
 from .methods import get_method, method_router_options
@@ -81,6 +82,15 @@ class MoEConfig:
         "probs", help="which slots an expert over capacity keeps", allowed=Options(TOKEN_DROP_POLICIES)
     )
     pad_to_capacity: bool = _option(False, help="every expert runs on exactly C rows")
+    token_rounding: str | None = _option(
+        None,
+        help="in training, round each expert's token count to a multiple of rounding_tile (SonicMoE's token "
+        "rounding): 'up', 'down' or 'nearest'",
+        allowed=(Options(TOKEN_ROUNDINGS), None),
+    )
+    rounding_tile: int = _option(
+        128, help="the multiple token_rounding rounds to (the GEMM tile's rows)", allowed=Interval(int, 1)
+    )
     erc_alpha: float = _option(
         1.0, help="the ERC loss's margin", allowed=Interval(float, 0, closed="neither")
     )
@@ -179,6 +189,29 @@ class MoEConfig:
                 f"capacity_factor={capacity!r} is not allowed with method={method!r}: it routes a variable number "
                 "of experts per token; expected a method with a fixed top-K"
             )
+        rounding = self.token_rounding
+        if "rounding_tile" in self.options and rounding is None:
+            raise ValueError(
+                f"rounding_tile={self.rounding_tile!r} is not allowed without token_rounding; expected "
+                "token_rounding='up', 'down' or 'nearest' with it"
+            )
+        if rounding is not None:
+            other = (
+                ("a variable number of experts per token", variable_k),
+                ("experts it runs itself (competition)", self.router in ROUTERS_RUNNING_EXPERTS),
+                (f"capacity_factor={capacity!r}", capacity is not None),
+                ("densemixer=True", self.densemixer),
+                (
+                    f"balance_scope={self.balance_scope!r}, which counts K slots a token",
+                    self.balance_scope != "micro",
+                ),
+            )
+            for what, clash in other:
+                if clash:
+                    raise ValueError(
+                        f"token_rounding={rounding!r} is not allowed with method={method!r} and {what}; expected a "
+                        "fixed top-K router, no capacity_factor, densemixer=False and balance_scope='micro'"
+                    )
         if self.pad_to_capacity:
             if capacity is None:
                 raise ValueError(

@@ -256,6 +256,37 @@ for _m in [
     register_method(_m)
 
 
+# ---------------------------------------------------------------- the routers of 2026
+for _m in [
+    Method(
+        "quantile-balancing",
+        "quantile",
+        "h = W x; TopK(h − β), weights softmax over the chosen; β ← centre(the column quantile of h − α that "
+        "gives each expert T·K/N tokens), once per step; no aux loss",
+        "Megatron-LM moe_router_load_balancing_type='quantile_balancing' (qb_dual_update)",
+    ),
+    Method(
+        "deepseek-v4",
+        "sqrtsoftplus",
+        "s = sqrt(softplus(W x)); TopK(s + b) with the aux-loss-free bias, weights s / Σ s; shared expert; "
+        "hash_layers=n: the first n MoE layers route by a fixed token id → experts table",
+        "DeepSeek-V4 (transformers DeepseekV4TopKRouter / DeepseekV4HashRouter; Megatron-LM sqrtsoftplus; "
+        "Megatron-Bridge DeepSeek-V4 bridge)",
+        options={"normalize": None, "selection_bias": True},  # normalised for K > 1 (K = 1: Switch)
+        num_shared=1,
+    ),
+    Method(
+        "expert-threshold",
+        "expert-threshold",
+        "S = softmax(W x); token → every expert with S_e > τ_e, weight S_e; τ_e an EMA (0.99) of expert e's "
+        "expert-choice cutoff (⌈T·K/N⌉ tokens) over the global batch, moved once per step; causal, variable K, "
+        "no aux loss",
+        "Expert Threshold routing (arXiv 2603.11535), as we read it",
+    ),
+]:
+    register_method(_m)
+
+
 # ---------------------------------------------------------------- building a preset's router
 #: options of the ``competesmoe`` router family that name its base by method (resolved here)
 _BASE_OPTIONS = ("base", "base_options")

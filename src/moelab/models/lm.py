@@ -22,6 +22,7 @@ from ..experts import MLP
 from ..functional import ATTENTION_ACTIVATIONS, ATTENTIONS, attention_activation, multi_head_attention
 from ..io.model import Persistent
 from ..layer import MoE, moe_layers
+from ..methods import method_router_options
 from ..optim import param_groups
 from ..padding import masked_tokens
 
@@ -255,6 +256,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         if moe:
+            options = dict(cfg.method_options)
+            if "vocab_size" in method_router_options(cfg.method):  # a router that routes by token id
+                options.setdefault("vocab_size", cfg.vocab_size)
             self.ffn: nn.Module = MoE(
                 cfg.d_model,
                 cfg.num_experts,
@@ -262,16 +266,19 @@ class Block(nn.Module):
                 d_hidden=cfg.hidden,
                 method=cfg.method,
                 activation=cfg.activation,
-                **cfg.method_options,
+                **options,
             )
         else:
             width = cfg.top_k * cfg.hidden if cfg.arch == "dense" else cfg.hidden
             self.ffn = MLP(cfg.d_model, width, activation=cfg.activation)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, idx: Tensor | None = None) -> Tensor:
+        """``idx``: the token ids of ``x``, for an MoE router that routes by them (DeepSeek-V4's hash layers)."""
         x = x + self.attn(self.ln1(x))
-        return x + self.drop(self.ffn(self.ln2(x)))
+        h = self.ln2(x)
+        h = self.ffn(h) if idx is None or not isinstance(self.ffn, MoE) else self.ffn(h, token_ids=idx)
+        return x + self.drop(h)
 
 
 class TransformerLM(Persistent, nn.Module):
@@ -340,7 +347,7 @@ class TransformerLM(Persistent, nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, L, d)
         with masked_tokens(mask):  # the scope of this forward only
             for block in self.blocks:
-                x = block(x)
+                x = block(x, idx)
         return self.ln_f(x)
 
     def forward(self, idx: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -8,7 +8,22 @@ is the layer's expert bank (competition runs it); ``ctx`` the shared
 The registry lives in :mod:`moelab.routers.base`; importing this package registers every family.
 """
 
-from . import aoe, choice, compete, cosine, dynamic, hyper, relu, sigmoid, stable, topk, zero  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    aoe,
+    choice,
+    compete,
+    cosine,
+    deepseek,
+    dynamic,
+    hyper,
+    quantile,
+    relu,
+    sigmoid,
+    stable,
+    threshold,
+    topk,
+    zero,
+)
 from .base import ROUTERS, Router, build_router, register, router_options
 
 __all__ = ["ROUTERS", "Router", "build_router", "register", "router_options"]

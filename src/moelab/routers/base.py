@@ -29,6 +29,7 @@ __all__ = [
     "SelectionBiasOptions",
     "build_router",
     "counts_this_forward",
+    "mean_over_pieces",
     "option_default",
     "register",
     "router_options",
@@ -176,6 +177,10 @@ class Router(nn.Module):
     #: whether a token's routing depends on the later tokens of its batch (expert-choice): a causal
     #: language model built with such a router sees the future, and warns
     leaks_future_tokens: bool = False
+
+    #: whether the router takes the tokens' ids (``forward(..., token_ids=ids)``, DeepSeek-V4's hash
+    #: layers): the layer passes them, from ``MoE.forward(x, token_ids=...)``
+    takes_token_ids: bool = False
 
     #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
     #: the mixins above); :func:`router_options` lists its fields
@@ -414,3 +419,19 @@ def counts_this_forward() -> bool:
     if torch.compiler.is_compiling():
         return True
     return torch._C._current_graph_task_id() == -1
+
+
+def mean_over_pieces(pending: Tensor) -> Tensor | None:
+    """The mean of a step's per-piece statistics (a piece: one training forward, a micro-batch on one
+    rank) from ``pending = [Σ_pieces value (n), pieces]`` summed in place by the forwards: the mean over
+    this rank's pieces, then over the data-parallel ranks (one all-reduce of ``n + 1`` numbers, in a
+    step hook; a rank without a piece counts for nothing), as Megatron-LM averages quantile balancing's
+    quantiles; ``None`` when no rank had one.  One process with the ranks' batches as micro-batches
+    gets the same mean."""
+    pending = pending.float()
+    count = pending[-1]
+    piece = torch.cat([pending[:-1] / count.clamp(min=1), (count > 0).float().reshape(1)])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(piece)
+    ranks = float(piece[-1])
+    return None if ranks == 0 else piece[:-1] / ranks
