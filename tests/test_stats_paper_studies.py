@@ -56,7 +56,11 @@ def test_each_study_runs_and_reports_every_error_with_the_stated_rates_only(stud
         assert np.isfinite(rate["slope"]) and rate["ci_low"] <= rate["ci_high"]
         stated = stated_rates(study, rate["setting"], rate["loss"], rate["router"])
         assert [t["slope"] for t in rate["theory"]] == [t["slope"] for t in stated]
-        assert all(t["verdict"] in ("consistent", "faster", "slower") for t in rate["theory"])
+        # three iterations converge nowhere: no verdict, and the reason instead
+        assert all(t["verdict"] == "not measured" for t in rate["theory"])
+        assert rate["not_measured"].startswith(
+            f"{rate['converged']:.0%} of replicates converged, below 90% ("
+        )
     rows = result.metrics["table"]
     assert all("why_not" in row for row in rows)
     dens = [row for row in rows if row["loss"] in ("hellinger", "tv", "l2")]

@@ -241,16 +241,19 @@ def format_table(metrics: dict[str, Any]) -> str:
         )
     lines.append("")
     for r in metrics["rates"]:
+        head = f"{r['router']:>20} {r['setting']:<15} {r['loss']:<9} "
+        if r.get("not_measured"):  # no slope of unconverged fits, beside a stated rate or not
+            stated = ", ".join(f"{t['slope']:+.3f}" for t in r["theory"])
+            lines.append(
+                head + f"slope not measured: {r['not_measured']}" + (f"  theory {stated}" if stated else "")
+            )
+            continue
         ref = ", ".join(f"{t['slope']:+.3f} ({t['verdict']})" if "verdict" in t else f"{t['slope']:+.3f}"
                         for t in r["theory"])  # fmt: skip
         lines.append(
-            f"{r['router']:>20} {r['setting']:<15} {r['loss']:<9} slope {r['slope']:+.3f} "
-            f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]  theory {ref}".rstrip()
-            + (
-                "  (no replicate converged: the slope is of unfitted estimates)"
-                if r.get("converged") == 0.0
-                else ""
-            )
+            head
+            + f"slope {r['slope']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]  theory {ref}".rstrip()
+            + f"  (converged {r['converged']:.0%})"
         )
     for d in metrics["differences"]:
         lines.append(
