@@ -51,7 +51,9 @@ class SimulateConfig:
     ``--quick`` reductions); the run records the values decided."""
 
     study: str = setting(help="the study", allowed=Options(STUDIES))
-    quick: bool = setting(False, help="small grid and few replicates (< 1 minute)")
+    quick: bool = setting(
+        False, help="small grid and few replicates, every fit to convergence as in the full study"
+    )
     seed: int = setting(
         0, help="seed of the truth, the data and the fits", allowed=Interval(int, 0, 2**63 - 1)
     )
@@ -85,7 +87,7 @@ class SimulateConfig:
     steps: int | None = setting(
         None,
         aliases=("--max-iter",),
-        help="iteration cap per fit (epochs for mini-batch sgd; default 500)",
+        help="iteration cap per fit and per restart of a fit at the cap (epochs for mini-batch sgd; default 500, 1000 in the paper studies)",
         allowed=_POSITIVE,
     )
     gtol: float | None = setting(
@@ -93,7 +95,7 @@ class SimulateConfig:
     )
     ftol: float | None = setting(
         None,
-        help="lbfgs stops when an iteration changes the loss by <= ftol·max(1,|loss|) (default 1e-12)",
+        help="lbfgs stops when an iteration changes the loss by <= ftol·max(1,|loss|) (default 1e-10)",
         allowed=_NON_NEGATIVE,
     )
     init: str | None = setting(
