@@ -528,7 +528,8 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
         fit = fit_rate(cfg.sample_sizes, positive_loss, n_boot=cfg.n_boot, seed=cfg.seed)
         key = {"router": res["router"], "setting": res["setting"], "loss": res["loss_name"]}
         share = float(np.mean(res["diag"]["converged"]))
-        not_measured = not_measured_reason(share, [r for per_n in res["reasons"] for r in per_n])
+        reasons = [r for per_n in res["reasons"] for r in per_n]
+        not_measured = not_measured_reason(share, reasons, res.get("saturated"))
         theory = [
             {**t, "verdict": "not measured" if not_measured else verdict(t["slope"], fit.ci_low, fit.ci_high)}
             for t in stated_rates(cfg.study, res["setting"], res["loss_name"], res["router"])
@@ -581,12 +582,20 @@ def verdict(stated: float, ci_low: float, ci_high: float) -> str:
     return "faster" if ci_high < stated else "slower"
 
 
-def not_measured_reason(share: float, reasons: list[str]) -> str:
+def not_measured_reason(share: float, reasons: list[str], saturated: np.ndarray | None = None) -> str:
     """Why a series' slope is not set against a stated rate (empty when it is): fewer than
-    :data:`MEASURED_SHARE` of its replicates converged, with the share and the stop reasons."""
-    if share >= MEASURED_SHARE:
-        return ""
-    return f"{share:.0%} of replicates converged, below {MEASURED_SHARE:.0%} ({why_not_converged(reasons)})"
+    :data:`MEASURED_SHARE` of its replicates converged (the share and the stop reasons), or more
+    than the rest have a Voronoi loss at its bound over translations (``saturated``, per replicate)."""
+    if share < MEASURED_SHARE:
+        return (
+            f"{share:.0%} of replicates converged, below {MEASURED_SHARE:.0%} ({why_not_converged(reasons)})"
+        )
+    if saturated is not None and float(np.mean(saturated)) > 1 - MEASURED_SHARE:
+        return (
+            f"the infimum over translations sits at its bound Σ exp(β*₀) in {float(np.mean(saturated)):.0%} "
+            "of replicates (fits too far from the truth for this loss)"
+        )
+    return ""
 
 
 def why_not_converged(reasons: list[str]) -> str:
