@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from moelab.stats.measures import (
     density_distances,
     k_subset_voronoi,
     l2_distance,
+    mixture_tv,
     rbar,
     translation_inf,
     voronoi_d,
@@ -41,45 +43,81 @@ def test_l2_distance_is_the_root_mean_square_difference_with_its_delta_method_er
         assert e.se[r].item() == pytest.approx(sd / math.sqrt(50) / (2 * math.sqrt(mean)), rel=1e-10)
 
 
-def _normal(mu: float, var: float):
-    def log_p(y: torch.Tensor) -> torch.Tensor:
-        return -0.5 * ((y - mu) ** 2 / var + math.log(2 * math.pi * var))
-
-    return log_p
+def _one(mu: float, var: float, shape=(2, 7, 1)):
+    """A single normal N(mu, var) at every one of R × m inputs, as (w, mu, var) (R, m, 1)."""
+    return tuple(torch.full(shape, v, dtype=D) for v in (1.0, mu, var))
 
 
 @pytest.mark.parametrize("mu2,var2", [(0.3, 0.5), (1.0, 0.5), (0.2, 1.3)])
 def test_hellinger_and_total_variation_match_the_closed_forms_for_two_normals(mu2, var2):
     mu1, var1 = 0.0, 0.5
-    shape = (2, 7, 1)  # R = 2 replicates, m = 7 inputs, one true component
-    dist = density_distances(
-        _normal(mu2, var2), _normal(mu1, var1), torch.ones(shape, dtype=D),
-        torch.full(shape, mu1, dtype=D), torch.full(shape, var1, dtype=D), nodes=80,
-    )  # fmt: skip
+    dist = density_distances(_one(mu2, var2), _one(mu1, var1), nodes=80)
     s1, s2 = math.sqrt(var1), math.sqrt(var2)
     h2 = 1 - math.sqrt(2 * s1 * s2 / (var1 + var2)) * math.exp(-((mu1 - mu2) ** 2) / (4 * (var1 + var2)))
     torch.testing.assert_close(
         dist["hellinger"].value, torch.full((2,), math.sqrt(h2), dtype=D), rtol=1e-9, atol=1e-9
     )
     assert (dist["hellinger"].se == 0).all()  # the same density at every input: no Monte Carlo error
-    if var1 == var2:  # V = 2Φ(|Δμ|/(2σ)) − 1; |p̂/p* − 1| has a kink, so quadrature converges slowly
-        tv = math.erf(abs(mu2 - mu1) / (2 * s1) / math.sqrt(2))
-        torch.testing.assert_close(dist["tv"].value, torch.full((2,), tv, dtype=D), rtol=2e-2, atol=2e-3)
+    if var1 == var2:
+        tv = math.erf(abs(mu2 - mu1) / (2 * s1) / math.sqrt(2))  # V = 2Φ(|Δμ|/(2σ)) − 1
+    else:  # two crossings y± of the densities; V = |Φ₁ − Φ₂| summed over the three intervals
+        a = 1 / var1 - 1 / var2
+        b = mu2 / var2 - mu1 / var1
+        cc = mu1**2 / var1 - mu2**2 / var2 + math.log(var1 / var2)
+        disc = math.sqrt(b * b - a * cc)
+        ys = sorted([(-b - disc) / a, (-b + disc) / a])
+        cdf = lambda y, m, v: 0.5 * math.erfc(-(y - m) / math.sqrt(2 * v))
+        d = [cdf(y, mu1, var1) - cdf(y, mu2, var2) for y in ys]
+        tv = 0.5 * (abs(d[0]) + abs(d[1] - d[0]) + abs(d[1]))
+    torch.testing.assert_close(dist["tv"].value, torch.full((2,), tv, dtype=D), rtol=1e-10, atol=1e-12)
+
+
+def _random_mixture(gen, R, m, c, spread=1.5):
+    w = torch.rand(R, m, c, generator=gen, dtype=D) + 0.05
+    mu = spread * torch.randn(R, m, c, generator=gen, dtype=D)
+    var = 0.01 + 0.5 * torch.rand(R, m, c, generator=gen, dtype=D)
+    return w / w.sum(-1, keepdim=True), mu, var
+
+
+def _quad_tv(hat, true, r, i):
+    """½∫|p̂ − p*| by scipy's adaptive quadrature (independent of moelab's crossings)."""
+    from scipy import integrate
+    from scipy.stats import norm
+
+    def pdf(y, mix):
+        w, mu, var = (t[r, i].numpy() for t in mix)
+        return float((w * norm.pdf(y, mu, np.sqrt(var))).sum())
+
+    mus = np.concatenate([hat[1][r, i].numpy(), true[1][r, i].numpy()])
+    sds = np.sqrt(np.concatenate([hat[2][r, i].numpy(), true[2][r, i].numpy()]))
+    lo, hi = mus.min() - 12, mus.max() + 12
+    points = sorted({float(m + j * s) for m, s in zip(mus, sds) for j in range(-4, 5)})  # each bump's scale
+    value, _ = integrate.quad(lambda y: abs(pdf(y, hat) - pdf(y, true)), lo, hi,
+                              points=points, limit=2000, epsabs=1e-12, epsrel=1e-12)  # fmt: skip
+    return 0.5 * value
+
+
+@pytest.mark.slow
+def test_total_variation_between_gaussian_mixtures_is_within_1e_6_of_scipy_quadrature():
+    gen = torch.Generator().manual_seed(7)
+    true = _random_mixture(gen, 2, 3, 3)
+    # near the truth (a fitted density) and far from it (a random one), with different c
+    near = tuple(torch.cat([t, t[..., 2:]], -1) for t in true)  # the third atom split in two
+    near = (near[0] * torch.tensor([1.0, 1.0, 0.6, 0.4], dtype=D), near[1] + 0.05 * torch.randn(2, 3, 4, generator=gen, dtype=D),
+            near[2] * (1 + 0.1 * torch.rand(2, 3, 4, generator=gen, dtype=D)))  # fmt: skip
+    far = _random_mixture(gen, 2, 3, 2)
+    for hat in (near, far):
+        got = mixture_tv(hat, true)
+        for r in range(2):
+            for i in range(3):
+                assert got[r, i].item() == pytest.approx(_quad_tv(hat, true, r, i), abs=1e-6)
 
 
 def test_density_distances_are_zero_between_a_density_and_itself():
-    w = torch.tensor([[[0.3, 0.7]]], dtype=D).expand(1, 5, 2)
-    mu = torch.tensor([[[-1.0, 2.0]]], dtype=D).expand(1, 5, 2)
-    var = torch.tensor([[[0.1, 0.4]]], dtype=D).expand(1, 5, 2)
-
-    def log_p(y):
-        comp = -0.5 * (
-            (y.unsqueeze(-1) - mu.unsqueeze(-2)) ** 2 / var.unsqueeze(-2)
-            + (2 * math.pi * var.unsqueeze(-2)).log()
-        )
-        return (w.unsqueeze(-2).log() + comp).logsumexp(-1)
-
-    dist = density_distances(log_p, log_p, w, mu, var)
+    mix = tuple(
+        torch.tensor(v, dtype=D).expand(1, 5, 2) for v in ([[[0.3, 0.7]]], [[[-1.0, 2.0]]], [[[0.1, 0.4]]])
+    )
+    dist = density_distances(mix, mix)
     assert dist["hellinger"].value.abs().max() < 1e-7 and dist["tv"].value.abs().max() < 1e-12
 
 
@@ -173,6 +211,76 @@ def test_the_infimum_over_translations_is_zero_for_a_shifted_truth_and_never_abo
     assert (inf <= loss_of(eta)(noisy0, shifted1) + 1e-12).all() and (
         inf < loss_of(eta)(noisy0, shifted1)
     ).all()
+
+
+def _exact_over_beta0_shift(w, cells_cost, cells, w_true):
+    """min over u ≥ 0 of Σ_j |u·W_j − w*_j| + u·Σ_i wᵢcᵢ by its breakpoints (piecewise linear,
+    convex): u = 0 and every u = w*_j / W_j."""
+    W = [sum(w[i] for i in range(len(w)) if cells[i] == j) for j in range(len(w_true))]
+    C = sum(wi * ci for wi, ci in zip(w, cells_cost))
+    cands = [0.0] + [w_true[j] / W[j] for j in range(len(w_true)) if W[j] > 0]
+    return min(sum(abs(u * W[j] - w_true[j]) for j in range(len(w_true))) + u * C for u in cands)
+
+
+def test_the_infimum_over_a_beta0_shift_is_exact_at_the_breakpoints_of_its_convex_loss():
+    gen = torch.Generator().manual_seed(4)
+    R, k, k_true = 5, 4, 3
+    beta0_true = torch.randn(R, k_true, generator=gen, dtype=D)
+    eta_true = 2 * torch.randn(R, k_true, 2, generator=gen, dtype=D)
+    eta = eta_true[:, [0, 1, 2, 2]] + 0.3 * torch.randn(R, k, 2, generator=gen, dtype=D)
+    beta0 = 2 * torch.randn(R, k, generator=gen, dtype=D)  # far from the truth: random fits
+    beta1 = torch.zeros(R, k, 1, dtype=D)
+    blocks = [(eta, eta_true, 1.0, lambda m: 2.0)]
+
+    def loss(b0, b1):
+        return voronoi_d(b0.exp(), blocks, beta0_true.exp())
+
+    got = translation_inf(loss, beta0, beta1, beta0_true, beta1[:, :k_true], shift_beta1=False)
+    cells = torch.cdist(eta, eta_true).argmin(-1)
+    for r in range(R):
+        c = cells[r].tolist()
+        size = [c.count(c[i]) for i in range(k)]
+        cost = [float((eta[r, i] - eta_true[r, c[i]]).norm()) ** (1 if size[i] == 1 else 2) for i in range(k)]
+        want = _exact_over_beta0_shift(beta0[r].exp().tolist(), cost, c, beta0_true[r].exp().tolist())
+        assert got[r].item() == pytest.approx(want, abs=1e-9, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_infimum_over_a_beta0_and_beta1_shift_matches_a_brute_force_grid():
+    gen = torch.Generator().manual_seed(5)
+    R, k, k_true = 3, 3, 2
+    beta0_true = torch.randn(R, k_true, generator=gen, dtype=D)
+    beta1_true = torch.randn(R, k_true, 1, generator=gen, dtype=D)
+    eta_true = torch.randn(R, k_true, 2, generator=gen, dtype=D)
+    idx = [0, 1, 1]
+    beta0 = beta0_true[:, idx] + 0.4 + 0.3 * torch.randn(R, k, generator=gen, dtype=D)
+    beta1 = beta1_true[:, idx] - 0.7 + 0.2 * torch.randn(R, k, 1, generator=gen, dtype=D)
+    eta = eta_true[:, idx] + 0.2 * torch.randn(R, k, 2, generator=gen, dtype=D)
+
+    def loss_of(rows):  # the loss of replicates `rows` (any repeats): every block indexed alike
+        def loss(b0, b1):
+            blocks = [
+                (b1, beta1_true[rows], 1.0, lambda m: 2.0),
+                (eta[rows], eta_true[rows], 1.0, lambda m: 2.0),
+            ]
+            return voronoi_d(b0.exp(), blocks, beta0_true[rows].exp())
+
+        return loss
+
+    everyone = torch.arange(R)
+    got = translation_inf(loss_of(everyone), beta0, beta1, beta0_true, beta1_true)
+    # t₂ on a grid of step 1e-4 around the best of a coarse grid, t₁ exact at every point
+    for r in range(R):
+        centre = 0.0
+        for half, n in ((3.0, 601), (0.1, 2001)):
+            t2 = torch.linspace(centre - half, centre + half, n, dtype=D)
+            rows = torch.full((n,), r)
+            values = translation_inf(
+                loss_of(rows), beta0[rows], beta1[rows] - t2[:, None, None], beta0_true[rows],
+                beta1_true[rows], shift_beta1=False,
+            )  # fmt: skip
+            centre = t2[values.argmin()].item()
+        assert values.min().item() - 1e-3 <= got[r].item() <= values.min().item() + 1e-12
 
 
 def test_rbar_of_a_singleton_cell_is_one():

@@ -65,3 +65,18 @@ def test_the_stats_toolkit_imports_no_command_machinery(path):
     banned = ("argparse", "moelab.cli", "moelab.experiments", "moelab.bench", "moelab.io.rundir")
     used = [m for m in _imports(path) if m.split(".")[0] == "argparse" or m.startswith(banned[1:])]
     assert used == [], f"{path.name} imports {used}"
+
+
+def test_a_slope_is_not_measured_below_ninety_percent_converged_or_at_the_translation_bound():
+    from moelab.stats.studies import not_measured_reason
+
+    assert not_measured_reason(1.0, ["gradient"] * 4) == ""
+    assert not_measured_reason(0.75, ["gradient"] * 3 + ["iteration cap"]) == (
+        "75% of replicates converged, below 90% (iteration cap 1/4)"
+    )
+    saturated = np.array([[1.0, 0.0], [1.0, 1.0]])
+    assert not_measured_reason(1.0, ["gradient"] * 4, saturated) == (
+        "the infimum over translations sits at its bound Σ exp(β*₀) in 75% of replicates "
+        "(fits too far from the truth for this loss)"
+    )
+    assert not_measured_reason(1.0, ["gradient"] * 4, np.zeros((2, 2))) == ""

@@ -8,7 +8,15 @@ worked example; the studies are :mod:`moelab.stats.studies` (``moelab simulate -
 """
 
 from .fit import GaussianMoEMLE, LeastSquaresMoE, minimize
-from .measures import density_distances, k_subset_voronoi, l2_distance, rbar, translation_inf, voronoi_d
+from .measures import (
+    density_distances,
+    k_subset_voronoi,
+    l2_distance,
+    mixture_tv,
+    rbar,
+    translation_inf,
+    voronoi_d,
+)
 from .mixtures import LoRAMixture, Mixture, fit_params
 from .models import GaussianMoE, GaussianParams, MoEParams, RegressionMoE
 from .rates import RateDifference, RateFit, fit_rate, mean_table, slope_difference
@@ -36,6 +44,7 @@ __all__ = [
     "l2_distance",
     "mean_table",
     "minimize",
+    "mixture_tv",
     "rbar",
     "regression_truth",
     "sample_inputs",

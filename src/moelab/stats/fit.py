@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._validate import non_negative, one_of, positive, positive_int
-from .lbfgs import REASONS, LBFGSResult, batched_lbfgs
+from .lbfgs import REASONS, STALL_RESTARTS, LBFGSResult, batched_lbfgs
 from .models import GaussianMoE, GaussianParams, MoEParams, RegressionMoE, inputs_t
 
 __all__ = ["INITS", "OPTIMIZERS", "GaussianMoEMLE", "LeastSquaresMoE", "from_ball", "minimize", "to_ball"]
@@ -78,6 +78,7 @@ def minimize(
     generator: torch.Generator | None = None,
     gtol: float = 1e-7,
     ftol: float = 1e-12,
+    stall_restarts: int = STALL_RESTARTS,
 ) -> LBFGSResult:
     """Minimise ``Σ_r loss_fn(idx)[r]`` over ``params`` (leaf tensors with ``requires_grad``).
 
@@ -86,7 +87,8 @@ def minimize(
     (perturbed cosine router (2024), App. E.1: SGD over epochs), each replicate with its own shuffle; otherwise ``steps``
     full-batch iterations.  ``lbfgs`` runs :func:`moelab.stats.lbfgs.batched_lbfgs`: every replicate
     its own L-BFGS, to convergence (``gtol``, ``ftol``: :func:`~moelab.stats.lbfgs.batched_lbfgs`) or
-    ``steps`` iterations.  Returns the per-replicate iterations,
+    ``steps`` iterations, a replicate at that cap restarted up to ``stall_restarts`` times from its
+    perturbed best point.  Returns the per-replicate iterations,
     final gradient max-norms and whether each converged before the cap (an
     :class:`~moelab.stats.lbfgs.LBFGSResult`; for sgd/adam every replicate ran every iteration and
     no convergence is tested).
@@ -95,7 +97,10 @@ def minimize(
     positive("lr", lr)
     positive_int("steps", steps)
     if optimizer == "lbfgs":  # per-replicate line search, curvature and stopping: independent fits
-        return batched_lbfgs(lambda: loss_fn(None), params, max_iter=steps, lr=lr, gtol=gtol, ftol=ftol)
+        return batched_lbfgs(
+            lambda: loss_fn(None), params, max_iter=steps, lr=lr, gtol=gtol, ftol=ftol,
+            stall_restarts=stall_restarts,
+        )  # fmt: skip
     opt = torch.optim.SGD(params, lr=lr) if optimizer == "sgd" else torch.optim.Adam(params, lr=lr)
     iters = 0
     minibatch = optimizer == "sgd" and batch_size is not None and n is not None and batch_size < n

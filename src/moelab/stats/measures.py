@@ -27,6 +27,7 @@ __all__ = [
     "density_distances",
     "k_subset_voronoi",
     "l2_distance",
+    "mixture_tv",
     "rbar",
     "translation_inf",
     "voronoi_d",
@@ -59,37 +60,108 @@ def _gauss_hermite(nodes: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return torch.as_tensor(z, dtype=dtype), torch.as_tensor(w / math.sqrt(2 * math.pi), dtype=dtype)
 
 
-def density_distances(
-    log_p_hat: Callable[[Tensor], Tensor],
-    log_p_true: Callable[[Tensor], Tensor],
-    true_weights: Tensor,
-    true_means: Tensor,
-    true_vars: Tensor,
-    *,
-    nodes: int = 40,
-) -> dict[str, Estimate]:
+#: a Gaussian mixture in y at every input: weights, means, variances, each ``(..., c)``
+Mixture1D = tuple[Tensor, Tensor, Tensor]
+
+
+def _mixture_log_pdf(y: Tensor, mix: Mixture1D) -> Tensor:
+    """``log p(y)`` at ``y (..., Q)`` of the mixture ``(w, mu, var) (..., c)``: ``(..., Q)``."""
+    w, mu, var = (t.unsqueeze(-2) for t in mix)
+    log_w = w.clamp_min(torch.finfo(w.dtype).tiny).log().masked_fill(w == 0, -math.inf)
+    comp = -0.5 * ((y.unsqueeze(-1) - mu) ** 2 / var + var.log() + math.log(2 * math.pi))
+    return (log_w + comp).logsumexp(dim=-1)
+
+
+def _mixture_pdf_cdf(y: Tensor, mix: Mixture1D) -> tuple[Tensor, Tensor]:
+    """Density and distribution function of the mixture at ``y (..., Q)``."""
+    w, mu, var = (t.unsqueeze(-2) for t in mix)
+    sd = var.sqrt()
+    z = (y.unsqueeze(-1) - mu) / sd
+    pdf = (w * torch.exp(-0.5 * z * z) / (sd * math.sqrt(2 * math.pi))).sum(-1)
+    cdf = (w * 0.5 * torch.special.erfc(-z / math.sqrt(2))).sum(-1)
+    return pdf, cdf
+
+
+def mixture_tv(hat: Mixture1D, true: Mixture1D, *, grid: int = 41, width: float = 10.0) -> Tensor:
+    """``V = ½∫|p̂ − p*| dy = ∫(p* − p̂)₊ dy`` between two Gaussian mixtures in y at every input,
+    exactly up to the crossings' bisection (machine precision).
+
+    The positive part lives between crossings of p* and p̂, and on ``[a, b]`` its integral is
+    ``D(b) − D(a)`` with ``D = F* − F̂`` (the mixtures' distribution functions, closed form), so
+    ``V = Σ ±D(c)`` over the crossings c.  Crossings are bracketed on a grid of ``grid`` points
+    over ``μ ± width·σ`` of every component of both mixtures (so a narrow component gets as fine
+    a grid as a wide one) and bisected to machine precision; beyond the grid both densities are
+    below ``exp(−width²/2)``.  Quadrature of |p̂ − p*| itself converges slowly at its kinks.
+
+    Args:
+        hat, true: ``(w, mu, var)``, each ``(..., c)`` (the two may have different c).
+
+    Returns:
+        ``(...)`` distances.
+    """
+    positive_int("grid", grid)
+    batch = hat[0].shape[:-1]
+    flat_hat = tuple(t.reshape(-1, t.shape[-1]) for t in hat)
+    flat_true = tuple(t.reshape(-1, t.shape[-1]) for t in true)
+    n_rows, dtype = flat_hat[0].shape[0], flat_hat[0].dtype
+    z = torch.linspace(-width, width, grid, dtype=dtype)
+    c_all = flat_hat[0].shape[-1] + flat_true[0].shape[-1]
+    chunk = max(1, 2_000_000 // (grid * c_all * c_all))  # rows per chunk: bounded memory
+    out = []
+    for lo in range(0, n_rows, chunk):
+        h = tuple(t[lo : lo + chunk] for t in flat_hat)
+        t = tuple(t[lo : lo + chunk] for t in flat_true)
+        mu = torch.cat([h[1], t[1]], -1)
+        sd = torch.cat([h[2], t[2]], -1).sqrt()
+        y = (mu.unsqueeze(-1) + sd.unsqueeze(-1) * z).flatten(-2).sort(-1).values  # (rows, G)
+
+        def gap(points: Tensor, h=h, t=t) -> Tensor:
+            return _mixture_pdf_cdf(points, t)[0] - _mixture_pdf_cdf(points, h)[0]
+
+        pos = gap(y) > 0
+        change = pos[:, 1:] != pos[:, :-1]
+        k_max = int(change.sum(-1).max())
+        if k_max == 0:  # p* ≤ p̂ at every grid point or the reverse: both integrate to 1, V = 0
+            out.append(torch.zeros(y.shape[0], dtype=dtype))
+            continue
+        idx = torch.argsort(change.to(torch.int8), dim=-1, descending=True, stable=True)[:, :k_max]
+        valid = change.gather(-1, idx)
+        a, b, pos_a = y.gather(-1, idx), y.gather(-1, idx + 1), pos.gather(-1, idx)
+        for _ in range(200):  # bisection; stops when no bracket shrinks any more
+            mid = 0.5 * (a + b)
+            if not bool(((mid > a) & (mid < b) & valid).any()):
+                break
+            same = (gap(mid) > 0) == pos_a
+            a, b = torch.where(same, mid, a), torch.where(same, b, mid)
+        c = 0.5 * (a + b)
+        d = _mixture_pdf_cdf(c, t)[1] - _mixture_pdf_cdf(c, h)[1]
+        # a crossing where p* − p̂ turns negative ends a positive interval: +D(c); one where it
+        # turns positive starts one: −D(c) (intervals reaching ±∞ add D(±∞) = 0)
+        out.append((torch.where(pos_a, d, -d) * valid).sum(-1))
+    return torch.cat(out).reshape(batch)
+
+
+def density_distances(hat: Mixture1D, true: Mixture1D, *, nodes: int = 40) -> dict[str, Estimate]:
     """``E_X[h(p̂(·|X), p*(·|X))]`` and ``E_X[V(p̂(·|X), p*(·|X))]`` for conditional densities of y.
 
     ``h² = ½∫(√p̂ − √p*)² = 1 − ∫√(p̂ p*)`` (CompeteSMoE (2024) Thm. 4.1), ``V = ½∫|p̂ − p*|``
-    (CompeteSMoE (2025) Prop. 3.1).  The true density is a Gaussian mixture in y at every x:
-    ``p*(y|x) = Σ_j π_j(x) N(y | μ_j(x), v_j(x))`` with ``true_weights``, ``true_means``,
-    ``true_vars`` ``(R, m, c)`` at ``m`` inputs; the integral over y is Gauss–Hermite quadrature
-    (``nodes`` per component) of ``√(p̂/p*)`` and ``|p̂/p* − 1|`` under each component, exact
-    as ``nodes`` grows; the mean over the ``m`` inputs is Monte Carlo, with its standard error.
-
-    ``log_p_hat(y)`` / ``log_p_true(y)`` take ``y (R, m, Q)`` (Q points per input) and return
-    ``log p(y | x)`` ``(R, m, Q)``.
+    (CompeteSMoE (2025) Prop. 3.1).  Both densities are Gaussian mixtures in y at every x,
+    ``p(y|x) = Σ_j π_j(x) N(y | μ_j(x), v_j(x))``, given as ``(weights, means, variances)``
+    ``(R, m, c)`` at ``m`` inputs.  ∫√(p̂ p*) is Gauss–Hermite quadrature (``nodes`` per true
+    component) of the smooth ``√(p̂/p*)`` under each true component; V is exact
+    (:func:`mixture_tv`); the mean over the ``m`` inputs is Monte Carlo, with its standard error.
     """
     positive_int("nodes", nodes)
+    true_weights, true_means, true_vars = true
     z, w = _gauss_hermite(nodes, true_means.dtype)
     y = true_means.unsqueeze(-1) + true_vars.sqrt().unsqueeze(-1) * z  # (R, m, c, nodes)
     R, m, c, q = y.shape
     flat = y.reshape(R, m, c * q)
-    ratio_log = (log_p_hat(flat) - log_p_true(flat)).reshape(R, m, c, q)
+    ratio_log = (_mixture_log_pdf(flat, hat) - _mixture_log_pdf(flat, true)).reshape(R, m, c, q)
     weight = true_weights.unsqueeze(-1) * w  # (R, m, c, nodes)
     affinity = (weight * (0.5 * ratio_log).exp()).sum(dim=(-1, -2))  # ∫√(p̂ p*) per input
     h = (1 - affinity).clamp_min(0).sqrt()
-    tv = 0.5 * (weight * (ratio_log.exp() - 1).abs()).sum(dim=(-1, -2))
+    tv = mixture_tv(hat, true)
     out = {}
     for name, per_x in (("hellinger", h), ("tv", tv)):
         se = per_x.std(dim=-1) / math.sqrt(m) if m > 1 else torch.zeros_like(per_x[..., 0])
@@ -173,6 +245,50 @@ def k_subset_voronoi(blocks: Sequence[tuple[Tensor, Tensor]], top_k: int) -> Ten
     return per_true.topk(top_k, dim=-1).values.sum(dim=-1)
 
 
+_GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def _min_over_scale(f: Callable[[Tensor], Tensor], like: Tensor, tol: float) -> tuple[Tensor, Tensor]:
+    """``min_{u ≥ 0} f(u)`` per row for ``f`` convex in the scale ``u (R,)``: a bracket by doubling
+    (convexity: once ``f(2h) ≥ f(h)`` the minimum lies in ``[0, 2h]``), then golden-section search
+    to a bracket of ``tol · 2h``.  Returns the smallest value seen and its ``u``."""
+    R = like.shape[0]
+    zero = torch.zeros(R, dtype=like.dtype)
+    best_f, best_u = f(zero), zero
+    h = torch.ones(R, dtype=like.dtype)
+    f_h = f(h)
+    f_2h = f(2 * h)
+    for _ in range(1100):  # 2**1100 overflows float64: a loss falling that far is not convex
+        grow = f_2h < f_h
+        if not bool(grow.any()):
+            break
+        h = torch.where(grow, 2 * h, h)
+        f_h = torch.where(grow, f_2h, f_h)
+        f_2h = torch.where(grow, f(2 * h), f_2h)
+    for value, u in ((f_h, h), (f_2h, 2 * h)):
+        better = value < best_f
+        best_f, best_u = torch.where(better, value, best_f), torch.where(better, u, best_u)
+    a, b = zero.clone(), 2 * h
+    x1, x2 = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
+    f1, f2 = f(x1), f(x2)
+    steps = math.ceil(math.log(tol) / math.log(_GOLDEN))
+    for _ in range(steps):
+        left = f1 <= f2  # the minimum lies in [a, x2]
+        a, b = torch.where(left, a, x1), torch.where(left, x2, b)
+        new_x = torch.where(left, b - _GOLDEN * (b - a), a + _GOLDEN * (b - a))
+        new_f = f(new_x)
+        x1, x2, f1, f2 = (
+            torch.where(left, new_x, x2),
+            torch.where(left, x1, new_x),
+            torch.where(left, new_f, f2),
+            torch.where(left, f1, new_f),
+        )
+        for value, u in ((f1, x1), (f2, x2)):
+            better = value < best_f
+            best_f, best_u = torch.where(better, value, best_f), torch.where(better, u, best_u)
+    return best_f, best_u
+
+
 def translation_inf(
     loss: Callable[[Tensor, Tensor], Tensor],
     beta0: Tensor,
@@ -180,41 +296,66 @@ def translation_inf(
     beta0_true: Tensor,
     beta1_true: Tensor,
     *,
-    steps: int = 150,
-    lr: float = 0.05,
+    shift_beta1: bool = True,
+    tol: float = 1e-12,
 ) -> Tensor:
     """``inf_{t₁, t₂} loss(β₀ − t₁, β₁ − t₂)``: a softmax gate is unchanged by a common shift
     (t₁, t₂) of every (β₀ᵢ, β₁ᵢ), so Ho (2025)'s Voronoi loss takes the infimum over them.
 
-    ``loss(beta0, beta1) -> (R,)`` evaluates the loss of the shifted fitted gate.  The search
-    starts from the better of no shift and the shift that centres the fitted gate on the true
-    one (weighted means; exact when the fit is the truth shifted), then runs Adam for ``steps``
-    steps and keeps the smallest value seen, so the result is never above the unshifted loss.
+    ``loss(beta0, beta1) -> (R,)`` evaluates the loss of the shifted fitted gate; it must be, as
+    every Voronoi loss of :func:`voronoi_d` with weights ``exp(β₀)`` is, convex in the weights'
+    common scale ``u = e^{−t₁}`` for a fixed β₁ (β₀ places no cell: the loss is
+    ``Σ_j |u·W_j − w*_j| + u·C``).  That 1-D convex problem is solved to a bracket of ``tol``
+    relative to its size (golden section; the infimum includes the limit u → 0, t₁ → ∞).
+
+    With ``shift_beta1`` the shift t₂ of β₁ moves the cells, so the loss is neither convex nor
+    continuous in t₂: from the better of no shift and the shift that centres the fitted gate on the
+    true one (weighted means; exact when the fit is the truth shifted) a compass search (steps
+    ±h along each axis, h halved from 1 down to 1e-8, t₁ solved at every trial) finds a
+    local minimum — an upper bound of the infimum over t₂, never above the unshifted loss.
+    Without it only β₀ is shifted (cosine, perturbed and competition gates) and the result is
+    exact.
     """
-    w = beta0.exp()
-    w_true = beta0_true.exp()
-    t1 = (w.sum(-1).log() - w_true.sum(-1).log()).detach()
+    R = beta0.shape[0]
+
+    def over_t1(t2: Tensor, tol: float = tol) -> Tensor:
+        shifted = beta1 - t2.unsqueeze(1)
+        log_u = lambda u: u.log().unsqueeze(-1)
+        with torch.no_grad():
+            return _min_over_scale(lambda u: loss(beta0 + log_u(u), shifted), beta0, tol)[0]
+
+    zero = torch.zeros(R, beta1.shape[-1], dtype=beta1.dtype)
+    best = over_t1(zero)
+    if not shift_beta1:
+        return best
+    w, w_true = beta0.exp(), beta0_true.exp()
     # β₁ centre of mass of each side (weights normalised): the shift that maps one onto the other
     c = (w / w.sum(-1, keepdim=True)).unsqueeze(-1)
     c_true = (w_true / w_true.sum(-1, keepdim=True)).unsqueeze(-1)
-    t2 = ((c * beta1).sum(1) - (c_true * beta1_true).sum(1)).detach()
-    with torch.no_grad():
-        base = loss(beta0, beta1)
-        centred = loss(beta0 - t1.unsqueeze(-1), beta1 - t2.unsqueeze(1))
-    use = centred < base
-    best = torch.minimum(base, centred)
-    s1 = torch.where(use, t1, torch.zeros_like(t1)).clone().requires_grad_(True)
-    s2 = torch.where(use.unsqueeze(-1), t2, torch.zeros_like(t2)).clone().requires_grad_(True)
-    opt = torch.optim.Adam([s1, s2], lr=lr)
-    for _ in range(steps):
-        opt.zero_grad()
-        value = loss(beta0 - s1.unsqueeze(-1), beta1 - s2.unsqueeze(1))
-        best = torch.minimum(best, value.detach())
-        value.sum().backward()
-        opt.step()
-    with torch.no_grad():
-        best = torch.minimum(best, loss(beta0 - s1.unsqueeze(-1), beta1 - s2.unsqueeze(1)))
-    return best
+    centre = ((c * beta1).sum(1) - (c_true * beta1_true).sum(1)).detach()
+    centred = over_t1(centre)
+    use = centred < best
+    t2 = torch.where(use.unsqueeze(-1), centre, zero)
+    best = torch.minimum(best, centred)
+    step = torch.ones(R, dtype=beta1.dtype)
+    eye = torch.eye(beta1.shape[-1], dtype=beta1.dtype)
+    coarse = max(tol, 1e-8)  # the search compares trials to 1e-8; the final t₂ is solved to tol
+    best = over_t1(t2, coarse)
+    for _ in range(10_000):
+        active = (step > 1e-8) & (best > 0)  # a zero loss is the infimum already
+        if not bool(active.any()):
+            break
+        moved = torch.zeros(R, dtype=torch.bool)
+        for axis in eye:
+            for sign in (1.0, -1.0):
+                trial = t2 + (sign * step).unsqueeze(-1) * axis
+                value = over_t1(trial, coarse)
+                better = active & (value < best)
+                t2 = torch.where(better.unsqueeze(-1), trial, t2)
+                best = torch.where(better, value, best)
+                moved |= better
+        step = torch.where(active & ~moved, step / 2, step)
+    return torch.minimum(best, over_t1(t2))
 
 
 # ------------------------------------------------------------------------------------------- r̄(m)

@@ -24,7 +24,7 @@ from torch import Tensor
 from .. import functional
 from .._validate import non_negative, one_of, positive_int
 from .fit import from_ball, to_ball
-from .lbfgs import REASONS, batched_lbfgs
+from .lbfgs import REASONS, STALL_RESTARTS, batched_lbfgs
 
 __all__ = ["MIX_EXPERTS", "MIX_GATES", "FitResult", "LoRAMixture", "Mixture", "fit_params"]
 
@@ -282,12 +282,15 @@ def fit_params(
     lr: float = 1.0,
     nu_min: float = 0.0,
     bound_scale: float = 10.0,
+    stall_restarts: int = STALL_RESTARTS,
 ) -> FitResult:
     """Minimise ``model.objective`` over ``model.trainable()`` from ``start`` (every replicate its
     own L-BFGS: a batched fit equals the separate fits).  Variances are optimised as
     log(ν − nu_min); ``beta1``, ``eta``, ``kappa``, ``quad`` live in balls of radius
     ``bound_scale · √dim`` (:func:`moelab.stats.fit.to_ball`); parameters not trained keep
-    their start."""
+    their start.  A replicate at the cap of ``steps`` iterations is restarted up to
+    ``stall_restarts`` times from its perturbed best point
+    (:func:`moelab.stats.lbfgs.batched_lbfgs`)."""
     non_negative("nu_min", nu_min)
     names = model.trainable()
     bounds = {k: bound_scale * math.sqrt(start[k].shape[-1]) for k in names if k in _BALLED}
@@ -315,6 +318,7 @@ def fit_params(
         lr=lr,
         gtol=gtol,
         ftol=ftol,
+        stall_restarts=stall_restarts,
     )
     with torch.no_grad():
         params = {k: v.detach() for k, v in current().items()}

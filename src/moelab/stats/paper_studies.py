@@ -325,14 +325,34 @@ def _expert_blocks(p: dict[str, Tensor], gaussian: bool, prefix: str = "") -> li
     return [p[names[0]]] + ([p[names[1]]] if gaussian else [])
 
 
+def _saturated(series: Series, true: dict[str, Tensor], routed: Tensor) -> Tensor:
+    """Per replicate, whether the routed part of the Voronoi loss sits at its bound: with the shift
+    of β₀ free, a fit whose weighted parameter cost exceeds its mass reaches the infimum at
+    weights → 0, ``Σ_j exp(β*₀ⱼ)`` — the loss's upper bound, which measures no rate."""
+    m = series.fit or series.data
+    if series.voronoi == "k-subset" or m.gate not in _TRANSLATED:
+        return torch.zeros(routed.shape[0], dtype=torch.bool)
+    return routed >= true["beta0"].exp().sum(-1) * (1 - 1e-9)
+
+
+#: gates identifiable up to a shift of β₀ (and of β₁ for softmax and quadratic)
+_TRANSLATED = ("softmax", "quadratic", "competition", "cosine", "perturbed")
+
+
 def _voronoi(
-    series: Series, fit: dict[str, Tensor], true: dict[str, Tensor], gaussian: bool, d: int, steps: int = 150
-) -> Tensor:
-    """The series' Voronoi loss (empty string: none); ``steps`` of the search over translations."""
+    series: Series,
+    fit: dict[str, Tensor],
+    true: dict[str, Tensor],
+    gaussian: bool,
+    d: int,
+) -> tuple[Tensor, Tensor]:
+    """The series' Voronoi loss, its infimum over the gate's translations, and the routed
+    experts' part of it (the whole loss without shared experts)."""
     kind = series.voronoi
     m = series.fit or series.data
     if kind == "k-subset":  # CompeteSMoE (2024) eq. (9), exact-specified
-        return k_subset_voronoi([(fit["eta"], true["eta"]), (fit["nu"], true["nu"])], series.extra["top_k"])
+        loss = k_subset_voronoi([(fit["eta"], true["eta"]), (fit["nu"], true["nu"])], series.extra["top_k"])
+        return loss, loss
     one, two = (lambda s: 2.0), (lambda s: 2.0)
 
     def routed_blocks(beta1: Tensor) -> list:
@@ -356,25 +376,16 @@ def _voronoi(
     def loss(beta0: Tensor, beta1: Tensor) -> Tensor:
         return voronoi_d(beta0.exp(), routed_blocks(beta1), true["beta0"].exp())
 
-    if m.gate in ("softmax", "quadratic", "competition", "cosine", "perturbed"):
-        if m.gate in ("cosine", "perturbed", "competition"):  # invariant to a shift of β₀ only
-            zero = torch.zeros_like(fit["beta0"]).unsqueeze(-1)
-            routed = translation_inf(
-                lambda b0, b1: loss(b0, fit["beta1"]),
-                fit["beta0"],
-                zero,
-                true["beta0"],
-                zero[:, : true["beta0"].shape[1]],
-                steps=steps,
-            )
-        else:
-            routed = translation_inf(
-                loss, fit["beta0"], fit["beta1"], true["beta0"], true["beta1"], steps=steps
-            )
+    if m.gate in _TRANSLATED:
+        # cosine, perturbed and competition gates are invariant to a shift of β₀ only: exact
+        routed = translation_inf(
+            loss, fit["beta0"], fit["beta1"], true["beta0"], true["beta1"],
+            shift_beta1=m.gate in ("softmax", "quadratic"),
+        )  # fmt: skip
     else:
         routed = loss(fit["beta0"], fit["beta1"])
     if not m.shared:
-        return routed
+        return routed, routed
     if kind == "d2":
         sblocks = [
             (fit["kappa"][..., :d], true["kappa"][..., :d], 1.0, one),
@@ -384,7 +395,7 @@ def _voronoi(
     else:
         sblocks = [(fit["kappa"], true["kappa"], 1.0, two), (fit["tau"], true["tau"], 1.0, two)]
     shared = voronoi_d(fit["omega"].softmax(-1), sblocks, true["omega"].softmax(-1))
-    return routed + shared
+    return routed + shared, routed
 
 
 def _measure(
@@ -400,11 +411,9 @@ def _measure(
         e = l2_distance(fit_model.mean(x_eval, fit), data_model.mean(x_eval, true))
         out["l2"], out["l2_se"] = e.value, e.se
     if "hellinger" in series.losses:
-        w, mu, var = data_model.components(x_eval, true)
         dist = density_distances(
-            lambda y: fit_model.log_density(x_eval, y, fit), lambda y: data_model.log_density(x_eval, y, true),
-            w, mu, var, nodes=_nodes(cfg),
-        )  # fmt: skip
+            fit_model.components(x_eval, fit), data_model.components(x_eval, true), nodes=_nodes(cfg)
+        )
         for name in ("hellinger", "tv"):
             out[name], out[f"{name}_se"] = dist[name].value, dist[name].se
     if "lora" in series.losses:
@@ -430,7 +439,8 @@ def _measure(
                                                                  _expert_blocks(true, gaussian, "shared"))]  # fmt: skip
         out["shared"] = voronoi_d(None, blocks, None, mass_term=False)
     if "voronoi" in series.losses and series.voronoi:
-        out["voronoi"] = _voronoi(series, fit, true, gaussian, d, steps=50 if cfg.quick else 150)
+        out["voronoi"], routed = _voronoi(series, fit, true, gaussian, d)
+        out["voronoi_saturated"] = _saturated(series, true, routed)
     return out
 
 
@@ -503,5 +513,6 @@ def _run(cfg: Any, gen: torch.Generator, bar: Any) -> list[dict[str, Any]]:
                 continue
             loss = np.array(per_loss[name])
             se = np.array(per_loss[f"{name}_se"]) if f"{name}_se" in per_loss else None
-            results.append({**common, "loss_name": name, "loss": loss, "mc_se": se})
+            saturated = np.array(per_loss["voronoi_saturated"], dtype=float) if name == "voronoi" else None
+            results.append({**common, "loss_name": name, "loss": loss, "mc_se": se, "saturated": saturated})
     return results
