@@ -270,15 +270,19 @@ class Router(nn.Module):
                 if b is not None:
                     b.zero_()
 
+    #: buffers a step hook moves by small steps, kept in at least float32 when the model is cast to
+    #: bf16 / fp16 (a family adds its own: quantile balancing's β, expert-threshold's τ)
+    float32_buffers: ClassVar[tuple[str, ...]] = ("selection_bias", "pending_load")
+
     def _apply(self, fn, *args, **kwargs):
-        """Keep ``selection_bias`` (and the pending load) in at least float32 when the model is cast
-        to bf16 / fp16: steps of γ = 1e-3 vanish in bfloat16 once ``|b| ≥ 0.5`` (DeepSeek-V3 keeps
-        this bias in float32)."""
+        """Keep :attr:`float32_buffers` in at least float32 when the model is cast to bf16 / fp16:
+        steps of γ = 1e-3 vanish in bfloat16 once ``|b| ≥ 0.5`` (DeepSeek-V3 keeps its bias in
+        float32, Megatron-LM its quantile-balancing β)."""
         super()._apply(fn, *args, **kwargs)
-        for name in ("selection_bias", "pending_load"):
-            b = getattr(self, name, None)
+        for name in self.float32_buffers:
+            b = self._buffers.get(name)
             if b is not None and b.dtype in (torch.float16, torch.bfloat16):
-                setattr(self, name, b.float())
+                self._buffers[name] = b.float()
         return self
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:

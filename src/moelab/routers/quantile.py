@@ -90,6 +90,8 @@ class QuantileBalancingRouter(Router):
 
     config_class = QuantileConfig
 
+    float32_buffers = (*Router.float32_buffers, "qb_beta", "qb_pending")
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
         if top_k >= num_experts:
@@ -115,15 +117,6 @@ class QuantileBalancingRouter(Router):
             self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
             self.qb_beta.zero_()
             self.qb_pending.zero_()
-
-    def _apply(self, fn, *args, **kwargs):
-        """``β`` and its pending sum stay float32 in a bf16 / fp16 model (Megatron-LM keeps them so)."""
-        super()._apply(fn, *args, **kwargs)
-        for name in ("qb_beta", "qb_pending"):
-            b = self._buffers[name]
-            if b.dtype in (torch.float16, torch.bfloat16):
-                self._buffers[name] = b.float()
-        return self
 
     def forward(
         self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None

@@ -67,6 +67,8 @@ class ExpertThresholdRouter(Router):
 
     config_class = ExpertThresholdConfig
 
+    float32_buffers = (*Router.float32_buffers, "tau", "tau_pending")
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
         o = self.options
@@ -87,15 +89,6 @@ class ExpertThresholdRouter(Router):
             self.tau.zero_()
             self.tau_updates.zero_()
             self.tau_pending.zero_()
-
-    def _apply(self, fn, *args, **kwargs):
-        """``τ`` and its pending sum stay float32 in a bf16 / fp16 model."""
-        super()._apply(fn, *args, **kwargs)
-        for name in ("tau", "tau_pending"):
-            b = self._buffers[name]
-            if b.dtype in (torch.float16, torch.bfloat16):
-                self._buffers[name] = b.float()
-        return self
 
     def forward(
         self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
