@@ -355,9 +355,14 @@ class Router(nn.Module):
             return None
         if ctx is None:
             return "no RoutingContext is attached"
-        if self.selection_bias is not None and self.bias_update_rate > 0 and self.on_step not in ctx.hooks:
+        if self.step_hook_moves_state() and self.on_step not in ctx.hooks:
             return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
         return None
+
+    def step_hook_moves_state(self) -> bool:
+        """Whether :meth:`on_step` moves state the routing reads (the selection bias here; a family
+        adds its own: quantile balancing's β, expert-threshold's τ), so the hook must be registered."""
+        return self.selection_bias is not None and self.bias_update_rate > 0
 
     def check_context(self, ctx: RoutingContext | None, method: str) -> None:
         """Warn when a layer of ``method`` trains this router, whose routing depends on the step

@@ -156,12 +156,8 @@ class QuantileBalancingRouter(Router):
         )
         return join_dependences(own, super().step_dependence())
 
-    def context_problem(self, ctx: RoutingContext | None) -> str | None:
-        if ctx is None:
-            return "no RoutingContext is attached"
-        if self.on_step not in ctx.hooks:
-            return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
-        return None
+    def step_hook_moves_state(self) -> bool:
+        return True
 
     @property
     def weights_sum_to_one(self) -> bool:

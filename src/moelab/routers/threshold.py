@@ -126,12 +126,8 @@ class ExpertThresholdRouter(Router):
         )
         return join_dependences(own, super().step_dependence())
 
-    def context_problem(self, ctx: RoutingContext | None) -> str | None:
-        if ctx is None:
-            return "no RoutingContext is attached"
-        if self.on_step not in ctx.hooks:
-            return "its step hook is not registered with the RoutingContext (moelab.attach registers it)"
-        return None
+    def step_hook_moves_state(self) -> bool:
+        return True
 
     def rule_options(self) -> dict[str, Any]:
         return {"ema": self.ema}
