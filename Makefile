@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # torch is pinned: 2.13.0 is the CPU build on this machine; an unpinned torch pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: test test-slow demo lint bench clean wheel-check
+.PHONY: test test-slow demo lint bench clean wheel-check docs
 
 # requirements-titan.txt: torchtitan (tests/test_titan.py) and the four packages its MoE imports, installed
 # without their dependencies: torchtitan 0.3 asks for datasets<4.8, which would downgrade the pinned
@@ -26,6 +26,11 @@ test: $(STAMP)
 wheel-check: $(STAMP)
 	$(BIN)/python -m pytest -m slow tests/test_extras.py
 
+# the documentation site (mkdocs.yml) into site/, offline; --strict: a broken link or anchor, a page left
+# out of the nav or an API name mkdocstrings cannot find fails the build (CI runs it after `make test`)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
+
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
@@ -43,4 +48,4 @@ bench: $(STAMP)
 	$(BIN)/moelab bench suite --out runs/bench/suite.json --resume
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info .pytest_cache

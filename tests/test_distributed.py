@@ -231,7 +231,7 @@ def test_expert_parallel_needs_an_initialised_process_group():
 
 @pytest.mark.slow
 def test_the_scaling_doc_script_runs_under_torchrun(tmp_path):
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "scaling-parallelize.md").read_text()
     script = re.search(r"```python\n(# train_ep.py.*?)```", doc, re.S).group(1)
     (tmp_path / "train_ep.py").write_text(script)
     src = str(Path(moelab.__file__).resolve().parents[1])

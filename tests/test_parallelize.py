@@ -783,7 +783,7 @@ def _compiled_cases(world: int) -> list[tuple]:
         for fullgraph in (False, True)
         for checkpointed in (False, True)
         # EP x FSDP2 with the experts FSDP-sharded over other ranks: the experts' own FSDP unit
-        # inside the block is a graph break (docs/scaling.md); without fullgraph it is right
+        # inside the block is a graph break (docs/scaling-parallelize.md); without fullgraph it is right
         if not (fullgraph and dp == "fsdp" and 1 < ep < world)
     ]
 
