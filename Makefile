@@ -35,8 +35,8 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples docs/hooks
+	$(BIN)/ruff format --check src tests examples docs/hooks
 
 demo: $(STAMP)
 	$(BIN)/moelab compare --size demo --out runs/demo --resume
