@@ -1,4 +1,4 @@
-# The README's two commands: `make test` and `make demo`. Both create .venv on a fresh clone.
+# The README's commands: `make test`, `make demo` and `make docs`. Each creates .venv on a fresh clone.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -41,7 +41,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/moelab compare --size demo --out runs/demo --resume
 
-# the full benchmark grid of docs/performance.md (about an hour on 2 cores); an interrupted run continues where it stopped.
+# the full benchmark grid of docs/performance-suite.md (about an hour on 2 cores); an interrupted run continues where it stopped.
 # It runs in your environment as it is (the OpenMP wait policy included: docs/performance.md shows both rows;
 # `OMP_WAIT_POLICY=PASSIVE make bench` gives the other)
 bench: $(STAMP)

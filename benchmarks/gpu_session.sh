@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What to run on a lent GPU machine, in calls that each end inside 10 minutes (docs/performance.md,
+# What to run on a lent GPU machine, in calls that each end inside 10 minutes (docs/performance-gpu.md,
 # "The GPU grid"). Run from the repository root, with the machine's own python3 (torch with CUDA,
 # triton, transformers); moelab is used from src/ without installing. Output goes to $OUT (the
 # device tool's folder) or ./runs/gpu.

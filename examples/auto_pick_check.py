@@ -1,6 +1,6 @@
 """Whether ``moelab.experts.autotune``'s one-time measurement picks the fastest kernel in this process.
 
-docs/performance.md ("auto measures where its rule cannot know") quotes this.  At the canonical
+docs/performance-auto.md ("auto measures where its rule cannot know") quotes this.  At the canonical
 CPU shape (T=2048, 16 experts top-2, SwiGLU 512, d 256) it calls ``autotune`` on a bank with a
 random routing in training and in inference (whatever the thread count and wait policy), then
 times every candidate kernel for ``--rounds`` more interleaved rounds in the same process and

@@ -1,6 +1,6 @@
 """The six GEMMs of an MoE training step, per expert against one dense GEMM of the same FLOPs.
 
-docs/performance.md ("The canonical CPU shape") quotes this: T=2048 tokens, 16 experts top-2 of
+docs/performance-canonical.md quotes this: T=2048 tokens, 16 experts top-2 of
 SwiGLU width 512, d 256, every expert given T·K/N rows; a dense SwiGLU FFN of width 1024 is the
 reference. For each GEMM it times, interleaved over rounds, the dense GEMM, the experts' GEMMs in a
 loop (each split over the torch threads), the same through ``torch._grouped_mm`` and, with several

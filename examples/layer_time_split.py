@@ -1,6 +1,6 @@
 """Where an MoE layer's training step goes, against the dense FFN of the same active width.
 
-docs/performance.md ("The canonical CPU shape") quotes this: T=2048 tokens, 16 experts top-2 of
+docs/performance-canonical.md quotes this: T=2048 tokens, 16 experts top-2 of
 SwiGLU width 512, d 256 (method smoe), a dense SwiGLU FFN of width 1024 as the reference. One
 process times, interleaved over rounds, forward + backward of
 

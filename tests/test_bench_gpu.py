@@ -51,7 +51,7 @@ def test_d_model_is_halved_only_where_memory_needs_it():
 
 
 GPU_ARGS = ["bench", "suite", "--device", "cuda"]
-#: the documented keys of a GPU case record and of its rows (docs/performance.md, "The GPU grid")
+#: the documented keys of a GPU case record and of its rows (docs/performance-gpu.md, "The GPU grid")
 CASE_KEYS = {
     "model",
     "tokens",

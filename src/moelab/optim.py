@@ -2,7 +2,7 @@
 which parameters weight decay applies to (:func:`decayed_parameter_names`), the models own their
 groups (``model.param_groups(weight_decay)``, which calls :func:`param_groups`), and
 :func:`build_optimizer` builds the optimizer every trainer uses from them.  The command line
-exposes it as ``--optimizer`` and ``--weight-decay`` (README, "The command line").
+exposes it as ``--optimizer`` and ``--weight-decay`` (docs/cli.md, "Optimizer").
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ moelab's parameters and the installed GPU peers, by the one harness
 (:func:`moelab.bench.harness.interleaved`, CUDA events, medians, ratios per round).  A candidate
 that fails is dropped from its case with a note and the run goes on; ``--out FILE`` writes the
 JSON after every case and the markdown table (:func:`markdown_table`) beside it.
-docs/performance.md ("The GPU grid") describes the cases, candidates, timing, FLOP accounting and
+docs/performance-gpu.md ("The GPU grid") describes the cases, candidates, timing, FLOP accounting and
 record keys.
 """
 

@@ -3,8 +3,8 @@
 its weights, and what it does differently from moelab): transformers' Mixtral block holding a
 moelab SwiGLU layer's weights, the capacity-based ``st-moe-pytorch`` and ``mixture-of-experts``
 layers with their stochastic routing switched off (:func:`capacity_stats` measures what they
-drop), and the dropless GPU peers of :data:`GPU_PEER_ADAPTERS`.  docs/performance.md ("Candidates
-and groups" and the GPU grid) describes each peer and how it is made to route like moelab.
+drop), and the dropless GPU peers of :data:`GPU_PEER_ADAPTERS`.  docs/performance-suite.md ("Candidates
+and groups") and docs/performance-gpu.md describe each peer and how it is made to route like moelab.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ peers of :mod:`moelab.bench.peers`, moelab's experts alone and, for decoding-siz
 weights-read bound; checks that they compute the same function; times them in interleaved rounds
 (:func:`moelab.bench.harness.interleaved`); measures each one's peak memory in a separate, untimed
 call; and writes one JSON document after every case, resumable through the run lifecycle of
-:mod:`moelab.experiments.runner`.  docs/performance.md ("The benchmark grid") gives the groups,
+:mod:`moelab.experiments.runner`.  docs/performance-suite.md gives the groups,
 the routing, the bound, the columns and the JSON keys.
 """
 

@@ -5,7 +5,7 @@ FILE`` (a run's own ``config.yaml`` included), validates with the flag names in 
 the run directory (lock, ``--force``,
 ``--resume`` with the recorded-config and data-fingerprint checks, ``--allow-changes``), writes
 ``config.yaml`` and ``metrics.json``, and sets up rank 0 first under torchrun.  Every refusal
-sentence of the lifecycle is written here once.  See docs/architecture.md ("An experiment").
+sentence of the lifecycle is written here once.  See docs/architecture-flows.md ("An experiment").
 """
 
 from __future__ import annotations

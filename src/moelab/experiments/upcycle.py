@@ -1,7 +1,7 @@
 """``moelab upcycle``: turn a local transformers model's MLPs into MoE layers
 (:func:`moelab.upcycle`) and write it with :func:`moelab.save`, so ``moelab.load(out)`` rebuilds it
 offline, through the run lifecycle of :mod:`moelab.experiments.runner` (flags, ``--config``,
-``--force``, ``config.yaml``, ``metrics.json``).  docs/scaling.md ("``moelab upcycle``").
+``--force``, ``config.yaml``, ``metrics.json``).  docs/scaling-hf.md ("``moelab upcycle``").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ parts propose (softmax top-K → ``smoe`` / ``sharede-v2``, the DeepSeek-V3 sigm
 bias → ``sharede-v3``) is checked on random tokens against the block's own router before anything
 is converted, and a block that does not fit is refused with a ``ValueError`` naming it, its class
 and why.  :func:`set_method` switches converted layers to another method; :func:`moelab.to_hf` is
-the inverse.  docs/scaling.md ("from_hf, to_hf, set_method") has the parts, the table of methods
+the inverse.  docs/scaling-hf.md ("from_hf, to_hf, set_method") has the parts, the table of methods
 and options, what is not carried over, and every transformers family.
 """
 

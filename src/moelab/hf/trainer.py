@@ -6,7 +6,7 @@ the model's forward so that DDP sees every parameter it uses (with the losses of
 running statistics over the ranks and the accumulated micro-batches), logs each aux loss through
 ``Trainer.log``, decays only matrices, saves the routing state in every checkpoint and refuses
 transformers' own load-balancing loss; both classes are created on first access so that ``import
-moelab`` does not import transformers.  docs/scaling.md ("``MoETrainer``") describes each of these.
+moelab`` does not import transformers.  docs/scaling-hf.md ("``MoETrainer``") describes each of these.
 """
 
 from __future__ import annotations

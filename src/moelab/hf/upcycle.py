@@ -5,7 +5,7 @@ copies its pretrained MLP and the top-K router is learned from scratch (N(0, 0.0
 upcycled model computes what the dense one did while the routing weights sum to 1.  A module is
 upcycled only if it is an MLP, which is checked numerically, as :func:`moelab.from_hf` checks a
 router: the module and the MLP rebuilt from its weights must agree on random inputs; anything
-else is refused with a ``ValueError`` before the model changes.  docs/scaling.md ("What upcycling
+else is refused with a ``ValueError`` before the model changes.  docs/scaling-hf.md ("What upcycling
 replaces") lists the recognised MLPs, the shared-expert split, the activations and the dropouts.
 """
 

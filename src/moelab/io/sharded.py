@@ -9,7 +9,7 @@ before anything is opened; ``.metadata`` is then read by an unpickler that build
 metadata classes (any other name in it is refused), every shard it points to must be a file the
 manifest lists, and a checkpoint holds tensors only (a non-tensor entry is refused, never
 ``torch.load``-ed); the shards themselves are read by DCP with ``torch.load(weights_only=True)``.
-docs/scaling.md ("Sharded checkpoints") describes the folder.
+docs/scaling-checkpoints.md describes the folder.
 """
 
 from __future__ import annotations

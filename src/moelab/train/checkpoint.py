@@ -9,8 +9,7 @@ tensors as ``torch.distributed.checkpoint`` shards instead of ``model.safetensor
 (:func:`save_sharded_checkpoint`: every rank writes its own, nothing is gathered), listed with their
 sha256 in ``config.json``; :func:`load_sharded_checkpoint` reads them re-sharded to any layout and
 number of ranks, :func:`load_checkpoint` and :func:`moelab.load` gather them on one process
-(:mod:`moelab.io.sharded`: nothing in them is unpickled unrestricted).  docs/scaling.md ("Sharded
-checkpoints").
+(:mod:`moelab.io.sharded`: nothing in them is unpickled unrestricted).  docs/scaling-checkpoints.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 :func:`moelab.train.parallelize.parallelize`, FSDP2 included), the way torchtitan applies its parallel
 plans from outside; the trainer calls the same hooks whatever the strategy; checkpoints hold the
 full model and optimizer state (sharded layouts: each rank's shards, re-sharded on resume), so a
-run resumes on any layout.  docs/scaling.md ("`moelab train`
+run resumes on any layout.  docs/scaling-train.md ("`moelab train`
 under torchrun") lists the hooks and what each strategy does.
 """
 

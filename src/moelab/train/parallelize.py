@@ -25,7 +25,7 @@ whole model's norm over the shards; :func:`full_state_dict` / :func:`load_full_s
 the full (layout-independent) state through ``torch.distributed.checkpoint.state_dict``, so a run
 saved on ``W`` ranks resumes on any other number; :func:`save_sharded` / :func:`load_sharded` write
 and read each rank's shards with ``torch.distributed.checkpoint`` itself, re-sharded on load.
-docs/scaling.md ("parallelize") has the rules.
+docs/scaling-parallelize.md has the rules.
 """
 
 from __future__ import annotations

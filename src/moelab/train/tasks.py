@@ -1,7 +1,7 @@
 """The tasks the :class:`moelab.train.Trainer` trains: next-token prediction on a text corpus
 (:class:`LMTask`) and text classification with a pre-trained LM (:class:`ClassificationTask`);
 each samples a global batch, shards it over data-parallel ranks, computes the loss of a batch and
-evaluates a split (the :class:`moelab.train.Task` protocol).  docs/architecture.md ("The training
+evaluates a split (the :class:`moelab.train.Task` protocol).  docs/architecture-flows.md ("The training
 loop").
 """
 
