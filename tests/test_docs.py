@@ -97,3 +97,18 @@ def test_the_readme_links_only_pages_that_exist_and_reaches_the_question_pages()
     for page in ("quickstart", "which-router", "scaling", "reproduce", "stats", "performance", "errors"):
         assert f"docs/{page}.md" in targets
     assert len(readme.splitlines()) <= 60  # the first five minutes; the rest is in the site
+
+
+def test_every_docs_page_the_code_and_its_messages_name_exists():
+    """Error messages, docstrings and comments send readers to ``docs/<page>.md``: a page that moves
+    takes those pointers with it."""
+    named = {}
+    for folder in ("src", "tests", "examples", "benchmarks"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".sh") and path.is_file():
+                for page in re.findall(r"docs/([\w./-]+?\.md)", path.read_text(encoding="utf-8")):
+                    named.setdefault(page, path.relative_to(ROOT).as_posix())
+    for name in ("Makefile", "README.md", "mkdocs.yml", ".ci/run"):
+        for page in re.findall(r"docs/([\w./-]+?\.md)", (ROOT / name).read_text(encoding="utf-8")):
+            named.setdefault(page, name)
+    assert {page: where for page, where in named.items() if not (DOCS / page).is_file()} == {}
