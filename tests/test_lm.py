@@ -924,3 +924,20 @@ def test_a_padding_mask_of_another_shape_is_refused_in_one_line():
         ValueError, match=r"mask of shape \(2, 3\) is not allowed; expected the shape of idx, \(2, 4\)"
     ):
         model(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_a_competesmoe_run_too_short_to_compete_says_so_in_the_report_table(corpus, tmp_path, capsys):
+    """At --steps 4 the coin-flip schedule's first competing step (13 at seed 0) lies beyond the run: metrics.json
+    records first_competition_step null and `moelab report` marks the row, where the numbers would
+    otherwise look like a plain top-K run's with nothing to say why."""
+    from moelab.experiments.report import collect_runs, group_runs, render
+
+    short, plain = tmp_path / "competesmoe-v1", tmp_path / "smoe"
+    assert main(tiny_args(corpus, short, "--method", "competesmoe-v1")) == 0
+    assert main(tiny_args(corpus, plain, "--method", "smoe")) == 0
+    assert json.loads((short / "metrics.json").read_text())["first_competition_step"] is None
+    assert "first_competition_step" not in json.loads((plain / "metrics.json").read_text())
+    text, rows = render(group_runs(collect_runs([tmp_path])), None)
+    assert [r["competed"] for r in rows] == [False, True]
+    assert "competesmoe-v1 †" in text and "no competition step happened in competesmoe-v1:" in text
+    assert text.count("†") == 2  # the row and the footnote: smoe's row has no mark

@@ -220,6 +220,7 @@ def render(groups: list[Group], reference: str | None = None) -> tuple[str, list
                 "active_params": m.get("active_params"),
                 "tokens_per_s": sum(tps) / len(tps) if tps else None,
                 "best": g is best,
+                "competed": not _never_competed(g),
             }
         )
     direction = "lower" if lower else "higher"
@@ -232,15 +233,31 @@ def render(groups: list[Group], reference: str | None = None) -> tuple[str, list
             cell += " *"
         pa = f"{_short(row['params'])}/{_short(row['active_params'])}"
         tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "—"
+        label = g.label + (" †" if _never_competed(g) else "")
         lines.append(
-            f"{g.label:<28} {row['n']:>2}  {cell:<24} {_fmt(row['p_value'], 3):>16}  {pa:>17}  {tps:>8}"
+            f"{label:<28} {row['n']:>2}  {cell:<24} {_fmt(row['p_value'], 3):>16}  {pa:>17}  {tps:>8}"
         )
+    uncompeted = [g.label for g in groups if _never_competed(g)]
     lines.append(f"* best ({direction} is better); p: two-sided Welch t-test against {ref_name} over seeds")
+    if uncompeted:
+        lines.append(
+            f"† no competition step happened in {', '.join(uncompeted)}: the runs ended before the first "
+            "step of their competition schedule, so they trained as plain top-K routing (train longer)"
+        )
     text = "\n".join(lines)
     sweep = _sensitivity(groups, metric)
     if sweep:
         text += "\n\n" + sweep
     return text, rows
+
+
+def _never_competed(group: Group) -> bool:
+    """Every run of ``group`` has a competition schedule (``first_competition_step`` recorded) and
+    none of them reached its first competition step."""
+    return all(
+        "first_competition_step" in r.metrics and r.metrics["first_competition_step"] is None
+        for r in group.runs
+    )
 
 
 def _short(n: Any) -> str:
