@@ -46,6 +46,7 @@ def _expected_options(plan: Plan) -> dict[str, Any]:
             "topk_groups": o.get("topk_groups", o.get("num_groups", 1)),
             "selection_bias": bool(o.get("selection_bias", False)),
             "expert_dropout": 0.0,
+            "gate_bias": False,  # no transformers sigmoid router has a learned bias inside the sigmoid
         }
     return {
         "renormalize": o.get("renormalize", True),
