@@ -244,11 +244,55 @@ def render(groups: list[Group], reference: str | None = None) -> tuple[str, list
             f"† no competition step happened in {', '.join(uncompeted)}: the runs ended before the first "
             "step of their competition schedule, so they trained as plain top-K routing (train longer)"
         )
-    text = "\n".join(lines)
+    reach = steps_to_reach_text(groups, ref) if ref is not None else ""
+    for row, g in zip(rows, groups):
+        row["steps_to_reference"] = steps_to_reach(g, ref) if ref is not None and g is not ref else None
+    text = "\n".join(lines) + (f"\n\n{reach}" if reach else "")
     sweep = _sensitivity(groups, metric)
     if sweep:
         text += "\n\n" + sweep
     return text, rows
+
+
+def steps_to_reach(group: Group, reference: Group) -> float | None:
+    """Ho (2025)'s training-efficiency measure ("DeepSeek-V3 and DeepSeek-V2 consistently reach the
+    final performance of Vanilla SMoE using only 70–80 % of the total training steps"): the first
+    evaluation step at which ``group``'s validation curve (mean over its seeds) is at least as good
+    as ``reference``'s final one (mean over its seeds, at its last evaluation), as a fraction of
+    ``reference``'s last step.  ``None`` when either has no curve; ``inf`` when never reached."""
+    ref_steps, ref_mean, _, _ = curve_stats(reference)
+    steps, mean, _, _ = curve_stats(group)
+    if not ref_steps or not steps:
+        return None
+    lower = group.runs[0].metric != "acc"
+    target = ref_mean[-1]
+    for step, value in zip(steps, mean):
+        if (value <= target) if lower else (value >= target):
+            return step / ref_steps[-1]
+    return math.inf
+
+
+def steps_to_reach_text(groups: list[Group], reference: Group) -> str:
+    """The section of the report table: each group's :func:`steps_to_reach` of ``reference``."""
+    ref_steps, ref_mean, _, _ = curve_stats(reference)
+    others = [g for g in groups if g is not reference]
+    if not ref_steps or not others:
+        return ""
+    metric = reference.runs[0].metric
+    lines = [
+        f"steps to reach {reference.label}'s final validation {metric} ({_fmt(ref_mean[-1])} at step "
+        f"{ref_steps[-1]}), as a share of its steps (Ho (2025)); mean validation curves over seeds"
+    ]
+    for g in others:
+        share = steps_to_reach(g, reference)
+        if share is None:
+            cell = "no validation curve"
+        elif math.isinf(share):
+            cell = f"not reached in {curve_stats(g)[0][-1]} steps"
+        else:
+            cell = f"{share:.0%} (step {round(share * ref_steps[-1])})"
+        lines.append(f"  {g.label:<28} {cell}")
+    return "\n".join(lines)
 
 
 def _never_competed(group: Group) -> bool:
