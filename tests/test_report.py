@@ -285,3 +285,25 @@ def test_steps_to_reach_the_reference_final_validation_is_the_first_step_of_the_
         "smoe": None,
         "xmoe": float("inf"),
     }
+
+
+def test_fine_tuning_runs_show_the_share_of_parameters_they_trained(tmp_path):
+    """RepLoRA's table puts "#Params (%)" beside the accuracy: the report gives the share of the
+    model's parameters each fine-tuning trained (trainable_params over params)."""
+    for method, trained in (("lora", 20), ("replora", 35)):
+        for seed in range(2):
+            path = tmp_path / method / f"s{seed}"
+            fake_run(path, method, seed, 0.5)
+            config = yaml.safe_load((path / "config.yaml").read_text())
+            config["recorded"] = {"trainable_params": trained}
+            (path / "config.yaml").write_text(yaml.safe_dump(config))
+    fake_run(tmp_path / "plain" / "s0", "smoe", 0, 0.5)  # a run that records none
+    text, rows = render(group_runs(collect_runs([tmp_path])), None)
+    shares = {r["group"]: r["trained_share"] for r in rows}
+    assert shares == {"lora": pytest.approx(0.02), "replora": pytest.approx(0.035), "smoe": None}
+    assert "trained %" in text.splitlines()[0]
+    assert {line.split()[0]: line.split()[-1] for line in text.splitlines()[2:5]} == {
+        "lora": "2",
+        "replora": "3.5",
+        "smoe": "—",
+    }

@@ -221,11 +221,15 @@ def render(groups: list[Group], reference: str | None = None) -> tuple[str, list
                 "tokens_per_s": sum(tps) / len(tps) if tps else None,
                 "best": g is best,
                 "competed": not _never_competed(g),
+                "trained_share": _trained_share(g),
             }
         )
+    trained = any(row["trained_share"] is not None for row in rows)
     direction = "lower" if lower else "higher"
     ref_name = ref.label if ref is not None else "none"
     header = f"{'method':<28} {'n':>2}  {'test ' + metric + ' (mean ± std)':<24} {'p vs ' + ref_name:>16}  {'params/active':>17}  {'tokens/s':>8}"
+    if trained:  # fine-tuning runs: the share of the model's parameters trained (RepLoRA's "#Params (%)")
+        header += f"  {'trained %':>9}"
     lines = [header, "-" * len(header)]
     for row, g in zip(rows, groups):
         cell = f"{_fmt(row[f'test_{metric}_mean'])} ± {_fmt(row[f'test_{metric}_std'])}"
@@ -234,9 +238,11 @@ def render(groups: list[Group], reference: str | None = None) -> tuple[str, list
         pa = f"{_short(row['params'])}/{_short(row['active_params'])}"
         tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "—"
         label = g.label + (" †" if _never_competed(g) else "")
-        lines.append(
-            f"{label:<28} {row['n']:>2}  {cell:<24} {_fmt(row['p_value'], 3):>16}  {pa:>17}  {tps:>8}"
-        )
+        line = f"{label:<28} {row['n']:>2}  {cell:<24} {_fmt(row['p_value'], 3):>16}  {pa:>17}  {tps:>8}"
+        if trained:
+            share = row["trained_share"]
+            line += f"  {'—' if share is None else f'{100 * share:.3g}':>9}"
+        lines.append(line)
     uncompeted = [g.label for g in groups if _never_competed(g)]
     lines.append(f"* best ({direction} is better); p: two-sided Welch t-test against {ref_name} over seeds")
     if uncompeted:
@@ -293,6 +299,19 @@ def steps_to_reach_text(groups: list[Group], reference: Group) -> str:
             cell = f"{share:.0%} (step {round(share * ref_steps[-1])})"
         lines.append(f"  {g.label:<28} {cell}")
     return "\n".join(lines)
+
+
+def _trained_share(group: Group) -> float | None:
+    """The share of the model's parameters a fine-tuning trained (``trainable_params`` recorded by
+    ``moelab finetune`` over the model's ``params``: RepLoRA's "#Params (%)" column), when every run
+    of ``group`` records the same; ``None`` for runs that record none."""
+    shares = set()
+    for r in group.runs:
+        trained, total = (r.config.get("recorded") or {}).get("trainable_params"), r.metrics.get("params")
+        if not trained or not total:
+            return None
+        shares.add(trained / total)
+    return shares.pop() if len(shares) == 1 else None
 
 
 def _never_competed(group: Group) -> bool:
