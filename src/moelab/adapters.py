@@ -65,6 +65,8 @@ __all__ = [
     "AdaptedWeight",
     "LoRAFactors",
     "RepLoRAFactors",
+    "adapted_linears",
+    "adapted_weights",
     "adapter_config",
     "adapter_parameters",
     "add_adapter",
@@ -275,7 +277,7 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def _adapted_weights(model: nn.Module) -> list[tuple[str, nn.Module, str, AdaptedWeight]]:
+def adapted_weights(model: nn.Module) -> list[tuple[str, nn.Module, str, AdaptedWeight]]:
     """``(owner name, owner, tensor name, parametrization)`` of every adapted expert or router weight."""
     out = []
     for name, m in model.named_modules():
@@ -454,7 +456,8 @@ def add_adapter(
     return names
 
 
-def _adapted(model: nn.Module) -> list[tuple[str, AdaptedLinear]]:
+def adapted_linears(model: nn.Module) -> list[tuple[str, AdaptedLinear]]:
+    """``(name, layer)`` of every adapted ``nn.Linear`` of ``model``."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, AdaptedLinear)]
 
 
@@ -462,12 +465,12 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The adapter's trainable parameters by name (a shared RepLoRA module once)."""
     out: dict[str, nn.Parameter] = {}
     seen: set[int] = set()
-    for name, layer in _adapted(model):
+    for name, layer in adapted_linears(model):
         for pname, p in layer.factors.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 out[f"{name}.factors.{pname}"] = p
-    for owner, _, tensor, adapted in _adapted_weights(model):  # the names model.named_parameters() gives
+    for owner, _, tensor, adapted in adapted_weights(model):  # the names model.named_parameters() gives
         for pname, p in adapted.factors.named_parameters():
             out[_join(owner, f"parametrizations.{tensor}.0.factors.{pname}")] = p
     return out
@@ -479,8 +482,8 @@ def merge_adapter(model: nn.Module) -> nn.Module:
     (dropout aside), saves and loads as a model without adapter (:func:`moelab.save`), and its
     parameters' ``requires_grad`` is left as it was.  An adapted expert or router weight becomes
     the very tensor its forward computed (``W + ΔW``, bit for bit), in the same ``nn.Parameter``."""
-    layers = _adapted(model)
-    weights = _adapted_weights(model)
+    layers = adapted_linears(model)
+    weights = adapted_weights(model)
     if not layers and not weights:
         raise ValueError(f"model of type {type(model).__name__} holds no adapter; nothing to merge")
     with torch.no_grad():
@@ -504,9 +507,9 @@ def base_structure(model: nn.Module) -> dict[str, list[int]]:
     adapted = {n for n, m in model.named_modules() if isinstance(m, AdaptedLinear)}
     # an adapted expert or router weight: "<owner>.parametrizations.<tensor>.original" is "<owner>.<tensor>"
     originals = {
-        _join(o, f"parametrizations.{t}.original"): _join(o, t) for o, _, t, _ in _adapted_weights(model)
+        _join(o, f"parametrizations.{t}.original"): _join(o, t) for o, _, t, _ in adapted_weights(model)
     }
-    factors = tuple(_join(o, f"parametrizations.{t}.0.") for o, _, t, _ in _adapted_weights(model))
+    factors = tuple(_join(o, f"parametrizations.{t}.0.") for o, _, t, _ in adapted_weights(model))
     out: dict[str, list[int]] = {}
     for name, p in model.named_parameters():
         owner, _, rest = name.rpartition(".")  # "<layer>.base.weight" -> ("<layer>.base", "weight")

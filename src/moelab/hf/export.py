@@ -17,7 +17,7 @@ from torch import nn
 from ..layer import MoE, moe_layers
 from .convert import GatedSharedExpert, Plan, guard_save_pretrained
 
-__all__ = ["guard_save_pretrained", "to_hf"]  # the guard lives in .convert (which installs it)
+__all__ = ["block_plan", "guard_save_pretrained", "to_hf"]  # the guard lives in .convert (which installs it)
 
 _LOST = {
     "cosine": "the cosine router's projection, expert embeddings and temperature",
@@ -102,6 +102,13 @@ def _check(path: str, layer: MoE) -> Plan:
     if (layer.shared is None) != (plan.shared_name is None):
         raise _refuse(path, layer, "its shared experts differ from the block's")
     return plan
+
+
+def block_plan(path: str, layer: MoE) -> Plan:
+    """The :class:`~moelab.hf.convert.Plan` of a converted layer that can go back to its
+    transformers block (what :func:`to_hf` checks: a ``ValueError`` naming what would be lost
+    otherwise); ``path`` names the layer in the message."""
+    return _check(path, layer)
 
 
 def _sources(layer: MoE, plan: Plan) -> dict[str, torch.Tensor]:
