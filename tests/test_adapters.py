@@ -187,6 +187,17 @@ def test_an_adapted_model_compiles_without_graph_breaks():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # ~25 s of compilation
+def test_an_expert_adapter_compiles_without_graph_breaks():
+    model = lm().float()
+    add_adapter(model, "replora", rank=2, targets=[*TARGET_GROUPS["experts"], *TARGET_GROUPS["router"]])
+    randomize_adapter(model)
+    with torch.no_grad():
+        eager = model(IDX)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(IDX)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_replora_on_a_transformers_model_trains_q_and_v_and_merges_back(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
@@ -419,3 +430,9 @@ def test_expert_adapter_refusals_are_one_line():
     assert not any(isinstance(m, AdaptedWeight) for m in aoe.modules())  # a refusal changes nothing
     with pytest.raises(ValueError, match=r"match no nn.Linear, expert projection or router of MoE"):
         add_adapter(swiglu_layer(), "lora", targets=["experts.w_in"])
+    other = swiglu_layer()
+    torch.nn.utils.parametrize.register_parametrization(other.experts, "w_out", nn.Identity())
+    with pytest.raises(
+        ValueError, match=r"^target 'experts.down' is not allowed: its w_out is already parametrized$"
+    ):
+        add_adapter(other, "lora", targets=["experts.down"])
