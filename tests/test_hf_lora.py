@@ -186,6 +186,28 @@ def test_export_refusals_are_one_line(tmp_path):
         match=r"^blocks.0.attn.qkv cannot be exported: its update covers rows \[\(0, 16\), \(32, 48\)\] only \(a fused moelab qkv projection\)$",
     ):
         export_peft(qkv, tmp_path / "e")
+    from torch import nn
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    class ListedExpert(nn.Module):  # a block of per-expert modules, as from_hf converts them too
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(16, 8, bias=False), nn.Linear(16, 8, bias=False)
+            self.down_proj, self.act_fn = nn.Linear(8, 16, bias=False), nn.SiLU()
+
+    block = MixtralSparseMoeBlock(
+        transformers.MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4)
+    )
+    with torch.no_grad():
+        block.gate.weight.normal_()
+    block.experts = nn.ModuleList([ListedExpert() for _ in range(4)])
+    listed = moelab.from_hf(block)
+    add_adapter(listed, "lora", rank=2, targets=["experts.down"])
+    with pytest.raises(
+        ValueError,
+        match=r"^experts.w_out cannot be exported: its transformers block lists its experts as modules \(per-expert",
+    ):
+        export_peft(listed, tmp_path / "f")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"^path='.*file' is not allowed: it is a file; expected a folder"):
         export_peft(adapted(hf), tmp_path / "file")
