@@ -212,3 +212,23 @@ def test_export_refusals_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^path='.*file' is not allowed: it is a file; expected a folder"):
         export_peft(adapted(hf), tmp_path / "file")
     assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()
+
+
+def test_to_hf_refuses_a_layer_that_carries_an_adapter_update_until_it_is_merged():
+    from moelab.adapters import merge_adapter
+
+    hf = hf_model("olmoe")
+    model = adapted(hf, targets=TARGET_GROUPS["experts"])
+    with torch.no_grad():
+        want = model(IDS).logits
+    with pytest.raises(
+        ValueError,
+        match=r"^model.layers.0.mlp \(method='smoe'\) cannot go back to transformers: its weights carry an adapter's "
+        r"update \(moelab.adapters\); merge_adapter\(model\) first",
+    ):
+        moelab.to_hf(model)
+    merge_adapter(model)
+    moelab.to_hf(model)
+    with torch.no_grad():  # transformers' router softmax is float32
+        torch.testing.assert_close(model(IDS).logits, want, rtol=0, atol=1e-6)
+        assert (model(IDS).logits - hf(IDS).logits).abs().max().item() > 0.1  # the update went back too
