@@ -271,3 +271,113 @@ def test_a_bank_that_is_not_an_expert_bank_is_refused():
     layer = moelab.MoE(16, 4, 2, experts=experts)
     with pytest.raises(ValueError, match=r"has experts of type ModuleExperts; expected an ExpertBank"):
         prune.expert_statistics(layer, [torch.randn(8, 16)])
+
+
+# ------------------------------------------------------------------ the commands
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from moelab.cli import main
+
+    root = tmp_path_factory.mktemp("prune")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(400)))
+    out = root / "lm"
+    args = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "8", "--steps", "4", "--eval-every", "4", "--eval-tokens", "64",
+            "--test-tokens", "64", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    return out, corpus
+
+
+def test_prune_and_merge_commands_write_runs_that_load_and_read_as_lm_runs(trained, tmp_path):
+    from moelab.cli import main
+    from moelab.experiments.finetune import read_lm_run
+
+    run, corpus = trained
+    common = ["--from", str(run), "--keep", "0.5", "--calib", str(corpus), "--calib-tokens", "256"]
+    assert main(["prune", *common, "--method", "reap", "--out", str(tmp_path / "p")]) == 0
+    assert main(["merge-experts", *common, "--method", "frequency", "--out", str(tmp_path / "m")]) == 0
+    for out in ("p", "m"):
+        model = moelab.load(tmp_path / out)
+        assert isinstance(model, TransformerLM) and model.cfg.num_experts == 4
+        config, tokenizer = read_lm_run(tmp_path / out)  # what `moelab eval` / `finetune` open
+        assert config.num_experts == 4 and tokenizer is not None
+    import json
+
+    metrics = json.loads((tmp_path / "p" / "metrics.json").read_text())
+    kept = metrics["kept"]["blocks.0.ffn"]
+    reap = metrics["reap"]["blocks.0.ffn"]
+    assert kept == sorted(sorted(range(8), key=lambda e: -reap[e])[:4])
+
+
+def test_prune_command_refusals_are_one_line(trained, tmp_path, capsys):
+    from moelab.cli import main
+
+    run, _ = trained
+    assert main(["prune", "--from", str(run), "--keep", "0.5", "--out", str(tmp_path / "a")]) == 2
+    assert "--method 'reap' needs --calib (the calibration tokens)" in capsys.readouterr().err
+    assert (
+        main(
+            ["prune", "--from", str(run), "--keep", "0.1", "--method", "random", "--out", str(tmp_path / "b")]
+        )
+        == 2
+    )
+    assert "keep leaves 1 experts in blocks.0.ffn, fewer than its top_k=2" in capsys.readouterr().err
+    assert main(["prune", "--from", str(tmp_path / "nope"), "--keep", "0.5", "--method", "random",
+                 "--out", str(tmp_path / "c")]) == 2  # fmt: skip
+    assert "is not a folder; expected a moelab run or a transformers model" in capsys.readouterr().err
+    tokens = tmp_path / "t.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"ids": torch.zeros(10, dtype=torch.int64)}, tokens)
+    assert (
+        main(
+            [
+                "prune",
+                "--from",
+                str(run),
+                "--keep",
+                "0.5",
+                "--calib",
+                str(tokens),
+                "--out",
+                str(tmp_path / "d"),
+            ]
+        )
+        == 2
+    )
+    assert "holds no integer tensor 'tokens'" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()  # refused before the folder opens
+
+
+def test_prune_command_takes_a_transformers_folder_with_a_token_file(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from moelab.cli import main
+
+    cfg = transformers.MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    tokens = tmp_path / "tokens.safetensors"
+    save_file({"tokens": torch.randint(0, 50, (2000,), generator=torch.Generator().manual_seed(0))}, tokens)
+    base = [
+        "prune",
+        "--from",
+        str(tmp_path / "hf"),
+        "--keep",
+        "0.5",
+        "--block-size",
+        "16",
+        "--calib-tokens",
+        "256",
+    ]
+    assert main([*base, "--calib", "stdlib", "--out", str(tmp_path / "x")]) == 2
+    assert (
+        "is a text dataset, which moelab cannot tokenize for a transformers model" in capsys.readouterr().err
+    )
+    assert main([*base, "--calib", str(tokens), "--out", str(tmp_path / "p")]) == 0
+    model = moelab.load(tmp_path / "p")
+    assert model.config.num_local_experts == 2 and moe_layers(model)[0].config.num_experts == 2
