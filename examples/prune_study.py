@@ -10,6 +10,9 @@ same bytes.  Every cell is appended to ``OUT/cells.csv`` as it finishes, so a re
 an interrupted one stopped; ``OUT/table.md`` and the plot are written from it at the end.  Usage::
 
     python examples/prune_study.py --runs runs/prune-base --out runs/prune-study
+    # or one process per router, then one table:
+    python examples/prune_study.py --runs runs/by-router/smoe --out runs/prune-study/smoe
+    python examples/prune_study.py --merge runs/prune-study/*/cells.csv --out runs/prune-study
 """
 
 from __future__ import annotations
@@ -176,9 +179,23 @@ def main() -> None:
     parser.add_argument("--test-tokens", type=int, default=32768)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--plot", default=None, help="where to write the plot (PNG)")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="CELLS_CSV",
+        help="only summarise these cells.csv files (of studies run in parallel) into --out",
+    )
     args = parser.parse_args()
-    cells = measure(args)
-    summarise(cells, Path(args.out), Path(args.plot) if args.plot else Path(args.out) / "prune_bpc.png")
+    out = Path(args.out)
+    if args.merge:
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [line for f in args.merge for line in Path(f).read_text().splitlines()[1:]]
+        (out / "cells.csv").write_text("\n".join([",".join(FIELDS), *rows]) + "\n")
+        cells = out / "cells.csv"
+    else:
+        cells = measure(args)
+    summarise(cells, out, Path(args.plot) if args.plot else out / "prune_bpc.png")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,14 @@ def _ids(seed: int = 1, batch: int = 4) -> torch.Tensor:
 def _layer(method: str, n: int = 8, k: int = 2, seed: int = 0, **options) -> moelab.MoE:
     torch.manual_seed(seed)
     layer = moelab.MoE(16, n, k, d_hidden=12, method=method, **options).eval()
-    bias = getattr(layer.router.base_router, "selection_bias", None)
-    if bias is not None:  # a trained bias, so that slicing it matters
-        bias.copy_(torch.linspace(-0.05, 0.05, bias.numel()))
+    router = layer.router.base_router
+    for name in (
+        "selection_bias",
+        *router.expert_tensors,
+    ):  # trained state (β of quantile balancing), not zeros
+        buffer = router._buffers.get(name)
+        if buffer is not None:
+            buffer.copy_(torch.linspace(-0.05, 0.05, buffer.numel()).flip(0))
     return layer
 
 
