@@ -26,8 +26,9 @@ from ..config import MAX_COUNT, Interval, Options, setting
 from ..data.classification import TASKS, ClassificationData, load_classification, subsample_train
 from ..data.text import tokenizer_from_state
 from ..io.atomic import read_json, sha256_file
-from ..io.model import load
+from ..io.model import load, read_config
 from ..io.model import resolve as resolve_model
+from ..io.rundir import read_yaml
 from ..layer import moe_layers
 from ..models.classifier import LMClassifier, freeze_all_but_experts, freeze_routers
 from ..models.lm import TransformerLM
@@ -62,6 +63,15 @@ def read_lm_run(run_dir: str | Path) -> tuple[TrainRun, Any]:
     config_path = run_dir / "config.yaml"
     if not config_path.exists():
         raise FileNotFoundError(f"--from {str(run_dir)!r} holds no moelab run (no config.yaml)")
+    command = read_yaml(config_path, repr(str(config_path))).get("command")
+    if command in ("prune", "merge-experts"):  # the run it came from, with its experts now
+        source = read_yaml(config_path, repr(str(config_path)))["source"]
+        config, tokenizer = read_lm_run(source)
+        layers = read_config(run_dir).get("moe_layers") or {}
+        experts = {v["num_experts"] for v in layers.values()}
+        return replace(
+            config, num_experts=experts.pop() if len(experts) == 1 else config.num_experts
+        ), tokenizer
     try:
         config, _ = runner.read_run_config(TrainRun, run_dir, "train")
     except ValueError as exc:

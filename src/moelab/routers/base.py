@@ -33,6 +33,7 @@ __all__ = [
     "option_default",
     "register",
     "router_options",
+    "softmax_over_all",
 ]
 
 #: router family name → class; filled by :func:`register` when ``moelab.routers`` is imported
@@ -399,6 +400,37 @@ class Router(nn.Module):
                     "bf16; under FSDP2 mixed precision use parallelize(..., mp_policy=...), which keeps it float32)"
                 )
 
+    # ------------------------------------------------------------ removing experts (moelab.prune)
+    #: the parameters and buffers whose first dimension indexes this router's experts (a family
+    #: lists its own; the selection bias is every router's): what removing experts slices
+    expert_tensors: ClassVar[tuple[str, ...]] = ()
+
+    def expert_rows(self, keep: Tensor) -> Tensor:
+        """The rows of :attr:`expert_tensors` and of the selection bias that the experts ``keep``
+        own (the same indices, unless the router scores more than its bank's experts: MoE++)."""
+        return keep
+
+    def removal_problem(self, kept: int) -> str | None:
+        """Why this router cannot route among ``kept`` of its experts as it routes among them now
+        (a token whose chosen experts are all kept must get the same experts and weights), or
+        ``None``.  Here: none; a family whose rule reads every expert says why."""
+        return None
+
+    def kept_options(self) -> dict[str, Any]:
+        """The options whose default depends on the number of experts, at this router's values: a
+        router rebuilt with fewer experts is given them, so that only its experts change."""
+        return {}
+
+    def kept_state(self, state: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
+        """This router's ``state_dict`` (keys relative to it) with the experts ``keep`` only: the
+        rows :meth:`expert_rows` names of :attr:`expert_tensors` and of the selection bias."""
+        rows = self.expert_rows(keep)
+        out = dict(state)
+        for name in (*self.expert_tensors, "selection_bias"):
+            if name in out:
+                out[name] = out[name].index_select(0, rows.to(out[name].device))
+        return out
+
     @property
     def base_router(self) -> Router:
         """The router whose scores and rule this one routes with: itself, or the base of a router
@@ -414,6 +446,17 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}"
+
+
+def softmax_over_all(renormalize: bool) -> str | None:
+    """The removal problem of a router whose chosen weights are the softmax over all N experts
+    (``renormalize=False``): the removed experts' logits are in every token's denominator."""
+    if renormalize:
+        return None
+    return (
+        "its weights are the softmax over all N experts (renormalize=False), whose denominator the removed "
+        "experts are part of, so every kept expert's weight would change"
+    )
 
 
 def join_dependences(*parts: str | None) -> str | None:

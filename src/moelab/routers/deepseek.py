@@ -91,6 +91,12 @@ class SqrtSoftplusRouter(Router):
     takes_token_ids = True
 
     config_class = SqrtSoftplusConfig
+    expert_tensors = ("weight",)
+
+    def removal_problem(self, kept: int) -> str | None:
+        if self.hash_layers:  # the table is drawn for N experts from its seed
+            return f"its first hash_layers={self.hash_layers} layers route by a token id → expert table of all N experts"
+        return None
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

@@ -25,6 +25,7 @@ from .base import (
     join_dependences,
     mean_over_pieces,
     register,
+    softmax_over_all,
 )
 
 
@@ -89,6 +90,12 @@ class QuantileBalancingRouter(Router):
     """
 
     config_class = QuantileConfig
+    expert_tensors = ("weight", "qb_beta")
+
+    def removal_problem(self, kept: int) -> str | None:
+        if self.top_k >= kept:
+            return f"quantile balancing needs top_k={self.top_k} < the {kept} kept experts"
+        return softmax_over_all(self.renormalize)
 
     float32_buffers = (*Router.float32_buffers, "qb_beta", "qb_pending")
 

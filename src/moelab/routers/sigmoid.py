@@ -87,6 +87,12 @@ class SigmoidRouter(Router):
     gate = "sigmoid"
 
     config_class = SigmoidConfig
+    expert_tensors = ("weight",)
+
+    def removal_problem(self, kept: int) -> str | None:
+        if self.num_groups > 1:  # groups are contiguous runs of N / num_groups experts
+            return f"its experts form num_groups={self.num_groups} groups that removing experts would break"
+        return None
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

@@ -67,6 +67,12 @@ class ExpertThresholdRouter(Router):
 
     config_class = ExpertThresholdConfig
 
+    def removal_problem(self, kept: int) -> str | None:
+        return (
+            "expert-threshold weighs by the softmax over all N experts, whose denominator the removed experts "
+            "are part of, and its thresholds are quantiles of that softmax"
+        )
+
     float32_buffers = (*Router.float32_buffers, "tau", "tau_pending")
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
