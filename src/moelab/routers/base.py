@@ -250,9 +250,12 @@ class Router(nn.Module):
 
     def count_replayed(self, own: Tensor, replayed: Tensor) -> None:
         """Routing replay: the pending load of the selection bias counts the experts the tokens went
-        to (``replayed``), not the router's ``own`` choice that :meth:`count_load` counted."""
+        to (``replayed``; ``-1``: an empty slot), not the router's ``own`` choice that
+        :meth:`count_load` counted."""
         if self.training and self.selection_bias is not None and counts_this_forward():
-            delta = expert_counts(replayed, self.num_experts) - expert_counts(own, self.num_experts)
+            taken = (replayed >= 0).reshape(-1).to(torch.int64)
+            went = taken.new_zeros(self.num_experts).scatter_add_(0, replayed.clamp(min=0).reshape(-1), taken)
+            delta = went - expert_counts(own, self.num_experts)
             self.pending_load.add_(delta.to(self.pending_load.dtype))
 
     def count_load(self, indices: Tensor) -> None:
