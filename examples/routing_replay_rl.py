@@ -20,7 +20,8 @@ routes.  This script reproduces the setting at toy scale, on CPU:
 Measured per step: the reward of the sampled batch; the routing mismatch between the generation
 pass and the float32 pass over the same tokens (:func:`moelab.routes.diff`: per layer the share of
 tokens whose expert set differs, the share differing in at least one layer); the mean absolute gap
-between the generation pass's and the training pass's log-probabilities of the sampled tokens.
+between the generation pass's and the training pass's log-probabilities of the sampled tokens, and
+its largest value in the batch.
 Writes ``results.json`` and ``routing_replay_rl.png`` to ``--out``.  Usage::
 
     python examples/routing_replay_rl.py --out runs/replay-rl --seeds 5 --steps 300
@@ -89,7 +90,13 @@ def run(args: argparse.Namespace, seed: int, replay: bool) -> dict[str, list[Any
     model = build(args, seed)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(10_000 + seed)
-    log: dict[str, list[Any]] = {"reward": [], "per_layer": [], "any_layer": [], "logprob_gap": []}
+    log: dict[str, list[Any]] = {
+        "reward": [],
+        "per_layer": [],
+        "any_layer": [],
+        "logprob_gap": [],
+        "logprob_gap_max": [],
+    }
     for _ in range(args.steps):
         model.eval()
         prompts = torch.randint(0, args.vocab, (args.prompts, 1), generator=gen).repeat_interleave(
@@ -116,11 +123,12 @@ def run(args: argparse.Namespace, seed: int, replay: bool) -> dict[str, list[Any
         opt.zero_grad()
         loss.backward()
         opt.step()
-        gap = (logp.detach() - token_logprobs(gen_logits, seq)).abs().mean()
+        gap = (logp.detach() - token_logprobs(gen_logits, seq)).abs()
         log["reward"].append(float(r.mean()))
         log["per_layer"].append(mismatch.per_layer)
         log["any_layer"].append(mismatch.any_layer)
-        log["logprob_gap"].append(float(gap))
+        log["logprob_gap"].append(float(gap.mean()))
+        log["logprob_gap_max"].append(float(gap.max()))
     return log
 
 
@@ -142,6 +150,7 @@ def summarize(runs: dict[str, list[dict[str, list[Any]]]], tail: int) -> dict[st
             ],
             "any_layer": mean_sd([statistics.fmean(g["any_layer"]) for g in logs]),
             "logprob_gap": mean_sd([statistics.fmean(g["logprob_gap"]) for g in logs]),
+            "logprob_gap_max": mean_sd([statistics.fmean(g["logprob_gap_max"]) for g in logs]),
         }
     return out
 
@@ -152,19 +161,20 @@ def plot(runs: dict[str, list[dict[str, list[Any]]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
     for cond, logs in runs.items():
-        for ax, key in zip(axes, ("reward", "any_layer", "logprob_gap")):
+        for ax, key in zip(axes, ("reward", "any_layer", "logprob_gap", "logprob_gap_max")):
             series = torch.tensor([g[key] for g in logs], dtype=torch.float64)  # (seeds, steps)
             mean = series.mean(0)
             sd = series.std(0) if len(logs) > 1 else torch.zeros_like(mean)
             steps = range(1, mean.numel() + 1)
             ax.plot(steps, mean, label=cond)
-            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.25)
+            ax.fill_between(steps, (mean - sd).clamp(min=0), mean + sd, alpha=0.25)
     titles = (
         "reward of the sampled batch",
         "tokens routed differently in ≥1 layer\n(bf16 generation vs fp32 training pass)",
         "mean |log p_gen − log p_train| of the sampled tokens",
+        "largest |log p_gen − log p_train| of a batch's tokens",
     )
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=9)
@@ -217,8 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"{cond}: reward first {s['reward_first'][0]:.3f} ± {s['reward_first'][1]:.3f}, last "
             f"{s['reward_last'][0]:.3f} ± {s['reward_last'][1]:.3f}; mismatch per layer [{layers}], any layer "
-            f"{s['any_layer'][0]:.3f} ± {s['any_layer'][1]:.3f}; |Δ log p| {s['logprob_gap'][0]:.4f} ± "
-            f"{s['logprob_gap'][1]:.4f}"
+            f"{s['any_layer'][0]:.3f} ± {s['any_layer'][1]:.3f}; |Δ log p| mean {s['logprob_gap'][0]:.4f} ± "
+            f"{s['logprob_gap'][1]:.4f}, batch max {s['logprob_gap_max'][0]:.4f} ± {s['logprob_gap_max'][1]:.4f}"
         )
     print(
         f"{result['seconds']} s; wrote {args.out / 'results.json'} and {args.out / 'routing_replay_rl.png'}"

@@ -34,7 +34,7 @@ def test_the_replay_rl_example_writes_rewards_mismatch_and_curves_per_seed_and_c
                 max(layers) <= a <= min(1.0, sum(layers))
                 for layers, a in zip(log["per_layer"], log["any_layer"])
             )
-            assert all(g >= 0 for g in log["logprob_gap"])
+            assert all(0 <= g <= top for g, top in zip(log["logprob_gap"], log["logprob_gap_max"]))
     summary = saved["summary"]["replay"]
     assert len(summary["per_layer"]) == 2 and len(summary["reward_last"]) == 2  # (mean, sd)
     assert (tmp_path / "routing_replay_rl.png").read_bytes().startswith(b"\x89PNG")
