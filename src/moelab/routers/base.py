@@ -439,8 +439,9 @@ def mean_over_pieces(pending: Tensor) -> Tensor | None:
     this rank's pieces, then over the data-parallel ranks (one all-reduce of ``n + 1`` numbers, in a
     step hook; a rank without a piece counts for nothing), as Megatron-LM averages quantile balancing's
     quantiles; ``None`` when no rank had one.  One process with the ranks' batches as micro-batches
-    gets the same mean."""
-    pending = pending.float()
+    gets the same mean.  In the pending sum's dtype, at least float32 (a float64 model's β and τ keep
+    float64: a float32 mean would round the ranks' sum and one process's sum differently)."""
+    pending = pending.to(torch.promote_types(pending.dtype, torch.float32))
     count = pending[-1]
     piece = torch.cat([pending[:-1] / count.clamp(min=1), (count > 0).float().reshape(1)])
     if dist.is_available() and dist.is_initialized():
