@@ -27,6 +27,7 @@ __all__ = [
     "multi_head_attention",
     "normalized_weights",
     "resolve_renormalize",
+    "taken_weights",
     "topk_gate",
     "topk_softmax",
 ]
@@ -103,6 +104,14 @@ def topk_gate_weights_at(logits: Tensor, probs: Tensor, indices: Tensor, renorma
     if renormalize:
         return logits.gather(1, indices).softmax(dim=-1)
     return probs.gather(1, indices)
+
+
+def taken_weights(probs: Tensor, indices: Tensor) -> Tensor:
+    """``(T, W)`` the scores ``probs (T, N)`` at ``indices (T, W)``, 0 in a slot of ``-1`` (no expert):
+    the weights of a variable number of experts per token weighed by their probability, not
+    renormalised (expert-threshold's rule, token rounding's).  Routing replay weighs a recorded
+    variable choice by it."""
+    return probs.gather(1, indices.clamp(min=0)) * (indices >= 0).to(probs.dtype)
 
 
 def normalized_weights(scores: Tensor, eps: float = 0.0) -> Tensor:

@@ -340,11 +340,13 @@ class MoE(nn.Module):
             routing = self.router(x, self.experts, self.ctx, token_ids=token_ids)
         else:
             routing = self.router(x, self.experts, self.ctx)
+        rounds = self.config.token_rounding is not None and self.training  # SonicMoE's, in training
         if self.route_replay is not None:  # the recorded experts, weighed from this forward's scores
-            routing = self.route_replay.apply(self, routing)
+            routing, rounded = self.route_replay.apply(self, routing, rounds)
+            rounds = rounds and not rounded  # a recorded rounded assignment is not rounded again
         if self.check_finite:
             check_finite_scores(routing, self.layer_index, self.method)
-        if self.config.token_rounding is not None and self.training:  # SonicMoE's token rounding, in training
+        if rounds:
             routing = round_tokens(
                 routing, self.num_experts, self.config.rounding_tile, self.config.token_rounding
             )

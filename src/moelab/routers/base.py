@@ -251,9 +251,12 @@ class Router(nn.Module):
 
     def count_replayed(self, own: Tensor, replayed: Tensor) -> None:
         """Routing replay: the pending load of the selection bias counts the experts the tokens went
-        to (``replayed``), not the router's ``own`` choice that :meth:`count_load` counted."""
+        to (``replayed``; ``-1``: an empty slot), not the router's ``own`` choice that
+        :meth:`count_load` counted."""
         if self.training and self.selection_bias is not None and counts_this_forward():
-            delta = expert_counts(replayed, self.num_experts) - expert_counts(own, self.num_experts)
+            taken = (replayed >= 0).reshape(-1).to(torch.int64)
+            went = taken.new_zeros(self.num_experts).scatter_add_(0, replayed.clamp(min=0).reshape(-1), taken)
+            delta = went - expert_counts(own, self.num_experts)
             self.pending_load.add_(delta.to(self.pending_load.dtype))
 
     def count_load(self, indices: Tensor) -> None:
@@ -479,8 +482,9 @@ def mean_over_pieces(pending: Tensor) -> Tensor | None:
     this rank's pieces, then over the data-parallel ranks (one all-reduce of ``n + 1`` numbers, in a
     step hook; a rank without a piece counts for nothing), as Megatron-LM averages quantile balancing's
     quantiles; ``None`` when no rank had one.  One process with the ranks' batches as micro-batches
-    gets the same mean."""
-    pending = pending.float()
+    gets the same mean.  In the pending sum's dtype, at least float32 (a float64 model's β and τ keep
+    float64: a float32 mean would round the ranks' sum and one process's sum differently)."""
+    pending = pending.to(torch.promote_types(pending.dtype, torch.float32))
     count = pending[-1]
     piece = torch.cat([pending[:-1] / count.clamp(min=1), (count > 0).float().reshape(1)])
     if dist.is_available() and dist.is_initialized():

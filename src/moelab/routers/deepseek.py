@@ -154,13 +154,21 @@ class SqrtSoftplusRouter(Router):
         else:
             indices = self.biased(scores.detach()).topk(self.top_k, dim=-1).indices
             self.count_load(indices)
+        probs = normalized_weights(scores, NORMALIZE_EPS)
+        return Routing(indices=indices, weights=self._weigh(scores, indices), probs=probs, logits=logits)
+
+    def _weigh(self, scores: Tensor, indices: Tensor) -> Tensor:
+        """``s`` at ``indices``, normalised over them (``s / (Σ s + 1e-20)``) and scaled."""
         weights = scores.gather(1, indices)
         if self.normalize:
             weights = normalized_weights(weights, NORMALIZE_EPS)
-        if self.scale != 1.0:
-            weights = weights * self.scale
-        probs = normalized_weights(scores, NORMALIZE_EPS)
-        return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
+        return weights * self.scale if self.scale != 1.0 else weights
+
+    def weights_at(self, routing: Routing, indices: Tensor) -> Tensor:
+        """``sqrt(softplus(h))`` of the live logits at ``indices``, normalised and scaled as its own
+        choice (the bias chooses, it never weighs).  A hash layer's choice is its table: routing
+        replay keeps it (:mod:`moelab.routes` refuses a trace that differs from it)."""
+        return self._weigh(F.softplus(routing.logits).sqrt(), indices)
 
     @property
     def weights_sum_to_one(self) -> bool:
