@@ -161,6 +161,43 @@ def check_compile(method: str, steps: int = 2, **options) -> None:
         torch._dynamo.reset()
 
 
+def check_checkpointed_compile(method: str, steps: int = 3, **options) -> None:
+    """Training steps of the layer ``torch.compile``-d (``fullgraph=True``) inside non-reentrant
+    activation checkpointing (the forward recomputed in the backward) equal the eager ones, and so
+    do the router's buffers after the step hooks: a training forward's state changes once."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch._dynamo.reset()
+    eager = make(method, **options).train()
+    owner = copy.deepcopy(eager)
+    compiled = torch.compile(owner, backend="aot_eager", fullgraph=True)
+    ctx_e, ctx_c = moelab.RoutingContext(total_steps=10), moelab.RoutingContext(total_steps=10)
+    moelab.attach(eager, ctx_e)
+    moelab.attach(owner, ctx_c)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for step in range(steps):
+            x, g = torch.randn(3, 10, D, generator=gen), torch.randn(3, 10, D, generator=gen)
+            docs = doc_inputs(eager, x)
+            torch.manual_seed(step)
+            y = eager(x, **docs)
+            ((y * g).sum() + eager.aux_loss).backward()
+            torch.manual_seed(step)
+            yc = checkpoint(lambda v, d=docs: compiled(v, **d), x, use_reentrant=False)
+            ((yc * g).sum() + owner.aux_loss).backward()
+            torch.testing.assert_close(yc, y)
+            for (name, a), (_, b) in zip(eager.named_parameters(), owner.named_parameters()):
+                torch.testing.assert_close(b.grad, a.grad, msg=name)
+            ctx_e.advance()
+            ctx_c.advance()
+            eager.zero_grad()
+            owner.zero_grad()
+        for (name, a), (_, b) in zip(eager.router.named_buffers(), owner.router.named_buffers()):
+            torch.testing.assert_close(a, b, msg=name)
+    finally:
+        torch._dynamo.reset()
+
+
 def check_save_load(method: str, tmp_path, **options) -> moelab.MoE:
     """``moelab.save`` then ``moelab.load``: the same outputs, routing and router buffers (state
     the step hook changed included).  Returns the loaded layer."""

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import moelab
-from router_grid import IMPLS_WITH_SLOW_TRITON, check_compile, check_hf_refusal, check_kernel, check_save_load
+from router_grid import (
+    IMPLS_WITH_SLOW_TRITON,
+    check_checkpointed_compile,
+    check_compile,
+    check_hf_refusal,
+    check_kernel,
+    check_save_load,
+)
 
 METHOD = "default-moe"
 
@@ -164,6 +171,11 @@ def test_default_moe_under_capacity_weighs_dropped_slots_zero():
 @pytest.mark.parametrize("train", [False, True])
 def test_default_moe_every_kernel_gives_the_literal_output_and_gradients(impl, train):
     check_kernel(METHOD, impl, train=train, balance_coef=0.0, z_coef=0.0)
+
+
+@pytest.mark.slow
+def test_default_moe_compiles_per_block_under_activation_checkpointing_and_equals_eager():
+    check_checkpointed_compile(METHOD)
 
 
 def test_default_moe_compiles_as_one_graph_and_equals_eager():

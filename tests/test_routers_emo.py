@@ -12,7 +12,14 @@ import torch
 
 import moelab
 from moelab.functional import document_index
-from router_grid import IMPLS_WITH_SLOW_TRITON, check_compile, check_hf_refusal, check_kernel, check_save_load
+from router_grid import (
+    IMPLS_WITH_SLOW_TRITON,
+    check_checkpointed_compile,
+    check_compile,
+    check_hf_refusal,
+    check_kernel,
+    check_save_load,
+)
 
 METHOD = "emo"
 
@@ -194,6 +201,11 @@ def test_the_lm_routes_each_sequence_as_one_document_unless_given_documents():
 @pytest.mark.parametrize("train", [False, True])
 def test_emo_every_kernel_gives_the_literal_output_and_gradients(impl, train):
     check_kernel(METHOD, impl, train=train, balance_coef=0.0, z_coef=0.0)
+
+
+@pytest.mark.slow
+def test_emo_compiles_per_block_under_activation_checkpointing_and_equals_eager():
+    check_checkpointed_compile(METHOD)
 
 
 def test_emo_compiles_as_one_graph_and_equals_eager():
