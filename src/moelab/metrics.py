@@ -274,8 +274,18 @@ class SwappedRouter(Router):
     def rule_options(self) -> dict[str, Any]:
         return self.router.rule_options()
 
-    def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
-        r = self.router(x, experts, ctx)  # K+1 experts, by decreasing score
+    @property
+    def takes_token_ids(self) -> bool:
+        return self.router.takes_token_ids
+
+    @property
+    def takes_doc_ids(self) -> bool:
+        return self.router.takes_doc_ids
+
+    def forward(
+        self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None, **ids: Tensor
+    ) -> Routing:
+        r = self.router(x, experts, ctx, **ids)  # K+1 experts, by decreasing score (ids: as the layer passes)
         keep = [j for j in range(self.top_k + 1) if j != self.rank]  # the (K+1)-th replaces rank ``rank``
         weights = r.weights[:, keep]
         if self.router.weights_sum_to_one:

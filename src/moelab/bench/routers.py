@@ -352,7 +352,7 @@ def layer_cost(run_dir: Path, one: TrainRun, rounds: int) -> dict[str, Any]:
             if schedule is None
             else FixedSchedule(len(layers), set(range(len(layers))) if on else set()),
         )
-        modules[kind] = twin
+        modules[kind] = _with_documents(twin, model.cfg.block_size) if twin.router.takes_doc_ids else twin
     for name, module in modules.items():
         module.train()
         xin = x.detach().clone().requires_grad_(True)
@@ -382,6 +382,23 @@ def layer_cost(run_dir: Path, one: TrainRun, rounds: int) -> dict[str, Any]:
         "timing_rounds": rounds,
         "clock": "process CPU time, 1 thread",
     }
+
+
+def _with_documents(layer: Any, block: int) -> Any:
+    """``layer`` taking ``(T, d)`` tokens, each ``block`` of them one document (as the LM passes its
+    sequences), for a router that routes by document (EMO)."""
+    import torch
+
+    class WithDocuments(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            docs = torch.arange(x.shape[0], device=x.device) // block
+            return self.layer(x, doc_ids=docs)
+
+    return WithDocuments()
 
 
 def _losses(run_dir: Path) -> list[str]:

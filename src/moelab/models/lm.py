@@ -365,11 +365,22 @@ class Block(nn.Module):
             self.ffn = MLP(cfg.d_model, width, activation=cfg.activation)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, idx: Tensor | None = None) -> Tensor:
-        """``idx``: the token ids of ``x``, for an MoE router that routes by them (DeepSeek-V4's hash layers)."""
+    def forward(self, x: Tensor, idx: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
+        """``idx``: the token ids of ``x``, for an MoE router that routes by them (DeepSeek-V4's hash
+        layers); ``doc_ids``: their documents, for one that routes by document (EMO), each sequence
+        one document when ``None``."""
         x = x + self.attn(self.ln1(x))
         h = self.ln2(x)
-        h = self.ffn(h) if idx is None or not isinstance(self.ffn, MoE) else self.ffn(h, token_ids=idx)
+        if not isinstance(self.ffn, MoE):
+            h = self.ffn(h)
+        elif self.ffn.router.takes_doc_ids:
+            h = self.ffn(
+                h,
+                token_ids=idx,
+                doc_ids=torch.zeros_like(x[..., 0], dtype=torch.long) if doc_ids is None else doc_ids,
+            )
+        else:
+            h = self.ffn(h) if idx is None else self.ffn(h, token_ids=idx)
         return x + self.drop(h)
 
 
@@ -411,11 +422,13 @@ class TransformerLM(Persistent, nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return moe_layers(self)
 
-    def features(self, idx: Tensor, mask: Tensor | None = None) -> Tensor:
+    def features(self, idx: Tensor, mask: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
         """Final hidden states ``(B, L, d)`` of token ids ``idx (B, L)``; ``mask (B, L)`` (True
         for a real token) keeps padding out of the MoE layers' routing, balance and capacity
         (:func:`moelab.padding.masked_tokens`, one host sync a forward); causal attention keeps
-        right padding out of the real tokens' states."""
+        right padding out of the real tokens' states.  ``doc_ids (B, L)``: each token's document,
+        for the MoE layers that route by document (EMO); ``None``: each sequence is one document
+        (the corpora are sampled as windows of a stream)."""
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"idx of shape {tuple(idx.shape)} and dtype {idx.dtype} is not allowed; expected token ids "
@@ -442,12 +455,13 @@ class TransformerLM(Persistent, nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, L, d)
         with masked_tokens(mask):  # the scope of this forward only
             for block in self.blocks:
-                x = block(x, idx)
+                x = block(x, idx, doc_ids)
         return self.ln_f(x)
 
-    def forward(self, idx: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Logits ``(B, L, vocab)`` of ``idx (B, L)``; ``mask``: the real tokens (:meth:`features`)."""
-        return self.head(self.features(idx, mask))
+    def forward(self, idx: Tensor, mask: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
+        """Logits ``(B, L, vocab)`` of ``idx (B, L)``; ``mask``: the real tokens, ``doc_ids`` their
+        documents (:meth:`features`)."""
+        return self.head(self.features(idx, mask, doc_ids))
 
     def moelab_config(self) -> dict[str, Any]:
         """What :func:`moelab.save` records to rebuild this model (the :class:`LMConfig`, and the

@@ -183,6 +183,10 @@ class Router(nn.Module):
     #: layers): the layer passes them, from ``MoE.forward(x, token_ids=...)``
     takes_token_ids: bool = False
 
+    #: whether the router takes each token's document (``forward(..., doc_ids=docs)``, EMO's document
+    #: pools): the layer passes a dense index in ``[0, T)`` from ``MoE.forward(x, doc_ids=...)``
+    takes_doc_ids: bool = False
+
     #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
     #: the mixins above); :func:`router_options` lists its fields
     config_class: ClassVar[type] = RouterConfig
