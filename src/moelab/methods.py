@@ -287,6 +287,19 @@ for _m in [
     register_method(_m)
 
 
+# ---------------------------------------------------------------- routers without a router, routers by clustering
+register_method(
+    Method(
+        "routing-free",
+        "routing-free",
+        "no router: expert e runs iff its self-gate s_e = c_e·‖A_e x‖ − b_e ≥ θ (A_e its own low-rank gate "
+        "factor), weight s_e; λ·((1 − μ)·expert balance + μ·token balance), λ adapted to the density K/N",
+        "Routing-Free MoE (Liu et al. 2026, arXiv 2604.00801); the authors' code (liuyilun2000/RoutingFreeMoE)",
+        coefs={"rf_balance": 1.0},
+    )
+)
+
+
 # ---------------------------------------------------------------- building a preset's router
 #: options of the ``competesmoe`` router family that name its base by method (resolved here)
 _BASE_OPTIONS = ("base", "base_options")

@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registration)
     hyper,
     quantile,
     relu,
+    routing_free,
     sigmoid,
     stable,
     threshold,

@@ -58,6 +58,8 @@ class AoERouter(Router):
 
     config_class = AoEConfig
 
+    factorised_gates = "Autonomy-of-Experts"
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
         o = self.options

@@ -182,6 +182,10 @@ class Router(nn.Module):
     #: layers): the layer passes them, from ``MoE.forward(x, token_ids=...)``
     takes_token_ids: bool = False
 
+    #: the paper whose experts' gate projections are low-rank factors ``W_g = B A`` the router reads
+    #: (``A x``: the layer builds its bank with ``gate_rank``); ``None`` for a router of full-rank experts
+    factorised_gates: ClassVar[str | None] = None
+
     #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
     #: the mixins above); :func:`router_options` lists its fields
     config_class: ClassVar[type] = RouterConfig
