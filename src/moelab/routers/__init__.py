@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (registration)
     deepseek,
     dynamic,
     hyper,
+    prototype,
     quantile,
     relu,
     routing_free,
