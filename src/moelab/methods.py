@@ -311,6 +311,32 @@ for _m in [
     register_method(_m)
 
 
+# ---------------------------------------------------------------- routers without a router, routers by clustering
+register_method(
+    Method(
+        "routing-free",
+        "routing-free",
+        "no router: expert e runs iff its self-gate s_e = c_e·‖A_e x‖ − b_e ≥ θ (A_e its own low-rank gate "
+        "factor), weight s_e; λ·((1 − μ)·expert balance + μ·token balance), λ adapted to the density K/N",
+        "Routing-Free MoE (Liu et al. 2026, arXiv 2604.00801); the authors' code (liuyilun2000/RoutingFreeMoE)",
+        coefs={"rf_balance": 1.0},
+    )
+)
+
+
+register_method(
+    Method(
+        "latent-prototype",
+        "latent-prototype",
+        "[μ, log σ²] = W SiLU(LN(x)) + b; s_e = cos(μ, P_e) to N learned prototypes; TopK(s), weights softmax "
+        "over the K; KL 1e-4, orthogonality of μ and of P 0.01, prototype alignment 5e-4, no balance loss",
+        "Latent Prototype Routing (Yang 2025, arXiv 2506.21328); the authors' code and configs "
+        "(RANDO11199/LatentPrototypeRouter)",
+        coefs={"latent_kl": 1e-4, "prototype_diversity": 0.01, "prototype_alignment": 5e-4},
+    )
+)
+
+
 # ---------------------------------------------------------------- building a preset's router
 #: options of the ``competesmoe`` router family that name its base by method (resolved here)
 _BASE_OPTIONS = ("base", "base_options")

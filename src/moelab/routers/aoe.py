@@ -61,6 +61,8 @@ class AoERouter(Router):
     def removal_problem(self, kept: int) -> str | None:  # ranks by the bank's own gates: nothing to slice
         return softmax_over_all(self.weights_sum_to_one)
 
+    factorised_gates = "Autonomy-of-Experts"
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
         o = self.options

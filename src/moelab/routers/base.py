@@ -187,6 +187,10 @@ class Router(nn.Module):
     #: pools): the layer passes a dense index in ``[0, T)`` from ``MoE.forward(x, doc_ids=...)``
     takes_doc_ids: bool = False
 
+    #: the paper whose experts' gate projections are low-rank factors ``W_g = B A`` the router reads
+    #: (``A x``: the layer builds its bank with ``gate_rank``); ``None`` for a router of full-rank experts
+    factorised_gates: ClassVar[str | None] = None
+
     #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
     #: the mixins above); :func:`router_options` lists its fields
     config_class: ClassVar[type] = RouterConfig
