@@ -59,6 +59,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moelab.experiments.specialization",
         "the expert-specialization lab of Krishnamurthy et al. (2023) on image MoEs",
     ),
+    "check": (
+        "moelab.experiments.check",
+        "gradient parity of an MoE block under DDP, FSDP2, expert parallelism, kernels, compile (moelab.check)",
+    ),
 }
 
 #: subcommand → the extra it needs beyond the core dependencies (:mod:`moelab.extras`): the commands

@@ -161,7 +161,8 @@ class _Block(nn.Module):
             out = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
         else:
             out = self.inner(x)
-        return out[0] if isinstance(out, (tuple, list)) else out  # transformers blocks may add router logits
+        out = out[0] if isinstance(out, (tuple, list)) else out  # transformers blocks may add router logits
+        return out.clone() if out._base is not None else out  # FSDP2 warns of a view as a unit's output
 
 
 def _name(key: str) -> str:

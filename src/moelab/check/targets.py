@@ -196,7 +196,14 @@ def hf_target(family: str) -> Target:
     cls = getattr(importlib.import_module(path), cls_name)
 
     def build(kernel: str | None, capacity: float | None) -> nn.Module:
-        return cls(_tiny_hf_config(family, kernel))
+        block = cls(_tiny_hf_config(family, kernel))
+        # a block alone is not initialised (its PreTrainedModel's _init_weights would do it): every
+        # floating tensor drawn, a selection bias (DeepSeek-V3's) included, so that it matters
+        with torch.no_grad():
+            for t in [*block.parameters(), *block.buffers()]:
+                if t.is_floating_point():
+                    t.normal_(0.0, 0.3)
+        return block
 
     return Target(name=f"hf:{family}", build=build, d_model=8, kernels=HF_KERNELS)
 
