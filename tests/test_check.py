@@ -225,9 +225,10 @@ def test_a_shard_on_the_wrong_process_group_fails_the_expert_rows():
 
 # ---------------------------------------------------------------------------- larger grids
 @pytest.mark.slow
-def test_compile_and_checkpointing_pass_under_every_layout():
+def test_compile_and_checkpointing_pass_in_one_process_under_ddp_and_under_ep_with_fsdp2():
+    layouts = ("single", "ddp", "ep-fsdp2")
     table = parity(
-        moelab_target("smoe"), _batch(), procs=(2,), kernels=["loop"], compile=True, checkpoint=True
+        moelab_target("smoe"), _batch(), layouts, (2,), kernels=["loop"], compile=True, checkpoint=True
     )
     assert table.ok, table.format()
     assert {(r.compile, r.checkpoint) for r in table.rows} == {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,6 +70,8 @@ class Target:
         parallelize: how a layout is applied (``None``: :func:`generic_parallelize`, which has
             no expert parallelism).
         ep_reason: why expert parallelism is "not applicable" without a parallelize function.
+        rounds_in: the dtype the module rounds to inside whatever its parameters' (torchtitan's
+            experts compute in bfloat16): its tolerance is that dtype's.
     """
 
     name: str
@@ -82,7 +84,7 @@ class Target:
         "expert parallelism needs to know which parameters are experts and how tokens reach them; pass "
         "parallelize=fn (--parallelize package.module:fn) for this module"
     )
-    moelab_layers: bool = field(default=False)
+    rounds_in: torch.dtype | None = None
 
 
 def moelab_target(
@@ -128,7 +130,6 @@ def moelab_target(
         kernels=kernels,
         capacities=(None, 1.25),
         parallelize=moelab_parallelize,
-        moelab_layers=True,
     )
 
 
@@ -225,7 +226,15 @@ def titan_target() -> Target:
         )
         return titan_moe(layer)
 
-    return Target(name="titan", build=build, d_model=8)
+    return Target(
+        name="titan",
+        build=build,
+        d_model=8,
+        rounds_in=torch.bfloat16,
+        ep_reason="torchtitan applies its expert parallelism through its model's parallelize(parallel_dims), with "
+        "an all-to-all token dispatcher chosen when the MoE is built; pass parallelize=fn (--parallelize "
+        "package.module:fn) that does so",
+    )
 
 
 def import_object(spec: str, what: str) -> Any:
@@ -286,7 +295,6 @@ def callable_target(factory: Callable[..., nn.Module], d_model: int | None = Non
         d_model=width,
         kernels=kernels,
         parallelize=getattr(factory, "parallelize", None) or (moelab_parallelize if is_moelab else None),
-        moelab_layers=is_moelab,
     )
 
 
