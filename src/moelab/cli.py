@@ -64,6 +64,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moelab.experiments.merge_experts",
         "merge experts into the most used ones (M-SMoE groups; uniform or frequency-weighted averages)",
     ),
+    "check": (
+        "moelab.experiments.check",
+        "gradient parity of an MoE block under DDP, FSDP2, expert parallelism, kernels, compile (moelab.check)",
+    ),
 }
 
 #: subcommand → the extra it needs beyond the core dependencies (:mod:`moelab.extras`): the commands
