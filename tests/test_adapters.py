@@ -436,3 +436,15 @@ def test_expert_adapter_refusals_are_one_line():
         ValueError, match=r"^target 'experts.down' is not allowed: its w_out is already parametrized$"
     ):
         add_adapter(other, "lora", targets=["experts.down"])
+
+
+def test_an_expert_update_is_composed_once_per_forward(monkeypatch):
+    calls = []
+    compose = AdaptedWeight.forward
+    monkeypatch.setattr(AdaptedWeight, "forward", lambda self, w: calls.append(w.shape) or compose(self, w))
+    layer = swiglu_layer()
+    add_adapter(layer, "lora", rank=2, targets=TARGET_GROUPS["experts"])
+    x = torch.randn(5, 8, dtype=torch.float64)
+    calls.clear()
+    layer.train()(x).sum().backward()  # impl="auto": the kernel is chosen on the weights the kernel runs
+    assert sorted(calls) == [(4, 8, 4), (4, 8, 8)]  # w_out and w_in, once each
