@@ -430,6 +430,12 @@ def test_expert_adapter_refusals_are_one_line():
     assert not any(isinstance(m, AdaptedWeight) for m in aoe.modules())  # a refusal changes nothing
     with pytest.raises(ValueError, match=r"match no nn.Linear, expert projection or router of MoE"):
         add_adapter(swiglu_layer(), "lora", targets=["experts.w_in"])
+    outer = nn.Sequential(swiglu_layer())  # an adapter on a part: the whole refuses a second one
+    add_adapter(outer[0], "lora", targets=["experts.down"])
+    with pytest.raises(
+        ValueError, match=r"^model already holds adapted layers; merge_adapter\(model\) first$"
+    ):
+        add_adapter(outer, "lora", targets=["0.router"])
     other = swiglu_layer()
     torch.nn.utils.parametrize.register_parametrization(other.experts, "w_out", nn.Identity())
     with pytest.raises(
