@@ -430,9 +430,27 @@ def test_expert_adapter_refusals_are_one_line():
     assert not any(isinstance(m, AdaptedWeight) for m in aoe.modules())  # a refusal changes nothing
     with pytest.raises(ValueError, match=r"match no nn.Linear, expert projection or router of MoE"):
         add_adapter(swiglu_layer(), "lora", targets=["experts.w_in"])
+    outer = nn.Sequential(swiglu_layer())  # an adapter on a part: the whole refuses a second one
+    add_adapter(outer[0], "lora", targets=["experts.down"])
+    with pytest.raises(
+        ValueError, match=r"^model already holds adapted layers; merge_adapter\(model\) first$"
+    ):
+        add_adapter(outer, "lora", targets=["0.router"])
     other = swiglu_layer()
     torch.nn.utils.parametrize.register_parametrization(other.experts, "w_out", nn.Identity())
     with pytest.raises(
         ValueError, match=r"^target 'experts.down' is not allowed: its w_out is already parametrized$"
     ):
         add_adapter(other, "lora", targets=["experts.down"])
+
+
+def test_an_expert_update_is_composed_once_per_forward(monkeypatch):
+    calls = []
+    compose = AdaptedWeight.forward
+    monkeypatch.setattr(AdaptedWeight, "forward", lambda self, w: calls.append(w.shape) or compose(self, w))
+    layer = swiglu_layer()
+    add_adapter(layer, "lora", rank=2, targets=TARGET_GROUPS["experts"])
+    x = torch.randn(5, 8, dtype=torch.float64)
+    calls.clear()
+    layer.train()(x).sum().backward()  # impl="auto": the kernel is chosen on the weights the kernel runs
+    assert sorted(calls) == [(4, 8, 4), (4, 8, 8)]  # w_out and w_in, once each

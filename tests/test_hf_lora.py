@@ -208,6 +208,18 @@ def test_export_refusals_are_one_line(tmp_path):
         match=r"^experts.w_out cannot be exported: its transformers block lists its experts as modules \(per-expert",
     ):
         export_peft(listed, tmp_path / "f")
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    qwen2 = transformers.Qwen2MoeConfig(
+        hidden_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=12, num_experts=4
+    )
+    shared = moelab.from_hf(Qwen2MoeSparseMoeBlock(qwen2))
+    add_adapter(shared, "lora", rank=2, targets=["shared.mlp.fc_in"])
+    with pytest.raises(
+        ValueError,
+        match=r"^shared.mlp.fc_in cannot be exported: it is an nn.Linear inside a moelab layer \(its shared experts\)",
+    ):
+        export_peft(shared, tmp_path / "g")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"^path='.*file' is not allowed: it is a file; expected a folder"):
         export_peft(adapted(hf), tmp_path / "file")

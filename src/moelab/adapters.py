@@ -24,7 +24,7 @@ Expert banks and routers (:class:`AdaptedWeight`): every expert's gate, up and d
 ``W_e ← W_e + (α/r) B_e A_e``, one pair per expert or one shared by all (``share_experts``), folded
 into the weight the kernels read, as PEFT's ``target_parameters`` does.  RepLoRA on a bank gives each
 expert its own ``a_e, b_e`` and one φ₁, φ₂ for the experts of a projection: the experts are the
-mixture whose shared reparameterisation Ho (2025) argues for.  :func:`moelab.hf.peft.export_peft`
+mixture whose shared reparameterisation Ho (2025) argues for.  :func:`moelab.hf.lora.export_peft`
 writes such an adapter of a :func:`moelab.from_hf` model in PEFT's layout.
 
 Targets are module names matched by :func:`fnmatch.fnmatch` patterns.  moelab's own language models fuse
@@ -131,9 +131,8 @@ class RepLoRAFactors(nn.Module):
 
     def factors(self) -> tuple[Tensor, Tensor]:
         A = self.phi1(torch.diag_embed(self.a))  # (.., r, n): row i is φ₁ of row i of A
-        B = self.phi2(torch.diag_embed(self.b)).transpose(
-            -1, -2
-        )  # (.., m, r): column j is φ₂ of column j of B
+        # (.., m, r): column j is φ₂ of column j of B
+        B = self.phi2(torch.diag_embed(self.b)).transpose(-1, -2)
         return A, B
 
 
