@@ -182,6 +182,11 @@ class Router(nn.Module):
     #: layers): the layer passes them, from ``MoE.forward(x, token_ids=...)``
     takes_token_ids: bool = False
 
+    #: whether a learnable parameter decides the choice of experts (the diagnostics count its
+    #: routing parameters); ``False`` for a layer whose choice is fixed: DeepSeek-V4's hash layers
+    #: route by a token id table, their gate learning the weights only
+    learns_choice: bool = True
+
     #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
     #: the mixins above); :func:`router_options` lists its fields
     config_class: ClassVar[type] = RouterConfig
