@@ -401,6 +401,10 @@ class TransformerLM(Persistent, nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying (nanoGPT)
+        # numbered as moelab.attach numbers them, so a model used without a context routes each layer
+        # as its place says (DeepSeek-V4's first hash_layers are hash-routed, not every layer 0)
+        for i, layer in enumerate(moe_layers(self)):
+            layer.layer_index = i
         self._init_weights()
 
     def _init_weights(self) -> None:

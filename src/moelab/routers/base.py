@@ -191,6 +191,11 @@ class Router(nn.Module):
     #: (``A x``: the layer builds its bank with ``gate_rank``); ``None`` for a router of full-rank experts
     factorised_gates: ClassVar[str | None] = None
 
+    #: whether a learnable parameter decides the choice of experts (the diagnostics count its
+    #: routing parameters); ``False`` for a layer whose choice is fixed: DeepSeek-V4's hash layers
+    #: route by a token id table, their gate learning the weights only
+    learns_choice: bool = True
+
     #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
     #: the mixins above); :func:`router_options` lists its fields
     config_class: ClassVar[type] = RouterConfig

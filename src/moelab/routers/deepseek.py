@@ -171,6 +171,11 @@ class SqrtSoftplusRouter(Router):
         return self._weigh(F.softplus(routing.logits).sqrt(), indices)
 
     @property
+    def learns_choice(self) -> bool:
+        """A hash layer's choice is its table: no parameter learns it."""
+        return not self.hashed
+
+    @property
     def weights_sum_to_one(self) -> bool:
         return self.normalize
 
