@@ -15,7 +15,7 @@ from torch import nn
 import moelab
 from moelab import cli
 from moelab.check import moelab_target, parity, resolve
-from moelab.check.parity import kind_of
+from moelab.check.grid import kind_of
 from moelab.check.targets import callable_target, import_object, moelab_parallelize
 
 D = 8
@@ -221,6 +221,38 @@ def test_a_shard_on_the_wrong_process_group_fails_the_expert_rows():
     )
     assert _failing(table) == {("ep", "grad experts.w_in"), ("ep", "grad experts.w_out")}, table.format()
     assert table.find(quantity="output")[0].status == "pass"
+
+
+# ---------------------------------------------------------------------------- a variant that crashes
+class _Broken(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the layout broke the block")
+
+
+def _breaks(model: nn.Module, layout: str, world: int) -> nn.Module:
+    return _Broken()
+
+
+def test_a_variant_that_raises_is_a_failing_row_and_the_later_ones_are_not_run():
+    table = parity(
+        moelab_target("smoe"),
+        _batch(),
+        layouts=("single", "ddp"),
+        kernels=["loop", "grouped"],
+        capacities=[None],
+        parallelize=_breaks,
+    )
+    assert [(r.layout, r.kernel, r.quantity) for r in table.failures] == [
+        ("ddp", "loop", "-"),
+        ("ddp", "grouped", "-"),
+    ]
+    first, later = table.failures
+    assert (
+        first.note
+        == "rank 0: RuntimeError: the layout broke the block; rank 1: RuntimeError: the layout broke the block"
+    )
+    assert later.note.startswith("rank 0: not run: an earlier variant failed on this process")
+    assert all(r.status == "pass" for r in table.find(layout="single"))
 
 
 # ---------------------------------------------------------------------------- larger grids
