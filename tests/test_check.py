@@ -5,6 +5,7 @@ the check fails on exactly the row it concerns."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -19,6 +20,8 @@ from moelab.check.grid import kind_of
 from moelab.check.targets import callable_target, import_object, moelab_parallelize
 
 D = 8
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+needs_titan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan")
 
 
 def _batch(rows: int = 4, seed: int = 3) -> torch.Tensor:
@@ -51,11 +54,11 @@ def test_a_correct_moelab_layer_passes_every_layout_kernel_and_capacity_on_two_p
 @pytest.mark.parametrize(
     "family",
     [
-        "mixtral",
-        "qwen2_moe",
-        "olmoe",
-        pytest.param("qwen3_moe", marks=pytest.mark.slow),
-        pytest.param("deepseek_v3", marks=pytest.mark.slow),
+        pytest.param("mixtral", marks=needs_hf),
+        pytest.param("qwen2_moe", marks=needs_hf),
+        pytest.param("olmoe", marks=needs_hf),
+        pytest.param("qwen3_moe", marks=[needs_hf, pytest.mark.slow]),
+        pytest.param("deepseek_v3", marks=[needs_hf, pytest.mark.slow]),
     ],
 )
 def test_transformers_moe_blocks_pass_ddp_and_fsdp2_and_say_why_ep_is_not_applicable(family):
@@ -276,6 +279,7 @@ def test_every_layout_passes_on_four_processes():
 
 
 @pytest.mark.slow
+@needs_titan
 def test_torchtitans_moe_passes_ddp_and_fsdp2():
     table = parity(resolve("titan"), _batch(), layouts=("single", "ddp", "fsdp2"), procs=(2,))
     assert table.ok, table.format()
@@ -345,10 +349,10 @@ def test_a_user_factory_is_named_package_module_factory(capsys):
         (["--module", "moelab:smoe", "--procs", "3"], "procs=[3] is not allowed with a batch of 4 rows; expected process counts >= 2 that divide the batch's first dimension"),
         (["--module", "moelab:smoe", "--procs", "two"], "--procs 'two' is not allowed; expected comma-separated integers, e.g. --procs 2,4"),
         (["--module", "moelab:smoe", "--kernels", "fast"], "kernels=['fast'] is not allowed for moelab:smoe; expected some of ['loop', 'grouped', 'stream']"),
-        (["--module", "hf:mixtral", "--capacity", "off,1.25"], "capacities=[None, 1.25] is not allowed for hf:mixtral; expected some of [None]"),
+        pytest.param(["--module", "hf:mixtral", "--capacity", "off,1.25"], "capacities=[None, 1.25] is not allowed for hf:mixtral; expected some of [None]", marks=needs_hf),
         (["--module", "moelab:smoe", "--capacity", "half"], "--capacity 'half' is not allowed; expected 'off' or capacity factors > 0, e.g. --capacity off,1.25"),
         (["--module", "moelab:smoe", "--option", "impl=grouped"], "option impl='grouped' is not allowed; the check runs every kernel (kernels=) and capacity (capacities=) itself"),
-        (["--module", "hf:mixtral", "--option", "top_k=1"], "--option ['top_k'] is not allowed with module='hf:mixtral'; only moelab:<method> takes options"),
+        pytest.param(["--module", "hf:mixtral", "--option", "top_k=1"], "--option ['top_k'] is not allowed with module='hf:mixtral'; only moelab:<method> takes options", marks=needs_hf),
         (["--module", "moelab:smoe", "--option", "top_k=9"], "top_k=9 is not allowed"),
         (["--module", "no_such_module_x:f"], "module='no_such_module_x:f' cannot be imported: No module named 'no_such_module_x'"),
         (["--module", "test_check:nothing"], "module='test_check:nothing': module 'test_check' has no attribute 'nothing'"),
