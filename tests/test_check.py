@@ -38,7 +38,7 @@ def test_a_correct_moelab_layer_passes_every_layout_kernel_and_capacity_on_two_p
     assert table.ok, table.format()
     layouts = {r.layout for r in table.rows}
     assert layouts == {"single", "ddp", "fsdp2", "ep", "ep-fsdp2"}
-    assert {r.kernel for r in table.rows} == {"loop", "grouped", "stream"}
+    assert {r.kernel for r in table.rows} == {"loop", "grouped", "stream", "padded"}
     assert {r.capacity for r in table.rows} == {None, 1.25}
     # per parameter, the router's and the experts' gradients among them, float64 where it runs
     quantities = {(r.quantity, r.kind) for r in table.rows}
@@ -48,7 +48,17 @@ def test_a_correct_moelab_layer_passes_every_layout_kernel_and_capacity_on_two_p
         ("grad input", "input"),
     } <= quantities
     assert {r.dtype for r in table.find(kernel="loop")} == {"float64"}
-    assert all(r.status == "pass" and r.error <= r.tolerance for r in table.rows)
+    # pad_to_capacity (every expert on exactly C rows) runs with a capacity only: said, not skipped
+    na = [r for r in table.rows if r.status == "n/a"]
+    assert {(r.kernel, r.capacity) for r in na} == {("padded", None)}
+    assert na[0].note.startswith(
+        "the module refuses this kernel and capacity: pad_to_capacity=True is not allowed"
+    )
+    assert all(r.status == "pass" and r.error <= r.tolerance for r in table.rows if r.status != "n/a")
+    assert (
+        table.find(kernel="padded", capacity=1.25, layout="ep", quantity="grad experts.w_in")[0].status
+        == "pass"
+    )
 
 
 @pytest.mark.parametrize(
@@ -348,7 +358,7 @@ def test_a_user_factory_is_named_package_module_factory(capsys):
         (["--module", "moelab:smoe", "--layouts", "ddp,tp"], "layouts=['ddp', 'tp'] is not allowed; expected some of ['single', 'ddp', 'fsdp2', 'ep', 'ep-fsdp2']"),
         (["--module", "moelab:smoe", "--procs", "3"], "procs=[3] is not allowed with a batch of 4 rows; expected process counts >= 2 that divide the batch's first dimension"),
         (["--module", "moelab:smoe", "--procs", "two"], "--procs 'two' is not allowed; expected comma-separated integers, e.g. --procs 2,4"),
-        (["--module", "moelab:smoe", "--kernels", "fast"], "kernels=['fast'] is not allowed for moelab:smoe; expected some of ['loop', 'grouped', 'stream']"),
+        (["--module", "moelab:smoe", "--kernels", "fast"], "kernels=['fast'] is not allowed for moelab:smoe; expected some of ['loop', 'grouped', 'stream', 'padded']"),
         pytest.param(["--module", "hf:mixtral", "--capacity", "off,1.25"], "capacities=[None, 1.25] is not allowed for hf:mixtral; expected some of [None]", marks=needs_hf),
         (["--module", "moelab:smoe", "--capacity", "half"], "--capacity 'half' is not allowed; expected 'off' or capacity factors > 0, e.g. --capacity off,1.25"),
         (["--module", "moelab:smoe", "--option", "impl=grouped"], "option impl='grouped' is not allowed; the check runs every kernel (kernels=) and capacity (capacities=) itself"),

@@ -430,9 +430,12 @@ def _dtype_of(
     target: Target, kernel: str | None, capacity: float | None, x: Tensor, seed: int
 ) -> torch.dtype | str:
     """float64 where the module computes in it (a forward and backward on ``x``), else the dtype it
-    is built in; a string: why it runs in neither."""
+    is built in; a string: why it does not run (in neither, or not built with ``kernel`` and ``capacity``)."""
     torch.manual_seed(seed)
-    module = target.build(kernel, capacity)
+    try:
+        module = target.build(kernel, capacity)
+    except ValueError as exc:  # the module refuses this kernel with this capacity (padded without one)
+        return f"the module refuses this kernel and capacity: {exc}"
     native = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     reasons = []
     for dtype in dict.fromkeys((torch.float64, native)):
@@ -445,7 +448,7 @@ def _dtype_of(
             reasons.append(
                 f"{str(dtype).removeprefix('torch.')}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             )
-    return "; ".join(reasons)
+    return f"the module does not run here ({'; '.join(reasons)})"
 
 
 def parity(
@@ -552,9 +555,7 @@ def parity(
                 for v in variants:
                     dtype = dtypes[(v.kernel, v.capacity)]
                     if isinstance(dtype, str):
-                        rows += _compare(
-                            v, torch.float64, [{"na": f"the module does not run here ({dtype})"}], {}
-                        )
+                        rows += _compare(v, torch.float64, [{"na": dtype}], {})
                     else:
                         ready.append((v, dtype))
                 if layout == "single":
