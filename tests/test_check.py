@@ -5,6 +5,7 @@ the check fails on exactly the row it concerns."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -15,10 +16,12 @@ from torch import nn
 import moelab
 from moelab import cli
 from moelab.check import moelab_target, parity, resolve
-from moelab.check.parity import kind_of
+from moelab.check.grid import kind_of
 from moelab.check.targets import callable_target, import_object, moelab_parallelize
 
 D = 8
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+needs_titan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan")
 
 
 def _batch(rows: int = 4, seed: int = 3) -> torch.Tensor:
@@ -35,7 +38,7 @@ def test_a_correct_moelab_layer_passes_every_layout_kernel_and_capacity_on_two_p
     assert table.ok, table.format()
     layouts = {r.layout for r in table.rows}
     assert layouts == {"single", "ddp", "fsdp2", "ep", "ep-fsdp2"}
-    assert {r.kernel for r in table.rows} == {"loop", "grouped", "stream"}
+    assert {r.kernel for r in table.rows} == {"loop", "grouped", "stream", "padded"}
     assert {r.capacity for r in table.rows} == {None, 1.25}
     # per parameter, the router's and the experts' gradients among them, float64 where it runs
     quantities = {(r.quantity, r.kind) for r in table.rows}
@@ -45,17 +48,27 @@ def test_a_correct_moelab_layer_passes_every_layout_kernel_and_capacity_on_two_p
         ("grad input", "input"),
     } <= quantities
     assert {r.dtype for r in table.find(kernel="loop")} == {"float64"}
-    assert all(r.status == "pass" and r.error <= r.tolerance for r in table.rows)
+    # pad_to_capacity (every expert on exactly C rows) runs with a capacity only: said, not skipped
+    na = [r for r in table.rows if r.status == "n/a"]
+    assert {(r.kernel, r.capacity) for r in na} == {("padded", None)}
+    assert na[0].note.startswith(
+        "the module refuses this kernel and capacity: pad_to_capacity=True is not allowed"
+    )
+    assert all(r.status == "pass" and r.error <= r.tolerance for r in table.rows if r.status != "n/a")
+    assert (
+        table.find(kernel="padded", capacity=1.25, layout="ep", quantity="grad experts.w_in")[0].status
+        == "pass"
+    )
 
 
 @pytest.mark.parametrize(
     "family",
     [
-        "mixtral",
-        "qwen2_moe",
-        "olmoe",
-        pytest.param("qwen3_moe", marks=pytest.mark.slow),
-        pytest.param("deepseek_v3", marks=pytest.mark.slow),
+        pytest.param("mixtral", marks=needs_hf),
+        pytest.param("qwen2_moe", marks=needs_hf),
+        pytest.param("olmoe", marks=needs_hf),
+        pytest.param("qwen3_moe", marks=[needs_hf, pytest.mark.slow]),
+        pytest.param("deepseek_v3", marks=[needs_hf, pytest.mark.slow]),
     ],
 )
 def test_transformers_moe_blocks_pass_ddp_and_fsdp2_and_say_why_ep_is_not_applicable(family):
@@ -223,6 +236,38 @@ def test_a_shard_on_the_wrong_process_group_fails_the_expert_rows():
     assert table.find(quantity="output")[0].status == "pass"
 
 
+# ---------------------------------------------------------------------------- a variant that crashes
+class _Broken(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the layout broke the block")
+
+
+def _breaks(model: nn.Module, layout: str, world: int) -> nn.Module:
+    return _Broken()
+
+
+def test_a_variant_that_raises_is_a_failing_row_and_the_later_ones_are_not_run():
+    table = parity(
+        moelab_target("smoe"),
+        _batch(),
+        layouts=("single", "ddp"),
+        kernels=["loop", "grouped"],
+        capacities=[None],
+        parallelize=_breaks,
+    )
+    assert [(r.layout, r.kernel, r.quantity) for r in table.failures] == [
+        ("ddp", "loop", "-"),
+        ("ddp", "grouped", "-"),
+    ]
+    first, later = table.failures
+    assert (
+        first.note
+        == "rank 0: RuntimeError: the layout broke the block; rank 1: RuntimeError: the layout broke the block"
+    )
+    assert later.note.startswith("rank 0: not run: an earlier variant failed on this process")
+    assert all(r.status == "pass" for r in table.find(layout="single"))
+
+
 # ---------------------------------------------------------------------------- larger grids
 @pytest.mark.slow
 def test_compile_and_checkpointing_pass_in_one_process_under_ddp_and_under_ep_with_fsdp2():
@@ -244,6 +289,7 @@ def test_every_layout_passes_on_four_processes():
 
 
 @pytest.mark.slow
+@needs_titan
 def test_torchtitans_moe_passes_ddp_and_fsdp2():
     table = parity(resolve("titan"), _batch(), layouts=("single", "ddp", "fsdp2"), procs=(2,))
     assert table.ok, table.format()
@@ -312,11 +358,11 @@ def test_a_user_factory_is_named_package_module_factory(capsys):
         (["--module", "moelab:smoe", "--layouts", "ddp,tp"], "layouts=['ddp', 'tp'] is not allowed; expected some of ['single', 'ddp', 'fsdp2', 'ep', 'ep-fsdp2']"),
         (["--module", "moelab:smoe", "--procs", "3"], "procs=[3] is not allowed with a batch of 4 rows; expected process counts >= 2 that divide the batch's first dimension"),
         (["--module", "moelab:smoe", "--procs", "two"], "--procs 'two' is not allowed; expected comma-separated integers, e.g. --procs 2,4"),
-        (["--module", "moelab:smoe", "--kernels", "fast"], "kernels=['fast'] is not allowed for moelab:smoe; expected some of ['loop', 'grouped', 'stream']"),
-        (["--module", "hf:mixtral", "--capacity", "off,1.25"], "capacities=[None, 1.25] is not allowed for hf:mixtral; expected some of [None]"),
+        (["--module", "moelab:smoe", "--kernels", "fast"], "kernels=['fast'] is not allowed for moelab:smoe; expected some of ['loop', 'grouped', 'stream', 'padded']"),
+        pytest.param(["--module", "hf:mixtral", "--capacity", "off,1.25"], "capacities=[None, 1.25] is not allowed for hf:mixtral; expected some of [None]", marks=needs_hf),
         (["--module", "moelab:smoe", "--capacity", "half"], "--capacity 'half' is not allowed; expected 'off' or capacity factors > 0, e.g. --capacity off,1.25"),
         (["--module", "moelab:smoe", "--option", "impl=grouped"], "option impl='grouped' is not allowed; the check runs every kernel (kernels=) and capacity (capacities=) itself"),
-        (["--module", "hf:mixtral", "--option", "top_k=1"], "--option ['top_k'] is not allowed with module='hf:mixtral'; only moelab:<method> takes options"),
+        pytest.param(["--module", "hf:mixtral", "--option", "top_k=1"], "--option ['top_k'] is not allowed with module='hf:mixtral'; only moelab:<method> takes options", marks=needs_hf),
         (["--module", "moelab:smoe", "--option", "top_k=9"], "top_k=9 is not allowed"),
         (["--module", "no_such_module_x:f"], "module='no_such_module_x:f' cannot be imported: No module named 'no_such_module_x'"),
         (["--module", "test_check:nothing"], "module='test_check:nothing': module 'test_check' has no attribute 'nothing'"),

@@ -4,10 +4,10 @@ one eager process (docs/check.md).
 
 - :mod:`~moelab.check.targets`: what is checked (a moelab layer, a transformers block, torchtitan's
   MoE, a user's factory) and how each layout is applied to it.
-- :mod:`~moelab.check.parity`: :func:`parity`, the runs on gloo processes and the table.
+- :mod:`~moelab.check.grid`: :func:`parity`, the grid of variants, their runs on gloo processes and the table.
 """
 
-from .parity import TOLERANCES, ParityTable, Row, Variant, parity
+from .grid import TOLERANCES, ParityTable, Row, Variant, parity
 from .targets import (
     HF_FAMILIES,
     LAYOUTS,

@@ -96,12 +96,13 @@ def moelab_target(
     **options: Any,
 ) -> Target:
     """A :class:`moelab.MoE` of ``method`` (with ``options``); its kernels are the
-    :data:`moelab.experts.KERNELS` that run on the CPU, its capacities off and 1.25, and it is
-    spread by :func:`moelab.train.parallelize.parallelize`."""
+    :data:`moelab.experts.KERNELS` that run here and ``"padded"`` (``pad_to_capacity=True``: every
+    expert on exactly C rows; with a capacity only), its capacities off and 1.25, and it is spread by
+    :func:`moelab.train.parallelize.parallelize`."""
     from ..experts import KERNELS
     from ..layer import MoE
 
-    for key in ("impl", "capacity_factor"):
+    for key in ("impl", "capacity_factor", "pad_to_capacity"):
         if key in options:
             raise ValueError(
                 f"option {key}={options[key]!r} is not allowed; the check runs every kernel (kernels=) and "
@@ -111,6 +112,8 @@ def moelab_target(
 
     def build(kernel: str | None, capacity: float | None) -> nn.Module:
         extra = {} if capacity is None else {"capacity_factor": capacity}
+        if kernel == "padded":  # every expert on exactly C rows, one bmm (moelab.experts.kernels.padded_rows)
+            kernel, extra = "auto", {**extra, "pad_to_capacity": True}
         return MoE(
             d_model,
             num_experts,
@@ -123,6 +126,7 @@ def moelab_target(
         )
 
     kernels = tuple(k for k in KERNELS if k != "triton") + (("triton",) if torch.cuda.is_available() else ())
+    kernels += ("padded",)
     return Target(
         name=f"moelab:{method}",
         build=build,

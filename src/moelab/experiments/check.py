@@ -1,4 +1,4 @@
-"""``moelab check``: gradient parity of an MoE block (:func:`moelab.check.parity`): the table of
+"""``moelab check``: gradient parity of an MoE block (:func:`moelab.check.parity`, in :mod:`moelab.check.grid`): the table of
 every layout, kernel, capacity, compile and checkpointing variant against one eager process; exit
 1 when a row fails (docs/check.md)."""
 

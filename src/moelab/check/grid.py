@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import math
 import os
 import tempfile
@@ -220,10 +219,12 @@ def _run(
     if v.layout != "single":
         fn = parallelize or target.parallelize
         try:
-            forward = (fn or generic_parallelize)(block, v.layout, world)
+            forward = (fn or generic_parallelize)(block, v.layout, world) or block  # None: sharded in place
         except NotImplementedError as exc:
             reason = str(exc) if fn is not None and str(exc) else target.ep_reason
             return {"na": reason}
+        except ValueError as exc:  # the layout's refusal (the same on every process, before any collective)
+            return {"na": str(exc)}
     if v.compile:
         torch._dynamo.reset()
         block.inner = torch.compile(block.inner, backend=backend)
@@ -269,6 +270,10 @@ def _uninitialised_memory_is_nan() -> Iterator[None]:
         det.fill_uninitialized_memory = before[2]
 
 
+def _failure(exc: Exception) -> dict[str, str]:
+    return {"error": f"{type(exc).__name__}: {(str(exc) or '-').splitlines()[0]}"}
+
+
 def _worker(rank: int, world: int, folder: str, job: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -297,10 +302,15 @@ def _worker(rank: int, world: int, folder: str, job: dict[str, Any]) -> None:
                         parallelize=job["parallelize"],
                         backend=job["backend"],
                     )
-                except (
-                    ValueError
-                ) as exc:  # a layout's refusal (the same on every rank, before any collective)
-                    results[v] = {"na": str(exc)}
+                except Exception as exc:  # the module fails under this variant: a failing row, not a crash
+                    results[v] = _failure(exc)
+                    # the other processes may wait in a collective of this variant (until the timeout):
+                    # the later variants would meet them out of step
+                    for later, _ in job["variants"]:
+                        results.setdefault(
+                            later, {"error": "not run: an earlier variant failed on this process"}
+                        )
+                    break
         torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -317,14 +327,14 @@ def _spawn(world: int, job: dict[str, Any]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- comparing
-def _error(got: Tensor | None, ref: Tensor | None) -> tuple[float, str]:
-    """max |got − ref| / max |ref| (a missing gradient counts as zeros); NaN where either is not finite."""
+def _error(got: Tensor | None, ref: Tensor | None, size: float | None = None) -> tuple[float, str]:
+    """max |got − ref| / size, ``size`` by default max |ref| (a shard's outputs are measured against
+    the whole reference's largest entry); a missing gradient counts as zeros; NaN, with the reason,
+    where either is not finite or the shapes differ."""
     if got is None and ref is None:
         return 0.0, ""
-    if ref is None:
-        ref = torch.zeros_like(got)
-    if got is None:
-        got = torch.zeros_like(ref)
+    ref = torch.zeros_like(got) if ref is None else ref
+    got = torch.zeros_like(ref) if got is None else got
     if got.shape != ref.shape:
         return math.nan, f"shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
     if not torch.isfinite(ref).all():
@@ -332,13 +342,18 @@ def _error(got: Tensor | None, ref: Tensor | None) -> tuple[float, str]:
     if not torch.isfinite(got).all():
         return math.nan, "non-finite values"
     diff = (got.double() - ref.double()).abs().max().item() if got.numel() else 0.0
-    size = ref.double().abs().max().item() if ref.numel() else 0.0
+    size = _largest([ref]) if size is None else size
     return (0.0 if diff == 0 else diff / size if size else math.inf), ""
+
+
+def _largest(tensors: list[Tensor | None]) -> float:
+    return max((t.double().abs().max().item() for t in tensors if t is not None and t.numel()), default=0.0)
 
 
 def _compare(
     v: Variant, dtype: torch.dtype, ranks: list[dict], ref: dict, rounds_in: torch.dtype | None = None
 ) -> list[Row]:
+    """The rows of variant ``v``: each quantity of every process (``ranks``) against the reference."""
     # a module that rounds inside to a narrower dtype (torchtitan's bfloat16 experts) is held to its tolerance
     tol = TOLERANCES.get(rounds_in or dtype, 1e-5)
     name = str(dtype).removeprefix("torch.")
@@ -352,53 +367,31 @@ def _compare(
         compile=v.compile,
         checkpoint=v.checkpoint,
     )
+    whole = dict(base, quantity="-", kind="-", error=None, tolerance=None, dtype=name)
     if "na" in ranks[0]:
-        return [
-            Row(
-                **base,
-                quantity="-",
-                kind="-",
-                error=None,
-                tolerance=None,
-                dtype=name,
-                status="n/a",
-                note=ranks[0]["na"],
-            )
-        ]
-    quantities: list[tuple[str, str, list[tuple[Tensor | None, Tensor | None]]]] = []
-    # outputs and input gradients: rank r's shard against the reference's micro-batch r
+        return [Row(**whole, status="n/a", note=ranks[0]["na"])]
+    failed = [f"rank {r}: {res['error']}" for r, res in enumerate(ranks) if "error" in res]
+    if failed:
+        return [Row(**whole, status="fail", note="; ".join(failed) if len(ranks) > 1 else ranks[0]["error"])]
+    # (label, kind, [(got, reference)] per process, the size errors are relative to)
+    quantities: list[tuple[str, str, list[tuple[Tensor | None, Tensor | None]], float | None]] = []
     for key, label, kind in (("out", "output", "output"), ("xgrad", "grad input", "input")):
+        # process r's shard against the reference's micro-batch r, relative to the whole tensor
         pairs = [(res[key][0], ref[key][r]) for r, res in enumerate(ranks)]
-        quantities.append((label, kind, pairs))
-    quantities.append(
-        ("loss", "loss", [(torch.tensor(res["loss"]), torch.tensor(ref["loss"])) for res in ranks])
-    )
+        quantities.append((label, kind, pairs, _largest(ref[key])))
+    losses = [(torch.tensor(res["loss"]), torch.tensor(ref["loss"])) for res in ranks]
+    quantities.append(("loss", "loss", losses, None))
     names = list(ref["grads"])
     for res in ranks:
         names += [k for k in res["grads"] if k not in names]
     for k in names:
-        quantities.append(
-            (f"grad {k}", kind_of(k), [(res["grads"].get(k), ref["grads"].get(k)) for res in ranks])
-        )
+        pairs = [(res["grads"].get(k), ref["grads"].get(k)) for res in ranks]
+        quantities.append((f"grad {k}", kind_of(k), pairs, None))
     rows = []
-    scale = {}  # outputs and input gradients: relative to the whole reference tensor, not one shard's
-    for key in ("out", "xgrad"):
-        full = [t for t in ref[key] if t is not None]
-        scale[key] = max((t.double().abs().max().item() for t in full), default=0.0)
-    for label, kind, pairs in quantities:
+    for label, kind, pairs, size in quantities:
         worst, note, at = 0.0, "", 0
-        for i, (g, r) in enumerate(pairs):
-            if kind in ("output", "input") and g is not None and r is not None and g.shape == r.shape:
-                if not torch.isfinite(r).all():
-                    e, n = math.nan, "the reference is not finite"
-                elif not torch.isfinite(g).all():
-                    e, n = math.nan, "non-finite values"
-                else:
-                    d = (g.double() - r.double()).abs().max().item() if g.numel() else 0.0
-                    s = scale["out" if kind == "output" else "xgrad"]
-                    e, n = (0.0 if d == 0 else d / s if s else math.inf), ""
-            else:
-                e, n = _error(g, r)
+        for i, (got, want) in enumerate(pairs):
+            e, n = _error(got, want, size)
             if math.isnan(e) or e > worst:
                 worst, note, at = e, n, i
                 if math.isnan(e):
@@ -414,7 +407,7 @@ def _compare(
                 tolerance=tol,
                 dtype=name,
                 status="pass" if ok else "fail",
-                note="; ".join(s for s in (note, where) if s),
+                note="; ".join(x for x in (note, where) if x),
             )
         )
     return rows
@@ -437,9 +430,12 @@ def _dtype_of(
     target: Target, kernel: str | None, capacity: float | None, x: Tensor, seed: int
 ) -> torch.dtype | str:
     """float64 where the module computes in it (a forward and backward on ``x``), else the dtype it
-    is built in; a string: why it runs in neither."""
+    is built in; a string: why it does not run (in neither, or not built with ``kernel`` and ``capacity``)."""
     torch.manual_seed(seed)
-    module = target.build(kernel, capacity)
+    try:
+        module = target.build(kernel, capacity)
+    except ValueError as exc:  # the module refuses this kernel with this capacity (padded without one)
+        return f"the module refuses this kernel and capacity: {exc}"
     native = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     reasons = []
     for dtype in dict.fromkeys((torch.float64, native)):
@@ -452,7 +448,7 @@ def _dtype_of(
             reasons.append(
                 f"{str(dtype).removeprefix('torch.')}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             )
-    return "; ".join(reasons)
+    return f"the module does not run here ({'; '.join(reasons)})"
 
 
 def parity(
@@ -559,14 +555,15 @@ def parity(
                 for v in variants:
                     dtype = dtypes[(v.kernel, v.capacity)]
                     if isinstance(dtype, str):
-                        rows += _compare(
-                            v, torch.float64, [{"na": f"the module does not run here ({dtype})"}], {}
-                        )
+                        rows += _compare(v, torch.float64, [{"na": dtype}], {})
                     else:
                         ready.append((v, dtype))
                 if layout == "single":
                     for v, dtype in ready:
-                        res = _run(target, v, dtype, [batch], [probe], seed=seed, backend=compile_backend)
+                        try:
+                            res = _run(target, v, dtype, [batch], [probe], seed=seed, backend=compile_backend)
+                        except Exception as exc:  # the module fails under this variant: a failing row
+                            res = _failure(exc)
                         rows += _compare(v, dtype, [res], reference(dtype, v.capacity, 1), target.rounds_in)
                     continue
                 if not ready:
@@ -591,7 +588,3 @@ def parity(
                         target.rounds_in,
                     )
     return ParityTable(target.name, rows)
-
-
-def table_json(table: ParityTable) -> str:
-    return json.dumps(table.to_dict(), indent=1)
