@@ -91,6 +91,9 @@ def compute(name: str) -> dict:
     mask = None
     if variant == "mask":
         mask = torch.rand(xshape[:-1], generator=gen) > 0.3
+    # a router that routes by document (EMO): two documents a sequence
+    docs = {"doc_ids": (torch.arange(xshape[-2]) >= xshape[-2] // 2).long().expand(xshape[:-1])}
+    docs = docs if layer.router.takes_doc_ids else {}
     layer.train()
     for step in (1, 2):
         x = torch.randn(xshape, generator=gen, dtype=torch.float64).requires_grad_()
@@ -98,7 +101,7 @@ def compute(name: str) -> dict:
         torch.manual_seed(10 + step)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            y = layer(x) if mask is None else layer(x, token_mask=mask)
+            y = layer(x, **docs) if mask is None else layer(x, token_mask=mask, **docs)
         loss = (y * r).sum() + moelab.aux_loss(layer)
         extra = step_balance_loss(layer)
         if extra is not None:
@@ -119,7 +122,7 @@ def compute(name: str) -> dict:
     torch.manual_seed(20)
     with torch.no_grad(), moelab.recording_routing(layer), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        y = layer(x) if mask is None else layer(x, token_mask=mask)
+        y = layer(x, **docs) if mask is None else layer(x, token_mask=mask, **docs)
         out["eval.y"] = _digest(y)
         _routing("eval", layer, out)
     if balance is not None:

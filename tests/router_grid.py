@@ -47,6 +47,26 @@ IMPLS_WITH_SLOW_TRITON = [
 ]
 
 
+def doc_inputs(layer: moelab.MoE, x: torch.Tensor) -> dict:
+    """The forward's extra inputs: for a router that routes by document (EMO), two documents per
+    sequence (ids 7 and 3: any integers); nothing for the others."""
+    if not layer.router.takes_doc_ids:
+        return {}
+    s = x.shape[-2]
+    return {"doc_ids": torch.where(torch.arange(s) < s // 2, 7, 3).expand(x.shape[:-1]).contiguous()}
+
+
+def router_docs(layer: moelab.MoE, x: torch.Tensor) -> dict:
+    """:func:`doc_inputs` as the layer hands them to its router for a 2-D ``x`` (one sequence)."""
+    from moelab.functional import document_index
+
+    given = doc_inputs(layer, x)
+    if not given:
+        return {}
+    ids = given["doc_ids"].reshape(-1)
+    return {"doc_ids": document_index(ids, torch.zeros_like(ids))}
+
+
 def make(method: str, impl: str = "auto", **options) -> moelab.MoE:
     torch.manual_seed(0)
     return moelab.MoE(
@@ -58,7 +78,7 @@ def literal_output(layer: moelab.MoE, x: torch.Tensor) -> torch.Tensor:
     """``Σ_{active k} w_k · expert_{i_k}(x_t)`` (+ the router's own experts' output) one token at a
     time, the routing recomputed with autograd (so gradients flow to the router and the experts as
     in the layer)."""
-    r = layer.router(x, layer.experts, layer.ctx)
+    r = layer.router(x, layer.experts, layer.ctx, **router_docs(layer, x))
     rows = []
     for t in range(x.shape[0]):
         y = x.new_zeros(D)
@@ -71,10 +91,11 @@ def literal_output(layer: moelab.MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def check_kernel(method: str, impl: str, **options) -> None:
+def check_kernel(method: str, impl: str, train: bool = False, **options) -> None:
     """The layer with kernel ``impl``: the literal output, and the gradients of ``<y, g>`` for the
-    input, the router and every expert weight."""
-    layer = make(method, impl=impl, **options).eval()
+    input, the router and every expert weight (in evaluation; ``train``: in training, the random
+    draws of both forwards from one seed)."""
+    layer = make(method, impl=impl, **options).train(train)
     with torch.no_grad():
         layer.experts.b_in.normal_()
         layer.experts.b_out.normal_()
@@ -84,7 +105,8 @@ def check_kernel(method: str, impl: str, **options) -> None:
     results = []
     for module, fn in ((layer, layer), (twin, lambda v: literal_output(twin, v))):
         xi = x.clone().requires_grad_()
-        y = fn(xi)
+        torch.manual_seed(7)
+        y = fn(xi, **doc_inputs(layer, xi)) if module is layer else fn(xi)
         (y * g).sum().backward()
         grads = {n: p.grad for n, p in module.named_parameters() if p.requires_grad}
         results.append((y.detach(), xi.grad, grads))
@@ -102,7 +124,7 @@ def check_kernel(method: str, impl: str, **options) -> None:
 def _step(module, owner, x, g):
     x = x.clone().requires_grad_()
     owner.zero_grad(set_to_none=True)
-    y = module(x)
+    y = module(x, **doc_inputs(owner, x))
     ((y * g).sum() + owner.aux_loss).backward()
     return y.detach(), x.grad, {n: p.grad for n, p in owner.named_parameters()}, owner.aux_loss.detach()
 
@@ -139,6 +161,43 @@ def check_compile(method: str, steps: int = 2, **options) -> None:
         torch._dynamo.reset()
 
 
+def check_checkpointed_compile(method: str, steps: int = 3, **options) -> None:
+    """Training steps of the layer ``torch.compile``-d (``fullgraph=True``) inside non-reentrant
+    activation checkpointing (the forward recomputed in the backward) equal the eager ones, and so
+    do the router's buffers after the step hooks: a training forward's state changes once."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch._dynamo.reset()
+    eager = make(method, **options).train()
+    owner = copy.deepcopy(eager)
+    compiled = torch.compile(owner, backend="aot_eager", fullgraph=True)
+    ctx_e, ctx_c = moelab.RoutingContext(total_steps=10), moelab.RoutingContext(total_steps=10)
+    moelab.attach(eager, ctx_e)
+    moelab.attach(owner, ctx_c)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for step in range(steps):
+            x, g = torch.randn(3, 10, D, generator=gen), torch.randn(3, 10, D, generator=gen)
+            docs = doc_inputs(eager, x)
+            torch.manual_seed(step)
+            y = eager(x, **docs)
+            ((y * g).sum() + eager.aux_loss).backward()
+            torch.manual_seed(step)
+            yc = checkpoint(lambda v, d=docs: compiled(v, **d), x, use_reentrant=False)
+            ((yc * g).sum() + owner.aux_loss).backward()
+            torch.testing.assert_close(yc, y)
+            for (name, a), (_, b) in zip(eager.named_parameters(), owner.named_parameters()):
+                torch.testing.assert_close(b.grad, a.grad, msg=name)
+            ctx_e.advance()
+            ctx_c.advance()
+            eager.zero_grad()
+            owner.zero_grad()
+        for (name, a), (_, b) in zip(eager.router.named_buffers(), owner.router.named_buffers()):
+            torch.testing.assert_close(a, b, msg=name)
+    finally:
+        torch._dynamo.reset()
+
+
 def check_save_load(method: str, tmp_path, **options) -> moelab.MoE:
     """``moelab.save`` then ``moelab.load``: the same outputs, routing and router buffers (state
     the step hook changed included).  Returns the loaded layer."""
@@ -146,15 +205,16 @@ def check_save_load(method: str, tmp_path, **options) -> moelab.MoE:
     ctx = moelab.RoutingContext(total_steps=10)
     moelab.attach(layer, ctx)
     x = torch.randn(16, D)
+    docs = doc_inputs(layer, x)
     for _ in range(3):  # the step hooks move the router's state away from its init
-        (layer(x).square().mean() + layer.aux_loss).backward()
+        (layer(x, **docs).square().mean() + layer.aux_loss).backward()
         ctx.advance()
     layer.eval()
-    expected = layer(x)
+    expected = layer(x, **docs)
     moelab.save(layer, tmp_path / "m")
     back = moelab.load(tmp_path / "m").eval()
     assert back.method == method
-    torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(back(x, **docs), expected, rtol=0, atol=0)
     assert torch.equal(back.last_routing.indices, layer.last_routing.indices)
     saved, loaded = layer.router.state_dict(), back.router.state_dict()
     assert saved.keys() == loaded.keys()
@@ -177,7 +237,8 @@ def check_hf_refusal(method: str, **options) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     layer = moelab.from_hf(block, method=method, **options)
     assert layer.method == method
-    assert layer(torch.randn(2, 5, D)).shape == (2, 5, D)
+    x = torch.randn(2, 5, D)
+    assert layer(x, **doc_inputs(layer, x)).shape == (2, 5, D)
     with pytest.raises(
         ValueError, match=rf"^the layer \(method='{method}'\) cannot go back to transformers: "
     ) as e:

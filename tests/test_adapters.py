@@ -8,7 +8,10 @@ import torch
 from torch import nn
 
 from moelab.adapters import (
+    DEFAULT_TARGETS,
+    TARGET_GROUPS,
     AdaptedLinear,
+    AdaptedWeight,
     RepLoRAFactors,
     adapter_parameters,
     add_adapter,
@@ -16,6 +19,7 @@ from moelab.adapters import (
     merge_adapter,
     save_adapter,
 )
+from moelab.experts import ExpertBank
 from moelab.models.lm import LMConfig, TransformerLM
 
 TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k=2, dropout=0.0)
@@ -143,7 +147,10 @@ def test_adapter_refusals_are_one_line(tmp_path):
         add_adapter(lm(), dropout=1)
     with pytest.raises(ValueError, match=r"hidden=7 is not allowed with kind='lora'"):
         add_adapter(lm(), "lora", hidden=7)
-    with pytest.raises(ValueError, match=r"targets=\['\*nothing'\] match no nn.Linear of TransformerLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"targets=\['\*nothing'\] match no nn.Linear, expert projection or router of TransformerLM",
+    ):
         add_adapter(lm(), targets=["*nothing"])
     with pytest.raises(ValueError, match=r"match both 'blocks.0.attn.qkv' and parts of it"):
         add_adapter(lm(), targets=["blocks.0.attn.qkv", "blocks.0.attn.qkv.q"])
@@ -173,6 +180,17 @@ def test_adapter_refusals_are_one_line(tmp_path):
 def test_an_adapted_model_compiles_without_graph_breaks():
     model = lm().float()  # float32: the experts' float64 path is not fullgraph-ready
     add_adapter(model, "replora", rank=2)
+    randomize_adapter(model)
+    with torch.no_grad():
+        eager = model(IDX)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(IDX)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # ~25 s of compilation
+def test_an_expert_adapter_compiles_without_graph_breaks():
+    model = lm().float()
+    add_adapter(model, "replora", rank=2, targets=[*TARGET_GROUPS["experts"], *TARGET_GROUPS["router"]])
     randomize_adapter(model)
     with torch.no_grad():
         eager = model(IDX)
@@ -269,3 +287,170 @@ def test_a_loaded_adapted_model_merged_saves_and_loads_back(kind, tmp_path):
     assert not any(isinstance(m, AdaptedLinear) for m in again.modules())
     with torch.no_grad():
         torch.testing.assert_close(again(*args), merged, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- expert banks and routers
+
+EXPERT_TARGETS = [*TARGET_GROUPS["experts"], *TARGET_GROUPS["router"]]
+
+
+def swiglu_layer(d: int = 8, h: int = 4, n: int = 4, seed: int = 0):
+    """A SwiGLU MoE layer in float64 (``h`` = d/2 by default: 2·I = H)."""
+    import moelab
+
+    torch.manual_seed(seed)
+    return moelab.MoE(d, n, 2, d_hidden=h, activation="swiglu").double().eval()
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("kind", ["lora", "replora"])
+def test_an_expert_adapter_adds_scale_b_a_to_every_experts_gate_up_down_and_the_router(kind, share):
+    layer = swiglu_layer()
+    w_in, w_out, router = (
+        t.detach().clone() for t in (layer.experts.w_in, layer.experts.w_out, layer.router.weight)
+    )
+    x = torch.randn(7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = layer(x)
+    names = add_adapter(layer, kind, rank=2, alpha=3.0, targets=EXPERT_TARGETS, share_experts=share)
+    assert names == ["router", "experts.gate", "experts.up", "experts.down"]
+    with torch.no_grad():
+        assert torch.equal(layer(x), before)  # B = 0 / φ₂ = 0 at start
+    randomize_adapter(layer)
+    params = adapter_parameters(layer)
+    lead = () if share else (4,)
+    if kind == "lora":
+        assert params["experts.parametrizations.w_in.0.factors.0.A"].shape == (*lead, 2, 8)
+        assert params["experts.parametrizations.w_out.0.factors.0.B"].shape == (*lead, 8, 2)
+    else:
+        assert params["experts.parametrizations.w_in.0.factors.1.a"].shape == (*lead, 2)
+    bank = layer.experts.parametrizations
+    gate_a, gate_b = bank.w_in[0].factors[0].factors()
+    up_a, up_b = bank.w_in[0].factors[1].factors()
+    down_a, down_b = bank.w_out[0].factors[0].factors()
+    r_a, r_b = layer.router.parametrizations.weight[0].factors[0].factors()
+    s = 3.0 / 2
+    with torch.no_grad():  # the literal update, expert by expert: W_e + s B_e A_e on its own rows
+        want_in = w_in + s * torch.cat([(gate_b @ gate_a).expand(4, 4, 8), (up_b @ up_a).expand(4, 4, 8)], 1)
+        want_out = w_out + s * (down_b @ down_a).expand(4, 8, 4)
+        torch.testing.assert_close(layer.experts.w_in, want_in, rtol=0, atol=1e-15)
+        torch.testing.assert_close(layer.experts.w_out, want_out, rtol=0, atol=1e-15)
+        torch.testing.assert_close(layer.router.weight, router + s * r_b @ r_a, rtol=0, atol=1e-15)
+        if not share:  # every expert its own update
+            assert not torch.equal(want_in[0] - w_in[0], want_in[1] - w_in[1])
+        assert not torch.equal(layer(x), before)
+    layer(x).sum().backward()
+    assert all(p.grad is not None for p in params.values())
+    assert layer.experts.parametrizations.w_in.original.grad is None
+
+
+def test_per_expert_replora_shares_phi_across_the_experts_of_a_projection():
+    layer = swiglu_layer()
+    add_adapter(layer, "replora", rank=2, targets=["experts.gate", "experts.down"])
+    gate, down = (
+        layer.experts.parametrizations.w_in[0].factors[0],
+        layer.experts.parametrizations.w_out[0].factors[0],
+    )
+    assert (
+        isinstance(gate, RepLoRAFactors) and gate.a.shape == (4, 2) and gate.phi1[0].weight.shape == (32, 2)
+    )
+    assert gate is not down
+    randomize_adapter(layer)
+    A, B = gate.factors()
+    for e in range(
+        4
+    ):  # expert e: φ₁(diag(a_e)), φ₂(diag(b_e)) with the one φ₁, φ₂ (the formula of RepLoRAFactors)
+        torch.testing.assert_close(A[e], gate.phi1(torch.diag(gate.a[e])), rtol=0, atol=1e-15)
+        torch.testing.assert_close(B[e], gate.phi2(torch.diag(gate.b[e])).T, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("kind", ["lora", "replora"])
+def test_merging_an_expert_adapter_is_exact_in_float64(kind, share):
+    model = lm()  # relu experts with d_hidden = d_model (I = H)
+    add_adapter(model, kind, rank=3, targets=[*EXPERT_TARGETS, *DEFAULT_TARGETS], share_experts=share)
+    randomize_adapter(model)
+    with torch.no_grad():
+        adapted = model(IDX)
+        w_in = model.blocks[0].ffn.experts.w_in.clone()
+    original = model.blocks[0].ffn.experts.parametrizations.w_in.original
+    merge_adapter(model)
+    assert type(model.blocks[0].ffn.experts) is ExpertBank and model.blocks[0].ffn.experts.w_in is original
+    assert not any(".parametrizations." in n or ".factors." in n for n, _ in model.named_parameters())
+    assert torch.equal(model.blocks[0].ffn.experts.w_in, w_in)  # the forward's W + ΔW, bit for bit
+    with torch.no_grad():
+        assert (model(IDX) - adapted).abs().max().item() <= 1e-12
+
+
+@pytest.mark.parametrize("kind", ["lora", "replora"])
+def test_an_expert_adapter_alone_saves_to_safetensors_and_loads_on_a_fresh_model(kind, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    model = lm()
+    names = add_adapter(model, kind, rank=2, targets=EXPERT_TARGETS, share_experts=kind == "replora")
+    randomize_adapter(model)
+    with torch.no_grad():
+        tuned = model(IDX)
+    path = save_adapter(model, tmp_path / "experts.safetensors")
+    with safe_open(str(path), framework="pt") as f:  # tensors + a JSON header: nothing to unpickle
+        header = json.loads(f.metadata()["moelab_adapter"])
+        assert set(f.keys()) == set(adapter_parameters(model))
+    assert header["targets"] == names and header.get("share_experts", False) == (kind == "replora")
+    fresh = lm()
+    assert load_adapter(fresh, path) == names
+    with torch.no_grad():
+        assert torch.equal(fresh(IDX), tuned)
+    more_experts = TransformerLM(LMConfig(vocab_size=13, **{**TINY, "num_experts": 8})).double()
+    with pytest.raises(ValueError) as err:
+        load_adapter(more_experts, path)
+    msg = str(err.value)
+    assert "\n" not in msg and "was trained on a base of another structure: shapes differ: " in msg
+    assert "blocks.0.ffn.router.weight (8, 32) (the base's (4, 32))" in msg
+    assert adapter_parameters(more_experts) == {}
+
+
+def test_expert_adapter_refusals_are_one_line():
+    import moelab
+
+    with pytest.raises(
+        ValueError, match=r"^dropout=0.1 is not allowed with targets \['blocks.0.ffn.experts.down'"
+    ):
+        add_adapter(lm(), "lora", dropout=0.1, targets=["*.experts.down"])
+    with pytest.raises(ValueError, match=r"^share_experts='yes' is not allowed; expected True or False$"):
+        add_adapter(lm(), "lora", targets=["*.experts.down"], share_experts="yes")
+    torch.manual_seed(0)
+    aoe = moelab.MoE(8, 4, 2, d_hidden=4, method="aoe", activation="swiglu")
+    with pytest.raises(
+        ValueError,
+        match=r"^target 'experts.up' is not allowed: its bank's gate projections are Autonomy-of-Experts'",
+    ):
+        add_adapter(aoe, "lora", targets=["experts.up"])
+    assert not any(isinstance(m, AdaptedWeight) for m in aoe.modules())  # a refusal changes nothing
+    with pytest.raises(ValueError, match=r"match no nn.Linear, expert projection or router of MoE"):
+        add_adapter(swiglu_layer(), "lora", targets=["experts.w_in"])
+    outer = nn.Sequential(swiglu_layer())  # an adapter on a part: the whole refuses a second one
+    add_adapter(outer[0], "lora", targets=["experts.down"])
+    with pytest.raises(
+        ValueError, match=r"^model already holds adapted layers; merge_adapter\(model\) first$"
+    ):
+        add_adapter(outer, "lora", targets=["0.router"])
+    other = swiglu_layer()
+    torch.nn.utils.parametrize.register_parametrization(other.experts, "w_out", nn.Identity())
+    with pytest.raises(
+        ValueError, match=r"^target 'experts.down' is not allowed: its w_out is already parametrized$"
+    ):
+        add_adapter(other, "lora", targets=["experts.down"])
+
+
+def test_an_expert_update_is_composed_once_per_forward(monkeypatch):
+    calls = []
+    compose = AdaptedWeight.forward
+    monkeypatch.setattr(AdaptedWeight, "forward", lambda self, w: calls.append(w.shape) or compose(self, w))
+    layer = swiglu_layer()
+    add_adapter(layer, "lora", rank=2, targets=TARGET_GROUPS["experts"])
+    x = torch.randn(5, 8, dtype=torch.float64)
+    calls.clear()
+    layer.train()(x).sum().backward()  # impl="auto": the kernel is chosen on the weights the kernel runs
+    assert sorted(calls) == [(4, 8, 4), (4, 8, 8)]  # w_out and w_in, once each

@@ -199,3 +199,34 @@ def test_benchmark_force_measures_the_cost_again_and_keeps_the_users_files(
     printed = capsys.readouterr().out
     assert printed.count("cost measured") == 2
     assert (out / "notes.csv").read_text() == "mine\n" and not (out / "competesmoe").exists()
+
+
+def test_the_plan_reads_the_pilot_in_out_and_the_table_gives_each_row_its_mdd(finished, capsys):
+    """`--plan` trains nothing: from the finished runs it prints, per comparison, Δ, its spread, the
+    minimum detectable difference and the seeds the verdict needs; the benchmark table carries the
+    same MDD per row."""
+    from moelab.experiments.summary import plan_paired
+
+    rows = _rows(finished)
+    tests = {
+        m: [
+            json.loads((finished / m / f"seed{s}" / "metrics.json").read_text())["test_bpc"] for s in range(3)
+        ]
+        for m in rows
+    }
+    for m in ("xmoe", "competesmoe"):
+        d = np.subtract(tests[m], tests["smoe"])
+        mdd = (stats.t.ppf(1 - 0.025 / 2, 2) + stats.t.ppf(0.8, 2)) * np.std(d, ddof=1) / np.sqrt(3)
+        assert float(rows[m]["mdd"]) == pytest.approx(mdd, rel=1e-9)
+        assert plan_paired(list(d), 0.02, alpha=0.025).mdd == pytest.approx(mdd, rel=1e-12)
+    assert "MDD (80% power)" in (finished / "benchmark.md").read_text()
+    before = sorted(p.name for p in finished.rglob("*"))
+    assert main(["benchmark", "--plan", "--methods", "smoe,xmoe,competesmoe", "--out", str(finished)]) == 0
+    text = capsys.readouterr().out
+    assert "| xmoe | 3 |" in text and "| competesmoe | 3 |" in text and "seeds needed (±0.02)" in text
+    assert sorted(p.name for p in finished.rglob("*")) == before  # nothing written
+
+
+def test_the_plan_refuses_a_folder_without_a_pilot(tmp_path, capsys):
+    assert main(["benchmark", "--plan", "--methods", "smoe,xmoe", "--out", str(tmp_path)]) == 2
+    assert "--plan needs a pilot: finished runs of 'smoe' and another method" in capsys.readouterr().err

@@ -24,12 +24,14 @@ def test_every_method_trains_on_cuda_and_matches_the_cpu_layer(method):
     gpu.load_state_dict(cpu.state_dict())
     gpu = gpu.to(CUDA).eval()
     x = torch.randn(4, 32, 64)
+    docs = {"doc_ids": (torch.arange(32) // 10).expand(4, 32)} if cpu.router.takes_doc_ids else {}
+    docs_gpu = {k: v.to(CUDA) for k, v in docs.items()}
     with torch.no_grad():
-        y_cpu, y_gpu = cpu(x), gpu(x.to(CUDA))
+        y_cpu, y_gpu = cpu(x, **docs), gpu(x.to(CUDA), **docs_gpu)
     torch.testing.assert_close(y_gpu.cpu(), y_cpu, atol=2e-4, rtol=2e-4)
     gpu.train()
     xg = x.to(CUDA).requires_grad_()
-    y = gpu(xg)
+    y = gpu(xg, **docs_gpu)
     (y.square().mean() + gpu.aux_loss).backward()
     assert torch.isfinite(xg.grad).all()
     assert all(torch.isfinite(p.grad).all() for p in gpu.parameters() if p.grad is not None)

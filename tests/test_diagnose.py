@@ -304,3 +304,34 @@ def test_force_removes_what_diagnose_and_report_wrote_into_a_run(run_dir, corpus
             "--test-tokens", "64", "--no-progress", "--out", str(run), "--force"]  # fmt: skip
     assert main(argv) == 0
     assert not (run / "diagnostics.json").exists() and not (run / "report").exists()
+
+
+@pytest.mark.slow  # ~15 s: trains a run; test_metrics_routing.py has the fast counterpart
+def test_diagnose_counts_deepseek_v4_hash_layers_as_routers_with_no_learnable_routing(corpus, tmp_path):
+    """A hash layer's choice is its token id table: it is a router (every per-layer diagnostic has its
+    row) whose choice no parameter learns (``routing_parameters`` 0; its gate still learns the weights);
+    the swap tests shift the scored layers' ranks and leave the table's choice as it is."""
+    out = tmp_path / "v4"
+    argv = ["train", "--data", str(corpus), "--size", "cpu", "--block-size", "16", "--batch-size", "4",
+            "--num-experts", "4", "--steps", "2", "--eval-every", "2", "--eval-tokens", "64", "--test-tokens",
+            "64", "--no-progress", "--method", "deepseek-v4", "--opt", "hash_layers=1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert main(["diagnose", str(out), "--tokens", "64"]) == 0
+    d = json.loads((out / "diagnostics.json").read_text())
+    model = moelab.load(out)
+    layers = model.moe_layers
+    assert [layer.router.hashed for layer in layers] == [True, False]
+    d_model = layers[1].d_model
+    assert d["routing_parameters"] == [0, 4 * d_model] == metrics.routing_parameters(model)
+    assert len(d["router_entropy"]) == len(d["load_cv"]) == len(d["jain"]) == 2
+    assert d["swap_top1_delta"] is not None and d["swap_topk_delta"] is not None
+    # within the swap, the hash layer routes by its table, the scored layer by its K+1 ranks less the top-1
+    ids = _batches(LMTask(load_text(str(corpus)), 16), 64)[0]
+    with torch.no_grad():
+        own = metrics.active_choices(model, ids)
+        with metrics.swap_top1(model, 0):
+            swapped = metrics.active_choices(model, ids)
+    assert torch.equal(swapped[0], own[0]) and torch.equal(
+        swapped[0], layers[0].router.tid2eid[ids.reshape(-1)]
+    )
+    assert torch.equal(swapped[1][:, 0], own[1][:, 1])  # the former 2nd is now first

@@ -306,6 +306,59 @@ def test_finetune_with_an_adapter_trains_only_the_adapter_and_the_head(
     assert adapter_config(back.lm)["kind"] == adapter and adapter_config(back.lm)["rank"] == 2
 
 
+@pytest.mark.parametrize("adapter,share", [("lora", False), ("replora", True)])
+def test_finetune_adapts_the_experts_and_routers_with_targets_and_rebuilds_the_best_weights(
+    pretrained, reviews, tmp_path, adapter, share
+):
+    import moelab
+    from moelab.adapters import adapter_config, adapter_parameters
+
+    out = tmp_path / adapter
+    args = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(out), "--steps", "2",
+            "--batch-size", "8", "--no-progress", "--adapter", adapter, "--rank", "2", "--fraction", "0.25",
+            "--targets", "experts,router", *(["--share-experts"] if share else [])]  # fmt: skip
+    assert main(args) == 0
+    back = moelab.load(out)  # the best weights rebuild with their adapter
+    cfg = adapter_config(back.lm)
+    assert cfg["kind"] == adapter and cfg.get("share_experts", False) == share
+    assert cfg["targets"][:3] == [
+        "blocks.0.ffn.router",
+        "blocks.0.ffn.experts.up",
+        "blocks.0.ffn.experts.down",
+    ]
+    trained = [
+        n
+        for n, p in adapter_parameters(back.lm).items()
+        if p.abs().sum() > 0 and n.endswith(("B", "phi2.2.weight"))
+    ]
+    assert trained  # the expert / router updates moved from zero
+    assert not any(".attn." in t for t in cfg["targets"])
+
+
+def test_finetune_targets_flags_are_checked(pretrained, reviews, tmp_path, capsys):
+    base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(tmp_path / "o")]
+    capsys.readouterr()
+    assert main([*base, "--adapter", "lora", "--targets", "experts,mlp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.endswith(
+            "--targets='experts,mlp' is not allowed; expected distinct names of attention, experts, router, comma-separated"
+        )
+        and len(err.splitlines()) == 1
+    )
+    assert main([*base, "--targets", "experts"]) == 2
+    assert "--targets='experts' is not allowed with --adapter none; it says what an adapter adapts" in (
+        capsys.readouterr().err
+    )
+    assert main([*base, "--adapter", "lora", "--share-experts"]) == 2
+    assert "--share-experts is not allowed with --targets='attention'; it shares the experts' update" in (
+        capsys.readouterr().err
+    )
+    assert main([*base, "--adapter", "lora", "--targets", "router", "--rank", "5"]) == 2
+    assert capsys.readouterr().err.endswith("4x64 router weights has rank at most 4; expected --rank <= 4\n")
+    assert not (tmp_path / "o").exists()
+
+
 def test_finetune_adapter_flags_are_checked(pretrained, reviews, tmp_path, capsys):
     base = ["finetune", "--task", str(reviews), "--from", str(pretrained), "--out", str(tmp_path / "o")]
     assert main([*base, "--rank", "4"]) == 2

@@ -299,6 +299,15 @@ def test_to_hf_refuses_a_method_transformers_cannot_express_naming_it_and_what_i
         moelab.to_hf(nn.Linear(2, 2))
 
 
+def test_to_hf_refuses_a_sigmoid_router_with_a_gate_bias_transformers_has_no_place_for():
+    layer = from_hf(_block("deepseek"))
+    assert layer.method == "sharede-v3"
+    with pytest.warns(UserWarning):
+        moelab.set_method(layer, "sharede-v3", gate_bias=True)
+    with pytest.raises(ValueError, match=r"router options \{'gate_bias': True\} differ.*would be lost"):
+        moelab.to_hf(layer)
+
+
 def test_set_method_smoe_keeps_deepseek_scale_and_normalisation_so_an_equivalent_rule_matches():
     # K = 1, one group, zero bias: the normalised sigmoid and the renormalised softmax both give
     # weight 1 to the same expert; only the routed scaling factor (2.5) tells them apart

@@ -12,6 +12,7 @@ from torch import nn
 import moelab
 from moelab.experts import ModuleExperts, grouped_mm_available
 from moelab.losses import importance_loss, mean_entropy_loss, switch_balance_loss, z_loss
+from router_grid import doc_inputs
 
 GROUPED = grouped_mm_available(torch.device("cpu"), torch.float32)
 IMPLS = ["loop", "auto"] + (["grouped"] if GROUPED else [])
@@ -42,7 +43,7 @@ def test_layer_output_is_weighted_sum_of_chosen_experts_plus_shared(impl, method
         layer.experts.b_in.normal_()
         layer.experts.b_out.normal_()
     x = torch.randn(11, 8)
-    y = layer(x)
+    y = layer(x, **doc_inputs(layer, x))
     torch.testing.assert_close(y, literal_layer_output(layer, x), rtol=1e-5, atol=1e-6)
 
 
@@ -352,7 +353,7 @@ def test_non_finite_router_logits_raise_a_clear_error(method, bad):
         RuntimeError,
         match=rf"MoE layer 3 \(method='{method}'\): router logits are not finite.*check_finite=False",
     ):
-        layer(x)
+        layer(x, **doc_inputs(layer, x))
 
 
 def test_check_finite_false_switches_the_check_off():
@@ -460,9 +461,12 @@ def test_a_layer_built_on_the_meta_device_works_after_to_empty_and_reset_paramet
     for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
         assert torch.isfinite(t).all(), name
     # (aoe's w_in holds no rows with a non-GLU activation: nothing to draw)
-    weights = [t for t in [*layer.parameters(), *layer.buffers()] if t.dim() >= 2 and t.numel()]
+    # (Default MoE's EMA of expert outputs starts at zero, as a statistic does: not drawn)
+    state = [t for n, t in layer.named_buffers() if not n.startswith("router.default_")]
+    weights = [t for t in [*layer.parameters(), *state] if t.dim() >= 2 and t.numel()]
     assert weights and all(t.std() > 0 for t in weights)  # drawn, not left as zeros or garbage
-    y = layer.eval()(torch.randn(5, 8))
+    x = torch.randn(5, 8)
+    y = layer.eval()(x, **doc_inputs(layer, x))
     assert y.shape == (5, 8) and torch.isfinite(y).all()
 
 
@@ -504,8 +508,9 @@ def test_every_method_trains_under_bf16_autocast(method):
     float32 gradients for every parameter that gets one."""
     layer = moelab.MoE(16, 4, 2, 32, method=method)
     moelab.attach(layer, moelab.RoutingContext(total_steps=10, schedule=_AlwaysCompete()))
+    x = torch.randn(32, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = layer(torch.randn(32, 16))
+        y = layer(x, **doc_inputs(layer, x))
     y.float().square().mean().backward()
     grads = [p.grad for p in layer.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)

@@ -23,10 +23,11 @@ TINY = dict(block_size=16, n_layer=2, d_model=32, n_head=2, num_experts=4, top_k
 def expected_counts(size: str, arch: str, vocab: int = 256) -> tuple[int, int]:
     """Parameter counts written out by hand (independent of count_parameters)."""
     p = PRESETS[size]
-    d, L, blk, N, K = p["d_model"], p["n_layer"], p["block_size"], 16, 2
-    h = d
+    d, L, blk, N, K = p["d_model"], p["n_layer"], p["block_size"], p.get("num_experts", 16), p.get("top_k", 2)
+    h = p.get("d_hidden", d)
+    w = p["n_head"] * p["d_head"] if "d_head" in p else d  # the attention's width
     emb = vocab * d + blk * d  # tied head
-    attn = 3 * d * d + 3 * d + d * d + d
+    attn = 3 * d * w + 3 * w + w * d + d
     norms = 2 * 2 * d
     experts = N * (d * h + h * d)
     router = N * d
@@ -924,3 +925,110 @@ def test_a_padding_mask_of_another_shape_is_refused_in_one_line():
         ValueError, match=r"mask of shape \(2, 3\) is not allowed; expected the shape of idx, \(2, 4\)"
     ):
         model(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_a_competesmoe_run_too_short_to_compete_says_so_in_the_report_table(corpus, tmp_path, capsys):
+    """At --steps 4 the coin-flip schedule's first competing step (13 at seed 0) lies beyond the run: metrics.json
+    records first_competition_step null and `moelab report` marks the row, where the numbers would
+    otherwise look like a plain top-K run's with nothing to say why."""
+    from moelab.experiments.report import collect_runs, group_runs, render
+
+    short, plain = tmp_path / "competesmoe-v1", tmp_path / "smoe"
+    assert main(tiny_args(corpus, short, "--method", "competesmoe-v1")) == 0
+    assert main(tiny_args(corpus, plain, "--method", "smoe")) == 0
+    assert json.loads((short / "metrics.json").read_text())["first_competition_step"] is None
+    assert "first_competition_step" not in json.loads((plain / "metrics.json").read_text())
+    text, rows = render(group_runs(collect_runs([tmp_path])), None)
+    assert [r["competed"] for r in rows] == [False, True]
+    assert "competesmoe-v1 †" in text and "no competition step happened in competesmoe-v1:" in text
+    assert text.count("†") == 2  # the row and the footnote: smoe's row has no mark
+
+
+def test_the_compete_1b_preset_is_competesmoe_2025_table_18_at_about_a_billion_parameters():
+    from moelab.models.lm import TRAINING, lm_config
+
+    cfg = lm_config("compete-1b", 8000)  # MoEUT's SentencePiece vocabulary
+    assert (cfg.n_layer, cfg.d_model, cfg.hidden, cfg.n_head, cfg.d_head, cfg.num_experts, cfg.top_k) == (
+        24, 1024, 512, 32, 128, 24, 8,
+    )  # fmt: skip
+    assert all(cfg.is_moe(i) for i in range(24))  # an MoE in every block's MLP
+    assert cfg.init == "moeut" and cfg.activation == "relu" and cfg.attention_width == 4096
+    with torch.device("meta"):  # the shapes only: no memory
+        model = TransformerLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    assert 0.95e9 < total < 1.1e9, total
+    assert model.blocks[0].ffn.experts.w_in.shape == (24, 512, 1024)
+    assert model.blocks[0].attn.qkv.weight.shape == (3 * 4096, 1024)
+    t = TRAINING["compete-1b"]
+    assert (t["lr"], t["schedule"], t["warmup"], t["batch_size"], t["steps"]) == (
+        2.5e-4,
+        "cosine",
+        4000,
+        64,
+        200_000,
+    )
+
+
+def test_every_value_of_a_training_preset_reaches_the_run(monkeypatch):
+    """A preset key the run's resolver does not fill (a flag with a default of its own) would be
+    silently unused."""
+    from dataclasses import fields
+
+    from moelab.experiments import runner
+    from moelab.experiments.lm import TrainRun, resolve
+    from moelab.models.lm import TRAINING
+
+    monkeypatch.setattr(runner, "check_memory", lambda *a, **k: None)  # compete-1b: over 100 GiB
+    defaults = {f.name: f.default for f in fields(TrainRun)}
+    for size, preset in TRAINING.items():
+        resolved = resolve(TrainRun(size=size))
+        for key, value in preset.items():
+            assert defaults[key] is None and getattr(resolved, key) == value, (size, key)
+
+
+def test_heads_of_their_own_width_attend_as_the_formula_says():
+    """d_head decouples the heads' width from d_model: q, k, v of n_head · d_head, each head's
+    softmax(q kᵀ/√d_head) v, concatenated and projected back to d_model."""
+    cfg = LMConfig(vocab_size=11, **{**TINY, "d_model": 12, "n_head": 2}, d_head=5)  # 2·5 ≠ 12
+    attn = TransformerLM(cfg).blocks[0].attn.double().eval()
+    x = torch.randn(3, 7, 12, dtype=torch.float64)
+    q, k, v = (x @ w.T + b for w, b in zip(attn.qkv.weight.split(10), attn.qkv.bias.split(10)))
+    heads = []
+    for h in range(2):
+        qh, kh, vh = (t[..., 5 * h : 5 * h + 5] for t in (q, k, v))
+        scores = qh @ kh.transpose(1, 2) / 5**0.5
+        scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+        heads.append(scores.softmax(-1) @ vh)
+    literal = torch.cat(heads, -1) @ attn.proj.weight.T + attn.proj.bias
+    torch.testing.assert_close(attn(x), literal, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"d_head=0 is not allowed"):
+        LMConfig(vocab_size=11, **TINY, d_head=0)
+
+
+def test_moeut_init_draws_each_tensor_at_its_stated_scale():
+    """MoEUT's init with s = √(2/L): attention in and expert in N(0, s²/d), attention out
+    N(0, s²/(H·d_head)), expert out N(0, s²/(N·h)), router rows of one norm, embedding N(0, 1/d)."""
+    torch.manual_seed(0)
+    L, d, H, dh, N, h = 4, 64, 4, 32, 8, 48
+    cfg = LMConfig(vocab_size=500, block_size=16, n_layer=L, d_model=d, n_head=H, d_head=dh, num_experts=N,
+                   top_k=2, d_hidden=h, dropout=0.0, init="moeut")  # fmt: skip
+    model = TransformerLM(cfg)
+    s = (2 / L) ** 0.5
+
+    def close(t, std, within=0.05):  # thousands of draws: the sample std within 5 % of the stated one
+        assert abs(t.std().item() / std - 1) < within, (t.std().item(), std)
+
+    close(model.tok_emb.weight, 1 / d**0.5)
+    for block in model.blocks:
+        close(block.attn.qkv.weight, s / d**0.5)
+        close(block.attn.proj.weight, s / (H * dh) ** 0.5)
+        assert not block.attn.qkv.bias.any() and not block.attn.proj.bias.any()
+        close(block.ffn.experts.w_in, s / d**0.5)
+        close(block.ffn.experts.w_out, s / (N * h) ** 0.5)
+        norms = block.ffn.router.weight.norm(dim=1)
+        torch.testing.assert_close(norms, norms[:1].expand(N))  # renormalised rows
+        close(block.ffn.router.weight, s / d**0.5, within=0.15)  # 512 draws (the default init: 1/√d, +41 %)
+    gpt2 = TransformerLM(LMConfig(**{**cfg.to_dict(), "init": "gpt2"}))
+    close(gpt2.tok_emb.weight, 0.02)
+    with pytest.raises(ValueError, match=r"init='xavier' is not allowed"):
+        LMConfig(vocab_size=5, init="xavier")

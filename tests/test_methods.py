@@ -9,10 +9,21 @@ import torch
 
 import moelab
 from moelab.methods import Method, get_method, register_method
+from router_grid import doc_inputs
 
 METHODS = moelab.methods()
 #: methods whose weights are not renormalised over the chosen K
-UNNORMALISED = {"sigma-moe", "remoe", "top-p", "expert-choice", "moepp", "aoe", "expert-threshold"}
+UNNORMALISED = {
+    "sigma-moe",
+    "remoe",
+    "top-p",
+    "expert-choice",
+    "moepp",
+    "aoe",
+    "expert-threshold",
+    "emo",
+    "default-moe",
+}
 #: methods that route a variable number of experts per token (``Routing.mask``), at most this many
 VARIABLE_K = {"remoe": 4, "top-p": 4, "expert-choice": 4, "moepp": 2, "expert-threshold": 4}
 #: methods whose router scores experts beyond the bank's N (MoE++'s zero-computation experts), and how many
@@ -44,7 +55,7 @@ def test_methods_lists_the_ten_baselines_in_order():
 def test_method_forward_backward_keeps_shape_and_gives_finite_gradients(method, shape):
     layer = make(method).train()
     x = torch.randn(*shape, requires_grad=True)
-    y = layer(x)
+    y = layer(x, **doc_inputs(layer, x))
     assert y.shape == x.shape
     assert torch.isfinite(y).all()
     (y.square().mean() + moelab.aux_loss(layer)).backward()
@@ -67,7 +78,7 @@ def test_method_routing_invariants(method, mode):
     layer = make(method)
     layer.train(mode == "train")
     x = torch.randn(3, 10, D)
-    layer(x)
+    layer(x, **doc_inputs(layer, x))
     r = layer.last_routing
     assert r.indices.dtype == torch.int64
     k = VARIABLE_K.get(method, K)
@@ -95,9 +106,9 @@ def test_method_routing_invariants(method, mode):
 def test_method_eval_forward_is_deterministic(method):
     layer = make(method).eval()
     x = torch.randn(2, 7, D)
-    y1 = layer(x)
+    y1 = layer(x, **doc_inputs(layer, x))
     r1 = layer.last_routing
-    y2 = layer(x)
+    y2 = layer(x, **doc_inputs(layer, x))
     assert torch.equal(y1, y2)
     assert torch.equal(r1.indices, layer.last_routing.indices)
 
@@ -105,7 +116,8 @@ def test_method_eval_forward_is_deterministic(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_method_last_routing_is_detached_and_aux_loss_is_0dim(method):
     layer = make(method).train()
-    layer(torch.randn(5, D, requires_grad=True))
+    x = torch.randn(5, D, requires_grad=True)
+    layer(x, **doc_inputs(layer, x))
     r = layer.last_routing
     for t in (r.indices, r.weights, r.probs, r.logits, *r.losses.values()):
         if t is not None:
@@ -118,7 +130,7 @@ def test_method_last_routing_is_detached_and_aux_loss_is_0dim(method):
 def test_method_runs_in_float64(method):
     layer = make(method).double()
     x = torch.randn(6, D, dtype=torch.float64)
-    y = layer(x)
+    y = layer(x, **doc_inputs(layer, x))
     assert y.dtype == torch.float64
     assert layer.last_routing.weights.dtype == torch.float64
 
@@ -127,9 +139,11 @@ def test_method_runs_in_float64(method):
 def test_method_is_deterministic_under_a_seed(method):
     x = torch.randn(4, D)
     torch.manual_seed(7)
-    a = make(method)(x)
+    a = make(method)
+    a = a(x, **doc_inputs(a, x))
     torch.manual_seed(7)
-    b = make(method)(x)
+    b = make(method)
+    b = b(x, **doc_inputs(b, x))
     assert torch.equal(a, b)
 
 
@@ -162,7 +176,7 @@ def test_register_method_rejects_a_duplicate_name():
 def test_method_accepts_an_empty_batch(method):
     layer = make(method).train()
     x = torch.randn(2, 0, D, requires_grad=True)
-    y = layer(x)
+    y = layer(x, **doc_inputs(layer, x))
     assert y.shape == (2, 0, D)
     assert layer.aux_loss.item() == 0.0  # not NaN: no tokens, nothing to balance
     (y.sum() + moelab.aux_loss(layer)).backward()
@@ -174,16 +188,17 @@ def test_method_layer_can_be_copied_saved_and_reloaded_after_a_forward(method, t
 
     layer = make(method).train()
     x = torch.randn(5, D)
-    layer(x)  # leaves aux_loss with an autograd graph
+    docs = doc_inputs(layer, x)
+    layer(x, **docs)  # leaves aux_loss with an autograd graph
     layer.eval()
-    expected = layer(x)
+    expected = layer(x, **docs)
     twin = copy.deepcopy(layer)
-    torch.testing.assert_close(twin(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(twin(x, **docs), expected, rtol=0, atol=0)
     torch.save(layer.state_dict(), tmp_path / "w.pt")
     torch.manual_seed(123)
     fresh = make(method).eval()
     fresh.load_state_dict(torch.load(tmp_path / "w.pt"))
-    torch.testing.assert_close(fresh(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(fresh(x, **docs), expected, rtol=0, atol=0)
 
 
 #: methods whose router has nothing a task loss could train, by design: a router frozen at its
@@ -205,7 +220,8 @@ def test_method_router_learns_from_the_task_loss_alone_at_k1_and_k2(method, k):
         assert params == []  # the exception is what the preset is, not a lost gradient
         return
     layer.config = dataclasses.replace(layer.config, coefs={})  # the task loss only: no aux gradient injected
-    layer(torch.randn(2, 6, D)).pow(2).mean().backward()
+    x = torch.randn(2, 6, D)
+    layer(x, **doc_inputs(layer, x)).pow(2).mean().backward()
     total = sum(float(p.grad.abs().sum()) for p in params if p.grad is not None)
     assert total > 1e-6, f"{method} at K={k}: the router's parameters get no gradient from the task loss"
 

@@ -186,3 +186,24 @@ def test_routing_balance_of_a_variable_k_router_counts_active_slots_only():
             load = torch.bincount(active, minlength=N).double()
             assert row["load"] == pytest.approx((load / load.sum()).tolist())
             assert row["jain"] == pytest.approx(float(load.sum() ** 2 / (N * (load * load).sum())))
+
+
+def test_a_hash_layer_is_a_router_with_no_routing_parameters_and_the_swap_keeps_its_table():
+    """DeepSeek-V4's hash layers: their choice is a token id table (their gate learns the weights only),
+    so metrics.routing_parameters counts 0 for them, and swap_top1 shifts the scored layers' ranks only."""
+    from moelab.models.lm import LMConfig, TransformerLM
+
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=11, block_size=8, n_layer=2, d_model=16, n_head=2, method="deepseek-v4",
+                   num_experts=4, top_k=2, dropout=0.0, method_options={"hash_layers": 1})  # fmt: skip
+    model = TransformerLM(cfg).eval()
+    moelab.routing_context(model, total_steps=4)  # numbers the layers: the first is hashed
+    assert [layer.router.learns_choice for layer in model.moe_layers] == [False, True]
+    assert metrics.routing_parameters(model) == [0, 4 * 16]
+    ids = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
+    own = metrics.active_choices(model, ids)
+    with metrics.swap_top1(model, 0):
+        swapped = metrics.active_choices(model, ids)
+    assert torch.equal(swapped[0], model.moe_layers[0].router.tid2eid[ids.reshape(-1)])
+    assert torch.equal(swapped[0], own[0]) and torch.equal(swapped[1][:, 0], own[1][:, 1])
+    assert metrics.routing_parameters(moelab.MoE(D, N, K)) == [N * D]

@@ -830,3 +830,134 @@ def test_compiling_the_experts_own_fsdp2_unit_says_it_breaks_the_graph_before_fu
 def test_per_block_compile_every_layout_method_and_mode_trains_as_one_eager_process(world, tmp_path):
     cases = _compiled_cases(world)
     _check_compiled(spawn(_compiled_parity, world, tmp_path, cases), world, cases)
+
+
+# ------------------------------------------------------------------ the routers of 2026: 2 ranks = one process
+#: each with an option that makes its state move visibly in 2 steps; token rounding on a top-K router
+ROUTERS_2026 = {
+    "quantile-balancing": ("quantile-balancing", {}),
+    "expert-threshold": ("expert-threshold", {"ema": 0.5}),
+    "deepseek-v4": ("deepseek-v4", {"bias_update_rate": 0.05}),
+    "token-rounding": ("smoe", {**TOKEN_MEANS, "token_rounding": "up", "rounding_tile": 3}),
+}
+#: the buffers a step hook moves: quantile balancing's β, expert-threshold's τ, the selection bias
+STEP_STATE = ("qb_beta", "tau", "tau_updates", "selection_bias")
+
+
+def _model_2026(name: str) -> tuple[torch.nn.Module, moelab.RoutingContext]:
+    torch.manual_seed(0)
+    method, options = ROUTERS_2026[name]
+    model = torch.nn.Sequential(
+        torch.nn.Linear(D, D),
+        moelab.MoE(D, 4, 2, d_hidden=6, method=method, **options),
+        torch.nn.Linear(D, C),
+    ).double()
+    return model, moelab.routing_context(model, total_steps=10)
+
+
+def _step_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in STEP_STATE}
+
+
+def _one_process_of_ranks(name: str, world: int, steps: int = 2) -> tuple[list, list, list]:
+    """One process, each step the ranks' batches as micro-batches (each loss / world, DDP's mean)."""
+    model, ctx = _model_2026(name)
+    moelab.set_aux_scale(model, 1 / world)  # the aux losses weighed as the task loss
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses, grads, states = [], [], []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for rank in range(world):
+            x, y = _batch(step, world, rank)
+            loss = _loss(WithAux(model), x, y) / world
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grads.append(_full_grads(model))
+        opt.step()
+        ctx.advance()
+        states.append(_step_state(model))
+    return losses, grads, states
+
+
+def _ranks_2026(rank: int, world: int, cases: list[tuple[str, str, int]]) -> dict:
+    from moelab.train.parallelize import parallelize
+
+    out = {}
+    for name, dp, ep in cases:
+        model, ctx = _model_2026(name)
+        forward = parallelize(WithAux(model), dp=dp, ep=ep)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        losses, grads, states = [], [], []
+        for step in range(2):
+            x, y = _batch(step, world, rank)
+            loss = _loss(forward, x, y)
+            opt.zero_grad()
+            loss.backward()
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(value.item() / world)
+            grads.append(_full_grads(model))
+            opt.step()
+            ctx.advance()
+            states.append(_step_state(model))
+        out[f"{name}/{dp}/ep{ep}"] = (losses, grads, states)
+    return out
+
+
+def _check_2026(results: list[dict], world: int, cases: list[tuple[str, str, int]]) -> None:
+    for name, dp, ep in cases:
+        ref_losses, ref_grads, ref_states = _one_process_of_ranks(name, world)
+        assert ref_losses[1] != ref_losses[0], name  # the step changed something
+        moved = [n for n, b in ref_states[1].items() if not torch.equal(b, ref_states[0][n])]
+        assert moved or name == "token-rounding", name  # the step state moved (rounding has none)
+        for rank, r in enumerate(results):
+            losses, grads, states = r[f"{name}/{dp}/ep{ep}"]
+            where = f"rank {rank}/{world}: {name} {dp} ep={ep}"
+            assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-12, where
+            for g, ref in zip(grads, ref_grads):
+                assert g.keys() == ref.keys(), where
+                for k in g:
+                    if ref[k] is None:
+                        assert g[k] is None or g[k].abs().max() == 0, (where, k)
+                    else:
+                        torch.testing.assert_close(g[k], ref[k], rtol=1e-9, atol=1e-12, msg=f"{where} {k}")
+            for s, ref in zip(states, ref_states):
+                assert s.keys() == ref.keys(), where
+                for k in s:  # float64, as the model
+                    torch.testing.assert_close(s[k], ref[k], rtol=1e-9, atol=1e-12, msg=f"{where} {k}")
+
+
+def test_token_rounding_moves_tokens_in_the_parity_case():
+    """The token-rounding case of the parity test below rounds: some expert's count changes."""
+    model, _ = _model_2026("token-rounding")
+    model.train()
+    x, _ = _batch(0, 2, 0)
+    routing = model[1].router(model[0](x))
+    model(x)
+    rounded = model[1].last_routing
+    own = torch.bincount(routing.indices.flatten(), minlength=4)
+    kept = torch.bincount(rounded.indices[rounded.mask], minlength=4)
+    assert not torch.equal(own, kept) and ((kept % 3 == 0) | (kept == x.shape[0])).all()  # at most T
+
+
+CASES_2026 = [(name, dp, ep) for name in ROUTERS_2026 for dp, ep in (("ddp", 1), ("ddp", 2))]
+#: the default suite's representative: the two global-batch measurements, under DDP and under EP + DDP
+FAST_CASES_2026 = [("quantile-balancing", "ddp", 2), ("expert-threshold", "ddp", 1)]
+
+
+def test_quantile_balancing_and_expert_threshold_on_two_ranks_step_as_one_process(tmp_path):
+    """Quantile balancing and expert-threshold measure each piece (a micro-batch on one rank) and
+    average the pieces' quantiles over the ranks in the step hook: 2 ranks equal one process running
+    the ranks' batches as micro-batches — the loss, every gradient, and β and τ after each of 2 steps."""
+    _check_2026(spawn(_ranks_2026, 2, tmp_path, FAST_CASES_2026), 2, FAST_CASES_2026)
+
+
+@pytest.mark.slow
+def test_the_routers_of_2026_on_two_ranks_give_the_loss_gradients_and_step_state_of_one_process(tmp_path):
+    """Quantile balancing, expert-threshold, DeepSeek-V4 (its selection bias sums the ranks' loads) and
+    token rounding (each rank rounds its own forward), under DDP and under expert parallelism + DDP:
+    2 ranks equal one process running the ranks' batches as micro-batches — the loss, every gradient,
+    and β, τ and the bias after each of 2 steps."""
+    _check_2026(spawn(_ranks_2026, 2, tmp_path, CASES_2026), 2, CASES_2026)

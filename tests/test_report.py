@@ -252,3 +252,58 @@ def test_report_names_a_damaged_config_yaml_in_one_line(tmp_path, capsys, damage
     assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "rep")]) == 2
     err = capsys.readouterr().err
     assert err == f"moelab report: error: run {run} cannot be read: {str(run / 'config.yaml')!r} {why}\n"
+
+
+def test_steps_to_reach_the_reference_final_validation_is_the_first_step_of_the_mean_curve_at_or_below_it(
+    tmp_path,
+):
+    """Ho (2025)'s measure: the share of the reference's steps a method needs to reach the
+    reference's final validation value (mean curves over seeds)."""
+    from moelab.experiments.report import steps_to_reach
+
+    for seed, curve in enumerate([((10, 2.0), (20, 1.6), (40, 1.4)), ((10, 2.2), (20, 1.8), (40, 1.2))]):
+        fake_run(tmp_path / "smoe" / f"s{seed}", "smoe", seed, 1.3, curve=curve)  # final mean 1.3
+    for seed, curve in enumerate([((10, 1.5), (20, 1.25), (40, 1.1)), ((10, 1.7), (20, 1.3), (40, 1.0))]):
+        fake_run(tmp_path / "sharede-v3" / f"s{seed}", "sharede-v3", seed, 1.1, curve=curve)
+    for seed in range(2):
+        fake_run(tmp_path / "xmoe" / f"s{seed}", "xmoe", seed, 1.5, curve=((10, 2.0), (20, 1.8), (40, 1.5)))
+    groups = group_runs(collect_runs([tmp_path]))
+    by = {g.label: g for g in groups}
+    assert steps_to_reach(by["sharede-v3"], by["smoe"]) == pytest.approx(
+        20 / 40
+    )  # mean 1.275 ≤ 1.3 first at step 20
+    assert steps_to_reach(by["xmoe"], by["smoe"]) == float("inf")
+    assert steps_to_reach(by["smoe"], by["smoe"]) == 1.0
+    text, rows = render(groups, "smoe")
+    assert "steps to reach smoe's final validation bpc (1.3000 at step 40)" in text
+    assert (
+        "sharede-v3                   50% (step 20)" in text
+        and "xmoe                         not reached in 40 steps" in text
+    )
+    assert {r["group"]: r["steps_to_reference"] for r in rows} == {
+        "sharede-v3": 0.5,
+        "smoe": None,
+        "xmoe": float("inf"),
+    }
+
+
+def test_fine_tuning_runs_show_the_share_of_parameters_they_trained(tmp_path):
+    """RepLoRA's table puts "#Params (%)" beside the accuracy: the report gives the share of the
+    model's parameters each fine-tuning trained (trainable_params over params)."""
+    for method, trained in (("lora", 20), ("replora", 35)):
+        for seed in range(2):
+            path = tmp_path / method / f"s{seed}"
+            fake_run(path, method, seed, 0.5)
+            config = yaml.safe_load((path / "config.yaml").read_text())
+            config["recorded"] = {"trainable_params": trained}
+            (path / "config.yaml").write_text(yaml.safe_dump(config))
+    fake_run(tmp_path / "plain" / "s0", "smoe", 0, 0.5)  # a run that records none
+    text, rows = render(group_runs(collect_runs([tmp_path])), None)
+    shares = {r["group"]: r["trained_share"] for r in rows}
+    assert shares == {"lora": pytest.approx(0.02), "replora": pytest.approx(0.035), "smoe": None}
+    assert "trained %" in text.splitlines()[0]
+    assert {line.split()[0]: line.split()[-1] for line in text.splitlines()[2:5]} == {
+        "lora": "2",
+        "replora": "3.5",
+        "smoe": "—",
+    }

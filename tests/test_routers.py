@@ -220,6 +220,32 @@ def test_sharede_v3_weights_are_normalised_sigmoid_of_chosen():
     torch.testing.assert_close(r.weights.sum(-1), torch.ones(7, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("method", ["sharede-v3", "smoe-sg"])
+def test_a_gate_bias_enters_the_sigmoid_and_gets_the_literal_gradient(method):
+    """Ho (2025)'s normalised sigmoid gating, s_i = sigmoid(β₁ᵢᵀ x + β₀ᵢ) / Σ over the chosen: the
+    weights and the gradient of β₀ and W against the formula written out (float64)."""
+    layer = moelab.MoE(6, 8, 2, method=method, gate_bias=True).double().eval()
+    router = layer.router
+    assert router.gate_bias.shape == (8,) and not router.gate_bias.any()  # zero at init
+    with torch.no_grad():
+        router.gate_bias.copy_(torch.randn(8, dtype=torch.float64))
+    x = torch.randn(7, 6, dtype=torch.float64)
+    r = router(x)
+    w, b = router.weight.detach().clone().requires_grad_(), router.gate_bias.detach().clone().requires_grad_()
+    scores = torch.sigmoid(x @ w.T + b)
+    chosen = scores.gather(1, r.indices)
+    literal = chosen / chosen.sum(-1, keepdim=True)
+    torch.testing.assert_close(r.weights, literal, rtol=1e-12, atol=0)
+    # the selection follows s (with the bias inside), not W x alone
+    assert torch.equal(r.indices.sort(-1).values, scores.topk(2, dim=-1).indices.sort(-1).values)
+    probe = torch.randn(7, 2, dtype=torch.float64)
+    (r.weights * probe).sum().backward()
+    (literal * probe).sum().backward()
+    torch.testing.assert_close(router.gate_bias.grad, b.grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(router.weight.grad, w.grad, rtol=1e-12, atol=1e-15)
+    assert moelab.MoE(6, 8, 2, method=method).router.gate_bias is None  # off by default: the presets' numbers
+
+
 def test_sharede_v3_selection_bias_changes_selection_not_weights():
     layer = moelab.MoE(6, 8, 2, method="sharede-v3").eval()
     x = torch.randn(20, 6)
@@ -623,7 +649,15 @@ def test_every_router_has_every_hook_with_its_default():
 #: (remoe and expert-choice by design: no choice an offset shifts, and balanced by construction;
 #: quantile-balancing and expert-threshold: their own bias β or thresholds τ are the balancing, a
 #: second offset would pull against them)
-NOT_BIASED = ("competition", "sharede-v3", "remoe", "expert-choice", "quantile-balancing", "expert-threshold")
+NOT_BIASED = (
+    "competition",
+    "sharede-v3",
+    "remoe",
+    "expert-choice",
+    "quantile-balancing",
+    "expert-threshold",
+    "emo",
+)
 BIASED = [m for m in moelab.methods() if m not in NOT_BIASED]
 
 

@@ -195,7 +195,7 @@ def test_aoe_expert_parallelism_refuses_the_factorised_bank():
     bank = moelab.MoE(8, 4, 2, method="aoe").experts
     with pytest.raises(
         ValueError,
-        match=r"^an ExpertBank with gate_rank=2 \(method='aoe'\) is not allowed with expert parallelism; expected "
+        match=r"^an ExpertBank with gate_rank=2 \(method='aoe' or 'routing-free'\) is not allowed with expert parallelism; expected "
         r"full-rank gate projections \(sharding factorised gates is not implemented\)$",
     ):
         ExpertParallel()._apply(bank, None)  # refused before the mesh is read

@@ -124,6 +124,17 @@ def test_deepseek_v4_only_the_first_hash_layers_of_a_model_route_by_token_id_and
     assert not layers[0].router.selection_bias.any() and layers[2].router.selection_bias.any()
 
 
+def test_deepseek_v4_a_language_model_hashes_only_its_first_hash_layers_before_any_context():
+    """The LM numbers its MoE layers when it is built, so a model used without moelab.attach (inference
+    of a fresh or hand-loaded model) does not take every layer for layer 0, a hash layer."""
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=30, block_size=8, n_layer=3, d_model=16, n_head=2, method=METHOD,
+                   num_experts=4, method_options={"hash_layers": 1})  # fmt: skip
+    model = TransformerLM(cfg)
+    assert [layer.layer_index for layer in model.moe_layers] == [0, 1, 2]
+    assert [layer.router.hashed for layer in model.moe_layers] == [True, False, False]
+
+
 def test_deepseek_v4_bias_moves_by_the_sign_rule_once_per_step():
     torch.manual_seed(0)
     layer = moelab.MoE(6, 4, 1, method=METHOD, bias_update_rate=0.01)

@@ -123,6 +123,30 @@ def test_expert_threshold_keeps_its_thresholds_in_evaluation_and_without_gradien
     assert torch.equal(chosen, probs > tau)
 
 
+def test_expert_threshold_in_evaluation_gives_each_token_the_thresholded_sum_of_its_experts():
+    """Inference follows the paper: token t's output is Σ_{e: S_te > τ_e} S_te E_e(x_t), whatever the
+    batch — none for a token below every threshold, more than K for one above more."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(8, 4, 2, d_hidden=6, method=METHOD).double().eval()
+    x = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    probs = (x @ layer.router.weight.detach().T).softmax(-1)
+    with torch.no_grad():  # thresholds that leave token 0 without an expert
+        tau = torch.maximum(probs.quantile(0.3, dim=0), probs[0] + 1e-9)
+        layer.router.tau.copy_(tau)
+        layer.router.tau_updates.fill_(1)
+    taken = probs > tau
+    assert taken.sum(1)[0] == 0 and taken.sum(1).max() > 2
+    every = torch.arange(4).expand(16, 4)
+    with torch.no_grad():
+        expected = layer.experts(x, moelab.Routing(indices=every, weights=probs * taken))
+        out = layer(x)
+        alone = torch.cat([layer(x[t : t + 1]) for t in range(16)])
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(alone, out, rtol=1e-12, atol=1e-12)  # each token alone: the same experts
+    assert torch.equal(out[0], torch.zeros(8, dtype=torch.float64))
+    assert torch.equal(layer.router.tau, tau) and int(layer.router.tau_updates) == 1
+
+
 def test_expert_threshold_thresholds_bring_the_mean_experts_per_token_to_k():
     torch.manual_seed(0)
     layer = moelab.MoE(8, 8, 2, method=METHOD, ema=0.5)

@@ -250,3 +250,213 @@ def test_a_converted_transformers_model_records_and_replays_its_routes(tmp_path)
     assert trace.indices[0].shape == (8, K)
     with routes.replaying(hf, trace):
         assert torch.equal(hf(ids, attention_mask=padded).logits, out)
+
+
+# ------------------------------------------------------------------ the routers of 2026 under replay
+def literal_router_grad(layer, x, indices, weights_of, token_ids=None):
+    """The router's weight gradient of ``sum(y²)`` with ``y = Σ_{slots} w · E(x) + shared(x)``, the
+    weights ``weights_of(logits)`` at ``indices`` (every expert, ``(T, N)``, for a weight of 0 where
+    a token took none), computed with the layer's experts."""
+    flat = x.reshape(-1, D)
+    layer.zero_grad()
+    logits = flat @ layer.router.weight.T
+    y = layer.experts(flat, Routing(indices=indices, weights=weights_of(logits)))
+    if layer.shared is not None:
+        y = y + layer.shared(flat)
+    y.square().sum().backward()
+    grad = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    return grad
+
+
+def replayed_router_grad(m, layer, x, trace, **kwargs):
+    m.zero_grad()
+    with routes.replaying(m, trace):
+        m(x, **kwargs).square().sum().backward()
+    grad = layer.router.weight.grad.clone()
+    m.zero_grad()
+    return grad
+
+
+def test_quantile_balancing_replays_with_the_gradient_of_the_softmax_over_the_recorded_experts():
+    m, x = model("quantile-balancing", layers=1), batch()
+    ctx = moelab.routing_context(m, total_steps=10, seed=0)
+    layer = moe_layers(m)[0]
+    with torch.no_grad():
+        layer.router.qb_beta.copy_(torch.linspace(-0.5, 0.5, N))  # a bias the choice sees, the weights not
+    trace = other_trace(m, x)
+    m.train()
+    replayed = replayed_router_grad(m, layer, x, trace)
+    idx = trace.indices[0]
+    expected = literal_router_grad(layer, x, idx, lambda h: h.gather(1, idx).softmax(dim=-1))
+    torch.testing.assert_close(replayed, expected, rtol=1e-6, atol=1e-7)
+    assert replayed.abs().sum() > 0
+    ctx.advance()
+
+
+def test_sqrt_softplus_replays_with_the_gradient_of_the_normalised_scores_at_the_recorded_experts():
+    m, x = model("deepseek-v4", layers=1, bias_update_rate=0.0), batch()
+    layer = moe_layers(m)[0]
+    trace = other_trace(m, x)
+    replayed = replayed_router_grad(m, layer, x, trace)
+    idx = trace.indices[0]
+
+    def weights(h):
+        s = torch.nn.functional.softplus(h).sqrt().gather(1, idx)
+        return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+
+    torch.testing.assert_close(replayed, literal_router_grad(layer, x, idx, weights), rtol=1e-6, atol=1e-7)
+    assert replayed.abs().sum() > 0
+
+
+def hash_layer(seed=0):
+    torch.manual_seed(seed)
+    layer = moelab.MoE(
+        D, N, K, method="deepseek-v4", hash_layers=1, vocab_size=11, hash_seed=seed, bias_update_rate=0.0
+    )
+    return layer, torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(2))
+
+
+def test_a_hash_layer_replays_its_fixed_table_and_refuses_a_trace_of_another_table():
+    layer, ids = hash_layer()
+    x = batch()
+    layer.train()
+    trace, y = routes.record(layer, lambda: layer(x, token_ids=ids))
+    assert torch.equal(trace.indices[0], layer.router.tid2eid[ids.reshape(-1)])
+    (y.square().sum()).backward()
+    own = layer.router.weight.grad.clone()
+    replayed = replayed_router_grad(layer, layer, x, trace, token_ids=ids)
+    assert torch.equal(own, replayed)  # the table's choice, weighed by the live s / Σ s
+
+    idx = trace.indices[0]
+
+    def weights(h):
+        s = torch.nn.functional.softplus(h).sqrt().gather(1, idx)
+        return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+
+    torch.testing.assert_close(replayed, literal_router_grad(layer, x, idx, weights), rtol=1e-6, atol=1e-7)
+    other, _ = hash_layer(seed=1)  # another table
+    foreign = routes.record(other, lambda: other(x, token_ids=ids))[0]
+    with pytest.raises(
+        ValueError,
+        match=r"^the route trace sends \d+ of 24 tokens of MoE layer 0, hash-routed, to other experts than its "
+        r"token id → experts table: replay a trace of this model on the token ids it was recorded from$",
+    ):
+        with routes.replaying(layer, foreign):
+            layer(x, token_ids=ids)
+
+
+def et_model(seed=0):
+    m = model("expert-threshold", layers=1, seed=seed)
+    return m, moelab.routing_context(m, total_steps=10, seed=0)
+
+
+def test_an_expert_threshold_trace_records_each_tokens_variable_set_with_empty_slots(tmp_path):
+    m, _ = et_model()
+    x = batch()
+    m.eval()
+    trace, _ = routes.record(m, lambda: m(x))
+    routing = moe_layers(m)[0].last_routing
+    assert trace.indices[0].shape == (24, N)
+    taken = (trace.indices[0] >= 0).sum(dim=1)
+    assert torch.equal(taken, routing.mask.sum(dim=1)) and taken.min() < taken.max()
+    assert torch.equal(trace.indices[0], routing.indices.masked_fill(~routing.mask, -1))
+    loaded = routes.RouteTrace.load(trace.save(tmp_path / "et.routes"))
+    assert torch.equal(loaded.indices[0], trace.indices[0])
+    # the same permutation with another set taken: diff compares the sets, not the permutations
+    fewer = trace.indices[0].clone()
+    row = int(taken.argmax())
+    fewer[row, int(taken[row]) - 1] = -1
+    b = routes.RouteTrace([fewer], trace.shapes, trace.tokens, trace.logits_sha256, trace.methods)
+    assert routes.diff(trace, b).per_layer == [1 / 24]
+
+
+def test_expert_threshold_replays_the_recorded_sets_with_the_gradient_of_their_live_scores():
+    m, ctx = et_model()
+    x = batch()
+    m.train()
+    trace, y = routes.record(m, lambda: m(x))  # its own trace: replay gives every gradient bit for bit
+    y.square().sum().backward()
+    own = grads(m)
+    replayed = replayed_router_grad(m, moe_layers(m)[0], x, trace)
+    assert torch.equal(own["0.router.weight"], replayed)
+
+    other, _ = et_model(seed=3)
+    trace = routes.record(other.eval(), lambda: other(x))[0]
+    layer = moe_layers(m)[0]
+    replayed = replayed_router_grad(m, layer, x, trace)
+    taken = taken_of(trace.indices[0])
+    every = torch.arange(N).expand(24, N)
+    expected = literal_router_grad(layer, x, every, lambda h: h.softmax(dim=-1) * taken)
+    torch.testing.assert_close(replayed, expected, rtol=1e-6, atol=1e-7)
+    assert replayed.abs().sum() > 0
+    ctx.advance()
+
+
+def taken_of(indices):
+    """``(T, N)`` bool: the experts a recorded variable choice took (``-1``: an empty slot)."""
+    spare = torch.where(indices >= 0, indices, N)  # the empty slots mark a spare column
+    return torch.zeros(indices.shape[0], N + 1, dtype=torch.bool).scatter(1, spare, True)[:, :N]
+
+
+def rounding_model(seed=0):
+    return model(layers=1, seed=seed, balance_coef=0.0, z_coef=0.0, token_rounding="up", rounding_tile=4)
+
+
+def test_a_token_rounded_forward_replays_its_own_trace_bit_for_bit():
+    m, x = rounding_model(), batch()
+    m.train()
+    trace, y = routes.record(m, lambda: m(x))
+    assert trace.indices[0].shape == (24, N) and (trace.indices[0] < 0).any()  # the rounded assignment
+    y.square().sum().backward()
+    expected = grads(m)
+    m.zero_grad()
+    with routes.replaying(m, trace):
+        y2 = m(x)
+        y2.square().sum().backward()
+    assert torch.equal(y, y2)
+    assert all(torch.equal(grads(m)[name], g) for name, g in expected.items())
+
+
+def test_a_rounded_trace_replays_its_assignment_with_the_gradient_of_the_live_probabilities():
+    m, x = rounding_model(), batch()
+    other = rounding_model(seed=5)
+    other.train()
+    trace = routes.record(other, lambda: other(x))[0]
+    layer = moe_layers(m)[0]
+    m.train()
+    replayed = replayed_router_grad(m, layer, x, trace)
+    taken = taken_of(trace.indices[0])
+    every = torch.arange(N).expand(24, N)
+    expected = literal_router_grad(layer, x, every, lambda h: h.softmax(dim=-1) * taken)
+    torch.testing.assert_close(replayed, expected, rtol=1e-6, atol=1e-7)
+    with routes.replaying(m.eval(), trace):
+        with pytest.raises(
+            ValueError,
+            match=r"^the route trace holds a variable number of experts per token for MoE layer 0, whose "
+            r"forward routes a fixed K=2 \(token rounding applies in training only\): replay a trace of a "
+            r"forward like this one$",
+        ):
+            m(x)
+
+
+def test_a_top_k_trace_is_rounded_after_replay_in_a_token_rounded_training_forward():
+    m, x = rounding_model(), batch()
+    trace = routes.record(m.eval(), lambda: m(x))[0]  # evaluation: no rounding, the top-K
+    assert trace.indices[0].shape == (24, K)
+    m.train()
+    with routes.replaying(m, trace):
+        m(x)
+    routing = moe_layers(m)[0].last_routing
+    from moelab.experts.rounding import round_tokens
+
+    layer = moe_layers(m)[0]
+    logits = x.reshape(-1, D) @ layer.router.weight.T
+    own = Routing(
+        indices=trace.indices[0],
+        weights=logits.gather(1, trace.indices[0]).softmax(-1),
+        probs=logits.softmax(-1),
+        logits=logits,
+    )
+    rounded = round_tokens(own, N, 4, "up")
+    assert torch.equal(routing.indices, rounded.indices) and torch.equal(routing.mask, rounded.mask)

@@ -194,3 +194,16 @@ def test_a_competition_schedule_too_large_for_the_machine_is_refused_before_allo
         CompetitionSchedule(2, steps)
     with pytest.raises(ValueError, match=r"total_steps=1000000000000 is not allowed"):
         moelab.schedules.build_schedule("competesmoe", 2, 10**12)
+
+
+def test_first_active_step_is_the_first_step_where_some_layer_competes():
+    from moelab.schedules import CoinFlipSchedule, CompetitionSchedule
+
+    table = CompetitionSchedule(num_layers=3, total_steps=200, seed=1)
+    per_step = table.active_per_step()
+    first = int(torch.nonzero(per_step).flatten()[0])
+    assert table.first_active_step(200) == first and table.first_active_step(first) is None
+    flips = CoinFlipSchedule(num_layers=2, rate=0.05, seed=3)
+    drawn = flips.flips(400).any(dim=0)
+    assert flips.first_active_step(400) == int(torch.nonzero(drawn).flatten()[0])
+    assert CoinFlipSchedule(num_layers=2, rate=0.0).first_active_step(50) is None

@@ -102,3 +102,23 @@ def test_a_voronoi_loss_at_its_translation_bound_is_flagged_saturated_not_a_rate
     out = ps._measure(series, cfg, far, true_r, x)
     bound = truth["beta0"].exp().sum().item()
     assert out["voronoi_saturated"].all() and out["voronoi"].min().item() >= bound * (1 - 1e-9)
+
+
+def test_studies_whose_rates_use_rbar_say_where_the_slides_values_differ():
+    """The slides print r̄(1) = 4, r̄(2) = 6; moelab's stated rates use the computed r̄(2) = 4, and the
+    output of each study that uses r̄ says which rates that changes (n^-1/8 instead of n^-1/12)."""
+    from moelab.experiments.simulate import format_table
+    from moelab.stats.studies import study_notes
+
+    assert ps.RBAR[2] == 4 and ps.RBAR_SLIDES[2] == 6
+    for study in ps.RBAR_STUDIES:
+        (note,) = study_notes(study)
+        assert "n^-1/8" in note and "n^-1/12" in note and "n^-1/6" in note
+    assert study_notes("strong-vs-ridge") == []
+    # every stated rate built on r̄(2) is 1/(2 r̄(2)) of the computed value, not the slides'
+    r_bar_rates = [
+        slope for entries in ps.PAPER_THEORY.values() for slope, label, _ in entries if "r̄(2)" in label
+    ]
+    assert r_bar_rates and all(slope == -1 / (2 * ps.RBAR[2]) for slope in r_bar_rates)
+    text = format_table({"table": [], "rates": [], "differences": [], "notes": study_notes("shared-experts")})
+    assert text.splitlines()[-1].startswith("note: r̄(m): moelab solves")

@@ -189,3 +189,30 @@ def test_bootstrap_ranks_rank_by_mean_and_resample_the_same_seeds_for_every_meth
     # paired resampling: a method that is another plus a constant never swaps rank with it
     shifted = {"x": [1.0, 3.0, 2.0], "y": [1.01, 3.01, 2.01]}
     assert bootstrap_ranks(shifted, resamples=300) == {"x": (1, 1, 1), "y": (2, 2, 2)}
+
+
+def test_plan_paired_gives_the_mdd_and_the_fewest_seeds_that_reach_the_power():
+    """The seeds the plan asks for reach the stated power by the exact (noncentral t) power of the
+    paired t-test, and one seed fewer does not meet the planning inequality."""
+    from scipy import stats
+
+    from moelab.experiments.summary import plan_paired
+
+    d = [-0.05, -0.11, -0.02, -0.09, -0.07]
+    plan = plan_paired(d, 0.02, alpha=0.01, power=0.8)
+    s, n = np.std(d, ddof=1), 5
+    assert plan.target == "better" and plan.sd == pytest.approx(s)
+    assert plan.mdd == pytest.approx((stats.t.ppf(0.995, 4) + stats.t.ppf(0.8, 4)) * s / np.sqrt(n))
+    k = plan.seeds_needed
+    crit = stats.t.ppf(0.995, k - 1)
+    exact = stats.nct.sf(crit, k - 1, abs(np.mean(d)) * np.sqrt(k) / s)
+    assert exact >= 0.78  # the t-quantile approximation, within a few points of the exact power
+    fewer = k - 1
+    assert (stats.t.ppf(0.995, fewer - 1) + stats.t.ppf(0.8, fewer - 1)) * s / np.sqrt(fewer) > abs(
+        np.mean(d)
+    )
+    inside = plan_paired([0.001, -0.004, 0.003, 0.0, -0.002], 0.02)
+    assert inside.target == "equivalent" and inside.seeds_needed is not None and inside.seeds_needed <= 5
+    assert plan_paired([0.01, 0.01], 0.02).mdd is None  # no spread, no plan
+    with pytest.raises(ValueError, match=r"margin=0 is not allowed; expected a number > 0"):
+        plan_paired(d, 0)

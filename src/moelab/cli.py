@@ -59,6 +59,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "moelab.experiments.specialization",
         "the expert-specialization lab of Krishnamurthy et al. (2023) on image MoEs",
     ),
+    "prune": ("moelab.experiments.prune", "remove experts by REAP saliency, routed frequency or at random"),
+    "merge-experts": (
+        "moelab.experiments.merge_experts",
+        "merge experts into the most used ones (M-SMoE groups; uniform or frequency-weighted averages)",
+    ),
+    "check": (
+        "moelab.experiments.check",
+        "gradient parity of an MoE block under DDP, FSDP2, expert parallelism, kernels, compile (moelab.check)",
+    ),
 }
 
 #: subcommand → the extra it needs beyond the core dependencies (:mod:`moelab.extras`): the commands

@@ -23,10 +23,12 @@ __all__ = [
     "attention_activation",
     "competition_affinity",
     "cosine_logits",
+    "document_index",
     "expert_counts",
     "multi_head_attention",
     "normalized_weights",
     "resolve_renormalize",
+    "taken_weights",
     "topk_gate",
     "topk_softmax",
 ]
@@ -103,6 +105,14 @@ def topk_gate_weights_at(logits: Tensor, probs: Tensor, indices: Tensor, renorma
     if renormalize:
         return logits.gather(1, indices).softmax(dim=-1)
     return probs.gather(1, indices)
+
+
+def taken_weights(probs: Tensor, indices: Tensor) -> Tensor:
+    """``(T, W)`` the scores ``probs (T, N)`` at ``indices (T, W)``, 0 in a slot of ``-1`` (no expert):
+    the weights of a variable number of experts per token weighed by their probability, not
+    renormalised (expert-threshold's rule, token rounding's).  Routing replay weighs a recorded
+    variable choice by it."""
+    return probs.gather(1, indices.clamp(min=0)) * (indices >= 0).to(probs.dtype)
 
 
 def normalized_weights(scores: Tensor, eps: float = 0.0) -> Tensor:
@@ -305,3 +315,21 @@ def multi_head_attention(
     q, k, v = (t.view(B, L, n_head, d // n_head).transpose(1, 2) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)  # (B, H, L, d/H)
     return y.transpose(1, 2).reshape(B, L, d)
+
+
+def document_index(doc_ids: Tensor, rows: Tensor) -> Tensor:
+    """``(T,)`` int64 in ``[0, T)``: one index per document, a document being the tokens that share
+    a ``(row, id)`` pair (``doc_ids (T,)``, ``rows (T,)`` integer).  Ids are any integers (a packer's
+    document ids, or segment ids counted from each sequence's start, as OLMo-core's
+    ``segment_ids_from_eos``); two rows never share a document.
+
+    Vectorised, with no host sync and no shape that depends on the data: a stable sort by
+    ``(row, id)``, a new index wherever the pair changes, scattered back; so a per-document
+    statistic is an ``index_add`` into ``T`` rows (at most ``T`` documents), which ``torch.compile``
+    traces without a graph break."""
+    order = doc_ids.argsort(stable=True)
+    order = order.index_select(0, rows.index_select(0, order).argsort(stable=True))  # by row, then id
+    r, i = rows.index_select(0, order), doc_ids.index_select(0, order)
+    change = (r[1:] != r[:-1]) | (i[1:] != i[:-1])
+    segment = torch.cat([change.new_zeros(min(1, order.numel())), change]).long().cumsum(0)
+    return torch.empty_like(segment).scatter_(0, order, segment)

@@ -21,6 +21,7 @@ from .errors import NonFiniteError
 from .experts import MLP, ExpertBank, check_bank
 from .experts.capacity import limit
 from .experts.rounding import round_tokens
+from .functional import document_index
 from .layer_aux import aux_terms_of, check_erc, check_finite_scores, erc_of
 from .layer_config import LAYER_LOSSES, MoEConfig
 from .losses import LOSS_NAMES
@@ -262,7 +263,13 @@ class MoE(nn.Module):
             f"top_k={self.top_k}, num_shared={self.num_shared}, coefs={self.coefs}"
         )
 
-    def forward(self, x: Tensor, token_mask: Tensor | None = None, token_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        token_mask: Tensor | None = None,
+        token_ids: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+    ) -> Tensor:
         """``x (..., d) → (..., d)``.
 
         ``token_mask`` (``x.shape[:-1]``, bool, True for a real token), e.g. a padding mask: only
@@ -276,6 +283,12 @@ class MoE(nn.Module):
         ``token_ids`` (``x.shape[:-1]``, integer): the ids of the tokens ``x`` holds, for a router
         that routes by them (DeepSeek-V4's hash layers, ``Router.takes_token_ids``); other routers
         ignore them.
+
+        ``doc_ids`` (``x.shape[:-1]``, integer): each token's document, for a router that routes by
+        document (EMO's document pools, ``Router.takes_doc_ids``; refused without them).  A document
+        is the tokens of one sequence (one row of ``x (..., S, d)``; all of a 2-D ``x``) that share
+        an id: any integers, restarting in each row or not; two rows never share a document.  Other
+        routers ignore them.
         """
         # the input's dtype is the router's parameters', or the experts' where router_dtype keeps the
         # router in float32 (FSDP2 mixed precision); weights sharded at rest (a DTensor) say nothing
@@ -303,12 +316,14 @@ class MoE(nn.Module):
                     f"expected integer token ids of the input's shape without its last dimension, {tuple(shape[:-1])}"
                 )
             ids = token_ids.reshape(-1)
+        docs = self._documents(doc_ids, shape) if self.router.takes_doc_ids else None
         if token_mask is not None:  # the real tokens alone, in their order
             if real is None:
                 real = token_mask.reshape(-1).nonzero().squeeze(1)
             flat = flat.index_select(0, real)  # (T_real, d)
             ids = None if ids is None else ids.index_select(0, real)
-        routing = self._route(flat, ids)
+            docs = None if docs is None else tuple(d.index_select(0, real) for d in docs)
+        routing = self._route(flat, ids, None if docs is None else document_index(*docs))
         y = self.experts(flat, routing)  # (T, d)
         if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
             y = y + routing.direct.to(y.dtype)
@@ -330,21 +345,48 @@ class MoE(nn.Module):
         # of a custom function is refused.  One copy; none in inference.
         return y.clone() if torch.is_grad_enabled() else y
 
-    def _route(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+    def _documents(self, doc_ids: Tensor | None, shape: torch.Size) -> tuple[Tensor, Tensor] | None:
+        """``(ids (T,), rows (T,))`` of ``doc_ids`` for an input of ``shape``, checked; ``None``
+        without ids (the router refuses)."""
+        if doc_ids is None:
+            return None
+        if (
+            not isinstance(doc_ids, Tensor)
+            or tuple(doc_ids.shape) != tuple(shape[:-1])
+            or doc_ids.dtype not in (torch.int64, torch.int32)
+        ):
+            got = (
+                f"of shape {tuple(doc_ids.shape)} and dtype {doc_ids.dtype}"
+                if isinstance(doc_ids, Tensor)
+                else (f"of type {type(doc_ids).__name__}")
+            )
+            raise ValueError(
+                f"doc_ids {got} is not allowed; expected integer document ids of the input's shape without its "
+                f"last dimension, {tuple(shape[:-1])}"
+            )
+        ids = doc_ids.reshape(-1).long()
+        per_row = shape[-2] if len(shape) >= 3 else max(ids.numel(), 1)  # a 2-D input is one sequence
+        rows = torch.arange(ids.numel(), device=ids.device) // per_row
+        return ids, rows
+
+    def _route(self, x: Tensor, token_ids: Tensor | None = None, docs: Tensor | None = None) -> Routing:
         """The router's decision for ``x (T, d)`` (with the tokens' ids ``(T,)`` for a router that
-        takes them), checked finite, with the layout the experts run it in: the slots within
-        capacity, padding, DenseMixer's dense gradient."""
+        takes them, and their documents ``(T,)`` in ``[0, T)`` for one that routes by document),
+        checked finite, with the layout the experts run it in: the slots within capacity, padding,
+        DenseMixer's dense gradient."""
         if self.router_dtype is not None:
             self.router.base_router.check_compute_dtype()
-        if self.router.takes_token_ids:
-            routing = self.router(x, self.experts, self.ctx, token_ids=token_ids)
-        else:
-            routing = self.router(x, self.experts, self.ctx)
+        ids = {"token_ids": token_ids} if self.router.takes_token_ids else {}
+        if self.router.takes_doc_ids:
+            ids["doc_ids"] = docs
+        routing = self.router(x, self.experts, self.ctx, **ids)
+        rounds = self.config.token_rounding is not None and self.training  # SonicMoE's, in training
         if self.route_replay is not None:  # the recorded experts, weighed from this forward's scores
-            routing = self.route_replay.apply(self, routing)
+            routing, rounded = self.route_replay.apply(self, routing, rounds)
+            rounds = rounds and not rounded  # a recorded rounded assignment is not rounded again
         if self.check_finite:
             check_finite_scores(routing, self.layer_index, self.method)
-        if self.config.token_rounding is not None and self.training:  # SonicMoE's token rounding, in training
+        if rounds:
             routing = round_tokens(
                 routing, self.num_experts, self.config.rounding_tile, self.config.token_rounding
             )

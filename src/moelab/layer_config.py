@@ -34,9 +34,9 @@ LAYER_LOSSES = ("erc",)
 #: the router families whose weights are their softmax probabilities on the chosen experts (up to a
 #: per-token scale): those DenseMixer's dense router gradient is defined for
 DENSEMIXER_ROUTERS = ("topk", "cosine", "hyper")
-#: the routers that run the experts themselves (CompeteSMoE's competition): a padded layout has
+#: the routers that run the experts themselves (CompeteSMoE's competition, Default MoE in training): a padded layout has
 #: nothing to pad there
-ROUTERS_RUNNING_EXPERTS = ("competition", "competesmoe")
+ROUTERS_RUNNING_EXPERTS = ("competition", "competesmoe", "default-moe")
 
 _POSITIVE = Interval(int, 1)
 _LAYER = {"layer": True}  # the fields given as ``MoE(**options)`` (the others are its arguments)

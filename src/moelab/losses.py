@@ -21,11 +21,15 @@ __all__ = [
     "entropy_from_mean",
     "erc_loss",
     "erc_noise",
+    "gaussian_kl_loss",
     "heterogeneous_balance_loss",
     "importance_from_sums",
     "importance_loss",
     "mean_entropy_loss",
+    "orthogonality_loss",
+    "prototype_alignment_loss",
     "relu_l1_balance_loss",
+    "routing_free_balance_loss",
     "sample_similarity_loss",
     "sequence_balance_loss",
     "switch_balance_loss",
@@ -342,3 +346,55 @@ def erc_loss(
     rows = torch.relu(m - alpha * diag[:, None])  # M[i, j] vs M[i, i]
     cols = torch.relu(m.T - alpha * diag[:, None])  # M[j, i] vs M[i, i]
     return ((rows + cols) * off).sum() / m.shape[0] ** 2
+
+
+# ------------------------------------------------------------------ routing-free MoE
+def routing_free_balance_loss(gates: Tensor, active: Tensor, token_balance: float) -> Tensor:
+    """The balancing objective of Routing-Free MoE (Liu, Han, Yan, Tresp, Ma, arXiv 2604.00801;
+    the authors' ``balancing_loss_func``): with ``a = active (T, N)`` (no gradient) and the gates
+    ``g (T, N)`` (0 where inactive),
+
+    ``(1 − μ) · mean_e(mean_t a · mean_t g) + μ · mean_t(mean_e a · mean_e g)``,
+
+    the expert-balance term (each expert's activation rate times its mean gate) and the
+    token-balance term (each token's) interpolated by ``μ = token_balance``.  Both terms are
+    smallest when the activations spread evenly over experts, respectively tokens.  The adaptive
+    coefficient ``λ`` multiplies it in the router."""
+    compute = torch.promote_types(gates.dtype, torch.float32)
+    g, a = gates.to(compute), active.to(compute)
+    expert = (a.mean(dim=0) * g.mean(dim=0)).mean()
+    token = (a.mean(dim=1) * g.mean(dim=1)).mean()
+    return ((1.0 - token_balance) * expert + token_balance * token).to(gates.dtype)
+
+
+# ------------------------------------------------------------------ latent prototype routing
+def orthogonality_loss(rows: Tensor, eps: float = 1e-12) -> Tensor:
+    """``mean_{i,j} (n_i·n_j − δ_ij)²`` over the ``M × M`` pairs of the L2-normalised rows ``n`` of
+    ``rows (M, D)``: how far they are from orthonormal (Latent Prototype Routing's ``orthogonal``
+    diversity regulariser, the authors' ``DiversityRegularizer``: ``mse_loss(n nᵀ, I)``).
+
+    Computed without the ``M × M`` matrix, as ``(‖nᵀn‖²_F − 2 Σ_i ‖n_i‖² + M) / M²`` (``‖n nᵀ‖_F =
+    ‖nᵀ n‖_F``): ``O(M D²)`` instead of ``O(M² D)``, for ``M`` = the tokens of a batch."""
+    compute = torch.promote_types(rows.dtype, torch.float32)
+    n = torch.nn.functional.normalize(rows.to(compute), dim=-1, eps=eps)
+    m = n.shape[0]
+    gram = n.transpose(0, 1) @ n  # (D, D)
+    return ((gram.square().sum() - 2 * n.square().sum() + m) / (m * m)).to(rows.dtype)
+
+
+def gaussian_kl_loss(mu: Tensor, logvar: Tensor) -> Tensor:
+    """``mean_t KL(N(μ_t, σ_t²) ‖ N(0, I)) = mean_t −½ Σ_j (1 + log σ²_tj − μ²_tj − σ²_tj)``: the
+    variational encoder's prior term of Latent Prototype Routing (the authors' ``compute_kl``)."""
+    compute = torch.promote_types(mu.dtype, torch.float32)
+    mu, logvar = mu.to(compute), logvar.to(compute)
+    return (-0.5 * (1 + logvar - mu.square() - logvar.exp()).sum(dim=-1)).mean()
+
+
+def prototype_alignment_loss(prototypes: Tensor, assignment: Tensor, latents: Tensor) -> Tensor:
+    """``mean |P − (Aᵀ z)|`` with the target ``Aᵀ z`` detached: each prototype ``P_e (D,)`` pulled
+    towards the assignment-weighted sum of the batch's latents ``z (T, D)`` (``A (T, N)`` the
+    assignment); the gradient reaches the prototypes only (Latent Prototype Routing, the authors'
+    ``sim_loss``)."""
+    compute = torch.promote_types(prototypes.dtype, torch.float32)
+    target = (assignment.to(compute).transpose(0, 1) @ latents.to(compute)).detach()
+    return (prototypes.to(compute) - target).abs().mean()

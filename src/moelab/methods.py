@@ -287,6 +287,56 @@ for _m in [
     register_method(_m)
 
 
+# ---------------------------------------------------------------- document pools and dense router gradients
+for _m in [
+    Method(
+        "emo",
+        "emo",
+        "h = W x; per document, a pool = the experts of largest mean softmax(h) over its tokens (size drawn "
+        "uniformly from [K, N] per document in training, max(K, N/4) at inference); each token takes TopK(h) inside "
+        "its pool, weights softmax over the pool; global-batch balance 0.1, z 0.001; needs doc_ids",
+        "EMO (Bhagia, Wang, Min 2026, arXiv 2605.06663); allenai/EMO's randpool router, OLMo-core emo_router.py",
+        coefs={"balance": 0.1, "z": 0.001},
+        layer_options={"balance_scope": "global"},
+    ),
+    Method(
+        "default-moe",
+        "default-moe",
+        "π = softmax(W x); forward Σ_{TopK} π_i E_i(x); the router's gradient also from Σ_{i∉TopK} π_i Ê_i, "
+        "Ê_i an EMA (β = 0.9) of expert i's outputs, moved once per step; balance 0.01, z 0.001",
+        "Default MoE (Panda et al. 2025, arXiv 2504.12463), as we read it",
+        coefs=_BALANCED,
+    ),
+]:
+    register_method(_m)
+
+
+# ---------------------------------------------------------------- routers without a router, routers by clustering
+register_method(
+    Method(
+        "routing-free",
+        "routing-free",
+        "no router: expert e runs iff its self-gate s_e = c_e·‖A_e x‖ − b_e ≥ θ (A_e its own low-rank gate "
+        "factor), weight s_e; λ·((1 − μ)·expert balance + μ·token balance), λ adapted to the density K/N",
+        "Routing-Free MoE (Liu et al. 2026, arXiv 2604.00801); the authors' code (liuyilun2000/RoutingFreeMoE)",
+        coefs={"rf_balance": 1.0},
+    )
+)
+
+
+register_method(
+    Method(
+        "latent-prototype",
+        "latent-prototype",
+        "[μ, log σ²] = W SiLU(LN(x)) + b; s_e = cos(μ, P_e) to N learned prototypes; TopK(s), weights softmax "
+        "over the K; KL 1e-4, orthogonality of μ and of P 0.01, prototype alignment 5e-4, no balance loss",
+        "Latent Prototype Routing (Yang 2025, arXiv 2506.21328); the authors' code and configs "
+        "(RANDO11199/LatentPrototypeRouter)",
+        coefs={"latent_kl": 1e-4, "prototype_diversity": 0.01, "prototype_alignment": 5e-4},
+    )
+)
+
+
 # ---------------------------------------------------------------- building a preset's router
 #: options of the ``competesmoe`` router family that name its base by method (resolved here)
 _BASE_OPTIONS = ("base", "base_options")

@@ -274,8 +274,18 @@ class SwappedRouter(Router):
     def rule_options(self) -> dict[str, Any]:
         return self.router.rule_options()
 
-    def forward(self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None) -> Routing:
-        r = self.router(x, experts, ctx)  # K+1 experts, by decreasing score
+    @property
+    def takes_token_ids(self) -> bool:
+        return self.router.takes_token_ids
+
+    @property
+    def takes_doc_ids(self) -> bool:
+        return self.router.takes_doc_ids
+
+    def forward(
+        self, x: Tensor, experts: nn.Module, ctx: RoutingContext | None = None, **ids: Tensor
+    ) -> Routing:
+        r = self.router(x, experts, ctx, **ids)  # K+1 experts, by decreasing score (ids: as the layer passes)
         keep = [j for j in range(self.top_k + 1) if j != self.rank]  # the (K+1)-th replaces rank ``rank``
         weights = r.weights[:, keep]
         if self.router.weights_sum_to_one:
@@ -299,7 +309,8 @@ def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
     ``top_k < num_experts``.
 
     Each layer's router is wrapped in a :class:`SwappedRouter` on entry and put back on exit,
-    also when the block raises.
+    also when the block raises.  A layer whose choice no parameter learns (``Router.learns_choice``:
+    DeepSeek-V4's hash layers, a token id table) has no ranking to shift: it keeps its router.
 
     >>> with moelab.metrics.swap_top1(model):
     ...     loss = evaluate(model)
@@ -325,6 +336,8 @@ def swap_top1(model: nn.Module, rank: int = 0) -> Iterator[nn.Module]:
     try:
         for layer in layers:
             router = layer.router
+            if not router.learns_choice:
+                continue
             layer.router = SwappedRouter(router, rank)
             installed.append((layer, router, router.top_k))
             router.top_k += 1
@@ -436,6 +449,7 @@ __all__ += [
     "router_distributions",
     "router_saturation",
     "routing_balance",
+    "routing_parameters",
     "selection_entropy",
     "slot_agreement",
     "topk_weight_entropy",
@@ -546,6 +560,18 @@ def slot_agreement(indices_a: Tensor, indices_b: Tensor) -> Tensor:
     hits = ((indices_a.unsqueeze(-1) == indices_b.unsqueeze(-2)) & (indices_a >= 0).unsqueeze(-1)).any(-1)
     empty = torch.minimum((indices_a < 0).sum(-1), (indices_b < 0).sum(-1))
     return hits.sum(-1) + empty
+
+
+def routing_parameters(model: nn.Module) -> list[int]:
+    """Per MoE layer, the learnable parameters (``requires_grad``) its choice of experts depends on:
+    its router's, or 0 for a router whose choice is fixed (``Router.learns_choice``: DeepSeek-V4's
+    hash layers, whose gate learns only the weights of the table's experts)."""
+    return [
+        sum(p.numel() for p in layer.router.parameters() if p.requires_grad)
+        if layer.router.learns_choice
+        else 0
+        for layer in layers_of(model)
+    ]
 
 
 def active_choices(model: nn.Module, batch: Any, forward: Callable | None = None) -> list[Tensor]:

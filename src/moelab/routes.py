@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .functional import taken_weights
 from .layer import moe_layers, recording_routing
 from .padding import current_mask
 from .routers.base import Router
@@ -50,7 +51,10 @@ class RouteTrace:
     """The routing of one forward of a model.
 
     Attributes:
-        indices: per MoE layer, ``(T, K)`` int64: each routed token's experts, in the layer's order.
+        indices: per MoE layer, ``(T, K)`` int64: each routed token's experts, in the layer's order;
+            for a layer that routes a variable number of experts per token (expert-threshold, token
+            rounding: ``Routing.mask``) ``K`` is the most a token may take and a slot it did not
+            take holds ``-1``.
         shapes: per MoE layer, the tokens' shape (the input's shape without ``d``, e.g. ``(B, L)``).
         tokens: per MoE layer, ``(T,)`` int64: the flat position in that shape of each routed token
             when a ``token_mask`` left some out; ``None``: every token, in order.
@@ -179,13 +183,37 @@ def record(model: nn.Module, forward: Callable[[], Any]) -> tuple[RouteTrace, An
         )
     routings = [layer.recorded_routing for layer in layers]
     trace = RouteTrace(
-        indices=[r.indices.cpu() for r in routings],
+        indices=[_taken(r).cpu() for r in routings],
         shapes=[seen[id(layer)][0] for layer in layers],
         tokens=[seen[id(layer)][1] for layer in layers],
         logits_sha256=[_logits_digest(r.logits) for r in routings],
         methods=[layer.method for layer in layers],
     )
     return trace, out
+
+
+def _taken(routing: Routing) -> Tensor:
+    """The experts each token went to: ``Routing.indices`` with ``-1`` in the slots its mask left
+    empty (a variable number of experts per token)."""
+    return routing.indices if routing.mask is None else routing.indices.masked_fill(~routing.mask, -1)
+
+
+def taken_order(recorded: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """A recorded variable choice ``recorded (T, W)`` (``-1``: an empty slot) as the layout of a
+    variable router's own routing: ``(order (T, N), mask (T, N))``, each token's recorded experts in
+    their recorded order, then the others by increasing id (the order expert-threshold and token
+    rounding give their own untaken experts), ``mask`` the recorded ones.  No loop, no host sync."""
+    t, w = recorded.shape
+    n = num_experts
+    taken = recorded >= 0
+    # a sort key per (token, expert): the recorded slot for a taken expert, w + id for the others;
+    # the empty slots write to a spare column n
+    key = (torch.arange(n + 1, device=recorded.device) + w).expand(t, n + 1).clone()
+    slots = torch.arange(w, device=recorded.device).expand(t, w)
+    key.scatter_(1, torch.where(taken, recorded, n), torch.where(taken, slots, w + n))
+    order = key[:, :n].argsort(dim=1)
+    mask = torch.arange(n, device=recorded.device) < taken.sum(dim=1, keepdim=True)
+    return order, mask
 
 
 def replay_methods() -> list[str]:
@@ -213,18 +241,68 @@ class _Replay:
     def __init__(self, index: int, indices: Tensor) -> None:
         self.index = index
         self.indices = indices
+        #: whether the trace holds a variable number of experts per token (slots of -1); read once
+        #: here, on the host, so a forward does not sync to learn it
+        self.variable = bool((indices < 0).any()) if indices.numel() else False
 
-    def apply(self, layer: nn.Module, routing: Routing) -> Routing:
-        if routing.indices.shape != self.indices.shape:
+    def apply(self, layer: nn.Module, routing: Routing, rounds: bool) -> tuple[Routing, bool]:
+        """The routing of the recorded choice weighed from this forward's scores, and whether it is
+        already a token-rounded assignment (then the layer does not round it again).
+
+        * a fixed-K router, a trace of its width without empty slots: the recorded experts weighed by
+          :meth:`Router.weights_at`; token rounding (in training) applies after, to this choice;
+        * a fixed-K router in a token-rounded training forward, a trace of width N (a rounded
+          assignment): the assignment itself, each taken pair weighed by the live probability
+          (:func:`moelab.functional.taken_weights`, the rounding's rule), not rounded again;
+        * a variable router (expert-threshold): the recorded sets, weighed by
+          :meth:`Router.weights_at` with ``-1`` in the empty slots;
+        * a hash-routed layer (DeepSeek-V4): its fixed table, which must be the trace's choice.
+        """
+        router = layer.router
+        want, own = self.indices.shape, routing.indices.shape
+        assignment = rounds and not router.variable_k and want[1] == layer.num_experts and want[1] != own[1]
+        if want[0] != own[0] or (want[1] != own[1] and not assignment):
+            if want[0] == own[0] and self.variable and not router.variable_k:
+                raise ValueError(
+                    f"the route trace holds a variable number of experts per token for MoE layer {self.index}, "
+                    f"whose forward routes a fixed K={own[1]} (token rounding applies in training only): "
+                    "replay a trace of a forward like this one"
+                )
             raise ValueError(
-                f"the route trace holds {tuple(self.indices.shape)} choices (tokens, K) for MoE layer "
-                f"{self.index}, whose forward routes {tuple(routing.indices.shape)}: replay a trace on the "
-                "batch it was recorded from"
+                f"the route trace holds {tuple(want)} choices (tokens, K) for MoE layer "
+                f"{self.index}, whose forward routes {tuple(own)}: replay a trace on the batch it was recorded from"
             )
         indices = self.indices.to(routing.indices.device)
-        weights = layer.router.weights_at(routing, indices)
-        layer.router.count_replayed(routing.indices, indices)
-        return dataclasses.replace(routing, indices=indices, weights=weights.to(routing.weights.dtype))
+        if getattr(router, "hashed", False):
+            if not torch.compiler.is_compiling() and not torch.equal(indices, routing.indices):
+                moved = int((indices != routing.indices).any(dim=1).sum())
+                raise ValueError(
+                    f"the route trace sends {moved} of {own[0]} tokens of MoE layer {self.index}, hash-routed, to "
+                    "other experts than its token id → experts table: replay a trace of this model on the token "
+                    "ids it was recorded from"
+                )
+            return routing, False
+        if assignment or router.variable_k:
+            order, mask = taken_order(indices, layer.num_experts)
+            slots = order.masked_fill(~mask, -1)
+            if assignment:
+                weights = taken_weights(routing.probs, slots)
+            else:
+                weights = router.weights_at(routing, slots)
+            router.count_replayed(routing.indices, slots)
+            replayed = dataclasses.replace(
+                routing, indices=order, weights=weights.to(routing.weights.dtype), mask=mask
+            )
+            return replayed, assignment
+        if self.variable:
+            raise ValueError(
+                f"the route trace holds a variable number of experts per token for MoE layer {self.index}, "
+                f"whose forward routes a fixed K={own[1]} (token rounding applies in training only): "
+                "replay a trace of a forward like this one"
+            )
+        weights = router.weights_at(routing, indices)
+        router.count_replayed(routing.indices, indices)
+        return dataclasses.replace(routing, indices=indices, weights=weights.to(routing.weights.dtype)), False
 
 
 @contextlib.contextmanager
@@ -246,9 +324,10 @@ def replaying(model: nn.Module, trace: RouteTrace) -> Iterator[None]:
                 f"routing replay is not available for method={layer.method!r} (MoE layer {i}): its weights "
                 f"depend on more than its scores of the chosen experts; replay works for {', '.join(replay_methods())}"
             )
-        if indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < layer.num_experts):
+        if indices.numel() and not (-1 <= int(indices.min()) and int(indices.max()) < layer.num_experts):
+            bad = int(indices.max()) if int(indices.max()) >= layer.num_experts else int(indices.min())
             raise ValueError(
-                f"the route trace names expert {int(indices.max())} in MoE layer {i}, which has "
+                f"the route trace names expert {bad} in MoE layer {i}, which has "
                 f"{layer.num_experts} experts: replay a trace of this model"
             )
         if layer.route_replay is not None:

@@ -186,6 +186,12 @@ class CompetitionSchedule:
         """``(T,)`` the number of competing layers at each step (at most ``a_max``)."""
         return self.table.sum(dim=0)
 
+    def first_active_step(self, steps: int) -> int | None:
+        """The first of the steps ``0 .. steps - 1`` at which some layer competes, ``None`` when
+        none does (a run that short trained as plain top-K routing)."""
+        active = torch.nonzero(self.active_per_step()[: max(int(steps), 0)]).flatten()
+        return int(active[0]) if active.numel() else None
+
     def state_dict(self) -> dict[str, Any]:
         """The schedule's arguments (its table is a function of them): :func:`schedule_from_state`
         rebuilds it."""
@@ -237,6 +243,14 @@ class CoinFlipSchedule:
             return False
         u = np.random.Generator(np.random.PCG64([self.seed, layer, int(step)])).random()
         return bool(u < self.rate_at(step))
+
+    def first_active_step(self, steps: int) -> int | None:
+        """The first of the steps ``0 .. steps - 1`` at which some layer's flip comes up, ``None``
+        when none does.  Stops at the first: about 1 / (L·λ) steps are drawn."""
+        for step in range(max(int(steps), 0)):
+            if any(self.active(layer, step) for layer in range(self.num_layers)):
+                return step
+        return None
 
     def flips(self, total_steps: int) -> torch.Tensor:
         """``(L, total_steps)`` bool: the flips of the first ``total_steps`` steps."""

@@ -33,7 +33,7 @@ from ..config import MAX_COUNT, Interval, setting
 from ..experiments import compare, runner
 from ..experiments.lm import TrainRun, set_threads
 from ..experiments.report import collect_runs, write_report
-from ..experiments.summary import bootstrap_ranks, holm, mean, paired, t_interval
+from ..experiments.summary import bootstrap_ranks, holm, mean, paired, plan_paired, t_interval
 from ..io.atomic import atomic_write_checked, atomic_write_png, atomic_write_text, read_json
 from ..io.model import weights_digest
 from ..io.rundir import RunDir
@@ -94,6 +94,16 @@ class BenchmarkConfig:
     diagnose_tokens: int = setting(
         16384, help="test tokens each run is diagnosed on", allowed=Interval(int, 1)
     )
+    plan: bool = setting(
+        False,
+        help="train nothing: from the runs already in --out (a pilot), print each comparison's minimum "
+        "detectable difference and the seeds its verdict needs at --margin",
+    )
+    power: float = setting(
+        0.8,
+        help="the power --plan and the table's MDD column plan for",
+        allowed=Interval(float, 0, 1, closed="neither"),
+    )
     run: TrainRun = field(default_factory=TrainRun)
 
 
@@ -124,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--reference {config.reference!r} is not among --methods {names}")
     if len(names) < 2:
         raise UsageError(f"--methods {config.methods!r}: a benchmark compares at least two methods")
-    runner.check_run_flags(resume=args.resume, force=args.force, allow_changes=args.allow_changes)
     out = Path(args.out)
+    if config.plan:
+        print(plan_table(out, names, config))
+        return 0
+    runner.check_run_flags(resume=args.resume, force=args.force, allow_changes=args.allow_changes)
     if (out / "config.yaml").exists() and not args.force:
         raise FileExistsError(
             f"--out {out} holds a moelab run of another command (config.yaml), not a benchmark; choose "
@@ -193,7 +206,7 @@ def _benchmark(args, config: BenchmarkConfig, names: list[str], cmp, plan, out: 
         atomic_write_checked(target, text.encode("utf-8"))
         print(f"{name}: cost measured ({time.perf_counter() - t0:.0f}s): " + _cost_line(cost))
     # phase 4: the table, from the files alone
-    rows = benchmark_rows(out, names, seeds, config.reference, config.margin)
+    rows = benchmark_rows(out, names, seeds, config.reference, config.margin, config.power)
     table = render_table(rows, config, seeds, plan[1])
     atomic_write_text(out / OUTPUTS[0], _csv_text(rows))
     atomic_write_text(out / OUTPUTS[1], table + "\n")
@@ -339,7 +352,7 @@ def layer_cost(run_dir: Path, one: TrainRun, rounds: int) -> dict[str, Any]:
             if schedule is None
             else FixedSchedule(len(layers), set(range(len(layers))) if on else set()),
         )
-        modules[kind] = twin
+        modules[kind] = _with_documents(twin, model.cfg.block_size) if twin.router.takes_doc_ids else twin
     for name, module in modules.items():
         module.train()
         xin = x.detach().clone().requires_grad_(True)
@@ -369,6 +382,23 @@ def layer_cost(run_dir: Path, one: TrainRun, rounds: int) -> dict[str, Any]:
         "timing_rounds": rounds,
         "clock": "process CPU time, 1 thread",
     }
+
+
+def _with_documents(layer: Any, block: int) -> Any:
+    """``layer`` taking ``(T, d)`` tokens, each ``block`` of them one document (as the LM passes its
+    sequences), for a router that routes by document (EMO)."""
+    import torch
+
+    class WithDocuments(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            docs = torch.arange(x.shape[0], device=x.device) // block
+            return self.layer(x, doc_ids=docs)
+
+    return WithDocuments()
 
 
 def _losses(run_dir: Path) -> list[str]:
@@ -458,7 +488,7 @@ def _saturation_mid(d: dict[str, Any]) -> tuple[float | None, int | None]:
 
 
 def benchmark_rows(
-    out: Path, names: list[str], seeds: list[int], reference: str, margin: float
+    out: Path, names: list[str], seeds: list[int], reference: str, margin: float, power: float = 0.8
 ) -> list[dict]:
     """One row per method from the files in ``out``: the runs' ``metrics.json`` and
     ``diagnostics.json`` and the method's ``cost.json``."""
@@ -505,16 +535,70 @@ def benchmark_rows(
     p_diff = holm([t.p for t in tests_of])
     p_eq = holm([t.p_equivalent for t in tests_of])
     for r, t, pd, pe in zip(compared, tests_of, p_diff, p_eq):
+        d = [a - b for a, b in zip(tests[r["method"]], tests[reference])]
+        r["mdd"] = plan_paired(d, margin, alpha=0.05 / len(compared), power=power).mdd
         r.update(delta=t.diff, delta_low=t.low, delta_high=t.high, p=t.p, p_holm=pd)
         r.update(p_equivalent=t.p_equivalent, p_equivalent_holm=pe, verdict=_verdict(t.diff, pd, pe))
     for r in rows:
         if r["method"] == reference:
-            r.update(delta=None, delta_low=None, delta_high=None, p=None, p_holm=None)
+            r.update(mdd=None, delta=None, delta_low=None, delta_high=None, p=None, p_holm=None)
             r.update(p_equivalent=None, p_equivalent_holm=None, verdict="reference")
     ranks = bootstrap_ranks(tests)
     for r in rows:
         r["rank"], r["rank_low"], r["rank_high"] = ranks[r["method"]]
     return sorted(rows, key=lambda r: (r["mean"], r["method"]))
+
+
+def plan_table(out: Path, names: list[str], config: BenchmarkConfig) -> str:
+    """``moelab benchmark --plan``: per comparison with ``config.reference``, from the finished runs
+    in ``out`` (the seeds both methods have, paired by seed), the difference, its spread, the
+    minimum detectable difference at these seeds and the seeds the verdict the pilot points to would
+    need (:func:`moelab.experiments.summary.plan_paired`, at 0.05 over the comparisons and
+    ``config.power``)."""
+    found: dict[str, dict[int, float]] = {}
+    for name in names:
+        found[name] = {}
+        for metrics in sorted((out / name).glob("seed*/metrics.json")):
+            seed = metrics.parent.name.removeprefix("seed")
+            if seed.isdigit():
+                m = read_json(metrics)
+                key = next((k for k in m if k.startswith("test_") and k != "test_loss"), None)
+                if key is not None:
+                    found[name][int(seed)] = float(m[key])
+    ref = found[config.reference]
+    compared = [n for n in names if n != config.reference]
+    if len(ref) < 2 or not any(len(set(found[n]) & set(ref)) >= 2 for n in compared):
+        raise ValueError(
+            f"--plan needs a pilot: finished runs of {config.reference!r} and another method with at least 2 "
+            f"common seeds under {out}/<method>/seed<k>/ (found {sum(map(len, found.values()))} runs); run "
+            "moelab benchmark with a few seeds first"
+        )
+    alpha = 0.05 / len(compared)
+    lines = [
+        f"| method | seeds | Δ vs {config.reference} | sd of Δ | MDD at these seeds | pilot points to | "
+        f"seeds needed (±{config.margin:g}) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in compared:
+        common = sorted(set(found[name]) & set(ref))
+        if len(common) < 2:
+            lines.append(f"| {name} | {len(common)} | — | — | — | — | — (fewer than 2 paired seeds) |")
+            continue
+        plan = plan_paired(
+            [found[name][s] - ref[s] for s in common], config.margin, alpha=alpha, power=config.power
+        )
+        needed = "—" if plan.seeds_needed is None else f"{plan.seeds_needed:,}"
+        lines.append(
+            f"| {name} | {plan.n} | {plan.diff:+.4f} | {_f(plan.sd, '.4f')} | {_f(plan.mdd, '.4f')} | "
+            f"{plan.target} | {needed} |"
+        )
+    return "\n".join(lines) + (
+        f"\n\nMDD: the smallest true difference the paired t-test detects with {config.power:.0%} power; seeds "
+        f"needed: for the verdict the pilot's difference points to (equivalent within ±{config.margin:g} when "
+        f"|Δ| < {config.margin:g}, else better / worse), if the true difference were the pilot's; each test at "
+        f"0.05 / {len(compared)} (Bonferroni over the comparisons); — where the pilot has no spread or the "
+        "answer exceeds 100,000 seeds."
+    )
 
 
 def _shared_experts(run_dir: Path) -> int:
@@ -553,7 +637,8 @@ def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int], lo
     step = next((r["saturation_step"] for r in rows if r["saturation_step"] is not None), None)
     head = [
         "method", f"test {metric} (mean [95 % CI])", f"Δ vs {config.reference} [95 % CI]", "p (raw / Holm)",
-        f"TOST p (raw / Holm), ±{config.margin:g}", "verdict", "rank [95 % bootstrap]", "MaxVio", "Jain",
+        f"TOST p (raw / Holm), ±{config.margin:g}", "verdict", f"MDD ({config.power:.0%} power)",
+        "rank [95 % bootstrap]", "MaxVio", "Jain",
         "change rate (last interval)", f"saturation at step {step}", "expert FFNs / token",
         "layer time ÷ dense", "peak MiB (dense)", "repeats bit for bit", "1 vs 2 ranks max |Δloss|",
     ]  # fmt: skip
@@ -573,6 +658,7 @@ def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int], lo
             if r["p_equivalent"] is None
             else f"{_f(r['p_equivalent'], '.2g')} / {_f(r['p_equivalent_holm'], '.2g')}",
             r["verdict"],
+            _f(r["mdd"], ".4f"),
             f"{r['rank']} [{r['rank_low']}, {r['rank_high']}]",
             _f(r["max_vio"], ".3f"),
             _f(r["jain"], ".3f"),
@@ -594,6 +680,9 @@ def render_table(rows: list[dict], config: BenchmarkConfig, seeds: list[int], lo
         f"validation checkpoint; {losses}.",
         f"p: paired t-test of the difference to {config.reference}; TOST: equivalence within ±{config.margin:g}; "
         f"both Holm-adjusted over the {len(rows) - 1} comparisons; verdicts at 0.05.",
+        f"MDD: the smallest true difference the paired t-test detects with {config.power:.0%} power at these "
+        f"seeds, at 0.05 / {len(rows) - 1} (Bonferroni, which bounds Holm's first step); `moelab benchmark "
+        "--plan` gives the seeds each verdict needs.",
         "rank: by mean test metric (1 = lowest), interval from 2,000 bootstrap resamples of the seeds.",
         f"MaxVio, Jain, change rate, saturation, expert FFNs / token: diagnostics on the first "
         f"{config.diagnose_tokens} test tokens, mean over seeds; change rate between the last two kept "

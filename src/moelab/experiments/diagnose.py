@@ -251,6 +251,8 @@ def _diagnose_run(path: Path, tokens: int) -> dict[str, Any]:
             "top_k": k,
         }
         out["bpc"] = bpc()
+        # a router whose choice is fixed (DeepSeek-V4's hash layers) is a router with none
+        out["routing_parameters"] = metrics.routing_parameters(model)
         if spare:
             with metrics.swap_top1(model, 0):
                 out["swap_top1_bpc"] = bpc()

@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from .. import config as vocab
-from ..adapters import ADAPTERS, add_adapter
+from ..adapters import ADAPTERS, TARGET_GROUPS, add_adapter
 from ..config import MAX_COUNT, Interval, Options, setting
 from ..data.classification import TASKS, ClassificationData, load_classification, subsample_train
 from ..data.text import tokenizer_from_state
 from ..io.atomic import read_json, sha256_file
-from ..io.model import load
+from ..io.model import load, read_config
 from ..io.model import resolve as resolve_model
+from ..io.rundir import read_yaml
 from ..layer import moe_layers
 from ..models.classifier import LMClassifier, freeze_all_but_experts, freeze_routers
 from ..models.lm import TransformerLM
@@ -62,6 +63,15 @@ def read_lm_run(run_dir: str | Path) -> tuple[TrainRun, Any]:
     config_path = run_dir / "config.yaml"
     if not config_path.exists():
         raise FileNotFoundError(f"--from {str(run_dir)!r} holds no moelab run (no config.yaml)")
+    command = read_yaml(config_path, repr(str(config_path))).get("command")
+    if command in ("prune", "merge-experts"):  # the run it came from, with its experts now
+        source = read_yaml(config_path, repr(str(config_path)))["source"]
+        config, tokenizer = read_lm_run(source)
+        layers = read_config(run_dir).get("moe_layers") or {}
+        experts = {v["num_experts"] for v in layers.values()}
+        return replace(
+            config, num_experts=experts.pop() if len(experts) == 1 else config.num_experts
+        ), tokenizer
     try:
         config, _ = runner.read_run_config(TrainRun, run_dir, "train")
     except ValueError as exc:
@@ -125,6 +135,16 @@ class FinetuneConfig:
         allowed=Options(("experts", "trunk")),
     )
     rank: int = setting(8, help="the adapter's rank r (alpha = r: scale 1)", allowed=Interval(int, 1))
+    targets: str = setting(
+        "attention",
+        help=f"what the adapter adapts, comma-separated: {', '.join(TARGET_GROUPS)} (attention: Q and V; "
+        "experts: every expert's gate/up/down projection; router: the routers' weights)",
+    )
+    share_experts: bool = setting(
+        False,
+        help="one low-rank update shared by all experts of a projection instead of one per expert "
+        "(RepLoRA per expert: each its own a, b and one shared phi)",
+    )
     fraction: float = setting(
         1.0,
         help="the fraction of the training rows used (a seeded subset; validation and test untouched)",
@@ -143,6 +163,26 @@ class FinetuneConfig:
             raise ValueError(
                 f"--rank={self.rank} is not allowed with --adapter none; it is an adapter's rank"
             )
+        groups = self.target_groups
+        unknown = [g for g in groups if g not in TARGET_GROUPS]
+        if unknown or not groups or len(set(groups)) != len(groups):
+            raise ValueError(
+                f"--targets={self.targets!r} is not allowed; expected distinct names of {', '.join(TARGET_GROUPS)}, "
+                "comma-separated"
+            )
+        if self.adapter == "none" and (self.targets != "attention" or self.share_experts):
+            what = f"--targets={self.targets!r}" if self.targets != "attention" else "--share-experts"
+            raise ValueError(f"{what} is not allowed with --adapter none; it says what an adapter adapts")
+        if self.share_experts and "experts" not in groups:
+            raise ValueError(
+                f"--share-experts is not allowed with --targets={self.targets!r}; it shares the experts' update "
+                "(add experts to --targets)"
+            )
+
+    @property
+    def target_groups(self) -> list[str]:
+        """``--targets`` as a list of :data:`moelab.adapters.TARGET_GROUPS` names."""
+        return [g.strip() for g in self.targets.split(",")]
 
     @property
     def task_name(self) -> str:
@@ -181,8 +221,11 @@ def _execute(config: FinetuneConfig, run: runner.Run) -> dict[str, Any]:
     torch.manual_seed(config.seed)  # the new head (and an adapter) start from the seed: a run repeats
     model = LMClassifier(lm, data.num_classes)
     frozen = freeze_routers(model)
-    if config.adapter != "none":  # the trunk frozen but for its Q/V updates; the new head trains
-        add_adapter(model.lm, config.adapter, rank=config.rank)
+    if config.adapter != "none":  # the trunk frozen but for its updates; the new head trains
+        targets = [pattern for group in config.target_groups for pattern in TARGET_GROUPS[group]]
+        add_adapter(
+            model.lm, config.adapter, rank=config.rank, targets=targets, share_experts=config.share_experts
+        )
     elif config.trainable == "experts":
         frozen += freeze_all_but_experts(model.lm)
     train = TrainConfig(
@@ -269,12 +312,20 @@ def _prepare(config: FinetuneConfig, world: int) -> None:
     """Before the run directory opens: ``--from`` must be a language-model run, and the batch must
     fit the machine's memory."""
     lm_run, _ = read_lm_run(config.source)
-    width = lm_run.d_model  # recorded resolved: the LM's Q and V projections are width x width
-    if config.adapter != "none" and width is not None and config.rank > width:
-        raise ValueError(
-            f"--rank={config.rank} is not allowed with --from {config.source!r}: an update of its {width}x{width} "
-            f"Q and V projections has rank at most {width}; expected --rank <= {width}"
-        )
+    d = lm_run.d_model  # recorded resolved: the LM's Q and V projections are d x d
+    if config.adapter != "none" and d is not None:
+        h, n = lm_run.d_hidden or d, lm_run.num_experts
+        shapes = {"attention": (d, d, "Q and V projections"), "experts": (h, d, "expert projections")}
+        if n is not None:
+            shapes["router"] = (n, d, "router weights")
+        for group in config.target_groups:
+            if group in shapes and config.rank > min(shapes[group][:2]):
+                m, k, what = shapes[group]
+                bound = min(m, k)
+                raise ValueError(
+                    f"--rank={config.rank} is not allowed with --from {config.source!r}: an update of its {m}x{k} "
+                    f"{what} has rank at most {bound}; expected --rank <= {bound}"
+                )
 
     def need(c: FinetuneConfig) -> int:
         return memory_needed(replace(lm_run, batch_size=c.batch_size, steps=1, method="smoe"))

@@ -220,11 +220,16 @@ def render(groups: list[Group], reference: str | None = None) -> tuple[str, list
                 "active_params": m.get("active_params"),
                 "tokens_per_s": sum(tps) / len(tps) if tps else None,
                 "best": g is best,
+                "competed": not _never_competed(g),
+                "trained_share": _trained_share(g),
             }
         )
+    trained = any(row["trained_share"] is not None for row in rows)
     direction = "lower" if lower else "higher"
     ref_name = ref.label if ref is not None else "none"
     header = f"{'method':<28} {'n':>2}  {'test ' + metric + ' (mean ± std)':<24} {'p vs ' + ref_name:>16}  {'params/active':>17}  {'tokens/s':>8}"
+    if trained:  # fine-tuning runs: the share of the model's parameters trained (RepLoRA's "#Params (%)")
+        header += f"  {'trained %':>9}"
     lines = [header, "-" * len(header)]
     for row, g in zip(rows, groups):
         cell = f"{_fmt(row[f'test_{metric}_mean'])} ± {_fmt(row[f'test_{metric}_std'])}"
@@ -232,15 +237,90 @@ def render(groups: list[Group], reference: str | None = None) -> tuple[str, list
             cell += " *"
         pa = f"{_short(row['params'])}/{_short(row['active_params'])}"
         tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "—"
-        lines.append(
-            f"{g.label:<28} {row['n']:>2}  {cell:<24} {_fmt(row['p_value'], 3):>16}  {pa:>17}  {tps:>8}"
-        )
+        label = g.label + (" †" if _never_competed(g) else "")
+        line = f"{label:<28} {row['n']:>2}  {cell:<24} {_fmt(row['p_value'], 3):>16}  {pa:>17}  {tps:>8}"
+        if trained:
+            share = row["trained_share"]
+            line += f"  {'—' if share is None else f'{100 * share:.3g}':>9}"
+        lines.append(line)
+    uncompeted = [g.label for g in groups if _never_competed(g)]
     lines.append(f"* best ({direction} is better); p: two-sided Welch t-test against {ref_name} over seeds")
-    text = "\n".join(lines)
+    if uncompeted:
+        lines.append(
+            f"† no competition step happened in {', '.join(uncompeted)}: the runs ended before the first "
+            "step of their competition schedule, so they trained as plain top-K routing (train longer)"
+        )
+    reach = steps_to_reach_text(groups, ref) if ref is not None else ""
+    for row, g in zip(rows, groups):
+        row["steps_to_reference"] = steps_to_reach(g, ref) if ref is not None and g is not ref else None
+    text = "\n".join(lines) + (f"\n\n{reach}" if reach else "")
     sweep = _sensitivity(groups, metric)
     if sweep:
         text += "\n\n" + sweep
     return text, rows
+
+
+def steps_to_reach(group: Group, reference: Group) -> float | None:
+    """Ho (2025)'s training-efficiency measure ("DeepSeek-V3 and DeepSeek-V2 consistently reach the
+    final performance of Vanilla SMoE using only 70–80 % of the total training steps"): the first
+    evaluation step at which ``group``'s validation curve (mean over its seeds) is at least as good
+    as ``reference``'s final one (mean over its seeds, at its last evaluation), as a fraction of
+    ``reference``'s last step.  ``None`` when either has no curve; ``inf`` when never reached."""
+    ref_steps, ref_mean, _, _ = curve_stats(reference)
+    steps, mean, _, _ = curve_stats(group)
+    if not ref_steps or not steps:
+        return None
+    lower = group.runs[0].metric != "acc"
+    target = ref_mean[-1]
+    for step, value in zip(steps, mean):
+        if (value <= target) if lower else (value >= target):
+            return step / ref_steps[-1]
+    return math.inf
+
+
+def steps_to_reach_text(groups: list[Group], reference: Group) -> str:
+    """The section of the report table: each group's :func:`steps_to_reach` of ``reference``."""
+    ref_steps, ref_mean, _, _ = curve_stats(reference)
+    others = [g for g in groups if g is not reference]
+    if not ref_steps or not others:
+        return ""
+    metric = reference.runs[0].metric
+    lines = [
+        f"steps to reach {reference.label}'s final validation {metric} ({_fmt(ref_mean[-1])} at step "
+        f"{ref_steps[-1]}), as a share of its steps (Ho (2025)); mean validation curves over seeds"
+    ]
+    for g in others:
+        share = steps_to_reach(g, reference)
+        if share is None:
+            cell = "no validation curve"
+        elif math.isinf(share):
+            cell = f"not reached in {curve_stats(g)[0][-1]} steps"
+        else:
+            cell = f"{share:.0%} (step {round(share * ref_steps[-1])})"
+        lines.append(f"  {g.label:<28} {cell}")
+    return "\n".join(lines)
+
+
+def _trained_share(group: Group) -> float | None:
+    """The share of the model's parameters a fine-tuning trained (``trainable_params`` recorded by
+    ``moelab finetune`` over the model's ``params``: RepLoRA's "#Params (%)" column), when every run
+    of ``group`` records the same; ``None`` for runs that record none."""
+    shares = set()
+    for r in group.runs:
+        trained, total = (r.config.get("recorded") or {}).get("trainable_params"), r.metrics.get("params")
+        if not trained or not total:
+            return None
+        shares.add(trained / total)
+    return shares.pop() if len(shares) == 1 else None
+
+
+def _never_competed(group: Group) -> bool:
+    """Every run of ``group`` has a competition schedule (``first_competition_step`` recorded) and
+    none of them reached its first competition step."""
+    return all(
+        "first_competition_step" in r.metrics and r.metrics["first_competition_step"] is None
+        for r in group.runs
+    )
 
 
 def _short(n: Any) -> str:

@@ -279,6 +279,7 @@ def format_table(metrics: dict[str, Any]) -> str:
             f"{d['setting']:<15} {d['loss']:<9} slope({d['router_a']}) - slope({d['router_b']}) "
             f"{d['difference']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
         )
+    lines.extend(f"note: {note}" for note in metrics.get("notes", []))  # runs before notes existed have none
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Summary statistics over seeds, shared by ``moelab report``, ``compare``, ``specialize`` and
 ``benchmark``: mean ± sample standard deviation, the Student-t interval of the mean, Welch's
 unequal-variance t-test, the paired t-test with its equivalence twin (TOST), Holm's adjustment and
-bootstrap intervals of ranks.
+bootstrap intervals of ranks, and the power planning of a paired comparison (:func:`plan_paired`).
 A statistic the values leave undefined (the spread of one value, a test without two values a side
 or without any spread) is ``None``, never NaN, and the formatters print it as a placeholder, so no
 table shows ``nan``.  docs/results.md ("Notes").
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Paired",
+    "Plan",
     "Welch",
     "bootstrap_ranks",
     "format_interval",
@@ -25,6 +26,7 @@ __all__ = [
     "mean",
     "mean_sd",
     "paired",
+    "plan_paired",
     "sd",
     "seed_summary",
     "t_interval",
@@ -209,3 +211,67 @@ def format_interval(interval: tuple[float, float] | None, digits: int = 3, missi
     if interval is None:
         return missing
     return f"[{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
+
+
+@dataclass
+class Plan:
+    """The power of one paired comparison (:func:`plan_paired`)."""
+
+    n: int
+    diff: float
+    sd: float | None
+    #: the smallest true difference the paired t-test detects with ``power`` at this ``n``
+    mdd: float | None
+    #: what the comparison could end as, judged from the pilot: ``equivalent`` when the observed
+    #: difference lies inside the margin, else ``better`` / ``worse``
+    target: str
+    #: seeds for that verdict with ``power`` if the true difference is the observed one (``None``:
+    #: no spread to plan from, or more than ``max_seeds``)
+    seeds_needed: int | None
+
+
+def _t(q: float, df: int) -> float:
+    from scipy import stats
+
+    return float(stats.t.ppf(q, df))
+
+
+def plan_paired(
+    d: Sequence[float], margin: float, *, alpha: float = 0.05, power: float = 0.8, max_seeds: int = 100_000
+) -> Plan:
+    """Power planning of a paired comparison from its per-seed differences ``d`` (a pilot): the
+    minimum detectable difference of the two-sided paired t-test at this many seeds,
+    ``(t₁₋α/₂ + t_power) · sd / √n`` with ``n − 1`` degrees of freedom, and the seeds the verdict
+    the pilot points to would need at the same ``alpha`` and ``power`` if the true difference were
+    the observed one: for ``|Δ| ≥ margin`` the t-test's ``(t₁₋α/₂ + t_power) · sd / √n ≤ |Δ|``, for
+    ``|Δ| < margin`` the TOST's ``(t₁₋α + t₁₋(1−power)/2) · sd / √n ≤ margin − |Δ|`` (the usual
+    approximations, Chow, Shao & Wang, *Sample Size Calculations in Clinical Research*, §3.2).
+    ``alpha`` is the level each test is run at (divide by the family size for Bonferroni, which
+    bounds Holm's first step)."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
+        raise ValueError(f"margin={margin!r} is not allowed; expected a number > 0")
+    if not 0 < alpha < 1 or not 0 < power < 1:
+        raise ValueError(f"alpha={alpha!r}, power={power!r} are not allowed; expected both in (0, 1)")
+    values = [float(x) for x in d]
+    n, diff, spread = len(values), mean(values) if values else float("nan"), sd(values)
+    target = "equivalent" if abs(diff) < margin else ("better" if diff < 0 else "worse")
+    if spread is None or spread == 0:
+        return Plan(n, diff, spread, None, target, None)
+    mdd = (_t(1 - alpha / 2, n - 1) + _t(power, n - 1)) * spread / math.sqrt(n)
+    if target == "equivalent":
+        gap = margin - abs(diff)
+
+        def enough(k: int) -> bool:
+            return (_t(1 - alpha, k - 1) + _t(1 - (1 - power) / 2, k - 1)) * spread / math.sqrt(k) <= gap
+    else:
+
+        def enough(k: int) -> bool:
+            return (_t(1 - alpha / 2, k - 1) + _t(power, k - 1)) * spread / math.sqrt(k) <= abs(diff)
+
+    if not enough(max_seeds):
+        return Plan(n, diff, spread, mdd, target, None)
+    low, high = 2, max_seeds  # enough() grows with k: the smallest k by bisection
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(mid) else (mid + 1, high)
+    return Plan(n, diff, spread, mdd, target, low)

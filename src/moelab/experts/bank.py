@@ -113,8 +113,9 @@ class ExpertBank(SparseExperts):
         Returns:
             ``(T, d)``.
         """
-        impl = self.resolved_impl(x, indices.shape[1], tracks_grad(self, x, weights))
-        return run_kernel(impl, x, indices, weights, self.expert_weights)  # in autocast's dtype under it
+        w = self.expert_weights  # read once: a parametrized weight (an adapter's W + ΔW) is composed per read
+        impl = self.resolved_impl(x, indices.shape[1], tracks_grad(self, x, weights), w)
+        return run_kernel(impl, x, indices, weights, w)  # in autocast's dtype under it
 
     def mix_padded(self, xs: Tensor) -> Tensor:
         """Every expert on its ``C`` rows ``xs (N, C, d)`` as one batched matmul of fixed shape
@@ -241,14 +242,17 @@ class ExpertBank(SparseExperts):
             )
         return winners, y_w, extra
 
-    def resolved_impl(self, x: Tensor, top_k: int = 1, grad: bool = True) -> str:
+    def resolved_impl(
+        self, x: Tensor, top_k: int = 1, grad: bool = True, weights: ExpertWeights | None = None
+    ) -> str:
         """The kernel :meth:`forward` runs for ``x (T, d)`` routed to ``top_k`` experts per token,
         with (``grad``) or without autograd: an explicit ``impl`` as it is (that kernel always
         runs, and raises a ``ValueError`` where it cannot), ``"auto"`` by
-        :func:`moelab.experts.kernels.choose_kernel`."""
+        :func:`moelab.experts.kernels.choose_kernel` (on ``weights``, the caller's
+        :attr:`expert_weights`, when it has them)."""
         if self.impl != "auto":
             return self.impl
-        return choose_kernel(x, top_k, self.expert_weights, grad, self.tuned)
+        return choose_kernel(x, top_k, self.expert_weights if weights is None else weights, grad, self.tuned)
 
 
 class MLP(nn.Module):

@@ -805,13 +805,15 @@ def _json_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def refuse_factorised_gates(method: str, op: str) -> None:
-    """Autonomy-of-Experts' experts have low-rank gate projections ``W_g = B A``: full-rank experts
-    (a transformers block's, another method's) have no exact counterpart."""
-    if get_method(method).router == "aoe":
+    """Autonomy-of-Experts' and Routing-Free MoE's experts have low-rank gate projections
+    ``W_g = B A`` (:attr:`moelab.routers.Router.factorised_gates`): full-rank experts (a transformers
+    block's, another method's) have no exact counterpart."""
+    paper = ROUTERS[get_method(method).router].factorised_gates
+    if paper is not None:
         raise ValueError(
-            f"{op}(method={method!r}) is not allowed: Autonomy-of-Experts needs experts whose gate projections "
+            f"{op}(method={method!r}) is not allowed: {paper} needs experts whose gate projections "
             "are low-rank factors (W_g = B A), which full-rank experts are not; build the layer with "
-            "moelab.MoE(..., method='aoe') instead"
+            f"moelab.MoE(..., method={method!r}) instead"
         )
 
 
@@ -853,7 +855,7 @@ def set_method(model: nn.Module, method: str, **options: Any) -> nn.Module:
     if any(get_method(layer.method).router != get_method(method).router for layer in layers):
         refuse_factorised_gates(method, "set_method")
         for layer in layers:
-            if layer.method != method and get_method(layer.method).router == "aoe":
+            if layer.method != method and ROUTERS[get_method(layer.method).router].factorised_gates:
                 raise ValueError(
                     f"set_method(method={method!r}) is not allowed on a layer of method={layer.method!r}: its "
                     "experts' gate projections are low-rank factors (W_g = B A) that the new method's experts "

@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..layer import MoE, moe_layers
 from .convert import GatedSharedExpert, Plan, guard_save_pretrained
 
-__all__ = ["guard_save_pretrained", "to_hf"]  # the guard lives in .convert (which installs it)
+__all__ = ["block_plan", "guard_save_pretrained", "to_hf"]  # the guard lives in .convert (which installs it)
 
 _LOST = {
     "cosine": "the cosine router's projection, expert embeddings and temperature",
@@ -46,6 +47,7 @@ def _expected_options(plan: Plan) -> dict[str, Any]:
             "topk_groups": o.get("topk_groups", o.get("num_groups", 1)),
             "selection_bias": bool(o.get("selection_bias", False)),
             "expert_dropout": 0.0,
+            "gate_bias": False,  # no transformers sigmoid router has a learned bias inside the sigmoid
         }
     return {
         "renormalize": o.get("renormalize", True),
@@ -66,7 +68,7 @@ def _refuse(path: str, layer: MoE, why: str) -> ValueError:
     )
 
 
-def _check(path: str, layer: MoE) -> Plan:
+def _check(path: str, layer: MoE, adapted: bool = False) -> Plan:
     plan: Plan | None = getattr(layer, "_hf_plan", None)
     skeleton = getattr(layer, "_hf_block", None)
     router_kind = type(layer.router).__name__
@@ -101,7 +103,23 @@ def _check(path: str, layer: MoE) -> Plan:
         )
     if (layer.shared is None) != (plan.shared_name is None):
         raise _refuse(path, layer, "its shared experts differ from the block's")
+    if not adapted and any(
+        parametrize.is_parametrized(m) for m in layer.modules()
+    ):  # a LoRA / RepLoRA update
+        raise _refuse(
+            path,
+            layer,
+            "its weights carry an adapter's update (moelab.adapters); merge_adapter(model) first to fold it in, "
+            "or write the adapter for PEFT with moelab.hf.lora.export_peft",
+        )
     return plan
+
+
+def block_plan(path: str, layer: MoE) -> Plan:
+    """The :class:`~moelab.hf.convert.Plan` of a converted layer that can go back to its
+    transformers block (what :func:`to_hf` checks: a ``ValueError`` naming what would be lost
+    otherwise), an adapter's update on it allowed; ``path`` names the layer in the message."""
+    return _check(path, layer, adapted=True)
 
 
 def _sources(layer: MoE, plan: Plan) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ __all__ = [
     "load",
     "load_weights",
     "read_config",
+    "rebuild",
     "register_kind",
     "resolve",
     "save",
@@ -515,6 +516,13 @@ def _restore_routing(model: nn.Module, config: dict[str, Any], file: Path, keep_
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{str(file)!r} has a routing_context that does not rebuild: {e}") from None
     attach(model, ctx)
+
+
+def rebuild(kind: str, config: dict[str, Any]) -> nn.Module:
+    """A new model of ``kind`` from its constructor ``config`` (what :func:`describe` gives and
+    :func:`load` rebuilds from), with fresh weights: how :mod:`moelab.prune` builds a model of the
+    same class with fewer experts."""
+    return _build(kind, config, Path("<in memory>"))
 
 
 def _build(kind: str, config: dict[str, Any], file: Path) -> nn.Module:

@@ -30,6 +30,7 @@ __all__ = [
     "ARCHS",
     "ATTENTIONS",
     "ATTENTION_ACTIVATIONS",
+    "INITS",
     "PRESETS",
     "TRAINING",
     "LMConfig",
@@ -38,6 +39,10 @@ __all__ = [
 ]
 
 ARCHS = ("switch", "glam", "dense")
+#: ``gpt2``: N(0, 0.02) embeddings and attention, the residual projection scaled by 1/√(2L), the MoE
+#: layers' own init; ``moeut``: MoEUT's (Csordás et al. 2024), which CompeteSMoE (2025) uses for its
+#: 1B model (:func:`moeut_init_`)
+INITS = ("gpt2", "moeut")
 #: ``standard``: softmax(QKᵀ/√d) V; ``active``: Active-Attention of Ho (2025), softmax(QKᵀ/√d) σ(V)
 
 
@@ -50,7 +55,9 @@ class LMConfig:
         block_size: maximum context length.
         n_layer: Transformer blocks.
         d_model: width.
-        n_head: attention heads (must divide ``d_model``).
+        n_head: attention heads (must divide ``d_model`` unless ``d_head`` is set).
+        d_head: width of each head (``None``: ``d_model / n_head``); the attention projects to
+            ``n_head · d_head`` and back (CompeteSMoE (2025)'s 1B model: 32 heads of 128 at d 1024).
         arch: ``switch``, ``glam`` or ``dense`` (see the module docstring).
         method: MoE method name (:func:`moelab.methods`).
         num_experts: experts per MoE layer (16 in CompeteSMoE (2024)).
@@ -63,6 +70,7 @@ class LMConfig:
             ``softmax(QKᵀ/√d) σ(V)`` with a non-linear σ (:data:`ATTENTIONS`).
         attention_activation: σ of ``active`` attention, one of :data:`ATTENTION_ACTIVATIONS`
             (default ``gelu``); refused with ``standard`` attention.
+        init: the weights' initialisation, one of :data:`INITS` (``gpt2``, the default, or ``moeut``).
     """
 
     vocab_size: int
@@ -80,6 +88,8 @@ class LMConfig:
     method_options: dict[str, Any] = field(default_factory=dict)
     attention: str = "standard"
     attention_activation: str | None = None
+    d_head: int | None = None
+    init: str = "gpt2"
 
     def __post_init__(self) -> None:
         self.attention_activation = attention_activation(self.attention, self.attention_activation)
@@ -93,7 +103,10 @@ class LMConfig:
         _validate.int_in_range("top_k", self.top_k, 1, self.num_experts)
         if self.d_hidden is not None:
             _validate.positive_int("d_hidden", self.d_hidden)
-        if self.d_model % self.n_head:
+        if self.d_head is not None:
+            _validate.positive_int("d_head", self.d_head)
+        _validate.one_of("init", self.init, INITS)
+        if self.d_head is None and self.d_model % self.n_head:
             raise ValueError(
                 f"n_head={self.n_head} is not allowed for d_model={self.d_model}; n_head must divide d_model"
             )
@@ -112,6 +125,11 @@ class LMConfig:
     @property
     def hidden(self) -> int:
         return self.d_model if self.d_hidden is None else self.d_hidden
+
+    @property
+    def attention_width(self) -> int:
+        """``n_head · d_head``: the width of the queries, keys and values."""
+        return self.d_model if self.d_head is None else self.n_head * self.d_head
 
     def is_moe(self, layer: int) -> bool:
         """Whether block ``layer`` has an MoE FFN."""
@@ -147,6 +165,24 @@ PRESETS: dict[str, dict[str, Any]] = {
     "demo": dict(n_layer=2, d_model=64, n_head=4, block_size=32, dropout=0.0),
     # between cpu and tiny: a model that still learns after thousands of CPU steps (our choice)
     "mini": dict(n_layer=3, d_model=96, n_head=4, block_size=128, dropout=0.0),
+    # CompeteSMoE (2025)'s 1B language model (App. H.2, Table 18): 24 layers of d 1024, 32 heads of 128,
+    # an MoE FFN in every block with 24 ReLU experts of width 512, K = 8, MoEUT's init.  Its context
+    # (1024) is the authors' public MoEUT-framework configs' `lm.unroll`; the paper's model has
+    # RoPE and an untied head, moelab's LM learned positions and a tied head (docs/methods.md).
+    # A runnable shape, not trained here (about 1.0B parameters)
+    "compete-1b": dict(
+        n_layer=24,
+        d_model=1024,
+        n_head=32,
+        d_head=128,
+        block_size=1024,
+        dropout=0.0,
+        num_experts=24,
+        top_k=8,
+        d_hidden=512,
+        activation="relu",
+        init="moeut",
+    ),
 }
 
 
@@ -192,6 +228,19 @@ TRAINING: dict[str, dict[str, Any]] = {
         eval_tokens=16384,
         ckpt_every=200,
     ),
+    # compete-1b: CompeteSMoE (2025) Table 19 (MoEUT's configuration): AdamW 2.5e-4, cosine to 0.1 of it,
+    # 4000 warm-up steps, batch 64, 200k steps.  The authors' public configs add weight decay 0.01 and
+    # gradient clipping 0.1, which are flags with defaults of their own: docs/methods.md gives the command
+    "compete-1b": dict(
+        lr=2.5e-4,
+        schedule="cosine",
+        warmup=4000,
+        steps=200_000,
+        batch_size=64,
+        eval_every=5000,
+        eval_tokens=1_000_000,
+        ckpt_every=5000,
+    ),
     # mini: the cpu setting for runs of thousands of steps (docs/results.md's decisive comparison)
     "mini": dict(
         lr=2e-3,
@@ -212,12 +261,56 @@ def lm_config(size: str, vocab_size: int, **overrides: Any) -> LMConfig:
     return LMConfig(vocab_size=vocab_size, **{**PRESETS[size], **overrides})
 
 
+@torch.no_grad()
+def moeut_init_(model: TransformerLM) -> None:
+    """MoEUT's initialisation (Csordás et al. 2024; its public code, ``MoEUT.reset_parameters``), which
+    CompeteSMoE (2025) uses for its 1B model: with ``s = √(2 / n_layer)``, the attention's queries,
+    keys and values ``N(0, s²/d)`` and its output ``N(0, s²/(n_head·d_head))``; every MoE layer's
+    expert input matrices ``N(0, s²/d)``, output matrices ``N(0, s²/(N·h))`` (the fan-in of all the
+    experts' hidden units together, as σ-MoE's ``values``), and its router's ``(N, d)`` weight
+    ``N(0, s²/d)`` with each row rescaled to one norm (``renorm_keep_std``: rows of equal norm,
+    the overall std kept); the token embedding ``N(0, 1/d)`` (``kaiming_normal_``, fan-in, linear);
+    biases zero and LayerNorms one / zero.  Dense FFNs and shared experts get the experts' rule with N = 1.  moelab's
+    learned position embedding, which MoEUT has no counterpart of (RoPE), keeps GPT-2's N(0, 0.02²)."""
+    cfg = model.cfg
+    s, d = math.sqrt(2 / cfg.n_layer), cfg.d_model
+    nn.init.normal_(model.tok_emb.weight, std=1 / math.sqrt(d))
+    nn.init.normal_(model.pos_emb.weight, std=0.02)
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+    for block in model.blocks:
+        nn.init.normal_(block.attn.qkv.weight, std=s / math.sqrt(d))
+        nn.init.normal_(block.attn.proj.weight, std=s / math.sqrt(cfg.attention_width))
+        nn.init.zeros_(block.attn.qkv.bias)
+        nn.init.zeros_(block.attn.proj.bias)
+        ffn = block.ffn
+        if isinstance(ffn, MoE):
+            n, h = ffn.num_experts, ffn.experts.w_out.shape[-1]
+            nn.init.normal_(ffn.experts.w_in, std=s / math.sqrt(d))
+            nn.init.normal_(ffn.experts.w_out, std=s / math.sqrt(n * h))
+            for weight in ffn.router.parameters():
+                if weight.shape == (n, d):
+                    nn.init.normal_(weight, std=s / math.sqrt(d))
+                    std = weight.std()
+                    weight.div_(weight.norm(dim=1, keepdim=True))
+                    weight.mul_(std / weight.std())
+    for mlp in (m for m in model.modules() if isinstance(m, MLP)):  # dense FFNs, shared experts
+        nn.init.normal_(mlp.fc_in.weight, std=s / math.sqrt(d))
+        nn.init.normal_(mlp.fc_out.weight, std=s / math.sqrt(mlp.fc_out.weight.shape[1]))
+        for bias in (mlp.fc_in.bias, mlp.fc_out.bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        width = cfg.attention_width
+        self.qkv = nn.Linear(cfg.d_model, 3 * width)
+        self.proj = nn.Linear(width, cfg.d_model)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
         # Active-Attention (Ho (2025)): σ on the values (functional.multi_head_attention); None
@@ -225,8 +318,7 @@ class CausalSelfAttention(nn.Module):
         self.value_activation = cfg.attention_activation if cfg.attention == "active" else None
 
     def forward(self, x: Tensor) -> Tensor:
-        d = x.shape[-1]
-        q, k, v = self.qkv(x).split(d, dim=2)  # 3 × (B, L, d)
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 × (B, L, n_head · d_head)
         y = multi_head_attention(
             q,
             k,
@@ -273,11 +365,22 @@ class Block(nn.Module):
             self.ffn = MLP(cfg.d_model, width, activation=cfg.activation)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, idx: Tensor | None = None) -> Tensor:
-        """``idx``: the token ids of ``x``, for an MoE router that routes by them (DeepSeek-V4's hash layers)."""
+    def forward(self, x: Tensor, idx: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
+        """``idx``: the token ids of ``x``, for an MoE router that routes by them (DeepSeek-V4's hash
+        layers); ``doc_ids``: their documents, for one that routes by document (EMO), each sequence
+        one document when ``None``."""
         x = x + self.attn(self.ln1(x))
         h = self.ln2(x)
-        h = self.ffn(h) if idx is None or not isinstance(self.ffn, MoE) else self.ffn(h, token_ids=idx)
+        if not isinstance(self.ffn, MoE):
+            h = self.ffn(h)
+        elif self.ffn.router.takes_doc_ids:
+            h = self.ffn(
+                h,
+                token_ids=idx,
+                doc_ids=torch.zeros_like(x[..., 0], dtype=torch.long) if doc_ids is None else doc_ids,
+            )
+        else:
+            h = self.ffn(h) if idx is None else self.ffn(h, token_ids=idx)
         return x + self.drop(h)
 
 
@@ -298,9 +401,16 @@ class TransformerLM(Persistent, nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying (nanoGPT)
+        # numbered as moelab.attach numbers them, so a model used without a context routes each layer
+        # as its place says (DeepSeek-V4's first hash_layers are hash-routed, not every layer 0)
+        for i, layer in enumerate(moe_layers(self)):
+            layer.layer_index = i
         self._init_weights()
 
     def _init_weights(self) -> None:
+        if self.cfg.init == "moeut":
+            moeut_init_(self)
+            return
         # GPT-2 init for embeddings and attention; FFNs (MoE routers/experts, dense MLPs) keep
         # their own init (ExpertBank / MLP: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the routers' own)
         nn.init.normal_(self.tok_emb.weight, std=0.02)
@@ -316,11 +426,13 @@ class TransformerLM(Persistent, nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return moe_layers(self)
 
-    def features(self, idx: Tensor, mask: Tensor | None = None) -> Tensor:
+    def features(self, idx: Tensor, mask: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
         """Final hidden states ``(B, L, d)`` of token ids ``idx (B, L)``; ``mask (B, L)`` (True
         for a real token) keeps padding out of the MoE layers' routing, balance and capacity
         (:func:`moelab.padding.masked_tokens`, one host sync a forward); causal attention keeps
-        right padding out of the real tokens' states."""
+        right padding out of the real tokens' states.  ``doc_ids (B, L)``: each token's document,
+        for the MoE layers that route by document (EMO); ``None``: each sequence is one document
+        (the corpora are sampled as windows of a stream)."""
         if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"idx of shape {tuple(idx.shape)} and dtype {idx.dtype} is not allowed; expected token ids "
@@ -347,12 +459,13 @@ class TransformerLM(Persistent, nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, L, d)
         with masked_tokens(mask):  # the scope of this forward only
             for block in self.blocks:
-                x = block(x, idx)
+                x = block(x, idx, doc_ids)
         return self.ln_f(x)
 
-    def forward(self, idx: Tensor, mask: Tensor | None = None) -> Tensor:
-        """Logits ``(B, L, vocab)`` of ``idx (B, L)``; ``mask``: the real tokens (:meth:`features`)."""
-        return self.head(self.features(idx, mask))
+    def forward(self, idx: Tensor, mask: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
+        """Logits ``(B, L, vocab)`` of ``idx (B, L)``; ``mask``: the real tokens, ``doc_ids`` their
+        documents (:meth:`features`)."""
+        return self.head(self.features(idx, mask, doc_ids))
 
     def moelab_config(self) -> dict[str, Any]:
         """What :func:`moelab.save` records to rebuild this model (the :class:`LMConfig`, and the

@@ -12,7 +12,7 @@ from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import topk_gate
 from ..routing import Routing, RoutingContext
-from .base import RenormalizeOptions, Router, SelectionBiasOptions, option_default, register
+from .base import RenormalizeOptions, Router, SelectionBiasOptions, option_default, register, softmax_over_all
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ class AoERouter(Router):
     """
 
     config_class = AoEConfig
+
+    def removal_problem(self, kept: int) -> str | None:  # ranks by the bank's own gates: nothing to slice
+        return softmax_over_all(self.weights_sum_to_one)
+
+    factorised_gates = "Autonomy-of-Experts"
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

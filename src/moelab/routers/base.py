@@ -33,6 +33,7 @@ __all__ = [
     "option_default",
     "register",
     "router_options",
+    "softmax_over_all",
 ]
 
 #: router family name → class; filled by :func:`register` when ``moelab.routers`` is imported
@@ -182,6 +183,19 @@ class Router(nn.Module):
     #: layers): the layer passes them, from ``MoE.forward(x, token_ids=...)``
     takes_token_ids: bool = False
 
+    #: whether the router takes each token's document (``forward(..., doc_ids=docs)``, EMO's document
+    #: pools): the layer passes a dense index in ``[0, T)`` from ``MoE.forward(x, doc_ids=...)``
+    takes_doc_ids: bool = False
+
+    #: the paper whose experts' gate projections are low-rank factors ``W_g = B A`` the router reads
+    #: (``A x``: the layer builds its bank with ``gate_rank``); ``None`` for a router of full-rank experts
+    factorised_gates: ClassVar[str | None] = None
+
+    #: whether a learnable parameter decides the choice of experts (the diagnostics count its
+    #: routing parameters); ``False`` for a layer whose choice is fixed: DeepSeek-V4's hash layers
+    #: route by a token id table, their gate learning the weights only
+    learns_choice: bool = True
+
     #: the family's options: a frozen dataclass of :mod:`moelab.config` fields (the shared ones from
     #: the mixins above); :func:`router_options` lists its fields
     config_class: ClassVar[type] = RouterConfig
@@ -250,9 +264,12 @@ class Router(nn.Module):
 
     def count_replayed(self, own: Tensor, replayed: Tensor) -> None:
         """Routing replay: the pending load of the selection bias counts the experts the tokens went
-        to (``replayed``), not the router's ``own`` choice that :meth:`count_load` counted."""
+        to (``replayed``; ``-1``: an empty slot), not the router's ``own`` choice that
+        :meth:`count_load` counted."""
         if self.training and self.selection_bias is not None and counts_this_forward():
-            delta = expert_counts(replayed, self.num_experts) - expert_counts(own, self.num_experts)
+            taken = (replayed >= 0).reshape(-1).to(torch.int64)
+            went = taken.new_zeros(self.num_experts).scatter_add_(0, replayed.clamp(min=0).reshape(-1), taken)
+            delta = went - expert_counts(own, self.num_experts)
             self.pending_load.add_(delta.to(self.pending_load.dtype))
 
     def count_load(self, indices: Tensor) -> None:
@@ -399,6 +416,37 @@ class Router(nn.Module):
                     "bf16; under FSDP2 mixed precision use parallelize(..., mp_policy=...), which keeps it float32)"
                 )
 
+    # ------------------------------------------------------------ removing experts (moelab.prune)
+    #: the parameters and buffers whose first dimension indexes this router's experts (a family
+    #: lists its own; the selection bias is every router's): what removing experts slices
+    expert_tensors: ClassVar[tuple[str, ...]] = ()
+
+    def expert_rows(self, keep: Tensor) -> Tensor:
+        """The rows of :attr:`expert_tensors` and of the selection bias that the experts ``keep``
+        own (the same indices, unless the router scores more than its bank's experts: MoE++)."""
+        return keep
+
+    def removal_problem(self, kept: int) -> str | None:
+        """Why this router cannot route among ``kept`` of its experts as it routes among them now
+        (a token whose chosen experts are all kept must get the same experts and weights), or
+        ``None``.  Here: none; a family whose rule reads every expert says why."""
+        return None
+
+    def kept_options(self) -> dict[str, Any]:
+        """The options whose default depends on the number of experts, at this router's values: a
+        router rebuilt with fewer experts is given them, so that only its experts change."""
+        return {}
+
+    def kept_state(self, state: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
+        """This router's ``state_dict`` (keys relative to it) with the experts ``keep`` only: the
+        rows :meth:`expert_rows` names of :attr:`expert_tensors` and of the selection bias."""
+        rows = self.expert_rows(keep)
+        out = dict(state)
+        for name in (*self.expert_tensors, "selection_bias"):
+            if name in out:
+                out[name] = out[name].index_select(0, rows.to(out[name].device))
+        return out
+
     @property
     def base_router(self) -> Router:
         """The router whose scores and rule this one routes with: itself, or the base of a router
@@ -414,6 +462,17 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}"
+
+
+def softmax_over_all(renormalize: bool) -> str | None:
+    """The removal problem of a router whose chosen weights are the softmax over all N experts
+    (``renormalize=False``): the removed experts' logits are in every token's denominator."""
+    if renormalize:
+        return None
+    return (
+        "its weights are the softmax over all N experts (renormalize=False), whose denominator the removed "
+        "experts are part of, so every kept expert's weight would change"
+    )
 
 
 def join_dependences(*parts: str | None) -> str | None:
@@ -436,8 +495,9 @@ def mean_over_pieces(pending: Tensor) -> Tensor | None:
     this rank's pieces, then over the data-parallel ranks (one all-reduce of ``n + 1`` numbers, in a
     step hook; a rank without a piece counts for nothing), as Megatron-LM averages quantile balancing's
     quantiles; ``None`` when no rank had one.  One process with the ranks' batches as micro-batches
-    gets the same mean."""
-    pending = pending.float()
+    gets the same mean.  In the pending sum's dtype, at least float32 (a float64 model's β and τ keep
+    float64: a float32 mean would round the ranks' sum and one process's sum differently)."""
+    pending = pending.to(torch.promote_types(pending.dtype, torch.float32))
     count = pending[-1]
     piece = torch.cat([pending[:-1] / count.clamp(min=1), (count > 0).float().reshape(1)])
     if dist.is_available() and dist.is_initialized():

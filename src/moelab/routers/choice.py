@@ -67,6 +67,12 @@ class ExpertChoiceRouter(Router):
 
     config_class = ExpertChoiceConfig
 
+    def removal_problem(self, kept: int) -> str | None:
+        return (
+            "expert-choice weighs by the softmax over all N experts and gives each expert T·c/N tokens, both of "
+            "which removing experts changes"
+        )
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
         o = self.options

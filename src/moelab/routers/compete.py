@@ -326,6 +326,15 @@ class CompeteSMoERouter(Router):
 
     config_class = CompeteSMoEConfig
 
+    def removal_problem(self, kept: int) -> str | None:
+        return self.base.removal_problem(kept)
+
+    def kept_state(self, state: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
+        """The base router's state with its kept experts (the competition itself reads the bank)."""
+        own = super().kept_state({k: v for k, v in state.items() if not k.startswith("base.")}, keep)
+        base = self.base.kept_state({k[5:]: v for k, v in state.items() if k.startswith("base.")}, keep)
+        return {**own, **{f"base.{k}": v for k, v in base.items()}}
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
         o = self.options

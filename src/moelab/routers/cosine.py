@@ -12,7 +12,7 @@ from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import cosine_logits, resolve_renormalize, topk_gate, topk_gate_weights_at
 from ..routing import Routing, RoutingContext
-from .base import RenormalizeOptions, Router, SelectionBiasOptions, register
+from .base import RenormalizeOptions, Router, SelectionBiasOptions, register, softmax_over_all
 
 _POSITIVE = Interval(float, 0, closed="neither")
 
@@ -64,6 +64,13 @@ class CosineRouter(Router):
     """
 
     config_class = CosineConfig
+    expert_tensors = ("embeddings",)
+
+    def removal_problem(self, kept: int) -> str | None:
+        return softmax_over_all(self.renormalize)
+
+    def kept_options(self) -> dict[str, Any]:
+        return {"proj_dim": self.proj.out_features}  # its default, N // 2, follows N
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

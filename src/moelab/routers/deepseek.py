@@ -91,6 +91,12 @@ class SqrtSoftplusRouter(Router):
     takes_token_ids = True
 
     config_class = SqrtSoftplusConfig
+    expert_tensors = ("weight",)
+
+    def removal_problem(self, kept: int) -> str | None:
+        if self.hash_layers:  # the table is drawn for N experts from its seed
+            return f"its first hash_layers={self.hash_layers} layers route by a token id → expert table of all N experts"
+        return None
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
@@ -148,13 +154,26 @@ class SqrtSoftplusRouter(Router):
         else:
             indices = self.biased(scores.detach()).topk(self.top_k, dim=-1).indices
             self.count_load(indices)
+        probs = normalized_weights(scores, NORMALIZE_EPS)
+        return Routing(indices=indices, weights=self._weigh(scores, indices), probs=probs, logits=logits)
+
+    def _weigh(self, scores: Tensor, indices: Tensor) -> Tensor:
+        """``s`` at ``indices``, normalised over them (``s / (Σ s + 1e-20)``) and scaled."""
         weights = scores.gather(1, indices)
         if self.normalize:
             weights = normalized_weights(weights, NORMALIZE_EPS)
-        if self.scale != 1.0:
-            weights = weights * self.scale
-        probs = normalized_weights(scores, NORMALIZE_EPS)
-        return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
+        return weights * self.scale if self.scale != 1.0 else weights
+
+    def weights_at(self, routing: Routing, indices: Tensor) -> Tensor:
+        """``sqrt(softplus(h))`` of the live logits at ``indices``, normalised and scaled as its own
+        choice (the bias chooses, it never weighs).  A hash layer's choice is its table: routing
+        replay keeps it (:mod:`moelab.routes` refuses a trace that differs from it)."""
+        return self._weigh(F.softplus(routing.logits).sqrt(), indices)
+
+    @property
+    def learns_choice(self) -> bool:
+        """A hash layer's choice is its table: no parameter learns it."""
+        return not self.hashed
 
     @property
     def weights_sum_to_one(self) -> bool:

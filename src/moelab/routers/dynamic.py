@@ -73,6 +73,12 @@ class TopPRouter(Router):
 
     config_class = TopPConfig
 
+    def removal_problem(self, kept: int) -> str | None:
+        return (
+            "top-p takes experts until their softmax probability over all N experts reaches p, so removing "
+            "experts changes every token's probabilities and how many experts it takes"
+        )
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
         o = self.options

@@ -13,7 +13,7 @@ from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate, topk_gate_weights_at
 from ..routing import Routing, RoutingContext
-from .base import RenormalizeOptions, Router, SelectionBiasOptions, register
+from .base import RenormalizeOptions, Router, SelectionBiasOptions, register, softmax_over_all
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,19 @@ class HyperRouter(Router):
     """
 
     config_class = HyperConfig
+
+    def removal_problem(self, kept: int) -> str | None:
+        return softmax_over_all(self.renormalize)
+
+    def kept_state(self, state: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
+        """The hypernetwork's output layer generates ``(W_r | b_r)`` row by row, ``d + 1`` outputs
+        per expert: the kept experts' blocks of ``h2_weight`` and ``h2_bias``."""
+        out = super().kept_state(state, keep)
+        for name in ("h2_weight", "h2_bias"):
+            t = out[name]
+            blocks = t.view(self.num_experts, self.d_model + 1, *t.shape[1:])
+            out[name] = blocks.index_select(0, keep.to(t.device)).reshape(-1, *t.shape[1:])
+        return out
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

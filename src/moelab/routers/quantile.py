@@ -4,6 +4,7 @@ a per-expert bias set, once per optimizer step, to the column quantile that give
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 
 from ..config import Interval, setting
 from ..experts.protocol import Experts
-from ..functional import resolve_renormalize
+from ..functional import resolve_renormalize, topk_gate_weights_at
 from ..routing import Routing, RoutingContext
 from .base import (
     InitStdOptions,
@@ -25,6 +26,7 @@ from .base import (
     join_dependences,
     mean_over_pieces,
     register,
+    softmax_over_all,
 )
 
 
@@ -89,6 +91,12 @@ class QuantileBalancingRouter(Router):
     """
 
     config_class = QuantileConfig
+    expert_tensors = ("weight", "qb_beta")
+
+    def removal_problem(self, kept: int) -> str | None:
+        if self.top_k >= kept:
+            return f"quantile balancing needs top_k={self.top_k} < the {kept} kept experts"
+        return softmax_over_all(self.renormalize)
 
     float32_buffers = (*Router.float32_buffers, "qb_beta", "qb_pending")
 
@@ -130,13 +138,15 @@ class QuantileBalancingRouter(Router):
                 one = column.new_ones(1)
                 self.qb_pending.add_(torch.cat([column, one]).to(self.qb_pending.dtype))
         probs = logits.softmax(dim=-1)
-        if self.renormalize:
-            weights = logits.gather(1, indices).softmax(dim=-1)
-        else:
-            weights = probs.gather(1, indices)
-        if self.scale != 1.0:
-            weights = weights * self.scale
-        return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
+        routing = Routing(indices=indices, weights=probs, probs=probs, logits=logits)
+        return dataclasses.replace(routing, weights=self.weights_at(routing, indices))
+
+    def weights_at(self, routing: Routing, indices: Tensor) -> Tensor:
+        """The softmax over the live logits at ``indices`` (renormalised over the K, or the softmax
+        over all N there), times ``scale``: the weights of its own choice and of a replayed one (β
+        chooses, it never weighs)."""
+        weights = topk_gate_weights_at(routing.logits, routing.probs, indices, self.renormalize)
+        return weights * self.scale if self.scale != 1.0 else weights
 
     @torch.no_grad()
     def on_step(self, ctx: RoutingContext | None = None) -> None:

@@ -71,6 +71,7 @@ class ReLURouter(Router):
     variable_k = True
 
     config_class = ReLUConfig
+    expert_tensors = ("weight",)  # each gate is its own ReLU: removing others changes none
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

@@ -38,6 +38,11 @@ class SigmoidConfig(InitStdOptions, ScaleOptions, SelectionBiasOptions):
     topk_groups: int | None = setting(
         None, help="the groups a token may route to, in [1, num_groups]; None: num_groups"
     )
+    gate_bias: bool = setting(
+        False,
+        help="a learned per-expert bias inside the sigmoid, s = sigmoid(W x + β₀) (Ho (2025)'s gating)",
+        allowed=Options((True, False)),
+    )
 
     def check(self) -> None:
         if self.topk_groups is not None:
@@ -71,6 +76,10 @@ class SigmoidRouter(Router):
     (``routed_scaling_factor``).
     The defaults (one group, scale 1) are the plain router above.
 
+    ``gate_bias=True`` adds a learned per-expert bias β₀ inside the sigmoid, ``s = sigmoid(W x +
+    β₀)``: the normalised sigmoid gating of Ho (2025) has one (DeepSeek-V3 and σ-MoE have none; it
+    is distinct from the selection bias, which only moves the choice).  Initialised at zero.
+
     ``Routing.probs`` is ``softmax(W x)`` (the router's distribution, for the regulariser and the
     metrics); the weights are sigmoid scores.
     """
@@ -78,6 +87,12 @@ class SigmoidRouter(Router):
     gate = "sigmoid"
 
     config_class = SigmoidConfig
+    expert_tensors = ("weight",)
+
+    def removal_problem(self, kept: int) -> str | None:
+        if self.num_groups > 1:  # groups are contiguous runs of N / num_groups experts
+            return f"its experts form num_groups={self.num_groups} groups that removing experts would break"
+        return None
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)
@@ -101,19 +116,22 @@ class SigmoidRouter(Router):
         self.expert_dropout = o.expert_dropout
         self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.gate_bias = nn.Parameter(torch.zeros(num_experts)) if o.gate_bias else None
         self.init_selection_bias(o.selection_bias, o.bias_update_rate)  # the one mechanism (Router)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``W ~ N(0, init_std²)``, the selection bias and the pending load zero."""
+        """``W ~ N(0, init_std²)``; the gate bias, the selection bias and the pending load zero."""
         with torch.no_grad():
             self.weight.copy_(torch.randn(self.weight.shape, dtype=self.weight.dtype) * self.init_std)
+            if self.gate_bias is not None:
+                self.gate_bias.zero_()
         self.reset_selection_bias()
 
     def forward(
         self, x: Tensor, experts: Experts | None = None, ctx: RoutingContext | None = None
     ) -> Routing:
-        logits = F.linear(x, self.weight)  # (T, N)
+        logits = F.linear(x, self.weight, self.gate_bias)  # (T, N)
         scores = torch.sigmoid(logits)
         select = self.biased(scores.detach())
         if self.training and self.expert_dropout > 0:
@@ -153,4 +171,4 @@ class SigmoidRouter(Router):
     def rule_options(self) -> dict[str, Any]:
         return {"normalize": self.normalize, "scale": self.scale, "num_groups": self.num_groups,
                 "topk_groups": self.topk_groups, "selection_bias": self.selection_bias,
-                "expert_dropout": self.expert_dropout}  # fmt: skip
+                "expert_dropout": self.expert_dropout, "gate_bias": self.gate_bias is not None}  # fmt: skip

@@ -13,7 +13,14 @@ from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate
 from ..routing import Routing, RoutingContext
-from .base import RenormalizeOptions, Router, SelectionBiasOptions, join_dependences, register
+from .base import (
+    RenormalizeOptions,
+    Router,
+    SelectionBiasOptions,
+    join_dependences,
+    register,
+    softmax_over_all,
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,10 @@ class StableRouter(Router):
     loss_names = ("distill",)
 
     config_class = StableConfig
+    expert_tensors = ("centroids", "light_centroids")
+
+    def removal_problem(self, kept: int) -> str | None:
+        return softmax_over_all(self.renormalize)
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

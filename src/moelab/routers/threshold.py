@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from ..config import Interval, setting
 from ..experts.protocol import Experts
+from ..functional import taken_weights
 from ..routing import Routing, RoutingContext
 from .base import InitStdOptions, Router, counts_this_forward, join_dependences, mean_over_pieces, register
 
@@ -67,6 +68,12 @@ class ExpertThresholdRouter(Router):
 
     config_class = ExpertThresholdConfig
 
+    def removal_problem(self, kept: int) -> str | None:
+        return (
+            "expert-threshold weighs by the softmax over all N experts, whose denominator the removed experts "
+            "are part of, and its thresholds are quantiles of that softmax"
+        )
+
     float32_buffers = (*Router.float32_buffers, "tau", "tau_pending")
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
@@ -107,6 +114,13 @@ class ExpertThresholdRouter(Router):
             mask = chosen.gather(1, order)
         weights = (probs * chosen.to(probs.dtype)).gather(1, order)
         return Routing(indices=order, weights=weights, probs=probs, logits=logits, mask=mask)
+
+    def weights_at(self, routing: Routing, indices: Tensor) -> Tensor:
+        """Routing replay of a recorded variable choice, ``indices (T, W)`` with ``-1`` in a slot the
+        token did not take: the live ``S_{t,e}`` at each taken expert, 0 elsewhere
+        (:func:`moelab.functional.taken_weights`, the weights its own choice gets).  The thresholds
+        keep moving with the live scores' cutoff: a replay changes the choice, not the scores."""
+        return taken_weights(routing.probs, indices)
 
     @torch.no_grad()
     def on_step(self, ctx: RoutingContext | None = None) -> None:

@@ -23,6 +23,7 @@ from .base import (
     SelectionBiasOptions,
     join_dependences,
     register,
+    softmax_over_all,
 )
 
 
@@ -76,6 +77,14 @@ class TopKRouter(Router):
     """
 
     config_class = TopKConfig
+    expert_tensors = ("weight",)
+
+    def removal_problem(self, kept: int) -> str | None:
+        for name in ("k_max", "eval_k"):  # k_max="all" follows the experts
+            k = getattr(self.options, name)
+            if isinstance(k, int) and k > kept:
+                return f"its {name}={k} exceeds the {kept} kept experts"
+        return softmax_over_all(self.renormalize)
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

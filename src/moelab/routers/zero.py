@@ -23,6 +23,7 @@ from .base import (
     SelectionBiasOptions,
     counts_this_forward,
     register,
+    softmax_over_all,
 )
 
 _COUNT = Interval(int, 0, 1 << 20)
@@ -88,6 +89,23 @@ class ZeroComputationRouter(Router):
     variable_k = True
 
     config_class = MoEPPConfig
+
+    def expert_rows(self, keep: Tensor) -> Tensor:
+        """The kept FFN experts' gate rows and every zero-computation expert's (after the N)."""
+        return torch.cat([keep, torch.arange(self.num_experts, self.num_all, device=keep.device)])
+
+    def removal_problem(self, kept: int) -> str | None:
+        if self.weight2 is not None:
+            return "its two-layer gate's hidden width is 8·M, tied to the number of experts M"
+        return softmax_over_all(self.renormalize)
+
+    def kept_state(self, state: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
+        """The gate's output rows (``weight2`` of the two-layer gate, else ``weight``) and the
+        selection bias at :meth:`expert_rows`."""
+        out = super().kept_state(state, keep)
+        name = "weight2" if self.weight2 is not None else "weight"
+        out[name] = out[name].index_select(0, self.expert_rows(keep).to(out[name].device))
+        return out
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
         super().__init__(d_model, num_experts, top_k, **options)

@@ -8,6 +8,7 @@ worked example; the studies are :mod:`moelab.stats.studies` (``moelab simulate -
 """
 
 from .fit import GaussianMoEMLE, LeastSquaresMoE, minimize
+from .identifiability import IdentifiabilityReport, check_strong_identifiability
 from .measures import (
     density_distances,
     k_subset_voronoi,
@@ -27,6 +28,7 @@ __all__ = [
     "GaussianMoE",
     "GaussianMoEMLE",
     "GaussianParams",
+    "IdentifiabilityReport",
     "LeastSquaresMoE",
     "LoRAMixture",
     "Mixture",
@@ -35,6 +37,7 @@ __all__ = [
     "RateFit",
     "RegressionMoE",
     "block_voronoi_loss",
+    "check_strong_identifiability",
     "density_distances",
     "fit_params",
     "fit_rate",

@@ -22,7 +22,7 @@ from .._validate import non_negative, one_of, positive, positive_int
 from .fit import OPTIMIZERS, GaussianMoEMLE, LeastSquaresMoE, check_bound
 from .lbfgs import CONVERGED_REASONS, REASONS
 from .models import GaussianMoE, MoEParams, RegressionMoE
-from .paper_studies import PAPER_STUDIES, PAPER_THEORY, paper_series, run_paper_study
+from .paper_studies import PAPER_STUDIES, PAPER_THEORY, RBAR_NOTE, RBAR_STUDIES, paper_series, run_paper_study
 from .rates import fit_rate, mean_table, slope_difference
 from .simulate import gaussian_truth, regression_truth, simulate_gaussian, simulate_regression
 from .voronoi import gaussian_voronoi_loss, voronoi_loss
@@ -570,8 +570,15 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
     wall = time.perf_counter() - start
     config = dataclasses.asdict(cfg)
     metrics = {"study": cfg.study, "rates": rates, "differences": differences, "table": table, "means": means,
-               "config": config, "wall_seconds": wall, "torch_threads": torch.get_num_threads()}  # fmt: skip
+               "notes": study_notes(cfg.study), "config": config, "wall_seconds": wall,
+               "torch_threads": torch.get_num_threads()}  # fmt: skip
     return StudyResult(metrics, rows, estimates)
+
+
+def study_notes(study: str) -> list[str]:
+    """What a reader must know to read a study's stated rates: where moelab's constants differ
+    from the paper's print (the r̄(m) values of Ho (2025))."""
+    return [RBAR_NOTE] if study in RBAR_STUDIES else []
 
 
 def verdict(stated: float, ci_low: float, ci_high: float) -> str:

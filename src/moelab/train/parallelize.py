@@ -90,7 +90,7 @@ class ExpertParallel(_style_base()):
             )
         if module.gate_rank is not None:  # its local block would drop the factorised gates
             raise ValueError(
-                f"an ExpertBank with gate_rank={module.gate_rank} (method='aoe') is not allowed with expert "
+                f"an ExpertBank with gate_rank={module.gate_rank} (method='aoe' or 'routing-free') is not allowed with expert "
                 "parallelism; expected full-rank gate projections (sharding factorised gates is not implemented)"
             )
         if device_mesh.ndim != 1:

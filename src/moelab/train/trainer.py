@@ -640,6 +640,11 @@ class Trainer:
             ),
             **self.extra_metrics,
         }
+        # a run too short for its first competition says so (report, compare); a user's own
+        # schedule object (only `active`) is not asked
+        first_active = getattr(self.ctx.schedule, "first_active_step", None)
+        if first_active is not None:
+            metrics["first_competition_step"] = first_active(cfg.steps)
         if self.is_main and self.run is not None:
             # the figure before metrics.json, which marks the run finished: a finished run has it
             plot_log(self.run.file("log.csv"), self.run.file(CURVES_NAME), metric, metrics["method"] or "")
