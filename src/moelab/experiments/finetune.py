@@ -2,8 +2,8 @@
 §6.3, Table 3): the LM of ``--from RUN_DIR`` loses its head, two new fully connected layers
 classify its mean-pooled final states and the routers are frozen (:mod:`moelab.models.classifier`),
 trained with the settings of CompeteSMoE (2024) App. C.3 through the run lifecycle of
-:mod:`moelab.experiments.runner`.  docs/results.md ("Notes") gives the settings and the
-``metrics.json`` keys; the README has an example.
+:mod:`moelab.experiments.runner`.  docs/reproduce-lm-notes.md gives the settings and the
+``metrics.json`` keys; docs/cli.md has an example.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 Table 2; perturbed cosine router (2024) §5.2, Table 2), declared as :class:`TrainRun` and run
 through the lifecycle of :mod:`moelab.experiments.runner` into ``--out``: ``config.yaml``,
 ``log.csv``, ``metrics.json`` (:data:`METRIC_KEYS`), ``best/`` (the best-validation weights, used
-for the test as CompeteSMoE (2024) does) and ``ckpt/``.  docs/results.md ("Notes") says what each
-file holds; the README has example commands.
+for the test as CompeteSMoE (2024) does) and ``ckpt/``.  docs/reproduce-lm-notes.md says what each
+file holds; docs/cli.md has example commands.
 """
 
 from __future__ import annotations

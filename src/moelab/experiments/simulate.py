@@ -3,7 +3,7 @@ directory through the run lifecycle (:mod:`moelab.experiments.runner`): :class:`
 holds the flags, a ``None`` left to the study's own value and recorded resolved in
 ``config.yaml``; the run writes ``losses.csv``, ``table.csv``, ``estimates.npz``, ``rates.png``
 and ``metrics.json``.  docs/results.md ("What a simulate run writes") says what each file holds;
-the README has an example.
+docs/stats.md has an example.
 """
 
 from __future__ import annotations
