@@ -162,7 +162,7 @@ def summarise(cells: Path, out: Path, plot: Path | None) -> None:
         ax.set_xlabel("fraction of experts kept")
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("Δ test BPC vs unpruned (95 % CI over training seeds)")
+    axes[0].set_ylabel("Δ test BPC vs unpruned\n(95 % CI over training seeds)")
     axes[-1].legend(fontsize=8)
     fig.tight_layout()
     plot.parent.mkdir(parents=True, exist_ok=True)
