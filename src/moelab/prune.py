@@ -79,7 +79,7 @@ def expert_statistics(model: nn.Module, batches: Iterable[Tensor]) -> dict[str, 
     """Run ``model`` on each batch of token ids (evaluation mode, no gradients) and gather, per MoE
     layer (by its module path), the :class:`ExpertStatistics` of the tokens it routed.
 
-    REAP (Lasby et al., "REAP: Router-weighted Expert Activation Pruning", ICLR 2026; the code of
+    REAP (Lasby et al., "REAP the Experts: Why Pruning Prevails for One-Shot MoE compression", ICLR 2026; the code of
     CerebrasResearch/reap, ``pruning_metrics.update_pruning_state``): the saliency of expert ``e``
     is ``mean over the tokens routed to e of g_e(x) · ‖E_e(x)‖₂``, ``E_e(x)`` the expert's output
     before weighting and ``g_e(x)`` the weight the layer gives it (REAP's code: the softmax weight,
