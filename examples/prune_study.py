@@ -171,7 +171,7 @@ def summarise(cells: Path, out: Path, plot: Path | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", required=True, help="a `moelab compare --out` folder of trained runs")
+    parser.add_argument("--runs", help="a `moelab compare --out` folder of trained runs")
     parser.add_argument("--out", required=True)
     parser.add_argument("--data", default="stdlib")
     parser.add_argument("--keep", type=float, nargs="+", default=[0.75, 0.5, 0.25])
@@ -194,8 +194,10 @@ def main() -> None:
         rows = [line for f in args.merge for line in Path(f).read_text().splitlines()[1:]]
         (out / "cells.csv").write_text("\n".join([",".join(FIELDS), *rows]) + "\n")
         cells = out / "cells.csv"
-    else:
+    elif args.runs:
         cells = measure(args)
+    else:
+        parser.error("--runs (a folder of trained runs) or --merge (cells.csv files) is needed")
     summarise(cells, out, Path(args.plot) if args.plot else out / "prune_bpc.png")
 
 
