@@ -32,6 +32,7 @@ from moelab.experiments.summary import mean, sd, t_interval
 from moelab.train.tasks import LMTask
 
 TECHNIQUES = ("reap", "frequency", "random", "merge-average", "merge-frequency")
+ORDER = ("none", *TECHNIQUES)
 FIELDS = ("router", "seed", "technique", "keep", "calib_seed", "test_bpc", "seconds")
 
 
@@ -110,7 +111,7 @@ def summarise(cells: Path, out: Path, plot: Path | None) -> None:
     ]
     curves: dict[tuple[str, str], list[tuple[float, float, tuple[float, float] | None]]] = {}
     for (router, technique, keep), seeds in sorted(
-        by.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2])
+        by.items(), key=lambda kv: (kv[0][0], ORDER.index(kv[0][1]), -kv[0][2])
     ):
         values = [v for vs in seeds.values() for v in vs]
         per_seed = {s: mean(vs) for s, vs in seeds.items()}
@@ -131,7 +132,8 @@ def summarise(cells: Path, out: Path, plot: Path | None) -> None:
             f"{ci_text} | {d_text} | {'—' if within_sd is None else f'{within_sd:.3f}'} | "
             f"{len(seeds)} × {len(values) // max(1, len(seeds))} |"
         )
-        curves.setdefault((router, technique), []).append((keep, mean(per_seed.values()), ci))
+        if technique != "none":  # the plot: the paired difference to the unpruned model
+            curves.setdefault((router, technique), []).append((keep, mean(deltas), dci))
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if plot is None:
@@ -145,12 +147,11 @@ def summarise(cells: Path, out: Path, plot: Path | None) -> None:
     fig, axes = plt.subplots(1, len(routers), figsize=(4.2 * len(routers), 3.6), sharey=True)
     axes = [axes] if len(routers) == 1 else list(axes)
     for ax, router in zip(axes, routers, strict=True):
-        none = curves.get((router, "none"), [])
-        for technique in TECHNIQUES:
-            points = sorted(curves.get((router, technique), []) + none)
-            if not points:
+        for i, technique in enumerate(TECHNIQUES):
+            points = sorted([*curves.get((router, technique), []), (1.0, 0.0, None)])
+            if len(points) < 2:
                 continue
-            xs = [p[0] for p in points]
+            xs = [p[0] + (i - 2) * 0.008 for p in points]  # side by side, so the intervals stay apart
             ys = [p[1] for p in points]
             err = [
                 [p[1] - (p[2] or (p[1], p[1]))[0] for p in points],
@@ -161,7 +162,7 @@ def summarise(cells: Path, out: Path, plot: Path | None) -> None:
         ax.set_xlabel("fraction of experts kept")
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("test BPC (mean over training seeds, 95 % CI)")
+    axes[0].set_ylabel("Δ test BPC vs unpruned\n(95 % CI over training seeds)")
     axes[-1].legend(fontsize=8)
     fig.tight_layout()
     plot.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +171,7 @@ def summarise(cells: Path, out: Path, plot: Path | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", required=True, help="a `moelab compare --out` folder of trained runs")
+    parser.add_argument("--runs", help="a `moelab compare --out` folder of trained runs")
     parser.add_argument("--out", required=True)
     parser.add_argument("--data", default="stdlib")
     parser.add_argument("--keep", type=float, nargs="+", default=[0.75, 0.5, 0.25])
@@ -193,8 +194,10 @@ def main() -> None:
         rows = [line for f in args.merge for line in Path(f).read_text().splitlines()[1:]]
         (out / "cells.csv").write_text("\n".join([",".join(FIELDS), *rows]) + "\n")
         cells = out / "cells.csv"
-    else:
+    elif args.runs:
         cells = measure(args)
+    else:
+        parser.error("--runs (a folder of trained runs) or --merge (cells.csv files) is needed")
     summarise(cells, out, Path(args.plot) if args.plot else out / "prune_bpc.png")
 
 

@@ -179,29 +179,42 @@ def test_merge_groups_join_the_dominant_expert_with_the_most_similar_logits():
 
 
 # ------------------------------------------------------------------ HF export
-def test_a_pruned_converted_transformers_model_exports_exactly(tmp_path):
+def _tiny_transformers(family: str):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=6,
-                                     num_experts_per_tok=2)  # fmt: skip
+    common = dict(vocab_size=50, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, num_experts_per_tok=2)  # fmt: skip
+    if family == "mixtral":
+        cfg, cls = transformers.MixtralConfig(num_local_experts=6, **common), transformers.MixtralForCausalLM
+    else:  # a shared expert with its sigmoid gate beside the routed ones
+        cfg = transformers.Qwen2MoeConfig(num_experts=6, moe_intermediate_size=8, shared_expert_intermediate_size=12,
+                                          norm_topk_prob=True, **common)  # fmt: skip
+        cls = transformers.Qwen2MoeForCausalLM
     cfg._experts_implementation = "eager"
     torch.manual_seed(0)
-    model = moelab.from_hf(transformers.MixtralForCausalLM(cfg).double().eval())
+    return cls(cfg).double().eval(), cls
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_pruned_converted_transformers_model_exports_exactly(family, tmp_path):
+    original, cls = _tiny_transformers(family)
+    model = moelab.from_hf(original)
     ids = _ids(3, 2)
     stats = prune.expert_statistics(model, [ids])
     small = prune.shrink(model, prune.choose_experts(stats, "reap", 0.5)).eval()
     with torch.no_grad():
         ours = small(ids).logits
-    assert small.config.num_local_experts == 3
+    key = "num_local_experts" if family == "mixtral" else "num_experts"
+    assert getattr(small.config, key) == 3
+    shared = [k for k in small.state_dict() if ".shared." in k]
+    assert all(torch.equal(small.state_dict()[k], model.state_dict()[k]) for k in shared)
+    assert bool(shared) == (family == "qwen2_moe")
     moelab.to_hf(small)
     with torch.no_grad():
         back = small(ids).logits
     assert (back - ours).abs().max().item() < 1e-6  # moelab's float32 router rounds, as from_hf's round trip
     small.save_pretrained(tmp_path / "hf")
-    plain = transformers.MixtralForCausalLM.from_pretrained(
-        tmp_path / "hf", dtype=torch.float64, experts_implementation="eager"
-    ).eval()
-    assert plain.config.num_local_experts == 3
+    plain = cls.from_pretrained(tmp_path / "hf", dtype=torch.float64, experts_implementation="eager").eval()
+    assert getattr(plain.config, key) == 3
     with torch.no_grad():
         assert (plain(ids).logits - back).abs().max().item() < 1e-12  # nothing re-initialised
 

@@ -79,13 +79,14 @@ def expert_statistics(model: nn.Module, batches: Iterable[Tensor]) -> dict[str, 
     """Run ``model`` on each batch of token ids (evaluation mode, no gradients) and gather, per MoE
     layer (by its module path), the :class:`ExpertStatistics` of the tokens it routed.
 
-    REAP (Lasby et al., "REAP: Router-weighted Expert Activation Pruning", ICLR 2026; the code of
+    REAP (Lasby et al., "REAP the Experts: Why Pruning Prevails for One-Shot MoE compression", ICLR 2026; the code of
     CerebrasResearch/reap, ``pruning_metrics.update_pruning_state``): the saliency of expert ``e``
     is ``mean over the tokens routed to e of g_e(x) · ‖E_e(x)‖₂``, ``E_e(x)`` the expert's output
     before weighting and ``g_e(x)`` the weight the layer gives it (REAP's code: the softmax weight,
     renormalised over the chosen K when the model renormalises: the weight the layer applies); an
-    expert no token is routed to scores 0, as there.  Every expert runs on every calibration token
-    (one batched call per layer and batch); nothing loops over tokens.
+    expert no token is routed to scores 0, as there.  Each expert runs on the tokens routed to it
+    (REAP's code runs every expert on every token and reads the routed ones); nothing loops over
+    tokens.
     """
     layers = _moe_paths(model)
     for path, layer in layers.items():
@@ -134,14 +135,19 @@ def _accumulate(s: dict[str, Any], layer: MoE, x: Tensor, routing: Any) -> None:
         active = active & routing.mask
     if routing.keep is not None:
         active = active & routing.keep
-    norms = layer.experts.forward_all(x).double().norm(dim=-1)  # (T, N): ‖E_e(x_t)‖₂
-    slot = norms.gather(1, idx.clamp(max=n - 1)) * routing.weights.double()  # (T, K): g · ‖E(x)‖
-    chosen = idx[active]
-    zeros = torch.zeros(n, dtype=torch.float64, device=x.device)
-    s["counts"] = s.get("counts", zeros) + zeros.index_add(
-        0, chosen, torch.ones_like(chosen, dtype=torch.float64)
-    )
-    s["reap"] = s.get("reap", zeros) + zeros.index_add(0, chosen, slot[active])
+    chosen = idx[active]  # the routed slots, flat
+    token = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx)[active]
+    gate = routing.weights.double()[active]
+    order = chosen.argsort(stable=True)
+    sizes = torch.bincount(chosen, minlength=n)
+    saliency = torch.zeros(n, dtype=torch.float64, device=x.device)
+    # each expert on its own routed tokens (a loop over experts, as the dispatch): Σ g · ‖E_e(x)‖₂
+    parts = zip(token[order].split(sizes.tolist()), gate[order].split(sizes.tolist()), strict=True)
+    for e, (rows, g) in enumerate(parts):
+        if rows.numel():
+            saliency[e] = (g * layer.experts.expert_forward(x[rows], e).double().norm(dim=-1)).sum()
+    s["counts"] = s.get("counts", 0) + sizes.double()
+    s["reap"] = s.get("reap", 0) + saliency
     s["tokens"] = s.get("tokens", 0) + x.shape[0]
     if routing.logits is not None and "nogram" not in s:
         h = routing.logits[:, :n].double()
