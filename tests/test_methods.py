@@ -12,9 +12,25 @@ from moelab.methods import Method, get_method, register_method
 
 METHODS = moelab.methods()
 #: methods whose weights are not renormalised over the chosen K
-UNNORMALISED = {"sigma-moe", "remoe", "top-p", "expert-choice", "moepp", "aoe", "expert-threshold"}
+UNNORMALISED = {
+    "sigma-moe",
+    "remoe",
+    "top-p",
+    "expert-choice",
+    "moepp",
+    "aoe",
+    "expert-threshold",
+    "routing-free",
+}
 #: methods that route a variable number of experts per token (``Routing.mask``), at most this many
-VARIABLE_K = {"remoe": 4, "top-p": 4, "expert-choice": 4, "moepp": 2, "expert-threshold": 4}
+VARIABLE_K = {
+    "remoe": 4,
+    "top-p": 4,
+    "expert-choice": 4,
+    "moepp": 2,
+    "expert-threshold": 4,
+    "routing-free": 4,
+}
 #: methods whose router scores experts beyond the bank's N (MoE++'s zero-computation experts), and how many
 EXTRA_EXPERTS = {"moepp": 4}
 D, N, K = 8, 4, 2

@@ -623,7 +623,15 @@ def test_every_router_has_every_hook_with_its_default():
 #: (remoe and expert-choice by design: no choice an offset shifts, and balanced by construction;
 #: quantile-balancing and expert-threshold: their own bias β or thresholds τ are the balancing, a
 #: second offset would pull against them)
-NOT_BIASED = ("competition", "sharede-v3", "remoe", "expert-choice", "quantile-balancing", "expert-threshold")
+NOT_BIASED = (
+    "competition",
+    "sharede-v3",
+    "remoe",
+    "expert-choice",
+    "quantile-balancing",
+    "expert-threshold",
+    "routing-free",  # each expert gates itself by its own threshold: no choice among experts an offset shifts
+)
 BIASED = [m for m in moelab.methods() if m not in NOT_BIASED]
 
 

@@ -186,3 +186,17 @@ def test_latent_prototype_two_ranks_equal_one_process_with_their_batches_as_micr
     for grads in spawn(_two_ranks, 2, tmp_path, state, xs, ep):
         for name, p in layer.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_latent_prototype_at_k1_weighs_by_the_softmax_over_all_experts_and_renormalize_true_is_the_authors():
+    """At K = 1 the authors' softmax over the one chosen similarity is the constant 1 (no task
+    gradient to the router): moelab's default weighs the chosen expert by the softmax over all N
+    (Switch); ``renormalize=True`` gives the authors' rule."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(8, 4, 1, method=METHOD).eval()
+    x = torch.randn(6, 8)
+    r = layer.router(x)
+    assert torch.equal(r.indices, r.logits.argmax(-1, keepdim=True))
+    torch.testing.assert_close(r.weights, r.logits.softmax(-1).gather(1, r.indices))
+    layer = moelab.MoE(8, 4, 1, method=METHOD, renormalize=True).eval()
+    assert torch.equal(layer.router(x).weights, torch.ones(6, 1))

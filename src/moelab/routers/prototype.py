@@ -14,13 +14,14 @@ from torch import Tensor, nn
 
 from ..config import Interval, setting
 from ..experts.protocol import Experts
+from ..functional import resolve_renormalize, topk_gate, topk_gate_weights_at
 from ..losses import gaussian_kl_loss, orthogonality_loss, prototype_alignment_loss
 from ..routing import Routing, RoutingContext
-from .base import InitStdOptions, Router, register
+from .base import InitStdOptions, RenormalizeOptions, Router, SelectionBiasOptions, register
 
 
 @dataclass(frozen=True)
-class LatentPrototypeConfig(InitStdOptions):
+class LatentPrototypeConfig(InitStdOptions, RenormalizeOptions, SelectionBiasOptions):
     """The options of :class:`LatentPrototypeRouter` (its docstring says what each does)."""
 
     latent_dim: int = setting(
@@ -40,7 +41,8 @@ class LatentPrototypeRouter(Router):
     """A variational encoder maps each token to a latent, ``[μ, log σ²] = W SiLU(LN(x)) + b``
     (``W (2D, d)``, ``LN`` a LayerNorm); the scores are the cosine similarities ``cos(μ, P_e)`` of the
     mean latent to ``N`` learned prototypes ``P (N, D)``; the token takes the K most similar experts,
-    weighted by the softmax of their K similarities — Latent Prototype Routing (Yang 2025, arXiv
+    weighted by the softmax of their K similarities (at K = 1, where that weight is the constant 1,
+    the chosen expert's softmax over all N, Switch's: ``renormalize=None``) — Latent Prototype Routing (Yang 2025, arXiv
     2506.21328), as the authors' code computes it (``RANDO11199/LatentPrototypeRouter``,
     ``TokenDistributionRouter`` with ``VectorSimilarity`` / ``Cosine``, its published configs).
 
@@ -64,6 +66,12 @@ class LatentPrototypeRouter(Router):
 
     Options:
         latent_dim: ``D`` (16, every published config).
+        renormalize: softmax over the K chosen similarities (the authors'); ``None`` (default): so for
+            K > 1, the softmax over all N at the chosen for K = 1 (moelab's rule: the authors' weight
+            1 would leave the router without a task gradient); ``False``: the softmax over all N.
+        selection_bias: the aux-loss-free selection bias (DeepSeek-V3) on the softmax over all N,
+            for the choice only; default off (the authors' router has none).
+        bias_update_rate: its step γ (1e-3).
         init_std: std of the ``N(0, σ²)`` init of the encoder's ``W``; default ``d^-1/2`` as
             moelab's other routers (the authors' models init linear layers with 0.02).  The
             prototypes are ``N(0, 1)`` as the authors', the bias 0, the LayerNorm the identity.
@@ -77,6 +85,8 @@ class LatentPrototypeRouter(Router):
         super().__init__(d_model, num_experts, top_k, **options)
         o = self.options
         self.latent_dim = o.latent_dim
+        self.renormalize = o.renormalize
+        self.init_selection_bias(o.selection_bias, o.bias_update_rate)
         self.init_std = 1.0 / math.sqrt(d_model) if o.init_std is None else o.init_std
         self.norm = nn.LayerNorm(d_model)
         #: the encoder: rows [0, D) give μ, rows [D, 2D) give log σ²
@@ -103,8 +113,9 @@ class LatentPrototypeRouter(Router):
         mu, logvar = self.encode(x)
         prototypes = self.prototypes.to(mu.dtype)
         scores = prototype_scores(mu, prototypes)  # (T, N) cosine similarities
-        top, indices = scores.topk(self.top_k, dim=-1)
-        weights = top.softmax(dim=-1)
+        weights, indices, probs = topk_gate(scores, self.top_k, self.renormalize, self.selection_bias)
+        self.count_load(indices)
+        top = scores.gather(1, indices)
         # the sample z = μ + σ ε enters only the alignment target (the routing reads μ)
         z = mu + torch.randn_like(mu) * (0.5 * logvar).exp() if self.training else mu
         assignment = torch.zeros_like(scores).scatter(1, indices, top).softmax(dim=-1).detach()
@@ -113,13 +124,17 @@ class LatentPrototypeRouter(Router):
             "prototype_diversity": orthogonality_loss(mu) + orthogonality_loss(prototypes),
             "prototype_alignment": prototype_alignment_loss(prototypes, assignment, z),
         }
-        return Routing(
-            indices=indices, weights=weights, probs=scores.softmax(dim=-1), logits=scores, losses=losses
-        )
+        return Routing(indices=indices, weights=weights, probs=probs, logits=scores, losses=losses)
+
+    @property
+    def weights_sum_to_one(self) -> bool:
+        return resolve_renormalize(self.renormalize, self.top_k)
 
     def weights_at(self, routing: Routing, indices: Tensor) -> Tensor | None:
-        """The softmax of the similarities at ``indices`` (this router's own weighting)."""
-        return routing.logits.gather(1, indices).softmax(dim=-1)
+        return topk_gate_weights_at(routing.logits, routing.probs, indices, self.weights_sum_to_one)
+
+    def rule_options(self) -> dict[str, Any]:
+        return {"renormalize": self.renormalize, "selection_bias": self.selection_bias}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, latent_dim={self.latent_dim}"
