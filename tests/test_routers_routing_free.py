@@ -155,6 +155,11 @@ def test_routing_free_refusals_are_one_line():
         with pytest.raises(ValueError, match=rf"^{allowed}") as e:
             moelab.MoE(8, 4, 2, method=METHOD, **{option: value})
         assert "\n" not in str(e.value)
+    with pytest.raises(
+        ValueError,
+        match=r"^capacity_factor=1.0 is not allowed with method='routing-free': it routes a variable",
+    ):
+        moelab.MoE(8, 4, 2, method=METHOD, capacity_factor=1.0)
     layer = moelab.MoE(8, 4, 2, method=METHOD)
     with pytest.raises(
         ValueError,
