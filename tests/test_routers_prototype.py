@@ -159,12 +159,14 @@ def _two_ranks(rank: int, world: int, state: dict, xs: list, ep: bool) -> dict:
     for x in xs:
         torch.manual_seed(11)  # every rank draws the sample of its piece as the one process does
         model(x[rank]).square().sum().backward()
-    grads = {n: p.grad for n, p in layer.named_parameters()}
-    if ep:
-        from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor
 
-        grads = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}
-    return {n: g.clone() for n, g in grads.items()}
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    grads = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}
+    return {
+        "sharded": isinstance(layer.experts.w_in, DTensor),
+        "grads": {n: g.clone() for n, g in grads.items()},
+    }
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["ddp", "expert-parallel"])
@@ -183,9 +185,10 @@ def test_latent_prototype_two_ranks_equal_one_process_with_their_batches_as_micr
         for part in x:
             torch.manual_seed(11)
             (layer(part).square().sum() / 2).backward()
-    for grads in spawn(_two_ranks, 2, tmp_path, state, xs, ep):
+    for r in spawn(_two_ranks, 2, tmp_path, state, xs, ep):
+        assert r["sharded"] == ep  # expert parallelism: each rank holds half of the experts
         for name, p in layer.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+            torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_latent_prototype_at_k1_weighs_by_the_softmax_over_all_experts_and_renormalize_true_is_the_authors():
