@@ -173,9 +173,15 @@ def test_routing_free_refusals_are_one_line():
         moelab.hf.convert.refuse_factorised_gates(METHOD, "from_hf")
 
 
-def test_routing_free_keeps_lambda_float32_in_bf16():
+def test_routing_free_keeps_lambda_float32_in_bf16_and_gates_in_float32_with_router_dtype():
     layer = moelab.MoE(8, 4, 2, method=METHOD).bfloat16()
     assert layer.router.rf_lambda.dtype == torch.float32 and layer.router.rf_pending.dtype == torch.float32
+    layer = moelab.MoE(8, 4, 2, method=METHOD, router_dtype="float32", threshold=0.5).bfloat16()
+    layer.router.float()
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
+    s = torch.linalg.vector_norm(x.float() @ layer.experts.gate_down.float().transpose(1, 2), dim=-1).T
+    torch.testing.assert_close(layer.last_routing.logits, s - layer.router.gate_bias.detach())
 
 
 # ------------------------------------------------------------------ the layer grid
