@@ -253,3 +253,26 @@ def test_routing_free_refuses_expert_parallelism_in_one_line():
         r"parallelism",
     ):
         ExpertParallel()._apply(layer.experts, None)
+
+
+def test_routing_free_balancing_objective_lowers_the_gates_of_a_dense_start_and_lambda_follows_the_density():
+    """From every expert active (θ low), the objective alone (no task loss) lowers the gates, so the
+    density falls; λ rises while the density is above K/N and falls once it is below."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(16, 8, 2, method=METHOD, threshold=0.1, lambda_init=0.1, lambda_rate=0.5)
+    ctx = moelab.routing_context(layer, total_steps=100)
+    opt = torch.optim.Adam(layer.router.parameters(), lr=0.05)
+    x = torch.randn(256, 16)
+    densities, lambdas = [], []
+    for _ in range(40):
+        opt.zero_grad()
+        (layer(x).sum() * 0).backward()  # no task loss: the gradient the layer adds is the objective's
+        densities.append(float(layer.last_routing.mask.float().mean()))
+        opt.step()
+        ctx.advance()
+        lambdas.append(float(layer.router.rf_lambda))
+    assert densities[0] == 1.0 and densities[-1] < 0.25
+    for rho, before, after in zip(densities[1:], lambdas, lambdas[1:]):
+        assert after == pytest.approx(
+            min(1.0, before * 1.5 ** (1 if rho > 0.25 else -1 if rho < 0.25 else 0))
+        )
