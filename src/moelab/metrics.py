@@ -287,6 +287,7 @@ class SwappedRouter(Router):
             logits=r.logits,
             losses=r.losses,
             outputs=None if r.outputs is None else r.outputs[:, keep],
+            inputs=r.inputs,
         )
 
 

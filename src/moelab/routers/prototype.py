@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import Interval, setting
+from ..config import Interval, Options, setting
 from ..experts.protocol import Experts
 from ..functional import resolve_renormalize, topk_gate, topk_gate_weights_at
 from ..losses import gaussian_kl_loss, orthogonality_loss, prototype_alignment_loss
@@ -24,6 +24,11 @@ from .base import InitStdOptions, RenormalizeOptions, Router, SelectionBiasOptio
 class LatentPrototypeConfig(InitStdOptions, RenormalizeOptions, SelectionBiasOptions):
     """The options of :class:`LatentPrototypeRouter` (its docstring says what each does)."""
 
+    aligner: bool = setting(
+        True,
+        help="add out_proj(softmax(s) P) to the routed experts' input (the authors' aligner)",
+        allowed=Options((True, False)),
+    )
     latent_dim: int = setting(
         16, help="the latent width D of the encoder and the prototypes", allowed=Interval(int, 1)
     )
@@ -60,11 +65,14 @@ class LatentPrototypeRouter(Router):
     their LPR runs set its coefficient to 0), ``Routing.logits`` the similarities.  Evaluation routes
     by the same rule (no sample enters the routing: it is taken for the alignment target only).
 
-    Not built: the authors' code also adds ``out_proj(softmax(cos) P)`` (a ``D → d`` linear map of
-    the softmax-weighted prototypes) to the experts' input, which a router of moelab's layer cannot
-    change (docs/methods.md).
+    The aligner (``aligner=True``, the authors' code): the routed experts run on
+    ``x + out_proj(softmax(s) P)``, a ``D → d`` linear map (with bias) of the token's
+    similarity-weighted prototype mixture, which the router hands the layer as ``Routing.inputs``
+    (the shared experts run on ``x``, as the authors' DeepSeek-V3 block).
 
     Options:
+        aligner: add the aligner's ``out_proj(softmax(s) P)`` to the experts' input (True, the
+            authors' code; its ``out_proj`` is ``N(0, 1/D)``, bias 0).
         latent_dim: ``D`` (16, every published config).
         renormalize: softmax over the K chosen similarities (the authors'); ``None`` (default): so for
             K > 1, the softmax over all N at the chosen for K = 1 (moelab's rule: the authors' weight
@@ -92,15 +100,23 @@ class LatentPrototypeRouter(Router):
         #: the encoder: rows [0, D) give μ, rows [D, 2D) give log σ²
         self.encoder = nn.Linear(d_model, 2 * o.latent_dim)
         self.prototypes = nn.Parameter(torch.empty(num_experts, o.latent_dim))
+        #: the aligner: the token's prototype mixture back to the model width, added to the experts' input
+        self.out_proj = nn.Linear(o.latent_dim, d_model) if o.aligner else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``W ~ N(0, init_std²)``, ``b = 0``, ``P ~ N(0, 1)``, the LayerNorm the identity."""
+        """``W ~ N(0, init_std²)``, ``b = 0``, ``P ~ N(0, 1)``, the LayerNorm the identity; the
+        aligner's ``out_proj`` ``N(0, 1/D)``, bias 0."""
         with torch.no_grad():
             self.norm.reset_parameters()
             self.encoder.weight.copy_(torch.randn(self.encoder.weight.shape) * self.init_std)
             self.encoder.bias.zero_()
             self.prototypes.copy_(torch.randn(self.prototypes.shape))
+            if self.out_proj is not None:
+                self.out_proj.weight.copy_(
+                    torch.randn(self.out_proj.weight.shape) / math.sqrt(self.latent_dim)
+                )
+                self.out_proj.bias.zero_()
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(μ, log σ²)``, each ``(T, D)``: the variational encoder ``W SiLU(LN(x)) + b``."""
@@ -124,7 +140,10 @@ class LatentPrototypeRouter(Router):
             "prototype_diversity": orthogonality_loss(mu) + orthogonality_loss(prototypes),
             "prototype_alignment": prototype_alignment_loss(prototypes, assignment, z),
         }
-        return Routing(indices=indices, weights=weights, probs=probs, logits=scores, losses=losses)
+        inputs = None if self.out_proj is None else x + self.out_proj(probs @ prototypes)
+        return Routing(
+            indices=indices, weights=weights, probs=probs, logits=scores, losses=losses, inputs=inputs
+        )
 
     @property
     def weights_sum_to_one(self) -> bool:
