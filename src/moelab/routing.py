@@ -104,6 +104,7 @@ class Routing:
             outputs=None,
             mask=d(self.mask),
             direct=d(self.direct),
+            inputs=d(self.inputs),
             keep=d(self.keep),
             pad_to=self.pad_to,
             dense_gradient=self.dense_gradient,
