@@ -345,14 +345,22 @@ def _check_compiles_once(method: str, checkpointed: bool, steps: int = 3) -> Non
 
 @pytest.mark.parametrize(
     ("method", "checkpointed"),
-    [("stablemoe", True), ("remoe", True), ("quantile-balancing", True), ("deepseek-v4", False)],
+    [
+        ("stablemoe", True),
+        ("remoe", True),
+        ("quantile-balancing", True),
+        ("deepseek-v4", False),
+        ("routing-free", True),
+        ("latent-prototype", True),
+    ],
 )
 def test_step_dependent_and_stateful_routers_compile_per_block_once(method, checkpointed):
     """stablemoe reads its stage from a step watcher, not from ``ctx.step`` (a guard on the step
-    recompiled every step); remoe and quantile-balancing add their step's statistics in place (a
-    ``+=`` on the buffer was an attribute store, refused under activation checkpointing);
-    deepseek-v4 reads whether it is a hash layer as a bool set with its layer index, not the index
-    (a guard per layer recompiled every layer)."""
+    recompiled every step); remoe, quantile-balancing and routing-free add their step's statistics
+    in place (a ``+=`` on the buffer was an attribute store, refused under activation
+    checkpointing); deepseek-v4 reads whether it is a hash layer as a bool set with its layer index,
+    not the index (a guard per layer recompiled every layer); latent-prototype draws its latent
+    sample in the forward (checkpointing's recomputation redraws the same)."""
     _check_compiles_once(method, checkpointed)
 
 

@@ -30,10 +30,11 @@ def layer_case(draw):
 def reference_output(layer: moelab.MoE, x: torch.Tensor) -> torch.Tensor:
     """``Σ_k w_k expert_{i_k}(x)`` token by token (+ shared experts), from the last routing."""
     r = layer.last_routing
+    xin = x if r.inputs is None else r.inputs  # the experts' input, where the router changes it
     rows = []
     for t in range(x.shape[0]):
         acc = sum(
-            r.weights[t, k] * layer.experts.expert_forward(x[t : t + 1], int(r.indices[t, k]))
+            r.weights[t, k] * layer.experts.expert_forward(xin[t : t + 1], int(r.indices[t, k]))
             for k in range(r.top_k)
             if r.mask is None or r.mask[t, k]  # a variable number of experts per token
         ) + x.new_zeros(1, x.shape[-1])
