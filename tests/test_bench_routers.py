@@ -199,3 +199,16 @@ def test_benchmark_force_measures_the_cost_again_and_keeps_the_users_files(
     printed = capsys.readouterr().out
     assert printed.count("cost measured") == 2
     assert (out / "notes.csv").read_text() == "mine\n" and not (out / "competesmoe").exists()
+
+
+def test_the_layer_cost_gives_a_router_by_document_each_block_as_a_document():
+    import torch
+
+    import moelab
+    from moelab.bench.routers import _with_documents
+
+    layer = moelab.MoE(8, 8, 2, method="emo").eval()
+    x = torch.randn(12, 8)
+    wrapped = _with_documents(layer, 4)
+    assert list(wrapped.parameters()) == list(layer.parameters())
+    torch.testing.assert_close(wrapped(x), layer(x, doc_ids=torch.arange(12) // 4), rtol=0, atol=0)
