@@ -136,6 +136,10 @@ def test_default_moe_refuses_what_it_cannot_run_in_one_line():
         moelab.MoE(8, 4, 2, method=METHOD, token_rounding="up")
     with pytest.raises(ValueError, match=r"^densemixer=True is not allowed with method='default-moe'"):
         moelab.MoE(8, 4, 2, method=METHOD, densemixer=True)
+    with pytest.raises(
+        ValueError, match=r"^experts=None is not allowed with Default MoE in training: its router runs"
+    ):
+        moelab.MoE(8, 4, 2, method=METHOD).router(torch.randn(3, 8))
     layer = moelab.MoE(8, 4, 2, method=METHOD).bfloat16()
     assert (
         layer.router.default_outputs.dtype == torch.float32

@@ -117,8 +117,13 @@ class DefaultMoERouter(Router):
         indices = self.biased(probs.detach()).topk(self.top_k, dim=-1).indices
         self.count_load(indices)
         weights = probs.gather(1, indices)
-        if not (self.training and torch.is_grad_enabled()) or experts is None:
+        if not (self.training and torch.is_grad_enabled()):
             return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
+        if experts is None:  # torchtitan's router slot: the dense gradient would be dropped without a word
+            raise ValueError(
+                "experts=None is not allowed with Default MoE in training: its router runs the chosen experts for "
+                "their default outputs; expected the layer's expert bank (moelab.MoE passes it)"
+            )
         T, K = indices.shape
         rows = x.repeat_interleave(K, dim=0)  # token t's K slots in slot order
         # through the bank's own call (not its mix): FSDP2 gathers an expert unit's weights in its hooks
