@@ -24,6 +24,7 @@ from moelab.layer import attach
 from moelab.methods import get_method, methods
 from moelab.routing import RoutingContext
 from moelab.schedules import CompetitionSchedule
+from router_grid import doc_inputs
 
 # routers whose steady-state forward (training, no competition) compiles as one graph
 FULLGRAPH_METHODS = ["smoe", "competesmoe", "xmoe", "pcosine", "sigma-moe", "sharede-v3"]
@@ -239,9 +240,12 @@ class _Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
+        docs = doc_inputs(self.moe, h)  # a router that routes by document (EMO): two a sequence
         if self.checkpointed:
-            return x + torch.utils.checkpoint.checkpoint(self.moe, h, use_reentrant=False)
-        return x + self.moe(h)
+            return x + torch.utils.checkpoint.checkpoint(
+                lambda v: self.moe(v, **docs), h, use_reentrant=False
+            )
+        return x + self.moe(h, **docs)
 
 
 def _per_block_steps(method: str, checkpointed: bool, compiled: bool, steps: int = 2, total_steps: int = 10):

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import moelab
 from moelab.experts import ExpertBank, grouped_mm_available
+from router_grid import doc_inputs
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -59,7 +60,7 @@ def test_every_method_satisfies_routing_invariants_and_matches_the_literal_sum(c
     )
     x = torch.randn(tokens, d_model, dtype=dtype)
     with torch.no_grad():
-        y = layer(x)
+        y = layer(x, **doc_inputs(layer, x))
     r = layer.last_routing
     assert y.shape == x.shape and torch.isfinite(y).all()
     assert r.indices.dtype == torch.int64 and r.indices.shape[0] == tokens
