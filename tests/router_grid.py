@@ -79,12 +79,16 @@ def literal_output(layer: moelab.MoE, x: torch.Tensor) -> torch.Tensor:
     time, the routing recomputed with autograd (so gradients flow to the router and the experts as
     in the layer)."""
     r = layer.router(x, layer.experts, layer.ctx, **router_docs(layer, x))
+    xin = x if r.inputs is None else r.inputs  # the experts' input, where the router changes it
     rows = []
     for t in range(x.shape[0]):
         y = x.new_zeros(D)
         for k in range(r.indices.shape[1]):
             if r.mask is None or bool(r.mask[t, k]):
-                y = y + r.weights[t, k] * layer.experts.expert_forward(x[t : t + 1], int(r.indices[t, k]))[0]
+                y = (
+                    y
+                    + r.weights[t, k] * layer.experts.expert_forward(xin[t : t + 1], int(r.indices[t, k]))[0]
+                )
         if r.direct is not None:  # the experts the router ran itself (MoE++)
             y = y + r.direct[t]
         rows.append(y)

@@ -230,3 +230,16 @@ def test_the_plan_reads_the_pilot_in_out_and_the_table_gives_each_row_its_mdd(fi
 def test_the_plan_refuses_a_folder_without_a_pilot(tmp_path, capsys):
     assert main(["benchmark", "--plan", "--methods", "smoe,xmoe", "--out", str(tmp_path)]) == 2
     assert "--plan needs a pilot: finished runs of 'smoe' and another method" in capsys.readouterr().err
+
+
+def test_the_layer_cost_gives_a_router_by_document_each_block_as_a_document():
+    import torch
+
+    import moelab
+    from moelab.bench.routers import _with_documents
+
+    layer = moelab.MoE(8, 8, 2, method="emo").eval()
+    x = torch.randn(12, 8)
+    wrapped = _with_documents(layer, 4)
+    assert list(wrapped.parameters()) == list(layer.parameters())
+    torch.testing.assert_close(wrapped(x), layer(x, doc_ids=torch.arange(12) // 4), rtol=0, atol=0)

@@ -24,6 +24,7 @@ from moelab.layer import attach
 from moelab.methods import get_method, methods
 from moelab.routing import RoutingContext
 from moelab.schedules import CompetitionSchedule
+from router_grid import doc_inputs
 
 # routers whose steady-state forward (training, no competition) compiles as one graph
 FULLGRAPH_METHODS = ["smoe", "competesmoe", "xmoe", "pcosine", "sigma-moe", "sharede-v3"]
@@ -239,9 +240,12 @@ class _Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
+        docs = doc_inputs(self.moe, h)  # a router that routes by document (EMO): two a sequence
         if self.checkpointed:
-            return x + torch.utils.checkpoint.checkpoint(self.moe, h, use_reentrant=False)
-        return x + self.moe(h)
+            return x + torch.utils.checkpoint.checkpoint(
+                lambda v: self.moe(v, **docs), h, use_reentrant=False
+            )
+        return x + self.moe(h, **docs)
 
 
 def _per_block_steps(method: str, checkpointed: bool, compiled: bool, steps: int = 2, total_steps: int = 10):
@@ -345,14 +349,22 @@ def _check_compiles_once(method: str, checkpointed: bool, steps: int = 3) -> Non
 
 @pytest.mark.parametrize(
     ("method", "checkpointed"),
-    [("stablemoe", True), ("remoe", True), ("quantile-balancing", True), ("deepseek-v4", False)],
+    [
+        ("stablemoe", True),
+        ("remoe", True),
+        ("quantile-balancing", True),
+        ("deepseek-v4", False),
+        ("routing-free", True),
+        ("latent-prototype", True),
+    ],
 )
 def test_step_dependent_and_stateful_routers_compile_per_block_once(method, checkpointed):
     """stablemoe reads its stage from a step watcher, not from ``ctx.step`` (a guard on the step
-    recompiled every step); remoe and quantile-balancing add their step's statistics in place (a
-    ``+=`` on the buffer was an attribute store, refused under activation checkpointing);
-    deepseek-v4 reads whether it is a hash layer as a bool set with its layer index, not the index
-    (a guard per layer recompiled every layer)."""
+    recompiled every step); remoe, quantile-balancing and routing-free add their step's statistics
+    in place (a ``+=`` on the buffer was an attribute store, refused under activation
+    checkpointing); deepseek-v4 reads whether it is a hash layer as a bool set with its layer index,
+    not the index (a guard per layer recompiled every layer); latent-prototype draws its latent
+    sample in the forward (checkpointing's recomputation redraws the same)."""
     _check_compiles_once(method, checkpointed)
 
 

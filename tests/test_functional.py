@@ -154,3 +154,18 @@ def test_topk_gate_bias_changes_the_choice_not_the_weights():
 def test_resolve_renormalize_defaults_to_k_above_one():
     assert resolve_renormalize(None, 1) is False and resolve_renormalize(None, 2) is True
     assert resolve_renormalize(True, 1) is True and resolve_renormalize(False, 3) is False
+
+
+def test_document_index_numbers_each_sequences_documents_by_their_row_and_id():
+    """One index per (row, id) pair, in the pairs' sorted order, whatever the ids (a literal relabel)."""
+    from moelab.functional import document_index
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(-3, 4, (40,), generator=gen)
+    rows = torch.arange(40) // 10
+    pairs = sorted({(int(r), int(i)) for r, i in zip(rows, ids)})
+    want = [pairs.index((int(r), int(i))) for r, i in zip(rows, ids)]
+    assert document_index(ids, rows).tolist() == want
+    assert document_index(ids[:0], rows[:0]).tolist() == []
+    compiled = torch.compile(document_index, backend="aot_eager", fullgraph=True)
+    assert compiled(ids, rows).tolist() == want

@@ -37,9 +37,9 @@ def _model(method: str = "competesmoe", **options):
         attn_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(cfg)
-    if get_method(method).router == "aoe":
-        # Autonomy-of-Experts' factorised gates have no exact upcycling (upcycle refuses it): fresh aoe
-        # layers of the upcycled shape take the MLPs' places
+    if get_method(method).router in ("aoe", "routing-free"):
+        # Autonomy-of-Experts' and Routing-Free MoE's factorised gates have no exact upcycling (upcycle
+        # refuses it): fresh layers of the upcycled shape take the MLPs' places
         model = upcycle(model, 4, 2, method="smoe")
         for block in model.transformer.h:
             old = block.mlp  # resid_pdrop=0: the layer itself, no dropout after it

@@ -20,12 +20,14 @@ IMPLS = ["loop", "auto"] + (["grouped"] if GROUPED else [])
 
 def literal_layer_output(layer, x):
     """``Σ_k w_k · expert_forward(x, i_k) (+ shared(x))`` from the layer's last routing, per token (its
-    active slots, plus the output of the experts the router ran itself)."""
+    active slots, plus the output of the experts the router ran itself; the routed experts on the
+    router's inputs where it changes them, latent-prototype's aligner)."""
     r = layer.last_routing
+    xin = x if r.inputs is None else r.inputs
     rows = []
     for t in range(x.shape[0]):
         y = sum(
-            r.weights[t, k] * layer.experts.expert_forward(x[t : t + 1], int(r.indices[t, k]))[0]
+            r.weights[t, k] * layer.experts.expert_forward(xin[t : t + 1], int(r.indices[t, k]))[0]
             for k in range(r.indices.shape[1])
             if r.mask is None or r.mask[t, k]
         ) + (x.new_zeros(x.shape[-1]) if r.direct is None else r.direct[t])

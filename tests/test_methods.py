@@ -23,9 +23,17 @@ UNNORMALISED = {
     "expert-threshold",
     "emo",
     "default-moe",
+    "routing-free",
 }
 #: methods that route a variable number of experts per token (``Routing.mask``), at most this many
-VARIABLE_K = {"remoe": 4, "top-p": 4, "expert-choice": 4, "moepp": 2, "expert-threshold": 4}
+VARIABLE_K = {
+    "remoe": 4,
+    "top-p": 4,
+    "expert-choice": 4,
+    "moepp": 2,
+    "expert-threshold": 4,
+    "routing-free": 4,
+}
 #: methods whose router scores experts beyond the bank's N (MoE++'s zero-computation experts), and how many
 EXTRA_EXPERTS = {"moepp": 4}
 D, N, K = 8, 4, 2

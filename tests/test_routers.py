@@ -657,6 +657,7 @@ NOT_BIASED = (
     "quantile-balancing",
     "expert-threshold",
     "emo",
+    "routing-free",  # each expert gates itself by its own threshold: no choice among experts an offset shifts
 )
 BIASED = [m for m in moelab.methods() if m not in NOT_BIASED]
 

@@ -136,6 +136,10 @@ def test_default_moe_refuses_what_it_cannot_run_in_one_line():
         moelab.MoE(8, 4, 2, method=METHOD, token_rounding="up")
     with pytest.raises(ValueError, match=r"^densemixer=True is not allowed with method='default-moe'"):
         moelab.MoE(8, 4, 2, method=METHOD, densemixer=True)
+    with pytest.raises(
+        ValueError, match=r"^experts=None is not allowed with Default MoE in training: its router runs"
+    ):
+        moelab.MoE(8, 4, 2, method=METHOD).router(torch.randn(3, 8))
     layer = moelab.MoE(8, 4, 2, method=METHOD).bfloat16()
     assert (
         layer.router.default_outputs.dtype == torch.float32
@@ -200,45 +204,56 @@ def _layer(state=None):
     return layer
 
 
-def _batches():
+def _batches(world: int = 2):
     gen = torch.Generator().manual_seed(3)
-    return [torch.randn(2, 10, 8, dtype=torch.float64, generator=gen) for _ in range(3)]
+    return [torch.randn(world, 10, 8, dtype=torch.float64, generator=gen) for _ in range(3)]
 
 
-def _two_ranks(rank: int, world: int, state: dict, ep: int) -> dict:
+def _ranks(rank: int, world: int, state: dict, dp: str, ep: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
     from moelab.train.parallelize import parallelize
 
     layer = _layer(state)
     ctx = moelab.routing_context(layer, total_steps=10)
-    model = (
-        parallelize(layer, dp="ddp", ep=ep) if ep > 1 else torch.nn.parallel.DistributedDataParallel(layer)
-    )
+    model = parallelize(
+        torch.nn.Sequential(layer), dp=dp, ep=ep
+    )  # FSDP2: the layer one unit, the model another
     grads = []
-    for x in _batches():
+    for x in _batches(world):
         model(x[rank]).square().sum().backward()
-        grads.append(layer.router.weight.grad.clone())
+        g = layer.router.weight.grad
+        grads.append((g.full_tensor() if isinstance(g, DTensor) else g).clone())
         layer.zero_grad()
         ctx.advance()
     return {"grads": grads, "defaults": layer.router.default_outputs.clone()}
 
 
-@pytest.mark.parametrize("ep", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_default_moe_two_ranks_equal_one_process_with_their_batches_as_micro_batches(ep, tmp_path):
-    """The default outputs average the expert outputs of both ranks' tokens (an all-reduce in the step hook)."""
+@pytest.mark.parametrize(
+    "world, dp, ep",
+    [
+        (2, "ddp", 1),
+        pytest.param(2, "ddp", 2, marks=pytest.mark.slow),
+        pytest.param(4, "fsdp", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_default_moe_ranks_equal_one_process_with_their_batches_as_micro_batches(world, dp, ep, tmp_path):
+    """The default outputs average the expert outputs of every rank's tokens (an all-reduce in the step
+    hook); under DDP, expert parallelism, and FSDP2 with the experts their own unit (4 ranks: 2 × 2)."""
     from test_parallelize import spawn
 
     layer = _layer()
     state = copy.deepcopy(layer.state_dict())
     ctx = moelab.routing_context(layer, total_steps=10)
     want = []
-    for x in _batches():
+    for x in _batches(world):
         for part in x:
-            (layer(part).square().sum() / 2).backward()
+            (layer(part).square().sum() / world).backward()
         want.append(layer.router.weight.grad.clone())
         layer.zero_grad()
         ctx.advance()
     assert layer.router.default_outputs.abs().sum() > 0
-    for r in spawn(_two_ranks, 2, tmp_path, state, ep):
+    for r in spawn(_ranks, world, tmp_path, state, dp, ep):
         for got, ref in zip(r["grads"], want, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(r["defaults"], layer.router.default_outputs, rtol=1e-6, atol=1e-7)

@@ -139,7 +139,9 @@ def test_top_p_from_hf_runs_and_to_hf_refuses_in_one_line():
     check_hf_refusal("top-p")
 
 
-@pytest.mark.parametrize("method", ["top-p", "remoe", "expert-choice", "moepp", "expert-threshold"])
+@pytest.mark.parametrize(
+    "method", ["top-p", "remoe", "expert-choice", "moepp", "expert-threshold", "routing-free"]
+)
 @pytest.mark.parametrize("scope", ["sequence", "global"])
 def test_variable_k_methods_take_the_micro_balance_scope_only(method, scope):
     with pytest.raises(
@@ -170,7 +172,7 @@ def test_the_selection_bias_moves_once_per_step_from_the_load_of_the_taken_exper
     torch.testing.assert_close(layer.router.selection_bias, 0.01 * torch.sign(total.mean() - total))
 
 
-@pytest.mark.parametrize("method", ["remoe", "expert-choice", "expert-threshold"])
+@pytest.mark.parametrize("method", ["remoe", "expert-choice", "expert-threshold", "routing-free"])
 def test_routers_without_a_choice_to_shift_refuse_the_selection_bias(method):
     with pytest.raises(
         ValueError, match=rf"^option 'selection_bias' is not accepted by method='{method}'; allowed: "

@@ -159,6 +159,10 @@ def test_emo_refuses_a_batch_without_document_ids_and_bad_ids_and_pools_in_one_l
         ValueError, match=r"^min_pool=6 is not allowed with max_pool=4; expected min_pool <= max_pool$"
     ):
         moelab.MoE(8, 8, 2, method=METHOD, min_pool=6, max_pool=4)
+    with pytest.raises(
+        ValueError, match=r"^option 'selection_bias' is not accepted by method='emo'; allowed: "
+    ):
+        moelab.MoE(8, 8, 2, method=METHOD, selection_bias=True)  # the global-batch balance loss balances it
     # a router that does not route by document ignores the ids
     smoe = moelab.MoE(8, 8, 2)
     x = torch.randn(2, 5, 8)

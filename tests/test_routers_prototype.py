@@ -20,7 +20,8 @@ METHOD = "latent-prototype"
 def authors_router(x, router, top_k, kl_weight=0.01, align_weight=0.05, div_weight=1.0, outer=0.01):
     """The authors' ``TokenDistributionRouter.forward`` (``VectorSimilarity``, ``Cosine``,
     ``diversity_type='orthogonal'``, ``diversity_lambda=1``) written out with this router's tensors,
-    and the model's ``router_kl_loss_coef`` (``outer``) on its regularisation."""
+    the model's ``router_kl_loss_coef`` (``outer``) on its regularisation, and ``z_decoded``, which
+    their MoE blocks add to the experts' input (``hidden_states + z_decoed``)."""
     h = F.silu(F.layer_norm(x, (x.shape[-1],), router.norm.weight, router.norm.bias, router.norm.eps))
     mu, logvar = (h @ router.encoder.weight.T + router.encoder.bias).chunk(2, dim=-1)
     std = torch.exp(0.5 * logvar)
@@ -41,7 +42,9 @@ def authors_router(x, router, top_k, kl_weight=0.01, align_weight=0.05, div_weig
     weighted_keys_target = last_routing.T @ z
     sim_loss = torch.abs(keys - weighted_keys_target.detach()).mean()
     reg = div_weight * div_loss + kl_weight * kl + align_weight * sim_loss
-    return routing_weights, topk_idx, scores, outer * reg
+    # the aligner: CosineSimilarity's softmax(similarity) @ expert_keys, through out_proj
+    z_decoded = router.out_proj(torch.softmax(scores, dim=-1) @ keys)
+    return routing_weights, topk_idx, scores, outer * reg, z_decoded
 
 
 def test_latent_prototype_routes_weighs_and_regularises_as_the_authors_router():
@@ -58,10 +61,11 @@ def test_latent_prototype_routes_weighs_and_regularises_as_the_authors_router():
         g = torch.randn(9, 6, dtype=torch.float64, generator=gen)
         twin.zero_grad()
         torch.manual_seed(7)
-        w, idx, scores, reg = authors_router(x, twin.router, 2)
+        w, idx, scores, reg, z_decoded = authors_router(x, twin.router, 2)
+        h = x + z_decoded
         want = torch.stack(
             [
-                sum(w[t, k] * twin.experts.expert_forward(x[t : t + 1], int(idx[t, k]))[0] for k in range(2))
+                sum(w[t, k] * twin.experts.expert_forward(h[t : t + 1], int(idx[t, k]))[0] for k in range(2))
                 for t in range(9)
             ]
         )
@@ -105,7 +109,12 @@ def test_latent_prototype_preset_defaults_and_parameters():
         "encoder.weight",
         "encoder.bias",
         "prototypes",
+        "out_proj.weight",
+        "out_proj.bias",
     }
+    assert r.out_proj.weight.shape == (16, 16)
+    plain = moelab.MoE(16, 4, 2, method=METHOD, aligner=False)
+    assert plain.router.out_proj is None and plain.router(torch.randn(3, 16)).inputs is None
     assert r.weights_sum_to_one and not r.variable_k
     with pytest.raises(ValueError, match=r"^latent_dim=0 is not allowed") as e:
         moelab.MoE(16, 4, 2, method=METHOD, latent_dim=0)
@@ -159,12 +168,14 @@ def _two_ranks(rank: int, world: int, state: dict, xs: list, ep: bool) -> dict:
     for x in xs:
         torch.manual_seed(11)  # every rank draws the sample of its piece as the one process does
         model(x[rank]).square().sum().backward()
-    grads = {n: p.grad for n, p in layer.named_parameters()}
-    if ep:
-        from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor
 
-        grads = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}
-    return {n: g.clone() for n, g in grads.items()}
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    grads = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}
+    return {
+        "sharded": isinstance(layer.experts.w_in, DTensor),
+        "grads": {n: g.clone() for n, g in grads.items()},
+    }
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["ddp", "expert-parallel"])
@@ -183,6 +194,21 @@ def test_latent_prototype_two_ranks_equal_one_process_with_their_batches_as_micr
         for part in x:
             torch.manual_seed(11)
             (layer(part).square().sum() / 2).backward()
-    for grads in spawn(_two_ranks, 2, tmp_path, state, xs, ep):
+    for r in spawn(_two_ranks, 2, tmp_path, state, xs, ep):
+        assert r["sharded"] == ep  # expert parallelism: each rank holds half of the experts
         for name, p in layer.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+            torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_latent_prototype_at_k1_weighs_by_the_softmax_over_all_experts_and_renormalize_true_is_the_authors():
+    """At K = 1 the authors' softmax over the one chosen similarity is the constant 1 (no task
+    gradient to the router): moelab's default weighs the chosen expert by the softmax over all N
+    (Switch); ``renormalize=True`` gives the authors' rule."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(8, 4, 1, method=METHOD).eval()
+    x = torch.randn(6, 8)
+    r = layer.router(x)
+    assert torch.equal(r.indices, r.logits.argmax(-1, keepdim=True))
+    torch.testing.assert_close(r.weights, r.logits.softmax(-1).gather(1, r.indices))
+    layer = moelab.MoE(8, 4, 1, method=METHOD, renormalize=True).eval()
+    assert torch.equal(layer.router(x).weights, torch.ones(6, 1))

@@ -155,6 +155,11 @@ def test_routing_free_refusals_are_one_line():
         with pytest.raises(ValueError, match=rf"^{allowed}") as e:
             moelab.MoE(8, 4, 2, method=METHOD, **{option: value})
         assert "\n" not in str(e.value)
+    with pytest.raises(
+        ValueError,
+        match=r"^capacity_factor=1.0 is not allowed with method='routing-free': it routes a variable",
+    ):
+        moelab.MoE(8, 4, 2, method=METHOD, capacity_factor=1.0)
     layer = moelab.MoE(8, 4, 2, method=METHOD)
     with pytest.raises(
         ValueError,
@@ -168,9 +173,15 @@ def test_routing_free_refusals_are_one_line():
         moelab.hf.convert.refuse_factorised_gates(METHOD, "from_hf")
 
 
-def test_routing_free_keeps_lambda_float32_in_bf16():
+def test_routing_free_keeps_lambda_float32_in_bf16_and_gates_in_float32_with_router_dtype():
     layer = moelab.MoE(8, 4, 2, method=METHOD).bfloat16()
     assert layer.router.rf_lambda.dtype == torch.float32 and layer.router.rf_pending.dtype == torch.float32
+    layer = moelab.MoE(8, 4, 2, method=METHOD, router_dtype="float32", threshold=0.5).bfloat16()
+    layer.router.float()
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
+    s = torch.linalg.vector_norm(x.float() @ layer.experts.gate_down.float().transpose(1, 2), dim=-1).T
+    torch.testing.assert_close(layer.last_routing.logits, s - layer.router.gate_bias.detach())
 
 
 # ------------------------------------------------------------------ the layer grid
@@ -242,3 +253,26 @@ def test_routing_free_refuses_expert_parallelism_in_one_line():
         r"parallelism",
     ):
         ExpertParallel()._apply(layer.experts, None)
+
+
+def test_routing_free_balancing_objective_lowers_the_gates_of_a_dense_start_and_lambda_follows_the_density():
+    """From every expert active (θ low), the objective alone (no task loss) lowers the gates, so the
+    density falls; λ rises while the density is above K/N and falls once it is below."""
+    torch.manual_seed(0)
+    layer = moelab.MoE(16, 8, 2, method=METHOD, threshold=0.1, lambda_init=0.1, lambda_rate=0.5)
+    ctx = moelab.routing_context(layer, total_steps=100)
+    opt = torch.optim.Adam(layer.router.parameters(), lr=0.05)
+    x = torch.randn(256, 16)
+    densities, lambdas = [], []
+    for _ in range(40):
+        opt.zero_grad()
+        (layer(x).sum() * 0).backward()  # no task loss: the gradient the layer adds is the objective's
+        densities.append(float(layer.last_routing.mask.float().mean()))
+        opt.step()
+        ctx.advance()
+        lambdas.append(float(layer.router.rf_lambda))
+    assert densities[0] == 1.0 and densities[-1] < 0.25
+    for rho, before, after in zip(densities[1:], lambdas, lambdas[1:]):
+        assert after == pytest.approx(
+            min(1.0, before * 1.5 ** (1 if rho > 0.25 else -1 if rho < 0.25 else 0))
+        )

@@ -127,3 +127,19 @@ def test_titan_refuses_the_aux_losses_and_the_capacity_its_moe_would_drop():
         match=r"^capacity_factor=1.0 is not allowed; expected None \(torchtitan's MoE keeps every token, the capacity would not be applied\)$",
     ):
         TitanRouter(capped)
+
+
+def test_titan_refuses_a_router_that_changes_the_experts_input():
+    """latent-prototype's aligner adds to the routed experts' input, which torchtitan's MoE would not
+    see; without the aligner the router decides as in moelab's layer."""
+    no_aux = {"latent_kl_coef": 0.0, "prototype_diversity_coef": 0.0, "prototype_alignment_coef": 0.0}
+    router = TitanRouter(moelab.MoE(D, N, K, method="latent-prototype", **NO_AUX, **no_aux))
+    with pytest.raises(
+        ValueError,
+        match=r"^a router that changes the experts' input \(latent-prototype's aligner\) is not allowed in "
+        r"torchtitan's MoE; use moelab's layer, or aligner=False$",
+    ):
+        router(torch.randn(1, 3, D))
+    plain = TitanRouter(moelab.MoE(D, N, K, method="latent-prototype", aligner=False, **NO_AUX, **no_aux))
+    weights, indices, _ = plain(torch.randn(1, 3, D))
+    assert weights.shape == indices.shape == (1, 3, K)

@@ -324,7 +324,8 @@ class MoE(nn.Module):
             ids = None if ids is None else ids.index_select(0, real)
             docs = None if docs is None else tuple(d.index_select(0, real) for d in docs)
         routing = self._route(flat, ids, None if docs is None else document_index(*docs))
-        y = self.experts(flat, routing)  # (T, d)
+        # (T, d); the routed experts on the router's inputs where it changes them (latent-prototype's aligner)
+        y = self.experts(flat if routing.inputs is None else routing.inputs.to(flat.dtype), routing)
         if routing.direct is not None:  # experts the router ran itself (MoE++'s copy and constant experts)
             y = y + routing.direct.to(y.dtype)
         if self.shared is not None:

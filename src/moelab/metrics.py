@@ -297,6 +297,7 @@ class SwappedRouter(Router):
             logits=r.logits,
             losses=r.losses,
             outputs=None if r.outputs is None else r.outputs[:, keep],
+            inputs=r.inputs,
         )
 
 

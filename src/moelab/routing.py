@@ -42,6 +42,9 @@ class Routing:
         direct: ``(T, d)`` the weighted output of the experts the router computes itself, which
             the expert bank does not hold (MoE++'s copy and constant experts); the layer adds it
             to the bank's output.  ``None`` otherwise.
+        inputs: ``(T, d)`` the tokens the routed experts run on, for a router that changes them
+            (Latent Prototype Routing's aligner adds a projection of the token's prototype mixture);
+            ``None``: the layer's input (the shared experts always run on that).
 
     How the experts run it — set by the layer after the router, read by the bank
     (:meth:`moelab.experts.SparseExperts.forward`):
@@ -64,6 +67,7 @@ class Routing:
     outputs: Tensor | None = None
     mask: Tensor | None = None
     direct: Tensor | None = None
+    inputs: Tensor | None = None
     keep: Tensor | None = None
     pad_to: int | None = None
     dense_gradient: bool = False
@@ -100,6 +104,7 @@ class Routing:
             outputs=None,
             mask=d(self.mask),
             direct=d(self.direct),
+            inputs=d(self.inputs),
             keep=d(self.keep),
             pad_to=self.pad_to,
             dense_gradient=self.dense_gradient,

@@ -153,7 +153,8 @@ class ExpertBank(SparseExperts):
                 "gate_low_rank is not allowed on an ExpertBank with gate_rank=None; expected a bank built "
                 "with gate_rank=r (its gate projections factorised, as method='aoe' builds it)"
             )
-        return torch.einsum("td,nrd->tnr", x, self.gate_down)
+        # in x's dtype: a router computing in float32 (router_dtype) reads A x of a bf16 bank in float32
+        return torch.einsum("td,nrd->tnr", x, self.gate_down.to(x.dtype))
 
     @property
     def out_features(self) -> int:

@@ -66,7 +66,7 @@ class DefaultMoERouter(Router):
     at the cost of one ``(T, d) × (d, N)`` product in the backward.
 
     The default outputs: each training forward with gradients runs the chosen experts itself (the
-    bank's own ``mix``, one row per token slot: every kernel, every bank, expert parallelism) and
+    bank's own sparse dispatch, one row per token slot: every kernel, every bank, expert parallelism) and
     hands their outputs to the layer (``Routing.outputs``), adding each expert's unweighted output sum
     and slot count to a pending buffer; the step hook sums the pending buffer over the data-parallel
     ranks (one all-reduce of ``N·(d + 1)`` numbers per layer, outside any forward) and moves
@@ -117,11 +117,18 @@ class DefaultMoERouter(Router):
         indices = self.biased(probs.detach()).topk(self.top_k, dim=-1).indices
         self.count_load(indices)
         weights = probs.gather(1, indices)
-        if not (self.training and torch.is_grad_enabled()) or experts is None:
+        if not (self.training and torch.is_grad_enabled()):
             return Routing(indices=indices, weights=weights, probs=probs, logits=logits)
+        if experts is None:  # torchtitan's router slot: the dense gradient would be dropped without a word
+            raise ValueError(
+                "experts=None is not allowed with Default MoE in training: its router runs the chosen experts for "
+                "their default outputs; expected the layer's expert bank (moelab.MoE passes it)"
+            )
         T, K = indices.shape
         rows = x.repeat_interleave(K, dim=0)  # token t's K slots in slot order
-        outputs = experts.mix(rows, indices.reshape(-1, 1), rows.new_ones(T * K, 1))  # (T·K, ...)
+        # through the bank's own call (not its mix): FSDP2 gathers an expert unit's weights in its hooks
+        slots = Routing(indices=indices.reshape(-1, 1), weights=rows.new_ones(T * K, 1))
+        outputs = experts(rows, slots)  # (T·K, ...): each slot's expert output, unweighted
         if outputs.dim() != 2 or outputs.shape[1] != self.d_model:
             raise ValueError(
                 f"experts whose outputs have shape {tuple(outputs.shape[1:])} per token are not allowed with "

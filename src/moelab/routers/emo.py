@@ -136,7 +136,7 @@ class EMORouter(Router):
             )
         logits = F.linear(x, self.weight)  # (T, N)
         with torch.no_grad():
-            scores = logits.detach().float().softmax(dim=-1)
+            scores = logits.detach().to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
             pools = document_pools(scores, doc_ids, self.pool_sizes(logits.shape[0], logits.device))
         pooled = logits.masked_fill(~pools, float("-inf"))
         probs = pooled.softmax(dim=-1)  # q: the softmax over the document's pool

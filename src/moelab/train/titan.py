@@ -67,6 +67,11 @@ class TitanRouter(nn.Module):
             raise ValueError(
                 "a router that runs the experts (competition) is not allowed in torchtitan's MoE; use moelab's layer"
             )
+        if routing.inputs is not None:
+            raise ValueError(
+                "a router that changes the experts' input (latent-prototype's aligner) is not allowed in "
+                "torchtitan's MoE; use moelab's layer, or aligner=False"
+            )
         scores = routing.probs if routing.probs is not None else routing.logits.softmax(-1)
         K = routing.indices.shape[-1]
         return (
