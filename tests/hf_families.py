@@ -142,6 +142,9 @@ def tiny_block(fam: str, block_cls: type, seed: int = 0) -> nn.Module:
         for name, b in block.named_buffers():
             if name.split(".")[-1] in ("e_score_correction_bias", "expert_bias") and b.is_floating_point():
                 b.copy_(torch.linspace(-0.2, 0.2, b.numel(), dtype=b.dtype).view(b.shape))
+            if name.split(".")[-1] == "tid2eid":  # a hash router's token id → experts table (DeepSeek-V4)
+                rows, k = b.shape
+                b.copy_(torch.rand(rows, N, generator=g).argsort(dim=1)[:, :k])
     return block.eval()
 
 
