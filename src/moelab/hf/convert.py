@@ -210,7 +210,9 @@ def _check_experts(experts: nn.Module) -> tuple[bool, int, int, int, str] | str:
     if not getattr(experts, "is_concatenated", True):
         problems.append("interleaved gate/up weights")
     act_name = "swiglu"
-    if getattr(experts, "alpha", None) is not None:
+    if getattr(experts, "alpha", None) is not None:  # gpt-oss's: a sigmoid of alpha·gate, not SiLU
+        if _clamp_limit(experts) is not None:
+            problems.append(f"a clamped SwiGLU (limit={_clamp_limit(experts)!r})")
         problems.append(f"a clamped SwiGLU (alpha={experts.alpha!r})")
     elif _clamp_limit(experts) is not None:  # DeepSeek-V4's clamp, checked on its gate function
         w = getattr(experts, "gate_up_proj", None)
