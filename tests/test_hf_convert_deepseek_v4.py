@@ -121,7 +121,9 @@ def test_swiglu_clamp_on_triton_is_refused_in_one_line_never_computed_unclamped(
 
 
 @pytest.mark.parametrize("layer_idx", [0, 2], ids=["hash", "topk"])
-def test_a_deepseek_v4_block_converts_exactly_with_its_clamp_and_goes_back_bit_for_bit(layer_idx):
+def test_a_deepseek_v4_block_converts_exactly_with_its_clamp_gradients_included_and_goes_back_bit_for_bit(
+    layer_idx,
+):
     block = _block(layer_idx)
     x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
@@ -135,6 +137,24 @@ def test_a_deepseek_v4_block_converts_exactly_with_its_clamp_and_goes_back_bit_f
     with torch.no_grad():
         got = layer(x, input_ids=ids)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-10)
+    # the gradients too: of the input, the router, the experts and the shared expert
+    gy = torch.randn(want.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (block(x1, input_ids=ids) * gy).sum().backward()
+    (layer(x2, input_ids=ids) * gy).sum().backward()
+    pairs = [
+        (x1.grad, x2.grad),
+        (block.gate.weight.grad, layer.router.weight.grad),
+        (block.experts.gate_up_proj.grad, layer.experts.w_in.grad),
+        (block.experts.down_proj.grad, layer.experts.w_out.grad),
+        (block.shared_experts.down_proj.weight.grad, layer.shared.fc_out.weight.grad),
+        (
+            torch.cat([block.shared_experts.gate_proj.weight.grad, block.shared_experts.up_proj.weight.grad]),
+            layer.shared.fc_in.weight.grad,
+        ),
+    ]
+    for a, b in pairs:
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-10)
     back = moelab.to_hf(layer)
     assert type(back) is V4.DeepseekV4SparseMoeBlock
     with torch.no_grad():
@@ -205,3 +225,16 @@ def test_to_hf_refuses_a_converted_hash_layer_renumbered_out_of_its_hash_layers(
     ) as e:
         moelab.to_hf(layer)
     assert "\n" not in str(e.value) and "by top-K now" in str(e.value)
+
+
+def test_a_converted_deepseek_v4_model_survives_moelab_save_and_load_with_its_tables(tmp_path):
+    model = _model()
+    moelab.from_hf(model)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    moelab.save(model, tmp_path / "m")
+    back = moelab.load(tmp_path / "m").eval()
+    assert [lay.router.hashed for lay in moelab.layer.moe_layers(back)] == [True, True, False]
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, want)
