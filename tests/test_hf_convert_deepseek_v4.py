@@ -238,3 +238,15 @@ def test_a_converted_deepseek_v4_model_survives_moelab_save_and_load_with_its_ta
     assert [lay.router.hashed for lay in moelab.layer.moe_layers(back)] == [True, True, False]
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids).logits, want)
+
+
+def test_a_converted_deepseek_v4_hash_block_compiles_as_one_graph_with_its_input_ids_and_equals_eager():
+    torch._dynamo.reset()
+    layer = moelab.from_hf(_block(0).float())  # float32: the traced kernel is grouped_mm's
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # the input_ids hook traced too
+    with torch.no_grad():
+        torch.testing.assert_close(
+            compiled(x, input_ids=ids), layer(x, input_ids=ids), rtol=1e-12, atol=1e-10
+        )
