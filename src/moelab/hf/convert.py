@@ -2,13 +2,15 @@
 
 :func:`from_hf` converts one block, or every MoE block inside a model (in place), recognised by
 its parts (a router ``gate`` with one ``(N, d)`` weight and the attributes that set its rule,
-stacked or listed SiLU experts, optional shared experts), not by its class name; the rule those
-parts propose (softmax top-K → ``smoe`` / ``sharede-v2``, the DeepSeek-V3 sigmoid with a selection
-bias → ``sharede-v3``) is checked on random tokens against the block's own router before anything
-is converted, and a block that does not fit is refused with a ``ValueError`` naming it, its class
-and why.  :func:`set_method` switches converted layers to another method; :func:`moelab.to_hf` is
-the inverse.  docs/scaling.md ("from_hf, to_hf, set_method") has the parts, the table of methods
-and options, what is not carried over, and every transformers family.
+stacked or listed SiLU experts, plain or with DeepSeek-V4's clamp ``swiglu_clamp``, optional
+shared experts), not by its class name; the rule those parts propose (softmax top-K → ``smoe`` /
+``sharede-v2``, the DeepSeek-V3 sigmoid with a selection bias → ``sharede-v3``, DeepSeek-V4's
+sqrt-softplus top-K and hash layers → ``deepseek-v4``) is checked on random tokens against the
+block's own router before anything is converted, and a block that does not fit is refused with a
+``ValueError`` naming it, its class and why.  :func:`set_method` switches converted layers to
+another method; :func:`moelab.to_hf` is the inverse.  docs/scaling.md ("from_hf, to_hf,
+set_method") has the parts, the table of methods and options, what is not carried over, and every
+transformers family.
 """
 
 from __future__ import annotations
