@@ -6,7 +6,7 @@ import torch
 
 from moelab.experts import grouped_mm_available
 
-ACTS = ["relu", "gelu", "silu", "swiglu"]
+ACTS = ["relu", "gelu", "silu", "swiglu", "swiglu_clamp"]  # swiglu_clamp: DeepSeek-V4's
 GROUPED = grouped_mm_available(torch.device("cpu"), torch.float32)
 #: every implementation that runs on the CPU here
 IMPLS = ["loop", "stream", "auto"] + (["grouped"] if GROUPED else [])

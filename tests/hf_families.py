@@ -142,6 +142,9 @@ def tiny_block(fam: str, block_cls: type, seed: int = 0) -> nn.Module:
         for name, b in block.named_buffers():
             if name.split(".")[-1] in ("e_score_correction_bias", "expert_bias") and b.is_floating_point():
                 b.copy_(torch.linspace(-0.2, 0.2, b.numel(), dtype=b.dtype).view(b.shape))
+            if name.split(".")[-1] == "tid2eid":  # a hash router's token id → experts table (DeepSeek-V4)
+                rows, k = b.shape
+                b.copy_(torch.rand(rows, N, generator=g).argsort(dim=1)[:, :k])
     return block.eval()
 
 
@@ -219,8 +222,11 @@ if __name__ == "__main__":  # the table of docs/scaling-hf.md: PYTHONPATH=src:te
             why = why if len(why) <= 160 else why[:157] + "..."
             print(f"| {fam} | `{cls.__name__}` | — | — | {why} |")
             continue
+        ids = {}  # the token ids, for a block that routes by them (DeepSeek-V4's hash layers)
+        if "input_ids" in inspect.signature(block.forward).parameters:
+            ids = {"input_ids": torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))}
         with torch.no_grad():
-            ref = block(x.clone())
+            ref = block(x.clone(), **ids)
             ref = ref[0] if isinstance(ref, tuple) else ref
-            diff = (layer(x) - ref).abs().max().item()
+            diff = (layer(x, **ids) - ref).abs().max().item()
         print(f"| {fam} | `{cls.__name__}` | `{layer.method}` | {diff:.1e} | |")

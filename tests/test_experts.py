@@ -157,7 +157,7 @@ def test_dispatch_of_zero_tokens_is_empty(impl):
         ({"d_hidden": 0}, r"d_hidden=0 is not allowed; expected a positive integer"),
         (
             {"activation": "tanh"},
-            r"activation='tanh' is not allowed; expected one of \[.*'gelu', .*'swiglu'\]",
+            r"activation='tanh' is not allowed; expected one of \[.*'gelu', .*'swiglu', 'swiglu_clamp'\]",
         ),
         (
             {"impl": "fast"},

@@ -1,6 +1,8 @@
 """Every MoE family of the installed transformers: converted exactly (block outputs in float64,
 round trip through moelab.to_hf) or refused in one line naming the block, its class and why."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ CONVERTS = {  # block class -> moelab method
     "DeepseekV2Moe": "sharede-v2",
     "DeepseekV32MoE": "sharede-v3",
     "DeepseekV3MoE": "sharede-v3",
+    "DeepseekV4SparseMoeBlock": "deepseek-v4",
     "Dots1MoE": "sharede-v3",
     "Dots3NoteTextMoE": "sharede-v3",
     "Dots3NoteVisionMoE": "sharede-v3",
@@ -35,11 +38,13 @@ CONVERTS = {  # block class -> moelab method
     "Glm4MoeLiteMoE": "sharede-v3",
     "Glm4MoeMoE": "sharede-v3",
     "Glm4vMoeTextMoE": "sharede-v3",
+    "Glm5NextTextMoE": "sharede-v3",  # DeepSeek-V4's clamped SwiGLU (swiglu_clamp)
     "GlmMoeDsaMoE": "sharede-v3",
     "GraniteMoeHybridMoE": "smoe",
     "GraniteMoeMoE": "smoe",
     "GraniteMoeSWAMoE": "smoe",
     "GraniteMoeSharedMoE": "smoe",
+    "HYV4MoE": "sharede-v3",  # DeepSeek-V4's clamped SwiGLU (swiglu_clamp)
     "HunYuanMoEV1Moe": "sharede-v2",
     "JambaSparseMoeBlock": "smoe",
     "KimiLinearMoE": "sharede-v3",
@@ -68,16 +73,13 @@ REFUSED = {  # block class -> the start of the reason
     "AriaTextMoELayer": "experts AriaExperts with transposed expert",
     "Cohere2MoeSparseMoeBlock": "shared experts combined by 'average' (moelab",
     "DbrxFFN": "experts DbrxExperts store their weights in",
-    "DeepseekV4SparseMoeBlock": "experts DeepseekV4Experts with a clamped SwiGLU",
     "DiffusionGemmaDecoderTextLayer": "experts DiffusionGemmaTextExperts with",
     "DiffusionGemmaEncoderTextLayer": "experts DiffusionGemmaTextExperts with",
     "Ernie4_5_MoeSparseMoeBlock": "router Ernie4_5_MoeTopKRouter has parameters",
     "Ernie4_5_VLMoeSparseMoeBlock": "router Ernie4_5_VLMoeMoeTopKRouter has",
     "Gemma4TextDecoderLayer": "experts Gemma4TextExperts with activation",
-    "Glm5NextTextMoE": "experts Glm5NextTextExperts with a clamped",
     "GptOssMLP": "experts GptOssExperts with expert biases,",
     "HYV3MoE": "router HYV3TopKRouter picks or weighs experts",
-    "HYV4MoE": "experts HYV4Experts with a clamped SwiGLU",
     "Inkling2SparseMoeBlock": "router Inkling2TopKRouter picks or weighs",
     "InklingMoE": "shared expert InklingSharedExperts is not a",
     "JetMoeAttention": "it has experts but no router child",
@@ -99,8 +101,8 @@ REFUSED = {  # block class -> the start of the reason
 }
 
 
-def _out(block, x):
-    y = block(x.clone())
+def _out(block, x, ids=None):
+    y = block(x.clone()) if ids is None else block(x.clone(), input_ids=ids)
     return y[0] if isinstance(y, tuple) else y
 
 
@@ -127,17 +129,20 @@ def test_each_family_converts_exactly_and_goes_back_or_is_refused_naming_block_a
         assert REFUSED[name] in msg
         return
     x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ids = None  # the token ids, for a block that takes them (DeepSeek-V4's hash layers); its layer too
+    if "input_ids" in inspect.signature(block.forward).parameters:
+        ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        expected = _out(block, x)
+        expected = _out(block, x, ids)
     layer = moelab.from_hf(block)
     assert layer.method == CONVERTS[name]
     with torch.no_grad():
-        got = layer(x)
+        got = _out(layer, x, ids)
     assert (got - expected).abs().max().item() <= TOL_FOR.get(name, TOL)
     back = moelab.to_hf(layer)
     assert type(back) is cls
     with torch.no_grad():
-        assert torch.equal(_out(back, x), expected)  # the same weights back: bit for bit
+        assert torch.equal(_out(back, x, ids), expected)  # the same weights back: bit for bit
 
 
 def _masked_step(model, ids, mask, rows):

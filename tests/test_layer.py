@@ -296,7 +296,7 @@ def test_attach_rejects_something_that_is_not_a_context():
         ({"method": "moe"}, r"method='moe' is not a moelab method; allowed: \['smoe', .*'hyperrouter'"),
         (
             {"activation": "tanh"},
-            r"activation='tanh' is not allowed; expected one of \[.*'gelu', .*'swiglu'\]",
+            r"activation='tanh' is not allowed; expected one of \[.*'gelu', .*'swiglu', 'swiglu_clamp'\]",
         ),
         (
             {"impl": "cuda"},

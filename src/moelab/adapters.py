@@ -55,6 +55,7 @@ from torch.nn.utils import parametrize
 
 from . import _validate
 from .experts.bank import ExpertBank
+from .functional import GATED_ACTIVATIONS
 from .routers.base import Router
 
 __all__ = [
@@ -259,7 +260,7 @@ def _param_candidates(
     for name, m in model.named_modules():
         if isinstance(m, ExpertBank):
             n, h = m.num_experts, m.d_hidden
-            ins = {"gate": (0, h), "up": (h, 2 * h)} if m.activation == "swiglu" else {"up": (0, h)}
+            ins = {"gate": (0, h), "up": (h, 2 * h)} if m.activation in GATED_ACTIVATIONS else {"up": (0, h)}
             for part, rows in ins.items():
                 out.append((_join(name, part), name, m, "w_in", rows, n))
             out.append((_join(name, "down"), name, m, "w_out", (0, m.d_model), n))

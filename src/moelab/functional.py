@@ -19,6 +19,8 @@ __all__ = [
     "ACTIVATIONS",
     "ATTENTIONS",
     "ATTENTION_ACTIVATIONS",
+    "GATED_ACTIVATIONS",
+    "SWIGLU_LIMIT",
     "activation",
     "attention_activation",
     "competition_affinity",
@@ -160,6 +162,19 @@ def _swiglu(h: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+#: DeepSeek-V4's ``swiglu_limit`` (transformers' ``DeepseekV4Config`` default, the value of its
+#: released configs): the bound of :func:`swiglu_clamp`
+SWIGLU_LIMIT = 10.0
+
+
+def _swiglu_clamp(h: Tensor) -> Tensor:
+    """DeepSeek-V4's clamped SwiGLU: ``silu(min(gate, L)) * clamp(up, -L, L)`` with ``L =``
+    :data:`SWIGLU_LIMIT` (transformers' ``DeepseekV4Experts._apply_gate`` and ``DeepseekV4MLP``):
+    the gate is bounded above only, the up projection on both sides."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=SWIGLU_LIMIT)) * up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+
+
 def _gelu_tanh(h: Tensor) -> Tensor:
     """The tanh approximation of GELU: GPT-2's ``gelu_new``, SigLIP's ``gelu_pytorch_tanh``."""
     return F.gelu(h, approximate="tanh")
@@ -177,14 +192,20 @@ ACTIVATIONS = {
     "quick_gelu": _quick_gelu,
     "silu": F.silu,
     "swiglu": _swiglu,
+    "swiglu_clamp": _swiglu_clamp,
 }
+
+#: the activations that take a ``(..., 2h)`` input laid out ``[gate | up]`` (their ``W_in`` has ``2h`` rows)
+GATED_ACTIVATIONS = ("swiglu", "swiglu_clamp")
 
 
 def activation(name: str):
-    """The expert activation ``name`` (``relu``, ``gelu``, ``gelu_tanh``, ``quick_gelu``, ``silu``, ``swiglu``).
+    """The expert activation ``name`` (``relu``, ``gelu``, ``gelu_tanh``, ``quick_gelu``, ``silu``,
+    ``swiglu``, ``swiglu_clamp``).
 
     ``swiglu`` takes a ``(..., 2h)`` input laid out ``[gate | up]`` and returns
-    ``silu(gate) * up`` — the layout of transformers' Mixtral experts.
+    ``silu(gate) * up`` — the layout of transformers' Mixtral experts; ``swiglu_clamp`` is
+    DeepSeek-V4's: ``silu(min(gate, 10)) * clamp(up, -10, 10)``.
     """
     try:
         return ACTIVATIONS[name]

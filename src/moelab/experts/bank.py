@@ -14,7 +14,7 @@ except ImportError:  # pragma: no cover
     DTensor = ()
 
 from .. import _validate
-from ..functional import ACTIVATIONS
+from ..functional import ACTIVATIONS, GATED_ACTIVATIONS
 from ..functional import activation as get_activation
 from .base import SparseExperts
 from .dispatch import tracks_grad
@@ -37,7 +37,7 @@ class ExpertBank(SparseExperts):
 
     Expert ``e`` computes ``W_out[e] · act(W_in[e] x + b_in[e]) + b_out[e]``.  Weights use the
     ``nn.Linear`` layout per expert, the layout of transformers' Mixtral experts:
-    ``w_in (N, h_in, d)`` with ``h_in = 2h`` laid out ``[gate | up]`` for ``swiglu`` (else ``h``),
+    ``w_in (N, h_in, d)`` with ``h_in = 2h`` laid out ``[gate | up]`` for ``swiglu`` / ``swiglu_clamp`` (else ``h``),
     ``w_out (N, d, h)``.  Init: ``U(-1/√fan_in, 1/√fan_in)`` per matrix (PyTorch's ``nn.Linear``
     bound), biases zero.
 
@@ -45,7 +45,8 @@ class ExpertBank(SparseExperts):
         num_experts: N.
         d_model: input and output width d.
         d_hidden: hidden width h of each expert.
-        activation: ``relu``, ``gelu``, ``silu`` or ``swiglu``.
+        activation: a name of :data:`moelab.functional.ACTIVATIONS` (``relu``, ``gelu``, ``silu``,
+            ``swiglu``, DeepSeek-V4's ``swiglu_clamp``, ...).
         bias: whether the experts have biases.
         impl: the kernel of :meth:`forward`: ``"auto"`` (chosen per call by
             :func:`moelab.experts.kernels.choose_kernel`) or a name of
@@ -84,7 +85,7 @@ class ExpertBank(SparseExperts):
         self.chunk_elements = _validate.positive_int("chunk_elements", chunk_elements)
         self.activation = activation
         self.act = get_activation(activation)
-        h_in = 2 * d_hidden if activation == "swiglu" else d_hidden
+        h_in = 2 * d_hidden if activation in GATED_ACTIVATIONS else d_hidden
         self.h_in = h_in
         self.gate_rank = None if gate_rank is None else _validate.positive_int("gate_rank", gate_rank)
         if self.gate_rank is None:
@@ -269,7 +270,7 @@ class MLP(nn.Module):
         _validate.positive_int("d_model", d_model)
         _validate.positive_int("d_hidden", d_hidden)
         self.act = get_activation(activation)
-        width = 2 * d_hidden if activation == "swiglu" else d_hidden
+        width = 2 * d_hidden if activation in GATED_ACTIVATIONS else d_hidden
         self.fc_in = nn.Linear(d_model, width, bias=bias)
         self.fc_out = nn.Linear(d_hidden, d_model, bias=bias)
         for fc in (self.fc_in, self.fc_out):

@@ -2,13 +2,15 @@
 
 :func:`from_hf` converts one block, or every MoE block inside a model (in place), recognised by
 its parts (a router ``gate`` with one ``(N, d)`` weight and the attributes that set its rule,
-stacked or listed SiLU experts, optional shared experts), not by its class name; the rule those
-parts propose (softmax top-K → ``smoe`` / ``sharede-v2``, the DeepSeek-V3 sigmoid with a selection
-bias → ``sharede-v3``) is checked on random tokens against the block's own router before anything
-is converted, and a block that does not fit is refused with a ``ValueError`` naming it, its class
-and why.  :func:`set_method` switches converted layers to another method; :func:`moelab.to_hf` is
-the inverse.  docs/scaling-hf.md ("from_hf, to_hf, set_method") has the parts, the table of methods
-and options, what is not carried over, and every transformers family.
+stacked or listed SiLU experts, plain or with DeepSeek-V4's clamp ``swiglu_clamp``, optional
+shared experts), not by its class name; the rule those parts propose (softmax top-K → ``smoe`` /
+``sharede-v2``, the DeepSeek-V3 sigmoid with a selection bias → ``sharede-v3``, DeepSeek-V4's
+sqrt-softplus top-K and hash layers → ``deepseek-v4``) is checked on random tokens against the
+block's own router before anything is converted, and a block that does not fit is refused with a
+``ValueError`` naming it, its class and why.  :func:`set_method` switches converted layers to
+another method; :func:`moelab.to_hf` is the inverse.  docs/scaling-hf.md ("from_hf, to_hf,
+set_method") has the parts, the table of methods and options, what is not carried over, and every
+transformers family.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import Tensor, nn
 
 from ..balance import StepStatistics
 from ..experts import MLP
+from ..functional import activation as get_activation
 from ..layer import MoE, aux_loss, moe_layers
 from ..methods import get_method, method_router_options
 from ..padding import scope_padding
@@ -46,6 +49,8 @@ __all__ = [
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 _BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
+#: the token id → experts table of a hash-routed router (DeepSeek-V4's ``DeepseekV4HashRouter``)
+_HASH_NAMES = ("tid2eid",)
 #: the router options of a conversion that set_method carries to another method
 _CARRIED = ("renormalize", "normalize", "scale", "num_groups", "topk_groups", "selection_bias")
 
@@ -108,8 +113,46 @@ def _is_silu(module: nn.Module | None, config: Any) -> bool:
     return _name(module) in ("SiLU", "SiLUActivation") if module is not None else False
 
 
+def _clamp_limit(module: nn.Module) -> Any:
+    """The SwiGLU clamp bound a transformers expert or MLP carries (``None``: no clamp)."""
+    return _attr(module, "swiglu_limit", "limit")
+
+
+def _same_activation(fn: Any, name: str, width: int, dtype: torch.dtype, device: Any) -> bool:
+    """Whether ``fn`` of a ``(T, 2h)`` ``[gate | up]`` pre-activation is moelab's activation
+    ``name`` on random pre-activations of every sign and size up to ±40 (where a clamp bites)."""
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(256, 2 * width, generator=g, dtype=torch.float64) * 12).to(device=device, dtype=dtype)
+    try:
+        with torch.no_grad():
+            got = fn(h)
+    except Exception:  # a gate that needs more than its pre-activations
+        return False
+    return isinstance(got, Tensor) and got.shape == (256, width) and torch.equal(got, get_activation(name)(h))
+
+
+def _clamped_mlp_ok(mlp: nn.Module) -> bool:
+    """Whether a clamped ``gate_proj / up_proj / down_proj`` MLP computes ``swiglu_clamp``: its
+    output against ``down(swiglu_clamp([gate(x) | up(x)]))`` on tokens whose pre-activations pass ±10."""
+    w = mlp.gate_proj.weight
+    if w.is_meta:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, w.shape[1], generator=g, dtype=torch.float64).to(device=w.device, dtype=w.dtype)
+    x = x * (30.0 / w.detach().norm(dim=1).mean().clamp_min(1e-6))
+    with torch.no_grad():
+        h = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+        want = mlp.down_proj(get_activation("swiglu_clamp")(h))
+        try:
+            got = mlp(x)
+        except Exception:
+            return False
+    return isinstance(got, Tensor) and torch.equal(got, want)
+
+
 def _check_swiglu_mlp(mlp: nn.Module, what: str) -> str | None:
-    """``None`` when ``mlp`` is a bias-free SiLU ``gate_proj / up_proj / down_proj`` MLP, else why not."""
+    """``None`` when ``mlp`` is a bias-free SiLU ``gate_proj / up_proj / down_proj`` MLP (plain, or
+    clamped as DeepSeek-V4's, :func:`_mlp_activation`), else why not."""
     parts = {n for n, _ in mlp.named_children()}
     if not {"gate_proj", "up_proj", "down_proj"} <= parts:
         return f"{what} {_name(mlp)} is not a gate_proj/up_proj/down_proj MLP (has {sorted(parts)})"
@@ -125,11 +168,23 @@ def _check_swiglu_mlp(mlp: nn.Module, what: str) -> str | None:
             getattr(mlp, "act_fn", nn.Identity())
         )
         return f"{what} {_name(mlp)} has activation {act!r} (only 'silu' maps to moelab's 'swiglu')"
+    limit = _clamp_limit(mlp)
+    if limit is not None and not _clamped_mlp_ok(mlp):
+        return f"{what} {_name(mlp)} with a clamped SwiGLU (limit={limit!r}) other than {_CLAMP_RULE}"
     return None
 
 
-def _check_experts(experts: nn.Module) -> tuple[bool, int, int, int] | str:
-    """``(stacked, N, d_model, d_hidden)`` for a supported expert bank, else why not."""
+#: the one clamped SwiGLU moelab reproduces (``swiglu_clamp``), in the words of a refusal
+_CLAMP_RULE = "DeepSeek-V4's silu(min(gate, 10)) * clamp(up, -10, 10)"
+
+
+def _mlp_activation(mlp: nn.Module) -> str:
+    """moelab's activation of a checked (:func:`_check_swiglu_mlp`) transformers MLP."""
+    return "swiglu" if _clamp_limit(mlp) is None else "swiglu_clamp"
+
+
+def _check_experts(experts: nn.Module) -> tuple[bool, int, int, int, str] | str:
+    """``(stacked, N, d_model, d_hidden, activation)`` for a supported expert bank, else why not."""
     if isinstance(experts, nn.ModuleList):
         if len(experts) == 0:
             return "experts is an empty ModuleList"
@@ -140,7 +195,10 @@ def _check_experts(experts: nn.Module) -> tuple[bool, int, int, int] | str:
         d_hidden, d_model = experts[0].gate_proj.weight.shape
         if any(m.gate_proj.weight.shape != (d_hidden, d_model) for m in experts):
             return "experts of different widths"
-        return False, len(experts), d_model, d_hidden
+        acts = {_mlp_activation(m) for m in experts}
+        if len(acts) > 1:
+            return "experts with different activations (some clamped)"
+        return False, len(experts), d_model, d_hidden, acts.pop()
     problems = []
     if getattr(experts, "has_bias", False) or any(n.endswith("bias") for n, _ in experts.named_parameters()):
         problems.append("expert biases")
@@ -153,9 +211,22 @@ def _check_experts(experts: nn.Module) -> tuple[bool, int, int, int] | str:
         problems.append("experts without a gate projection (non-gated MLP experts)")
     if not getattr(experts, "is_concatenated", True):
         problems.append("interleaved gate/up weights")
-    for attr in ("swiglu_limit", "limit", "alpha"):
-        if getattr(experts, attr, None) is not None:
-            problems.append(f"a clamped SwiGLU ({attr}={getattr(experts, attr)!r})")
+    act_name = "swiglu"
+    if getattr(experts, "alpha", None) is not None:  # gpt-oss's: a sigmoid of alpha·gate, not SiLU
+        if _clamp_limit(experts) is not None:
+            problems.append(f"a clamped SwiGLU (limit={_clamp_limit(experts)!r})")
+        problems.append(f"a clamped SwiGLU (alpha={experts.alpha!r})")
+    elif _clamp_limit(experts) is not None:  # DeepSeek-V4's clamp, checked on its gate function
+        w = getattr(experts, "gate_up_proj", None)
+        fn = getattr(experts, "_apply_gate", None)
+        if (
+            w is None
+            or fn is None
+            or w.is_meta
+            or not _same_activation(fn, "swiglu_clamp", w.shape[1] // 2, w.dtype, w.device)
+        ):
+            problems.append(f"a clamped SwiGLU (limit={_clamp_limit(experts)!r}) other than {_CLAMP_RULE}")
+        act_name = "swiglu_clamp"
     names = {n for n, _ in experts.named_parameters()}
     if not problems and names != {"gate_up_proj", "down_proj"}:
         problems.append(f"expert parameters {sorted(names)} (expected gate_up_proj, down_proj)")
@@ -171,7 +242,7 @@ def _check_experts(experts: nn.Module) -> tuple[bool, int, int, int] | str:
             f"experts {_name(experts)} with gate_up_proj {tuple(experts.gate_up_proj.shape)} and down_proj "
             f"{tuple(experts.down_proj.shape)} (expected (N, 2h, d) and (N, d, h): another layout)"
         )
-    return True, n, d, h2 // 2
+    return True, n, d, h2 // 2, act_name
 
 
 def _attr(obj: Any, *names: str) -> Any:
@@ -191,7 +262,7 @@ def _plan(block: nn.Module, path: str = "") -> Plan:
     checked = _check_experts(experts)
     if isinstance(checked, str):
         raise _refuse(path, block, checked)
-    stacked, num_experts, d_model, d_hidden = checked
+    stacked, num_experts, d_model, d_hidden, act_name = checked
     shared_name = next((n for n in _SHARED_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
     has_shared_gate = isinstance(getattr(block, "shared_expert_gate", None), nn.Module)
     known = {
@@ -241,7 +312,7 @@ def _plan(block: nn.Module, path: str = "") -> Plan:
     weight_name = mats[0][0]
     others = [n for n, _ in params if n != weight_name]
     others = [n for n in others if n not in _BIAS_NAMES]
-    others += [n for n, b in router.named_buffers() if b is not None and n not in _BIAS_NAMES]
+    others += [n for n, b in router.named_buffers() if b is not None and n not in _BIAS_NAMES + _HASH_NAMES]
     if others:
         raise _refuse(path, block, f"router {_name(router)} has parameters moelab's routers lack: {others}")
     tensors = [*router.named_parameters(), *router.named_buffers()]
@@ -273,7 +344,20 @@ def _plan(block: nn.Module, path: str = "") -> Plan:
     groups = int(_attr(router, "num_group", "n_group") or 1)
     topk_groups = int(_attr(router, "topk_group") or groups)
     candidates: list[tuple[str, dict]] = []
-    if bias_owner:  # the DeepSeek-V3 rule: sigmoid scores, the bias for the selection only
+    table = next((b for n, b in router.named_buffers() if n in _HASH_NAMES and b is not None), None)
+    sqrt_softplus = _name(getattr(router, "score_fn", nn.Identity())) == "SqrtSoftplusActivation"
+    if table is not None and not sqrt_softplus:
+        raise _refuse(
+            path,
+            block,
+            f"router {_name(router)} routes by a token id table with scores other than sqrt(softplus)",
+        )
+    if sqrt_softplus:  # DeepSeek-V4: the bias chooses (top-K layers) or the table does (hash layers)
+        opts = dict(normalize=True, selection_bias=bias_owner is not None, scale=scale)
+        if table is not None:  # one hash layer; from_hf sets the model's count (hash_layers)
+            opts.update(hash_layers=1, vocab_size=int(table.shape[0]))
+        candidates.append(("deepseek-v4", opts))
+    elif bias_owner:  # the DeepSeek-V3 rule: sigmoid scores, the bias for the selection only
         for normalize in [bool(norm)] if norm is not None else [True, False]:
             opts = dict(normalize=normalize, selection_bias=True, scale=scale)
             if groups > 1:
@@ -305,7 +389,7 @@ def _plan(block: nn.Module, path: str = "") -> Plan:
             int(top_k),
             d_model,
             d_hidden,
-            extra={"block_scale": block_scale},
+            extra={"block_scale": block_scale, "activation": act_name, "hash": table is not None},
         )
         if _probe(block, trial):
             plan = trial
@@ -331,7 +415,11 @@ def _plan(block: nn.Module, path: str = "") -> Plan:
     return plan
 
 
-def _router_call(block: nn.Module, plan: Plan, router: nn.Module, x: Tensor, bias: Tensor | None):
+def _router_call(
+    block: nn.Module, plan: Plan, router: nn.Module, x: Tensor, bias: Tensor | None, ids: Tensor | None
+):
+    if ids is not None:  # a hash router: the token ids choose
+        return router(x, ids.view(x.shape[:-1]))
     if plan.bias_owner == "block":
         return router(x, bias)
     return router(x)
@@ -362,11 +450,18 @@ def _probe(block: nn.Module, plan: Plan, tokens: int = 256) -> bool:
         g = torch.Generator(device="cpu").manual_seed(0)
         scale = w.detach().double().norm(dim=1).mean().clamp_min(1e-6)
         x = (torch.randn(tokens, plan.d_model, generator=g, dtype=torch.float64) / scale).to(w.device)
+        ids = None
+        if plan.extra.get("hash"):  # the block's own table, on random token ids
+            table = next(b for n, b in router.named_buffers() if n in _HASH_NAMES)
+            if table.is_meta:
+                return False
+            ml.tid2eid.copy_(table)
+            ids = torch.randint(0, table.shape[0], (tokens,), generator=g).to(w.device)
         try:  # (T, d) as most blocks hand it over, else (1, T, d)
-            out = _router_call(block, plan, hf, x, bias)
+            out = _router_call(block, plan, hf, x, bias, ids)
         except Exception:
             try:
-                out = _router_call(block, plan, hf, x.unsqueeze(0), bias)
+                out = _router_call(block, plan, hf, x.unsqueeze(0), bias, ids)
             except Exception:  # a router that needs inputs the parts do not show
                 return False
         if not isinstance(out, tuple) or len(out) < 3:
@@ -377,7 +472,7 @@ def _probe(block: nn.Module, plan: Plan, tokens: int = 256) -> bool:
         if hf_i.numel() != tokens * plan.top_k or hf_w.numel() != tokens * plan.top_k:
             return False
         hf_i, hf_w = hf_i.reshape(tokens, -1), hf_w.reshape(tokens, -1) * plan.extra.get("block_scale", 1.0)
-        r = ml(x)
+        r = ml(x) if ids is None else ml(x, token_ids=ids)
         # compare as sets per token: routers may order their K differently
         oh, om = hf_i.argsort(-1), r.indices.argsort(-1)
         same_idx = torch.equal(hf_i.gather(1, oh), r.indices.gather(1, om))
@@ -387,9 +482,10 @@ def _probe(block: nn.Module, plan: Plan, tokens: int = 256) -> bool:
 
 
 def _swiglu_mlp(hf_mlp: nn.Module, d_model: int) -> MLP:
-    """A transformers ``gate_proj / up_proj / down_proj`` MLP as a moelab :class:`MLP`."""
+    """A transformers ``gate_proj / up_proj / down_proj`` MLP as a moelab :class:`MLP` (its
+    activation ``swiglu``, or ``swiglu_clamp`` for DeepSeek-V4's clamped one)."""
     hidden = hf_mlp.gate_proj.out_features
-    mlp = MLP(d_model, hidden, activation="swiglu", bias=False)
+    mlp = MLP(d_model, hidden, activation=_mlp_activation(hf_mlp), bias=False)
     w = hf_mlp.gate_proj.weight
     mlp.to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
@@ -419,8 +515,12 @@ def _meta_skeleton(block: nn.Module) -> nn.Module:
     return copy.deepcopy(block, memo)
 
 
-def _convert_block(block: nn.Module, path: str = "") -> MoE:
+def _convert_block(block: nn.Module, path: str = "", hash_layers: int = 1, position: int = 0) -> MoE:
+    """``block`` as a moelab layer; a hash-routed block (DeepSeek-V4) is MoE layer ``position`` of
+    a model whose first ``hash_layers`` MoE layers are hash-routed (a lone block: the first of one)."""
     plan = _plan(block, path)
+    if plan.extra.get("hash"):
+        plan.options["hash_layers"] = hash_layers
     router = getattr(block, plan.router_name)
     w = dict(router.named_parameters())[plan.weight_name]
     options = {**_coefs(block), **plan.options}
@@ -431,10 +531,14 @@ def _convert_block(block: nn.Module, path: str = "") -> MoE:
         plan.top_k,
         d_hidden=plan.d_hidden,
         method=plan.method,
-        activation="swiglu",
+        activation=plan.extra.get("activation", "swiglu"),
         **options,
     )
     layer.to(device=w.device, dtype=w.dtype)
+    if plan.extra.get("hash"):  # numbered as in the model: it routes by its table
+        layer.layer_index = position
+        with torch.no_grad():
+            layer.router.tid2eid.copy_(next(b for n, b in router.named_buffers() if n in _HASH_NAMES))
     experts = block.experts
     with torch.no_grad():
         layer.router.weight.copy_(w)
@@ -458,10 +562,42 @@ def _convert_block(block: nn.Module, path: str = "") -> MoE:
             mlp = shared
         layer.shared = mlp
     layer.train(block.training)
+    if "input_ids" in _forward_params(type(block)):  # the caller hands the ids over as input_ids
+        layer.register_forward_pre_hook(_input_ids_as_token_ids, with_kwargs=True)
     # what moelab.to_hf needs to give the block back (not a submodule: nothing is saved twice)
     object.__setattr__(layer, "_hf_block", _meta_skeleton(block))
     object.__setattr__(layer, "_hf_plan", plan)
     return layer
+
+
+def _input_ids_as_token_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A converted block's ``input_ids`` keyword (DeepSeek-V4's decoder layer calls
+    ``self.mlp(h, input_ids=input_ids)``) as the layer's ``token_ids``, for its hash router."""
+    if "input_ids" in kwargs:
+        kwargs = dict(kwargs)
+        ids = kwargs.pop("input_ids")
+        if ids is not None and kwargs.get("token_ids") is None:
+            kwargs["token_ids"] = ids
+    return args, kwargs
+
+
+def _hash_layers(targets: list[tuple[str, nn.Module]]) -> int:
+    """How many of the blocks ``targets`` (in model order) route by a token id table; they must be
+    the first ones, as moelab's ``deepseek-v4`` hashes the first ``hash_layers`` MoE layers."""
+    hashed = [
+        any(n in _HASH_NAMES for n, _ in getattr(b, r).named_buffers())
+        for _, b in targets
+        for r in [next((n for n in _ROUTER_NAMES if isinstance(getattr(b, n, None), nn.Module)), None)]
+        if r is not None
+    ]
+    n = sum(hashed)
+    if hashed[:n] != [True] * n:
+        where = [p for (p, _), h in zip(targets, hashed) if h]
+        raise ValueError(
+            f"hash-routed blocks at {where} are not allowed by moelab.from_hf; expected them to be the model's "
+            "first MoE blocks (moelab's deepseek-v4 hashes its first hash_layers MoE layers)"
+        )
+    return n
 
 
 def _is_candidate(module: nn.Module) -> bool:
@@ -527,7 +663,10 @@ def from_hf(module: nn.Module, method: str | None = None, **options: Any) -> nn.
             f"module of type {_name(module)} is not a transformers MoE block and contains none (no module "
             "with an 'experts' child); moelab.upcycle turns a dense model's MLPs into MoE layers"
         )
-    converted = [(path, _convert_block(block, path)) for path, block in targets]  # all or nothing
+    n_hash = _hash_layers(targets)
+    converted = [  # all or nothing
+        (path, _convert_block(block, path, n_hash, i)) for i, (path, block) in enumerate(targets)
+    ]
     for path, layer in converted:
         parent_path, _, attr = path.rpartition(".")
         parent = module.get_submodule(parent_path) if parent_path else module

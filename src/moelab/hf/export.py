@@ -49,6 +49,13 @@ def _expected_options(plan: Plan) -> dict[str, Any]:
             "expert_dropout": 0.0,
             "gate_bias": False,  # no transformers sigmoid router has a learned bias inside the sigmoid
         }
+    if plan.method == "deepseek-v4":  # a top-K layer (its bias) or a hash layer (its table)
+        return {
+            "normalize": True,
+            "scale": float(o.get("scale", 1.0)),
+            "selection_bias": bool(o.get("selection_bias", False)),
+            "hash_layers": o.get("hash_layers", 0),
+        }
     return {
         "renormalize": o.get("renormalize", True),
         "scale": float(o.get("scale", 1.0)),
@@ -101,6 +108,17 @@ def _check(path: str, layer: MoE, adapted: bool = False) -> Plan:
             f"router options {diff} differ from what {type(skeleton).__name__} expresses "
             f"({ {k: want[k] for k in diff} }); they would be lost",
         )
+    if bool(getattr(layer.router, "hashed", False)) != bool(plan.extra.get("hash")):
+        raise _refuse(
+            path,
+            layer,
+            f"it routes {'by its token id table' if plan.extra.get('hash') is False else 'by top-K'} now "
+            f"(layer_index={layer.layer_index}), {type(skeleton).__name__} the other way",
+        )
+    if layer.experts.activation != plan.extra.get("activation", "swiglu"):
+        raise _refuse(
+            path, layer, f"its experts' activation {layer.experts.activation!r} differs from the block's"
+        )
     if (layer.shared is None) != (plan.shared_name is None):
         raise _refuse(path, layer, "its shared experts differ from the block's")
     if not adapted and any(
@@ -130,6 +148,8 @@ def _sources(layer: MoE, plan: Plan) -> dict[str, torch.Tensor]:
     if plan.bias_owner:
         name = plan.bias_name if plan.bias_owner == "block" else f"{r}.{plan.bias_name}"
         out[name] = layer.router.selection_bias
+    if plan.extra.get("hash"):  # DeepSeek-V4's token id → experts table
+        out[f"{r}.tid2eid"] = layer.router.tid2eid
     w_in, w_out, h = layer.experts.w_in, layer.experts.w_out, plan.d_hidden
     if plan.experts_stacked:
         out["experts.gate_up_proj"], out["experts.down_proj"] = w_in, w_out

@@ -353,17 +353,24 @@ class Router(nn.Module):
         outside any forward: not state, not saved)."""
         self._step_values = (ctx, values)
 
+    #: what a family's :meth:`on_step` moves that its routing reads (quantile balancing's β,
+    #: expert-threshold's τ, ...), said when it trains without a context that drives it; declaring it
+    #: makes the hook one that must be registered (:meth:`step_hook_moves_state`)
+    step_state: ClassVar[str | None] = None
+
     def step_dependence(self) -> str | None:
         """What of this router's training routing changes with the context's step (said when it
         trains without a context that drives it, :func:`moelab.layer.check_context`), or ``None``
-        for a router whose routing does not depend on the step.  Here: the selection bias; a
-        router with other per-step behaviour adds its own (:func:`join_dependences`)."""
-        if self.selection_bias is None or self.bias_update_rate == 0:
-            return None
-        return (
-            "its selection bias moves only in the step hook ctx.advance() runs (aux-loss-free balancing); "
-            "without it the bias stays where it is and nothing balances the experts"
-        )
+        for a router whose routing does not depend on the step.  Here: the family's
+        :attr:`step_state` and the selection bias; a router with other per-step behaviour adds its
+        own (:func:`join_dependences`)."""
+        bias = None
+        if self.selection_bias is not None and self.bias_update_rate != 0:
+            bias = (
+                "its selection bias moves only in the step hook ctx.advance() runs (aux-loss-free balancing); "
+                "without it the bias stays where it is and nothing balances the experts"
+            )
+        return join_dependences(self.step_state, bias)
 
     def context_problem(self, ctx: RoutingContext | None) -> str | None:
         """Why ``ctx`` does not drive this router's step-dependent routing, or ``None`` (also for
@@ -377,9 +384,9 @@ class Router(nn.Module):
         return None
 
     def step_hook_moves_state(self) -> bool:
-        """Whether :meth:`on_step` moves state the routing reads (the selection bias here; a family
-        adds its own: quantile balancing's β, expert-threshold's τ), so the hook must be registered."""
-        return self.selection_bias is not None and self.bias_update_rate > 0
+        """Whether :meth:`on_step` moves state the routing reads (the selection bias, or the
+        family's :attr:`step_state`), so the hook must be registered."""
+        return self.step_state is not None or (self.selection_bias is not None and self.bias_update_rate > 0)
 
     def check_context(self, ctx: RoutingContext | None, method: str) -> None:
         """Warn when a layer of ``method`` trains this router, whose routing depends on the step

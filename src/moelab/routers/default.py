@@ -22,7 +22,6 @@ from .base import (
     Router,
     SelectionBiasOptions,
     counts_this_forward,
-    join_dependences,
     register,
 )
 
@@ -84,6 +83,11 @@ class DefaultMoERouter(Router):
     weights_sum_to_one = False
 
     config_class = DefaultMoEConfig
+
+    step_state = (
+        "its default outputs move only in the step hook ctx.advance() runs (Default MoE); without it they "
+        "stay where they are (at 0: the router's gradient is the sparse top-K one)"
+    )
 
     float32_buffers = (*Router.float32_buffers, "default_outputs", "default_pending")
 
@@ -163,16 +167,6 @@ class DefaultMoERouter(Router):
         moved = self.ema * self.default_outputs + (1.0 - self.ema) * mean
         self.default_outputs.copy_(torch.where(counts > 0, moved, self.default_outputs))
         self.default_pending.zero_()
-
-    def step_dependence(self) -> str | None:
-        own = (
-            "its default outputs move only in the step hook ctx.advance() runs (Default MoE); without it they "
-            "stay where they are (at 0: the router's gradient is the sparse top-K one)"
-        )
-        return join_dependences(own, super().step_dependence())
-
-    def step_hook_moves_state(self) -> bool:
-        return True
 
     def rule_options(self) -> dict[str, Any]:
         return {"ema": self.ema}

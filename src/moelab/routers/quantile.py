@@ -23,7 +23,6 @@ from .base import (
     Router,
     ScaleOptions,
     counts_this_forward,
-    join_dependences,
     mean_over_pieces,
     register,
     softmax_over_all,
@@ -91,6 +90,11 @@ class QuantileBalancingRouter(Router):
     """
 
     config_class = QuantileConfig
+
+    step_state = (
+        "its bias β moves only in the step hook ctx.advance() runs (quantile balancing); without it "
+        "β stays where it is and nothing balances the experts"
+    )
     expert_tensors = ("weight", "qb_beta")
 
     def removal_problem(self, kept: int) -> str | None:
@@ -158,16 +162,6 @@ class QuantileBalancingRouter(Router):
             beta = self.ema * self.qb_beta + (1.0 - self.ema) * mean
             self.qb_beta.copy_(beta - beta.mean())
         self.qb_pending.zero_()
-
-    def step_dependence(self) -> str | None:
-        own = (
-            "its bias β moves only in the step hook ctx.advance() runs (quantile balancing); without it "
-            "β stays where it is and nothing balances the experts"
-        )
-        return join_dependences(own, super().step_dependence())
-
-    def step_hook_moves_state(self) -> bool:
-        return True
 
     @property
     def weights_sum_to_one(self) -> bool:

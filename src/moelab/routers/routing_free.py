@@ -15,7 +15,7 @@ from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..losses import routing_free_balance_loss
 from ..routing import Routing, RoutingContext
-from .base import Router, counts_this_forward, join_dependences, register
+from .base import Router, counts_this_forward, register
 
 #: the authors' code clamps the adaptive coefficient at 1
 _LAMBDA_MAX = 1.0
@@ -109,6 +109,11 @@ class RoutingFreeRouter(Router):
 
     config_class = RoutingFreeConfig
 
+    step_state = (
+        "its balancing coefficient λ moves only in the step hook ctx.advance() runs (Routing-Free MoE); "
+        "without it λ stays at lambda_init and nothing holds the activation density"
+    )
+
     float32_buffers = (*Router.float32_buffers, "rf_lambda", "rf_pending")
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, **options: Any) -> None:
@@ -194,16 +199,6 @@ class RoutingFreeRouter(Router):
             factor = (1.0 + self.lambda_rate) ** torch.sign(density - self.density_target)
             self.rf_lambda.copy_((self.rf_lambda * factor).clamp(max=_LAMBDA_MAX))
         self.rf_pending.zero_()
-
-    def step_dependence(self) -> str | None:
-        own = (
-            "its balancing coefficient λ moves only in the step hook ctx.advance() runs (Routing-Free MoE); "
-            "without it λ stays at lambda_init and nothing holds the activation density"
-        )
-        return join_dependences(own, super().step_dependence())
-
-    def step_hook_moves_state(self) -> bool:
-        return True
 
     def rule_options(self) -> dict[str, Any]:
         return {"rank": self.rank, "threshold": self.threshold, "eval_threshold": self.eval_threshold}

@@ -16,7 +16,7 @@ from ..config import Interval, setting
 from ..experts.protocol import Experts
 from ..functional import taken_weights
 from ..routing import Routing, RoutingContext
-from .base import InitStdOptions, Router, counts_this_forward, join_dependences, mean_over_pieces, register
+from .base import InitStdOptions, Router, counts_this_forward, mean_over_pieces, register
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,11 @@ class ExpertThresholdRouter(Router):
     variable_k = True
 
     config_class = ExpertThresholdConfig
+
+    step_state = (
+        "its thresholds τ move only in the step hook ctx.advance() runs (expert-threshold routing); "
+        "without it they stay where they are (at none: each batch is routed by its own expert-choice cutoff)"
+    )
 
     def removal_problem(self, kept: int) -> str | None:
         return (
@@ -132,16 +137,6 @@ class ExpertThresholdRouter(Router):
             self.tau.copy_(mean if first else self.ema * self.tau + (1.0 - self.ema) * mean)
             self.tau_updates.add_(1)
         self.tau_pending.zero_()
-
-    def step_dependence(self) -> str | None:
-        own = (
-            "its thresholds τ move only in the step hook ctx.advance() runs (expert-threshold routing); "
-            "without it they stay where they are (at none: each batch is routed by its own expert-choice cutoff)"
-        )
-        return join_dependences(own, super().step_dependence())
-
-    def step_hook_moves_state(self) -> bool:
-        return True
 
     def rule_options(self) -> dict[str, Any]:
         return {"ema": self.ema}
