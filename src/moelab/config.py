@@ -4,7 +4,7 @@ fields carry their constraint, help and flag (:func:`setting`, in the spirit of 
 naming the field or flag, the value and what is allowed, and the config's ``check()`` for the rules
 that tie fields together), the argparse flags and ``--help`` (:func:`add_arguments`), reading a
 settings mapping (:func:`config_from_mapping`), and the one ``KEY=VALUE`` rule for ``--opt``,
-``--option`` and ``--sweep`` (docs/errors.md, "The ``KEY=VALUE`` rule").  The layer's
+``--option`` and ``--sweep`` (docs/errors-cli.md, "The ``KEY=VALUE`` rule").  The layer's
 :class:`moelab.layer_config.MoEConfig` and every command's config are declared with it; the run
 lifecycle that reads them is :mod:`moelab.experiments.runner`.
 """

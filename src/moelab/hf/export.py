@@ -3,7 +3,7 @@
 weights back, so that ``save_pretrained`` of the result loads in plain transformers; a layer whose
 rule has no transformers counterpart is refused naming the method, and
 :func:`guard_save_pretrained` makes ``save_pretrained`` raise while moelab layers remain.
-docs/scaling.md ("``from_hf``, ``to_hf``, ``set_method``") says what is copied back and what is
+docs/scaling-hf.md ("``from_hf``, ``to_hf``, ``set_method``") says what is copied back and what is
 refused.
 """
 

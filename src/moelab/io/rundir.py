@@ -1,7 +1,7 @@
 """The run directory every experiment writes, ``config.yaml``, ``metrics.json`` and ``log.csv``,
 each by the one atomic writer (:mod:`moelab.io.atomic`) so that a killed run never leaves a
 half-written file behind; the model of a run is :func:`moelab.load` of the folder.
-docs/architecture.md ("An experiment") and docs/errors.md ("Run directories and CLI commands").
+docs/architecture-flows.md ("An experiment") and docs/errors-cli.md ("Run directories and CLI commands").
 """
 
 from __future__ import annotations

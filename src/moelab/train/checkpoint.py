@@ -1,7 +1,7 @@
 """Training checkpoints: a :func:`moelab.save` folder (so :func:`moelab.load` opens one like any saved
 model) plus ``state.pt`` with the optimizer, scheduler, routing-context, RNG and counter state,
 written atomically by the one atomic writer, the newest ``keep`` kept; :func:`latest_checkpoint`
-verifies the digests and falls back to the newest good one.  docs/errors.md ("Training
+verifies the digests and falls back to the newest good one.  docs/errors-files.md ("Training
 checkpoints") gives the layout, what a kill or a failed write leaves and the refusals.
 
 A sharded run (FSDP2 / expert parallelism) writes the same folder with its model and optimizer
