@@ -207,7 +207,8 @@ def tiny_model(name: str, seed: int = 0) -> nn.Module:
     return model
 
 
-if __name__ == "__main__":  # the table of docs/scaling-hf.md: PYTHONPATH=src:tests python tests/hf_families.py
+# the table of docs/scaling-hf.md: PYTHONPATH=src:tests python tests/hf_families.py
+if __name__ == "__main__":
     import moelab
 
     print("| family | block | converts to | block output max abs diff (float64) | refused because |")
