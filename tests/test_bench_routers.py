@@ -115,12 +115,42 @@ def test_benchmark_resume_refuses_cost_measured_with_other_settings(corpus, fini
         (["--methods", "smoe"], "--methods 'smoe': a benchmark compares at least two methods"),
         (["--methods", "smoe,xmoe", "--seeds", "1"], "--seeds=1 is not allowed"),
         (["--methods", "smoe,xmoe", "--margin", "0"], "--margin=0"),
+        (["--methods", "smoe,xmoe", "--protocol", "slow"], "--protocol"),
     ],
 )
 def test_benchmark_errors_exit_2_with_one_line(corpus, tmp_path, capsys, extra, message):
     assert main(tiny(corpus, tmp_path / "bad", *extra)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_a_protocol_fills_only_the_settings_the_flags_do_not_give():
+    from moelab.bench.routers import DECISIVE_METHODS, benchmark_config
+    from moelab.cli import build_parser
+
+    parser = build_parser()
+    decisive = benchmark_config(
+        parser.parse_args(
+            ["benchmark", "--protocol", "decisive", "--steps", "10", "--seeds", "3", "--out", "x"]
+        )
+    )
+    assert (decisive.run.size, decisive.run.schedule, decisive.run.lr, decisive.run.warmup) == (
+        "cpu",
+        "cosine",
+        3e-3,
+        100,
+    )
+    assert (decisive.margin, decisive.methods, decisive.run.ckpt_every) == (0.03, DECISIVE_METHODS, 250)
+    assert (decisive.run.steps, decisive.seeds) == (10, 3)  # given: the flags win
+    quick = benchmark_config(parser.parse_args(["benchmark", "--out", "x"]))
+    assert (quick.protocol, quick.run.size, quick.run.steps, quick.seeds, quick.margin, quick.methods) == (
+        "quick",
+        "mini",
+        500,
+        5,
+        0.02,
+        "all",
+    )
 
 
 def test_verdicts_follow_the_adjusted_tests():

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .. import _validate
 from .. import config as vocab
-from ..config import MAX_COUNT, Interval, setting
+from ..config import MAX_COUNT, Interval, Options, setting
 from ..experiments import compare, runner
 from ..experiments.lm import TrainRun, set_threads
 from ..experiments.report import collect_runs, write_report
@@ -39,19 +40,46 @@ from ..io.model import weights_digest
 from ..io.rundir import RunDir
 from ..methods import methods
 
-__all__ = ["PROTOCOL", "BenchmarkConfig", "add_arguments", "run"]
+__all__ = ["PROTOCOLS", "BenchmarkConfig", "add_arguments", "benchmark_config", "run"]
 
-#: the protocol's run settings (flags given on the command line win): the ``mini`` model of the
-#: decisive CPU experiment on the standard library's sources, at a budget planned from measured
-#: throughput so that every method and five seeds fit a CPU session (docs/benchmark.md)
-PROTOCOL: dict[str, Any] = {
-    "size": "mini",
-    "data": "stdlib",
-    "steps": 500,
-    "eval_every": 100,
-    "ckpt_every": 100,
-    "keep_ckpts": "all",
-    "test_tokens": 262_144,
+#: the seed papers' routers and the strongest rivals of the quick protocol's table: the methods of
+#: the decisive protocol
+DECISIVE_METHODS = (
+    "smoe,xmoe,smoe-fixed,stablemoe,pcosine,sigma-moe,competesmoe,competesmoe-v1,sharede-v2,sharede-v3,"
+    "smoe-sg,top-p,smoe-dropout,densemixer,remoe,expert-choice"
+)
+
+#: each protocol's settings (flags given on the command line win).  ``quick``: the ``mini`` model of
+#: docs/results.md's decisive experiment at a budget where every method and five seeds fit a CPU hour
+#: (its table decides no comparison: the seeds spread too much at 500 steps).  ``decisive``: a
+#: smaller model trained three times as many steps with the step size annealed, more seeds, the
+#: routers of the seed papers and their strongest rivals, planned from a measured pilot
+#: (docs/benchmark-decisive.md)
+PROTOCOLS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "run.size": "mini",
+        "run.data": "stdlib",
+        "run.steps": 500,
+        "run.eval_every": 100,
+        "run.ckpt_every": 100,
+        "run.keep_ckpts": "all",
+        "run.test_tokens": 262_144,
+    },
+    "decisive": {
+        "methods": DECISIVE_METHODS,
+        "seeds": 8,
+        "margin": 0.03,
+        "run.size": "cpu",
+        "run.data": "stdlib",
+        "run.steps": 1500,
+        "run.schedule": "cosine",
+        "run.lr": 3e-3,
+        "run.warmup": 100,
+        "run.eval_every": 250,
+        "run.ckpt_every": 250,
+        "run.keep_ckpts": "all",
+        "run.test_tokens": 262_144,
+    },
 }
 
 #: the files the benchmark writes into ``--out`` (beside every run's folder and compare's report)
@@ -63,8 +91,15 @@ COST_FILE = "cost.json"
 @dataclass
 class BenchmarkConfig:
     """The settings of ``moelab benchmark``: which methods and seeds, the equivalence margin, the
-    cost measurements and the run settings of every training (``run``; :data:`PROTOCOL` unless
-    given)."""
+    cost measurements and the run settings of every training (``run``); :data:`PROTOCOLS` fills what
+    the command line does not give."""
+
+    protocol: str = setting(
+        "quick",
+        help="the protocol whose settings fill those not given: quick (the mini model, 500 steps, 5 seeds, "
+        "every method) or decisive (docs/benchmark-decisive.md)",
+        allowed=Options(tuple(PROTOCOLS)),
+    )
 
     methods: str = setting("all", help="comma-separated methods, or all (every moelab method)")
     seeds: int = setting(
@@ -113,16 +148,27 @@ _SET_BY_BENCHMARK = ("run.method", "run.seed", "run.expert_parallel", "run.fsdp"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     vocab.add_arguments(p, BenchmarkConfig, exclude=_SET_BY_BENCHMARK, out_default="runs/benchmark")
-    p.epilog = "protocol defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in PROTOCOL.items())
+    p.epilog = "; ".join(
+        f"--protocol {name}: "
+        + ", ".join(f"--{k.removeprefix('run.').replace('_', '-')} {v}" for k, v in values.items())
+        for name, values in PROTOCOLS.items()
+    )
+
+
+def benchmark_config(args: argparse.Namespace) -> BenchmarkConfig:
+    """The benchmark's settings: the flags given, then ``--config``'s, then the protocol's."""
+    given = runner.given_by_args(BenchmarkConfig, args)
+    protocol = given.get("protocol", BenchmarkConfig.protocol)
+    _validate.one_of("--protocol", protocol, list(PROTOCOLS))
+    for key, value in PROTOCOLS[protocol].items():
+        given.setdefault(key, value)
+    return vocab.validate(vocab.build(BenchmarkConfig, given))
 
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
 
-    given = runner.given_by_args(BenchmarkConfig, args)
-    for key, value in PROTOCOL.items():
-        given.setdefault(f"run.{key}", value)
-    config = vocab.validate(vocab.build(BenchmarkConfig, given))
+    config = benchmark_config(args)
     names = methods() if config.methods.strip() == "all" else [m.strip() for m in config.methods.split(",")]
     names = [m for m in names if m]
     unknown = [m for m in names if m not in methods()]
