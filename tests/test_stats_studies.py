@@ -80,3 +80,21 @@ def test_a_slope_is_not_measured_below_ninety_percent_converged_or_at_the_transl
         "(fits too far from the truth for this loss)"
     )
     assert not_measured_reason(1.0, ["gradient"] * 4, np.zeros((2, 2))) == ""
+
+
+def test_a_series_measured_against_an_unconverged_reference_fit_is_not_measured():
+    """Every loss of a misspecified series is a distance to Ḡ, the fit on one large sample: a Ḡ stopped
+    by its iteration cap makes none of them a rate, so the row says so instead of a slope."""
+    cfg = study_config(
+        "misspecified", quick=True, replicates=2, steps=300, sample_sizes=[200, 400], reference_n=2000,
+        reference_steps=1,
+    )  # fmt: skip
+    rates = {r["router"]: r for r in run_study(cfg, progress=False).metrics["rates"]}
+    for router in ("cosine", "perturbed"):
+        assert rates[router]["not_measured"] == (
+            "the reference fit Ḡ did not converge (iteration cap 1/1); raise --reference-steps"
+        )
+        assert all(t["verdict"] == "not measured" for t in rates[router]["theory"])
+    converged = study_config("misspecified", quick=True, replicates=2, steps=300, sample_sizes=[200, 400],
+                             reference_n=2000)  # fmt: skip
+    assert "reference" not in run_study(converged, progress=False).metrics["rates"][0]["not_measured"]
