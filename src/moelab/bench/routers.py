@@ -50,11 +50,10 @@ DECISIVE_METHODS = (
 )
 
 #: each protocol's settings (flags given on the command line win).  ``quick``: the ``mini`` model of
-#: docs/results.md's decisive experiment at a budget where every method and five seeds fit a CPU hour
-#: (its table decides no comparison: the seeds spread too much at 500 steps).  ``decisive``: a
-#: smaller model trained three times as many steps with the step size annealed, more seeds, the
-#: routers of the seed papers and their strongest rivals, planned from a measured pilot
-#: (docs/benchmark-decisive.md)
+#: docs/results.md's decisive experiment at a budget where every method and five seeds fit a CPU hour,
+#: a screen (docs/benchmark.md).  ``decisive``: a smaller model trained three times as many steps with
+#: the step size annealed, more seeds, the routers of the seed papers and their strongest rivals,
+#: planned from a pilot (docs/benchmark-decisive.md, with what its run decided)
 PROTOCOLS: dict[str, dict[str, Any]] = {
     "quick": {
         "run.size": "mini",

@@ -125,8 +125,8 @@ class StudyConfig:
     #: floor of the fitted variances (Gaussian study); None = nu_range[0] / 5
     nu_min: float | None = None
     reference_n: int = 128000
-    #: the reference fit must converge like every other (at 200 the perturbed Ḡ of `misspecified` and
-    #: `linear-vs-perturbed` stopped at the cap; a series measured against an unconverged Ḡ is not measured)
+    #: the reference fit must converge like every other: every loss of its series is a distance to it,
+    #: so a Ḡ stopped by this cap makes the series not measured (docs/stats-estimator.md)
     reference_steps: int = 2000
     n_boot: int = 2000
     #: inputs drawn per replicate to measure the L², Hellinger and total-variation distances (paper studies)
@@ -186,8 +186,8 @@ class StudyConfig:
 
 #: the defaults of each study (over the dataclass defaults)
 STUDY_DEFAULTS: dict[str, dict[str, Any]] = {
-    # its over-specified fits creep longest: at 500 iterations a round (two restarts) 13–19 % of them
-    # still hit the cap at the documented grid, below the share a slope needs (docs/stats-convergence.md)
+    # its over-specified fits creep longest along their flat directions: the older studies' 500
+    # iterations a round leave too few of them converged for a slope (docs/stats-estimator.md)
     "cosine-vs-perturbed": {"steps": 2000},
     "misspecified": {},
     "linear-vs-perturbed": {"expert": "polynomial", "degree": 2},
