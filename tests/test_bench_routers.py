@@ -138,7 +138,7 @@ def test_a_protocol_fills_only_the_settings_the_flags_do_not_give():
         "cpu",
         "cosine",
         3e-3,
-        100,
+        400,
     )
     assert (decisive.margin, decisive.methods, decisive.run.ckpt_every) == (0.03, DECISIVE_METHODS, 250)
     assert (decisive.run.steps, decisive.seeds) == (10, 3)  # given: the flags win
