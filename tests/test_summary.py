@@ -216,3 +216,28 @@ def test_plan_paired_gives_the_mdd_and_the_fewest_seeds_that_reach_the_power():
     assert plan_paired([0.01, 0.01], 0.02).mdd is None  # no spread, no plan
     with pytest.raises(ValueError, match=r"margin=0 is not allowed; expected a number > 0"):
         plan_paired(d, 0)
+
+
+def test_plan_paired_inside_the_margin_points_to_the_verdict_that_needs_fewer_seeds():
+    """A steady difference inside the margin is decided sooner by the t-test of Δ = 0 than by the
+    TOST (whose gap to the margin is small), and the benchmark counts either as a verdict."""
+    from scipy import stats
+
+    from moelab.experiments.summary import plan_paired
+
+    def fewest(ok):
+        return next(k for k in range(2, 10_000) if ok(k))
+
+    d, margin, alpha = [0.025, 0.027, 0.026, 0.028, 0.024], 0.03, 0.01
+    s, diff = np.std(d, ddof=1), np.mean(d)
+    t_test = fewest(
+        lambda k: (stats.t.ppf(1 - alpha / 2, k - 1) + stats.t.ppf(0.8, k - 1)) * s / np.sqrt(k) <= diff
+    )
+    tost = fewest(
+        lambda k: (stats.t.ppf(1 - alpha, k - 1) + stats.t.ppf(0.9, k - 1)) * s / np.sqrt(k) <= margin - diff
+    )
+    assert t_test < tost
+    plan = plan_paired(d, margin, alpha=alpha)
+    assert (plan.target, plan.seeds_needed) == ("worse", t_test)
+    centred = [x - diff for x in d]  # the same spread around 0: only the TOST can decide
+    assert plan_paired(centred, margin, alpha=alpha).target == "equivalent"

@@ -639,8 +639,9 @@ def plan_table(out: Path, names: list[str], config: BenchmarkConfig) -> str:
         )
     return "\n".join(lines) + (
         f"\n\nMDD: the smallest true difference the paired t-test detects with {config.power:.0%} power; seeds "
-        f"needed: for the verdict the pilot's difference points to (equivalent within ±{config.margin:g} when "
-        f"|Δ| < {config.margin:g}, else better / worse), if the true difference were the pilot's; each test at "
+        f"needed: for the verdict the pilot's difference points to (better / worse when |Δ| ≥ {config.margin:g}; "
+        f"inside the margin equivalence or the difference, whichever needs fewer seeds), if the true difference "
+        f"were the pilot's; each test at "
         f"0.05 / {len(compared)} (Bonferroni over the comparisons); — where the pilot has no spread or the "
         "answer exceeds 100,000 seeds."
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -222,8 +222,9 @@ class Plan:
     sd: float | None
     #: the smallest true difference the paired t-test detects with ``power`` at this ``n``
     mdd: float | None
-    #: what the comparison could end as, judged from the pilot: ``equivalent`` when the observed
-    #: difference lies inside the margin, else ``better`` / ``worse``
+    #: what the comparison could end as, judged from the pilot: ``better`` / ``worse`` when the observed
+    #: difference lies outside the margin; inside it ``equivalent``, or ``better`` / ``worse`` where the
+    #: t-test of Δ = 0 needs fewer seeds than the TOST (a difference inside the margin is a verdict too)
     target: str
     #: seeds for that verdict with ``power`` if the true difference is the observed one (``None``:
     #: no spread to plan from, or more than ``max_seeds``)
@@ -243,35 +244,40 @@ def plan_paired(
     minimum detectable difference of the two-sided paired t-test at this many seeds,
     ``(t₁₋α/₂ + t_power) · sd / √n`` with ``n − 1`` degrees of freedom, and the seeds the verdict
     the pilot points to would need at the same ``alpha`` and ``power`` if the true difference were
-    the observed one: for ``|Δ| ≥ margin`` the t-test's ``(t₁₋α/₂ + t_power) · sd / √n ≤ |Δ|``, for
-    ``|Δ| < margin`` the TOST's ``(t₁₋α + t₁₋(1−power)/2) · sd / √n ≤ margin − |Δ|`` (the usual
-    approximations, Chow, Shao & Wang, *Sample Size Calculations in Clinical Research*, §3.2).
-    ``alpha`` is the level each test is run at (divide by the family size for Bonferroni, which
-    bounds Holm's first step)."""
+    the observed one: the t-test's ``(t₁₋α/₂ + t_power) · sd / √n ≤ |Δ|`` (better / worse) and, for
+    ``|Δ| < margin``, the TOST's ``(t₁₋α + t₁₋(1−power)/2) · sd / √n ≤ margin − |Δ|``
+    (equivalent), whichever needs fewer seeds (the usual approximations, Chow, Shao & Wang, *Sample
+    Size Calculations in Clinical Research*, §3.2).  ``alpha`` is the level each test is run at
+    (divide by the family size for Bonferroni, which bounds Holm's first step)."""
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0:
         raise ValueError(f"margin={margin!r} is not allowed; expected a number > 0")
     if not 0 < alpha < 1 or not 0 < power < 1:
         raise ValueError(f"alpha={alpha!r}, power={power!r} are not allowed; expected both in (0, 1)")
     values = [float(x) for x in d]
     n, diff, spread = len(values), mean(values) if values else float("nan"), sd(values)
-    target = "equivalent" if abs(diff) < margin else ("better" if diff < 0 else "worse")
+    direction = "better" if diff < 0 else "worse"
     if spread is None or spread == 0:
-        return Plan(n, diff, spread, None, target, None)
+        return Plan(n, diff, spread, None, "equivalent" if abs(diff) < margin else direction, None)
     mdd = (_t(1 - alpha / 2, n - 1) + _t(power, n - 1)) * spread / math.sqrt(n)
-    if target == "equivalent":
-        gap = margin - abs(diff)
 
-        def enough(k: int) -> bool:
-            return (_t(1 - alpha, k - 1) + _t(1 - (1 - power) / 2, k - 1)) * spread / math.sqrt(k) <= gap
-    else:
+    def fewest(enough: Callable[[int], bool]) -> int | None:
+        if not enough(max_seeds):
+            return None
+        low, high = 2, max_seeds  # enough() grows with k: the smallest k by bisection
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if enough(mid) else (mid + 1, high)
+        return low
 
-        def enough(k: int) -> bool:
-            return (_t(1 - alpha / 2, k - 1) + _t(power, k - 1)) * spread / math.sqrt(k) <= abs(diff)
-
-    if not enough(max_seeds):
-        return Plan(n, diff, spread, mdd, target, None)
-    low, high = 2, max_seeds  # enough() grows with k: the smallest k by bisection
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (low, mid) if enough(mid) else (mid + 1, high)
-    return Plan(n, diff, spread, mdd, target, low)
+    different = fewest(
+        lambda k: (_t(1 - alpha / 2, k - 1) + _t(power, k - 1)) * spread / math.sqrt(k) <= abs(diff)
+    )
+    if abs(diff) >= margin:
+        return Plan(n, diff, spread, mdd, direction, different)
+    gap = margin - abs(diff)
+    equivalent = fewest(
+        lambda k: (_t(1 - alpha, k - 1) + _t(1 - (1 - power) / 2, k - 1)) * spread / math.sqrt(k) <= gap
+    )
+    if different is not None and (equivalent is None or different < equivalent):
+        return Plan(n, diff, spread, mdd, direction, different)
+    return Plan(n, diff, spread, mdd, "equivalent", equivalent)
