@@ -15,7 +15,6 @@ from moelab.stats.measures import (
     l2_distance,
     mixture_tv,
     rbar,
-    translation_inf,
     voronoi_d,
 )
 
@@ -184,103 +183,6 @@ def test_the_k_subset_voronoi_loss_is_the_maximum_over_every_k_subset():
             assert got[r].item() == pytest.approx(best, rel=1e-12)
     with pytest.raises(ValueError, match=r"top_k=5 is not allowed; expected at most k\*=4"):
         k_subset_voronoi([(w, true_w)], 5)
-
-
-def test_the_infimum_over_translations_is_zero_for_a_shifted_truth_and_never_above_the_plain_loss():
-    gen = torch.Generator().manual_seed(3)
-    beta0_true, beta1_true = (
-        torch.randn(3, 2, generator=gen, dtype=D),
-        torch.randn(3, 2, 2, generator=gen, dtype=D),
-    )
-    eta_true = torch.randn(3, 2, 3, generator=gen, dtype=D)
-
-    def loss_of(eta):
-        return lambda b0, b1: voronoi_d(
-            b0.exp(),
-            [(b1, beta1_true, 1.0, lambda m: 2.0), (eta, eta_true, 1.0, lambda m: 2.0)],
-            beta0_true.exp(),
-        )
-
-    t1, t2 = torch.tensor([0.7, -0.3, 1.2], dtype=D), torch.randn(3, 2, generator=gen, dtype=D)
-    shifted0, shifted1 = beta0_true + t1[:, None], beta1_true + t2[:, None]
-    assert (loss_of(eta_true)(shifted0, shifted1) > 0.1).all()
-    assert translation_inf(loss_of(eta_true), shifted0, shifted1, beta0_true, beta1_true).abs().max() < 1e-12
-    eta = eta_true + 0.1 * torch.randn(3, 2, 3, generator=gen, dtype=D)
-    noisy0 = shifted0 + 0.05 * torch.randn(3, 2, generator=gen, dtype=D)
-    inf = translation_inf(loss_of(eta), noisy0, shifted1, beta0_true, beta1_true)
-    assert (inf <= loss_of(eta)(noisy0, shifted1) + 1e-12).all() and (
-        inf < loss_of(eta)(noisy0, shifted1)
-    ).all()
-
-
-def _exact_over_beta0_shift(w, cells_cost, cells, w_true):
-    """min over u ≥ 0 of Σ_j |u·W_j − w*_j| + u·Σ_i wᵢcᵢ by its breakpoints (piecewise linear,
-    convex): u = 0 and every u = w*_j / W_j."""
-    W = [sum(w[i] for i in range(len(w)) if cells[i] == j) for j in range(len(w_true))]
-    C = sum(wi * ci for wi, ci in zip(w, cells_cost))
-    cands = [0.0] + [w_true[j] / W[j] for j in range(len(w_true)) if W[j] > 0]
-    return min(sum(abs(u * W[j] - w_true[j]) for j in range(len(w_true))) + u * C for u in cands)
-
-
-def test_the_infimum_over_a_beta0_shift_is_exact_at_the_breakpoints_of_its_convex_loss():
-    gen = torch.Generator().manual_seed(4)
-    R, k, k_true = 5, 4, 3
-    beta0_true = torch.randn(R, k_true, generator=gen, dtype=D)
-    eta_true = 2 * torch.randn(R, k_true, 2, generator=gen, dtype=D)
-    eta = eta_true[:, [0, 1, 2, 2]] + 0.3 * torch.randn(R, k, 2, generator=gen, dtype=D)
-    beta0 = 2 * torch.randn(R, k, generator=gen, dtype=D)  # far from the truth: random fits
-    beta1 = torch.zeros(R, k, 1, dtype=D)
-    blocks = [(eta, eta_true, 1.0, lambda m: 2.0)]
-
-    def loss(b0, b1):
-        return voronoi_d(b0.exp(), blocks, beta0_true.exp())
-
-    got = translation_inf(loss, beta0, beta1, beta0_true, beta1[:, :k_true], shift_beta1=False)
-    cells = torch.cdist(eta, eta_true).argmin(-1)
-    for r in range(R):
-        c = cells[r].tolist()
-        size = [c.count(c[i]) for i in range(k)]
-        cost = [float((eta[r, i] - eta_true[r, c[i]]).norm()) ** (1 if size[i] == 1 else 2) for i in range(k)]
-        want = _exact_over_beta0_shift(beta0[r].exp().tolist(), cost, c, beta0_true[r].exp().tolist())
-        assert got[r].item() == pytest.approx(want, abs=1e-9, rel=1e-9)
-
-
-@pytest.mark.slow
-def test_the_infimum_over_a_beta0_and_beta1_shift_matches_a_brute_force_grid():
-    gen = torch.Generator().manual_seed(5)
-    R, k, k_true = 3, 3, 2
-    beta0_true = torch.randn(R, k_true, generator=gen, dtype=D)
-    beta1_true = torch.randn(R, k_true, 1, generator=gen, dtype=D)
-    eta_true = torch.randn(R, k_true, 2, generator=gen, dtype=D)
-    idx = [0, 1, 1]
-    beta0 = beta0_true[:, idx] + 0.4 + 0.3 * torch.randn(R, k, generator=gen, dtype=D)
-    beta1 = beta1_true[:, idx] - 0.7 + 0.2 * torch.randn(R, k, 1, generator=gen, dtype=D)
-    eta = eta_true[:, idx] + 0.2 * torch.randn(R, k, 2, generator=gen, dtype=D)
-
-    def loss_of(rows):  # the loss of replicates `rows` (any repeats): every block indexed alike
-        def loss(b0, b1):
-            blocks = [
-                (b1, beta1_true[rows], 1.0, lambda m: 2.0),
-                (eta[rows], eta_true[rows], 1.0, lambda m: 2.0),
-            ]
-            return voronoi_d(b0.exp(), blocks, beta0_true[rows].exp())
-
-        return loss
-
-    everyone = torch.arange(R)
-    got = translation_inf(loss_of(everyone), beta0, beta1, beta0_true, beta1_true)
-    # t₂ on a grid of step 1e-4 around the best of a coarse grid, t₁ exact at every point
-    for r in range(R):
-        centre = 0.0
-        for half, n in ((3.0, 601), (0.1, 2001)):
-            t2 = torch.linspace(centre - half, centre + half, n, dtype=D)
-            rows = torch.full((n,), r)
-            values = translation_inf(
-                loss_of(rows), beta0[rows], beta1[rows] - t2[:, None, None], beta0_true[rows],
-                beta1_true[rows], shift_beta1=False,
-            )  # fmt: skip
-            centre = t2[values.argmin()].item()
-        assert values.min().item() - 1e-3 <= got[r].item() <= values.min().item() + 1e-12
 
 
 def test_rbar_of_a_singleton_cell_is_one():

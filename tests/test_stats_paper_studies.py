@@ -3,10 +3,13 @@ rate is printed only where a paper states it."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
+from moelab.experiments.simulate import format_table
 from moelab.stats import paper_studies as ps
 from moelab.stats.studies import run_study, stated_rates, study_config
 
@@ -39,13 +42,7 @@ def test_every_measure_is_zero_when_the_fit_is_the_truth(study):
                 assert value.abs().max() < tol, (study, series.name, name, value)
 
 
-#: two cheap studies run in the default suite; the other seven are slow-marked
-FAST = ("sigmoid-vs-softmax", "replora")
-
-
-@pytest.mark.parametrize(
-    "study", [s if s in FAST else pytest.param(s, marks=pytest.mark.slow) for s in ps.PAPER_STUDIES]
-)
+@pytest.mark.parametrize("study", ps.PAPER_STUDIES)
 def test_each_study_runs_and_reports_every_error_with_the_stated_rates_only(study):
     cfg = study_config(
         study, quick=True, replicates=2, steps=3, sample_sizes=[200, 400], eval_n=50, n_boot=50
@@ -66,6 +63,21 @@ def test_each_study_runs_and_reports_every_error_with_the_stated_rates_only(stud
     assert all("why_not" in row for row in rows)
     dens = [row for row in rows if row["loss"] in ("hellinger", "tv", "l2")]
     assert all(row["mc_se"] != "" and row["mc_se"] >= 0 for row in dens)
+    # the Voronoi loss over a shift of β₁ (softmax, quadratic gates) is bracketed, every other exact
+    shifted = {s.name for s in ps.paper_series(cfg) if s.voronoi and s.voronoi != "k-subset"
+               and (s.fit or s.data).gate in ("softmax", "quadratic")}  # fmt: skip
+    for row in rows:
+        if row["loss"] == "voronoi" and row["router"] in shifted:
+            assert row["lower"] <= row["mean"] and 0 <= row["gap"] <= 1e-9
+        else:
+            assert row["lower"] == row["gap"] == ""
+    printed = format_table(result.metrics)
+    for name in shifted:
+        assert re.search(
+            rf"{name} .* voronoi +infimum over translations bracketed: mean lower bound .* largest gap",
+            printed,
+        )
+    assert printed.count("infimum over translations bracketed") == len(shifted)
 
 
 def test_rates_are_blank_where_the_papers_state_none():
@@ -107,7 +119,6 @@ def test_a_voronoi_loss_at_its_translation_bound_is_flagged_saturated_not_a_rate
 def test_studies_whose_rates_use_rbar_say_where_the_slides_values_differ():
     """The slides print r̄(1) = 4, r̄(2) = 6; moelab's stated rates use the computed r̄(2) = 4, and the
     output of each study that uses r̄ says which rates that changes (n^-1/8 instead of n^-1/12)."""
-    from moelab.experiments.simulate import format_table
     from moelab.stats.studies import study_notes
 
     assert ps.RBAR[2] == 4 and ps.RBAR_SLIDES[2] == 6

@@ -274,6 +274,16 @@ def format_table(metrics: dict[str, Any]) -> str:
             + f"slope {r['slope']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]  theory {ref}".rstrip()
             + f"  (converged {r['converged']:.0%})"
         )
+    brackets: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for t in metrics["table"]:
+        if t.get("gap", "") != "":  # a loss bracketed by a certified lower bound (runs before: none)
+            brackets.setdefault((t["router"], t["setting"], t["loss"]), []).append(t)
+    for (router, kind, loss), rows in brackets.items():
+        lows = " / ".join(f"{t['lower']:.4g}" for t in rows)
+        lines.append(
+            f"{router:>20} {kind:<15} {loss:<9} infimum over translations bracketed: mean lower bound {lows}"
+            f" (means above are the upper bounds), largest gap {max(t['gap'] for t in rows):.1e}"
+        )
     for d in metrics["differences"]:
         lines.append(
             f"{d['setting']:<15} {d['loss']:<9} slope({d['router_a']}) - slope({d['router_b']}) "

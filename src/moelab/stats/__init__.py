@@ -15,16 +15,17 @@ from .measures import (
     l2_distance,
     mixture_tv,
     rbar,
-    translation_inf,
     voronoi_d,
 )
 from .mixtures import LoRAMixture, Mixture, fit_params
 from .models import GaussianMoE, GaussianParams, MoEParams, RegressionMoE
 from .rates import RateDifference, RateFit, fit_rate, mean_table, slope_difference
 from .simulate import gaussian_truth, regression_truth, sample_inputs, simulate_gaussian, simulate_regression
+from .translation import Bracket, scale_inf, translation_inf
 from .voronoi import block_voronoi_loss, gaussian_voronoi_loss, voronoi_cells, voronoi_loss
 
 __all__ = [
+    "Bracket",
     "GaussianMoE",
     "GaussianMoEMLE",
     "GaussianParams",
@@ -51,6 +52,7 @@ __all__ = [
     "rbar",
     "regression_truth",
     "sample_inputs",
+    "scale_inf",
     "simulate_gaussian",
     "simulate_regression",
     "slope_difference",

@@ -3,9 +3,9 @@ distance between regression functions (the perturbed cosine router (2024) Thms. 
 expected Hellinger and total-variation distances between conditional densities of Gaussian MoE
 (CompeteSMoE (2024) Thm. 4.1, CompeteSMoE (2025) Prop. 3.1, Ho (2025)), each a Monte Carlo mean
 over inputs with its standard error; Voronoi losses with per-block exponents (Ho (2025)'s D₁/D₂),
-the maximum over K-subsets (CompeteSMoE (2024) eq. (9)), the infimum over the translations a
-softmax gate is identifiable up to (Ho (2025)), and r̄(m), the order of Ho (2025)'s polynomial
-system, computed.  docs/methods.md ("Errors and losses of the paper studies") gives the formulas.
+the maximum over K-subsets (CompeteSMoE (2024) eq. (9)), and r̄(m), the order of Ho (2025)'s
+polynomial system, computed; :mod:`.translation` takes the infimum over a gate's translations.
+docs/methods.md ("Errors and losses of the paper studies") gives the formulas.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "l2_distance",
     "mixture_tv",
     "rbar",
-    "translation_inf",
     "voronoi_d",
 ]
 
@@ -179,6 +178,37 @@ def _as3(t: Tensor) -> Tensor:
     return t.unsqueeze(-1) if t.dim() == 2 else t
 
 
+def atom_costs(blocks: Sequence[Block], cells: Tensor) -> Tensor:
+    """``Σ_b ‖Δ_b‖^{e_b(|A_j|)}`` of every fitted atom against the true atom of its cell:
+    ``cells (R, k)`` (any assignment, Voronoi or not); blocks of exponent ``None`` cost nothing.
+    Returns ``(R, k)``."""
+    k_true = _as3(blocks[0][1]).shape[1]
+    counts = torch.zeros(cells.shape[0], k_true, dtype=torch.long).scatter_add_(
+        1, cells, torch.ones_like(cells)
+    )
+    size = counts.gather(1, cells)
+    dtype = blocks[0][0].dtype
+    cost = torch.zeros(cells.shape, dtype=dtype)
+    for est, tru, e_single, e_multi in blocks:
+        if e_single is None:  # a block that places the cells but costs nothing
+            continue
+        est, tru = _as3(est), _as3(tru)
+        matched = tru.gather(1, cells.unsqueeze(-1).expand(-1, -1, tru.shape[-1]))
+        cost = cost + (est - matched).norm(dim=-1) ** cell_exponents(e_single, e_multi, size, dtype)
+    return cost
+
+
+def cell_exponents(
+    e_single: float, e_multi: Callable[[int], float] | None, size: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """A block's exponent for atoms in cells of ``size`` atoms: ``e_single`` in singletons,
+    ``e_multi(size)`` in cells of more than one."""
+    exponent = torch.full(size.shape, float(e_single), dtype=dtype)
+    for s in sorted({int(v) for v in size.flatten().tolist() if v > 1}):
+        exponent = torch.where(size == s, torch.as_tensor(float(e_multi(s)), dtype=dtype), exponent)
+    return exponent
+
+
 def voronoi_d(
     weights: Tensor | None,
     blocks: Sequence[Block],
@@ -207,18 +237,7 @@ def voronoi_d(
     w = torch.ones(R, k, dtype=dtype) if weights is None else weights
     w_true = torch.ones(R, k_true, dtype=dtype) if weights_true is None else weights_true
     cells = voronoi_cells(torch.cat(fitted, -1), torch.cat(true, -1))
-    counts = torch.zeros(R, k_true, dtype=torch.long).scatter_add_(1, cells, torch.ones_like(cells))
-    size = counts.gather(1, cells)
-    cost = torch.zeros(R, k, dtype=dtype)
-    for (_, _, e_single, e_multi), est, tru in zip(blocks, fitted, true):
-        if e_single is None:  # a block that places the cells but costs nothing
-            continue
-        matched = tru.gather(1, cells.unsqueeze(-1).expand(-1, -1, tru.shape[-1]))
-        exponent = torch.full_like(cost, float(e_single))
-        for s in sorted({int(v) for v in size.flatten().tolist() if v > 1}):
-            exponent = torch.where(size == s, torch.as_tensor(float(e_multi(s)), dtype=dtype), exponent)
-        cost = cost + (est - matched).norm(dim=-1) ** exponent
-    loss = (w * cost).sum(dim=-1)
+    loss = (w * atom_costs(blocks, cells)).sum(dim=-1)
     if mass_term:
         mass = torch.zeros(R, k_true, dtype=dtype).scatter_add_(1, cells, w)
         loss = loss + (mass - w_true).abs().sum(dim=-1)
@@ -243,119 +262,6 @@ def k_subset_voronoi(blocks: Sequence[tuple[Tensor, Tensor]], top_k: int) -> Ten
     per_true = torch.zeros(cost.shape[0], k_true, dtype=cost.dtype).scatter_add_(1, cells, cost)
     # the maximum over K-subsets of a sum of non-negative per-cell costs: the K largest cells
     return per_true.topk(top_k, dim=-1).values.sum(dim=-1)
-
-
-_GOLDEN = (math.sqrt(5) - 1) / 2
-
-
-def _min_over_scale(f: Callable[[Tensor], Tensor], like: Tensor, tol: float) -> tuple[Tensor, Tensor]:
-    """``min_{u ≥ 0} f(u)`` per row for ``f`` convex in the scale ``u (R,)``: a bracket by doubling
-    (convexity: once ``f(2h) ≥ f(h)`` the minimum lies in ``[0, 2h]``), then golden-section search
-    to a bracket of ``tol · 2h``.  Returns the smallest value seen and its ``u``."""
-    R = like.shape[0]
-    zero = torch.zeros(R, dtype=like.dtype)
-    best_f, best_u = f(zero), zero
-    h = torch.ones(R, dtype=like.dtype)
-    f_h = f(h)
-    f_2h = f(2 * h)
-    for _ in range(1100):  # 2**1100 overflows float64: a loss falling that far is not convex
-        grow = f_2h < f_h
-        if not bool(grow.any()):
-            break
-        h = torch.where(grow, 2 * h, h)
-        f_h = torch.where(grow, f_2h, f_h)
-        f_2h = torch.where(grow, f(2 * h), f_2h)
-    for value, u in ((f_h, h), (f_2h, 2 * h)):
-        better = value < best_f
-        best_f, best_u = torch.where(better, value, best_f), torch.where(better, u, best_u)
-    a, b = zero.clone(), 2 * h
-    x1, x2 = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
-    f1, f2 = f(x1), f(x2)
-    steps = math.ceil(math.log(tol) / math.log(_GOLDEN))
-    for _ in range(steps):
-        left = f1 <= f2  # the minimum lies in [a, x2]
-        a, b = torch.where(left, a, x1), torch.where(left, x2, b)
-        new_x = torch.where(left, b - _GOLDEN * (b - a), a + _GOLDEN * (b - a))
-        new_f = f(new_x)
-        x1, x2, f1, f2 = (
-            torch.where(left, new_x, x2),
-            torch.where(left, x1, new_x),
-            torch.where(left, new_f, f2),
-            torch.where(left, f1, new_f),
-        )
-        for value, u in ((f1, x1), (f2, x2)):
-            better = value < best_f
-            best_f, best_u = torch.where(better, value, best_f), torch.where(better, u, best_u)
-    return best_f, best_u
-
-
-def translation_inf(
-    loss: Callable[[Tensor, Tensor], Tensor],
-    beta0: Tensor,
-    beta1: Tensor,
-    beta0_true: Tensor,
-    beta1_true: Tensor,
-    *,
-    shift_beta1: bool = True,
-    tol: float = 1e-12,
-) -> Tensor:
-    """``inf_{t₁, t₂} loss(β₀ − t₁, β₁ − t₂)``: a softmax gate is unchanged by a common shift
-    (t₁, t₂) of every (β₀ᵢ, β₁ᵢ), so Ho (2025)'s Voronoi loss takes the infimum over them.
-
-    ``loss(beta0, beta1) -> (R,)`` evaluates the loss of the shifted fitted gate; it must be, as
-    every Voronoi loss of :func:`voronoi_d` with weights ``exp(β₀)`` is, convex in the weights'
-    common scale ``u = e^{−t₁}`` for a fixed β₁ (β₀ places no cell: the loss is
-    ``Σ_j |u·W_j − w*_j| + u·C``).  That 1-D convex problem is solved to a bracket of ``tol``
-    relative to its size (golden section; the infimum includes the limit u → 0, t₁ → ∞).
-
-    With ``shift_beta1`` the shift t₂ of β₁ moves the cells, so the loss is neither convex nor
-    continuous in t₂: from the better of no shift and the shift that centres the fitted gate on the
-    true one (weighted means; exact when the fit is the truth shifted) a compass search (steps
-    ±h along each axis, h halved from 1 down to 1e-8, t₁ solved at every trial) finds a
-    local minimum — an upper bound of the infimum over t₂, never above the unshifted loss.
-    Without it only β₀ is shifted (cosine, perturbed and competition gates) and the result is
-    exact.
-    """
-    R = beta0.shape[0]
-
-    def over_t1(t2: Tensor, tol: float = tol) -> Tensor:
-        shifted = beta1 - t2.unsqueeze(1)
-        log_u = lambda u: u.log().unsqueeze(-1)
-        with torch.no_grad():
-            return _min_over_scale(lambda u: loss(beta0 + log_u(u), shifted), beta0, tol)[0]
-
-    zero = torch.zeros(R, beta1.shape[-1], dtype=beta1.dtype)
-    best = over_t1(zero)
-    if not shift_beta1:
-        return best
-    w, w_true = beta0.exp(), beta0_true.exp()
-    # β₁ centre of mass of each side (weights normalised): the shift that maps one onto the other
-    c = (w / w.sum(-1, keepdim=True)).unsqueeze(-1)
-    c_true = (w_true / w_true.sum(-1, keepdim=True)).unsqueeze(-1)
-    centre = ((c * beta1).sum(1) - (c_true * beta1_true).sum(1)).detach()
-    centred = over_t1(centre)
-    use = centred < best
-    t2 = torch.where(use.unsqueeze(-1), centre, zero)
-    best = torch.minimum(best, centred)
-    step = torch.ones(R, dtype=beta1.dtype)
-    eye = torch.eye(beta1.shape[-1], dtype=beta1.dtype)
-    coarse = max(tol, 1e-8)  # the search compares trials to 1e-8; the final t₂ is solved to tol
-    best = over_t1(t2, coarse)
-    for _ in range(10_000):
-        active = (step > 1e-8) & (best > 0)  # a zero loss is the infimum already
-        if not bool(active.any()):
-            break
-        moved = torch.zeros(R, dtype=torch.bool)
-        for axis in eye:
-            for sign in (1.0, -1.0):
-                trial = t2 + (sign * step).unsqueeze(-1) * axis
-                value = over_t1(trial, coarse)
-                better = active & (value < best)
-                t2 = torch.where(better.unsqueeze(-1), trial, t2)
-                best = torch.where(better, value, best)
-                moved |= better
-        step = torch.where(active & ~moved, step / 2, step)
-    return torch.minimum(best, over_t1(t2))
 
 
 # ------------------------------------------------------------------------------------------- r̄(m)

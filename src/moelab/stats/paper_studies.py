@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .measures import density_distances, k_subset_voronoi, l2_distance, translation_inf, voronoi_d
+from .measures import density_distances, k_subset_voronoi, l2_distance, voronoi_d
 from .mixtures import LoRAMixture, Mixture, fit_params
 from .simulate import sample_inputs
+from .translation import translation_inf
 
 __all__ = [
     "PAPER_STUDIES",
@@ -376,17 +377,20 @@ def _voronoi(
     true: dict[str, Tensor],
     gaussian: bool,
     d: int,
-) -> tuple[Tensor, Tensor]:
-    """The series' Voronoi loss, its infimum over the gate's translations, and the routed
-    experts' part of it (the whole loss without shared experts)."""
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The series' Voronoi loss (its infimum over the gate's translations where the gate has
+    them), the routed experts' part of it (the whole loss without shared experts) and, where the
+    infimum is over a shift of β₁ (softmax and quadratic gates: solved numerically), its certified
+    lower bound; ``None`` where the loss is exact."""
     kind = series.voronoi
     m = series.fit or series.data
     if kind == "k-subset":  # CompeteSMoE (2024) eq. (9), exact-specified
         loss = k_subset_voronoi([(fit["eta"], true["eta"]), (fit["nu"], true["nu"])], series.extra["top_k"])
-        return loss, loss
+        return loss, loss, None
     one, two = (lambda s: 2.0), (lambda s: 2.0)
 
-    def routed_blocks(beta1: Tensor) -> list:
+    def routed_blocks() -> list:
+        beta1 = fit["beta1"]
         blocks = []
         if kind == "d2":  # Ho (2025) D₂: (β₁, η₀) to r̄, (η₁, ν) to r̄/2 in cells of m > 1 atoms
             blocks.append((beta1, true["beta1"], 1.0, _rbar))
@@ -404,19 +408,19 @@ def _voronoi(
             blocks.append((fit["quad"], true["quad"], 1.0, two))
         return blocks
 
-    def loss(beta0: Tensor, beta1: Tensor) -> Tensor:
-        return voronoi_d(beta0.exp(), routed_blocks(beta1), true["beta0"].exp())
-
+    blocks = routed_blocks()
     if m.gate in _TRANSLATED:
-        # cosine, perturbed and competition gates are invariant to a shift of β₀ only: exact
-        routed = translation_inf(
-            loss, fit["beta0"], fit["beta1"], true["beta0"], true["beta1"],
-            shift_beta1=m.gate in ("softmax", "quadratic"),
-        )  # fmt: skip
+        # a softmax or quadratic gate is invariant to a shift of (β₀, β₁), the cosine, perturbed
+        # and competition gates to a shift of β₀ only (the first block is β₁ where it is shifted)
+        inf = translation_inf(
+            fit["beta0"], true["beta0"], blocks, shift=0 if m.gate in ("softmax", "quadratic") else None
+        )
+        routed = inf.value
+        lower = inf.lower if m.gate in ("softmax", "quadratic") else None
     else:
-        routed = loss(fit["beta0"], fit["beta1"])
+        routed, lower = voronoi_d(fit["beta0"].exp(), blocks, true["beta0"].exp()), None
     if not m.shared:
-        return routed, routed
+        return routed, routed, lower
     if kind == "d2":
         sblocks = [
             (fit["kappa"][..., :d], true["kappa"][..., :d], 1.0, one),
@@ -426,7 +430,7 @@ def _voronoi(
     else:
         sblocks = [(fit["kappa"], true["kappa"], 1.0, two), (fit["tau"], true["tau"], 1.0, two)]
     shared = voronoi_d(fit["omega"].softmax(-1), sblocks, true["omega"].softmax(-1))
-    return routed + shared, routed
+    return routed + shared, routed, None if lower is None else lower + shared
 
 
 def _measure(
@@ -470,7 +474,9 @@ def _measure(
                                                                  _expert_blocks(true, gaussian, "shared"))]  # fmt: skip
         out["shared"] = voronoi_d(None, blocks, None, mass_term=False)
     if "voronoi" in series.losses and series.voronoi:
-        out["voronoi"], routed = _voronoi(series, fit, true, gaussian, d)
+        out["voronoi"], routed, lower = _voronoi(series, fit, true, gaussian, d)
+        if lower is not None:
+            out["voronoi_lower"] = lower
         out["voronoi_saturated"] = _saturated(series, true, routed)
     return out
 
@@ -545,5 +551,19 @@ def _run(cfg: Any, gen: torch.Generator, bar: Any) -> list[dict[str, Any]]:
             loss = np.array(per_loss[name])
             se = np.array(per_loss[f"{name}_se"]) if f"{name}_se" in per_loss else None
             saturated = np.array(per_loss["voronoi_saturated"], dtype=float) if name == "voronoi" else None
-            results.append({**common, "loss_name": name, "loss": loss, "mc_se": se, "saturated": saturated})
+            lower = (
+                np.array(per_loss["voronoi_lower"])
+                if name == "voronoi" and "voronoi_lower" in per_loss
+                else None
+            )
+            results.append(
+                {
+                    **common,
+                    "loss_name": name,
+                    "loss": loss,
+                    "mc_se": se,
+                    "saturated": saturated,
+                    "lower": lower,
+                }
+            )
     return results

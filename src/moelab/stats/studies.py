@@ -561,6 +561,7 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
         )
         diag = res["diag"]
         at_bound = diag["beta1_max_norm"] >= (1 - 1e-6) * bound
+        lower = res.get("lower")  # a certified lower bound per replicate where the loss is bracketed
         for s, row in enumerate(
             mean_table(cfg.sample_sizes, positive_loss, n_boot=cfg.n_boot, seed=cfg.seed)
         ):
@@ -568,6 +569,8 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
                           "hit_cap": float(diag["hit_cap"][s].mean()), "at_bound": float(at_bound[s].mean()),
                           "median_iter": float(np.median(diag["n_iter"][s])),
                           "mc_se": float(res["mc_se"][s].mean()) if res.get("mc_se") is not None else "",
+                          "lower": float(lower[s].mean()) if lower is not None else "",
+                          "gap": float((loss[s] - lower[s]).max()) if lower is not None else "",
                           "why_not": why_not_converged(res["reasons"][s])})  # fmt: skip
         for s, n in enumerate(cfg.sample_sizes):
             for r in range(loss.shape[1]):
@@ -578,6 +581,7 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> StudyResult:
                         "n": n,
                         "replicate": r,
                         "value": loss[s, r],  # "loss" names which loss (expert or voronoi)
+                        "lower": lower[s, r] if lower is not None else "",
                         "train": res["train"][s, r],
                         **{name: diag[name][s, r] for name in DIAGNOSTICS},
                         "stop_reason": res["reasons"][s][r],
