@@ -149,3 +149,23 @@ def test_a_shift_of_a_block_that_is_not_there_or_costs_nothing_is_refused():
         ValueError, match=r"^shift=0 is not allowed; expected None or the index of a block with a cost"
     ):
         translation_inf(b0, b0t, free, shift=0)
+
+
+def test_assignments_that_cannot_fit_in_memory_are_refused_before_allocating():
+    b0, b0t, blocks = _problem(0, 2, 16, 4, 2, 0.5)  # 4^16 assignments a replicate
+    with pytest.raises(
+        ValueError,
+        match=r"^beta0 of shape \(2, 16\) is not allowed with k\*=4 true atoms: its 4\^16 assignments over 2 "
+        r"replicates need about \d+\.\d GiB; expected at most 4 GiB",
+    ):
+        translation_inf(b0, b0t, blocks)
+
+
+@pytest.mark.parametrize(
+    "option,value,allowed",
+    [("tol", 0.0, "a number > 0"), ("tol", -1e-9, "a number > 0"), ("max_steps", 0, "a positive integer")],
+)
+def test_a_tolerance_or_step_budget_that_cannot_stop_is_refused(option, value, allowed):
+    b0, b0t, blocks = _problem(0, 2, 3, 2, 2, 0.5)
+    with pytest.raises(ValueError, match=rf"^{option}={value!r} is not allowed; expected {allowed}"):
+        translation_inf(b0, b0t, blocks, **{option: value})

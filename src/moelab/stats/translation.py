@@ -35,10 +35,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._validate import positive, positive_int
 from .measures import Block, atom_costs, cell_exponents
 from .voronoi import voronoi_cells
 
-__all__ = ["Bracket", "scale_inf", "translation_inf"]
+__all__ = ["MEMORY_LIMIT", "Bracket", "scale_inf", "translation_inf"]
+
+#: bytes the k*^k assignment problems of one call may take (about three copies of their tensors)
+MEMORY_LIMIT = 4 * 2**30
 
 
 @dataclass
@@ -101,7 +105,14 @@ def translation_inf(
 
     Returns:
         a :class:`Bracket` ``(R,)``.
+
+    Raises:
+        ValueError: when the k*^k assignment problems of the R replicates would take more than
+            :data:`MEMORY_LIMIT` bytes (refused before anything is allocated).
     """
+    positive("tol", tol)
+    if max_steps is not None:
+        positive_int("max_steps", max_steps)
     fitted = [b[0] if b[0].dim() == 3 else b[0].unsqueeze(-1) for b in blocks]
     true = [b[1] if b[1].dim() == 3 else b[1].unsqueeze(-1) for b in blocks]
     w, w_true = beta0.exp(), beta0_true.exp()
@@ -128,6 +139,14 @@ def translation_inf(
     if not 0 <= shift < len(blocks) or blocks[shift][2] is None:
         raise ValueError(f"shift={shift!r} is not allowed; expected None or the index of a block with a cost")
     d = fitted[shift].shape[-1]
+    problems = R * k_true**k
+    need = problems * (k * k_true * (d + 4) + k * (2 * d + 5) + 3 * d * d) * w.element_size() * 3
+    if need > MEMORY_LIMIT:
+        raise ValueError(
+            f"beta0 of shape {tuple(beta0.shape)} is not allowed with k*={k_true} true atoms: its "
+            f"{k_true}^{k} assignments over {R} replicates need about {need / 2**30:.1f} GiB; expected at "
+            f"most {MEMORY_LIMIT / 2**30:.0f} GiB (pass fewer replicates at a time, or fit fewer atoms)"
+        )
     zero = torch.zeros(R, d, dtype=w.dtype)
     # centre the fitted β₁ on the true one (weighted means): exact when the fit is a shifted truth
     centre = (w.unsqueeze(-1) * fitted[shift]).sum(1) / w.sum(1, keepdim=True) - (
