@@ -5,7 +5,7 @@ expected Hellinger and total-variation distances between conditional densities o
 over inputs with its standard error; Voronoi losses with per-block exponents (Ho (2025)'s D₁/D₂),
 the maximum over K-subsets (CompeteSMoE (2024) eq. (9)), and r̄(m), the order of Ho (2025)'s
 polynomial system, computed; :mod:`.translation` takes the infimum over a gate's translations.
-docs/methods.md ("Errors and losses of the paper studies") gives the formulas.
+docs/stats-paper-studies.md gives the formulas (the list of errors under its table of studies).
 """
 
 from __future__ import annotations

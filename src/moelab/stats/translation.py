@@ -22,7 +22,7 @@ a lower bound at every step (``f(c) − √(gᵀPg)`` with g a subgradient at th
 minimiser stays in the ellipsoid ``P``); the assignments that cannot beat the best loss found are
 cut by the size of the ball their sublevel set lies in.  The result is a :class:`Bracket`: the loss
 reached at a translation found (an upper bound) and the certified lower bound.
-docs/stats-paper-studies.md ("The errors") states the method.
+docs/stats-translation.md states the method and its checks.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def translation_inf(
             infimum is exact, ``lower == value``.
         tol: the ellipsoid method stops once every assignment's bracket on its cost is within
             ``tol·(1 + cost)``.
-        max_steps: ellipsoid steps at most (default ``400·d·(d + 1)``, 100 times the steps that
-            halve the gap's bound for a d-dimensional t₂); the bracket stays certified if it stops
+        max_steps: ellipsoid steps at most (default ``400·d·(d + 1)``: the ellipsoid's size falls
+            by e every 2·d·(d + 1) steps, so by e^200); the bracket stays certified if it stops
             there, only wider.
 
     Returns:
@@ -174,7 +174,7 @@ def translation_inf(
     v = fitted[shift][rows] - true[shift][rows].gather(1, cells.unsqueeze(-1).expand(-1, -1, d))  # (P, k, d)
     e = cell_exponents(blocks[shift][2], blocks[shift][3], size, w.dtype).repeat(R, 1)  # (P, k)
 
-    # "atom i is no farther from true atom a(i) than from j" as g·t₂ ≤ h, relaxed by rounding
+    # "atom i is no farther from true atom a(i) than from j" as g·t₂ ≤ h, with a rounding margin
     z, z_true = torch.cat(fitted, -1), torch.cat(true, -1)
     sq = ((z.unsqueeze(2) - z_true.unsqueeze(1)) ** 2).sum(-1)[rows]  # (P, k, k*)
     own = sq.gather(2, cells.unsqueeze(-1))  # (P, k, 1)
