@@ -21,15 +21,6 @@ from moelab.stats.measures import (
 D = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two wait on each other on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_l2_distance_is_the_root_mean_square_difference_with_its_delta_method_error():
     gen = torch.Generator().manual_seed(0)
     f, g = torch.randn(3, 50, generator=gen, dtype=D), torch.randn(3, 50, generator=gen, dtype=D)

@@ -14,15 +14,6 @@ D = torch.float64
 ACT = {"tanh": math.tanh, "relu": lambda z: max(z, 0.0)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two wait on each other on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _params(model: Mixture, R: int, k: int, d: int, k1: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     q = model.q(d)

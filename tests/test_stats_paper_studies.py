@@ -14,15 +14,6 @@ from moelab.stats import paper_studies as ps
 from moelab.stats.studies import run_study, stated_rates, study_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two wait on each other on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("study", ps.PAPER_STUDIES)
 def test_every_measure_is_zero_when_the_fit_is_the_truth(study):
     cfg = study_config(study, quick=True)

@@ -13,15 +13,6 @@ D = torch.float64
 RBAR = {1: 1.0, 2: 4.0, 3: 6.0}  # r̄(m) of Ho (2025); 2m past the table, as the studies use it
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two wait on each other on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _literal_scale_inf(W, w_true, C):
     """min over u ≥ 0 of Σ_j |u·W_j − w*_j| + u·C at u = 0 and every breakpoint u = w*_j / W_j."""
     cands = [0.0] + [wt / m for m, wt in zip(W, w_true) if m > 0]
