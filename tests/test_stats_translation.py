@@ -160,3 +160,13 @@ def test_a_tolerance_or_step_budget_that_cannot_stop_is_refused(option, value, a
     b0, b0t, blocks = _problem(0, 2, 3, 2, 2, 0.5)
     with pytest.raises(ValueError, match=rf"^{option}={value!r} is not allowed; expected {allowed}"):
         translation_inf(b0, b0t, blocks, **{option: value})
+
+
+def test_float32_fits_are_bracketed_in_float64():
+    b0, b0t, blocks = _problem(2, 3, 3, 2, 2, 1.0)
+    want = translation_inf(b0, b0t, blocks)
+    single = [(f.float(), t.float(), *e) for f, t, *e in blocks]
+    got = translation_inf(b0.float(), b0t.float(), single)
+    assert got.value.dtype == got.lower.dtype == torch.float64
+    # the float32 inputs are the float64 ones rounded: the same problem to float32's precision
+    assert torch.allclose(got.value, want.value, rtol=1e-5) and (got.gap <= 1e-9).all()

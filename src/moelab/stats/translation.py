@@ -104,7 +104,7 @@ def translation_inf(
             there, only wider.
 
     Returns:
-        a :class:`Bracket` ``(R,)``.
+        a :class:`Bracket` ``(R,)``, computed and returned in float64 whatever the inputs' dtype.
 
     Raises:
         ValueError: when the k*^k assignment problems of the R replicates would take more than
@@ -113,9 +113,11 @@ def translation_inf(
     positive("tol", tol)
     if max_steps is not None:
         positive_int("max_steps", max_steps)
+    # float64 throughout: the rounding margins below are 1e-12 of the squared distances
+    blocks = [(b[0].double(), b[1].double(), b[2], b[3]) for b in blocks]
     fitted = [b[0] if b[0].dim() == 3 else b[0].unsqueeze(-1) for b in blocks]
     true = [b[1] if b[1].dim() == 3 else b[1].unsqueeze(-1) for b in blocks]
-    w, w_true = beta0.exp(), beta0_true.exp()
+    w, w_true = beta0.double().exp(), beta0_true.double().exp()
     R, k = w.shape
     k_true = w_true.shape[1]
 
