@@ -60,22 +60,34 @@ def old_search(rev: str):
     return namespace["translation_inf"]
 
 
+def timed(repeats: int, call, *args):
+    """``call(*args)``'s result and the median of ``repeats`` wall times."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = call(*args)
+        times.append(time.perf_counter() - start)
+    return result, statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicates", type=int, default=20)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--against", default="", help="a git revision whose translation_inf to compare")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per row (the median is printed)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     old = old_search(args.against) if args.against else None
     head = f"{'k':>2} {'k*':>2} {'d':>2} {'spread':>6} {'loss':>4} {'largest gap':>12} {'time s':>7}"
-    print(head + ("  old time s  old above: mean  max  share > 1e-6" if old else ""))
+    print(
+        head + ("  old time s  old above: mean  max  share > 1e-6" if old else ""),
+        f"(median of {args.repeats} calls)",
+    )
     for k, k_true, d, spread, loss in CASES:
         b0, b0t, b1, b1t, eta, eta_t, ex = fits(args.replicates, k, k_true, d, spread, loss, args.seed)
         blocks = [(b1, b1t, *ex[0]), (eta, eta_t, *ex[1])]
-        start = time.perf_counter()
-        got = translation_inf(b0, b0t, blocks)
-        seconds = time.perf_counter() - start
+        got, seconds = timed(args.repeats, translation_inf, b0, b0t, blocks)
         line = (
             f"{k:>2} {k_true:>2} {d:>2} {spread:>6} {loss:>4} {got.gap.max().item():>12.1e} {seconds:>7.2f}"
         )
@@ -84,9 +96,7 @@ def main() -> None:
             def loss_of(beta0, beta1, ex=ex, eta=eta, eta_t=eta_t, b1t=b1t, b0t=b0t):
                 return voronoi_d(beta0.exp(), [(beta1, b1t, *ex[0]), (eta, eta_t, *ex[1])], b0t.exp())
 
-            start = time.perf_counter()
-            before = old(loss_of, b0, b1, b0t, b1t)
-            old_seconds = time.perf_counter() - start
+            before, old_seconds = timed(args.repeats, old, loss_of, b0, b1, b0t, b1t)
             above = ((before - got.value) / got.value).tolist()
             share = sum(a > 1e-6 for a in above) / len(above)
             line += f"  {old_seconds:>10.2f}  {statistics.mean(above):>15.2%}  {max(above):.2%}  {share:.0%}"
