@@ -412,11 +412,9 @@ def _voronoi(
     if m.gate in _TRANSLATED:
         # a softmax or quadratic gate is invariant to a shift of (β₀, β₁), the cosine, perturbed
         # and competition gates to a shift of β₀ only (the first block is β₁ where it is shifted)
-        inf = translation_inf(
-            fit["beta0"], true["beta0"], blocks, shift=0 if m.gate in ("softmax", "quadratic") else None
-        )
-        routed = inf.value
-        lower = inf.lower if m.gate in ("softmax", "quadratic") else None
+        shifted = m.gate in ("softmax", "quadratic")
+        inf = translation_inf(fit["beta0"], true["beta0"], blocks, shift=0 if shifted else None)
+        routed, lower = inf.value, (inf.lower if shifted else None)
     else:
         routed, lower = voronoi_d(fit["beta0"].exp(), blocks, true["beta0"].exp()), None
     if not m.shared:
